@@ -1,0 +1,1 @@
+"""dynctx.autotune_cache."""

@@ -1,0 +1,1 @@
+"""The dynamic inference context: errors, requests, block allocator and the context itself."""

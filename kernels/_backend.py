@@ -1,0 +1,55 @@
+"""Kernel backend selection: compiled Triton on CUDA, the torch reference on a CPU.
+
+``backend`` (a launcher argument or a context argument) is one of ``"auto"``, ``"triton"`` or
+``"torch"``; ``None`` reads the ``DYNCTX_KERNEL_BACKEND`` environment variable (default
+``"auto"``). ``"auto"`` runs Triton on CUDA tensors and the torch reference elsewhere.
+``"triton"`` on CPU tensors needs ``TRITON_INTERPRET=1`` set before import (the tests do this).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    import triton  # noqa: F401
+    import triton.language as tl  # noqa: F401
+
+    HAS_TRITON = True
+except ImportError:  # macOS and other platforms without Triton wheels
+    HAS_TRITON = False
+
+BACKENDS = ("auto", "triton", "torch")
+BACKEND_ENV = "DYNCTX_KERNEL_BACKEND"
+
+
+def triton_interpreting() -> bool:
+    """True when Triton kernels run in the CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def check_backend_name(backend: str | None) -> str:
+    name = backend if backend is not None else os.environ.get(BACKEND_ENV, "auto")
+    if name not in BACKENDS:
+        source = "backend" if backend is not None else BACKEND_ENV
+        raise ValueError(f"{source}={name!r} is not a kernel backend; expected one of {BACKENDS}")
+    return name
+
+
+def resolve_backend(backend: str | None, device: torch.device) -> str:
+    """Return ``"triton"`` or ``"torch"`` for tensors on ``device``."""
+    name = check_backend_name(backend)
+    device = torch.device(device)
+    if name == "torch":
+        return "torch"
+    if name == "auto":
+        return "triton" if (HAS_TRITON and device.type == "cuda") else "torch"
+    if not HAS_TRITON:
+        raise RuntimeError("backend='triton' was asked for but triton is not installed")
+    if device.type != "cuda" and not triton_interpreting():
+        raise RuntimeError(
+            f"backend='triton' on a {device.type} tensor needs TRITON_INTERPRET=1 set before "
+            "dynctx is imported (or use backend='torch')"
+        )
+    return "triton"

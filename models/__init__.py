@@ -1,0 +1,1 @@
+"""dynctx.models."""

@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Runs the suite in two pytest processes: TRITON_INTERPRET is read when kernels are decorated,
+# so the interpreter tests need their own process with it set before import.
+set -uo pipefail
+PY=${1:-python}
+cd "$(dirname "$0")/.."
+status=0
+"$PY" -m pytest -q -m "not interpreter and not gpu and not slow" || status=$?
+TRITON_INTERPRET=1 "$PY" -m pytest -q -m "interpreter" || { rc=$?; [ $rc -eq 5 ] || status=$rc; }
+exit $status
