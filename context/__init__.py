@@ -1,1 +1,25 @@
 """The dynamic inference context: errors, requests, block allocator and the context itself."""
+
+from .batch_dimensions import InferenceBatchDimensions, MambaInferenceStateConfig
+from .block_allocator import BlockAllocator
+from .dynamic_context import DynamicInferenceContext
+from .errors import (
+    ActiveRequestCountOverflowError,
+    BlockOverflowError,
+    ContextErrorFactory,
+    ContextOverflowError,
+    MaxSequenceLengthOverflowError,
+    RequestOverflowError,
+    TensorStateDeallocatedError,
+    TokenOverflowError,
+    get_mem_size_str,
+)
+from .requests import DEFAULT_METADATA_TYPES, DynamicInferenceRequest, SamplingParams
+
+__all__ = [
+    "ActiveRequestCountOverflowError", "BlockAllocator", "BlockOverflowError",
+    "ContextErrorFactory", "ContextOverflowError", "DEFAULT_METADATA_TYPES",
+    "DynamicInferenceContext", "DynamicInferenceRequest", "InferenceBatchDimensions",
+    "MambaInferenceStateConfig", "MaxSequenceLengthOverflowError", "RequestOverflowError",
+    "SamplingParams", "TensorStateDeallocatedError", "TokenOverflowError", "get_mem_size_str",
+]

@@ -1,0 +1,84 @@
+"""The KV block allocator: a host-side LIFO stack of block ids with reference counts.
+
+The host knows every request's length, so block ids never need a device round trip: allocation
+and release are numpy operations on the host. Block ``dummy_block_idx`` (the last id) is never
+handed out; padding tokens write into it. Reference counts (one per block) are there so that a
+block can later be shared by several requests (prefix caching): ``share`` adds a reference and
+``release`` returns a block to the stack only when its last reference goes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class BlockAllocator:
+    """LIFO stack of free block ids (recently released blocks are reused first).
+
+    Args:
+        total_count: blocks in the buffer, the dummy block included.
+        paused_count: the paused-request budget in blocks.
+    """
+
+    def __init__(self, total_count: int, paused_count: int):
+        if total_count < 2:
+            raise ValueError(f"total_count={total_count} must be >= 2 (one block is the dummy)")
+        if not 0 <= paused_count <= total_count - 2:
+            raise ValueError(f"paused_count={paused_count} must lie in [0, total_count - 2 = "
+                             f"{total_count - 2}] so that at least one active block remains")
+        self.total_count = int(total_count)
+        self.paused_count = int(paused_count)
+        self.active_count = self.total_count - self.paused_count - 1
+        self.dummy_block_idx = self.total_count - 1
+        self.reset()
+
+    def reset(self) -> None:
+        """Every block free again (the stack is rebuilt, so stale duplicates cannot survive)."""
+        self.block_bag = np.arange(self.total_count, dtype=np.int32)
+        self.ref_counts = np.zeros(self.total_count, dtype=np.int32)
+        self.total_avail = self.total_count - 1
+
+    def is_memory_available(self, num_blocks: int) -> bool:
+        return self.total_avail >= num_blocks
+
+    def allocate_memory_blocks(self, num_blocks: int) -> np.ndarray | None:
+        """Pop ``num_blocks`` ids (ascending stack order), or None when too few are free."""
+        if num_blocks < 0:
+            raise ValueError(f"num_blocks={num_blocks} must be >= 0")
+        if num_blocks > self.total_avail:
+            return None
+        self.total_avail -= num_blocks
+        blocks = self.block_bag[self.total_avail:self.total_avail + num_blocks].copy()
+        self.ref_counts[blocks] = 1
+        return blocks
+
+    def share(self, blocks: np.ndarray) -> None:
+        """Add a reference to blocks already owned (for shared prefixes)."""
+        blocks = np.asarray(blocks, dtype=np.int32)
+        if np.any(self.ref_counts[blocks] <= 0):
+            raise ValueError("share() of a block that is not allocated")
+        np.add.at(self.ref_counts, blocks, 1)
+
+    def release_memory_blocks(self, blocks: np.ndarray) -> None:
+        """Drop one reference per id (``-1`` entries ignored); free ids go back on the stack."""
+        blocks = np.asarray(blocks, dtype=np.int32).reshape(-1)
+        blocks = blocks[blocks >= 0]
+        if blocks.size == 0:
+            return
+        if np.any(self.ref_counts[blocks] <= 0) or np.any(blocks == self.dummy_block_idx):
+            raise RuntimeError(f"release of blocks that are not allocated: {blocks.tolist()}")
+        np.subtract.at(self.ref_counts, blocks, 1)
+        freed = blocks[self.ref_counts[blocks] == 0]
+        # A block listed twice with two references must be pushed once.
+        if freed.size > 1:
+            _, first = np.unique(freed, return_index=True)
+            freed = freed[np.sort(first)]
+        self.block_bag[self.total_avail:self.total_avail + freed.size] = freed
+        self.total_avail += int(freed.size)
+
+    def get_total_used(self) -> int:
+        return self.total_count - 1 - self.total_avail
+
+    def __str__(self) -> str:
+        return (f"using: total {self.get_total_used()}/{self.total_count - 1}; "
+                f"active budget {self.active_count}; paused budget {self.paused_count}")

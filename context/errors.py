@@ -1,0 +1,100 @@
+"""Context errors, their (de)serialisation, and the memory-size formatter."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+
+class ContextOverflowError(Exception):
+    """A request does not fit in the context.
+
+    ``is_transient`` marks whether the request may fit later (the context is full now) or never
+    will (it is too large for this context).
+    """
+
+    def __init__(self, request_id: Optional[int], message: Optional[str] = None, *,
+                 is_transient: bool = True):
+        self.request_id = request_id
+        self.message = message
+        self.is_transient = is_transient
+        text = f"request {'--' if request_id is None else request_id}"
+        if message is not None:
+            text += f" | {message}"
+        super().__init__(text)
+
+
+class RequestOverflowError(ContextOverflowError):
+    """Adding the request would overflow the maximum request count."""
+
+
+class TokenOverflowError(ContextOverflowError):
+    """Adding the request would overflow the maximum token count of a step."""
+
+
+class MaxSequenceLengthOverflowError(ContextOverflowError):
+    """The request is longer than ``max_sequence_length``; never transient."""
+
+    def __init__(self, request_id: Optional[int], message: Optional[str] = None, **_ignored):
+        super().__init__(request_id, message, is_transient=False)
+
+
+class BlockOverflowError(ContextOverflowError):
+    """Adding the request would overflow the available KV blocks."""
+
+
+class ActiveRequestCountOverflowError(ContextOverflowError):
+    """More requests are active than the context's maximum."""
+
+    def __init__(self, max_request_count: int, active_request_count: int):
+        if active_request_count <= max_request_count:
+            raise ValueError(
+                f"active_request_count ({active_request_count}) must exceed "
+                f"max_request_count ({max_request_count}) for this error")
+        super().__init__(None, f"active_request_count ({active_request_count}) > "
+                               f"max_request_count ({max_request_count}).")
+
+
+class TensorStateDeallocatedError(ContextOverflowError):
+    """The context's tensors are deallocated (the engine is suspended)."""
+
+
+_ERROR_TYPES = {cls.__name__: cls for cls in (
+    ContextOverflowError, RequestOverflowError, TokenOverflowError,
+    MaxSequenceLengthOverflowError, BlockOverflowError, ActiveRequestCountOverflowError,
+    TensorStateDeallocatedError)}
+
+
+class ContextErrorFactory:
+    """Serialise context errors to plain dicts and back (every error type round-trips)."""
+
+    @classmethod
+    def serialize(cls, error: ContextOverflowError) -> dict:
+        if not isinstance(error, ContextOverflowError):
+            raise TypeError(f"error must be a ContextOverflowError, got {type(error).__name__}")
+        return {"type": type(error).__name__, "request_id": error.request_id,
+                "message": error.message, "is_transient": error.is_transient}
+
+    @classmethod
+    def deserialize(cls, obj: dict) -> ContextOverflowError:
+        try:
+            error_type = _ERROR_TYPES[obj["type"]]
+        except KeyError:
+            raise ValueError(f"obj['type']={obj.get('type')!r} is not a context error; "
+                             f"known: {sorted(_ERROR_TYPES)}") from None
+        error = ContextOverflowError(obj["request_id"], obj["message"],
+                                     is_transient=obj["is_transient"])
+        error.__class__ = error_type
+        return error
+
+
+_UNITS = (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024), ("bytes", 1))
+
+
+def get_mem_size_str(n_bytes: int) -> str:
+    """Human-readable size with 1024-based units: ``get_mem_size_str(1536) == '1.5 KiB'``."""
+    if n_bytes < 0:
+        raise ValueError(f"n_bytes={n_bytes} must be >= 0")
+    for name, unit in _UNITS:
+        if n_bytes >= unit:
+            return f"{n_bytes / unit:.3g} {name}"
+    return "0 bytes"

@@ -1,0 +1,138 @@
+"""Requests and sampling parameters, constructible with Megatron-Core's keyword names."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import asdict, dataclass, field
+from typing import Any, List, Optional, Sequence, Tuple
+
+import torch
+
+MetadataTypes = List[Tuple[str, torch.dtype, bool]]
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling parameters (Megatron-Core's names and defaults).
+
+    ``seed`` is our extension: a per-request generator seed, so that a request's random draws do
+    not depend on the batch it runs in.
+    """
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 0.0
+    return_log_probs: bool = False
+    skip_prompt_log_probs: bool = False
+    return_segments: bool = False
+    num_tokens_to_generate: int = 30
+    num_tokens_total: Optional[int] = None
+    termination_id: Optional[int] = None
+    top_n_logprobs: int = 0
+    return_prompt_top_n_logprobs: bool = False
+    stop_words: Optional[List[str]] = None
+    seed: Optional[int] = None
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"temperature={self.temperature} must be >= 0")
+        if self.top_k < 0:
+            raise ValueError(f"top_k={self.top_k} must be >= 0")
+        if not 0.0 <= self.top_p <= 1.0:
+            raise ValueError(f"top_p={self.top_p} must lie in [0, 1]")
+
+    def serialize(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def deserialize(cls, data: dict) -> "SamplingParams":
+        return cls(**data)
+
+
+DEFAULT_METADATA_TYPES: MetadataTypes = [
+    ("temperature", torch.float32, False),
+    ("top_k", torch.int32, False),
+    ("top_p", torch.float32, False),
+    ("termination_id", torch.int64, True),
+    ("return_log_probs", torch.bool, False),
+    ("skip_prompt_log_probs", torch.bool, False),
+    ("top_n_logprobs", torch.int32, False),
+]
+
+
+def _as_token_tensor(tokens: Any, name: str) -> torch.Tensor:
+    if isinstance(tokens, torch.Tensor):
+        tensor = tokens
+    else:
+        tensor = torch.as_tensor(list(tokens) if not isinstance(tokens, Sequence) else tokens,
+                                 dtype=torch.int64)
+    if tensor.is_floating_point() or tensor.is_complex() or tensor.dtype == torch.bool:
+        raise TypeError(f"{name} must hold integer token ids, got dtype {tensor.dtype}")
+    if tensor.dim() != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {tuple(tensor.shape)}")
+    return tensor
+
+
+@dataclass
+class DynamicInferenceRequest:
+    """One request: a prompt, its sampling parameters and its progress.
+
+    ``remaining_prompt_tokens`` and ``finished_chunk_token_count`` track chunked prefill; the
+    caller (the engine), not the context, advances them after each ``add_request``.
+    """
+
+    request_id: int
+    prompt_tokens: Optional[Any] = None
+    sampling_params: Optional[SamplingParams] = None
+    prompt: Optional[str] = None
+    generated_tokens: List[int] = field(default_factory=list)
+    generated_log_probs: Optional[List[float]] = None
+    prompt_log_probs: Optional[List[float]] = None
+    remaining_prompt_tokens: Optional[torch.Tensor] = None
+    finished_chunk_token_count: int = 0
+    arrival_time: Optional[float] = None
+    status: Optional[str] = None
+    events: List[Any] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.sampling_params = copy.deepcopy(self.sampling_params) or SamplingParams()
+        if self.prompt_tokens is not None:
+            self.prompt_tokens = _as_token_tensor(self.prompt_tokens, "prompt_tokens")
+            if self.remaining_prompt_tokens is None:
+                self.remaining_prompt_tokens = self.prompt_tokens.clone()
+
+    @property
+    def remaining_prompt_length(self) -> int:
+        return 0 if self.remaining_prompt_tokens is None else len(self.remaining_prompt_tokens)
+
+    @property
+    def tracked_metadata(self) -> List[Any]:
+        """Metadata values in ``get_metadata_types()`` order (``termination_id`` None -> -1)."""
+        sp = self.sampling_params
+        values = []
+        for label, _, _ in self.get_metadata_types():
+            value = getattr(sp, label)
+            if label == "termination_id" and value is None:
+                value = -1
+            values.append(value)
+        return values
+
+    @staticmethod
+    def get_metadata_types() -> MetadataTypes:
+        """The per-request metadata the context tracks: ``(label, dtype, on_device)``."""
+        return list(DEFAULT_METADATA_TYPES)
+
+    def checkpoint(self) -> "DynamicInferenceRequest":
+        """A new request whose prompt is this one's prompt plus its generated tokens.
+
+        Used to re-queue an evicted request for recompute: the remaining budget of generated
+        tokens shrinks by what was already generated.
+        """
+        generated = torch.as_tensor(self.generated_tokens, dtype=self.prompt_tokens.dtype)
+        params = copy.deepcopy(self.sampling_params)
+        params.num_tokens_to_generate = params.num_tokens_to_generate - len(self.generated_tokens)
+        return DynamicInferenceRequest(
+            request_id=self.request_id,
+            prompt_tokens=torch.cat([self.prompt_tokens.cpu(), generated]),
+            sampling_params=params,
+        )
