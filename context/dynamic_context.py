@@ -118,6 +118,10 @@ class DynamicInferenceContext:
             or ``"torch"``; None reads ``$DYNCTX_KERNEL_BACKEND``.
         fused_rope_kv_append: model adapters rotate K and append K/V in one launch
             (``apply_rotary_emb_and_append_key_value_cache``).
+        vocab_size: when given, token ids are checked against it: prompt tokens always (they
+            are on the host), sampled tokens when ``validate`` is on.
+        validate: turn on the checks that need a device read-back (sampled token ids in range,
+            NaN/inf logits); off by default so that a decode step keeps its one sync.
     """
 
     DEFAULT_MAX_TOKENS = 16384
@@ -160,6 +164,8 @@ class DynamicInferenceContext:
         device: Optional[torch.device | str] = None,
         kernel_backend: Optional[str] = None,
         fused_rope_kv_append: bool = False,
+        vocab_size: Optional[int] = None,
+        validate: bool = False,
     ):
         # Everything is validated before anything is allocated.
         if not isinstance(params_dtype, torch.dtype) or not params_dtype.is_floating_point:
@@ -244,6 +250,8 @@ class DynamicInferenceContext:
         self.cuda_graph_token_counts = None
         self.metrics_writer = metrics_writer
         self.fused_rope_kv_append = bool(fused_rope_kv_append)
+        self.vocab_size = None if vocab_size is None else _positive_int("vocab_size", vocab_size)
+        self.validate = bool(validate)
 
         # Memory model (DESIGN.md, one rule).
         itemsize = torch.empty((), dtype=params_dtype).element_size()
@@ -721,6 +729,10 @@ class DynamicInferenceContext:
                                      dtype=np.int64)
             if host_prompt.size and host_prompt.min() < 0:
                 raise ValueError(f"request {request_id}: prompt token ids must be >= 0")
+            if self.vocab_size is not None and host_prompt.size and \
+                    host_prompt.max() >= self.vocab_size:
+                raise ValueError(f"request {request_id}: prompt token id {host_prompt.max()} is "
+                                 f"outside the vocabulary (vocab_size={self.vocab_size})")
         elif prompt.device != self.device:
             raise ValueError(f"request {request_id}: prompt tokens live on {prompt.device}, the "
                              f"context on {self.device}")
@@ -1027,7 +1039,16 @@ class DynamicInferenceContext:
                              f"tensor, got {tuple(logits.shape)} {logits.dtype}")
         if logits.device != self.device:
             raise ValueError(f"{name} is on {logits.device}, the context on {self.device}")
+        if self.vocab_size is not None and logits.shape[1] != self.vocab_size:
+            raise ValueError(f"{name} has {logits.shape[1]} vocabulary columns, vocab_size is "
+                             f"{self.vocab_size}")
         return logits
+
+    def _check_finite(self, name: str, rows: torch.Tensor) -> None:
+        """With ``validate``: the real (not padding) rows used must be finite (one read-back)."""
+        if self.validate and rows.numel() and not bool(torch.isfinite(rows).all()):
+            raise ValueError(f"{name} holds NaN or inf values in the rows of real tokens "
+                             "(validate=True)")
 
     def last_token_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """``[active, vocab]``: each active request's last-token row of ``logits``
@@ -1038,9 +1059,11 @@ class DynamicInferenceContext:
         if logits.shape[0] != self.padded_active_token_count:
             raise ValueError(f"logits has {logits.shape[0]} token rows, the step has "
                              f"{self.padded_active_token_count} (padded_active_token_count)")
-        return last_token_logits_kernel(logits, meta.cu_query_seq_lengths,
+        last = last_token_logits_kernel(logits, meta.cu_query_seq_lengths,
                                         self.get_active_request_count(),
                                         backend=self.kernel_backend)
+        self._check_finite("logits", last)
+        return last
 
     def calculate_log_probs(self, logits: torch.Tensor, new_tokens: torch.Tensor,
                             only_last_token_logits: Optional[bool] = False
@@ -1056,6 +1079,7 @@ class DynamicInferenceContext:
             if logits.shape[0] < A:
                 raise ValueError(f"logits has {logits.shape[0]} rows, fewer than the {A} "
                                  "active requests")
+            self._check_finite("logits", logits[:A])
             selected, full = token_log_probs(logits[:A], new_tokens, return_full=True,
                                              backend=self.kernel_backend)
             return [[value] for value in selected.tolist()], full
@@ -1063,6 +1087,7 @@ class DynamicInferenceContext:
         if logits.shape[0] < active:
             raise ValueError(f"logits has {logits.shape[0]} rows, fewer than the step's {active} "
                              "tokens")
+        self._check_finite("logits", logits[:active])
         # Each token predicts the next input token; a request's last token predicts its sample.
         targets = torch.roll(self.token_to_input_ids[:active], -1)
         last = meta.cu_query_seq_lengths[1:A + 1].long() - 1
@@ -1085,6 +1110,12 @@ class DynamicInferenceContext:
                              f"{tuple(new_tokens.shape)}")
         if new_tokens.device != self.device:
             raise ValueError(f"new_tokens is on {new_tokens.device}, the context on {self.device}")
+        if self.validate and count:
+            low, high = int(new_tokens.min()), int(new_tokens.max())
+            limit = self.vocab_size if self.vocab_size is not None else None
+            if low < 0 or (limit is not None and high >= limit):
+                raise ValueError(f"new_tokens holds ids in [{low}, {high}], outside [0, "
+                                 f"{'inf' if limit is None else limit}) (vocab_size)")
         return new_tokens
 
     def _read_mask(self, mask: torch.Tensor, count: int) -> np.ndarray:

@@ -561,3 +561,28 @@ def test_not_yet_supported_methods_say_what_is_missing():
         with pytest.raises(NotImplementedError, match=match):
             call()
     assert ctx.is_static_batching() is False and ctx.using_cuda_graph_this_step() is False
+
+
+def test_vocab_and_validate_checks():
+    ctx = make_ctx(vocab_size=120, validate=True)
+    before = snapshot(ctx)
+    with pytest.raises(ValueError, match="vocab_size"):
+        ctx.add_request(request(30, 3))  # ids 130..132
+    assert_same(before, snapshot(ctx))
+    add(ctx, request(1, 3))
+    ctx.initialize_attention_state()
+    logits = torch.randn(1, ctx.padded_active_token_count, 120)
+    logits[0, 10] = float("nan")  # a padding row: ignored
+    ctx.last_token_logits(logits)
+    logits[0, 2, 5] = float("inf")
+    with pytest.raises(ValueError, match="NaN or inf"):
+        ctx.last_token_logits(logits)
+    with pytest.raises(ValueError, match="NaN or inf"):
+        ctx.calculate_log_probs(logits, torch.tensor([3]))
+    with pytest.raises(ValueError, match="vocabulary columns"):
+        ctx.last_token_logits(torch.randn(1, ctx.padded_active_token_count, 99))
+    before = snapshot(ctx)
+    for bad in (torch.tensor([120]), torch.tensor([-1])):
+        with pytest.raises(ValueError, match="new_tokens"):
+            ctx.update_requests(torch.tensor([True]), bad)
+        assert_same(before, snapshot(ctx))
