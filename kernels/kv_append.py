@@ -1,0 +1,271 @@
+"""KV append: write the step's K and V into their (block, slot) of the paged cache, one launch.
+
+``key_cache[block_ids[t], slots[t]] = key[t]`` and the same for V, for every ``t < n`` with
+``n = block_ids.numel()``. Padding tokens carry the dummy block and slot 0 and write there like
+any token. Pure data movement: bit-exact in every dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _autotune
+from ._autotune import KernelConfig, KernelTuning, TuneCase
+from ._backend import HAS_TRITON, resolve_backend
+
+NAME = "kv_append"
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# Largest tile (tokens x heads x padded head dim) one program moves per tensor.
+_MAX_TILE = 16384
+
+
+def _next_pow2(x: int) -> int:
+    return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()
+
+
+def kv_append_configs(key: dict) -> list[KernelConfig]:
+    """Search space: tokens per program x heads per program x warps, tiles up to 16K elements."""
+    heads_pow2, dim_pow2 = _next_pow2(key["num_heads"]), _next_pow2(key["head_dim"])
+    configs: list[KernelConfig] = []
+    for block_t in (1, 4, 16):
+        for block_h in sorted({min(2, heads_pow2), min(8, heads_pow2)}):
+            tile = block_t * block_h * dim_pow2
+            smallest = block_t == 1 and block_h == min(2, heads_pow2)
+            if tile > _MAX_TILE and not smallest:
+                continue
+            for num_warps in (4, 8):
+                if num_warps == 8 and tile < 32 * 8:
+                    continue
+                configs.append(KernelConfig.make(BLOCK_T=block_t, BLOCK_H=block_h, num_warps=num_warps))
+    return configs
+
+
+def kv_append_default_config(key: dict) -> KernelConfig:
+    """A whole token's heads per program (up to 8); 4 tokens per program from 64 tokens on."""
+    block_h = min(8, _next_pow2(key["num_heads"]))
+    block_t = 4 if key["num_tokens"] >= 64 else 1
+    tile = block_t * block_h * _next_pow2(key["head_dim"])
+    config = KernelConfig.make(BLOCK_T=block_t, BLOCK_H=block_h, num_warps=8 if tile >= 2048 else 4)
+    space = kv_append_configs(key)
+    return config if config in space else space[0]
+
+
+def kv_append_tune_key(*, num_tokens: int, num_heads: int, head_dim: int, dtype) -> dict:
+    """Heads, head dim and dtype exact; the token count bucketed to a power of two."""
+    dtype = dtype if isinstance(dtype, str) else _autotune.dtype_name(dtype)
+    return {"num_tokens": _autotune.bucket_tokens(num_tokens), "num_heads": int(num_heads),
+            "head_dim": int(head_dim), "dtype": dtype}
+
+
+def kv_append_presets() -> list[dict]:
+    """Llama-3-8B GQA (8 KV heads of 128, bf16) at decode and prefill token counts."""
+    return [kv_append_tune_key(num_tokens=n, num_heads=8, head_dim=128, dtype="bfloat16")
+            for n in (1, 16, 64, 256, 2048, 8192)]
+
+
+def _make_case(key: dict, device: torch.device) -> "KvAppendCase":
+    return KvAppendCase(key, device)
+
+
+_autotune.register(KernelTuning(
+    name=NAME, configs=kv_append_configs, default_config=kv_append_default_config,
+    tune_key=kv_append_tune_key, make_case=_make_case, presets=kv_append_presets,
+))
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _kv_append_kernel(
+        key_cache_ptr, value_cache_ptr, key_ptr, value_ptr, block_ids_ptr, slots_ptr,
+        num_tokens, num_heads, head_dim,
+        stride_cache_block, stride_cache_slot, stride_cache_head,
+        stride_key_token, stride_key_head, stride_key_dim,
+        stride_value_token, stride_value_head, stride_value_dim,
+        BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    ):
+        """Copy a [BLOCK_T, BLOCK_H, head_dim] tile of K and of V to each token's (block, slot)."""
+        pid_t = tl.program_id(0).to(tl.int64)
+        pid_h = tl.program_id(1).to(tl.int64)
+        offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+        offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+        offs_d = tl.arange(0, BLOCK_D)
+        mask_t = offs_t < num_tokens
+        block = tl.load(block_ids_ptr + offs_t, mask=mask_t, other=0).to(tl.int64)
+        slot = tl.load(slots_ptr + offs_t, mask=mask_t, other=0).to(tl.int64)
+        # [BLOCK_T, BLOCK_H, BLOCK_D]
+        mask = (mask_t[:, None, None] & (offs_h < num_heads)[None, :, None]
+                & (offs_d < head_dim)[None, None, :])
+        dst = ((block * stride_cache_block + slot * stride_cache_slot)[:, None, None]
+               + offs_h[None, :, None] * stride_cache_head + offs_d[None, None, :])
+        key_src = (offs_t[:, None, None] * stride_key_token + offs_h[None, :, None] * stride_key_head
+                   + offs_d[None, None, :] * stride_key_dim)
+        value_src = (offs_t[:, None, None] * stride_value_token
+                     + offs_h[None, :, None] * stride_value_head
+                     + offs_d[None, None, :] * stride_value_dim)
+        tl.store(key_cache_ptr + dst, tl.load(key_ptr + key_src, mask=mask), mask=mask)
+        tl.store(value_cache_ptr + dst, tl.load(value_ptr + value_src, mask=mask), mask=mask)
+
+
+def _squeeze_singleton(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    if tensor.dim() == 4 and tensor.shape[1] == 1:
+        return tensor[:, 0]
+    if tensor.dim() != 3:
+        raise ValueError(f"{name} must be [n, H, D] or [n, 1, H, D], got shape {tuple(tensor.shape)}")
+    return tensor
+
+
+def _check_inputs(key_cache, value_cache, key, value, block_ids, slots):
+    """Validate the contract; return ``key``, ``value`` as [>=n, H, D] views."""
+    if key_cache.dim() != 4:
+        raise ValueError(f"key_cache must be [num_blocks, block_size, H, D], got {tuple(key_cache.shape)}")
+    if value_cache.shape != key_cache.shape:
+        raise ValueError(f"value_cache shape {tuple(value_cache.shape)} != key_cache shape "
+                         f"{tuple(key_cache.shape)}")
+    if key_cache.dtype not in _DTYPES:
+        raise ValueError(f"key_cache dtype {key_cache.dtype} is not one of {_DTYPES}")
+    if value_cache.dtype != key_cache.dtype:
+        raise ValueError(f"value_cache dtype {value_cache.dtype} != key_cache dtype {key_cache.dtype}")
+    if key_cache.stride(-1) != 1:
+        raise ValueError(f"key_cache must be contiguous in its last dim, strides {key_cache.stride()}")
+    if value_cache.stride() != key_cache.stride():
+        raise ValueError(f"value_cache strides {value_cache.stride()} != key_cache strides "
+                         f"{key_cache.stride()} (both are views of one [2, L, ...] buffer)")
+    key, value = _squeeze_singleton("key", key), _squeeze_singleton("value", value)
+    num_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
+    n = block_ids.numel()
+    for name, tensor in (("key", key), ("value", value)):
+        if tuple(tensor.shape[1:]) != (num_heads, head_dim):
+            raise ValueError(f"{name} heads/dim {tuple(tensor.shape[1:])} != cache's "
+                             f"{(num_heads, head_dim)}")
+        if tensor.shape[0] < n:
+            raise ValueError(f"{name} has {tensor.shape[0]} rows, fewer than the {n} tokens")
+        if tensor.dtype != key_cache.dtype:
+            raise ValueError(f"{name} dtype {tensor.dtype} != cache dtype {key_cache.dtype}")
+    for name, tensor in (("block_ids", block_ids), ("slots", slots)):
+        if tensor.dim() != 1:
+            raise ValueError(f"{name} must be 1-D, got shape {tuple(tensor.shape)}")
+        if tensor.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{name} dtype {tensor.dtype} must be int32 or int64")
+    if slots.numel() != n:
+        raise ValueError(f"slots has {slots.numel()} entries, block_ids {n}")
+    for name, tensor in (("value_cache", value_cache), ("key", key), ("value", value),
+                         ("block_ids", block_ids), ("slots", slots)):
+        if tensor.device != key_cache.device:
+            raise ValueError(f"{name} is on {tensor.device}, key_cache on {key_cache.device}")
+    return key, value
+
+
+def kv_append(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor,
+              value: torch.Tensor, block_ids: torch.Tensor, slots: torch.Tensor, *,
+              config: KernelConfig | None = None, backend: str | None = None) -> None:
+    """Write K and V of ``n = block_ids.numel()`` tokens into the paged cache, in place.
+
+    - ``key_cache``, ``value_cache``: ``[num_blocks, block_size, H, D]`` fp32/fp16/bf16, last dim
+      contiguous, otherwise any (equal) strides: views ``buf[0, layer]``, ``buf[1, layer]`` of the
+      ``[2, L, num_blocks, block_size, H, D]`` buffer. Written in place.
+    - ``key``, ``value``: ``[>=n, H, D]`` or ``[>=n, 1, H, D]``, the cache's dtype, any strides;
+      rows past ``n`` are ignored.
+    - ``block_ids``, ``slots``: ``[n]`` int32/int64, in range (not checked: that would sync).
+      Tokens sharing a (block, slot), such as padding tokens, leave one of their rows there.
+    """
+    key, value = _check_inputs(key_cache, value_cache, key, value, block_ids, slots)
+    n = block_ids.numel()
+    if n == 0:
+        return
+    if resolve_backend(backend, key_cache.device) == "torch":
+        kv_append_ref(key_cache, value_cache, key, value, block_ids, slots)
+        return
+    num_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
+    if config is None:
+        tune_key = kv_append_tune_key(num_tokens=n, num_heads=num_heads, head_dim=head_dim,
+                                      dtype=key_cache.dtype)
+        config, _ = _autotune.resolve_config(NAME, tune_key, key_cache.device)
+    meta = config.kwargs
+    grid = (-(-n // meta["BLOCK_T"]), -(-num_heads // meta["BLOCK_H"]))
+    _kv_append_kernel[grid](
+        key_cache_ptr=key_cache, value_cache_ptr=value_cache, key_ptr=key, value_ptr=value,
+        block_ids_ptr=block_ids, slots_ptr=slots,
+        num_tokens=n, num_heads=num_heads, head_dim=head_dim,
+        stride_cache_block=key_cache.stride(0), stride_cache_slot=key_cache.stride(1),
+        stride_cache_head=key_cache.stride(2),
+        stride_key_token=key.stride(0), stride_key_head=key.stride(1), stride_key_dim=key.stride(2),
+        stride_value_token=value.stride(0), stride_value_head=value.stride(1),
+        stride_value_dim=value.stride(2),
+        BLOCK_D=_next_pow2(head_dim), **config.launch_kwargs(),
+    )
+
+
+def kv_append_ref(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor,
+                  value: torch.Tensor, block_ids: torch.Tensor, slots: torch.Tensor) -> None:
+    """Reference: one advanced-index assignment per cache."""
+    n = block_ids.numel()
+    key = key[:, 0] if key.dim() == 4 else key
+    value = value[:, 0] if value.dim() == 4 else value
+    block_ids, slots = block_ids.long(), slots.long()
+    key_cache[block_ids, slots] = key[:n]
+    value_cache[block_ids, slots] = value[:n]
+
+
+class KvAppendCase(TuneCase):
+    """Scratch buffers for one key: decode-like tokens in distinct blocks up to 256 tokens,
+    prefill-like runs of whole blocks beyond; every (block, slot) distinct."""
+
+    BLOCK_SIZE = 256
+
+    def __init__(self, key: dict, device: torch.device):
+        n, heads, dim = key["num_tokens"], key["num_heads"], key["head_dim"]
+        dtype = getattr(torch, key["dtype"])
+        bs = self.BLOCK_SIZE
+        gen = torch.Generator().manual_seed(0)
+        if n <= 256:
+            num_blocks = 2 * n + 1
+            block_ids = torch.randperm(num_blocks, generator=gen)[:n]
+            slots = torch.randint(0, bs, (n,), generator=gen)
+        else:
+            num_blocks = -(-n // bs) + 1
+            order = torch.randperm(num_blocks, generator=gen)
+            block_ids = order[torch.arange(n) // bs]
+            slots = torch.arange(n) % bs
+        self.buffer = torch.randn(2, 1, num_blocks, bs, heads, dim, generator=gen).to(device, dtype)
+        self.initial = self.buffer.clone()
+        self.key = torch.randn(n, heads, dim, generator=gen).to(device, dtype)
+        self.value = torch.randn(n, heads, dim, generator=gen).to(device, dtype)
+        self.block_ids = block_ids.to(device, torch.int32)
+        self.slots = slots.to(device, torch.int32)
+        elems = n * heads * dim
+        self.bytes_moved = 2 * 2 * elems * self.key.element_size() + 2 * 4 * n
+
+    def _args(self):
+        return (self.buffer[0, 0], self.buffer[1, 0], self.key, self.value, self.block_ids, self.slots)
+
+    def run(self, config: KernelConfig) -> None:
+        kv_append(*self._args(), config=config, backend="triton")
+
+    def run_reference(self) -> None:
+        kv_append_ref(*self._args())
+
+    def check(self, config: KernelConfig) -> None:
+        self.buffer.copy_(self.initial)
+        self.run_reference()
+        expected = self.buffer.clone()
+        self.buffer.copy_(self.initial)
+        self.run(config)
+        int_dtype = {4: torch.int32, 2: torch.int16}[self.buffer.element_size()]
+        assert torch.equal(self.buffer.view(int_dtype), expected.view(int_dtype)), \
+            f"kv_append with {config} differs from kv_append_ref"
+
+
+@torch.library.custom_op("dynctx::kv_append", mutates_args=("key_cache", "value_cache"))
+def _kv_append_op(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor,
+                  value: torch.Tensor, block_ids: torch.Tensor, slots: torch.Tensor) -> None:
+    kv_append(key_cache, value_cache, key, value, block_ids, slots, backend=None)
+
+
+@_kv_append_op.register_fake
+def _kv_append_fake(key_cache, value_cache, key, value, block_ids, slots) -> None:
+    return None
+
+
+kv_append_op = torch.ops.dynctx.kv_append

@@ -1,0 +1,296 @@
+"""Mamba state gather and scatter: move the conv or SSM states of the active requests by slot.
+
+``gather``: ``out[i] = states[slot_ids[i]]``, zero where ``slot_ids[i] == -1``.
+``scatter``: ``states[slot_ids[i]] = src[i]``, skipped where ``slot_ids[i] == -1``.
+A state is moved as one flat row of ``prod(state_shape)`` elements, so one kernel serves conv
+states ``[slots, conv_dim, d_conv]`` and SSM states ``[slots, nheads, headdim, d_state]``.
+Pure data movement: bit-exact in every dtype.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import _autotune
+from ._autotune import KernelConfig, KernelTuning, TuneCase
+from ._backend import HAS_TRITON, resolve_backend
+
+GATHER, SCATTER = "mamba_state_gather", "mamba_state_scatter"
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_MIN_BLOCK_R = 1024
+
+
+def _next_pow2(x: int) -> int:
+    return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()
+
+
+def mamba_state_configs(key: dict) -> list[KernelConfig]:
+    """Search space: row elements per program (1K to 8K, no wider than the row) x warps."""
+    widest = max(_MIN_BLOCK_R, _next_pow2(key["row_elems"]))
+    return [KernelConfig.make(BLOCK_R=block_r, num_warps=num_warps)
+            for block_r in (1024, 2048, 4096, 8192) if block_r <= widest for num_warps in (4, 8)]
+
+
+def mamba_state_default_config(key: dict) -> KernelConfig:
+    """4K elements per program (or the row, if shorter), 8 warps from 4K on."""
+    block_r = min(4096, max(_MIN_BLOCK_R, _next_pow2(key["row_elems"])))
+    return KernelConfig.make(BLOCK_R=block_r, num_warps=8 if block_r >= 4096 else 4)
+
+
+def mamba_state_tune_key(*, num_requests: int, state_shape, dtype) -> dict:
+    """Row length (``prod(state_shape)``) and dtype exact; the request count bucketed."""
+    dtype = dtype if isinstance(dtype, str) else _autotune.dtype_name(dtype)
+    return {"num_requests": _autotune.bucket_tokens(num_requests),
+            "row_elems": int(math.prod(state_shape)), "dtype": dtype}
+
+
+# NemotronH-style Mamba2 mixer: d_inner 4096, ngroups 8, d_state 128, d_conv 4, 64 heads of 64.
+_CONV_STATE = (4096 + 2 * 8 * 128, 4)
+_SSM_STATE = (64, 64, 128)
+
+
+def mamba_state_presets() -> list[dict]:
+    """Conv and SSM states of a NemotronH-style Mamba2 layer (bf16) for 1 to 256 requests."""
+    return [mamba_state_tune_key(num_requests=n, state_shape=shape, dtype="bfloat16")
+            for shape in (_CONV_STATE, _SSM_STATE) for n in (1, 16, 64, 256)]
+
+
+for _name in (GATHER, SCATTER):
+    _autotune.register(KernelTuning(
+        name=_name, configs=mamba_state_configs, default_config=mamba_state_default_config,
+        tune_key=mamba_state_tune_key, token_field="num_requests",
+        make_case=lambda key, device, _name=_name: MambaStateCase(_name, key, device),
+        presets=mamba_state_presets,
+    ))
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _mamba_state_gather_kernel(
+        out_ptr, states_ptr, slot_ids_ptr,
+        row_elems, stride_out_row, stride_states_slot,
+        BLOCK_R: tl.constexpr,
+    ):
+        """Copy BLOCK_R elements of state row ``slot_ids[i]`` to output row i (zeros for -1)."""
+        row = tl.program_id(0).to(tl.int64)
+        slot = tl.load(slot_ids_ptr + row).to(tl.int64)
+        offs_r = tl.program_id(1).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+        # Slot -1 folds into the bound: the interpreter rejects a vector & scalar-bool mask.
+        mask_slot = offs_r < tl.where(slot >= 0, row_elems, 0)
+        values = tl.load(states_ptr + slot * stride_states_slot + offs_r, mask=mask_slot, other=0)
+        tl.store(out_ptr + row * stride_out_row + offs_r, values, mask=offs_r < row_elems)
+
+    @triton.jit
+    def _mamba_state_scatter_kernel(
+        states_ptr, src_ptr, slot_ids_ptr,
+        row_elems, stride_states_slot, stride_src_row,
+        BLOCK_R: tl.constexpr,
+    ):
+        """Copy BLOCK_R elements of source row i to state row ``slot_ids[i]`` (skip -1)."""
+        row = tl.program_id(0).to(tl.int64)
+        slot = tl.load(slot_ids_ptr + row).to(tl.int64)
+        offs_r = tl.program_id(1).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+        mask = offs_r < tl.where(slot >= 0, row_elems, 0)
+        values = tl.load(src_ptr + row * stride_src_row + offs_r, mask=mask)
+        tl.store(states_ptr + slot * stride_states_slot + offs_r, values, mask=mask)
+
+
+def _rows_contiguous(tensor: torch.Tensor) -> bool:
+    """True when each ``tensor[i]`` is contiguous (the leading dim may have any stride)."""
+    expected = 1
+    for size, stride in zip(reversed(tensor.shape[1:]), reversed(tensor.stride()[1:])):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _check_states(states: torch.Tensor, slot_ids: torch.Tensor) -> None:
+    if states.dim() < 2:
+        raise ValueError(f"states must be [num_slots, *state_shape], got {tuple(states.shape)}")
+    if states.dtype not in _DTYPES:
+        raise ValueError(f"states dtype {states.dtype} is not one of {_DTYPES}")
+    if not _rows_contiguous(states):
+        raise ValueError(f"states rows must be contiguous (strides {states.stride()} for shape "
+                         f"{tuple(states.shape)}); only the slot dim may be strided")
+    if slot_ids.dim() != 1:
+        raise ValueError(f"slot_ids must be 1-D, got shape {tuple(slot_ids.shape)}")
+    if slot_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"slot_ids dtype {slot_ids.dtype} must be int32 or int64")
+    if slot_ids.device != states.device:
+        raise ValueError(f"slot_ids is on {slot_ids.device}, states on {states.device}")
+
+
+def _check_rows(name: str, tensor: torch.Tensor, states: torch.Tensor, exact_rows: int | None,
+                min_rows: int) -> None:
+    if tuple(tensor.shape[1:]) != tuple(states.shape[1:]):
+        raise ValueError(f"{name} state shape {tuple(tensor.shape[1:])} != states' "
+                         f"{tuple(states.shape[1:])}")
+    if exact_rows is not None and tensor.shape[0] != exact_rows:
+        raise ValueError(f"{name} has {tensor.shape[0]} rows, expected {exact_rows}")
+    if tensor.shape[0] < min_rows:
+        raise ValueError(f"{name} has {tensor.shape[0]} rows, fewer than the {min_rows} slot ids")
+    if tensor.dtype != states.dtype:
+        raise ValueError(f"{name} dtype {tensor.dtype} != states dtype {states.dtype}")
+    if tensor.device != states.device:
+        raise ValueError(f"{name} is on {tensor.device}, states on {states.device}")
+    if not _rows_contiguous(tensor):
+        raise ValueError(f"{name} rows must be contiguous, strides {tensor.stride()}")
+
+
+def _resolve(name: str, config, states: torch.Tensor, n: int) -> KernelConfig:
+    if config is not None:
+        return config
+    key = mamba_state_tune_key(num_requests=n, state_shape=states.shape[1:], dtype=states.dtype)
+    return _autotune.resolve_config(name, key, states.device)[0]
+
+
+def mamba_state_gather(states: torch.Tensor, slot_ids: torch.Tensor, out: torch.Tensor | None = None,
+                       *, config: KernelConfig | None = None, backend: str | None = None
+                       ) -> torch.Tensor:
+    """Return ``[n, *state_shape]`` rows ``states[slot_ids[i]]``, zeros where the slot is -1.
+
+    - ``states``: ``[num_slots, *state_shape]`` fp32/fp16/bf16, each row contiguous, the slot
+      dim any stride (e.g. ``conv_states[layer]``). Read only.
+    - ``slot_ids``: ``[n]`` int32/int64, ``-1`` or in range (not checked: that would sync).
+    - ``out``: optional ``[n, *state_shape]`` of the states' dtype, rows contiguous; written in
+      place and returned. Otherwise a new contiguous tensor is returned.
+    """
+    _check_states(states, slot_ids)
+    n = slot_ids.numel()
+    if out is None:
+        out = torch.empty((n, *states.shape[1:]), dtype=states.dtype, device=states.device)
+    else:
+        _check_rows("out", out, states, exact_rows=n, min_rows=n)
+    if n == 0:
+        return out
+    if resolve_backend(backend, states.device) == "torch":
+        out.copy_(mamba_state_gather_ref(states, slot_ids))
+        return out
+    config = _resolve(GATHER, config, states, n)
+    row_elems = math.prod(states.shape[1:])
+    grid = (n, -(-row_elems // config.kwargs["BLOCK_R"]))
+    _mamba_state_gather_kernel[grid](
+        out_ptr=out, states_ptr=states, slot_ids_ptr=slot_ids,
+        row_elems=row_elems, stride_out_row=out.stride(0), stride_states_slot=states.stride(0),
+        **config.launch_kwargs(),
+    )
+    return out
+
+
+def mamba_state_scatter(states: torch.Tensor, slot_ids: torch.Tensor, src: torch.Tensor, *,
+                        config: KernelConfig | None = None, backend: str | None = None) -> None:
+    """Write ``states[slot_ids[i]] = src[i]`` for ``i < n``, skipping slot -1, in place.
+
+    - ``states``: ``[num_slots, *state_shape]`` fp32/fp16/bf16, each row contiguous, the slot
+      dim any stride. Written in place.
+    - ``slot_ids``: ``[n]`` int32/int64, ``-1`` or in range and distinct (not checked).
+    - ``src``: ``[>=n, *state_shape]`` of the states' dtype, rows contiguous; rows past ``n``
+      ignored.
+    """
+    _check_states(states, slot_ids)
+    n = slot_ids.numel()
+    _check_rows("src", src, states, exact_rows=None, min_rows=n)
+    if n == 0:
+        return
+    if resolve_backend(backend, states.device) == "torch":
+        mamba_state_scatter_ref(states, slot_ids, src)
+        return
+    config = _resolve(SCATTER, config, states, n)
+    row_elems = math.prod(states.shape[1:])
+    grid = (n, -(-row_elems // config.kwargs["BLOCK_R"]))
+    _mamba_state_scatter_kernel[grid](
+        states_ptr=states, src_ptr=src, slot_ids_ptr=slot_ids,
+        row_elems=row_elems, stride_states_slot=states.stride(0), stride_src_row=src.stride(0),
+        **config.launch_kwargs(),
+    )
+
+
+def mamba_state_gather_ref(states: torch.Tensor, slot_ids: torch.Tensor,
+                           out: torch.Tensor | None = None) -> torch.Tensor:
+    """Reference: index the valid slots, zeros elsewhere."""
+    valid = slot_ids >= 0
+    rows = states[slot_ids.long().clamp(min=0)]
+    rows = torch.where(valid.view(-1, *[1] * (states.dim() - 1)), rows, torch.zeros_like(rows))
+    if out is None:
+        return rows
+    out.copy_(rows)
+    return out
+
+
+def mamba_state_scatter_ref(states: torch.Tensor, slot_ids: torch.Tensor, src: torch.Tensor) -> None:
+    """Reference: one advanced-index assignment of the rows whose slot is not -1."""
+    n = slot_ids.numel()
+    valid = slot_ids >= 0
+    states[slot_ids[valid].long()] = src[:n][valid]
+
+
+class MambaStateCase(TuneCase):
+    """Scratch buffers for one key: ``2 * num_requests`` slots, the requests in shuffled slots."""
+
+    def __init__(self, name: str, key: dict, device: torch.device):
+        n, row_elems = key["num_requests"], key["row_elems"]
+        dtype = getattr(torch, key["dtype"])
+        gen = torch.Generator().manual_seed(0)
+        self.name = name
+        self.states = torch.randn(2 * n, row_elems, generator=gen).to(device, dtype)
+        self.initial = self.states.clone()
+        self.slot_ids = torch.randperm(2 * n, generator=gen)[:n].to(device, torch.int32)
+        self.rows = torch.randn(n, row_elems, generator=gen).to(device, dtype)
+        self.bytes_moved = 2 * n * row_elems * self.rows.element_size() + 4 * n
+
+    def run(self, config: KernelConfig) -> None:
+        if self.name == GATHER:
+            mamba_state_gather(self.states, self.slot_ids, self.rows, config=config, backend="triton")
+        else:
+            mamba_state_scatter(self.states, self.slot_ids, self.rows, config=config, backend="triton")
+
+    def run_reference(self) -> None:
+        if self.name == GATHER:
+            mamba_state_gather_ref(self.states, self.slot_ids, self.rows)
+        else:
+            mamba_state_scatter_ref(self.states, self.slot_ids, self.rows)
+
+    def _reset(self) -> None:
+        self.states.copy_(self.initial)
+        if self.name == GATHER:
+            self.rows.fill_(float("nan"))
+
+    def check(self, config: KernelConfig) -> None:
+        self._reset()
+        self.run_reference()
+        expected = (self.states.clone(), self.rows.clone())
+        self._reset()
+        self.run(config)
+        int_dtype = {4: torch.int32, 2: torch.int16}[self.rows.element_size()]
+        for got, want in zip((self.states, self.rows), expected):
+            assert torch.equal(got.view(int_dtype), want.view(int_dtype)), \
+                f"{self.name} with {config} differs from its reference"
+
+
+@torch.library.custom_op("dynctx::mamba_state_gather", mutates_args=())
+def _mamba_state_gather_op(states: torch.Tensor, slot_ids: torch.Tensor) -> torch.Tensor:
+    return mamba_state_gather(states, slot_ids, backend=None)
+
+
+@_mamba_state_gather_op.register_fake
+def _mamba_state_gather_fake(states, slot_ids):
+    return states.new_empty((slot_ids.shape[0], *states.shape[1:]))
+
+
+@torch.library.custom_op("dynctx::mamba_state_scatter", mutates_args=("states",))
+def _mamba_state_scatter_op(states: torch.Tensor, slot_ids: torch.Tensor, src: torch.Tensor) -> None:
+    mamba_state_scatter(states, slot_ids, src, backend=None)
+
+
+@_mamba_state_scatter_op.register_fake
+def _mamba_state_scatter_fake(states, slot_ids, src) -> None:
+    return None
+
+
+mamba_state_gather_op = torch.ops.dynctx.mamba_state_gather
+mamba_state_scatter_op = torch.ops.dynctx.mamba_state_scatter

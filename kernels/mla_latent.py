@@ -1,0 +1,253 @@
+"""MLA latent caching: write each token's compressed KV latent and rope key into the latent cache.
+
+``latent_cache[block_ids[t], slots[t]] = cat(kv_latent[t], k_rope[t])`` for every ``t < n`` with
+``n = block_ids.numel()``, one launch. Pure data movement: bit-exact in every dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _autotune
+from ._autotune import KernelConfig, KernelTuning, TuneCase
+from ._backend import HAS_TRITON, resolve_backend
+
+NAME = "mla_latent_append"
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _next_pow2(x: int) -> int:
+    return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()
+
+
+def mla_latent_append_configs(key: dict) -> list[KernelConfig]:
+    """Search space: tokens per program x row columns per program (256 or the whole row) x warps."""
+    row_pow2 = _next_pow2(key["kv_lora_rank"] + key["rope_dim"])
+    configs: list[KernelConfig] = []
+    for block_t in (1, 4, 16):
+        for block_c in sorted({min(256, row_pow2), row_pow2}):
+            tile = block_t * block_c
+            if tile > 16384 and block_t > 1:
+                continue
+            for num_warps in (4, 8):
+                if num_warps == 8 and tile < 32 * 8:
+                    continue
+                configs.append(KernelConfig.make(BLOCK_T=block_t, BLOCK_C=block_c, num_warps=num_warps))
+    return configs
+
+
+def mla_latent_append_default_config(key: dict) -> KernelConfig:
+    """The whole row per program; 4 tokens per program from 64 tokens on."""
+    block_c = _next_pow2(key["kv_lora_rank"] + key["rope_dim"])
+    block_t = 4 if key["num_tokens"] >= 64 else 1
+    config = KernelConfig.make(BLOCK_T=block_t, BLOCK_C=block_c,
+                               num_warps=8 if block_t * block_c >= 2048 else 4)
+    space = mla_latent_append_configs(key)
+    return config if config in space else space[0]
+
+
+def mla_latent_append_tune_key(*, num_tokens: int, kv_lora_rank: int, rope_dim: int, dtype) -> dict:
+    """Latent rank, rope dim and dtype exact; the token count bucketed to a power of two."""
+    dtype = dtype if isinstance(dtype, str) else _autotune.dtype_name(dtype)
+    return {"num_tokens": _autotune.bucket_tokens(num_tokens), "kv_lora_rank": int(kv_lora_rank),
+            "rope_dim": int(rope_dim), "dtype": dtype}
+
+
+def mla_latent_append_presets() -> list[dict]:
+    """DeepSeek-V2-Lite MLA (kv_lora_rank 512, rope 64, bf16) at decode and prefill sizes."""
+    return [mla_latent_append_tune_key(num_tokens=n, kv_lora_rank=512, rope_dim=64, dtype="bfloat16")
+            for n in (1, 16, 64, 256, 2048, 8192)]
+
+
+def _make_case(key: dict, device: torch.device) -> "MlaLatentAppendCase":
+    return MlaLatentAppendCase(key, device)
+
+
+_autotune.register(KernelTuning(
+    name=NAME, configs=mla_latent_append_configs, default_config=mla_latent_append_default_config,
+    tune_key=mla_latent_append_tune_key, make_case=_make_case, presets=mla_latent_append_presets,
+))
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _mla_latent_append_kernel(
+        latent_cache_ptr, kv_latent_ptr, k_rope_ptr, block_ids_ptr, slots_ptr,
+        num_tokens, kv_lora_rank, rope_dim,
+        stride_cache_block, stride_cache_slot,
+        stride_latent_token, stride_latent_dim, stride_rope_token, stride_rope_dim,
+        BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+    ):
+        """Copy a [BLOCK_T, BLOCK_C] tile of cache rows; column c < rank comes from the latent,
+        the others from the rope key."""
+        pid_t = tl.program_id(0).to(tl.int64)
+        pid_c = tl.program_id(1).to(tl.int64)
+        offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+        offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+        mask_t = offs_t < num_tokens
+        block = tl.load(block_ids_ptr + offs_t, mask=mask_t, other=0).to(tl.int64)
+        slot = tl.load(slots_ptr + offs_t, mask=mask_t, other=0).to(tl.int64)
+        is_latent = offs_c < kv_lora_rank
+        is_rope = (offs_c >= kv_lora_rank) & (offs_c < kv_lora_rank + rope_dim)
+        # [BLOCK_T, BLOCK_C]
+        latent = tl.load(kv_latent_ptr + offs_t[:, None] * stride_latent_token
+                         + offs_c[None, :] * stride_latent_dim,
+                         mask=mask_t[:, None] & is_latent[None, :])
+        rope = tl.load(k_rope_ptr + offs_t[:, None] * stride_rope_token
+                       + (offs_c - kv_lora_rank)[None, :] * stride_rope_dim,
+                       mask=mask_t[:, None] & is_rope[None, :])
+        dst = (block * stride_cache_block + slot * stride_cache_slot)[:, None] + offs_c[None, :]
+        tl.store(latent_cache_ptr + dst, tl.where(is_latent[None, :], latent, rope),
+                 mask=mask_t[:, None] & (is_latent | is_rope)[None, :])
+
+
+def _squeeze_singleton(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    if tensor.dim() == 3 and tensor.shape[1] == 1:
+        return tensor[:, 0]
+    if tensor.dim() != 2:
+        raise ValueError(f"{name} must be [n, dim] or [n, 1, dim], got shape {tuple(tensor.shape)}")
+    return tensor
+
+
+def _check_inputs(latent_cache, kv_latent, k_rope, block_ids, slots):
+    """Validate the contract; return ``kv_latent``, ``k_rope`` as 2-D views."""
+    if latent_cache.dim() != 3:
+        raise ValueError("latent_cache must be [num_blocks, block_size, kv_lora_rank + rope_dim], "
+                         f"got {tuple(latent_cache.shape)}")
+    if latent_cache.dtype not in _DTYPES:
+        raise ValueError(f"latent_cache dtype {latent_cache.dtype} is not one of {_DTYPES}")
+    if latent_cache.stride(-1) != 1:
+        raise ValueError(f"latent_cache must be contiguous in its last dim, strides "
+                         f"{latent_cache.stride()}")
+    kv_latent, k_rope = _squeeze_singleton("kv_latent", kv_latent), _squeeze_singleton("k_rope", k_rope)
+    n = block_ids.numel()
+    if kv_latent.shape[1] + k_rope.shape[1] != latent_cache.shape[2]:
+        raise ValueError(f"kv_latent dim {kv_latent.shape[1]} + k_rope dim {k_rope.shape[1]} != "
+                         f"latent_cache row {latent_cache.shape[2]}")
+    for name, tensor in (("kv_latent", kv_latent), ("k_rope", k_rope)):
+        if tensor.shape[0] < n:
+            raise ValueError(f"{name} has {tensor.shape[0]} rows, fewer than the {n} tokens")
+        if tensor.dtype != latent_cache.dtype:
+            raise ValueError(f"{name} dtype {tensor.dtype} != latent_cache dtype {latent_cache.dtype}")
+    for name, tensor in (("block_ids", block_ids), ("slots", slots)):
+        if tensor.dim() != 1:
+            raise ValueError(f"{name} must be 1-D, got shape {tuple(tensor.shape)}")
+        if tensor.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{name} dtype {tensor.dtype} must be int32 or int64")
+    if slots.numel() != n:
+        raise ValueError(f"slots has {slots.numel()} entries, block_ids {n}")
+    for name, tensor in (("kv_latent", kv_latent), ("k_rope", k_rope), ("block_ids", block_ids),
+                         ("slots", slots)):
+        if tensor.device != latent_cache.device:
+            raise ValueError(f"{name} is on {tensor.device}, latent_cache on {latent_cache.device}")
+    return kv_latent, k_rope
+
+
+def mla_latent_append(latent_cache: torch.Tensor, kv_latent: torch.Tensor, k_rope: torch.Tensor,
+                      block_ids: torch.Tensor, slots: torch.Tensor, *,
+                      config: KernelConfig | None = None, backend: str | None = None) -> None:
+    """Write the latent and rope key of ``n = block_ids.numel()`` tokens into the cache, in place.
+
+    - ``latent_cache``: ``[num_blocks, block_size, kv_lora_rank + rope_dim]`` fp32/fp16/bf16, last
+      dim contiguous, otherwise strided (a view ``buf[layer]`` of ``[L, blocks, bs, rank + rope]``).
+      Written in place: columns ``[:rank]`` take the latent, ``[rank:]`` the rope key.
+    - ``kv_latent``: ``[>=n, rank]`` or ``[>=n, 1, rank]``; ``k_rope``: ``[>=n, rope]`` or
+      ``[>=n, 1, rope]``; the cache's dtype, each with its own strides; rows past ``n`` ignored.
+    - ``block_ids``, ``slots``: ``[n]`` int32/int64, in range (not checked: that would sync).
+    """
+    kv_latent, k_rope = _check_inputs(latent_cache, kv_latent, k_rope, block_ids, slots)
+    n = block_ids.numel()
+    if n == 0:
+        return
+    if resolve_backend(backend, latent_cache.device) == "torch":
+        mla_latent_append_ref(latent_cache, kv_latent, k_rope, block_ids, slots)
+        return
+    rank, rope_dim = kv_latent.shape[1], k_rope.shape[1]
+    if config is None:
+        tune_key = mla_latent_append_tune_key(num_tokens=n, kv_lora_rank=rank, rope_dim=rope_dim,
+                                              dtype=latent_cache.dtype)
+        config, _ = _autotune.resolve_config(NAME, tune_key, latent_cache.device)
+    meta = config.kwargs
+    grid = (-(-n // meta["BLOCK_T"]), -(-(rank + rope_dim) // meta["BLOCK_C"]))
+    _mla_latent_append_kernel[grid](
+        latent_cache_ptr=latent_cache, kv_latent_ptr=kv_latent, k_rope_ptr=k_rope,
+        block_ids_ptr=block_ids, slots_ptr=slots,
+        num_tokens=n, kv_lora_rank=rank, rope_dim=rope_dim,
+        stride_cache_block=latent_cache.stride(0), stride_cache_slot=latent_cache.stride(1),
+        stride_latent_token=kv_latent.stride(0), stride_latent_dim=kv_latent.stride(1),
+        stride_rope_token=k_rope.stride(0), stride_rope_dim=k_rope.stride(1),
+        **config.launch_kwargs(),
+    )
+
+
+def mla_latent_append_ref(latent_cache: torch.Tensor, kv_latent: torch.Tensor, k_rope: torch.Tensor,
+                          block_ids: torch.Tensor, slots: torch.Tensor) -> None:
+    """Reference: concatenate latent and rope key, then one advanced-index assignment."""
+    n = block_ids.numel()
+    kv_latent = kv_latent[:, 0] if kv_latent.dim() == 3 else kv_latent
+    k_rope = k_rope[:, 0] if k_rope.dim() == 3 else k_rope
+    rows = torch.cat([kv_latent[:n], k_rope[:n]], dim=-1)
+    latent_cache[block_ids.long(), slots.long()] = rows
+
+
+class MlaLatentAppendCase(TuneCase):
+    """Scratch buffers for one key: decode-like tokens in distinct blocks up to 256 tokens,
+    prefill-like runs of whole blocks beyond; every (block, slot) distinct."""
+
+    BLOCK_SIZE = 64
+
+    def __init__(self, key: dict, device: torch.device):
+        n, rank, rope_dim = key["num_tokens"], key["kv_lora_rank"], key["rope_dim"]
+        dtype = getattr(torch, key["dtype"])
+        bs = self.BLOCK_SIZE
+        gen = torch.Generator().manual_seed(0)
+        if n <= 256:
+            num_blocks = 2 * n + 1
+            block_ids = torch.randperm(num_blocks, generator=gen)[:n]
+            slots = torch.randint(0, bs, (n,), generator=gen)
+        else:
+            num_blocks = -(-n // bs) + 1
+            block_ids = torch.randperm(num_blocks, generator=gen)[torch.arange(n) // bs]
+            slots = torch.arange(n) % bs
+        self.buffer = torch.randn(1, num_blocks, bs, rank + rope_dim, generator=gen).to(device, dtype)
+        self.initial = self.buffer.clone()
+        self.kv_latent = torch.randn(n, rank, generator=gen).to(device, dtype)
+        self.k_rope = torch.randn(n, rope_dim, generator=gen).to(device, dtype)
+        self.block_ids = block_ids.to(device, torch.int32)
+        self.slots = slots.to(device, torch.int32)
+        self.bytes_moved = 2 * n * (rank + rope_dim) * self.k_rope.element_size() + 2 * 4 * n
+
+    def _args(self):
+        return (self.buffer[0], self.kv_latent, self.k_rope, self.block_ids, self.slots)
+
+    def run(self, config: KernelConfig) -> None:
+        mla_latent_append(*self._args(), config=config, backend="triton")
+
+    def run_reference(self) -> None:
+        mla_latent_append_ref(*self._args())
+
+    def check(self, config: KernelConfig) -> None:
+        self.buffer.copy_(self.initial)
+        self.run_reference()
+        expected = self.buffer.clone()
+        self.buffer.copy_(self.initial)
+        self.run(config)
+        int_dtype = {4: torch.int32, 2: torch.int16}[self.buffer.element_size()]
+        assert torch.equal(self.buffer.view(int_dtype), expected.view(int_dtype)), \
+            f"mla_latent_append with {config} differs from mla_latent_append_ref"
+
+
+@torch.library.custom_op("dynctx::mla_latent_append", mutates_args=("latent_cache",))
+def _mla_latent_append_op(latent_cache: torch.Tensor, kv_latent: torch.Tensor, k_rope: torch.Tensor,
+                          block_ids: torch.Tensor, slots: torch.Tensor) -> None:
+    mla_latent_append(latent_cache, kv_latent, k_rope, block_ids, slots, backend=None)
+
+
+@_mla_latent_append_op.register_fake
+def _mla_latent_append_fake(latent_cache, kv_latent, k_rope, block_ids, slots) -> None:
+    return None
+
+
+mla_latent_append_op = torch.ops.dynctx.mla_latent_append
