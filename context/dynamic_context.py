@@ -943,8 +943,10 @@ class DynamicInferenceContext:
         return n
 
     @staticmethod
-    def _rope_layout(config: Any) -> bool:
-        return bool(getattr(config, "rotary_interleaved", False))
+    def _rope_layout(config: Any) -> dict:
+        """The rope layout fields of a Megatron ``TransformerConfig`` (or None: half-split)."""
+        return {"interleaved": bool(getattr(config, "rotary_interleaved", False)),
+                "mla_layout": bool(getattr(config, "multi_latent_attention", False))}
 
     @staticmethod
     def _check_cp_group(cp_group: Any) -> None:
@@ -960,9 +962,8 @@ class DynamicInferenceContext:
 
         self._check_cp_group(cp_group)
         n = self._rope_positions(query, "query", self.token_to_pos_ids)
-        fused_qk_rope(query, None, self.token_to_pos_ids[:n], freqs=query_emb,
-                      interleaved=self._rope_layout(config), mscale=mscale,
-                      backend=self.kernel_backend)
+        fused_qk_rope(query, None, self.token_to_pos_ids[:n], freqs=query_emb, mscale=mscale,
+                      backend=self.kernel_backend, **self._rope_layout(config))
         return query
 
     def apply_rotary_emb_key(self, key: torch.Tensor, key_emb: torch.Tensor, config: Any,
@@ -973,8 +974,7 @@ class DynamicInferenceContext:
         self._check_cp_group(cp_group)
         n = self._rope_positions(key, "key", self.token_to_position_in_request)
         fused_qk_rope(None, key, self.token_to_position_in_request[:n], freqs=key_emb,
-                      interleaved=self._rope_layout(config), mscale=mscale,
-                      backend=self.kernel_backend)
+                      mscale=mscale, backend=self.kernel_backend, **self._rope_layout(config))
         return key
 
     def apply_fused_qk_rotary_emb(self, query: torch.Tensor, key: torch.Tensor,
@@ -982,20 +982,27 @@ class DynamicInferenceContext:
                                   ) -> Tuple[torch.Tensor, torch.Tensor]:
         """Rotate query and key in place, in one launch, from a ``cos_sin_emb``
         ``[max_seq, rot]`` cache (cos half, then sin half); FlashInfer when
-        ``use_flashinfer_fused_rope`` asks for it."""
+        ``use_flashinfer_fused_rope`` asks for it. Returns ``[n, 1, H, D]`` views of the
+        step's ``n`` tokens, as Megatron-Core does."""
         from dynctx.kernels import rope
 
         n = self._rope_positions(query, "query", self.token_to_pos_ids)
         positions = self.token_to_pos_ids[:n]
-        interleaved = self._rope_layout(config)
+        layout = self._rope_layout(config)
         use_flashinfer = self.use_flashinfer_fused_rope
         if use_flashinfer is None:
-            use_flashinfer = rope.flashinfer_rope_available(self.device)
+            use_flashinfer = rope.flashinfer_rope_available(self.device) and not layout["mla_layout"]
         if use_flashinfer:
-            rope.apply_rope_flashinfer(query, key, positions, cos_sin_emb, interleaved)
+            if layout["mla_layout"]:
+                raise ValueError("use_flashinfer_fused_rope: FlashInfer has no MLA rope layout "
+                                 "(config.multi_latent_attention)")
+            rope.apply_rope_flashinfer(query, key, positions, cos_sin_emb, layout["interleaved"])
         else:
             rope.fused_qk_rope(query, key, positions, cos_sin_cache=cos_sin_emb,
-                               interleaved=interleaved, backend=self.kernel_backend)
+                               backend=self.kernel_backend, **layout)
+        query, key = query[:n], key[:n]
+        if query.dim() == 3:
+            query, key = query.unsqueeze(1), key.unsqueeze(1)
         return query, key
 
     def apply_rotary_emb_and_append_key_value_cache(
@@ -1021,9 +1028,8 @@ class DynamicInferenceContext:
                        self.memory_buffer[0, layer], self.memory_buffer[1, layer],
                        self.token_to_block_idx[:n],
                        self.token_to_local_position_within_kv_block[:n],
-                       cos_sin_cache=cos_sin_emb, freqs=rotary_pos_emb,
-                       interleaved=self._rope_layout(config), mscale=mscale,
-                       backend=self.kernel_backend)
+                       cos_sin_cache=cos_sin_emb, freqs=rotary_pos_emb, mscale=mscale,
+                       backend=self.kernel_backend, **self._rope_layout(config))
         return query, key
 
     # ------------------------------------------------------------------ logits

@@ -3,8 +3,6 @@ and bad input (which must raise and leave the context exactly as it was)."""
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pytest
 import torch
@@ -18,85 +16,14 @@ from dynctx.context import (
     DynamicInferenceRequest,
     MaxSequenceLengthOverflowError,
     RequestOverflowError,
-    SamplingParams,
     TensorStateDeallocatedError,
     TokenOverflowError,
     get_mem_size_str,
 )
 
-GIB = 1024 ** 3
-BLOCK = 4 * 2 * 2 * 4 * 2 * 8  # fp32, K and V, 2 layers, 4 tokens, 2 heads, dim 8
-
-
-def make_ctx(**overrides) -> DynamicInferenceContext:
-    """A small fp32 context: 2 layers, 2 heads of 8, block 4 tokens (BLOCK bytes per block)."""
-    args = dict(params_dtype=torch.float32, num_layers=2, kv_channels=8, num_attention_heads=2,
-                max_sequence_length=64, buffer_size_gb=40 * BLOCK / GIB,
-                paused_buffer_size_gb=8 * BLOCK / GIB, block_size_tokens=4, max_tokens=64,
-                max_requests=8, unified_memory_level=0, device="cpu")
-    args.update(overrides)
-    return DynamicInferenceContext(**args)
-
-
-def request(rid: int, length: int, gen: int = 8, termination_id: int = -1) -> DynamicInferenceRequest:
-    return DynamicInferenceRequest(
-        request_id=rid, prompt_tokens=torch.arange(100 + rid, 100 + rid + length),
-        sampling_params=SamplingParams(num_tokens_to_generate=gen, termination_id=termination_id))
-
-
-def add(ctx, req, chunk_length=None):
-    ctx.add_request(req, chunk_length)
-    chunk = chunk_length or req.remaining_prompt_length
-    req.remaining_prompt_tokens = req.remaining_prompt_tokens[chunk:]
-    req.finished_chunk_token_count += chunk
-
-
-def step(ctx, finished_ids=()):
-    """One step: metadata, then every active request samples its id * 10 + step-ish token."""
-    ctx.initialize_attention_state()
-    P, T = ctx.paused_request_count, ctx.total_request_count
-    ids = ctx.host_request_ids()[P:T]
-    mask = torch.tensor([int(i) not in set(finished_ids) for i in ids], dtype=torch.bool)
-    tokens = torch.tensor([int(i) * 10 + 1 for i in ids], dtype=torch.int64)
-    return ctx.update_requests(mask, tokens)
-
-
-def snapshot(ctx) -> dict:
-    """Everything observable that bad input must not change."""
-    T = ctx.total_request_count
-    return dict(
-        counts=(ctx.paused_request_count, T, ctx.active_token_count, ctx.num_prefill_requests,
-                ctx.chunked_prefill_request_id, ctx.block_allocator.total_avail),
-        bag=ctx.block_allocator.block_bag.copy(),
-        fields=ctx._h_req[:, :T].copy(),
-        table=ctx.block_table_host[:T].copy(),
-        live=set(ctx._live_ids),
-    )
-
-
-def assert_same(a: dict, b: dict) -> None:
-    assert a["counts"] == b["counts"]
-    assert np.array_equal(a["bag"], b["bag"])
-    assert np.array_equal(a["fields"], b["fields"])
-    assert np.array_equal(a["table"], b["table"])
-    assert a["live"] == b["live"]
-
-
-def check_invariants(ctx) -> None:
-    """Every block is free or owned by exactly one live request; device mirrors the host."""
-    P, T = ctx.paused_request_count, ctx.total_request_count
-    table = ctx.block_table_host
-    owned = table[:T][table[:T] >= 0]
-    assert owned.size == np.unique(owned).size, "a block is owned twice"
-    assert np.all(table[T:] == -1)
-    alloc = ctx.block_allocator
-    free = alloc.block_bag[:alloc.total_avail]
-    assert np.intersect1d(free, owned).size == 0
-    assert owned.size + alloc.total_avail == alloc.total_count - 1, "blocks leaked"
-    counts = ctx.kv_block_counts_host[:T]
-    assert np.array_equal((table[:T] >= 0).sum(axis=1), counts)
-    assert np.array_equal(ctx.request_to_kv_block_ids.cpu().numpy(), table)
-    assert np.array_equal(ctx.request_kv_block_counts[:T].cpu().numpy(), counts)
+from helpers import (  # tests/context is on sys.path under pytest (rootdir conftest)
+    BLOCK, GIB, add, assert_same, check_invariants, make_ctx, request, snapshot, step,
+)
 
 
 # ---------------------------------------------------------------- construction
@@ -586,3 +513,43 @@ def test_vocab_and_validate_checks():
         with pytest.raises(ValueError, match="new_tokens"):
             ctx.update_requests(torch.tensor([True]), bad)
         assert_same(before, snapshot(ctx))
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["half-split", "interleaved"])
+def test_rotary_methods_match_megatron(interleaved):
+    from types import SimpleNamespace
+
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+
+    ctx = make_ctx()
+    add(ctx, request(1, 5))
+    add(ctx, request(2, 3))
+    ctx.initialize_attention_state()
+    n = ctx.padded_active_token_count
+    inv = 1.0 / (10000 ** (torch.arange(0, 8, 2).float() / 8))
+    angles = torch.outer(torch.arange(64).float(), inv)
+    emb = torch.stack([angles, angles], -1).flatten(1) if interleaved else torch.cat([angles, angles], -1)
+    freqs = emb[:, None, None, :]
+    config = SimpleNamespace(rotary_interleaved=interleaved, multi_latent_attention=False)
+    query, key = torch.randn(n, 1, 4, 8), torch.randn(n, 1, 2, 8)
+    positions = ctx.token_to_pos_ids[:n]
+    expected_q = _apply_rotary_pos_emb_bshd(query.clone(), freqs[positions], rotary_interleaved=interleaved)
+    expected_k = _apply_rotary_pos_emb_bshd(key.clone(), freqs[positions], rotary_interleaved=interleaved)
+    q_out = ctx.apply_rotary_emb_query(query.clone(), freqs, config, None, None)
+    k_out = ctx.apply_rotary_emb_key(key.clone(), freqs, config, None)
+    torch.testing.assert_close(q_out[:8], expected_q[:8], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(k_out[:8], expected_k[:8], rtol=1e-6, atol=1e-6)
+    if not interleaved:
+        cos_sin = torch.cat([angles.cos(), angles.sin()], -1)
+        q2, k2 = ctx.apply_fused_qk_rotary_emb(query.clone(), key.clone(), cos_sin, config)
+        assert q2.shape == (n, 1, 4, 8)
+        torch.testing.assert_close(q2[:8], expected_q[:8], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(k2[:8], expected_k[:8], rtol=1e-5, atol=1e-5)
+    # The fused rope + KV append writes the rotated key into the cache.
+    q3, k3 = ctx.apply_rotary_emb_and_append_key_value_cache(
+        1, query.clone(), key.clone(), torch.randn(n, 1, 2, 8), rotary_pos_emb=freqs, config=config)
+    k_cache, _ = ctx.key_value_cache(1)
+    block = ctx.block_table_host[0, 0]
+    torch.testing.assert_close(k_cache[block, :4], expected_k[:4, 0], rtol=1e-6, atol=1e-6)
+    with pytest.raises(NotImplementedError, match="context parallelism"):
+        ctx.apply_rotary_emb_query(query, freqs, config, None, SimpleNamespace(size=lambda: 2))

@@ -1,0 +1,317 @@
+"""Rope + KV append: rotate query and key in place and write the rotated key and the value
+into the paged KV cache, all in one launch.
+
+The rotation is exactly ``fused_qk_rope``'s (``kernels/rope.py``: same tables, layouts,
+``mscale``, fp32 math); the cache write is ``kv_append``'s: ``key_cache[block_ids[t], slots[t]]
+= rotated key[t]`` and the same for ``value``, bit-exact copies of what ``key`` holds after the
+rotation. Tokens whose block id or slot is negative are rotated but not written to the cache.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import _autotune
+from ._autotune import KernelConfig, KernelTuning, TuneCase
+from ._backend import HAS_TRITON, resolve_backend
+from .rope import (as_head_view, assert_rope_close, check_rope_args, fused_qk_rope_ref,
+                   fused_qk_rope_tune_key, make_rope_tables, rope_block_configs,
+                   rope_block_default, rope_meta, _next_pow2)
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    from .rope import _rope_cos_sin, _rope_pair_offsets, _rope_rotate_tile
+
+
+def rope_kv_append_tune_key(**shapes) -> dict:
+    """The ``fused_qk_rope`` key: ``num_k_heads`` is also the value/cache head count."""
+    return fused_qk_rope_tune_key(**shapes)
+
+
+def rope_kv_append_configs(key: dict) -> list[KernelConfig]:
+    # key programs also copy the whole value head and the key's pass-through dims
+    return rope_block_configs(_next_pow2(key["head_dim"]),
+                              max(key["num_q_heads"], key["num_k_heads"]))
+
+
+def rope_kv_append_default_config(key: dict) -> KernelConfig:
+    return rope_block_default(_next_pow2(key["head_dim"]),
+                              max(key["num_q_heads"], key["num_k_heads"]), key["num_tokens"])
+
+
+def rope_kv_append_presets() -> list[dict]:
+    """Llama-3-8B (GQA 32/8, D 128, half-split, bf16) at decode and prefill sizes."""
+    llama = dict(num_q_heads=32, num_k_heads=8, head_dim=128, rot_dim=128, layout="neox",
+                 dtype="bfloat16")
+    keys = [rope_kv_append_tune_key(num_tokens=n, table="freqs", **llama)
+            for n in (1, 16, 64, 256, 2048, 8192)]
+    keys += [rope_kv_append_tune_key(num_tokens=64, table="cos_sin", **llama)]
+    return keys
+
+
+if HAS_TRITON:
+
+    @triton.heuristics({"HAS_QUERY": lambda args: args["query_ptr"] is not None})
+    @triton.jit
+    def _rope_kv_append_kernel(
+        query_ptr, key_ptr, key_cache_ptr, value_cache_ptr,
+        value_ptr, table_ptr,
+        positions_ptr, block_ids_ptr, slots_ptr,
+        num_tokens, num_q_heads, num_kv_heads, mscale,
+        stride_query_token, stride_query_head, stride_key_token, stride_key_head,
+        stride_value_token, stride_value_head,
+        stride_key_cache_block, stride_key_cache_slot, stride_key_cache_head,
+        stride_value_cache_block, stride_value_cache_slot, stride_value_cache_head,
+        stride_table_pos,
+        HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, HALF_BLOCK: tl.constexpr,
+        DIM_BLOCK: tl.constexpr, TAIL_BLOCK: tl.constexpr, LAYOUT: tl.constexpr,
+        TABLE_IS_FREQS: tl.constexpr, HAS_QUERY: tl.constexpr,
+        BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+    ):
+        """Grid (token tiles, query head tiles + kv head tiles); kv programs also append."""
+        pid_t = tl.program_id(0).to(tl.int64)
+        pid_h = tl.program_id(1)
+        offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+        mask_t = offs_t < num_tokens
+        positions = tl.load(positions_ptr + offs_t, mask=mask_t, other=0).to(tl.int64)
+        offs_pair, mask_pair, in1, in2, out1, out2 = _rope_pair_offsets(LAYOUT, ROT_DIM, HALF_BLOCK)
+        cos1, sin1, cos2, sin2 = _rope_cos_sin(table_ptr, positions, mask_t, stride_table_pos,
+                                               offs_pair, mask_pair, out1, out2, mscale,
+                                               ROT_DIM, TABLE_IS_FREQS)
+        num_q_tiles = tl.cdiv(num_q_heads, BLOCK_H)
+        if HAS_QUERY:
+            if pid_h < num_q_tiles:
+                offs_h = (pid_h * BLOCK_H + tl.arange(0, BLOCK_H)).to(tl.int64)
+                _rope_rotate_tile(query_ptr, offs_t, mask_t, offs_h, offs_h < num_q_heads,
+                                  stride_query_token, stride_query_head, in1, in2, out1, out2,
+                                  mask_pair, cos1, sin1, cos2, sin2, LAYOUT >= 2)
+        if pid_h >= num_q_tiles:
+            offs_h = ((pid_h - num_q_tiles) * BLOCK_H + tl.arange(0, BLOCK_H)).to(tl.int64)
+            mask_h = offs_h < num_kv_heads
+            key_first, key_second = _rope_rotate_tile(
+                key_ptr, offs_t, mask_t, offs_h, mask_h, stride_key_token, stride_key_head,
+                in1, in2, out1, out2, mask_pair, cos1, sin1, cos2, sin2, LAYOUT >= 2)
+            block_ids = tl.load(block_ids_ptr + offs_t, mask=mask_t, other=-1).to(tl.int64)
+            slots = tl.load(slots_ptr + offs_t, mask=mask_t, other=-1).to(tl.int64)
+            # padding tokens (negative block id or slot) are rotated but never appended
+            mask_write = mask_t & (block_ids >= 0) & (slots >= 0)
+            mask_rows = mask_write[:, None, None] & mask_h[None, :, None]
+            # [BLOCK_T, BLOCK_H, 1]
+            key_rows = key_ptr + offs_t[:, None, None] * stride_key_token \
+                + offs_h[None, :, None] * stride_key_head
+            key_cache_rows = key_cache_ptr + block_ids[:, None, None] * stride_key_cache_block \
+                + slots[:, None, None] * stride_key_cache_slot \
+                + offs_h[None, :, None] * stride_key_cache_head
+            mask_rot = mask_rows & mask_pair[None, None, :]
+            tl.store(key_cache_rows + out1[None, None, :],
+                     key_first.to(key_cache_ptr.dtype.element_ty), mask=mask_rot)
+            tl.store(key_cache_rows + out2[None, None, :],
+                     key_second.to(key_cache_ptr.dtype.element_ty), mask=mask_rot)
+            if TAIL_BLOCK > 0:
+                offs_tail = ROT_DIM + tl.arange(0, TAIL_BLOCK)
+                mask_tail = mask_rows & (offs_tail < HEAD_DIM)[None, None, :]
+                tail = tl.load(key_rows + offs_tail[None, None, :], mask=mask_tail)
+                tl.store(key_cache_rows + offs_tail[None, None, :], tail, mask=mask_tail)
+            offs_d = tl.arange(0, DIM_BLOCK)
+            mask_value = mask_rows & (offs_d < HEAD_DIM)[None, None, :]
+            value = tl.load(value_ptr + offs_t[:, None, None] * stride_value_token
+                            + offs_h[None, :, None] * stride_value_head + offs_d[None, None, :],
+                            mask=mask_value)
+            tl.store(value_cache_ptr + block_ids[:, None, None] * stride_value_cache_block
+                     + slots[:, None, None] * stride_value_cache_slot
+                     + offs_h[None, :, None] * stride_value_cache_head + offs_d[None, None, :],
+                     value, mask=mask_value)
+
+
+def _check_cache(cache, name: str, like: torch.Tensor) -> None:
+    if not isinstance(cache, torch.Tensor) or cache.dim() != 4:
+        raise ValueError(f"{name} must be [num_blocks, block_size, H, D]")
+    if tuple(cache.shape[2:]) != tuple(like.shape[1:]):
+        raise ValueError(f"{name} heads/dim {tuple(cache.shape[2:])} != key's "
+                         f"{tuple(like.shape[1:])}")
+    if cache.dtype != like.dtype:
+        raise ValueError(f"{name} dtype {cache.dtype} != key dtype {like.dtype}")
+    if cache.shape[3] > 1 and cache.stride(3) != 1:
+        raise ValueError(f"{name} needs a contiguous last dim")
+    if cache.device != like.device:
+        raise ValueError(f"{name} is on {cache.device}, expected {like.device}")
+
+
+def _check_index(index, name: str, num_tokens: int, device: torch.device) -> None:
+    if not isinstance(index, torch.Tensor) or index.dim() != 1 or index.numel() != num_tokens:
+        raise ValueError(f"{name} must be a 1-D tensor of positions.numel()={num_tokens} entries")
+    if index.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{name} must be int32 or int64, got {index.dtype}")
+    if num_tokens > 1 and index.stride(0) != 1:
+        raise ValueError(f"{name} must be contiguous")
+    if index.device != device:
+        raise ValueError(f"{name} is on {index.device}, expected {device}")
+
+
+def rope_kv_append(query: Optional[torch.Tensor], key: torch.Tensor, value: torch.Tensor,
+                   positions: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                   block_ids: torch.Tensor, slots: torch.Tensor, *,
+                   cos_sin_cache: Optional[torch.Tensor] = None,
+                   freqs: Optional[torch.Tensor] = None, interleaved: bool = False,
+                   mscale: float = 1.0, mla_layout: bool = False,
+                   config: KernelConfig | None = None, backend: str | None = None) -> None:
+    """Rotate ``query[:n]`` and ``key[:n]`` IN PLACE and append key and value to the cache.
+
+    query/key/positions/cos_sin_cache/freqs/interleaved/mscale/mla_layout: as ``fused_qk_rope``
+        (``query`` may be None; ``key`` may not).
+    value: ``[>=n, Hk, D]`` or ``[>=n, 1, Hk, D]``, key's dtype, any strides, last dim contiguous.
+    key_cache, value_cache: ``[num_blocks, block_size, Hk, D]``, key's dtype, last dim
+        contiguous, otherwise strided (views of ``[2, L, blocks, bs, H, D]``); written IN PLACE
+        at ``[block_ids[t], slots[t]]`` for ``t < n`` whose block id and slot are both >= 0.
+    block_ids, slots: ``[n]`` int32/int64, contiguous; targets must be in range (not checked).
+    """
+    if key is None:
+        raise ValueError("key must be a tensor (only query may be None)")
+    problem = check_rope_args(query, key, positions, cos_sin_cache, freqs, interleaved, mla_layout)
+    n, k = problem.num_tokens, problem.key
+    v = as_head_view(value, "value", n)
+    if tuple(v.shape[1:]) != tuple(k.shape[1:]) or v.dtype != k.dtype or v.device != k.device:
+        raise ValueError(f"value {tuple(v.shape)} {v.dtype} must match key's heads, dim and dtype")
+    _check_cache(key_cache, "key_cache", k)
+    _check_cache(value_cache, "value_cache", k)
+    _check_index(block_ids, "block_ids", n, k.device)
+    _check_index(slots, "slots", n, k.device)
+    if n == 0:
+        return
+    device = positions.device
+    if resolve_backend(backend, device) == "torch":
+        rope_kv_append_ref(query, key, value, positions, key_cache, value_cache, block_ids, slots,
+                           cos_sin_cache=cos_sin_cache, freqs=freqs, interleaved=interleaved,
+                           mscale=mscale, mla_layout=mla_layout)
+        return
+    if config is None:
+        config, _ = _autotune.resolve_config("rope_kv_append", problem.tune_key(), device)
+    block_t, block_h = config.kwargs["BLOCK_T"], config.kwargs["BLOCK_H"]
+    q, dim, rot = problem.query, problem.head_dim, problem.rot_dim
+    grid = (triton.cdiv(n, block_t),
+            triton.cdiv(problem.num_q_heads, block_h) + triton.cdiv(problem.num_k_heads, block_h))
+    _rope_kv_append_kernel[grid](
+        query_ptr=q, key_ptr=k, key_cache_ptr=key_cache, value_cache_ptr=value_cache,
+        value_ptr=v, table_ptr=problem.table,
+        positions_ptr=positions, block_ids_ptr=block_ids, slots_ptr=slots,
+        num_tokens=n, num_q_heads=problem.num_q_heads, num_kv_heads=problem.num_k_heads,
+        mscale=float(mscale),
+        stride_query_token=0 if q is None else q.stride(0),
+        stride_query_head=0 if q is None else q.stride(1),
+        stride_key_token=k.stride(0), stride_key_head=k.stride(1),
+        stride_value_token=v.stride(0), stride_value_head=v.stride(1),
+        stride_key_cache_block=key_cache.stride(0), stride_key_cache_slot=key_cache.stride(1),
+        stride_key_cache_head=key_cache.stride(2),
+        stride_value_cache_block=value_cache.stride(0),
+        stride_value_cache_slot=value_cache.stride(1),
+        stride_value_cache_head=value_cache.stride(2),
+        stride_table_pos=problem.table.stride(0),
+        HEAD_DIM=dim, DIM_BLOCK=_next_pow2(dim),
+        TAIL_BLOCK=0 if rot == dim else _next_pow2(dim - rot),
+        **rope_meta(problem), **config.launch_kwargs(),
+    )
+
+
+@torch.library.custom_op("dynctx::rope_kv_append",
+                         mutates_args=("query", "key", "key_cache", "value_cache"))
+def _rope_kv_append_op(query: Optional[torch.Tensor], key: torch.Tensor, value: torch.Tensor,
+                       positions: torch.Tensor, key_cache: torch.Tensor,
+                       value_cache: torch.Tensor, block_ids: torch.Tensor, slots: torch.Tensor,
+                       cos_sin_cache: Optional[torch.Tensor], freqs: Optional[torch.Tensor],
+                       interleaved: bool, mscale: float, mla_layout: bool) -> None:
+    rope_kv_append(query, key, value, positions, key_cache, value_cache, block_ids, slots,
+                   cos_sin_cache=cos_sin_cache, freqs=freqs, interleaved=interleaved,
+                   mscale=mscale, mla_layout=mla_layout, backend=None)
+
+
+@_rope_kv_append_op.register_fake
+def _rope_kv_append_fake(query, key, value, positions, key_cache, value_cache, block_ids, slots,
+                         cos_sin_cache, freqs, interleaved, mscale, mla_layout) -> None:
+    return None
+
+
+def _kv_append_ref(key_cache, value_cache, key, value, block_ids, slots) -> None:
+    """``cache[block_ids[t], slots[t]] = x[t]`` for ``t < n`` with both indices >= 0."""
+    n = block_ids.numel()
+    keep = (block_ids >= 0) & (slots >= 0)
+    blocks, slots = block_ids[keep].long(), slots[keep].long()
+    for cache, x in ((key_cache, key), (value_cache, value)):
+        heads = x[:, 0] if x.dim() == 4 else x
+        cache[blocks, slots] = heads[:n][keep]
+
+
+def rope_kv_append_ref(query, key, value, positions, key_cache, value_cache, block_ids, slots, *,
+                       cos_sin_cache=None, freqs=None, interleaved: bool = False,
+                       mscale: float = 1.0, mla_layout: bool = False) -> None:
+    """Readable torch reference: ``fused_qk_rope_ref``, then the KV append of the result."""
+    fused_qk_rope_ref(query, key, positions, cos_sin_cache=cos_sin_cache, freqs=freqs,
+                      interleaved=interleaved, mscale=mscale, mla_layout=mla_layout)
+    _kv_append_ref(key_cache, value_cache, key, value, block_ids, slots)
+
+
+class _RopeKVAppendCase(TuneCase):
+    """Scratch q/k/v and a ``[2, 1, blocks, 16, Hk, D]`` cache; tokens land in shuffled slots."""
+
+    def __init__(self, key: dict, device: torch.device):
+        n, dim, dtype = key["num_tokens"], key["head_dim"], getattr(torch, key["dtype"])
+        heads_q, heads_kv, block_size = key["num_q_heads"], key["num_k_heads"], 16
+        self.interleaved = key["layout"] in ("gptj", "mla_gptj")
+        self.mla_layout = key["layout"].startswith("mla")
+        max_pos = max(4096, n)
+        freqs, cos_sin = make_rope_tables(max_pos, key["rot_dim"], self.interleaved, device=device)
+        self.table = {"freqs": freqs} if key["table"] == "freqs" else {"cos_sin_cache": cos_sin}
+        generator = torch.Generator(device="cpu").manual_seed(0)
+        self.positions = torch.randint(0, max_pos, (n,), generator=generator).to(device)
+        num_blocks = -(-n // block_size) + 1
+        targets = torch.randperm(num_blocks * block_size, generator=generator)[:n]
+        self.block_ids = (targets // block_size).to(device)
+        self.slots = (targets % block_size).to(device)
+        self.originals = [None if heads == 0 else
+                          (torch.rand(n, heads, dim, generator=generator) * 2 - 1).to(device, dtype)
+                          for heads in (heads_q, heads_kv, heads_kv)]
+        self.buffer = torch.zeros(2, 1, num_blocks, block_size, heads_kv, dim, dtype=dtype,
+                                  device=device)
+        self.tensors = [None if x is None else x.clone() for x in self.originals]
+        itemsize = self.buffer.element_size()
+        self.bytes_moved = itemsize * n * (2 * heads_q * key["rot_dim"] + 2 * heads_kv * dim
+                                           + 2 * heads_kv * key["rot_dim"] + 2 * heads_kv * dim)
+
+    def _launch(self, tensors, buffer, config, backend):
+        query, key, value = tensors
+        rope_kv_append(query, key, value, self.positions, buffer[0, 0], buffer[1, 0],
+                       self.block_ids, self.slots, interleaved=self.interleaved,
+                       mla_layout=self.mla_layout, config=config, backend=backend, **self.table)
+
+    def run(self, config: KernelConfig) -> None:
+        self._launch(self.tensors, self.buffer, config, "triton")
+
+    def run_reference(self) -> None:
+        self._launch(self.tensors, self.buffer, None, "torch")
+
+    def check(self, config: KernelConfig) -> None:
+        actual = [None if x is None else x.clone() for x in self.originals]
+        expected = [None if x is None else x.float() for x in self.originals]
+        buffer = torch.full_like(self.buffer, float("nan"))
+        expected_buffer = buffer.float()
+        self._launch(actual, buffer, config, "triton")
+        self._launch(expected, expected_buffer, None, "torch")
+        for name, got, want in (("query", actual[0], expected[0]), ("key", actual[1], expected[1]),
+                                ("cache", buffer, expected_buffer)):
+            if got is not None:
+                assert_rope_close(got.nan_to_num(7.0), want.nan_to_num(7.0), 1.0, name)
+        if not torch.equal(buffer[0, 0, self.block_ids, self.slots], actual[1]):
+            raise AssertionError("key_cache does not hold the rotated key bit for bit")
+        if not torch.equal(buffer[1, 0, self.block_ids, self.slots], self.originals[2]):
+            raise AssertionError("value_cache does not hold the value bit for bit")
+
+
+_autotune.register(KernelTuning(
+    name="rope_kv_append", configs=rope_kv_append_configs,
+    default_config=rope_kv_append_default_config, tune_key=rope_kv_append_tune_key,
+    make_case=lambda key, device: _RopeKVAppendCase(key, torch.device(device)),
+    presets=rope_kv_append_presets,
+))
