@@ -156,15 +156,18 @@ def canonical_json(obj: Any) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def _load_file(path: str, mtime_ns: int) -> dict:
-    with open(path) as f:
-        data = json.load(f)
+def _load_file(path: str, mtime_ns: int, size: int) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError do not name the file
+        raise ValueError(f"{path}: not valid JSON ({exc})") from None
     validate_cache_data(data, path)
     return data
 
 
 def validate_cache_data(data: Any, path: str = "<data>") -> None:
-    """Raise ``ValueError`` unless ``data`` is a well-formed config file."""
+    """Raise ``ValueError`` naming ``path`` unless ``data`` is a well-formed config file."""
     if not isinstance(data, dict):
         raise ValueError(f"{path}: top level must be an object")
     for name in ("device", "kernel", "entries", "format", "versions"):
@@ -172,18 +175,43 @@ def validate_cache_data(data: Any, path: str = "<data>") -> None:
             raise ValueError(f"{path}: missing field {name!r}")
     if data["format"] != FORMAT_VERSION:
         raise ValueError(f"{path}: format {data['format']!r} != {FORMAT_VERSION}")
+    for name in ("device", "kernel"):
+        if not isinstance(data[name], str) or not data[name]:
+            raise ValueError(f"{path}: {name!r} must be a non-empty string")
+    if not isinstance(data["versions"], dict):
+        raise ValueError(f"{path}: 'versions' must be an object")
+    if not isinstance(data["entries"], list):
+        raise ValueError(f"{path}: 'entries' must be a list")
+    seen_keys = set()
     for i, entry in enumerate(data["entries"]):
+        if not isinstance(entry, dict):
+            raise ValueError(f"{path}: entry {i} must be an object")
         for name in ("key", "config", "times_us"):
             if name not in entry:
                 raise ValueError(f"{path}: entry {i} lacks {name!r}")
-        KernelConfig.from_dict(entry["config"])
-        if not entry["times_us"] or not all(t > 0 for t in entry["times_us"].values()):
+        key = entry["key"]
+        if not isinstance(key, dict) or not key or not all(
+                isinstance(v, (str, int, float, bool)) for v in key.values()):
+            raise ValueError(f"{path}: entry {i} key must be a non-empty object of scalars")
+        key_text = json.dumps(key, sort_keys=True)
+        if key_text in seen_keys:
+            raise ValueError(f"{path}: entry {i} repeats key {key}")
+        seen_keys.add(key_text)
+        try:
+            KernelConfig.from_dict(entry["config"])
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise ValueError(f"{path}: entry {i} has a malformed config ({exc!r})") from None
+        times = entry["times_us"]
+        if not isinstance(times, dict) or not times or not all(
+                isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t) and t > 0
+                for t in times.values()):
             raise ValueError(f"{path}: entry {i} has no measured times")
 
 
 def load_cache_file(path: Path) -> dict:
     path = Path(path)
-    return _load_file(str(path), path.stat().st_mtime_ns)
+    stat = path.stat()
+    return _load_file(str(path), stat.st_mtime_ns, stat.st_size)
 
 
 def cache_paths(name: str, device: str) -> list[tuple[str, Path]]:
