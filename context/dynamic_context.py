@@ -855,10 +855,7 @@ class DynamicInferenceContext:
             backend=self.kernel_backend)
         self._h2d.advance()
 
-        if prefill == 0:
-            max_seqlen_q = 1
-        else:
-            max_seqlen_q = max(2, int(q.max()) if A else 1)
+        max_seqlen_q = int(q.max()) if A else 1
         max_seqlen_k = int(kv.max()) if A else 1
         self.active_attn_metadata = SimpleNamespace(
             query_lengths=device["attn_query_lengths"][:padded_requests],

@@ -51,7 +51,7 @@ class HostToDevice:
         """``dst.copy_(src)`` for a contiguous numpy ``src`` of the same shape and dtype."""
         src = np.ascontiguousarray(src)
         if not self.pinned:
-            dst.copy_(torch.from_numpy(src).view(dst.shape))
+            dst.copy_(torch.from_numpy(src).view(dst.shape), non_blocking=True)
             return
         nbytes = src.nbytes
         if nbytes > self.capacity:
