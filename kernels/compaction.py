@@ -1,0 +1,302 @@
+"""Request-row compaction: apply the host's row plan to the block table and next tokens.
+
+At the end of a step the host decides, for every request row of the next layout, where its
+state comes from: finished rows disappear, survivors move into holes, rows swap when requests
+pause or resume, evicted rows are cleared, and a resumed request gets one new block. The host
+writes that decision as a plan, and ``compact_requests`` applies it in one launch, reading the
+old (``src``) buffers and writing the new (``dst``) ones, so that any permutation is safe.
+
+For each destination row ``r < num_rows``, with ``s = plan_src[r]``:
+
+* ``s >= 0``: ``dst_block_table[r] = src_block_table[s]`` and ``dst_next_tokens[r]`` is
+  ``new_tokens[s - new_token_offset]`` if ``s >= new_token_offset`` (a row that was active and
+  just sampled) else ``src_next_tokens[s]`` (a paused row keeps its pending token);
+* ``s < 0``: the row becomes all -1 and its next token 0;
+* then, if ``plan_append_col[r] >= 0``, ``dst_block_table[r, plan_append_col[r]] =
+  plan_append_block[r]``.
+
+Rows ``[num_rows, clear_rows)`` become all -1 with next token 0; rows from
+``max(num_rows, clear_rows)`` on are untouched. Plan values are not checked on the host (that
+would sync): the kernel reads nothing out of bounds, a source row outside ``src_block_table``
+gives a -1 row and token 0, an append column outside the table is ignored; the reference
+raises ``IndexError`` instead.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _autotune
+from ._autotune import KernelConfig, KernelTuning, TuneCase, bucket_tokens
+from ._backend import HAS_TRITON, resolve_backend
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+_BLOCK_ROWS = (1, 4, 16)
+_BLOCK_COLS = (64, 128, 256)
+_WARPS = (1, 4)
+
+
+def compact_requests_configs(key: dict) -> list[KernelConfig]:
+    return [KernelConfig.make(BLOCK_R=r, BLOCK_C=c, num_warps=w)
+            for r in _BLOCK_ROWS for c in _BLOCK_COLS for w in _WARPS]
+
+
+def compact_requests_default_config(key: dict) -> KernelConfig:
+    block_cols = next((c for c in _BLOCK_COLS if c >= key["max_blocks"]), _BLOCK_COLS[-1])
+    return KernelConfig.make(BLOCK_R=4, BLOCK_C=block_cols, num_warps=4)
+
+
+def compact_requests_tune_key(*, max_blocks: int, num_rows: int) -> dict:
+    return {"max_blocks": int(max_blocks), "num_rows": bucket_tokens(num_rows)}
+
+
+class _CompactionCase(TuneCase):
+    """A step end with ``num_rows`` live rows: a few paused rows keep their token, the rest are
+    permuted active rows with holes, and every fourth row gets a block appended."""
+
+    def __init__(self, key: dict, device: torch.device):
+        rows, max_blocks = key["num_rows"], key["max_blocks"]
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        self.src_block_table = torch.randint(0, 1 << 20, (rows, max_blocks), generator=gen,
+                                             dtype=torch.int32).to(device)
+        self.dst_block_table = torch.full_like(self.src_block_table, -1)
+        self.src_next_tokens = torch.randint(0, 1 << 16, (rows,), generator=gen).to(device)
+        self.dst_next_tokens = torch.zeros_like(self.src_next_tokens)
+        self.new_token_offset = rows // 8
+        num_new_tokens = rows - self.new_token_offset
+        self.new_tokens = torch.randint(0, 1 << 16, (num_new_tokens,), generator=gen).to(device)
+        plan_src = torch.randperm(rows, generator=gen).to(torch.int32)
+        plan_src[::7] = -1
+        append_col = torch.where(torch.arange(rows) % 4 == 0,
+                                 torch.randint(0, max_blocks, (rows,), generator=gen), -1)
+        self.plan_src = plan_src.to(device)
+        self.plan_append_col = append_col.to(torch.int32).to(device)
+        self.plan_append_block = torch.randint(0, 1 << 20, (rows,), generator=gen,
+                                               dtype=torch.int32).to(device)
+        self.num_rows = rows
+        self.bytes_moved = 2 * rows * max_blocks * 4 + rows * (3 * 4 + 3 * 8)
+
+    def _call(self, dst_block_table, dst_next_tokens, config, backend):
+        compact_requests(dst_block_table, self.src_block_table, dst_next_tokens, self.src_next_tokens,
+                         self.new_tokens, self.plan_src, self.plan_append_col, self.plan_append_block,
+                         new_token_offset=self.new_token_offset, num_rows=self.num_rows,
+                         clear_rows=self.num_rows, config=config, backend=backend)
+
+    def run(self, config: KernelConfig) -> None:
+        self._call(self.dst_block_table, self.dst_next_tokens, config, "triton")
+
+    def run_reference(self) -> None:
+        self._call(self.dst_block_table, self.dst_next_tokens, None, "torch")
+
+    def check(self, config: KernelConfig) -> None:
+        expected_table = torch.full_like(self.dst_block_table, -7)
+        expected_tokens = torch.full_like(self.dst_next_tokens, -7)
+        self._call(expected_table, expected_tokens, None, "torch")
+        self.dst_block_table.fill_(-7)
+        self.dst_next_tokens.fill_(-7)
+        self.run(config)
+        assert torch.equal(self.dst_block_table, expected_table), f"{config}: block table differs"
+        assert torch.equal(self.dst_next_tokens, expected_tokens), f"{config}: next tokens differ"
+
+
+def _compaction_presets() -> list[dict]:
+    return [compact_requests_tune_key(max_blocks=b, num_rows=r)
+            for b in (128, 256) for r in (64, 256, 1024)]
+
+
+_autotune.register(KernelTuning(
+    name="compact_requests", configs=compact_requests_configs,
+    default_config=compact_requests_default_config, tune_key=compact_requests_tune_key,
+    token_field="num_rows", make_case=_CompactionCase, presets=_compaction_presets))
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _compact_requests_kernel(
+        dst_block_table_ptr, dst_next_tokens_ptr,
+        src_block_table_ptr, src_next_tokens_ptr, new_tokens_ptr,
+        plan_src_ptr, plan_append_col_ptr, plan_append_block_ptr,
+        num_rows, end_rows, num_src_rows, new_token_offset, num_new_tokens, max_blocks,
+        stride_dst_row, stride_dst_col, stride_src_row, stride_src_col,
+        BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    ):
+        """One [BLOCK_R, BLOCK_C] tile of the new block table; column tile 0 also writes the tokens."""
+        pid_col = tl.program_id(1)
+        offs_r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+        offs_c = pid_col.to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)
+        mask_r = offs_r < end_rows
+        mask_plan = offs_r < num_rows
+        mask_c = offs_c < max_blocks
+        # Rows past num_rows (cleared) read the plan as "no source, no append".
+        src = tl.load(plan_src_ptr + offs_r, mask=mask_plan, other=-1).to(tl.int64)
+        has_src = (src >= 0) & (src < num_src_rows)
+        append_col = tl.load(plan_append_col_ptr + offs_r, mask=mask_plan, other=-1).to(tl.int64)
+        append_block = tl.load(plan_append_block_ptr + offs_r, mask=mask_plan, other=-1)
+        # [BLOCK_R, BLOCK_C]
+        src_ptrs = src_block_table_ptr + src[:, None] * stride_src_row + offs_c[None, :] * stride_src_col
+        blocks = tl.load(src_ptrs, mask=has_src[:, None] & mask_c[None, :], other=-1)
+        blocks = tl.where(offs_c[None, :] == append_col[:, None], append_block[:, None], blocks)
+        dst_ptrs = dst_block_table_ptr + offs_r[:, None] * stride_dst_row + offs_c[None, :] * stride_dst_col
+        tl.store(dst_ptrs, blocks, mask=mask_r[:, None] & mask_c[None, :])
+        if pid_col == 0:
+            new_index = src - new_token_offset
+            from_new = has_src & (new_index >= 0) & (new_index < num_new_tokens)
+            from_old = has_src & (new_index < 0)
+            new = tl.load(new_tokens_ptr + new_index, mask=from_new, other=0).to(tl.int64)
+            old = tl.load(src_next_tokens_ptr + src, mask=from_old, other=0)
+            tl.store(dst_next_tokens_ptr + offs_r, tl.where(from_new, new, old), mask=mask_r)
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the memory spans of two tensors intersect."""
+    if a.numel() == 0 or b.numel() == 0 or a.device != b.device:
+        return False
+
+    def span(t):
+        start = t.data_ptr()
+        extent = sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride()))
+        return start, start + (extent + 1) * t.element_size()
+
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1
+
+
+def _check_tensor(name: str, t, *, dims: int, dtypes: tuple, device: torch.device) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
+    if t.dim() != dims:
+        raise ValueError(f"{name} must have {dims} dims, got shape {tuple(t.shape)}")
+    if t.dtype not in dtypes:
+        raise ValueError(f"{name} must be {' or '.join(map(str, dtypes))}, got {t.dtype}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device}, dst_block_table on {device}")
+
+
+def compact_requests(dst_block_table: torch.Tensor, src_block_table: torch.Tensor,
+                     dst_next_tokens: torch.Tensor, src_next_tokens: torch.Tensor,
+                     new_tokens: torch.Tensor, plan_src: torch.Tensor, plan_append_col: torch.Tensor,
+                     plan_append_block: torch.Tensor, *, new_token_offset: int, num_rows: int,
+                     clear_rows: int, config: KernelConfig | None = None,
+                     backend: str | None = None) -> None:
+    """Apply a row plan (see the module docstring) in one launch, writing ``dst_*`` in place.
+
+    Args:
+        dst_block_table, src_block_table: int32 ``[max_requests, max_blocks]`` (any strides,
+            the same number of columns), distinct memory. ``dst_block_table[:max(num_rows,
+            clear_rows)]`` is written.
+        dst_next_tokens, src_next_tokens: int64 ``[max_requests]``, distinct memory;
+            ``dst_next_tokens[:max(num_rows, clear_rows)]`` is written.
+        new_tokens: int32/int64 ``[A_old]``, the tokens just sampled, one per previously active
+            row (source rows ``new_token_offset + k``).
+        plan_src, plan_append_col, plan_append_block: int32 ``[>= num_rows]``.
+        new_token_offset: host int, source rows below it take their token from
+            ``src_next_tokens``.
+        num_rows, clear_rows: host ints; rows ``[num_rows, clear_rows)`` are cleared.
+    """
+    device = dst_block_table.device if isinstance(dst_block_table, torch.Tensor) else None
+    _check_tensor("dst_block_table", dst_block_table, dims=2, dtypes=(torch.int32,), device=device)
+    _check_tensor("src_block_table", src_block_table, dims=2, dtypes=(torch.int32,), device=device)
+    _check_tensor("dst_next_tokens", dst_next_tokens, dims=1, dtypes=(torch.int64,), device=device)
+    _check_tensor("src_next_tokens", src_next_tokens, dims=1, dtypes=(torch.int64,), device=device)
+    _check_tensor("new_tokens", new_tokens, dims=1, dtypes=(torch.int32, torch.int64), device=device)
+    for name, plan in (("plan_src", plan_src), ("plan_append_col", plan_append_col),
+                       ("plan_append_block", plan_append_block)):
+        _check_tensor(name, plan, dims=1, dtypes=(torch.int32,), device=device)
+        if plan.numel() < num_rows:
+            raise ValueError(f"{name} has {plan.numel()} entries, num_rows={num_rows}")
+    if src_block_table.shape[1] != dst_block_table.shape[1]:
+        raise ValueError(f"src_block_table has {src_block_table.shape[1]} columns, "
+                         f"dst_block_table {dst_block_table.shape[1]}")
+    if _overlap(dst_block_table, src_block_table):
+        raise ValueError("dst_block_table and src_block_table must not share memory")
+    for name, other in (("src_next_tokens", src_next_tokens), ("new_tokens", new_tokens)):
+        if _overlap(dst_next_tokens, other):
+            raise ValueError(f"dst_next_tokens and {name} must not share memory")
+    num_rows, clear_rows, new_token_offset = int(num_rows), int(clear_rows), int(new_token_offset)
+    if num_rows < 0 or clear_rows < 0:
+        raise ValueError(f"num_rows={num_rows} and clear_rows={clear_rows} must be >= 0")
+    end_rows = max(num_rows, clear_rows)
+    if end_rows > dst_block_table.shape[0]:
+        raise ValueError(f"dst_block_table has {dst_block_table.shape[0]} rows, "
+                         f"num_rows/clear_rows need {end_rows}")
+    if end_rows > dst_next_tokens.shape[0]:
+        raise ValueError(f"dst_next_tokens has {dst_next_tokens.shape[0]} entries, "
+                         f"num_rows/clear_rows need {end_rows}")
+    if not 0 <= new_token_offset <= src_next_tokens.shape[0]:
+        raise ValueError(f"new_token_offset={new_token_offset} must be in [0, "
+                         f"{src_next_tokens.shape[0]}] (src_next_tokens entries)")
+    if resolve_backend(backend, device) == "torch":
+        compact_requests_ref(dst_block_table, src_block_table, dst_next_tokens, src_next_tokens,
+                             new_tokens, plan_src, plan_append_col, plan_append_block,
+                             new_token_offset=new_token_offset, num_rows=num_rows,
+                             clear_rows=clear_rows)
+        return
+    max_blocks = dst_block_table.shape[1]
+    if end_rows == 0 or max_blocks == 0:
+        return
+    if config is None:
+        key = compact_requests_tune_key(max_blocks=max_blocks, num_rows=end_rows)
+        config, _ = _autotune.resolve_config("compact_requests", key, device)
+    meta = config.kwargs
+    grid = (triton.cdiv(end_rows, meta["BLOCK_R"]), triton.cdiv(max_blocks, meta["BLOCK_C"]))
+    _compact_requests_kernel[grid](
+        dst_block_table_ptr=dst_block_table, dst_next_tokens_ptr=dst_next_tokens,
+        src_block_table_ptr=src_block_table, src_next_tokens_ptr=src_next_tokens,
+        new_tokens_ptr=new_tokens, plan_src_ptr=plan_src, plan_append_col_ptr=plan_append_col,
+        plan_append_block_ptr=plan_append_block,
+        num_rows=num_rows, end_rows=end_rows, num_src_rows=src_block_table.shape[0],
+        new_token_offset=new_token_offset, num_new_tokens=new_tokens.shape[0],
+        max_blocks=max_blocks,
+        stride_dst_row=dst_block_table.stride(0), stride_dst_col=dst_block_table.stride(1),
+        stride_src_row=src_block_table.stride(0), stride_src_col=src_block_table.stride(1),
+        **config.launch_kwargs())
+
+
+def compact_requests_ref(dst_block_table: torch.Tensor, src_block_table: torch.Tensor,
+                         dst_next_tokens: torch.Tensor, src_next_tokens: torch.Tensor,
+                         new_tokens: torch.Tensor, plan_src: torch.Tensor,
+                         plan_append_col: torch.Tensor, plan_append_block: torch.Tensor, *,
+                         new_token_offset: int, num_rows: int, clear_rows: int) -> None:
+    """Torch reference of ``compact_requests``: gather every new row, then write them all."""
+    src = plan_src[:num_rows].long()
+    has_src = src >= 0
+    # The token each source row carries into the next step: paused rows keep theirs, the rows
+    # that were active take the one just sampled (Megatron's cat(paused_tokens, new_tokens)),
+    # and one trailing 0 serves the rows without a source.
+    carried_tokens = torch.cat([src_next_tokens[:new_token_offset], new_tokens.long(),
+                                src_next_tokens.new_zeros(1)])
+    no_source = carried_tokens.numel() - 1
+
+    rows = torch.where(has_src[:, None], src_block_table[src.clamp(min=0)], -1)
+    tokens = carried_tokens[torch.where(has_src, src, no_source)]
+    append_col = plan_append_col[:num_rows].long()
+    has_append = append_col >= 0
+    safe_col = append_col.clamp(min=0)[:, None]
+    kept = rows.gather(1, safe_col)
+    rows.scatter_(1, safe_col, torch.where(has_append[:, None], plan_append_block[:num_rows, None], kept))
+
+    dst_block_table[:num_rows] = rows
+    dst_next_tokens[:num_rows] = tokens
+    dst_block_table[num_rows:clear_rows] = -1
+    dst_next_tokens[num_rows:clear_rows] = 0
+
+
+@torch.library.custom_op("dynctx::compact_requests", mutates_args=("dst_block_table", "dst_next_tokens"))
+def _compact_requests_op(dst_block_table: torch.Tensor, src_block_table: torch.Tensor,
+                         dst_next_tokens: torch.Tensor, src_next_tokens: torch.Tensor,
+                         new_tokens: torch.Tensor, plan_src: torch.Tensor,
+                         plan_append_col: torch.Tensor, plan_append_block: torch.Tensor,
+                         new_token_offset: int, num_rows: int, clear_rows: int) -> None:
+    compact_requests(dst_block_table, src_block_table, dst_next_tokens, src_next_tokens, new_tokens,
+                     plan_src, plan_append_col, plan_append_block, new_token_offset=new_token_offset,
+                     num_rows=num_rows, clear_rows=clear_rows)
+
+
+@_compact_requests_op.register_fake
+def _(dst_block_table, src_block_table, dst_next_tokens, src_next_tokens, new_tokens, plan_src,
+      plan_append_col, plan_append_block, new_token_offset, num_rows, clear_rows):
+    return None

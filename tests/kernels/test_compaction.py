@@ -1,0 +1,235 @@
+"""compact_requests: Triton kernel and torch reference against a row-by-row Python oracle.
+
+Runs compiled on CUDA, or on a CPU under TRITON_INTERPRET=1 (set before pytest starts).
+Outputs live inside poisoned buffers (0xFF bytes, then 0x5A bytes, so that a row the kernel
+should set to -1 but skips is caught too); the whole buffer, guard bands included, must equal
+the oracle's.
+"""
+
+import pytest
+import torch
+
+from dynctx.kernels import _autotune
+from dynctx.kernels.compaction import (
+    compact_requests,
+    compact_requests_configs,
+    compact_requests_default_config,
+    compact_requests_ref,
+    compact_requests_tune_key,
+)
+
+pytestmark = pytest.mark.interpreter
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+GUARD = 2
+POISONS = (0xFF, 0x5A)
+
+
+def _source_state(max_requests, max_blocks, *, seed=0):
+    """A plausible old state: row i owns a few distinct blocks, then -1; a pending token per row."""
+    gen = torch.Generator().manual_seed(seed)
+    table = torch.full((max_requests, max_blocks), -1, dtype=torch.int32)
+    ids = torch.randperm(max_requests * max_blocks, generator=gen).to(torch.int32)
+    ids = ids.view(max_requests, max_blocks)
+    counts = torch.randint(1, max_blocks + 1, (max_requests,), generator=gen)
+    for row in range(max_requests):
+        table[row, :counts[row]] = ids[row, :counts[row]]
+    next_tokens = torch.randint(1000, 2000, (max_requests,), generator=gen)
+    return table.to(DEVICE), next_tokens.to(DEVICE)
+
+
+def _oracle(dst_table, dst_tokens, src_table, src_tokens, new_tokens, plan_src, append_col,
+            append_block, new_token_offset, num_rows, clear_rows):
+    """The contract, row by row (plans are host lists here)."""
+    for row in range(num_rows):
+        src = plan_src[row]
+        if src >= 0:
+            dst_table[row] = src_table[src]
+            if src >= new_token_offset:
+                dst_tokens[row] = new_tokens[src - new_token_offset]
+            else:
+                dst_tokens[row] = src_tokens[src]
+        else:
+            dst_table[row] = -1
+            dst_tokens[row] = 0
+        if append_col[row] >= 0:
+            dst_table[row, append_col[row]] = append_block[row]
+    for row in range(num_rows, clear_rows):
+        dst_table[row] = -1
+        dst_tokens[row] = 0
+
+
+def _poisoned(shape, dtype, poison, device=DEVICE):
+    buf = torch.empty([s + 2 * GUARD for s in shape], dtype=dtype, device=device)
+    buf.view(torch.uint8).fill_(poison)
+    return buf, buf[tuple(slice(GUARD, GUARD + size) for size in shape)]
+
+
+def _run_case(*, max_requests, max_blocks, plan_src, appends=None, new_token_offset=0,
+              num_new_tokens=None, clear_rows=None, new_dtype=torch.int64, config=None, seed=0):
+    num_rows = len(plan_src)
+    clear_rows = num_rows if clear_rows is None else clear_rows
+    appends = appends or {}
+    append_col = [appends.get(row, (-1, -1))[0] for row in range(num_rows)]
+    append_block = [appends.get(row, (-1, -1))[1] for row in range(num_rows)]
+    src_table, src_tokens = _source_state(max_requests, max_blocks, seed=seed)
+    if num_new_tokens is None:
+        num_new_tokens = max_requests - new_token_offset
+    new_tokens = torch.arange(5000, 5000 + num_new_tokens, dtype=new_dtype, device=DEVICE)
+    # Plans carry a poisoned tail: the kernel must read only the first num_rows entries.
+    def plan(values):
+        return torch.tensor(values + [7, 7], dtype=torch.int32, device=DEVICE)
+
+    for poison in POISONS:
+        results = {}
+        for who in ("triton", "torch", "oracle"):
+            # The oracle writes element by element: on the host.
+            device = "cpu" if who == "oracle" else DEVICE
+            table_buf, table = _poisoned((max_requests, max_blocks), torch.int32, poison, device)
+            tokens_buf, tokens = _poisoned((max_requests,), torch.int64, poison, device)
+            if who == "oracle":
+                _oracle(table, tokens, src_table.cpu(), src_tokens.cpu(), new_tokens.cpu(), plan_src,
+                        append_col, append_block, new_token_offset, num_rows, clear_rows)
+            else:
+                compact_requests(table, src_table, tokens, src_tokens, new_tokens, plan(plan_src),
+                                 plan(append_col), plan(append_block),
+                                 new_token_offset=new_token_offset, num_rows=num_rows,
+                                 clear_rows=clear_rows, config=config, backend=who)
+            results[who] = (table_buf, tokens_buf)
+        for who in ("triton", "torch"):
+            for index, name in enumerate(("block table", "next tokens")):
+                assert torch.equal(results[who][index].cpu(), results["oracle"][index]), (
+                    f"{who}: {name} (poison {poison:#x})")
+
+
+CASES = [
+    pytest.param(dict(max_requests=5, max_blocks=4, plan_src=[]), id="zero_rows"),
+    pytest.param(dict(max_requests=5, max_blocks=4, plan_src=[], clear_rows=4), id="clear_only"),
+    pytest.param(dict(max_requests=1, max_blocks=3, plan_src=[0]), id="one_row"),
+    pytest.param(dict(max_requests=9, max_blocks=7, plan_src=list(range(7))), id="identity_odd"),
+    pytest.param(dict(max_requests=6, max_blocks=5, plan_src=[1, 0, 3, 2, 4]), id="permutation_swaps"),
+    # Rows 1 and 3 finished: the tail survivors 5 and 4 fill the holes; rows 4, 5 are cleared.
+    pytest.param(dict(max_requests=8, max_blocks=5, plan_src=[0, 5, 2, 4], clear_rows=6), id="holes"),
+    # Resumed rows get a block at their first free column: mid-table, the last column, column 0.
+    pytest.param(dict(max_requests=6, max_blocks=6, plan_src=[0, 1, 2, -1],
+                      appends={0: (3, 900), 1: (5, 901), 3: (0, 902)}), id="appends_block_boundary"),
+    # Rows 0-2 are paused: they keep their pending token; rows from 3 on take the sampled one.
+    pytest.param(dict(max_requests=9, max_blocks=4, plan_src=[2, 0, 1, 6, 3, 5, 4],
+                      new_token_offset=3, num_new_tokens=4, clear_rows=9), id="paused_keep_token"),
+    pytest.param(dict(max_requests=7, max_blocks=4, plan_src=[0, -1, 2], clear_rows=5),
+                 id="evicted_hole_clear"),
+    pytest.param(dict(max_requests=7, max_blocks=4, plan_src=[4, 3, 2, 1, 0], clear_rows=2),
+                 id="clear_below_rows"),
+    pytest.param(dict(max_requests=6, max_blocks=3, plan_src=[5, 4, 3], new_dtype=torch.int32,
+                      new_token_offset=2, num_new_tokens=4), id="int32_new_tokens"),
+    pytest.param(dict(max_requests=10, max_blocks=9, plan_src=[9, 8, 7, 6, 5, 4, 3, 2, 1, 0],
+                      appends={9: (8, 77)}), id="full_table_reversed"),
+]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_matches_oracle(case):
+    _run_case(**case)
+
+
+# Every config: 21 rows and 70 columns give several row and column tiles for each block shape.
+ALL_CONFIGS_KEY = compact_requests_tune_key(max_blocks=70, num_rows=19)
+
+
+@pytest.mark.parametrize("config", [pytest.param(c, id=str(c))
+                                    for c in compact_requests_configs(ALL_CONFIGS_KEY)])
+def test_every_config(config):
+    gen = torch.Generator().manual_seed(11)
+    plan_src = torch.randperm(21, generator=gen)[:19].tolist()
+    plan_src[4] = plan_src[11] = -1
+    appends = {0: (69, 1000), 3: (64, 1001), 18: (0, 1002), 4: (63, 1003)}
+    _run_case(max_requests=21, max_blocks=70, plan_src=plan_src, appends=appends,
+              new_token_offset=5, num_new_tokens=16, clear_rows=21, config=config)
+
+
+def test_default_config_is_in_search_space():
+    for max_blocks in (4, 70, 128, 256, 1000):
+        for num_rows in (1, 64, 1024):
+            key = compact_requests_tune_key(max_blocks=max_blocks, num_rows=num_rows)
+            assert compact_requests_default_config(key) in compact_requests_configs(key)
+
+
+def test_tune_cases_check_at_scaled_down_presets():
+    tuning = _autotune.get_tuning("compact_requests")
+    for key in tuning.presets():
+        small = {**key, "num_rows": min(key["num_rows"], 4)}
+        case = tuning.make_case(small, DEVICE)
+        case.check(tuning.default_config(small))
+        case.run_reference()
+        assert case.bytes_moved > 0
+
+
+def test_disjoint_halves_of_one_allocation_are_allowed():
+    both = torch.full((8, 3), -1, dtype=torch.int32, device=DEVICE)
+    both[4:] = torch.arange(12, dtype=torch.int32, device=DEVICE).view(4, 3)
+    tokens = torch.arange(8, device=DEVICE)
+    plan = torch.tensor([3, 2, 1, 0], dtype=torch.int32, device=DEVICE)
+    none = torch.full((4,), -1, dtype=torch.int32, device=DEVICE)
+    compact_requests(both[:4], both[4:], tokens[:4], tokens[4:], tokens[:0], plan, none, none,
+                     new_token_offset=4, num_rows=4, clear_rows=0, backend="triton")
+    assert torch.equal(both[:4], both[4:].flip(0))
+    assert torch.equal(tokens[:4], torch.tensor([7, 6, 5, 4], device=DEVICE))
+
+
+def test_custom_op_matches_reference():
+    src_table, src_tokens = _source_state(5, 4)
+    args = [torch.tensor(v, dtype=torch.int32, device=DEVICE)
+            for v in ([2, 0, -1], [1, -1, 0], [55, -1, 66])]
+    new_tokens = torch.tensor([10, 11, 12], device=DEVICE)
+    got = (torch.full_like(src_table, 3), torch.full_like(src_tokens, 3))
+    expected = (torch.full_like(src_table, 3), torch.full_like(src_tokens, 3))
+    torch.ops.dynctx.compact_requests(got[0], src_table, got[1], src_tokens, new_tokens, *args, 2, 3, 4)
+    compact_requests_ref(expected[0], src_table, expected[1], src_tokens, new_tokens, *args,
+                         new_token_offset=2, num_rows=3, clear_rows=4)
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+    torch.library.opcheck(torch.ops.dynctx.compact_requests.default,
+                          (got[0], src_table, got[1], src_tokens, new_tokens, *args, 2, 3, 4))
+
+
+def _bad_calls():
+    table = torch.zeros(6, 4, dtype=torch.int32, device=DEVICE)
+    src = torch.zeros(6, 4, dtype=torch.int32, device=DEVICE)
+    tokens = torch.zeros(6, dtype=torch.int64, device=DEVICE)
+    src_tokens = torch.zeros(6, dtype=torch.int64, device=DEVICE)
+    new = torch.zeros(3, dtype=torch.int64, device=DEVICE)
+    plan = torch.zeros(4, dtype=torch.int32, device=DEVICE)
+
+    def call(**override):
+        args = dict(dst_block_table=table, src_block_table=src, dst_next_tokens=tokens,
+                    src_next_tokens=src_tokens, new_tokens=new, plan_src=plan, plan_append_col=plan,
+                    plan_append_block=plan)
+        sizes = dict(new_token_offset=2, num_rows=4, clear_rows=5)
+        for k, v in override.items():
+            (sizes if k in sizes else args)[k] = v
+        return lambda: compact_requests(*args.values(), **sizes)
+
+    return [
+        pytest.param(call(src_block_table=table), "src_block_table", id="tables_alias"),
+        pytest.param(call(dst_block_table=src[:4], src_block_table=src[2:]), "src_block_table",
+                     id="tables_overlap"),
+        pytest.param(call(src_next_tokens=tokens), "src_next_tokens", id="tokens_alias"),
+        pytest.param(call(new_tokens=tokens[4:]), "new_tokens", id="new_tokens_alias"),
+        pytest.param(call(dst_block_table=table.long()), "dst_block_table", id="table_int64"),
+        pytest.param(call(src_block_table=src[:, :3]), "src_block_table", id="columns_differ"),
+        pytest.param(call(dst_next_tokens=tokens.int()), "dst_next_tokens", id="tokens_int32"),
+        pytest.param(call(new_tokens=new.float()), "new_tokens", id="new_tokens_float"),
+        pytest.param(call(plan_src=plan[:3]), "plan_src", id="plan_short"),
+        pytest.param(call(plan_append_block=plan.long()), "plan_append_block", id="plan_int64"),
+        pytest.param(call(plan_append_col=plan[None]), "plan_append_col", id="plan_2d"),
+        pytest.param(call(clear_rows=7), "clear_rows", id="clear_past_table"),
+        pytest.param(call(num_rows=-1), "num_rows", id="negative_rows"),
+        pytest.param(call(new_token_offset=7), "new_token_offset", id="offset_past_tokens"),
+    ]
+
+
+@pytest.mark.parametrize("call, name", _bad_calls())
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_bad_inputs_raise(call, name, backend, monkeypatch):
+    monkeypatch.setenv("DYNCTX_KERNEL_BACKEND", backend)
+    with pytest.raises(ValueError, match=name):
+        call()
