@@ -19,7 +19,8 @@
 # Tuning continues across runs: the committed autotune_cache/<device>/ files seed the scratch
 # folder and keys already there are kept (--skip-existing), unless DYNCTX_DEVICE_RETUNE=1.
 #
-# Environment: DYNCTX_DEVICE_BUDGET_S (total seconds, default 380), DYNCTX_GIT_REVISION (the
+# Environment: DYNCTX_DEVICE_TESTS (test files to run instead of tests/kernels),
+# DYNCTX_DEVICE_SANITIZER=0 (skip the sanitizer phase), DYNCTX_DEVICE_BUDGET_S (total seconds, default 380), DYNCTX_GIT_REVISION (the
 # checkout's revision: the device machine gets no .git), PYTHON (default python3),
 # DYNCTX_DEVICE_SMOKE=1 (every phase on kv_append alone, 200 s by default: a cheap first try).
 set -uo pipefail
@@ -36,6 +37,8 @@ if [ "$SMOKE" = 1 ]; then
     TESTS=(tests/kernels/test_kv_append.py tests/kernels/test_committed_configs.py)
     KERNELS=(--kernel kv_append)
 fi
+# DYNCTX_DEVICE_TESTS="a.py b.py": run only these test files (e.g. those not yet seen compiled).
+[ -n "${DYNCTX_DEVICE_TESTS:-}" ] && read -r -a TESTS <<<"$DYNCTX_DEVICE_TESTS"
 TOTAL=${DYNCTX_DEVICE_BUDGET_S:-$([ "$SMOKE" = 1 ] && echo 200 || echo 380)}
 START=$(date +%s)
 SCRATCH=$(mktemp -d /tmp/dynctx_device.XXXXXX)
@@ -162,7 +165,7 @@ if [ -f "$REPO/.device_carry/fused_kv_append_kernel.py" ]; then
 fi
 
 # (a) The kernel tests, compiled on the GPU: the same files the interpreter runs on a CPU.
-b=$(phase_budget 90 $(( TOTAL * 3 / 4 )))
+b=$(phase_budget 90 $(( TOTAL * 5 / 8 )))
 t0=$(elapsed)
 XDIST=()
 "$PY" -c "import xdist" 2>/dev/null && XDIST=(-n 8)
@@ -179,7 +182,8 @@ record kernel-tests "$what" $(( $(elapsed) - t0 ))
 # (b) compute-sanitizer memcheck over every config of every kernel at its smallest key.
 b=$(phase_budget 40 $(( TOTAL * 5 / 8 )))
 t0=$(elapsed)
-if command -v compute-sanitizer >/dev/null 2>&1 && (( b > 15 )); then
+if [ "${DYNCTX_DEVICE_SANITIZER:-1}" = 1 ] && command -v compute-sanitizer >/dev/null 2>&1 \
+        && (( b > 15 )); then
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout -k 10 "$b" compute-sanitizer --tool memcheck \
         --error-exitcode 3 "$PY" bench/check_all_configs.py --max-seconds $(( b - 10 )) \
         ${KERNELS[@]+"${KERNELS[@]}"} \
