@@ -181,7 +181,8 @@ def _eager(fn: Callable[[], object], launches: int) -> Callable[[], None]:
 
 
 def time_launches(fn: Callable[[], object], *, warmup: int = 10, rep: int = 20,
-                  launches: int | None = None, target_ms: float = 1.0) -> dict:
+                  launches: int | None = None, target_ms: float = 1.0,
+                  graph: bool = True) -> dict:
     """Median microseconds per call of ``fn`` on the current CUDA device.
 
     ``warmup`` eager calls (compilation, caches); a probe graph of 10 calls estimates the time
@@ -204,6 +205,8 @@ def time_launches(fn: Callable[[], object], *, warmup: int = 10, rep: int = 20,
 
     method, make = "cuda_graph", _capture
     try:
+        if not graph:
+            raise RuntimeError("graph=False")
         probe = _capture(fn, 10)
         probe()
         torch.cuda.synchronize()
@@ -534,7 +537,8 @@ def bench_key(tuning: KernelTuning, key: dict, device: torch.device, args) -> di
     result["kernel_us"] = round(kernel["us"], 3)
     result["timing"] = kernel["method"]
     try:
-        reference = time_launches(case.run_reference, warmup=args.warmup, rep=args.rep)
+        reference = time_launches(case.run_reference, warmup=args.warmup, rep=args.rep,
+                                  graph=False)
         result["reference_us"] = round(reference["us"], 3)
         result["reference_timing"] = reference["method"]
     except Exception as exc:

@@ -214,8 +214,11 @@ def test_defaults_lie_in_search_space():
                                             pytest.param(1.25, 24, 16, id="mscale_partial")])
 def test_reference_is_megatron(layout, mscale, dim, rot):
     """fp32: our reference equals Megatron's _apply_rotary_pos_emb_bshd bit for bit, and the
-    kernel is within the stated tolerance of it."""
-    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+    kernel is within the stated tolerance of it. megatron-core is a test dependency (CI has
+    it); the GPU machine does not, where this comparison is skipped."""
+    rope_utils = pytest.importorskip("megatron.core.models.common.embeddings.rope_utils",
+                                     reason="megatron-core is not installed here")
+    _apply_rotary_pos_emb_bshd = rope_utils._apply_rotary_pos_emb_bshd
 
     interleaved, mla = layout in ("gptj", "mla_gptj"), layout.startswith("mla")
     generator = torch.Generator().manual_seed(7)
