@@ -998,9 +998,8 @@ class DynamicInferenceContext:
             rope.fused_qk_rope(query, key, positions, cos_sin_cache=cos_sin_emb,
                                backend=self.kernel_backend, **layout)
         query, key = query[:n], key[:n]
-        if query.dim() == 3:
-            query, key = query.unsqueeze(1), key.unsqueeze(1)
-        return query, key
+        return (query.unsqueeze(1) if query.dim() == 3 else query,
+                key.unsqueeze(1) if key.dim() == 3 else key)
 
     def apply_rotary_emb_and_append_key_value_cache(
             self, layer_number: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

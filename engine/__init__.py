@@ -1,1 +1,6 @@
-"""dynctx.engine."""
+"""dynctx.engine: a small reference engine (in-flight batching, chunked prefill, sampling)."""
+
+from .engine import Engine, EngineStats, RequestResult, StepResult
+from .sampling import sample
+
+__all__ = ["Engine", "EngineStats", "RequestResult", "StepResult", "sample"]

@@ -1,1 +1,8 @@
-"""dynctx.models."""
+"""dynctx.models: model adapters that run a step's packed tokens through the context."""
+
+from .llama import LlamaAdapter
+from .paged_attention import (PagedAttention, paged_attention_torch,
+                              resolve_attention_backend)
+
+__all__ = ["LlamaAdapter", "PagedAttention", "paged_attention_torch",
+           "resolve_attention_backend"]

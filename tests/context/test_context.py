@@ -553,3 +553,16 @@ def test_rotary_methods_match_megatron(interleaved):
     torch.testing.assert_close(k_cache[block, :4], expected_k[:4, 0], rtol=1e-6, atol=1e-6)
     with pytest.raises(NotImplementedError, match="context parallelism"):
         ctx.apply_rotary_emb_query(query, freqs, config, None, SimpleNamespace(size=lambda: 2))
+
+
+def test_fused_qk_rope_returns_each_tensor_as_n_1_h_d():
+    from types import SimpleNamespace
+
+    ctx = make_ctx()
+    add(ctx, request(1, 3))
+    ctx.initialize_attention_state()
+    n = ctx.padded_active_token_count
+    config = SimpleNamespace(rotary_interleaved=False)
+    q, k = ctx.apply_fused_qk_rotary_emb(torch.randn(n, 4, 8), torch.randn(n, 1, 2, 8),
+                                         torch.randn(64, 8), config)
+    assert q.shape == (n, 1, 4, 8) and k.shape == (n, 1, 2, 8)

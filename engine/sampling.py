@@ -1,0 +1,84 @@
+"""Per-request sampling from last-token logits, independent of the batch a request runs in.
+
+Each row is sampled from its own ``SamplingParams``: greedy (argmax) at ``temperature == 0`` or
+``top_k == 1``; otherwise temperature, then top-k (0: off), then top-p (0.0 or 1.0: off; keep
+the smallest prefix of the sorted distribution whose mass reaches ``top_p``), then one draw by
+inverse CDF. The uniform number of a draw comes from ``numpy.random.default_rng([seed,
+token_index])`` when the request has a ``seed``: it depends only on the request and on how many
+tokens it has generated, never on the batch, its row or the step, so a request re-run after an
+eviction draws the same tokens. Requests without a seed draw from the engine's generator.
+Every operation is row-wise, so a row's result does not depend on the other rows either.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+from dynctx.context import SamplingParams
+
+
+def is_greedy(params: SamplingParams) -> bool:
+    return params.temperature == 0 or params.top_k == 1
+
+
+def uniform_draw(seed: Optional[int], token_index: int, fallback: np.random.Generator) -> float:
+    """The uniform number in [0, 1) for the ``token_index``-th generated token of a request."""
+    if seed is None:
+        return float(fallback.random())
+    return float(np.random.default_rng([int(seed) & 0xFFFFFFFFFFFFFFFF, int(token_index)]).random())
+
+
+def filter_sorted_logits(sorted_logits: torch.Tensor, top_k: torch.Tensor,
+                         top_p: torch.Tensor) -> torch.Tensor:
+    """Mask (to -inf) the entries of descending-sorted logits ``[rows, V]`` outside top-k
+    (``top_k`` ``[rows]``, 0 off) and top-p (``top_p`` ``[rows]``, 0 or 1 off)."""
+    vocab = sorted_logits.shape[-1]
+    ranks = torch.arange(vocab, device=sorted_logits.device)[None, :]
+    k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab))
+    keep = ranks < k[:, None]
+    masked = sorted_logits.masked_fill(~keep, float("-inf"))
+    probs = torch.softmax(masked, dim=-1)
+    mass_before = torch.cumsum(probs, dim=-1) - probs
+    p_on = (top_p > 0) & (top_p < 1)
+    keep &= ~p_on[:, None] | (mass_before < top_p[:, None])
+    keep[:, 0] = True
+    return sorted_logits.masked_fill(~keep, float("-inf"))
+
+
+def sample(logits: torch.Tensor, params: Sequence[SamplingParams], token_indices: Sequence[int],
+           generator: np.random.Generator) -> torch.Tensor:
+    """Sample one token per row of ``logits`` ``[rows, V]`` (any float dtype; the math is fp32).
+
+    ``params[i]`` and ``token_indices[i]`` (tokens the request generated so far) belong to row
+    ``i``. Returns int64 ``[rows]`` on ``logits``' device.
+    """
+    if logits.dim() != 2 or logits.shape[0] != len(params) or len(params) != len(token_indices):
+        raise ValueError(f"logits {tuple(logits.shape)} needs one row per request "
+                         f"({len(params)} params, {len(token_indices)} token indices)")
+    logits = logits.float()
+    tokens = logits.argmax(dim=-1)
+    rows = [i for i, p in enumerate(params) if not is_greedy(p)]
+    if not rows:
+        return tokens
+    device = logits.device
+    index = torch.tensor(rows, dtype=torch.long, device=device)
+    chosen = [params[i] for i in rows]
+    temperature = torch.tensor([p.temperature for p in chosen], dtype=torch.float32, device=device)
+    top_k = torch.tensor([p.top_k for p in chosen], dtype=torch.long, device=device)
+    top_p = torch.tensor([p.top_p for p in chosen], dtype=torch.float32, device=device)
+    uniforms = torch.tensor([uniform_draw(params[i].seed, token_indices[i], generator)
+                             for i in rows], dtype=torch.float32, device=device)
+    scaled = logits[index] / temperature[:, None]
+    sorted_logits, order = torch.sort(scaled, dim=-1, descending=True, stable=True)
+    probs = torch.softmax(filter_sorted_logits(sorted_logits, top_k, top_p), dim=-1)
+    cdf = torch.cumsum(probs, dim=-1)
+    target = (uniforms * cdf[:, -1])[:, None].contiguous()
+    position = torch.searchsorted(cdf, target, right=True).clamp_(max=cdf.shape[-1] - 1)
+    # Never land on a masked entry through rounding at the top of the CDF.
+    kept = (probs > 0).sum(dim=-1, keepdim=True) - 1
+    position = torch.minimum(position, kept)
+    tokens[index] = order.gather(1, position).squeeze(1)
+    return tokens

@@ -1,0 +1,275 @@
+"""Paged attention over the context's KV cache: a readable torch version that runs anywhere, and
+FlashInfer's or flash-attn's paged kernels on CUDA when they are installed.
+
+Inputs, as the context publishes them for one step (SEMANTICS.md §5, §13), with ``n`` the
+padded token count and ``R`` the padded request count:
+
+* ``query`` ``[n, Hq, D]``: the step's packed queries, already rotated; request ``i`` owns
+  tokens ``[cu_query_lengths[i], cu_query_lengths[i + 1])``; tokens from
+  ``cu_query_lengths[R]`` on are padding and belong to no request;
+* ``key_cache``, ``value_cache`` ``[num_blocks, block_size, Hkv, D]``: one layer of the paged
+  cache, this step's K/V already appended;
+* ``cu_query_lengths`` ``[R + 1]`` int32, ``kv_seq_lengths`` ``[R]`` int32 (tokens in the
+  cache after this step, the step's own included), ``block_table`` ``[R, max_blocks]`` int32
+  (-1 unused); padded requests have query and kv length 0;
+* ``max_seqlen_q``, ``max_seqlen_k``: host ints bounding the query and kv lengths.
+
+Causality: the ``j``-th query token of request ``i`` sits at position
+``kv_seq_lengths[i] - q_len[i] + j`` and sees the cached tokens at positions up to its own. GQA:
+query head ``h`` reads KV head ``h // (Hq // Hkv)``. Padding tokens get zeros from the torch
+version and unspecified values from the kernels; callers ignore them.
+
+Use ``PagedAttention``: ``plan(...)`` once per step (the index work is shared by all layers),
+then call it per layer. ``paged_attention_torch`` is the one-shot torch form.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+BACKENDS = ("auto", "torch", "flashinfer", "flash_attn")
+_FLASHINFER_WORKSPACE_BYTES = 128 * 1024 * 1024
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def flashinfer_available(device: torch.device) -> bool:
+    """True when FlashInfer imports and ``device`` is a CUDA device."""
+    if torch.device(device).type != "cuda":
+        return False
+    try:
+        import flashinfer  # noqa: F401
+    except Exception:  # ImportError, or a wheel built for another torch/CUDA
+        return False
+    return True
+
+
+def flash_attn_available(device: torch.device, block_size: int) -> bool:
+    """True when flash-attn (2.x) imports, ``device`` is CUDA and its paged-KV path accepts
+    ``block_size`` (FA2 needs a multiple of 256)."""
+    if torch.device(device).type != "cuda" or block_size % 256:
+        return False
+    try:
+        import flash_attn  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def resolve_attention_backend(backend: str, device: torch.device, block_size: int,
+                              dtype: Optional[torch.dtype] = None) -> str:
+    """Pick the backend: ``"auto"`` takes FlashInfer, then flash-attn, on CUDA where installed
+    and ``dtype`` is fp16/bf16 (their kernels have no fp32 path), else the torch version. An
+    explicit choice that cannot run raises ``RuntimeError``."""
+    if backend not in BACKENDS:
+        raise ValueError(f"attention backend {backend!r} is not one of {BACKENDS}")
+    device = torch.device(device)
+    half = dtype is None or dtype in _KERNEL_DTYPES
+    if backend == "auto":
+        if half and flashinfer_available(device):
+            return "flashinfer"
+        if half and flash_attn_available(device, block_size):
+            return "flash_attn"
+        return "torch"
+    if backend in ("flashinfer", "flash_attn") and not half:
+        raise RuntimeError(f"attention backend {backend!r} runs fp16/bf16, not {dtype}")
+    if backend == "flashinfer" and not flashinfer_available(device):
+        raise RuntimeError("attention backend 'flashinfer' needs the flashinfer package and a "
+                           f"CUDA device (device is {device})")
+    if backend == "flash_attn" and not flash_attn_available(device, block_size):
+        raise RuntimeError("attention backend 'flash_attn' needs flash-attn 2, a CUDA device and "
+                           f"a block size that is a multiple of 256 (device {device}, block size "
+                           f"{block_size})")
+    return backend
+
+
+class _TorchRowGroup:
+    """Index tensors for requests ``[lo, hi)`` padded to ``max_q`` queries and ``max_k`` keys."""
+
+    def __init__(self, lo: int, hi: int, max_q: int, max_k: int, num_tokens: int,
+                 cu_query_lengths: torch.Tensor, kv_seq_lengths: torch.Tensor,
+                 block_table: torch.Tensor, block_size: int):
+        device = cu_query_lengths.device
+        cu = cu_query_lengths[lo:hi + 1].long()
+        q_start, q_len = cu[:-1], cu[1:] - cu[:-1]                              # [rows]
+        kv_len = kv_seq_lengths[lo:hi].long()                                   # [rows]
+        offs_q = torch.arange(max_q, device=device)
+        offs_k = torch.arange(max_k, device=device)
+        q_valid = offs_q[None, :] < q_len[:, None]                              # [rows, max_q]
+        token = q_start[:, None] + offs_q[None, :]
+        # Gather from token 0 where a slot is empty; scatter those slots to a spare row.
+        self.gather_tokens = torch.where(q_valid, token, torch.zeros_like(token))
+        self.scatter_tokens = torch.where(q_valid, token, torch.full_like(token, num_tokens))
+        query_pos = (kv_len - q_len)[:, None] + offs_q[None, :]                 # [rows, max_q]
+        allowed = (offs_k[None, None, :] <= query_pos[:, :, None]) \
+            & (offs_k[None, None, :] < kv_len[:, None, None]) & q_valid[:, :, None]
+        self.allowed = allowed[:, None]                                         # [rows, 1, q, k]
+        self.key_valid = (offs_k[None, :] < kv_len[:, None])[:, :, None, None]  # [rows, k, 1, 1]
+        num_blocks = max(1, math.ceil(max_k / block_size))
+        blocks = block_table[lo:hi, :num_blocks].long()
+        # Unused (-1) entries lie beyond kv_len and are masked; read block 0 there.
+        self.blocks = torch.where(blocks >= 0, blocks, torch.zeros_like(blocks))
+        self.max_k = max_k
+
+    def attend(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+               out: torch.Tensor, scale: float) -> None:
+        rows = self.blocks.shape[0]
+        num_q_heads, num_kv_heads = query.shape[1], key_cache.shape[2]
+        q = query[self.gather_tokens].float()                                  # [rows, q, Hq, D]
+        k = key_cache[self.blocks].reshape(rows, -1, num_kv_heads, key_cache.shape[-1])
+        v = value_cache[self.blocks].reshape(rows, -1, num_kv_heads, value_cache.shape[-1])
+        # Slots past a request's length hold stale bytes (possibly NaN): zero them, because a
+        # zero attention weight times NaN is still NaN.
+        zero = torch.zeros((), dtype=torch.float32, device=query.device)
+        k = torch.where(self.key_valid, k[:, :self.max_k].float(), zero)       # [rows, k, Hkv, D]
+        v = torch.where(self.key_valid, v[:, :self.max_k].float(), zero)
+        group = num_q_heads // num_kv_heads
+        if group > 1:
+            k = k.repeat_interleave(group, dim=2)                              # [rows, k, Hq, D]
+            v = v.repeat_interleave(group, dim=2)
+        scores = torch.einsum("rqhd,rkhd->rhqk", q, k) * scale
+        scores = scores.masked_fill(~self.allowed, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        # Rows with nothing to see (empty query slots) are all -inf: NaN after softmax.
+        probs = probs.masked_fill(~self.allowed, 0.0)
+        result = torch.einsum("rhqk,rkhd->rqhd", probs, v)                      # [rows, q, Hq, D]
+        out[self.scatter_tokens.reshape(-1)] = result.reshape(-1, num_q_heads, result.shape[-1]
+                                                              ).to(out.dtype)
+
+
+class PagedAttention:
+    """Causal GQA attention of the step's packed queries over the paged KV cache.
+
+    ``backend``: ``"auto"`` (FlashInfer, then flash-attn, on CUDA where installed; else
+    torch), ``"torch"``, ``"flashinfer"`` or ``"flash_attn"``. ``self.backend`` names the one
+    that runs. Call ``plan`` once per step, then the object once per layer.
+    """
+
+    def __init__(self, *, num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+                 device: torch.device, softmax_scale: Optional[float] = None,
+                 backend: str = "auto", dtype: Optional[torch.dtype] = None):
+        if num_q_heads % num_kv_heads:
+            raise ValueError(f"num_q_heads={num_q_heads} must be a multiple of "
+                             f"num_kv_heads={num_kv_heads}")
+        self.num_q_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim
+        self.block_size = block_size
+        self.device = torch.device(device)
+        self.scale = head_dim ** -0.5 if softmax_scale is None else softmax_scale
+        self.dtype = dtype
+        self.backend = resolve_attention_backend(backend, self.device, block_size, dtype)
+        self._plan = None
+        self._flashinfer_wrapper = None
+
+    def plan(self, *, cu_query_lengths: torch.Tensor, kv_seq_lengths: torch.Tensor,
+             block_table: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, num_tokens: int,
+             num_decode_requests: int = 0, dtype: Optional[torch.dtype] = None) -> None:
+        """Prepare one step. ``num_decode_requests``: the leading requests that have exactly one
+        query token (the context orders decode requests first); the torch version pads them
+        apart from the prefills so a long prefill does not pad every decode request."""
+        num_requests = kv_seq_lengths.shape[0]
+        args = dict(cu_query_lengths=cu_query_lengths, kv_seq_lengths=kv_seq_lengths,
+                    block_table=block_table, max_seqlen_q=int(max_seqlen_q),
+                    max_seqlen_k=int(max_seqlen_k), num_tokens=int(num_tokens),
+                    num_requests=num_requests)
+        if self.backend == "torch":
+            groups = []
+            decode = min(max(int(num_decode_requests), 0), num_requests)
+            common = (int(max_seqlen_k), int(num_tokens), cu_query_lengths, kv_seq_lengths,
+                      block_table, self.block_size)
+            if num_requests and max_seqlen_k > 0:
+                if decode:
+                    groups.append(_TorchRowGroup(0, decode, 1, *common))
+                if decode < num_requests:
+                    groups.append(_TorchRowGroup(decode, num_requests, max(1, int(max_seqlen_q)),
+                                                 *common))
+            args["groups"] = groups
+        elif self.backend == "flashinfer":
+            self._plan_flashinfer(args, dtype or self.dtype or torch.float16)
+        self._plan = args
+
+    def _plan_flashinfer(self, args: dict, dtype: torch.dtype) -> None:
+        import flashinfer
+
+        # FlashInfer wants 1 <= last_page_len: keep only requests with cached tokens, which the
+        # context puts first (padded requests have kv length 0 and come last).
+        kv_len = args["kv_seq_lengths"].long()
+        num_real = int((kv_len > 0).sum())
+        kv_len = kv_len[:num_real]
+        cu_q = args["cu_query_lengths"][:num_real + 1].int()
+        pages = (kv_len + self.block_size - 1) // self.block_size
+        table = args["block_table"][:num_real].long()
+        used = torch.arange(table.shape[1], device=table.device)[None, :] < pages[:, None]
+        indices = table[used].int()
+        indptr = torch.zeros(num_real + 1, dtype=torch.int32, device=table.device)
+        indptr[1:] = torch.cumsum(pages, 0)
+        last_page_len = (kv_len - (pages - 1) * self.block_size).int()
+        if self._flashinfer_wrapper is None:
+            workspace = torch.empty(_FLASHINFER_WORKSPACE_BYTES, dtype=torch.uint8,
+                                    device=self.device)
+            self._flashinfer_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+                workspace, kv_layout="NHD")
+        self._flashinfer_wrapper.plan(
+            cu_q, indptr, indices, last_page_len, self.num_q_heads, self.num_kv_heads,
+            self.head_dim, self.block_size, causal=True, sm_scale=self.scale,
+            q_data_type=dtype, kv_data_type=dtype)
+        args["flashinfer_tokens"] = int(cu_q[-1]) if num_real else 0
+
+    def __call__(self, query: torch.Tensor, key_cache: torch.Tensor,
+                 value_cache: torch.Tensor) -> torch.Tensor:
+        """``query`` ``[n, Hq, D]`` -> attention output ``[n, Hq, D]`` in ``query``'s dtype."""
+        plan = self._plan
+        if plan is None:
+            raise RuntimeError("PagedAttention: call plan() for the step first")
+        if query.dim() != 3 or query.shape[1:] != (self.num_q_heads, self.head_dim):
+            raise ValueError(f"query must be [n, {self.num_q_heads}, {self.head_dim}], got "
+                             f"{tuple(query.shape)}")
+        if self.backend == "torch":
+            # One spare row takes the writes of empty query slots.
+            out = query.new_zeros(query.shape[0] + 1, self.num_q_heads, self.head_dim)
+            for group in plan["groups"]:
+                group.attend(query, key_cache, value_cache, out, self.scale)
+            return out[:-1]
+        if self.backend == "flashinfer":
+            out = query.new_zeros(query.shape)
+            tokens = plan["flashinfer_tokens"]
+            if tokens:
+                out[:tokens] = self._flashinfer_wrapper.run(query[:tokens].contiguous(),
+                                                            (key_cache, value_cache))
+            return out
+        return self._flash_attn(query, key_cache, value_cache, plan)
+
+    def _flash_attn(self, query, key_cache, value_cache, plan) -> torch.Tensor:
+        from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
+
+        block_table = plan["block_table"]
+        if plan["max_seqlen_q"] == 1 and query.shape[0] == plan["num_requests"]:
+            # Decode-only step: one query per (padded) request; padded rows have length 0.
+            out = flash_attn_with_kvcache(
+                query.unsqueeze(1), key_cache, value_cache,
+                cache_seqlens=plan["kv_seq_lengths"], block_table=block_table,
+                softmax_scale=self.scale, causal=True)
+            return out.squeeze(1)
+        cu_kv = torch.zeros(plan["num_requests"] + 1, dtype=torch.int32, device=query.device)
+        cu_kv[1:] = torch.cumsum(plan["kv_seq_lengths"], 0)
+        return flash_attn_varlen_func(
+            query, key_cache, value_cache, plan["cu_query_lengths"], cu_kv,
+            max(1, plan["max_seqlen_q"]), max(1, plan["max_seqlen_k"]),
+            softmax_scale=self.scale, causal=True, block_table=block_table)
+
+
+def paged_attention_torch(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                          cu_query_lengths: torch.Tensor, kv_seq_lengths: torch.Tensor,
+                          block_table: torch.Tensor, *, max_seqlen_q: int, max_seqlen_k: int,
+                          softmax_scale: Optional[float] = None,
+                          num_decode_requests: int = 0) -> torch.Tensor:
+    """One-shot torch paged attention (see the module docstring); returns ``[n, Hq, D]``."""
+    attention = PagedAttention(num_q_heads=query.shape[1], num_kv_heads=key_cache.shape[2],
+                               head_dim=query.shape[2], block_size=key_cache.shape[1],
+                               device=query.device, softmax_scale=softmax_scale, backend="torch",
+                               dtype=query.dtype)
+    attention.plan(cu_query_lengths=cu_query_lengths, kv_seq_lengths=kv_seq_lengths,
+                   block_table=block_table, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                   num_tokens=query.shape[0], num_decode_requests=num_decode_requests)
+    return attention(query, key_cache, value_cache)

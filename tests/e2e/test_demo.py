@@ -1,0 +1,48 @@
+"""``python -m dynctx demo``: runs, reports, plots, and fails on a mismatch."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+from dynctx import cli_demo
+
+
+def summary_count(text: str, label: str) -> int:
+    return int(re.search(rf"^{label}\s+(\d+)", text, re.M).group(1))
+
+
+def test_demo_runs_and_matches_transformers(tmp_path, capsys):
+    plot = tmp_path / "demo.png"
+    assert cli_demo.main(["--plot", str(plot), "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "check             OK: 24/24 outputs match" in out
+    assert summary_count(out, "pauses") > 0
+    assert summary_count(out, "evictions") > 0
+    assert summary_count(out, "chunked prefills") > 0
+    assert "torch paged attention" in out
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_demo_exit_code_on_mismatch(tmp_path, capsys, monkeypatch):
+    import dynctx.engine.engine as engine_module
+
+    real_sample = engine_module.sample
+
+    def off_by_one(logits, params, token_indices, generator):
+        tokens = real_sample(logits, params, token_indices, generator)
+        return (tokens + 1) % logits.shape[-1]
+
+    monkeypatch.setattr(engine_module, "sample", off_by_one)
+    code = cli_demo.main(["--requests", "4", "--max-new-tokens", "4", "--plot", "",
+                          "--no-progress"])
+    assert code == 1
+    assert "MISMATCH" in capsys.readouterr().out
+
+
+def test_python_m_dynctx_demo_help():
+    result = subprocess.run([sys.executable, "-m", "dynctx", "demo", "--help"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0
+    assert "--buffer-blocks" in result.stdout and "--block-size" in result.stdout
