@@ -1,0 +1,828 @@
+"""A model engine that drives ``DynamicInferenceContext`` and checks it after every action.
+
+``ContextDriver`` plays the engine (SEMANTICS.md §10-§11) against one small fp32 context and keeps
+its own model of every request: prompt, generated tokens, the tokens of its pending query and how
+many of its tokens have K/V in the cache. Each action takes its random choices as explicit
+arguments, so that two front ends drive the same machine:
+
+* ``tests/context/test_state_machine.py``: a hypothesis ``RuleBasedStateMachine`` (shrinking);
+* ``bench/soak.py``: a seeded ``random.Random`` for many thousands of steps (no shrinking).
+
+Actions: add a request (fitting, too long, too many tokens for one step, a duplicate id, while
+paused requests exist), start a chunked prefill, admit the waiting queue (evicted and suspended
+requests re-added with prompt = prompt + generated), one step (``initialize_attention_state``, a
+known K/V pattern appended for every token and layer, logits checks, ``update_requests`` with a
+random finish mask, then the chunked continuation), suspend + resume, and reset.
+
+``check()`` asserts the invariants (raising ``Violation``): every block free or owned by exactly
+one live request with nothing leaked; counts and rows consistent with the model; block counts ==
+ceil(kv length / block size); the device mirrors equal the host; the cached K/V of every live
+request (paused ones included) read back through ``key_value_cache`` equal the pattern.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from typing import Deque, Dict, List, Optional
+
+import numpy as np
+import torch
+
+from dynctx.context import (
+    BlockOverflowError,
+    DynamicInferenceContext,
+    DynamicInferenceRequest,
+    MaxSequenceLengthOverflowError,
+    RequestOverflowError,
+    SamplingParams,
+    TensorStateDeallocatedError,
+    TokenOverflowError,
+)
+from dynctx.context.dynamic_context import (
+    FIELD_BLOCKS,
+    FIELD_KV_OFFSET,
+    FIELD_LAST_BLOCK,
+    FIELD_LAST_OFFSET,
+    FIELD_OUTPUT,
+    FIELD_QUERY,
+)
+
+from helpers import FIELD_NAMES, GIB, assert_same, snapshot
+
+VOCAB = 1000                 # token ids of prompts and samples lie in [0, VOCAB)
+TERMINATION_BASE = 10 ** 6   # termination ids are never sampled
+WAITING_LIMIT = 8            # rejected fitting requests wait (up to this many) and are re-tried
+_EXACT = 2 ** 24             # integers below this are exact in fp32
+
+
+class Violation(AssertionError):
+    """An invariant of the context does not hold."""
+
+
+def require(condition, message) -> None:
+    if not condition:
+        raise Violation(message() if callable(message) else message)
+
+
+@dataclass(frozen=True)
+class MachineConfig:
+    """A small fp32 context. ``paused_blocks=None`` uses the default half split at
+    ``unified_memory_level=0``; otherwise ``paused_buffer_size_gb`` is that many blocks."""
+
+    name: str
+    block_size: int = 4
+    buffer_blocks: int = 16
+    paused_blocks: Optional[int] = 4
+    mla: bool = False
+    max_sequence_length: int = 40
+    max_tokens: int = 32
+    max_requests: int = 8
+    num_layers: int = 2
+    num_heads: int = 2
+    head_dim: int = 4
+    kv_lora_rank: int = 8
+    rope_dim: int = 4
+
+    @property
+    def block_bytes(self) -> int:
+        if self.mla:
+            return 4 * self.num_layers * self.block_size * (self.kv_lora_rank + self.rope_dim)
+        return 4 * 2 * self.num_layers * self.block_size * self.num_heads * self.head_dim
+
+    @property
+    def latent_dim(self) -> int:
+        return self.kv_lora_rank + self.rope_dim
+
+    def make_context(self) -> DynamicInferenceContext:
+        args = dict(params_dtype=torch.float32, num_layers=self.num_layers,
+                    kv_channels=self.head_dim, num_attention_heads=self.num_heads,
+                    max_sequence_length=self.max_sequence_length,
+                    buffer_size_gb=self.buffer_blocks * self.block_bytes / GIB,
+                    block_size_tokens=self.block_size, max_tokens=self.max_tokens,
+                    max_requests=self.max_requests, unified_memory_level=0, device="cpu")
+        if self.paused_blocks is not None:
+            args["paused_buffer_size_gb"] = self.paused_blocks * self.block_bytes / GIB
+        if self.mla:
+            args.update(cache_mla_latent=True, kv_lora_rank=self.kv_lora_rank,
+                        qk_pos_emb_head_dim=self.rope_dim)
+        ctx = DynamicInferenceContext(**args)
+        # A request that pauses alone must be able to resume, or no request could ever run.
+        max_blocks = math.ceil(self.max_sequence_length / self.block_size)
+        if ctx.block_allocator.active_count < max_blocks:
+            raise ValueError(f"config {self.name}: {ctx.block_allocator.active_count} active "
+                             f"blocks cannot hold one request of {max_blocks} blocks")
+        return ctx
+
+
+CONFIGS = {c.name: c for c in [
+    MachineConfig("bs4-paused4", block_size=4, buffer_blocks=16, paused_blocks=4),
+    MachineConfig("bs8-half", block_size=8, buffer_blocks=24, paused_blocks=None),
+    MachineConfig("bs4-paused0", block_size=4, buffer_blocks=14, paused_blocks=0),
+    MachineConfig("mla-bs8-paused3", block_size=8, buffer_blocks=12, paused_blocks=3, mla=True),
+    MachineConfig("bs4-half", block_size=4, buffer_blocks=24, paused_blocks=None),
+    MachineConfig("mla-bs4-half", block_size=4, buffer_blocks=24, paused_blocks=None, mla=True),
+]}
+CI_CONFIGS = [CONFIGS[n] for n in ("bs4-paused4", "bs8-half", "bs4-paused0", "mla-bs8-paused3")]
+
+
+def sample_token(rid: int, position: int) -> int:
+    """The token the model 'samples' for request ``rid`` after ``position`` tokens."""
+    return (rid * 131 + position * 17 + 7) % VOCAB
+
+
+def expected_metadata(rid: int) -> Dict[str, float]:
+    """Per-request sampling metadata, distinct per id, so that rows moving without their
+    metadata are caught (exact in fp32)."""
+    return dict(temperature=((rid % 7) + 1) / 4, top_k=rid % 50, top_p=(rid % 5) / 4,
+                termination_id=TERMINATION_BASE + rid, return_log_probs=rid % 2 == 0,
+                skip_prompt_log_probs=rid % 3 == 0, top_n_logprobs=rid % 3)
+
+
+@dataclass(eq=False)
+class Tracked:
+    """The engine's view of one request incarnation (an eviction or suspend makes a new one)."""
+
+    rid: int
+    uid: int                      # keys the K/V pattern: a recompute writes new values
+    prompt: List[int]
+    gen: int
+    req: DynamicInferenceRequest
+    generated: List[int] = field(default_factory=list)
+    query_start: int = 0          # position of the first token of the pending query
+    query: List[int] = field(default_factory=list)  # token ids of the pending query
+    cached: int = 0               # tokens whose K/V are in the cache
+    prefill: bool = True          # the pending query is a prompt chunk
+    chunking: bool = False        # a non-final chunk is in the context
+    placeholder: bool = False     # the pending query is the junk token after a non-final chunk
+    paused: bool = False
+    blocks: List[int] = field(default_factory=list)  # block ids seen at the last check
+
+    def expected_blocks(self, block_size: int) -> int:
+        if self.paused or self.placeholder:
+            return math.ceil(self.cached / block_size)
+        return math.ceil((self.query_start + len(self.query)) / block_size)
+
+
+class ContextDriver:
+    """The model engine (see the module docstring)."""
+
+    def __init__(self, config: MachineConfig):
+        self.cfg = config
+        self.ctx = config.make_context()
+        self.live: Dict[int, Tracked] = {}
+        self.waiting: Deque[Tracked] = deque()
+        self.chunked: Optional[Tracked] = None
+        self.next_rid = 0
+        self.next_uid = 0
+        self.stats: Counter = Counter()
+        self._generator = torch.Generator().manual_seed(1234)
+        self.actions: List[str] = []
+
+    # ------------------------------------------------------------------ model helpers
+    def note(self, action: str) -> None:
+        self.actions.append(action)
+        del self.actions[:-40]
+
+    def _new(self, prompt: List[int], gen: int, rid: Optional[int] = None) -> Tracked:
+        if rid is None:
+            rid = self.next_rid
+            self.next_rid += 1
+        uid = self.next_uid
+        self.next_uid += 1
+        params = SamplingParams(num_tokens_to_generate=gen, **expected_metadata(rid))
+        req = DynamicInferenceRequest(request_id=rid, sampling_params=params,
+                                      prompt_tokens=torch.tensor(prompt, dtype=torch.int64))
+        return Tracked(rid=rid, uid=uid, prompt=list(prompt), gen=gen, req=req)
+
+    def _checkpoint(self, t: Tracked) -> Tracked:
+        """What the engine re-queues after an eviction or a suspend: prompt + generated."""
+        return self._new(t.prompt + t.generated, t.gen - len(t.generated), rid=t.rid)
+
+    def _prompt(self, length: int, salt: int) -> List[int]:
+        return [(salt * 7919 + i * 104729 + 13) % VOCAB for i in range(length)]
+
+    def _active(self) -> List[Tracked]:
+        return [t for t in self.live.values() if not t.paused]
+
+    def _model_active_tokens(self) -> int:
+        return sum(len(t.query) for t in self._active())
+
+    def _model_free_blocks(self) -> int:
+        bs = self.cfg.block_size
+        owned = sum(t.expected_blocks(bs) for t in self.live.values())
+        return self.ctx.block_allocator.total_count - 1 - owned
+
+    def _rows(self) -> List[Tracked]:
+        ids = self.ctx.host_request_ids().tolist()
+        require(len(set(ids)) == len(ids), lambda: f"a request id sits in two rows: {ids}")
+        require(set(ids) == set(self.live), lambda: f"context rows {sorted(ids)} != live "
+                f"requests {sorted(self.live)}")
+        return [self.live[i] for i in ids]
+
+    # ------------------------------------------------------------------ adding
+    def _expected_add_errors(self, t: Tracked, chunk: int, continuation: bool,
+                             duplicate: bool) -> set:
+        cfg, ctx = self.cfg, self.ctx
+        errors = set()
+        fin = t.req.finished_chunk_token_count
+        if fin + t.req.remaining_prompt_length + t.gen > cfg.max_sequence_length:
+            errors.add(MaxSequenceLengthOverflowError)
+        tokens = self._model_active_tokens() - (1 if continuation else 0)
+        if not continuation:
+            if duplicate:
+                errors.add(ValueError)
+            if len(self.live) >= cfg.max_requests:
+                errors.add(RequestOverflowError)
+            if ctx.chunked_prefill_request_id != -1:
+                errors.add(ValueError)
+        if tokens + chunk > cfg.max_tokens:
+            errors.add(TokenOverflowError)
+        bs = cfg.block_size
+        if math.ceil((fin + chunk) / bs) - math.ceil(fin / bs) > self._model_free_blocks():
+            errors.add(BlockOverflowError)
+        return errors
+
+    def _try_add(self, t: Tracked, chunk: int, *, continuation: bool = False,
+                 duplicate: bool = False, pass_none: bool = False) -> bool:
+        """``add_request(t, chunk)``; True if added. An expected rejection leaves the state."""
+        ctx = self.ctx
+        expected = self._expected_add_errors(t, chunk, continuation, duplicate)
+        before = snapshot(ctx)
+        remaining = t.req.remaining_prompt_length
+        arg = None if pass_none and chunk == remaining else chunk
+        paused = ctx.paused_request_count
+        try:
+            ctx.add_request(t.req, arg)
+        except Exception as error:  # noqa: BLE001 - any unexpected error is a violation
+            require(type(error) in expected, lambda: f"add_request(id={t.rid}, chunk={arg}, "
+                    f"prompt={len(t.prompt)}, gen={t.gen}) raised {error!r}; expected "
+                    f"{sorted(e.__name__ for e in expected) or 'success'}")
+            try:
+                assert_same(before, snapshot(ctx))
+            except AssertionError as changed:
+                raise Violation(f"rejected add_request(id={t.rid}) changed the state: "
+                                f"{changed}") from None
+            self.stats["rejected_adds"] += 1
+            return False
+        require(not expected, lambda: f"add_request(id={t.rid}, chunk={arg}, prompt="
+                f"{len(t.prompt)}, gen={t.gen}) succeeded; expected one of "
+                f"{sorted(e.__name__ for e in expected)}")
+        fin = t.req.finished_chunk_token_count
+        t.req.remaining_prompt_tokens = t.req.remaining_prompt_tokens[chunk:]
+        t.req.finished_chunk_token_count = fin + chunk
+        t.query_start, t.query = fin, t.prompt[fin:fin + chunk]
+        t.cached = fin
+        t.prefill, t.placeholder, t.paused = True, False, False
+        self.live[t.rid] = t
+        self.stats["adds"] += 1
+        if chunk < remaining or continuation:
+            self.stats["chunks"] += 1
+        if paused and not continuation:
+            self.stats["adds_while_paused"] += 1
+        return True
+
+    def add_new(self, kind: str, prompt_len: int, gen: int, choice: int = 0) -> bool:
+        """Add a fresh request. ``kind``: ``fit`` (prompt + gen fits), ``too_long`` (prompt +
+        gen > max_sequence_length), ``too_many_tokens`` (a prompt longer than max_tokens,
+        unchunked), ``duplicate`` (a live id), ``chunked`` (a first chunk of
+        ``1 + choice % (prompt - 1)`` tokens; the engine then sets the chunked id)."""
+        cfg = self.cfg
+        S = cfg.max_sequence_length
+        prompt_len = max(1, min(prompt_len, S - 1))
+        gen = max(1, min(gen, S - prompt_len))  # large draws: as long as the context allows
+        rid = None
+        if kind == "too_long":
+            gen = S - prompt_len + 1 + gen % 4
+        elif kind == "too_many_tokens":
+            prompt_len = cfg.max_tokens + 1 + prompt_len % (S - 1 - cfg.max_tokens)
+            gen = max(1, min(gen, S - prompt_len))
+        elif kind == "duplicate":
+            if not self.live:
+                return False
+            rid = sorted(self.live)[choice % len(self.live)]
+        elif kind == "chunked":
+            prompt_len = max(prompt_len, 2)
+        elif kind != "fit":
+            raise ValueError(kind)
+        t = self._new(self._prompt(prompt_len, self.next_uid), gen, rid=rid)
+        self.note(f"add_new({kind}, id={t.rid}, prompt={prompt_len}, gen={gen})")
+        chunk = prompt_len
+        if kind == "chunked":
+            chunk = 1 + choice % (prompt_len - 1)
+        added = self._try_add(t, chunk, duplicate=kind == "duplicate", pass_none=choice % 2 == 0)
+        if added and kind == "chunked":
+            self.ctx.chunked_prefill_request_id = t.rid
+            self.chunked, t.chunking = t, True
+        if not added and kind in ("fit", "too_many_tokens") and len(self.waiting) < WAITING_LIMIT:
+            self.waiting.append(t)  # the engine keeps it waiting (and chunks it if needed)
+        return added
+
+    def admit(self) -> int:
+        """The engine's chunked scheduler over the waiting queue (FIFO, stop at the first that
+        does not fit; a prompt longer than the room left is chunked and ends the admission)."""
+        self.note("admit")
+        ctx, cfg = self.ctx, self.cfg
+        admitted = 0
+        while self.waiting and ctx.chunked_prefill_request_id == -1:
+            t = self.waiting[0]
+            got = ctx.check_availability(t.req)
+            remaining = t.req.remaining_prompt_length
+            tokens = self._model_active_tokens()
+            paused = any(x.paused for x in self.live.values())
+            want = (len(self.live) < cfg.max_requests and not paused,
+                    tokens + remaining <= cfg.max_tokens,
+                    self._model_free_blocks() >= math.ceil(remaining / cfg.block_size))
+            require(tuple(got) == want, lambda: f"check_availability(id={t.rid}, remaining="
+                    f"{remaining}) = {got}, expected {want}")
+            if not (want[0] and want[2]):
+                break
+            if want[1]:
+                require(self._try_add(t, remaining), f"admission of {t.rid} failed")
+                self.waiting.popleft()
+                admitted += 1
+                continue
+            if tokens < cfg.max_tokens:
+                require(self._try_add(t, cfg.max_tokens - tokens), f"chunk of {t.rid} failed")
+                ctx.chunked_prefill_request_id = t.rid
+                self.chunked, t.chunking = t, True
+                self.waiting.popleft()
+                admitted += 1
+            break
+        return admitted
+
+    def _continue_chunk(self, choice: int) -> None:
+        """The step after a non-final chunk starts with the next chunk (the protocol)."""
+        ctx, cfg, t = self.ctx, self.cfg, self.chunked
+        bs = cfg.block_size
+        fin = t.req.finished_chunk_token_count
+        remaining = t.req.remaining_prompt_length
+        token_room = cfg.max_tokens - (self._model_active_tokens() - 1)
+        block_room = (math.ceil(fin / bs) + self._model_free_blocks()) * bs - fin
+        most = min(remaining, token_room, block_room)
+        if most < 1:
+            # No block for the next chunk: the step cannot run (forwarding the junk token would
+            # write to a block the request does not own). The engine recovers by suspending.
+            self.stats["stalls"] += 1
+            self.note("stall -> suspend_resume")
+            self.suspend_resume(check_calls=False)
+            return
+        if choice % 5 == 4 and most + 1 < remaining:
+            self.note(f"continue {t.rid} with {most + 1} (too many)")
+            require(not self._try_add(t, most + 1, continuation=True),
+                    "an oversized continuation chunk was accepted")
+        chunk = most if choice % 3 == 0 else 1 + (choice // 3) % most
+        final = chunk == remaining
+        self.note(f"continue {t.rid} with {chunk} of {remaining}")
+        if final:
+            ctx.chunked_prefill_request_id = -1
+        require(self._try_add(t, chunk, continuation=True, pass_none=choice % 2 == 1),
+                f"continuation of {t.rid} failed")
+        if final:
+            self.chunked, t.chunking = None, False
+
+    # ------------------------------------------------------------------ the step
+    def step(self, finish=frozenset(), *, mask_as_int: bool = False, choice: int = 0,
+             layout: int = 0, logprobs: bool = False, reinit: bool = False) -> None:
+        """One forward pass and ``update_requests``. ``finish``: indices (into the active
+        requests) that finish now; ``layout`` picks the K/V tensor layout (0: [n,1,H,D],
+        1: [n,H,D], 2: [n+3,1,H,D] with poisoned extra rows); ``choice`` drives the chunked
+        continuation; ``logprobs`` also checks ``calculate_log_probs``; ``reinit`` builds the
+        step's metadata twice (with ``reset_attention_state`` between), which must not matter."""
+        ctx, cfg = self.ctx, self.cfg
+        self.note(f"step(finish={sorted(finish)}, layout={layout}, choice={choice}, "
+                  f"reinit={reinit})")
+        ctx.initialize_attention_state()
+        if reinit:
+            ctx.reset_attention_state()
+            ctx.initialize_attention_state()
+        rows = self._rows()
+        P = ctx.paused_request_count
+        active = rows[P:]
+        require(active, "initialize_attention_state with no active request")
+        self._check_step_metadata(P, active)
+        self._write_kv(active, layout)
+        for t in active:
+            t.cached = t.query_start + len(t.query)
+        self.check_kv()
+        samples = [sample_token(t.rid, t.cached) for t in active]
+        self._check_logits(active, samples, logprobs)
+
+        mask = []
+        for i, t in enumerate(active):
+            if t.chunking:
+                mask.append(i not in finish)  # the context keeps it whatever the mask says
+            else:
+                mask.append(len(t.generated) + 1 < t.gen and i not in finish)
+        counts, table = ctx.kv_block_counts_host, ctx.block_table_host
+        old_blocks = {t.rid: table[row, :counts[row]].tolist() for row, t in enumerate(rows)}
+        old_paused = {t.rid for t in rows[:P]}
+        mask_tensor = torch.tensor(mask, dtype=torch.int32 if mask_as_int else torch.bool)
+        newly = ctx.update_requests(mask_tensor, torch.tensor(samples, dtype=torch.int64))
+        self.stats["steps"] += 1
+
+        finished = {t.rid for t, keep in zip(active, mask) if not keep and not t.chunking}
+        eligible = set()
+        for t, token in zip(active, samples):
+            if t.rid in finished:
+                del self.live[t.rid]
+                continue
+            t.query_start, t.query, t.prefill = t.cached, [token], False
+            if t.chunking:
+                t.placeholder = True  # the sampled token of a non-final chunk is junk
+            else:
+                t.generated.append(token)
+                if t.cached % cfg.block_size == 0:
+                    eligible.add(t.rid)  # its last block is full: it may pause
+        self.stats["finished"] += len(finished)
+
+        evicted = ctx.evicted_request_ids.tolist()
+        ids = ctx.host_request_ids().tolist()
+        P = ctx.paused_request_count
+        survivors = set(self.live)
+        require(len(set(evicted)) == len(evicted) and set(evicted) <= survivors,
+                lambda: f"evicted {evicted} are not distinct survivors {sorted(survivors)}")
+        require(set(evicted) <= old_paused | eligible, lambda: f"evicted {evicted}, but only "
+                f"{sorted(old_paused | eligible)} could pause")
+        require(set(ids) == survivors - set(evicted), lambda: f"rows hold {sorted(ids)}; "
+                f"survivors {sorted(survivors)}, finished {sorted(finished)}, evicted {evicted}")
+        paused_now = set(ids[:P])
+        require(paused_now <= old_paused | eligible, lambda: f"paused {sorted(paused_now)}, but "
+                f"only {sorted(old_paused | eligible)} filled their last block")
+        newly = newly.tolist()
+        require(len(newly) == len(set(newly)) and set(newly) == paused_now - old_paused,
+                lambda: f"update_requests returned newly paused {newly}, expected "
+                f"{sorted(paused_now - old_paused)}")
+        requeue = []
+        for rid in evicted:
+            t = self.live.pop(rid)
+            require(t is not self.chunked, "the chunked prefill request was evicted")
+            requeue.append(self._checkpoint(t))
+        self.waiting.extendleft(reversed(requeue))  # the engine re-queues them at the front
+        self.stats["evictions"] += len(evicted)
+        self.stats["pauses"] += len(newly)
+        self.stats["resumes"] += len(old_paused - paused_now - set(evicted))
+        for t in self.live.values():
+            t.paused = t.rid in paused_now
+        for row, rid in enumerate(ids):
+            old, new = old_blocks[rid], table[row, :counts[row]].tolist()
+            require(new[:len(old)] == old and len(new) - len(old) in (0, 1), lambda: f"request "
+                    f"{rid} had blocks {old} and has {new} after one update (only one block may "
+                    "be appended)")
+        if self.chunked is not None:
+            self._continue_chunk(choice)
+
+    # ------------------------------------------------------------------ lifecycle
+    def suspend_resume(self, check_calls: bool = True) -> None:
+        """Engine suspend (``deallocate_all_tensors``) and resume (``allocate_all_tensors
+        (is_init=False)``); the in-flight requests go back to the head of the waiting queue as
+        fresh requests with prompt = prompt + generated, and are admitted again."""
+        ctx = self.ctx
+        self.note("suspend_resume")
+        rows = self._rows()
+        ctx.deallocate_all_tensors()
+        require(not ctx.is_tensor_state_allocated, "deallocate_all_tensors left the state")
+        if check_calls:
+            probe = self._new([1, 2, 3], 1)
+            calls = {
+                "add_request": lambda: ctx.add_request(probe.req),
+                "check_availability": lambda: ctx.check_availability(probe.req),
+                "initialize_attention_state": ctx.initialize_attention_state,
+                "update_requests": lambda: ctx.update_requests(torch.ones(1, dtype=torch.bool),
+                                                               torch.zeros(1, dtype=torch.int64)),
+                "key_value_cache": lambda: ctx.key_value_cache(1),
+                "append_key_value_cache": lambda: ctx.append_key_value_cache(
+                    1, torch.zeros(1, 1, 1), None),
+                "request_to_kv_block_ids": lambda: ctx.request_to_kv_block_ids,
+            }
+            for name, call in calls.items():
+                try:
+                    call()
+                except TensorStateDeallocatedError:
+                    continue
+                except Exception as error:  # noqa: BLE001
+                    raise Violation(f"{name} while deallocated raised {error!r}, expected "
+                                    "TensorStateDeallocatedError") from None
+                raise Violation(f"{name} while deallocated did not raise")
+        ctx.allocate_all_tensors(is_init=False)
+        alloc = ctx.block_allocator
+        require((ctx.total_request_count, ctx.paused_request_count, ctx.active_token_count,
+                 ctx.num_prefill_requests, ctx.chunked_prefill_request_id) == (0, 0, 0, 0, -1),
+                "the context is not empty after a resume")
+        require(alloc.total_avail == alloc.total_count - 1, "blocks in use after a resume")
+        self.waiting.extendleft(reversed([self._checkpoint(t) for t in rows]))
+        self.live.clear()
+        self.chunked = None
+        self.stats["suspends"] += 1
+        self.check(device=True)
+        self.admit()
+
+    def reset(self) -> None:
+        """``reset()``: the context and the engine's queues are emptied."""
+        self.note("reset")
+        self.ctx.reset()
+        self.live.clear()
+        self.waiting.clear()
+        self.chunked = None
+        self.stats["resets"] += 1
+
+    # ------------------------------------------------------------------ K/V pattern
+    def _inner(self) -> int:
+        cfg = self.cfg
+        return cfg.latent_dim if cfg.mla else 2 * cfg.num_heads * cfg.head_dim
+
+    def pattern(self, uids: np.ndarray, positions: np.ndarray, layer: int) -> np.ndarray:
+        """Exact fp32 values of (incarnation, position, layer, [K/V, head, dim] | latent dim):
+        MHA ``[n, 2, H, D]``, MLA ``[n, latent]``."""
+        cfg = self.cfg
+        inner = self._inner()
+        per_uid = cfg.max_sequence_length * cfg.num_layers * inner
+        base = ((uids % (_EXACT // per_uid)) * cfg.max_sequence_length + positions) \
+            * cfg.num_layers + layer
+        values = base[:, None] * inner + np.arange(inner)[None, :]
+        values = values.astype(np.float32)
+        if cfg.mla:
+            return values
+        return values.reshape(-1, 2, cfg.num_heads, cfg.head_dim)
+
+    def _decode(self, value: float) -> str:
+        cfg = self.cfg
+        v = int(value)
+        if value != v or v < 0:
+            return f"{value} (not written by the pattern)"
+        v //= self._inner()
+        layer, v = v % cfg.num_layers, v // cfg.num_layers
+        pos, uid = v % cfg.max_sequence_length, v // cfg.max_sequence_length
+        return f"{value} (uid {uid}, position {pos}, layer {layer})"
+
+    def _write_kv(self, active: List[Tracked], layout: int) -> None:
+        ctx, cfg = self.ctx, self.cfg
+        n = ctx.padded_active_token_count
+        uids = np.concatenate([np.full(len(t.query), t.uid) for t in active])
+        positions = np.concatenate([t.query_start + np.arange(len(t.query)) for t in active])
+        extra = 3 if layout == 2 else 0
+        for layer in range(cfg.num_layers):
+            real = torch.from_numpy(self.pattern(uids, positions, layer))
+            shape = (n + extra,) + tuple(real.shape[1:])
+            data = torch.full(shape, -1.0)       # padding tokens: into the dummy block
+            data[:len(uids)] = real
+            if extra:
+                data[n:] = -2.0                  # rows beyond the step: must not be written
+            if cfg.mla:
+                latent = data if layout == 1 else data.unsqueeze(1)
+                ctx.append_key_value_cache(layer + 1, latent, None)
+            else:
+                key, value = data[:, 0], data[:, 1]
+                if layout != 1:
+                    key, value = key.unsqueeze(1), value.unsqueeze(1)
+                ctx.append_key_value_cache(layer + 1, key.contiguous(), value.contiguous())
+
+    def check_kv(self) -> None:
+        """Every live request's cached K/V (positions < cached) equal the pattern."""
+        ctx, cfg = self.ctx, self.cfg
+        bs = cfg.block_size
+        ids = ctx.host_request_ids().tolist()
+        table = ctx.block_table_host
+        uids, positions, blocks = [], [], []
+        for row, rid in enumerate(ids):
+            t = self.live[rid]
+            pos = np.arange(t.cached)
+            uids.append(np.full(t.cached, t.uid))
+            positions.append(pos)
+            blocks.append(table[row, pos // bs])
+        if not ids:
+            return
+        uids, positions, blocks = map(np.concatenate, (uids, positions, blocks))
+        if positions.size == 0:
+            return
+        require(np.all(blocks >= 0), "a cached position has no block")
+        slots = positions % bs
+        for layer in range(cfg.num_layers):
+            expected = self.pattern(uids, positions, layer)
+            k_cache, v_cache = ctx.key_value_cache(layer + 1)
+            if cfg.mla:
+                require(v_cache is None, "the MLA cache returned a V view")
+                got = k_cache[blocks, slots].numpy()
+            else:
+                got = np.stack([k_cache[blocks, slots].numpy(), v_cache[blocks, slots].numpy()],
+                               axis=1)
+            bad = np.flatnonzero((got != expected).reshape(len(positions), -1).any(axis=1))
+            if bad.size:
+                i = bad[0]
+                rid = next(t.rid for t in self.live.values() if t.uid == uids[i])
+                raise Violation(
+                    f"cached K/V of request {rid} (uid {uids[i]}) at position {positions[i]}, "
+                    f"layer {layer}, block {blocks[i]} slot {slots[i]} is "
+                    f"{self._decode(got[i].reshape(-1)[0])}, expected "
+                    f"{self._decode(expected[i].reshape(-1)[0])} ({bad.size} positions differ)")
+
+    # ------------------------------------------------------------------ step checks
+    def _check_step_metadata(self, P: int, active: List[Tracked]) -> None:
+        ctx, cfg = self.ctx, self.cfg
+        bs, A = cfg.block_size, len(active)
+        n, R = ctx.padded_active_token_count, ctx.padded_active_request_count
+        active_tokens = sum(len(t.query) for t in active)
+        prefill = sum(t.prefill for t in active)
+        require(ctx.active_token_count == active_tokens <= n <= cfg.max_tokens,
+                lambda: f"tokens {ctx.active_token_count} (model {active_tokens}), padded {n}")
+        require(A <= R <= cfg.max_requests, lambda: f"padded requests {R} for {A}")
+        dims = ctx.batch_dimensions
+        require((dims.token_count, dims.prefill_req_count, dims.decode_req_count)
+                == (active_tokens, prefill, A - prefill), lambda: f"batch_dimensions {dims}")
+        table = ctx.block_table_host
+        tok = {name: getattr(ctx, name)[:n].numpy() for name in (
+            "token_to_input_ids", "token_to_pos_ids", "token_to_request_idx",
+            "token_to_block_idx", "token_to_position_in_request",
+            "token_to_local_position_within_kv_block")}
+        start = 0
+        for i, t in enumerate(active):
+            q = len(t.query)
+            pos = t.query_start + np.arange(q)
+            sl = slice(start, start + q)
+            expect = {"token_to_input_ids": np.array(t.query), "token_to_pos_ids": pos,
+                      "token_to_request_idx": np.full(q, P + i),
+                      "token_to_block_idx": table[P + i, pos // bs],
+                      "token_to_position_in_request": pos,
+                      "token_to_local_position_within_kv_block": pos % bs}
+            for name, want in expect.items():
+                require(np.array_equal(tok[name][sl], want), lambda: f"{name} of request "
+                        f"{t.rid} (row {P + i}) is {tok[name][sl].tolist()}, expected "
+                        f"{want.tolist()}")
+            require(np.all(table[P + i, pos // bs] >= 0),
+                    lambda: f"request {t.rid} writes a token to a block it does not own")
+            start += q
+        pad = slice(active_tokens, n)
+        dummy = ctx.block_allocator.dummy_block_idx
+        require(np.all(tok["token_to_block_idx"][pad] == dummy)
+                and np.all(tok["token_to_local_position_within_kv_block"][pad] == 0)
+                and np.all(tok["token_to_position_in_request"][pad] == 0),
+                "padding tokens do not write slot 0 of the dummy block")
+        q_lens = np.array([len(t.query) for t in active])
+        kv_lens = np.array([t.query_start + len(t.query) for t in active])
+        cu_q, max_q = ctx.cu_query_lengths()
+        cu_kv, kv_seq, max_k = ctx.cu_kv_lengths()
+        cu_q, cu_kv, kv_seq = cu_q.numpy(), cu_kv.numpy(), kv_seq.numpy()
+        want_cu_q = np.concatenate([[0], np.cumsum(q_lens), np.full(R - A, q_lens.sum())])
+        want_cu_kv = np.concatenate([[0], np.cumsum(kv_lens), np.full(R - A, kv_lens.sum())])
+        require(np.array_equal(cu_q, want_cu_q), lambda: f"cu_query_lengths {cu_q.tolist()}, "
+                f"expected {want_cu_q.tolist()}")
+        require(np.array_equal(cu_kv, want_cu_kv), lambda: f"cu_kv_lengths {cu_kv.tolist()}, "
+                f"expected {want_cu_kv.tolist()}")
+        want_kv = np.concatenate([kv_lens, np.zeros(R - A, dtype=kv_lens.dtype)])
+        require(np.array_equal(kv_seq, want_kv), lambda: f"kv_seq_lengths {kv_seq.tolist()}")
+        require(max_q >= q_lens.max() and (prefill > 0 or max_q == 1),
+                lambda: f"max_seqlen_q {max_q} for query lengths {q_lens.tolist()}")
+        require(max_k >= kv_lens.max(), lambda: f"max_seqlen_k {max_k} < {kv_lens.max()}")
+        attn_table = ctx.active_attn_metadata.block_table.numpy()
+        require(attn_table.shape[0] == R and np.array_equal(attn_table[:A], table[P:P + A])
+                and np.all(attn_table[A:] == -1), "the step's block table is not the active rows")
+        ids, pos_ids = ctx.current_input_and_position_ids()
+        require(ids.shape == (1, n) and np.array_equal(ids[0].numpy(), tok["token_to_input_ids"])
+                and np.array_equal(pos_ids[0].numpy(), tok["token_to_pos_ids"]),
+                "current_input_and_position_ids disagrees with the token arrays")
+        lengths = ctx.get_active_sequence_lengths().numpy()
+        require(np.array_equal(lengths, kv_lens), lambda: f"get_active_sequence_lengths "
+                f"{lengths.tolist()}, expected {kv_lens.tolist()}")
+        max_lengths = ctx.get_max_sequence_lengths().numpy()
+        want_max = np.array([t.req.finished_chunk_token_count + t.gen for t in active])
+        require(np.array_equal(max_lengths, want_max), lambda: f"get_max_sequence_lengths "
+                f"{max_lengths.tolist()}, expected {want_max.tolist()}")
+
+    def _check_logits(self, active: List[Tracked], samples: List[int], logprobs: bool) -> None:
+        ctx = self.ctx
+        n = ctx.padded_active_token_count
+        logits = torch.randn(1, n, VOCAB, generator=self._generator)
+        last_index = np.cumsum([len(t.query) for t in active]) - 1
+        last = ctx.last_token_logits(logits)
+        require(torch.equal(last, logits[0, last_index]), "last_token_logits picked wrong rows")
+        if not logprobs:
+            return
+        new_tokens = torch.tensor(samples, dtype=torch.int64)
+        lsm = torch.log_softmax(logits[0].double(), -1).numpy()
+        values, _ = ctx.calculate_log_probs(logits, new_tokens)
+        if ctx.is_decode_only():
+            want = [[lsm[i, s]] for i, s in enumerate(samples)]
+        else:
+            want, start = [], 0
+            for t, s in zip(active, samples):
+                targets = t.query[1:] + [s]
+                want.append([lsm[start + j, x] for j, x in enumerate(targets)])
+                start += len(t.query)
+        require([len(v) for v in values] == [len(w) for w in want]
+                and all(np.allclose(v, w, atol=1e-4) for v, w in zip(values, want)),
+                "calculate_log_probs disagrees with log_softmax of the targets")
+        values, _ = ctx.calculate_log_probs(last, new_tokens, only_last_token_logits=True)
+        want = [lsm[i, s] for i, s in zip(last_index, samples)]
+        require(np.allclose([v[0] for v in values], want, atol=1e-4),
+                "calculate_log_probs(only_last_token_logits=True) disagrees")
+
+    # ------------------------------------------------------------------ invariants
+    def check(self, device: bool = True) -> None:
+        """All invariants; ``device`` also compares the device views with the host."""
+        ctx, cfg = self.ctx, self.cfg
+        bs = cfg.block_size
+        require(ctx.is_tensor_state_allocated, "the context is deallocated")
+        P, T = ctx.paused_request_count, ctx.total_request_count
+        rows = self._rows()
+        require(0 <= P <= T <= cfg.max_requests, lambda: f"P={P}, T={T}")
+        require([t.paused for t in rows] == [True] * P + [False] * (T - P),
+                lambda: f"paused rows {[t.rid for t in rows[:P]]} != model "
+                f"{[t.rid for t in self.live.values() if t.paused]}")
+        require(ctx._live_ids == set(self.live), "the context's live id set disagrees")
+        active = rows[P:]
+        require(ctx.active_token_count == sum(len(t.query) for t in active),
+                lambda: f"active_token_count {ctx.active_token_count}, model "
+                f"{sum(len(t.query) for t in active)}")
+        flags = [t.prefill for t in active]
+        require(ctx.num_prefill_requests == sum(flags), lambda: f"num_prefill_requests "
+                f"{ctx.num_prefill_requests}, model {sum(flags)}")
+        require(flags == sorted(flags), lambda: f"decode rows must come before prefill rows: "
+                f"{[(t.rid, t.prefill) for t in active]}")
+        require(ctx.get_active_request_count() == T - P and ctx.has_unfinished_requests() == (T > 0)
+                and ctx.num_decode_requests == T - P - sum(flags)
+                and ctx.is_decode_only() == (sum(flags) == 0), "the simple queries disagree")
+        if self.chunked is not None:
+            require(ctx.chunked_prefill_request_id == self.chunked.rid and active
+                    and active[-1] is self.chunked
+                    and ctx.get_index_of_chunked_prefill_request() == T - 1,
+                    lambda: f"the chunked request {self.chunked.rid} is not the last active row: "
+                    f"{[t.rid for t in active]}")
+        else:
+            require(ctx.chunked_prefill_request_id == -1, "a chunked id without a chunked prefill")
+
+        h, table = ctx._h_req, ctx.block_table_host
+        owned = []
+        for row, t in enumerate(rows):
+            count = int(h[FIELD_BLOCKS, row])
+            offset, q = int(h[FIELD_KV_OFFSET, row]), int(h[FIELD_QUERY, row])
+            where = f"request {t.rid} (row {row})"
+            # A chunk's output length is provisional: prompt tokens so far + gen (§10).
+            require(h[FIELD_OUTPUT, row] == t.req.finished_chunk_token_count + t.gen,
+                    lambda: f"{where}: output length {h[FIELD_OUTPUT, row]}, expected "
+                    f"{t.req.finished_chunk_token_count + t.gen}")
+            if t.paused:
+                require(offset + q == t.cached and t.cached % bs == 0
+                        and h[FIELD_LAST_OFFSET, row] == bs - 1,
+                        lambda: f"paused {where}: offset {offset} + query {q} != cached "
+                        f"{t.cached} or its last block is not full")
+            else:
+                require(offset == t.query_start and q == len(t.query),
+                        lambda: f"{where}: offset {offset}, query {q}; model {t.query_start}, "
+                        f"{len(t.query)}")
+                require(h[FIELD_LAST_OFFSET, row] == (offset + q - 1) % bs,
+                        lambda: f"{where}: last block offset {h[FIELD_LAST_OFFSET, row]}")
+            want = t.expected_blocks(bs)
+            kv_len = offset + q
+            require(count == want and (t.placeholder or count == math.ceil(kv_len / bs)),
+                    lambda: f"{where}: {count} blocks, expected {want} (kv length {kv_len}, "
+                    f"block size {bs})")
+            line = table[row]
+            require(np.all(line[:count] >= 0) and np.all(line[count:] == -1),
+                    lambda: f"{where}: block-table row {line.tolist()} for {count} blocks")
+            require(h[FIELD_LAST_BLOCK, row] == line[count - 1],
+                    lambda: f"{where}: last block id {h[FIELD_LAST_BLOCK, row]}")
+            blocks = line[:count].tolist()
+            require(blocks[:len(t.blocks)] == t.blocks, lambda: f"{where}: blocks changed from "
+                    f"{t.blocks} to {blocks}")
+            t.blocks = blocks
+            owned += blocks
+            meta = expected_metadata(t.rid)
+            for label, _, _ in ctx.request_metadata_types:
+                got = ctx._arena.host[f"meta:{label}"][row]
+                require(got == meta[label], lambda: f"{where}: metadata {label} = {got}, "
+                        f"expected {meta[label]}")
+        require(np.all(table[T:] == -1), "a free row holds blocks")
+
+        alloc = ctx.block_allocator
+        owned = np.array(owned, dtype=np.int64)
+        free = alloc.block_bag[:alloc.total_avail].astype(np.int64)
+        require(np.unique(owned).size == owned.size, "a block is owned by two requests")
+        require(np.unique(free).size == free.size, "the free stack holds a block twice")
+        require(np.intersect1d(owned, free).size == 0, "a block is both owned and free")
+        require(owned.size + free.size == alloc.total_count - 1, lambda: f"blocks leaked: "
+                f"{owned.size} owned + {free.size} free != {alloc.total_count - 1}")
+        dummy = alloc.dummy_block_idx
+        require(dummy not in owned and dummy not in free, "the dummy block is in use")
+        require(np.all(alloc.ref_counts[owned] == 1) and np.all(alloc.ref_counts[free] == 0),
+                "reference counts disagree with ownership")
+        stats = ctx.get_kvcache_utilization_stats()
+        require(stats["allocated_blocks"] == owned.size and stats["paused_request_count"] == P
+                and stats["total_request_count"] == T, lambda: f"utilization stats {stats}")
+
+        if device:
+            require(np.array_equal(ctx.request_to_kv_block_ids.numpy(), table),
+                    "the device block table differs from the host")
+            for name, index in zip(FIELD_NAMES, range(len(FIELD_NAMES))):
+                got = getattr(ctx, name)[:T].numpy()
+                require(np.array_equal(got, h[index, :T]), lambda: f"device {name} "
+                        f"{got.tolist()} != host {h[index, :T].tolist()}")
+            for label, values in ctx.request_metadata.items():
+                require(np.array_equal(values[:T].numpy(), ctx._arena.host[f"meta:{label}"][:T]),
+                        f"device metadata {label} differs from the host")
+            pending = ctx.paused_tokens
+            want = [t.query[0] for t in rows[:P]]
+            require((pending is None and P == 0) or (pending is not None
+                    and pending.tolist() == want), lambda: f"paused_tokens "
+                    f"{None if pending is None else pending.tolist()}, expected {want}")
+        self.check_kv()
