@@ -175,10 +175,12 @@ class DynamicInferenceContext:
         num_attention_heads = _positive_int("num_attention_heads", num_attention_heads)
         max_sequence_length = _positive_int("max_sequence_length", max_sequence_length)
         block_size_tokens = _positive_int("block_size_tokens", block_size_tokens)
-        if not isinstance(buffer_size_gb, (int, float)) or buffer_size_gb <= 0:
+        if not isinstance(buffer_size_gb, (int, float)) or not math.isfinite(buffer_size_gb) \
+                or buffer_size_gb <= 0:
             raise ValueError(f"buffer_size_gb={buffer_size_gb!r} must be a positive number")
         if paused_buffer_size_gb is not None and (
-                not isinstance(paused_buffer_size_gb, (int, float)) or paused_buffer_size_gb < 0):
+                not isinstance(paused_buffer_size_gb, (int, float))
+                or not math.isfinite(paused_buffer_size_gb) or paused_buffer_size_gb < 0):
             raise ValueError(f"paused_buffer_size_gb={paused_buffer_size_gb!r} must be >= 0 or None")
         tp = 1 if tensor_model_parallel_size is None else _positive_int(
             "tensor_model_parallel_size", tensor_model_parallel_size)
@@ -341,6 +343,7 @@ class DynamicInferenceContext:
         self._h_req = self._arena.host["req"]
         self._h_bt = np.full((R, self.max_kv_block_count), -1, dtype=np.int32)
         self._h_prompt = np.zeros(self.max_tokens, dtype=np.int64)
+        self._max_position = -1
         capacity = self._arena.nbytes + self._h_bt.nbytes + self._h_prompt.nbytes + 4096
         self._h2d = HostToDevice(device, capacity)
 
@@ -562,15 +565,18 @@ class DynamicInferenceContext:
     @property
     def kv_block_counts_host(self) -> np.ndarray:
         """Host copy of the per-row block counts (no sync)."""
+        self._check_allocated()
         return self._h_req[FIELD_BLOCKS]
 
     @property
     def block_table_host(self) -> np.ndarray:
         """Host copy of the block table (no sync)."""
+        self._check_allocated()
         return self._h_bt
 
     def host_request_ids(self) -> np.ndarray:
         """Host copy of the request id of each row in ``[0, total_request_count)``."""
+        self._check_allocated()
         return self._h_req[FIELD_IDS, :self.total_request_count]
 
     # ------------------------------------------------------------------ simple queries
@@ -601,6 +607,7 @@ class DynamicInferenceContext:
         return int(self._h_req[FIELD_BLOCKS, :self.paused_request_count].sum())
 
     def _require_attention_state(self, method: str) -> SimpleNamespace:
+        self._check_allocated()
         if self.active_attn_metadata is None:
             raise RuntimeError(f"{method}() is valid only between initialize_attention_state() "
                                "and the next update_requests()/reset_attention_state()")
@@ -658,6 +665,36 @@ class DynamicInferenceContext:
                              f"{remaining_length}] (the remaining prompt length)")
         return int(chunk), remaining_length, finished
 
+    @staticmethod
+    def _check_request_id(request_id: Any) -> int:
+        if isinstance(request_id, bool) or not isinstance(request_id, (int, np.integer)):
+            raise TypeError(f"request_id={request_id!r} must be an int")
+        if not 0 <= request_id < 2 ** 31:
+            raise ValueError(f"request_id={request_id} must lie in [0, 2**31) (-1 marks free rows)")
+        return int(request_id)
+
+    def _metadata_values(self, req: DynamicInferenceRequest) -> list:
+        """The request's metadata as numpy scalars of the context's dtypes; raises ValueError
+        naming the field when a value does not fit (before anything is reserved)."""
+        values = []
+        for (label, dtype, _), value in zip(self.request_metadata_types, req.tracked_metadata):
+            np_type = numpy_dtype(dtype)
+            if np.issubdtype(np_type, np.integer):
+                info = np.iinfo(np_type)
+                if isinstance(value, bool) or not isinstance(value, (int, np.integer)) \
+                        or not info.min <= value <= info.max:
+                    raise ValueError(f"request {req.request_id}: {label}={value!r} must be an int "
+                                     f"in [{info.min}, {info.max}] ({dtype})")
+            elif np_type is np.bool_:
+                if not isinstance(value, (bool, np.bool_, int, np.integer)):
+                    raise ValueError(f"request {req.request_id}: {label}={value!r} must be a bool")
+            else:
+                if not isinstance(value, (int, float, np.number)) or math.isnan(value):
+                    raise ValueError(f"request {req.request_id}: {label}={value!r} must be a "
+                                     "number (not NaN)")
+            values.append(np_type(value))
+        return values
+
     def check_availability(self, req: DynamicInferenceRequest) -> Tuple[bool, bool, bool]:
         """``(request slot free, tokens fit, KV blocks available)`` for the whole remaining
         prompt; host only."""
@@ -680,6 +717,7 @@ class DynamicInferenceContext:
         """
         request_id = getattr(req, "request_id", None)
         self._check_allocated(request_id)
+        request_id = self._check_request_id(request_id)
         chunk, remaining_length, finished = self._request_lengths(req, chunk_length)
         bs = self.block_size_tokens
         P, T = self.paused_request_count, self.total_request_count
@@ -736,7 +774,7 @@ class DynamicInferenceContext:
         elif prompt.device != self.device:
             raise ValueError(f"request {request_id}: prompt tokens live on {prompt.device}, the "
                              f"context on {self.device}")
-        metadata = req.tracked_metadata if not is_continuation else None
+        metadata = None if is_continuation else self._metadata_values(req)
 
         # From here on nothing raises: reserve and write.
         new_blocks = self.block_allocator.allocate_memory_blocks(needed - already)
@@ -793,6 +831,13 @@ class DynamicInferenceContext:
         A = T - P
         active = self.active_token_count
         prefill = self.num_prefill_requests
+        if self.chunked_prefill_request_id != -1 and prefill == 0 and A:
+            # The chunked request's row holds a placeholder token, not a real one: forwarding it
+            # would write K/V at a position whose block may not exist (SEMANTICS.md §10).
+            raise RuntimeError(
+                f"the chunked prefill request {self.chunked_prefill_request_id} needs its next "
+                "chunk (add_request) before this step; a step without it would forward its "
+                "placeholder token")
         decode = A - prefill
         chunked = self.chunked_prefill_request_id != -1 and self.has_explicit_chunked_prefill_req
         self.batch_dimensions = InferenceBatchDimensions(active, prefill, decode, chunked)
@@ -857,6 +902,7 @@ class DynamicInferenceContext:
 
         max_seqlen_q = int(q.max()) if A else 1
         max_seqlen_k = int(kv.max()) if A else 1
+        self._max_position = max_seqlen_k - 1
         self.active_attn_metadata = SimpleNamespace(
             query_lengths=device["attn_query_lengths"][:padded_requests],
             cu_query_seq_lengths=device["attn_cu_query"][:padded_requests + 1],
@@ -903,13 +949,19 @@ class DynamicInferenceContext:
         with ``cache_mla_latent``, ``key`` is the concatenated latent ``[>= n, 1, rank + rope]``
         and ``value`` is ignored."""
         self._check_allocated()
+        self._require_attention_state("append_key_value_cache")
         layer = self._layer_index(layer_number)
         n = self.padded_active_token_count
         blocks = self.token_to_block_idx[:n]
         slots = self.token_to_local_position_within_kv_block[:n]
         self._check_step_tensor("key", key, n)
         if self.cache_mla_latent:
-            latent = key.reshape(key.shape[0], -1) if key.dim() == 3 else key
+            width = self.kv_reduced_dim
+            if not (key.dim() == 2 or (key.dim() == 3 and key.shape[1] == 1)) or \
+                    key.shape[-1] != width:
+                raise ValueError(f"key must be the MLA latent [n, 1, {width}] or [n, {width}] "
+                                 f"(kv_lora_rank + qk_pos_emb_head_dim), got {tuple(key.shape)}")
+            latent = key[:, 0] if key.dim() == 3 else key
             rank = self.kv_lora_rank
             mla_latent_append(self.memory_buffer[layer], latent[:, :rank], latent[:, rank:],
                               blocks, slots, backend=self.kernel_backend)
@@ -933,10 +985,24 @@ class DynamicInferenceContext:
                                   "by the context yet")
 
     # ------------------------------------------------------------------ rotary embeddings
-    def _rope_positions(self, tensor: torch.Tensor, name: str, positions: torch.Tensor) -> int:
+    def _rope_positions(self, tensor: torch.Tensor, name: str, table: Optional[torch.Tensor] = None,
+                        table_name: str = "") -> int:
+        """Check a rope call against the step; returns the step's padded token count."""
+        self._check_allocated()
+        self._require_attention_state(f"rotary embedding of {name}")
         n = self.padded_active_token_count
+        for arg, tensor_ in ((name, tensor), (table_name, table)):
+            if tensor_ is None:
+                continue
+            if not isinstance(tensor_, torch.Tensor):
+                raise TypeError(f"{arg} must be a torch.Tensor, got {type(tensor_).__name__}")
+            if tensor_.device != self.device:
+                raise ValueError(f"{arg} is on {tensor_.device}, the context on {self.device}")
         if tensor.shape[0] < n:
             raise ValueError(f"{name} has {tensor.shape[0]} tokens, the step has {n}")
+        if table is not None and table.shape[0] <= self._max_position:
+            raise ValueError(f"{table_name} has {table.shape[0]} positions, the step reaches "
+                             f"position {self._max_position}")
         return n
 
     @staticmethod
@@ -958,7 +1024,7 @@ class DynamicInferenceContext:
         from dynctx.kernels.rope import fused_qk_rope
 
         self._check_cp_group(cp_group)
-        n = self._rope_positions(query, "query", self.token_to_pos_ids)
+        n = self._rope_positions(query, "query", query_emb, "query_emb")
         fused_qk_rope(query, None, self.token_to_pos_ids[:n], freqs=query_emb, mscale=mscale,
                       backend=self.kernel_backend, **self._rope_layout(config))
         return query
@@ -969,7 +1035,7 @@ class DynamicInferenceContext:
         from dynctx.kernels.rope import fused_qk_rope
 
         self._check_cp_group(cp_group)
-        n = self._rope_positions(key, "key", self.token_to_position_in_request)
+        n = self._rope_positions(key, "key", key_emb, "key_emb")
         fused_qk_rope(None, key, self.token_to_position_in_request[:n], freqs=key_emb,
                       mscale=mscale, backend=self.kernel_backend, **self._rope_layout(config))
         return key
@@ -983,7 +1049,8 @@ class DynamicInferenceContext:
         step's ``n`` tokens, as Megatron-Core does."""
         from dynctx.kernels import rope
 
-        n = self._rope_positions(query, "query", self.token_to_pos_ids)
+        n = self._rope_positions(query, "query", cos_sin_emb, "cos_sin_emb")
+        self._rope_positions(key, "key")
         positions = self.token_to_pos_ids[:n]
         layout = self._rope_layout(config)
         use_flashinfer = self.use_flashinfer_fused_rope
@@ -1017,7 +1084,9 @@ class DynamicInferenceContext:
         if self.cache_mla_latent:
             raise NotImplementedError("fused rope + KV append is for the MHA cache, not MLA")
         layer = self._layer_index(layer_number)
-        n = self.padded_active_token_count
+        table = rotary_pos_emb if rotary_pos_emb is not None else cos_sin_emb
+        n = self._rope_positions(query, "query", table,
+                                 "rotary_pos_emb" if rotary_pos_emb is not None else "cos_sin_emb")
         self._check_step_tensor("key", key, n)
         self._check_step_tensor("value", value, n)
         rope_kv_append(query, key, value, self.token_to_pos_ids[:n],
@@ -1047,9 +1116,10 @@ class DynamicInferenceContext:
         return logits
 
     def _check_finite(self, name: str, rows: torch.Tensor) -> None:
-        """With ``validate``: the real (not padding) rows used must be finite (one read-back)."""
-        if self.validate and rows.numel() and not bool(torch.isfinite(rows).all()):
-            raise ValueError(f"{name} holds NaN or inf values in the rows of real tokens "
+        """With ``validate``: no NaN or +inf in the real (not padding) rows used (one read-back;
+        -inf stays legal: it masks tokens)."""
+        if self.validate and rows.numel() and bool((rows.isnan() | rows.isposinf()).any()):
+            raise ValueError(f"{name} holds NaN or +inf values in the rows of real tokens "
                              "(validate=True)")
 
     def last_token_logits(self, logits: torch.Tensor) -> torch.Tensor:

@@ -34,8 +34,10 @@ class SamplingParams:
     seed: Optional[int] = None
 
     def __post_init__(self):
-        if self.temperature < 0:
+        if not self.temperature >= 0:  # also rejects NaN
             raise ValueError(f"temperature={self.temperature} must be >= 0")
+        if self.top_n_logprobs < 0:
+            raise ValueError(f"top_n_logprobs={self.top_n_logprobs} must be >= 0")
         if self.top_k < 0:
             raise ValueError(f"top_k={self.top_k} must be >= 0")
         if not 0.0 <= self.top_p <= 1.0:

@@ -502,9 +502,9 @@ def test_vocab_and_validate_checks():
     logits[0, 10] = float("nan")  # a padding row: ignored
     ctx.last_token_logits(logits)
     logits[0, 2, 5] = float("inf")
-    with pytest.raises(ValueError, match="NaN or inf"):
+    with pytest.raises(ValueError, match="NaN or \\+inf"):
         ctx.last_token_logits(logits)
-    with pytest.raises(ValueError, match="NaN or inf"):
+    with pytest.raises(ValueError, match="NaN or \\+inf"):
         ctx.calculate_log_probs(logits, torch.tensor([3]))
     with pytest.raises(ValueError, match="vocabulary columns"):
         ctx.last_token_logits(torch.randn(1, ctx.padded_active_token_count, 99))

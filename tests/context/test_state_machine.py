@@ -140,11 +140,6 @@ def test_driver_reaches_pause_evict_chunk_and_suspend(config, one_thread):
     assert stats["pauses"] + stats["evictions"] > 0, dict(stats)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "context bug (reported to the lead): with a chunked prefill pending, a step without its "
-    "continuation forwards the junk token; when the previous chunk ended on a block boundary "
-    "its block id is -1. initialize_attention_state should refuse the step (SEMANTICS.md §10 "
-    "hazard: 'block the step or always schedule the continuation')."))
 def test_step_without_the_chunked_continuation_is_refused():
     ctx = make_ctx(max_tokens=16)
     req = request(7, 20, gen=4)
