@@ -10,22 +10,19 @@ from __future__ import annotations
 import torch
 
 from . import _autotune
-from ._autotune import KernelConfig, KernelTuning, TuneCase
+from ._autotune import KernelConfig, KernelTuning
 from ._backend import HAS_TRITON, resolve_backend
+from ._common import (FLOAT_DTYPES, BufferWriteCase, check_block_slots, check_same_device,
+                      next_pow2, paged_targets, squeeze_singleton)
 
 NAME = "kv_append"
-_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Largest tile (tokens x heads x padded head dim) one program moves per tensor.
 _MAX_TILE = 16384
 
 
-def _next_pow2(x: int) -> int:
-    return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()
-
-
 def kv_append_configs(key: dict) -> list[KernelConfig]:
     """Search space: tokens per program x heads per program x warps, tiles up to 16K elements."""
-    heads_pow2, dim_pow2 = _next_pow2(key["num_heads"]), _next_pow2(key["head_dim"])
+    heads_pow2, dim_pow2 = next_pow2(key["num_heads"]), next_pow2(key["head_dim"])
     configs: list[KernelConfig] = []
     for block_t in (1, 4, 16):
         for block_h in sorted({min(2, heads_pow2), min(8, heads_pow2)}):
@@ -42,9 +39,9 @@ def kv_append_configs(key: dict) -> list[KernelConfig]:
 
 def kv_append_default_config(key: dict) -> KernelConfig:
     """A whole token's heads per program (up to 8); 4 tokens per program from 64 tokens on."""
-    block_h = min(8, _next_pow2(key["num_heads"]))
+    block_h = min(8, next_pow2(key["num_heads"]))
     block_t = 4 if key["num_tokens"] >= 64 else 1
-    tile = block_t * block_h * _next_pow2(key["head_dim"])
+    tile = block_t * block_h * next_pow2(key["head_dim"])
     config = KernelConfig.make(BLOCK_T=block_t, BLOCK_H=block_h, num_warps=8 if tile >= 2048 else 4)
     space = kv_append_configs(key)
     return config if config in space else space[0]
@@ -108,14 +105,6 @@ if HAS_TRITON:
         tl.store(value_cache_ptr + dst, tl.load(value_ptr + value_src, mask=mask), mask=mask)
 
 
-def _squeeze_singleton(name: str, tensor: torch.Tensor) -> torch.Tensor:
-    if tensor.dim() == 4 and tensor.shape[1] == 1:
-        return tensor[:, 0]
-    if tensor.dim() != 3:
-        raise ValueError(f"{name} must be [n, H, D] or [n, 1, H, D], got shape {tuple(tensor.shape)}")
-    return tensor
-
-
 def _check_inputs(key_cache, value_cache, key, value, block_ids, slots):
     """Validate the contract; return ``key``, ``value`` as [>=n, H, D] views."""
     if key_cache.dim() != 4:
@@ -123,8 +112,8 @@ def _check_inputs(key_cache, value_cache, key, value, block_ids, slots):
     if value_cache.shape != key_cache.shape:
         raise ValueError(f"value_cache shape {tuple(value_cache.shape)} != key_cache shape "
                          f"{tuple(key_cache.shape)}")
-    if key_cache.dtype not in _DTYPES:
-        raise ValueError(f"key_cache dtype {key_cache.dtype} is not one of {_DTYPES}")
+    if key_cache.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"key_cache dtype {key_cache.dtype} is not one of {FLOAT_DTYPES}")
     if value_cache.dtype != key_cache.dtype:
         raise ValueError(f"value_cache dtype {value_cache.dtype} != key_cache dtype {key_cache.dtype}")
     if key_cache.stride(-1) != 1:
@@ -132,7 +121,8 @@ def _check_inputs(key_cache, value_cache, key, value, block_ids, slots):
     if value_cache.stride() != key_cache.stride():
         raise ValueError(f"value_cache strides {value_cache.stride()} != key_cache strides "
                          f"{key_cache.stride()} (both are views of one [2, L, ...] buffer)")
-    key, value = _squeeze_singleton("key", key), _squeeze_singleton("value", value)
+    key = squeeze_singleton("key", key, 3, "H, D")
+    value = squeeze_singleton("value", value, 3, "H, D")
     num_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
     n = block_ids.numel()
     for name, tensor in (("key", key), ("value", value)):
@@ -143,17 +133,9 @@ def _check_inputs(key_cache, value_cache, key, value, block_ids, slots):
             raise ValueError(f"{name} has {tensor.shape[0]} rows, fewer than the {n} tokens")
         if tensor.dtype != key_cache.dtype:
             raise ValueError(f"{name} dtype {tensor.dtype} != cache dtype {key_cache.dtype}")
-    for name, tensor in (("block_ids", block_ids), ("slots", slots)):
-        if tensor.dim() != 1:
-            raise ValueError(f"{name} must be 1-D, got shape {tuple(tensor.shape)}")
-        if tensor.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"{name} dtype {tensor.dtype} must be int32 or int64")
-    if slots.numel() != n:
-        raise ValueError(f"slots has {slots.numel()} entries, block_ids {n}")
-    for name, tensor in (("value_cache", value_cache), ("key", key), ("value", value),
-                         ("block_ids", block_ids), ("slots", slots)):
-        if tensor.device != key_cache.device:
-            raise ValueError(f"{name} is on {tensor.device}, key_cache on {key_cache.device}")
+    check_block_slots(block_ids, slots)
+    check_same_device((("value_cache", value_cache), ("key", key), ("value", value),
+                       ("block_ids", block_ids), ("slots", slots)), "key_cache", key_cache)
     return key, value
 
 
@@ -193,7 +175,7 @@ def kv_append(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Ten
         stride_key_token=key.stride(0), stride_key_head=key.stride(1), stride_key_dim=key.stride(2),
         stride_value_token=value.stride(0), stride_value_head=value.stride(1),
         stride_value_dim=value.stride(2),
-        BLOCK_D=_next_pow2(head_dim), **config.launch_kwargs(),
+        BLOCK_D=next_pow2(head_dim), **config.launch_kwargs(),
     )
 
 
@@ -208,10 +190,10 @@ def kv_append_ref(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch
     value_cache[block_ids, slots] = value[:n]
 
 
-class KvAppendCase(TuneCase):
-    """Scratch buffers for one key: decode-like tokens in distinct blocks up to 256 tokens,
-    prefill-like runs of whole blocks beyond; every (block, slot) distinct."""
+class KvAppendCase(BufferWriteCase):
+    """Scratch buffers for one key, the tokens at ``paged_targets``."""
 
+    NAME = NAME
     BLOCK_SIZE = 256
 
     def __init__(self, key: dict, device: torch.device):
@@ -219,15 +201,7 @@ class KvAppendCase(TuneCase):
         dtype = getattr(torch, key["dtype"])
         bs = self.BLOCK_SIZE
         gen = torch.Generator().manual_seed(0)
-        if n <= 256:
-            num_blocks = 2 * n + 1
-            block_ids = torch.randperm(num_blocks, generator=gen)[:n]
-            slots = torch.randint(0, bs, (n,), generator=gen)
-        else:
-            num_blocks = -(-n // bs) + 1
-            order = torch.randperm(num_blocks, generator=gen)
-            block_ids = order[torch.arange(n) // bs]
-            slots = torch.arange(n) % bs
+        num_blocks, block_ids, slots = paged_targets(n, bs, gen)
         self.buffer = torch.randn(2, 1, num_blocks, bs, heads, dim, generator=gen).to(device, dtype)
         self.initial = self.buffer.clone()
         self.key = torch.randn(n, heads, dim, generator=gen).to(device, dtype)
@@ -245,16 +219,6 @@ class KvAppendCase(TuneCase):
 
     def run_reference(self) -> None:
         kv_append_ref(*self._args())
-
-    def check(self, config: KernelConfig) -> None:
-        self.buffer.copy_(self.initial)
-        self.run_reference()
-        expected = self.buffer.clone()
-        self.buffer.copy_(self.initial)
-        self.run(config)
-        int_dtype = {4: torch.int32, 2: torch.int16}[self.buffer.element_size()]
-        assert torch.equal(self.buffer.view(int_dtype), expected.view(int_dtype)), \
-            f"kv_append with {config} differs from kv_append_ref"
 
 
 @torch.library.custom_op("dynctx::kv_append", mutates_args=("key_cache", "value_cache"))

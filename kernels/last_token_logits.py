@@ -19,12 +19,12 @@ import torch
 from . import _autotune
 from ._autotune import KernelConfig, KernelTuning, TuneCase, bucket_tokens, dtype_name
 from ._backend import HAS_TRITON, resolve_backend
+from ._common import FLOAT_DTYPES
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
 
-FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 LOG_SOFTMAX_TOLERANCE = dict(rtol=1e-5, atol=1e-5)
 
 # Search spaces: the gather is a copy of BLOCK_V-wide tiles; the log-softmax walks the row.

@@ -16,26 +16,22 @@ import torch
 from . import _autotune
 from ._autotune import KernelConfig, KernelTuning, TuneCase
 from ._backend import HAS_TRITON, resolve_backend
+from ._common import FLOAT_DTYPES, bits, next_pow2
 
 GATHER, SCATTER = "mamba_state_gather", "mamba_state_scatter"
-_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _MIN_BLOCK_R = 1024
-
-
-def _next_pow2(x: int) -> int:
-    return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()
 
 
 def mamba_state_configs(key: dict) -> list[KernelConfig]:
     """Search space: row elements per program (1K to 8K, no wider than the row) x warps."""
-    widest = max(_MIN_BLOCK_R, _next_pow2(key["row_elems"]))
+    widest = max(_MIN_BLOCK_R, next_pow2(key["row_elems"]))
     return [KernelConfig.make(BLOCK_R=block_r, num_warps=num_warps)
             for block_r in (1024, 2048, 4096, 8192) if block_r <= widest for num_warps in (4, 8)]
 
 
 def mamba_state_default_config(key: dict) -> KernelConfig:
     """4K elements per program (or the row, if shorter), 8 warps from 4K on."""
-    block_r = min(4096, max(_MIN_BLOCK_R, _next_pow2(key["row_elems"])))
+    block_r = min(4096, max(_MIN_BLOCK_R, next_pow2(key["row_elems"])))
     return KernelConfig.make(BLOCK_R=block_r, num_warps=8 if block_r >= 4096 else 4)
 
 
@@ -112,8 +108,8 @@ def _rows_contiguous(tensor: torch.Tensor) -> bool:
 def _check_states(states: torch.Tensor, slot_ids: torch.Tensor) -> None:
     if states.dim() < 2:
         raise ValueError(f"states must be [num_slots, *state_shape], got {tuple(states.shape)}")
-    if states.dtype not in _DTYPES:
-        raise ValueError(f"states dtype {states.dtype} is not one of {_DTYPES}")
+    if states.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"states dtype {states.dtype} is not one of {FLOAT_DTYPES}")
     if not _rows_contiguous(states):
         raise ValueError(f"states rows must be contiguous (strides {states.stride()} for shape "
                          f"{tuple(states.shape)}); only the slot dim may be strided")
@@ -266,9 +262,8 @@ class MambaStateCase(TuneCase):
         expected = (self.states.clone(), self.rows.clone())
         self._reset()
         self.run(config)
-        int_dtype = {4: torch.int32, 2: torch.int16}[self.rows.element_size()]
         for got, want in zip((self.states, self.rows), expected):
-            assert torch.equal(got.view(int_dtype), want.view(int_dtype)), \
+            assert torch.equal(bits(got), bits(want)), \
                 f"{self.name} with {config} differs from its reference"
 
 

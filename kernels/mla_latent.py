@@ -9,20 +9,17 @@ from __future__ import annotations
 import torch
 
 from . import _autotune
-from ._autotune import KernelConfig, KernelTuning, TuneCase
+from ._autotune import KernelConfig, KernelTuning
 from ._backend import HAS_TRITON, resolve_backend
+from ._common import (FLOAT_DTYPES, BufferWriteCase, check_block_slots, check_same_device,
+                      next_pow2, paged_targets, squeeze_singleton)
 
 NAME = "mla_latent_append"
-_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def _next_pow2(x: int) -> int:
-    return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()
 
 
 def mla_latent_append_configs(key: dict) -> list[KernelConfig]:
     """Search space: tokens per program x row columns per program (256 or the whole row) x warps."""
-    row_pow2 = _next_pow2(key["kv_lora_rank"] + key["rope_dim"])
+    row_pow2 = next_pow2(key["kv_lora_rank"] + key["rope_dim"])
     configs: list[KernelConfig] = []
     for block_t in (1, 4, 16):
         for block_c in sorted({min(256, row_pow2), row_pow2}):
@@ -38,7 +35,7 @@ def mla_latent_append_configs(key: dict) -> list[KernelConfig]:
 
 def mla_latent_append_default_config(key: dict) -> KernelConfig:
     """The whole row per program; 4 tokens per program from 64 tokens on."""
-    block_c = _next_pow2(key["kv_lora_rank"] + key["rope_dim"])
+    block_c = next_pow2(key["kv_lora_rank"] + key["rope_dim"])
     block_t = 4 if key["num_tokens"] >= 64 else 1
     config = KernelConfig.make(BLOCK_T=block_t, BLOCK_C=block_c,
                                num_warps=8 if block_t * block_c >= 2048 else 4)
@@ -103,25 +100,18 @@ if HAS_TRITON:
                  mask=mask_t[:, None] & (is_latent | is_rope)[None, :])
 
 
-def _squeeze_singleton(name: str, tensor: torch.Tensor) -> torch.Tensor:
-    if tensor.dim() == 3 and tensor.shape[1] == 1:
-        return tensor[:, 0]
-    if tensor.dim() != 2:
-        raise ValueError(f"{name} must be [n, dim] or [n, 1, dim], got shape {tuple(tensor.shape)}")
-    return tensor
-
-
 def _check_inputs(latent_cache, kv_latent, k_rope, block_ids, slots):
     """Validate the contract; return ``kv_latent``, ``k_rope`` as 2-D views."""
     if latent_cache.dim() != 3:
         raise ValueError("latent_cache must be [num_blocks, block_size, kv_lora_rank + rope_dim], "
                          f"got {tuple(latent_cache.shape)}")
-    if latent_cache.dtype not in _DTYPES:
-        raise ValueError(f"latent_cache dtype {latent_cache.dtype} is not one of {_DTYPES}")
+    if latent_cache.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"latent_cache dtype {latent_cache.dtype} is not one of {FLOAT_DTYPES}")
     if latent_cache.stride(-1) != 1:
         raise ValueError(f"latent_cache must be contiguous in its last dim, strides "
                          f"{latent_cache.stride()}")
-    kv_latent, k_rope = _squeeze_singleton("kv_latent", kv_latent), _squeeze_singleton("k_rope", k_rope)
+    kv_latent = squeeze_singleton("kv_latent", kv_latent, 2, "dim")
+    k_rope = squeeze_singleton("k_rope", k_rope, 2, "dim")
     n = block_ids.numel()
     if kv_latent.shape[1] + k_rope.shape[1] != latent_cache.shape[2]:
         raise ValueError(f"kv_latent dim {kv_latent.shape[1]} + k_rope dim {k_rope.shape[1]} != "
@@ -131,17 +121,9 @@ def _check_inputs(latent_cache, kv_latent, k_rope, block_ids, slots):
             raise ValueError(f"{name} has {tensor.shape[0]} rows, fewer than the {n} tokens")
         if tensor.dtype != latent_cache.dtype:
             raise ValueError(f"{name} dtype {tensor.dtype} != latent_cache dtype {latent_cache.dtype}")
-    for name, tensor in (("block_ids", block_ids), ("slots", slots)):
-        if tensor.dim() != 1:
-            raise ValueError(f"{name} must be 1-D, got shape {tuple(tensor.shape)}")
-        if tensor.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"{name} dtype {tensor.dtype} must be int32 or int64")
-    if slots.numel() != n:
-        raise ValueError(f"slots has {slots.numel()} entries, block_ids {n}")
-    for name, tensor in (("kv_latent", kv_latent), ("k_rope", k_rope), ("block_ids", block_ids),
-                         ("slots", slots)):
-        if tensor.device != latent_cache.device:
-            raise ValueError(f"{name} is on {tensor.device}, latent_cache on {latent_cache.device}")
+    check_block_slots(block_ids, slots)
+    check_same_device((("kv_latent", kv_latent), ("k_rope", k_rope), ("block_ids", block_ids),
+                       ("slots", slots)), "latent_cache", latent_cache)
     return kv_latent, k_rope
 
 
@@ -192,10 +174,10 @@ def mla_latent_append_ref(latent_cache: torch.Tensor, kv_latent: torch.Tensor, k
     latent_cache[block_ids.long(), slots.long()] = rows
 
 
-class MlaLatentAppendCase(TuneCase):
-    """Scratch buffers for one key: decode-like tokens in distinct blocks up to 256 tokens,
-    prefill-like runs of whole blocks beyond; every (block, slot) distinct."""
+class MlaLatentAppendCase(BufferWriteCase):
+    """Scratch buffers for one key, the tokens at ``paged_targets``."""
 
+    NAME = NAME
     BLOCK_SIZE = 64
 
     def __init__(self, key: dict, device: torch.device):
@@ -203,14 +185,7 @@ class MlaLatentAppendCase(TuneCase):
         dtype = getattr(torch, key["dtype"])
         bs = self.BLOCK_SIZE
         gen = torch.Generator().manual_seed(0)
-        if n <= 256:
-            num_blocks = 2 * n + 1
-            block_ids = torch.randperm(num_blocks, generator=gen)[:n]
-            slots = torch.randint(0, bs, (n,), generator=gen)
-        else:
-            num_blocks = -(-n // bs) + 1
-            block_ids = torch.randperm(num_blocks, generator=gen)[torch.arange(n) // bs]
-            slots = torch.arange(n) % bs
+        num_blocks, block_ids, slots = paged_targets(n, bs, gen)
         self.buffer = torch.randn(1, num_blocks, bs, rank + rope_dim, generator=gen).to(device, dtype)
         self.initial = self.buffer.clone()
         self.kv_latent = torch.randn(n, rank, generator=gen).to(device, dtype)
@@ -227,16 +202,6 @@ class MlaLatentAppendCase(TuneCase):
 
     def run_reference(self) -> None:
         mla_latent_append_ref(*self._args())
-
-    def check(self, config: KernelConfig) -> None:
-        self.buffer.copy_(self.initial)
-        self.run_reference()
-        expected = self.buffer.clone()
-        self.buffer.copy_(self.initial)
-        self.run(config)
-        int_dtype = {4: torch.int32, 2: torch.int16}[self.buffer.element_size()]
-        assert torch.equal(self.buffer.view(int_dtype), expected.view(int_dtype)), \
-            f"mla_latent_append with {config} differs from mla_latent_append_ref"
 
 
 @torch.library.custom_op("dynctx::mla_latent_append", mutates_args=("latent_cache",))

@@ -22,6 +22,7 @@ import torch
 from . import _autotune
 from ._autotune import KernelConfig, KernelTuning, TuneCase, bucket_tokens, dtype_name
 from ._backend import HAS_TRITON, resolve_backend
+from ._common import FLOAT_DTYPES, next_pow2
 
 if HAS_TRITON:
     import triton
@@ -29,17 +30,12 @@ if HAS_TRITON:
 
 LAYOUTS = ("neox", "gptj", "mla", "mla_gptj")
 TABLES = ("cos_sin", "freqs")
-FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_BLOCK_ELEMENTS = 8192
-
-
-def _next_pow2(value: int) -> int:
-    return 1 if value <= 1 else 1 << (int(value) - 1).bit_length()
 
 
 def rope_block_configs(row_block: int, num_heads: int) -> list[KernelConfig]:
     """Tiles of ``BLOCK_T`` tokens x ``BLOCK_H`` heads x ``row_block`` dims, capped in size."""
-    head_cap = _next_pow2(max(1, num_heads))
+    head_cap = next_pow2(max(1, num_heads))
     configs = []
     for block_t in (1, 4, 16):
         for block_h in (1, 4, 8):
@@ -55,7 +51,7 @@ def rope_block_configs(row_block: int, num_heads: int) -> list[KernelConfig]:
 def rope_block_default(row_block: int, num_heads: int, num_tokens: int) -> KernelConfig:
     """Decode: one token, four heads per program; prefill: more tokens per program."""
     block_t = 1 if num_tokens <= 16 else 4 if num_tokens <= 256 else 16
-    block_h = min(4, _next_pow2(max(1, num_heads)))
+    block_h = min(4, next_pow2(max(1, num_heads)))
     while block_t > 1 and block_t * block_h * row_block > MAX_BLOCK_ELEMENTS:
         block_t //= 4
     elements = block_t * block_h * row_block
@@ -74,12 +70,12 @@ def fused_qk_rope_tune_key(*, num_tokens: int, num_q_heads: int, num_k_heads: in
 
 
 def fused_qk_rope_configs(key: dict) -> list[KernelConfig]:
-    half_block = _next_pow2(key["rot_dim"] // 2)
+    half_block = next_pow2(key["rot_dim"] // 2)
     return rope_block_configs(half_block, max(key["num_q_heads"], key["num_k_heads"]))
 
 
 def fused_qk_rope_default_config(key: dict) -> KernelConfig:
-    half_block = _next_pow2(key["rot_dim"] // 2)
+    half_block = next_pow2(key["rot_dim"] // 2)
     return rope_block_default(half_block, max(key["num_q_heads"], key["num_k_heads"]),
                               key["num_tokens"])
 
@@ -311,7 +307,7 @@ def check_rope_args(query, key, positions, cos_sin_cache, freqs, interleaved: bo
 
 def rope_meta(problem: RopeProblem) -> dict:
     """Constexpr meta-parameters shared by the rope kernels."""
-    return {"ROT_DIM": problem.rot_dim, "HALF_BLOCK": _next_pow2(problem.rot_dim // 2),
+    return {"ROT_DIM": problem.rot_dim, "HALF_BLOCK": next_pow2(problem.rot_dim // 2),
             "LAYOUT": LAYOUTS.index(problem.layout),
             "TABLE_IS_FREQS": problem.table_kind == "freqs"}
 

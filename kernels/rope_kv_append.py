@@ -16,9 +16,10 @@ import torch
 from . import _autotune
 from ._autotune import KernelConfig, KernelTuning, TuneCase
 from ._backend import HAS_TRITON, resolve_backend
+from ._common import next_pow2
 from .rope import (as_head_view, assert_rope_close, check_rope_args, fused_qk_rope_ref,
                    fused_qk_rope_tune_key, make_rope_tables, rope_block_configs,
-                   rope_block_default, rope_meta, _next_pow2)
+                   rope_block_default, rope_meta)
 
 if HAS_TRITON:
     import triton
@@ -34,12 +35,12 @@ def rope_kv_append_tune_key(**shapes) -> dict:
 
 def rope_kv_append_configs(key: dict) -> list[KernelConfig]:
     # key programs also copy the whole value head and the key's pass-through dims
-    return rope_block_configs(_next_pow2(key["head_dim"]),
+    return rope_block_configs(next_pow2(key["head_dim"]),
                               max(key["num_q_heads"], key["num_k_heads"]))
 
 
 def rope_kv_append_default_config(key: dict) -> KernelConfig:
-    return rope_block_default(_next_pow2(key["head_dim"]),
+    return rope_block_default(next_pow2(key["head_dim"]),
                               max(key["num_q_heads"], key["num_k_heads"]), key["num_tokens"])
 
 
@@ -210,8 +211,8 @@ def rope_kv_append(query: Optional[torch.Tensor], key: torch.Tensor, value: torc
         stride_value_cache_slot=value_cache.stride(1),
         stride_value_cache_head=value_cache.stride(2),
         stride_table_pos=problem.table.stride(0),
-        HEAD_DIM=dim, DIM_BLOCK=_next_pow2(dim),
-        TAIL_BLOCK=0 if rot == dim else _next_pow2(dim - rot),
+        HEAD_DIM=dim, DIM_BLOCK=next_pow2(dim),
+        TAIL_BLOCK=0 if rot == dim else next_pow2(dim - rot),
         **rope_meta(problem), **config.launch_kwargs(),
     )
 

@@ -1,0 +1,89 @@
+"""Helpers shared by the kernel files: sizes, argument checks and tune-case plumbing.
+
+Nothing here launches a kernel; each launcher still owns its contract (STYLE.md guideline 2)
+and calls these helpers for the checks that several launchers state in the same words.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._autotune import KernelConfig, TuneCase
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def next_pow2(x: int) -> int:
+    """The smallest power of two ``>= x`` (1 for ``x <= 1``): Triton block sizes."""
+    return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()
+
+
+def bits(tensor: torch.Tensor) -> torch.Tensor:
+    """Integer view of the same bytes, so NaN payloads and -0.0 compare exactly."""
+    return tensor.view({4: torch.int32, 2: torch.int16}[tensor.element_size()])
+
+
+def squeeze_singleton(name: str, tensor: torch.Tensor, dims: int, layout: str) -> torch.Tensor:
+    """``[n, 1, *rest]`` -> a ``[n, *rest]`` view; otherwise ``tensor`` must have ``dims`` dims.
+
+    ``layout`` names ``rest`` in the error, e.g. ``"H, D"`` for ``[n, H, D] or [n, 1, H, D]``.
+    """
+    if tensor.dim() == dims + 1 and tensor.shape[1] == 1:
+        return tensor[:, 0]
+    if tensor.dim() != dims:
+        raise ValueError(f"{name} must be [n, {layout}] or [n, 1, {layout}], "
+                         f"got shape {tuple(tensor.shape)}")
+    return tensor
+
+
+def check_block_slots(block_ids: torch.Tensor, slots: torch.Tensor) -> int:
+    """Check the ``[n]`` int32/int64 (block, slot) targets of a paged-cache write; return ``n``."""
+    n = block_ids.numel()
+    for name, tensor in (("block_ids", block_ids), ("slots", slots)):
+        if tensor.dim() != 1:
+            raise ValueError(f"{name} must be 1-D, got shape {tuple(tensor.shape)}")
+        if tensor.dtype not in INDEX_DTYPES:
+            raise ValueError(f"{name} dtype {tensor.dtype} must be int32 or int64")
+    if slots.numel() != n:
+        raise ValueError(f"slots has {slots.numel()} entries, block_ids {n}")
+    return n
+
+
+def check_same_device(tensors, ref_name: str, ref: torch.Tensor) -> None:
+    """Each ``(name, tensor)`` of ``tensors`` must sit on ``ref``'s device."""
+    for name, tensor in tensors:
+        if tensor.device != ref.device:
+            raise ValueError(f"{name} is on {tensor.device}, {ref_name} on {ref.device}")
+
+
+def paged_targets(n: int, block_size: int, gen: torch.Generator):
+    """``(num_blocks, block_ids, slots)`` for a tune case, every (block, slot) distinct: decode-like
+    tokens in distinct blocks up to 256 tokens, prefill-like runs of whole blocks beyond."""
+    if n <= 256:
+        num_blocks = 2 * n + 1
+        block_ids = torch.randperm(num_blocks, generator=gen)[:n]
+        slots = torch.randint(0, block_size, (n,), generator=gen)
+    else:
+        num_blocks = -(-n // block_size) + 1
+        block_ids = torch.randperm(num_blocks, generator=gen)[torch.arange(n) // block_size]
+        slots = torch.arange(n) % block_size
+    return num_blocks, block_ids, slots
+
+
+class BufferWriteCase(TuneCase):
+    """A data-movement tune case that writes into ``self.buffer``: ``check`` runs the reference
+    and then the kernel, each from the contents of ``self.initial``, and compares the buffers
+    bit for bit. Subclasses set ``NAME`` (the launcher; its reference is ``NAME + "_ref"``),
+    ``buffer``, ``initial``, ``run`` and ``run_reference``."""
+
+    NAME = ""
+
+    def check(self, config: KernelConfig) -> None:
+        self.buffer.copy_(self.initial)
+        self.run_reference()
+        expected = self.buffer.clone()
+        self.buffer.copy_(self.initial)
+        self.run(config)
+        assert torch.equal(bits(self.buffer), bits(expected)), \
+            f"{self.NAME} with {config} differs from {self.NAME}_ref"
