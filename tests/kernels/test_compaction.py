@@ -17,12 +17,11 @@ from dynctx.kernels.compaction import (
     compact_requests_ref,
     compact_requests_tune_key,
 )
+from kernel_test_utils import DEVICE, POISONS, poisoned
 
 pytestmark = pytest.mark.interpreter
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 GUARD = 2
-POISONS = (0xFF, 0x5A)
 
 
 def _source_state(max_requests, max_blocks, *, seed=0):
@@ -59,12 +58,6 @@ def _oracle(dst_table, dst_tokens, src_table, src_tokens, new_tokens, plan_src, 
         dst_tokens[row] = 0
 
 
-def _poisoned(shape, dtype, poison, device=DEVICE):
-    buf = torch.empty([s + 2 * GUARD for s in shape], dtype=dtype, device=device)
-    buf.view(torch.uint8).fill_(poison)
-    return buf, buf[tuple(slice(GUARD, GUARD + size) for size in shape)]
-
-
 def _run_case(*, max_requests, max_blocks, plan_src, appends=None, new_token_offset=0,
               num_new_tokens=None, clear_rows=None, new_dtype=torch.int64, config=None, seed=0):
     num_rows = len(plan_src)
@@ -85,8 +78,9 @@ def _run_case(*, max_requests, max_blocks, plan_src, appends=None, new_token_off
         for who in ("triton", "torch", "oracle"):
             # The oracle writes element by element: on the host.
             device = "cpu" if who == "oracle" else DEVICE
-            table_buf, table = _poisoned((max_requests, max_blocks), torch.int32, poison, device)
-            tokens_buf, tokens = _poisoned((max_requests,), torch.int64, poison, device)
+            table_buf, table = poisoned((max_requests, max_blocks), torch.int32, poison, device,
+                                        guard=GUARD)
+            tokens_buf, tokens = poisoned((max_requests,), torch.int64, poison, device, guard=GUARD)
             if who == "oracle":
                 _oracle(table, tokens, src_table.cpu(), src_tokens.cpu(), new_tokens.cpu(), plan_src,
                         append_col, append_block, new_token_offset, num_rows, clear_rows)

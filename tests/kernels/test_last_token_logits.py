@@ -24,12 +24,10 @@ from dynctx.kernels.last_token_logits import (
     token_log_probs_ref,
     token_log_probs_tune_key,
 )
+from kernel_test_utils import DEVICE, DTYPES, poisoned
 
 pytestmark = pytest.mark.interpreter
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.float16, id="fp16"),
-          pytest.param(torch.bfloat16, id="bf16")]
 GUARD = 3
 
 # (query lengths of the real requests, padding tokens after them, vocab size)
@@ -66,9 +64,7 @@ def _guarded(rows, cols, dtype):
     The poison is 0xFF bytes, a NaN in every float dtype whose bits no kernel produces (its
     own NaNs are canonical), so the guard bands are checked byte for byte.
     """
-    buf = torch.empty(rows + 2 * GUARD, cols + 2 * GUARD, dtype=dtype, device=DEVICE)
-    buf.view(torch.uint8).fill_(0xFF)
-    return buf, buf[GUARD:GUARD + rows, GUARD:GUARD + cols]
+    return poisoned((rows, cols), dtype, 0xFF, DEVICE, guard=GUARD)
 
 
 def _assert_guard_untouched(buf, rows, cols):

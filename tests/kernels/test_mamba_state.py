@@ -15,19 +15,12 @@ from dynctx.kernels.mamba_state import (mamba_state_configs, mamba_state_default
                                         mamba_state_gather_ref, mamba_state_presets,
                                         mamba_state_scatter, mamba_state_scatter_op,
                                         mamba_state_scatter_ref, mamba_state_tune_key)
+from kernel_test_utils import DEVICE, DTYPES, bits, check_presets_share_space
 
 pytestmark = pytest.mark.interpreter
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.float16, id="fp16"),
-          pytest.param(torch.bfloat16, id="bf16")]
 LAYERS, LAYER = 3, 1
 GUARD = 1
-
-
-def bits(tensor: torch.Tensor) -> torch.Tensor:
-    """Integer view of the same bytes, so NaN payloads and -0.0 compare exactly."""
-    return tensor.view({4: torch.int32, 2: torch.int16}[tensor.element_size()])
 
 
 def random_values(shape, dtype, gen) -> torch.Tensor:
@@ -142,11 +135,8 @@ def test_scatter_matches_reference(case, dtype):
 
 
 def test_config_space_covers_presets():
-    space = mamba_state_configs(CONFIG_KEY)
-    for preset in mamba_state_presets():
-        assert mamba_state_configs(preset) == space
-        assert mamba_state_default_config(preset) in space
-    assert len(set(space)) == len(space)
+    check_presets_share_space(mamba_state_configs, mamba_state_default_config, mamba_state_presets,
+                              CONFIG_KEY)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -5,8 +5,6 @@ Run with ``TRITON_INTERPRET=1`` on a CPU (set before import) or compiled on a GP
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
@@ -15,45 +13,12 @@ from dynctx.kernels.mla_latent import (mla_latent_append, mla_latent_append_conf
                                        mla_latent_append_default_config, mla_latent_append_op,
                                        mla_latent_append_presets, mla_latent_append_ref,
                                        mla_latent_append_tune_key)
+from kernel_test_utils import DEVICE, DTYPES, bits, check_presets_share_space, token_layout
 
 pytestmark = pytest.mark.interpreter
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.float16, id="fp16"),
-          pytest.param(torch.bfloat16, id="bf16")]
 LAYERS, LAYER = 3, 1
 GUARD_BLOCKS = 1
-
-
-def bits(tensor: torch.Tensor) -> torch.Tensor:
-    """Integer view of the same bytes, so NaN payloads and -0.0 compare exactly."""
-    return tensor.view({4: torch.int32, 2: torch.int16}[tensor.element_size()])
-
-
-def token_layout(kind: str, block_size: int, num_blocks: int, gen: torch.Generator):
-    """(block_ids, slots) for a named token layout; the last block is the dummy block."""
-    free = torch.randperm(num_blocks - 1, generator=gen).tolist()
-    parts: list[tuple[int, int]] = []
-    for item in kind.split("+"):
-        what, count = item.split(":")
-        count = int(count)
-        if what == "decode":
-            # One token per request, each in its own block; the first at the block's last slot.
-            for i in range(count):
-                slot = block_size - 1 if i == 0 else int(torch.randint(0, block_size, (1,), generator=gen))
-                parts.append((free.pop(), slot))
-        elif what == "prefill":
-            # A chunk starting mid-block (partly filled first block) and crossing block boundaries.
-            start = 3 % block_size
-            blocks = [free.pop() for _ in range(math.ceil((start + count) / block_size))]
-            parts += [(blocks[(start + t) // block_size], (start + t) % block_size) for t in range(count)]
-        elif what == "pad":
-            parts += [(num_blocks - 1, 0)] * count
-        else:
-            raise AssertionError(what)
-    block_ids = torch.tensor([b for b, _ in parts], dtype=torch.int64).reshape(-1)
-    slots = torch.tensor([s for _, s in parts], dtype=torch.int64).reshape(-1)
-    return block_ids, slots
 
 
 def make_inputs(layout: str, rows: int, rank: int, rope: int, dtype, gen):
@@ -144,11 +109,8 @@ def test_matches_reference(case, dtype):
 
 
 def test_config_space_covers_presets():
-    space = mla_latent_append_configs(CONFIG_KEY)
-    for preset in mla_latent_append_presets():
-        assert mla_latent_append_configs(preset) == space
-        assert mla_latent_append_default_config(preset) in space
-    assert len(set(space)) == len(space)
+    check_presets_share_space(mla_latent_append_configs, mla_latent_append_default_config,
+                              mla_latent_append_presets, CONFIG_KEY)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

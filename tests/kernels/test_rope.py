@@ -24,6 +24,8 @@ from dynctx.kernels import _autotune
 from dynctx.kernels._backend import triton_interpreting
 from dynctx.kernels.rope import (assert_rope_close, cos_sin_cache_from_freqs, fused_qk_rope,
                                  fused_qk_rope_ref, make_rope_tables)
+from kernel_test_utils import (assert_only_views_written, assert_rotated_heads, byte_view,
+                               preset_configs)
 
 pytestmark = pytest.mark.interpreter
 
@@ -137,10 +139,6 @@ def _flags(case: Case) -> dict:
             "mla_layout": case.layout.startswith("mla"), "mscale": case.mscale}
 
 
-def _bits(x: torch.Tensor) -> torch.Tensor:
-    return x.contiguous().view(torch.uint8)
-
-
 def run_and_check(case: Case, config=None) -> None:
     generator = torch.Generator().manual_seed(1234)
     base, views = _storage(case, generator)
@@ -159,15 +157,9 @@ def run_and_check(case: Case, config=None) -> None:
         if got is None:
             continue
         got, want, before = (t[:, 0] if t.dim() == 4 else t for t in (got, want, before))
-        assert_rope_close(got[:n, :, :rot], want[:n, :, :rot], case.mscale, name)
-        assert torch.equal(_bits(got[:n, :, rot:]), _bits(before[:n, :, rot:])), f"{name} tail"
-        assert torch.equal(_bits(got[n:]), _bits(before[n:])), f"{name} guard rows"
-    # nothing outside the rotated views moved: put them back and compare the whole buffer
-    restored = base.clone()
-    for got, before, used in zip(views(restored), views(snapshot), (case.query, case.key)):
-        if used:
-            got.copy_(before)
-    assert torch.equal(_bits(restored), _bits(snapshot)), "bytes outside query/key were written"
+        assert_rotated_heads(name, got, want, before, n, rot, case.mscale)
+    assert_only_views_written(base, snapshot, views, (case.query, case.key),
+                              "bytes outside query/key were written")
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -175,15 +167,7 @@ def test_fused_qk_rope_matches_reference(case):
     run_and_check(case)
 
 
-def _all_configs():
-    tuning = _autotune.get_tuning("fused_qk_rope")
-    configs = []
-    for key in tuning.presets():
-        configs += [c for c in tuning.configs(key) if c not in configs]
-    return configs
-
-
-CONFIGS = _all_configs()
+CONFIGS = preset_configs("fused_qk_rope")
 
 
 @pytest.mark.parametrize("config", [pytest.param(c, id=str(c)) for c in CONFIGS])

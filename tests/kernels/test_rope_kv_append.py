@@ -22,6 +22,8 @@ from dynctx.kernels import _autotune
 from dynctx.kernels._backend import triton_interpreting
 from dynctx.kernels.rope import LAYOUTS, TABLES, assert_rope_close, fused_qk_rope, make_rope_tables
 from dynctx.kernels.rope_kv_append import rope_kv_append, rope_kv_append_ref
+from kernel_test_utils import (assert_only_views_written, assert_rotated_heads, byte_view,
+                               preset_configs)
 
 pytestmark = pytest.mark.interpreter
 
@@ -74,10 +76,6 @@ CASES = [pytest.param(case, id=name) for name, case in {
     "fp16_cos_sin_interleaved_padding": Case(dtype=torch.float16, layout="gptj", table="cos_sin",
                                              padding=1, n=7),
 }.items()]
-
-
-def _bits(x: torch.Tensor) -> torch.Tensor:
-    return x.contiguous().view(torch.uint8)
 
 
 def _inputs(case: Case, generator: torch.Generator):
@@ -149,29 +147,23 @@ def run_and_check(case: Case, config=None) -> None:
                                     ("key", key, expected[1], before_k)):
         if got is None:
             continue
-        got, want = squeeze(got), squeeze(want)
-        assert_rope_close(got[:n, :, :rot], want[:n, :, :rot], case.mscale, name)
-        assert torch.equal(_bits(got[:n, :, rot:]), _bits(before[:n, :, rot:])), f"{name} tail"
-        assert torch.equal(_bits(got[n:]), _bits(before[n:])), f"{name} guard rows"
-    assert torch.equal(_bits(squeeze(value)), _bits(before_v)), "value was written"
+        assert_rotated_heads(name, squeeze(got), squeeze(want), before, n, rot, case.mscale)
+    assert torch.equal(byte_view(squeeze(value)), byte_view(before_v)), "value was written"
 
     written = ((block_ids >= 0) & (slots >= 0)).cpu()
     blocks, offsets = block_ids.cpu()[written].long(), slots.cpu()[written].long()
     key_cache, value_cache = buffer[0, LAYER].cpu(), buffer[1, LAYER].cpu()
     assert_rope_close(key_cache[blocks, offsets],
                       expected_buffer[0, LAYER].cpu()[blocks, offsets], case.mscale, "key_cache")
-    assert torch.equal(_bits(key_cache[blocks, offsets]), _bits(squeeze(key).cpu()[:n][written]))
-    assert torch.equal(_bits(value_cache[blocks, offsets]), _bits(before_v.cpu()[:n][written]))
+    assert torch.equal(byte_view(key_cache[blocks, offsets]), byte_view(squeeze(key).cpu()[:n][written]))
+    assert torch.equal(byte_view(value_cache[blocks, offsets]), byte_view(before_v.cpu()[:n][written]))
     # every other byte of the poisoned buffer is untouched
     restored = buffer.clone()
     restored[:, LAYER, blocks.to(DEVICE), offsets.to(DEVICE)] = buffer_snapshot[
         :, LAYER, blocks.to(DEVICE), offsets.to(DEVICE)]
-    assert torch.equal(_bits(restored), _bits(buffer_snapshot)), "cache written outside targets"
-    restored_inputs = base.clone()
-    for got, before, used in zip(views(restored_inputs), views(snapshot), (case.query, True, True)):
-        if used:
-            got.copy_(before)
-    assert torch.equal(_bits(restored_inputs), _bits(snapshot)), "bytes outside q/k/v written"
+    assert torch.equal(byte_view(restored), byte_view(buffer_snapshot)), "cache written outside targets"
+    assert_only_views_written(base, snapshot, views, (case.query, True, True),
+                              "bytes outside q/k/v written")
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -179,15 +171,7 @@ def test_rope_kv_append_matches_reference(case):
     run_and_check(case)
 
 
-def _all_configs():
-    tuning = _autotune.get_tuning("rope_kv_append")
-    configs = []
-    for key in tuning.presets():
-        configs += [c for c in tuning.configs(key) if c not in configs]
-    return configs
-
-
-CONFIGS = _all_configs()
+CONFIGS = preset_configs("rope_kv_append")
 
 
 @pytest.mark.parametrize("config", [pytest.param(c, id=str(c)) for c in CONFIGS])
@@ -226,7 +210,7 @@ def test_rotation_matches_fused_qk_rope_bit_for_bit(layout):
                    **_kwargs(case), backend="triton")
     other_query, other_key, _ = views(other)
     fused_qk_rope(other_query, other_key, positions, **_kwargs(case), backend="triton")
-    assert torch.equal(_bits(base), _bits(other))
+    assert torch.equal(byte_view(base), byte_view(other))
 
 
 def test_zero_tokens_launches_nothing(monkeypatch):
@@ -288,4 +272,4 @@ def test_custom_op_matches_reference():
     torch.ops.dynctx.rope_kv_append(query, key, value, positions, cache[0], cache[1], block_ids,
                                     slots, cos_sin, None, False, 0.9, False)
     for got, want in zip((query, key, value, cache), expected):
-        assert torch.equal(_bits(got), _bits(want))
+        assert torch.equal(byte_view(got), byte_view(want))

@@ -19,20 +19,13 @@ from dynctx.kernels.step_metadata import (
     step_metadata_tune_key,
     scaled_down_key,
 )
+from kernel_test_utils import DEVICE, POISONS, poisoned
 
 pytestmark = pytest.mark.interpreter
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 GUARD = 2
 SPARE = 3  # entries past padded_tokens / rows past padded_requests that must stay untouched
-POISONS = (0xFF, 0x5A)
 DUMMY_BLOCK = 4242
-
-
-def _poisoned(shape, dtype, poison, device=DEVICE):
-    buf = torch.empty([s + 2 * GUARD for s in shape], dtype=dtype, device=device)
-    buf.view(torch.uint8).fill_(poison)
-    return buf, buf[tuple(slice(GUARD, GUARD + size) for size in shape)]
 
 
 def _with_junk(values, dtype, junk=99):
@@ -101,10 +94,10 @@ def _run_case(*, query_lengths, num_decode, kv_offsets, block_size=4, max_blocks
             device = "cpu" if who == "oracle" else DEVICE
             buffers, outputs = {}, {}
             for name in TOKEN_OUTPUTS:
-                buffers[name], outputs[name] = _poisoned((padded_tokens + SPARE,), torch.int64,
-                                                         poison, device)
-            buffers["attn_block_table"], outputs["attn_block_table"] = _poisoned(
-                (padded_requests + SPARE, max_blocks), torch.int32, poison, device)
+                buffers[name], outputs[name] = poisoned((padded_tokens + SPARE,), torch.int64,
+                                                        poison, device, guard=GUARD)
+            buffers["attn_block_table"], outputs["attn_block_table"] = poisoned(
+                (padded_requests + SPARE, max_blocks), torch.int32, poison, device, guard=GUARD)
             if strided_tables:
                 outputs["attn_block_table"] = outputs["attn_block_table"].t().contiguous().t()
                 buffers["attn_block_table"] = outputs["attn_block_table"]
