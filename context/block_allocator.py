@@ -82,3 +82,35 @@ class BlockAllocator:
     def __str__(self) -> str:
         return (f"using: total {self.get_total_used()}/{self.total_count - 1}; "
                 f"active budget {self.active_count}; paused budget {self.paused_count}")
+
+
+class SlotAllocator:
+    """Host-side stack of Mamba state slots (one per live request of a hybrid model).
+
+    The first slot handed out is ``count - 1``, as in Megatron-Core; freed slots are reused
+    first.
+    """
+
+    def __init__(self, count: int):
+        self.count = int(count)
+        self.reset()
+
+    def reset(self) -> None:
+        self.free_slots = np.arange(self.count, dtype=np.int32)
+        self.free_count = self.count
+
+    def allocate(self) -> int | None:
+        if self.free_count == 0:
+            return None
+        self.free_count -= 1
+        return int(self.free_slots[self.free_count])
+
+    def release(self, slots: np.ndarray) -> None:
+        """Push slots back (``-1`` entries ignored)."""
+        slots = np.asarray(slots, dtype=np.int32).reshape(-1)
+        slots = slots[slots >= 0]
+        if self.free_count + slots.size > self.count:
+            raise RuntimeError(f"release of {slots.size} slots overflows the stack "
+                               f"({self.free_count} of {self.count} free)")
+        self.free_slots[self.free_count:self.free_count + slots.size] = slots
+        self.free_count += int(slots.size)

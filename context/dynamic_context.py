@@ -34,15 +34,17 @@ import torch
 from dynctx.kernels import _backend
 from dynctx.kernels.compaction import compact_requests
 from dynctx.kernels.kv_append import kv_append
+from dynctx.kernels.mamba_state import mamba_state_gather, mamba_state_scatter
 from dynctx.kernels.last_token_logits import last_token_logits as last_token_logits_kernel
 from dynctx.kernels.last_token_logits import token_log_probs
 from dynctx.kernels.mla_latent import mla_latent_append
 from dynctx.kernels.step_metadata import step_metadata
 
 from .batch_dimensions import InferenceBatchDimensions, MambaInferenceStateConfig
-from .block_allocator import BlockAllocator
+from .block_allocator import BlockAllocator, SlotAllocator
 from .errors import (
     BlockOverflowError,
+    ContextOverflowError,
     MaxSequenceLengthOverflowError,
     RequestOverflowError,
     TensorStateDeallocatedError,
@@ -56,19 +58,11 @@ logger = logging.getLogger("dynctx.context")
 
 # Rows of the packed per-request int32 table.
 FIELD_IDS, FIELD_QUERY, FIELD_OUTPUT, FIELD_KV_OFFSET, FIELD_BLOCKS, FIELD_LAST_BLOCK, \
-    FIELD_LAST_OFFSET = range(7)
-NUM_FIELDS = 7
-_FIELD_ATTRS = {
-    "request_ids": FIELD_IDS,
-    "request_query_lengths": FIELD_QUERY,
-    "request_output_lengths": FIELD_OUTPUT,
-    "request_kv_length_offsets": FIELD_KV_OFFSET,
-    "request_kv_block_counts": FIELD_BLOCKS,
-    "request_last_kv_block_id": FIELD_LAST_BLOCK,
-    "request_last_kv_block_offset": FIELD_LAST_OFFSET,
-}
+    FIELD_LAST_OFFSET, FIELD_MAMBA_SLOT = range(8)
+NUM_FIELDS = 8
 # Values a free row holds (Megatron-Core's reset values).
-_FIELD_RESET = {FIELD_IDS: -1, FIELD_LAST_BLOCK: -1}
+_FIELD_RESET = {FIELD_IDS: -1, FIELD_LAST_BLOCK: -1, FIELD_MAMBA_SLOT: -1}
+_LAYER_SYMBOLS = {"M": "Mamba", "*": "attention", "-": "MLP", "E": "MoE"}
 
 _GIB = 1024 ** 3
 
@@ -90,7 +84,8 @@ class DynamicInferenceContext:
 
     Args (keyword only, Megatron-Core's names):
         params_dtype: dtype of the KV cache.
-        num_layers: attention layers on this pipeline stage.
+        num_layers: attention layers on this pipeline stage (hybrids: ignored, the layer
+            type list decides).
         kv_channels: head dimension.
         num_attention_heads: heads the cache STORES, i.e. the KV heads (GQA query groups),
             as Megatron-Core's callers pass it; divided by ``tensor_model_parallel_size``.
@@ -109,6 +104,10 @@ class DynamicInferenceContext:
         use_flashinfer_fused_rope: True: FlashInfer (error where it cannot run); None:
             FlashInfer where it can run, else ours; False: ours.
         unified_memory_level: 0 or 1 (see ``paused_buffer_size_gb``).
+        mamba_inference_state_config: makes the model a hybrid: its ``layer_type_list``
+            decides which layers are attention (``*``) and Mamba (``M``); every request gets a
+            Mamba state slot; ``mamba_states_cache``, ``mamba_metadata`` and the Mamba state
+            gather/scatter serve the Mamba layers.
         metrics_writer: any object with a wandb-style ``log(dict)``; receives the utilization
             stats after every ``update_requests``.
         request_metadata_types: ``[(label, dtype, on_device)]``; default
@@ -199,11 +198,6 @@ class DynamicInferenceContext:
                              f"tensor_model_parallel_size={tp}")
         if unified_memory_level not in (None, 0, 1):
             raise ValueError(f"unified_memory_level={unified_memory_level!r} must be 0 or 1")
-        if mamba_inference_state_config is not None:
-            raise NotImplementedError(
-                "mamba_inference_state_config: hybrid (Mamba) models are not supported by the "
-                "context yet; the Mamba state gather/scatter kernels exist in "
-                "dynctx.kernels.mamba_state")
         if persist_cuda_graphs:
             raise NotImplementedError("persist_cuda_graphs=True: CUDA graphs are not supported yet")
         if offload_kv_cache:
@@ -230,9 +224,7 @@ class DynamicInferenceContext:
 
         self.params_dtype = params_dtype
         self.num_layers = num_layers
-        self.num_attention_layers = num_layers
-        self.layer_map = {i: i for i in range(num_layers)}
-        self.is_hybrid_model = False
+        self._configure_layers(num_layers, mamba_inference_state_config)
         self.kv_channels = kv_channels
         self.hidden_size_per_attention_head = kv_channels
         self.num_attention_heads = num_attention_heads
@@ -259,10 +251,10 @@ class DynamicInferenceContext:
         itemsize = torch.empty((), dtype=params_dtype).element_size()
         if self.cache_mla_latent:
             self.kv_reduced_dim = kv_lora_rank + qk_pos_emb_head_dim
-            self.block_size_bytes = (itemsize * num_layers * block_size_tokens
+            self.block_size_bytes = (itemsize * self.num_attention_layers * block_size_tokens
                                      * self.kv_reduced_dim)
         else:
-            self.block_size_bytes = (itemsize * 2 * num_layers * block_size_tokens
+            self.block_size_bytes = (itemsize * 2 * self.num_attention_layers * block_size_tokens
                                      * self.num_attention_heads_per_partition * kv_channels)
         level = 0 if unified_memory_level is None else unified_memory_level
         if level == 1 and self.device.type != "cuda":
@@ -273,9 +265,11 @@ class DynamicInferenceContext:
                           stacklevel=2)
         self.unified_memory_level = level
         buffer_bytes = int(buffer_size_gb * _GIB)
-        block_count = max(2, buffer_bytes // self.block_size_bytes)
+        # Hybrids budget one request's Mamba state per block (as the reference does).
+        bytes_per_block = self.block_size_bytes + self.mamba_bytes_per_request
+        block_count = max(2, buffer_bytes // bytes_per_block)
         if paused_buffer_size_gb is not None:
-            paused_count = int(paused_buffer_size_gb * _GIB) // self.block_size_bytes
+            paused_count = int(paused_buffer_size_gb * _GIB) // bytes_per_block
             total_count = block_count + paused_count if level == 1 else block_count
         else:
             blocks = 2 * block_count if level == 1 else block_count
@@ -320,6 +314,47 @@ class DynamicInferenceContext:
                     get_mem_size_str(self.block_allocator.active_count * self.block_size_bytes),
                     self.block_allocator.active_count)
 
+    def _configure_layers(self, num_layers: int, mamba: Optional[MambaInferenceStateConfig]) -> None:
+        """Layer bookkeeping: ``layer_types`` (``*`` attention, ``M`` Mamba, ``-`` MLP, ``E``
+        MoE), ``layer_map`` (global 0-based index -> index within its type), Mamba shapes."""
+        self.is_hybrid_model = mamba is not None
+        self.mamba_bytes_per_request = 0
+        if mamba is None:
+            self.layer_types = ["*"] * num_layers
+            self.mamba_conv_states_shape = self.mamba_ssm_states_shape = None
+        else:
+            self.layer_types = list(mamba.layer_type_list)
+            unknown = set(self.layer_types) - set(_LAYER_SYMBOLS)
+            if unknown:
+                raise ValueError(f"mamba_inference_state_config.layer_type_list has unknown "
+                                 f"symbols {sorted(unknown)}; known: {_LAYER_SYMBOLS}")
+            shapes = []
+            for name in ("mamba_conv_states_shape", "mamba_ssm_states_shape"):
+                shape = getattr(mamba, name)
+                if shape is None or not len(shape) or not all(
+                        isinstance(d, (int, np.integer)) and d > 0 for d in shape):
+                    raise ValueError(f"mamba_inference_state_config.{name}={shape!r} must be a "
+                                     "tuple of positive ints")
+                shapes.append(tuple(int(d) for d in shape))
+            self.mamba_conv_states_shape, self.mamba_ssm_states_shape = shapes
+            self.mamba_conv_states_dtype = getattr(mamba, "conv_states_dtype", None) or self.params_dtype
+            self.mamba_ssm_states_dtype = getattr(mamba, "ssm_states_dtype", None) or self.params_dtype
+        attention = [i for i, t in enumerate(self.layer_types) if t == "*"]
+        mamba_layers = [i for i, t in enumerate(self.layer_types) if t == "M"]
+        if not attention:
+            raise NotImplementedError("a model without attention layers has no KV cache: "
+                                      "layer_type_list needs at least one '*'")
+        self.num_attention_layers = len(attention)
+        self.num_mamba_layers = len(mamba_layers)
+        self.layer_map = {g: local for local, g in enumerate(attention)}
+        self.layer_map.update({g: local for local, g in enumerate(mamba_layers)})
+        if mamba is not None:
+            conv_item = torch.empty((), dtype=self.mamba_conv_states_dtype).element_size()
+            ssm_item = torch.empty((), dtype=self.mamba_ssm_states_dtype).element_size()
+            self.mamba_bytes_per_request = self.num_mamba_layers * (
+                conv_item * math.prod(self.mamba_conv_states_shape)
+                + ssm_item * math.prod(self.mamba_ssm_states_shape))
+
     # ------------------------------------------------------------------ allocation
     def allocate_all_tensors(self, *, is_init: bool) -> None:
         """Allocate the device state (at init, and on resume after a suspend).
@@ -339,12 +374,18 @@ class DynamicInferenceContext:
                      ("plan_src", torch.int32, (R,)),
                      ("plan_col", torch.int32, (R,)),
                      ("plan_block", torch.int32, (R,))]
+        if self.is_hybrid_model:
+            sections += [("mamba_decode_slots", torch.int32, (R,)),
+                         ("mamba_prefill_slots", torch.int32, (R,)),
+                         ("mamba_chunked_slot", torch.int32, (1,)),
+                         ("mamba_cu_seqlens", torch.int32, (R + 1,)),
+                         ("mamba_zero_slots", torch.int64, (R,))]
         self._arena = HostArena(sections, device)
         self._h_req = self._arena.host["req"]
         self._h_bt = np.full((R, self.max_kv_block_count), -1, dtype=np.int32)
         self._h_prompt = np.zeros(self.max_tokens, dtype=np.int64)
         self._max_position = -1
-        capacity = self._arena.nbytes + self._h_bt.nbytes + self._h_prompt.nbytes + 4096
+        capacity = self._arena.nbytes + self._h_bt.nbytes + 2 * self._h_prompt.nbytes + 4096
         self._h2d = HostToDevice(device, capacity)
 
         self._block_tables = [torch.full((R, self.max_kv_block_count), -1, dtype=torch.int32,
@@ -370,6 +411,16 @@ class DynamicInferenceContext:
             shape = (2, self.num_attention_layers, total, self.block_size_tokens,
                      self.num_attention_heads_per_partition, self.kv_channels)
         self.memory_buffer = torch.empty(shape, dtype=self.params_dtype, device=device)
+        if self.is_hybrid_model:
+            self.mamba_conv_states = torch.empty(
+                (self.num_mamba_layers, R, *self.mamba_conv_states_shape),
+                dtype=self.mamba_conv_states_dtype, device=device)
+            self.mamba_ssm_states = torch.empty(
+                (self.num_mamba_layers, R, *self.mamba_ssm_states_shape),
+                dtype=self.mamba_ssm_states_dtype, device=device)
+            self._mamba_seq_idx = torch.full((T,), -1, dtype=torch.int32, device=device)
+            self._h_seq_idx = np.full(T, -1, dtype=np.int32)
+            self._mamba_slots = SlotAllocator(R)
         self.is_tensor_state_allocated = True
         self.reset()
 
@@ -384,6 +435,8 @@ class DynamicInferenceContext:
                      "token_to_input_ids", "token_to_pos_ids", "token_to_request_idx",
                      "token_to_block_idx", "token_to_position_in_request",
                      "token_to_local_position_within_kv_block", "_prompt_tokens",
+                     "mamba_conv_states", "mamba_ssm_states", "_mamba_seq_idx", "_h_seq_idx",
+                     "mamba_metadata",
                      "memory_buffer", "_h_req", "_h_bt", "_h_prompt"):
             setattr(self, name, None)
         self.active_attn_metadata = None
@@ -486,6 +539,7 @@ class DynamicInferenceContext:
         self.padding_slice = slice(0, 0)
         self.chunked_prefill_request_id = -1
         self.has_explicit_chunked_prefill_req = False
+        self._continuation_added = False
         self.batch_dimensions = InferenceBatchDimensions()
         self.padded_batch_dimensions = InferenceBatchDimensions()
         self._using_cuda_graph_this_step = False
@@ -512,14 +566,27 @@ class DynamicInferenceContext:
                        self.token_to_position_in_request,
                        self.token_to_local_position_within_kv_block):
             tensor.zero_()
+        self.reset_mamba_state()
         self.reset_attention_state()
 
     def reset_attention_state(self) -> None:
-        """Forget this step's attention metadata (``cu_query_lengths`` etc. become invalid)."""
+        """Forget this step's attention (and Mamba) metadata: ``cu_query_lengths``,
+        ``mamba_metadata`` etc. become invalid until the next ``initialize_attention_state``."""
         self.active_attn_metadata = None
+        self.mamba_metadata = None
 
     def reset_mamba_state(self) -> None:
-        """No Mamba state without a hybrid model (hybrids are not supported yet)."""
+        """Every Mamba slot free again (part of ``reset``; the state bytes are kept)."""
+        if not self.is_hybrid_model:
+            return
+        self._check_allocated()
+        if self.total_request_count:
+            raise RuntimeError(f"reset_mamba_state() with {self.total_request_count} live "
+                               "requests would orphan their Mamba slots; use reset()")
+        self._mamba_slots.reset()
+        self._h_req[FIELD_MAMBA_SLOT] = -1
+        self._mamba_zero_count = 0
+        self._arena.dirty = True
 
     # ------------------------------------------------------------------ device views
     def _sync_device(self) -> None:
@@ -775,15 +842,25 @@ class DynamicInferenceContext:
             raise ValueError(f"request {request_id}: prompt tokens live on {prompt.device}, the "
                              f"context on {self.device}")
         metadata = None if is_continuation else self._metadata_values(req)
+        if self.is_hybrid_model and not is_continuation and self._mamba_slots.free_count == 0:
+            raise ContextOverflowError(request_id, "No Mamba slots available")
 
         # From here on nothing raises: reserve and write.
         new_blocks = self.block_allocator.allocate_memory_blocks(needed - already)
         h = self._h_req
         if is_continuation:
             self.active_token_count -= 1
+            self._continuation_added = True
         else:
             h[:, row] = 0
             h[FIELD_IDS, row] = request_id
+            h[FIELD_MAMBA_SLOT, row] = -1
+            if self.is_hybrid_model:
+                # A new request starts from zero Mamba state; the zeroing is flushed per step.
+                slot = self._mamba_slots.allocate()
+                h[FIELD_MAMBA_SLOT, row] = slot
+                self._arena.host["mamba_zero_slots"][self._mamba_zero_count] = slot
+                self._mamba_zero_count += 1
             self._h_bt[row] = -1
             for (label, _, _), value in zip(self.request_metadata_types, metadata):
                 self._arena.host[f"meta:{label}"][row] = value
@@ -839,7 +916,9 @@ class DynamicInferenceContext:
                 "chunk (add_request) before this step; a step without it would forward its "
                 "placeholder token")
         decode = A - prefill
-        chunked = self.chunked_prefill_request_id != -1 and self.has_explicit_chunked_prefill_req
+        # A continuation chunk of a hybrid starts from its saved Mamba state (SEMANTICS.md §0.3);
+        # the context knows it added one, whatever the engine's explicit flag says.
+        chunked = self.is_hybrid_model and self._continuation_added
         self.batch_dimensions = InferenceBatchDimensions(active, prefill, decode, chunked)
         self._using_cuda_graph_this_step = False
         if prefill == 0:
@@ -877,6 +956,8 @@ class DynamicInferenceContext:
         if active != cu_q[A]:
             raise RuntimeError(f"internal: active_token_count={active} but the query lengths sum "
                                f"to {cu_q[A]}")
+        if self.is_hybrid_model:
+            mamba = self._mamba_host_metadata(P, A, decode, prefill, chunked, padded, cu_q)
         self._arena.flush(self._h2d)
         self._flush_block_rows()
         num_prompt = active - decode
@@ -898,6 +979,8 @@ class DynamicInferenceContext:
             padded_tokens=padded.token_count, padded_requests=padded_requests, row_offset=P,
             block_size=self.block_size_tokens, dummy_block=self.block_allocator.dummy_block_idx,
             backend=self.kernel_backend)
+        if self.is_hybrid_model:
+            self.mamba_metadata = self._mamba_device_metadata(mamba, padded.token_count)
         self._h2d.advance()
 
         max_seqlen_q = int(q.max()) if A else 1
@@ -914,6 +997,65 @@ class DynamicInferenceContext:
         )
         self.active_attn_metadata.state_data = vars(self.active_attn_metadata).copy()
 
+    def _mamba_host_metadata(self, P: int, A: int, decode: int, prefill: int, chunked: bool,
+                             padded: InferenceBatchDimensions, cu_q: np.ndarray) -> dict:
+        """Mamba slot indices and varlen offsets of the step, on the host (SEMANTICS.md §7).
+
+        Decode rows come first, then the regular prefills, then (``chunked``) the continuation
+        chunk, which runs separately from its saved state.
+        """
+        arena = self._arena.host
+        slots = self._h_req[FIELD_MAMBA_SLOT, P:P + A]
+        regular = prefill - 1 if chunked else prefill
+        padded_decode, padded_prefill = padded.decode_req_count, padded.prefill_req_count
+        arena["mamba_decode_slots"][:decode] = slots[:decode]
+        arena["mamba_decode_slots"][decode:padded_decode] = -1
+        arena["mamba_prefill_slots"][:regular] = slots[decode:decode + regular]
+        arena["mamba_prefill_slots"][regular:padded_prefill] = -1
+        arena["mamba_chunked_slot"][0] = slots[decode + regular] if chunked else -1
+        cu = arena["mamba_cu_seqlens"]
+        cu[:regular + 1] = cu_q[decode:decode + regular + 1] - cu_q[decode]
+        cu[regular + 1:padded_prefill + 1] = cu[regular]
+        # seq_idx: which regular prefill each prefill token belongs to; -1 elsewhere.
+        regular_tokens = int(cu[regular])
+        lengths = np.diff(cu[:regular + 1])
+        seq_idx = self._h_seq_idx
+        seq_idx[:regular_tokens] = np.repeat(np.arange(regular, dtype=np.int32), lengths)
+        zero_count, self._mamba_zero_count = self._mamba_zero_count, 0
+        return dict(decode=decode, regular=regular, chunked=chunked,
+                    padded_decode=padded_decode, padded_prefill=padded_prefill,
+                    regular_tokens=regular_tokens,
+                    chunked_tokens=int(cu_q[A] - cu_q[decode + regular]) if chunked else 0,
+                    zero_count=zero_count)
+
+    def _mamba_device_metadata(self, host: dict, padded_tokens: int) -> SimpleNamespace:
+        """Zero the Mamba states of this step's new requests and publish the step's metadata."""
+        device = self._arena.device
+        if host["zero_count"]:
+            new_slots = device["mamba_zero_slots"][:host["zero_count"]]
+            self.mamba_conv_states.index_fill_(1, new_slots, 0)
+            self.mamba_ssm_states.index_fill_(1, new_slots, 0)
+        seq_len = host["regular_tokens"]
+        if host["padded_prefill"]:
+            self._h_seq_idx[seq_len:padded_tokens] = -1
+            self._h2d.copy(self._mamba_seq_idx[:padded_tokens], self._h_seq_idx[:padded_tokens])
+        return SimpleNamespace(
+            request_to_mamba_state_idx=device["req"][FIELD_MAMBA_SLOT],
+            batch_indices_decode=(device["mamba_decode_slots"][:host["padded_decode"]]
+                                  if host["padded_decode"] else None),
+            batch_indices_prefill=(device["mamba_prefill_slots"][:host["padded_prefill"]]
+                                   if host["padded_prefill"] else None),
+            batch_indices_chunked_prefill=(device["mamba_chunked_slot"]
+                                           if host["chunked"] else None),
+            cu_seqlens=(device["mamba_cu_seqlens"][:host["padded_prefill"] + 1]
+                        if host["padded_prefill"] else None),
+            seq_idx=(self._mamba_seq_idx[:padded_tokens].unsqueeze(0)
+                     if host["padded_prefill"] else None),
+            device_decode_prefill=(host["decode"], host["regular"]),
+            device_chunked_prefill=((seq_len, host["chunked_tokens"])
+                                    if host["chunked"] else None),
+        )
+
     def current_input_and_position_ids(self, *, num_warmup_tokens: Optional[int] = None
                                        ) -> Tuple[torch.Tensor, torch.Tensor]:
         """``(input_ids [1, n], position_ids [1, n])`` views, n = padded tokens of the step."""
@@ -925,11 +1067,18 @@ class DynamicInferenceContext:
         return self.token_to_input_ids[:n].unsqueeze(0), self.token_to_pos_ids[:n].unsqueeze(0)
 
     # ------------------------------------------------------------------ KV cache
-    def _layer_index(self, layer_number: int) -> int:
+    def _layer_index(self, layer_number: int, kind: str = "*") -> int:
+        """Index within its type of a 1-based layer number of this stage, checked to be of
+        ``kind`` (``*`` attention, ``M`` Mamba)."""
+        layers = len(self.layer_types)
         if isinstance(layer_number, bool) or not isinstance(layer_number, (int, np.integer)) \
-                or not 1 <= layer_number <= self.num_attention_layers:
-            raise ValueError(f"layer_number={layer_number!r} must be an int in [1, "
-                             f"{self.num_attention_layers}] (1-based, local to this stage)")
+                or not 1 <= layer_number <= layers:
+            raise ValueError(f"layer_number={layer_number!r} must be an int in [1, {layers}] "
+                             "(1-based, local to this stage)")
+        actual = self.layer_types[int(layer_number) - 1]
+        if actual != kind:
+            raise ValueError(f"layer_number={layer_number} is a {_LAYER_SYMBOLS[actual]} layer, "
+                             f"not a {_LAYER_SYMBOLS[kind]} layer")
         return self.layer_map[int(layer_number) - 1]
 
     def _check_step_tensor(self, name: str, tensor: torch.Tensor, n: int) -> None:
@@ -980,9 +1129,33 @@ class DynamicInferenceContext:
             return self.memory_buffer[layer], None
         return self.memory_buffer[0, layer], self.memory_buffer[1, layer]
 
-    def mamba_states_cache(self, layer_number: int):
-        raise NotImplementedError("mamba_states_cache: hybrid (Mamba) models are not supported "
-                                  "by the context yet")
+    def _require_hybrid(self, method: str) -> None:
+        self._check_allocated()
+        if not self.is_hybrid_model:
+            raise RuntimeError(f"{method}() needs a hybrid model (mamba_inference_state_config)")
+
+    def mamba_states_cache(self, layer_number: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``(conv [max_requests, *conv_shape], ssm [max_requests, *ssm_shape])`` views of one
+        Mamba layer; a request reaches its state through its slot
+        (``mamba_metadata.request_to_mamba_state_idx`` and the batch indices)."""
+        self._require_hybrid("mamba_states_cache")
+        layer = self._layer_index(layer_number, "M")
+        return self.mamba_conv_states[layer], self.mamba_ssm_states[layer]
+
+    def gather_mamba_states(self, layer_number: int, slots: torch.Tensor
+                            ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Conv and SSM states ``[len(slots), ...]`` of one Mamba layer at ``slots`` (e.g.
+        ``mamba_metadata.batch_indices_decode``); rows of slot -1 are zero. One launch each."""
+        conv, ssm = self.mamba_states_cache(layer_number)
+        return (mamba_state_gather(conv, slots, backend=self.kernel_backend),
+                mamba_state_gather(ssm, slots, backend=self.kernel_backend))
+
+    def scatter_mamba_states(self, layer_number: int, slots: torch.Tensor, conv: torch.Tensor,
+                             ssm: torch.Tensor) -> None:
+        """Write conv and SSM states back to ``slots`` of one Mamba layer (slot -1 skipped)."""
+        conv_states, ssm_states = self.mamba_states_cache(layer_number)
+        mamba_state_scatter(conv_states, slots, conv, backend=self.kernel_backend)
+        mamba_state_scatter(ssm_states, slots, ssm, backend=self.kernel_backend)
 
     # ------------------------------------------------------------------ rotary embeddings
     def _rope_positions(self, tensor: torch.Tensor, name: str, table: Optional[torch.Tensor] = None,
@@ -1219,9 +1392,18 @@ class DynamicInferenceContext:
         self._origin[dst] = self._origin[src]
 
     def _release_rows(self, rows: np.ndarray) -> None:
-        """Free the blocks of ``rows`` (row-major order, as the reference pushes them)."""
+        """Free the blocks (row-major order, as the reference pushes them) and the Mamba slots
+        of ``rows``, and mark the rows free."""
         self.block_allocator.release_memory_blocks(self._h_bt[rows].reshape(-1))
+        if self.is_hybrid_model:
+            self._mamba_slots.release(self._h_req[FIELD_MAMBA_SLOT, rows])
+        self._clear_rows(rows)
+
+    def _clear_rows(self, rows: np.ndarray) -> None:
+        """Mark rows free (their blocks and slots were released or moved elsewhere)."""
         self._h_bt[rows] = -1
+        self._h_req[FIELD_IDS, rows] = -1
+        self._h_req[FIELD_MAMBA_SLOT, rows] = -1
 
     def _resume(self, P: int, a: int) -> Tuple[int, int]:
         """Resume paused requests, right-most first (LIFO), each with one new block."""
@@ -1263,8 +1445,7 @@ class DynamicInferenceContext:
         else:
             left, right = np.arange(P - evict, P - evict + a), np.arange(P, P + a)
         self._move_rows(np.concatenate([left, right]), np.concatenate([right, left]))
-        self._h_bt[T - evict:T] = -1
-        self._h_req[FIELD_IDS, T - evict:T] = -1
+        self._clear_rows(np.arange(T - evict, T))
         return P - evict, evicted
 
     def update_requests(self, active_requests_mask: torch.Tensor,
@@ -1289,6 +1470,7 @@ class DynamicInferenceContext:
             mask[-1] = True
         self.num_prefill_requests = 0
         self.has_explicit_chunked_prefill_req = False
+        self._continuation_added = False
         self.reset_attention_state()
         h = self._h_req
         old_counts = h[FIELD_BLOCKS, :T].copy()
@@ -1302,7 +1484,6 @@ class DynamicInferenceContext:
 
         if a + P == 0:
             self._release_rows(np.arange(P, T))
-            h[FIELD_IDS, :T] = -1
             self.total_request_count = self.paused_request_count = 0
             self.active_token_count = 0
             self.newly_paused_request_ids = torch.empty(0, dtype=torch.int64)
@@ -1313,14 +1494,12 @@ class DynamicInferenceContext:
         finished_rows = P + np.flatnonzero(~mask)
         if finished_rows.size:
             self._release_rows(finished_rows)
-            h[FIELD_IDS, finished_rows] = -1
             if a > 0:
                 holes = P + np.flatnonzero(~mask[:a])
                 movers = P + a + np.flatnonzero(mask[a:])
                 if holes.size:
                     self._move_rows(holes, movers)
-                    self._h_bt[movers] = -1
-                    h[FIELD_IDS, movers] = -1
+                    self._clear_rows(movers)
         T = P + a
 
         paused_now = np.empty(0, dtype=np.int64)
