@@ -166,6 +166,31 @@ if HAS_TRITON:
         tl.store(rows + out2[None, None, :], out_second.to(x_ptr.dtype.element_ty), mask=mask)
         return out_first, out_second
 
+    @triton.jit
+    def _rope_rotate_program(x_ptr, table_ptr, positions_ptr, head_tile, num_tokens, num_heads,
+                             mscale, stride_x_token, stride_x_head, stride_table_pos,
+                             ROT_DIM: tl.constexpr, HALF_BLOCK: tl.constexpr, LAYOUT: tl.constexpr,
+                             TABLE_IS_FREQS: tl.constexpr, BLOCK_T: tl.constexpr,
+                             BLOCK_H: tl.constexpr):
+        """Rotate this program's [BLOCK_T] tokens x head tile ``head_tile`` of ``x`` in place.
+
+        Returns the tile's offsets and masks, the output dims of each pair and the fp32 outputs,
+        for a caller that also writes them elsewhere (rope + KV append).
+        """
+        offs_t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+        mask_t = offs_t < num_tokens
+        positions = tl.load(positions_ptr + offs_t, mask=mask_t, other=0).to(tl.int64)
+        offs_pair, mask_pair, in1, in2, out1, out2 = _rope_pair_offsets(LAYOUT, ROT_DIM, HALF_BLOCK)
+        cos1, sin1, cos2, sin2 = _rope_cos_sin(table_ptr, positions, mask_t, stride_table_pos,
+                                               offs_pair, mask_pair, out1, out2, mscale,
+                                               ROT_DIM, TABLE_IS_FREQS)
+        offs_h = (head_tile * BLOCK_H + tl.arange(0, BLOCK_H)).to(tl.int64)
+        mask_h = offs_h < num_heads
+        out_first, out_second = _rope_rotate_tile(
+            x_ptr, offs_t, mask_t, offs_h, mask_h, stride_x_token, stride_x_head,
+            in1, in2, out1, out2, mask_pair, cos1, sin1, cos2, sin2, LAYOUT >= 2)
+        return offs_t, mask_t, offs_h, mask_h, mask_pair, out1, out2, out_first, out_second
+
     @triton.heuristics({"HAS_QUERY": lambda args: args["query_ptr"] is not None,
                         "HAS_KEY": lambda args: args["key_ptr"] is not None})
     @triton.jit
@@ -179,28 +204,20 @@ if HAS_TRITON:
         BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
     ):
         """Grid (token tiles, query head tiles + key head tiles)."""
-        pid_t = tl.program_id(0).to(tl.int64)
         pid_h = tl.program_id(1)
-        offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-        mask_t = offs_t < num_tokens
-        positions = tl.load(positions_ptr + offs_t, mask=mask_t, other=0).to(tl.int64)
-        offs_pair, mask_pair, in1, in2, out1, out2 = _rope_pair_offsets(LAYOUT, ROT_DIM, HALF_BLOCK)
-        cos1, sin1, cos2, sin2 = _rope_cos_sin(table_ptr, positions, mask_t, stride_table_pos,
-                                               offs_pair, mask_pair, out1, out2, mscale,
-                                               ROT_DIM, TABLE_IS_FREQS)
         num_q_tiles = tl.cdiv(num_q_heads, BLOCK_H)
         if HAS_QUERY:
             if pid_h < num_q_tiles:
-                offs_h = (pid_h * BLOCK_H + tl.arange(0, BLOCK_H)).to(tl.int64)
-                _rope_rotate_tile(query_ptr, offs_t, mask_t, offs_h, offs_h < num_q_heads,
-                                  stride_query_token, stride_query_head, in1, in2, out1, out2,
-                                  mask_pair, cos1, sin1, cos2, sin2, LAYOUT >= 2)
+                _rope_rotate_program(query_ptr, table_ptr, positions_ptr, pid_h, num_tokens,
+                                     num_q_heads, mscale, stride_query_token, stride_query_head,
+                                     stride_table_pos, ROT_DIM, HALF_BLOCK, LAYOUT, TABLE_IS_FREQS,
+                                     BLOCK_T, BLOCK_H)
         if HAS_KEY:
             if pid_h >= num_q_tiles:
-                offs_h = ((pid_h - num_q_tiles) * BLOCK_H + tl.arange(0, BLOCK_H)).to(tl.int64)
-                _rope_rotate_tile(key_ptr, offs_t, mask_t, offs_h, offs_h < num_k_heads,
-                                  stride_key_token, stride_key_head, in1, in2, out1, out2,
-                                  mask_pair, cos1, sin1, cos2, sin2, LAYOUT >= 2)
+                _rope_rotate_program(key_ptr, table_ptr, positions_ptr, pid_h - num_q_tiles,
+                                     num_tokens, num_k_heads, mscale, stride_key_token,
+                                     stride_key_head, stride_table_pos, ROT_DIM, HALF_BLOCK,
+                                     LAYOUT, TABLE_IS_FREQS, BLOCK_T, BLOCK_H)
 
 
 @dataclass(frozen=True)
@@ -484,12 +501,13 @@ def make_rope_tables(max_pos: int, rot_dim: int, interleaved: bool, *, base: flo
     return emb[:, None, None, :].contiguous(), cos_sin_cache_from_freqs(emb, interleaved)
 
 
-class _FusedQKRopeCase(TuneCase):
-    """Scratch query/key for one key; ``run`` rotates them again and again (norm-preserving)."""
+class RopeTuneCase(TuneCase):
+    """Base of the rope tune cases: the key's layout flags, table and random positions."""
 
-    def __init__(self, key: dict, device: torch.device):
-        self.key = key
-        n, dim, dtype = key["num_tokens"], key["head_dim"], getattr(torch, key["dtype"])
+    def _init_rope(self, key: dict, device: torch.device) -> torch.Generator:
+        """Set ``interleaved``, ``mla_layout``, ``table`` and ``positions``; return the seeded
+        generator, positions drawn, for the rest of the scratch inputs."""
+        n = key["num_tokens"]
         self.interleaved = key["layout"] in ("gptj", "mla_gptj")
         self.mla_layout = key["layout"].startswith("mla")
         max_pos = max(4096, n)
@@ -497,6 +515,16 @@ class _FusedQKRopeCase(TuneCase):
         self.table = {"freqs": freqs} if key["table"] == "freqs" else {"cos_sin_cache": cos_sin}
         generator = torch.Generator(device="cpu").manual_seed(0)
         self.positions = torch.randint(0, max_pos, (n,), generator=generator).to(device)
+        return generator
+
+
+class _FusedQKRopeCase(RopeTuneCase):
+    """Scratch query/key for one key; ``run`` rotates them again and again (norm-preserving)."""
+
+    def __init__(self, key: dict, device: torch.device):
+        self.key = key
+        n, dim, dtype = key["num_tokens"], key["head_dim"], getattr(torch, key["dtype"])
+        generator = self._init_rope(key, device)
         self.originals = [None if h == 0 else
                           (torch.rand(n, h, dim, generator=generator) * 2 - 1).to(device, dtype)
                           for h in (key["num_q_heads"], key["num_k_heads"])]

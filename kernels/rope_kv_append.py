@@ -14,18 +14,18 @@ from typing import Optional
 import torch
 
 from . import _autotune
-from ._autotune import KernelConfig, KernelTuning, TuneCase
+from ._autotune import KernelConfig, KernelTuning
 from ._backend import HAS_TRITON, resolve_backend
 from ._common import next_pow2
-from .rope import (as_head_view, assert_rope_close, check_rope_args, fused_qk_rope_ref,
-                   fused_qk_rope_tune_key, make_rope_tables, rope_block_configs,
+from .rope import (RopeTuneCase, as_head_view, assert_rope_close, check_rope_args,
+                   fused_qk_rope_ref, fused_qk_rope_tune_key, rope_block_configs,
                    rope_block_default, rope_meta)
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from .rope import _rope_cos_sin, _rope_pair_offsets, _rope_rotate_tile
+    from .rope import _rope_rotate_program
 
 
 def rope_kv_append_tune_key(**shapes) -> dict:
@@ -74,28 +74,20 @@ if HAS_TRITON:
         BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
     ):
         """Grid (token tiles, query head tiles + kv head tiles); kv programs also append."""
-        pid_t = tl.program_id(0).to(tl.int64)
         pid_h = tl.program_id(1)
-        offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-        mask_t = offs_t < num_tokens
-        positions = tl.load(positions_ptr + offs_t, mask=mask_t, other=0).to(tl.int64)
-        offs_pair, mask_pair, in1, in2, out1, out2 = _rope_pair_offsets(LAYOUT, ROT_DIM, HALF_BLOCK)
-        cos1, sin1, cos2, sin2 = _rope_cos_sin(table_ptr, positions, mask_t, stride_table_pos,
-                                               offs_pair, mask_pair, out1, out2, mscale,
-                                               ROT_DIM, TABLE_IS_FREQS)
         num_q_tiles = tl.cdiv(num_q_heads, BLOCK_H)
         if HAS_QUERY:
             if pid_h < num_q_tiles:
-                offs_h = (pid_h * BLOCK_H + tl.arange(0, BLOCK_H)).to(tl.int64)
-                _rope_rotate_tile(query_ptr, offs_t, mask_t, offs_h, offs_h < num_q_heads,
-                                  stride_query_token, stride_query_head, in1, in2, out1, out2,
-                                  mask_pair, cos1, sin1, cos2, sin2, LAYOUT >= 2)
+                _rope_rotate_program(query_ptr, table_ptr, positions_ptr, pid_h, num_tokens,
+                                     num_q_heads, mscale, stride_query_token, stride_query_head,
+                                     stride_table_pos, ROT_DIM, HALF_BLOCK, LAYOUT, TABLE_IS_FREQS,
+                                     BLOCK_T, BLOCK_H)
         if pid_h >= num_q_tiles:
-            offs_h = ((pid_h - num_q_tiles) * BLOCK_H + tl.arange(0, BLOCK_H)).to(tl.int64)
-            mask_h = offs_h < num_kv_heads
-            key_first, key_second = _rope_rotate_tile(
-                key_ptr, offs_t, mask_t, offs_h, mask_h, stride_key_token, stride_key_head,
-                in1, in2, out1, out2, mask_pair, cos1, sin1, cos2, sin2, LAYOUT >= 2)
+            offs_t, mask_t, offs_h, mask_h, mask_pair, out1, out2, key_first, key_second = \
+                _rope_rotate_program(key_ptr, table_ptr, positions_ptr, pid_h - num_q_tiles,
+                                     num_tokens, num_kv_heads, mscale, stride_key_token,
+                                     stride_key_head, stride_table_pos, ROT_DIM, HALF_BLOCK,
+                                     LAYOUT, TABLE_IS_FREQS, BLOCK_T, BLOCK_H)
             block_ids = tl.load(block_ids_ptr + offs_t, mask=mask_t, other=-1).to(tl.int64)
             slots = tl.load(slots_ptr + offs_t, mask=mask_t, other=-1).to(tl.int64)
             # padding tokens (negative block id or slot) are rotated but never appended
@@ -254,19 +246,13 @@ def rope_kv_append_ref(query, key, value, positions, key_cache, value_cache, blo
     _kv_append_ref(key_cache, value_cache, key, value, block_ids, slots)
 
 
-class _RopeKVAppendCase(TuneCase):
+class _RopeKVAppendCase(RopeTuneCase):
     """Scratch q/k/v and a ``[2, 1, blocks, 16, Hk, D]`` cache; tokens land in shuffled slots."""
 
     def __init__(self, key: dict, device: torch.device):
         n, dim, dtype = key["num_tokens"], key["head_dim"], getattr(torch, key["dtype"])
         heads_q, heads_kv, block_size = key["num_q_heads"], key["num_k_heads"], 16
-        self.interleaved = key["layout"] in ("gptj", "mla_gptj")
-        self.mla_layout = key["layout"].startswith("mla")
-        max_pos = max(4096, n)
-        freqs, cos_sin = make_rope_tables(max_pos, key["rot_dim"], self.interleaved, device=device)
-        self.table = {"freqs": freqs} if key["table"] == "freqs" else {"cos_sin_cache": cos_sin}
-        generator = torch.Generator(device="cpu").manual_seed(0)
-        self.positions = torch.randint(0, max_pos, (n,), generator=generator).to(device)
+        generator = self._init_rope(key, device)
         num_blocks = -(-n // block_size) + 1
         targets = torch.randperm(num_blocks * block_size, generator=generator)[:n]
         self.block_ids = (targets // block_size).to(device)
