@@ -555,16 +555,23 @@ def _step_inputs(n: int, steps: int, device):
     return masks, tokens
 
 
+def _context_modules() -> list:
+    """The modules of our context whose globals hold the kernel launchers it calls."""
+    import importlib
+
+    return [importlib.import_module(f"dynctx.context.{name}")
+            for name in ("dynamic_context", "_update", "_logits", "_mamba", "_rotary")]
+
+
 def _count_run(kind: str, cfg: dict, *, requests: int, steps: int, max_prompt: int, device):
     """Per-step op and sync counts (counting modes on) for one side."""
-    import dynctx.context.dynamic_context as ours_module
 
     with _held(kind, device):
         ctx = _make_context(kind, cfg, device)
         _prefill(ctx, kind, cfg, requests, steps, max_prompt, device)
         masks, tokens = _step_inputs(requests, steps, device)
         counter = OverheadCounter(device, roots=[ctx],
-                                  launcher_modules=[ours_module] if kind == "ours" else [])
+                                  launcher_modules=_context_modules() if kind == "ours" else [])
         per_step = []
         for s in range(steps):
             crossing = _crossing(ctx)
@@ -632,8 +639,6 @@ def _time_run(kind: str, cfg: dict, *, requests: int, steps: int, max_prompt: in
               repeats: int):
     """Host seconds per step (both calls), the best of ``repeats`` runs, per step; and for ours
     the seconds spent inside kernel launchers (on a CPU: the torch references)."""
-    import dynctx.context.dynamic_context as ours_module
-
     best = None
     best_in_launchers = None
     cuda = torch.device(device).type == "cuda"
@@ -648,7 +653,7 @@ def _time_run(kind: str, cfg: dict, *, requests: int, steps: int, max_prompt: in
             sink = [0.0]
             gc_was = gc.isenabled()
             gc.disable()
-            timer = _launcher_timer([ours_module] if kind == "ours" else [], sink)
+            timer = _launcher_timer(_context_modules() if kind == "ours" else [], sink)
             try:
                 with timer:
                     for s in range(steps):

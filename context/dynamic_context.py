@@ -32,14 +32,27 @@ import numpy as np
 import torch
 
 from dynctx.kernels import _backend
-from dynctx.kernels.compaction import compact_requests
 from dynctx.kernels.kv_append import kv_append
-from dynctx.kernels.mamba_state import mamba_state_gather, mamba_state_scatter
-from dynctx.kernels.last_token_logits import last_token_logits as last_token_logits_kernel
-from dynctx.kernels.last_token_logits import token_log_probs
 from dynctx.kernels.mla_latent import mla_latent_append
 from dynctx.kernels.step_metadata import step_metadata
 
+from ._fields import (
+    _FIELD_RESET,
+    _LAYER_SYMBOLS,
+    FIELD_BLOCKS,
+    FIELD_IDS,
+    FIELD_KV_OFFSET,
+    FIELD_LAST_BLOCK,
+    FIELD_LAST_OFFSET,
+    FIELD_MAMBA_SLOT,
+    FIELD_OUTPUT,
+    FIELD_QUERY,
+    NUM_FIELDS,
+)
+from ._logits import LogitsMixin
+from ._mamba import MambaMixin
+from ._rotary import RotaryMixin
+from ._update import UpdateMixin
 from .batch_dimensions import InferenceBatchDimensions, MambaInferenceStateConfig
 from .block_allocator import BlockAllocator, SlotAllocator
 from .errors import (
@@ -56,14 +69,6 @@ from .staging import HostArena, HostToDevice, numpy_dtype
 
 logger = logging.getLogger("dynctx.context")
 
-# Rows of the packed per-request int32 table.
-FIELD_IDS, FIELD_QUERY, FIELD_OUTPUT, FIELD_KV_OFFSET, FIELD_BLOCKS, FIELD_LAST_BLOCK, \
-    FIELD_LAST_OFFSET, FIELD_MAMBA_SLOT = range(8)
-NUM_FIELDS = 8
-# Values a free row holds (Megatron-Core's reset values).
-_FIELD_RESET = {FIELD_IDS: -1, FIELD_LAST_BLOCK: -1, FIELD_MAMBA_SLOT: -1}
-_LAYER_SYMBOLS = {"M": "Mamba", "*": "attention", "-": "MLP", "E": "MoE"}
-
 _GIB = 1024 ** 3
 
 
@@ -79,7 +84,7 @@ def _positive_int(name: str, value: Any) -> int:
     return int(value)
 
 
-class DynamicInferenceContext:
+class DynamicInferenceContext(RotaryMixin, LogitsMixin, UpdateMixin, MambaMixin):
     """Paged KV cache plus in-flight batching bookkeeping (Megatron-Core's API).
 
     Args (keyword only, Megatron-Core's names):
@@ -575,19 +580,6 @@ class DynamicInferenceContext:
         self.active_attn_metadata = None
         self.mamba_metadata = None
 
-    def reset_mamba_state(self) -> None:
-        """Every Mamba slot free again (part of ``reset``; the state bytes are kept)."""
-        if not self.is_hybrid_model:
-            return
-        self._check_allocated()
-        if self.total_request_count:
-            raise RuntimeError(f"reset_mamba_state() with {self.total_request_count} live "
-                               "requests would orphan their Mamba slots; use reset()")
-        self._mamba_slots.reset()
-        self._h_req[FIELD_MAMBA_SLOT] = -1
-        self._mamba_zero_count = 0
-        self._arena.dirty = True
-
     # ------------------------------------------------------------------ device views
     def _sync_device(self) -> None:
         if self._arena.dirty:
@@ -997,65 +989,6 @@ class DynamicInferenceContext:
         )
         self.active_attn_metadata.state_data = vars(self.active_attn_metadata).copy()
 
-    def _mamba_host_metadata(self, P: int, A: int, decode: int, prefill: int, chunked: bool,
-                             padded: InferenceBatchDimensions, cu_q: np.ndarray) -> dict:
-        """Mamba slot indices and varlen offsets of the step, on the host (SEMANTICS.md §7).
-
-        Decode rows come first, then the regular prefills, then (``chunked``) the continuation
-        chunk, which runs separately from its saved state.
-        """
-        arena = self._arena.host
-        slots = self._h_req[FIELD_MAMBA_SLOT, P:P + A]
-        regular = prefill - 1 if chunked else prefill
-        padded_decode, padded_prefill = padded.decode_req_count, padded.prefill_req_count
-        arena["mamba_decode_slots"][:decode] = slots[:decode]
-        arena["mamba_decode_slots"][decode:padded_decode] = -1
-        arena["mamba_prefill_slots"][:regular] = slots[decode:decode + regular]
-        arena["mamba_prefill_slots"][regular:padded_prefill] = -1
-        arena["mamba_chunked_slot"][0] = slots[decode + regular] if chunked else -1
-        cu = arena["mamba_cu_seqlens"]
-        cu[:regular + 1] = cu_q[decode:decode + regular + 1] - cu_q[decode]
-        cu[regular + 1:padded_prefill + 1] = cu[regular]
-        # seq_idx: which regular prefill each prefill token belongs to; -1 elsewhere.
-        regular_tokens = int(cu[regular])
-        lengths = np.diff(cu[:regular + 1])
-        seq_idx = self._h_seq_idx
-        seq_idx[:regular_tokens] = np.repeat(np.arange(regular, dtype=np.int32), lengths)
-        zero_count, self._mamba_zero_count = self._mamba_zero_count, 0
-        return dict(decode=decode, regular=regular, chunked=chunked,
-                    padded_decode=padded_decode, padded_prefill=padded_prefill,
-                    regular_tokens=regular_tokens,
-                    chunked_tokens=int(cu_q[A] - cu_q[decode + regular]) if chunked else 0,
-                    zero_count=zero_count)
-
-    def _mamba_device_metadata(self, host: dict, padded_tokens: int) -> SimpleNamespace:
-        """Zero the Mamba states of this step's new requests and publish the step's metadata."""
-        device = self._arena.device
-        if host["zero_count"]:
-            new_slots = device["mamba_zero_slots"][:host["zero_count"]]
-            self.mamba_conv_states.index_fill_(1, new_slots, 0)
-            self.mamba_ssm_states.index_fill_(1, new_slots, 0)
-        seq_len = host["regular_tokens"]
-        if host["padded_prefill"]:
-            self._h_seq_idx[seq_len:padded_tokens] = -1
-            self._h2d.copy(self._mamba_seq_idx[:padded_tokens], self._h_seq_idx[:padded_tokens])
-        return SimpleNamespace(
-            request_to_mamba_state_idx=device["req"][FIELD_MAMBA_SLOT],
-            batch_indices_decode=(device["mamba_decode_slots"][:host["padded_decode"]]
-                                  if host["padded_decode"] else None),
-            batch_indices_prefill=(device["mamba_prefill_slots"][:host["padded_prefill"]]
-                                   if host["padded_prefill"] else None),
-            batch_indices_chunked_prefill=(device["mamba_chunked_slot"]
-                                           if host["chunked"] else None),
-            cu_seqlens=(device["mamba_cu_seqlens"][:host["padded_prefill"] + 1]
-                        if host["padded_prefill"] else None),
-            seq_idx=(self._mamba_seq_idx[:padded_tokens].unsqueeze(0)
-                     if host["padded_prefill"] else None),
-            device_decode_prefill=(host["decode"], host["regular"]),
-            device_chunked_prefill=((seq_len, host["chunked_tokens"])
-                                    if host["chunked"] else None),
-        )
-
     def current_input_and_position_ids(self, *, num_warmup_tokens: Optional[int] = None
                                        ) -> Tuple[torch.Tensor, torch.Tensor]:
         """``(input_ids [1, n], position_ids [1, n])`` views, n = padded tokens of the step."""
@@ -1128,452 +1061,6 @@ class DynamicInferenceContext:
         if self.cache_mla_latent:
             return self.memory_buffer[layer], None
         return self.memory_buffer[0, layer], self.memory_buffer[1, layer]
-
-    def _require_hybrid(self, method: str) -> None:
-        self._check_allocated()
-        if not self.is_hybrid_model:
-            raise RuntimeError(f"{method}() needs a hybrid model (mamba_inference_state_config)")
-
-    def mamba_states_cache(self, layer_number: int) -> Tuple[torch.Tensor, torch.Tensor]:
-        """``(conv [max_requests, *conv_shape], ssm [max_requests, *ssm_shape])`` views of one
-        Mamba layer; a request reaches its state through its slot
-        (``mamba_metadata.request_to_mamba_state_idx`` and the batch indices)."""
-        self._require_hybrid("mamba_states_cache")
-        layer = self._layer_index(layer_number, "M")
-        return self.mamba_conv_states[layer], self.mamba_ssm_states[layer]
-
-    def gather_mamba_states(self, layer_number: int, slots: torch.Tensor
-                            ) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Conv and SSM states ``[len(slots), ...]`` of one Mamba layer at ``slots`` (e.g.
-        ``mamba_metadata.batch_indices_decode``); rows of slot -1 are zero. One launch each."""
-        conv, ssm = self.mamba_states_cache(layer_number)
-        return (mamba_state_gather(conv, slots, backend=self.kernel_backend),
-                mamba_state_gather(ssm, slots, backend=self.kernel_backend))
-
-    def scatter_mamba_states(self, layer_number: int, slots: torch.Tensor, conv: torch.Tensor,
-                             ssm: torch.Tensor) -> None:
-        """Write conv and SSM states back to ``slots`` of one Mamba layer (slot -1 skipped)."""
-        conv_states, ssm_states = self.mamba_states_cache(layer_number)
-        mamba_state_scatter(conv_states, slots, conv, backend=self.kernel_backend)
-        mamba_state_scatter(ssm_states, slots, ssm, backend=self.kernel_backend)
-
-    # ------------------------------------------------------------------ rotary embeddings
-    def _rope_positions(self, tensor: torch.Tensor, name: str, table: Optional[torch.Tensor] = None,
-                        table_name: str = "") -> int:
-        """Check a rope call against the step; returns the step's padded token count."""
-        self._check_allocated()
-        self._require_attention_state(f"rotary embedding of {name}")
-        n = self.padded_active_token_count
-        for arg, tensor_ in ((name, tensor), (table_name, table)):
-            if tensor_ is None:
-                continue
-            if not isinstance(tensor_, torch.Tensor):
-                raise TypeError(f"{arg} must be a torch.Tensor, got {type(tensor_).__name__}")
-            if tensor_.device != self.device:
-                raise ValueError(f"{arg} is on {tensor_.device}, the context on {self.device}")
-        if tensor.shape[0] < n:
-            raise ValueError(f"{name} has {tensor.shape[0]} tokens, the step has {n}")
-        if table is not None and table.shape[0] <= self._max_position:
-            raise ValueError(f"{table_name} has {table.shape[0]} positions, the step reaches "
-                             f"position {self._max_position}")
-        return n
-
-    @staticmethod
-    def _rope_layout(config: Any) -> dict:
-        """The rope layout fields of a Megatron ``TransformerConfig`` (or None: half-split)."""
-        return {"interleaved": bool(getattr(config, "rotary_interleaved", False)),
-                "mla_layout": bool(getattr(config, "multi_latent_attention", False))}
-
-    @staticmethod
-    def _check_cp_group(cp_group: Any) -> None:
-        if cp_group is not None and getattr(cp_group, "size", lambda: 1)() != 1:
-            raise NotImplementedError("cp_group of size > 1: context parallelism is not supported")
-
-    def apply_rotary_emb_query(self, query: torch.Tensor, query_emb: torch.Tensor, config: Any,
-                               cu_seqlens_q: Any = None, cp_group: Any = None,
-                               mscale: float = 1.0) -> torch.Tensor:
-        """Rotate ``query[:n]`` in place with Megatron's angle table ``query_emb``
-        ``[max_seq, 1, 1, rot]`` at the step's positions; returns ``query``."""
-        from dynctx.kernels.rope import fused_qk_rope
-
-        self._check_cp_group(cp_group)
-        n = self._rope_positions(query, "query", query_emb, "query_emb")
-        fused_qk_rope(query, None, self.token_to_pos_ids[:n], freqs=query_emb, mscale=mscale,
-                      backend=self.kernel_backend, **self._rope_layout(config))
-        return query
-
-    def apply_rotary_emb_key(self, key: torch.Tensor, key_emb: torch.Tensor, config: Any,
-                             cp_group: Any = None, mscale: float = 1.0) -> torch.Tensor:
-        """Rotate ``key[:n]`` in place (decode steps included); returns ``key``."""
-        from dynctx.kernels.rope import fused_qk_rope
-
-        self._check_cp_group(cp_group)
-        n = self._rope_positions(key, "key", key_emb, "key_emb")
-        fused_qk_rope(None, key, self.token_to_position_in_request[:n], freqs=key_emb,
-                      mscale=mscale, backend=self.kernel_backend, **self._rope_layout(config))
-        return key
-
-    def apply_fused_qk_rotary_emb(self, query: torch.Tensor, key: torch.Tensor,
-                                  cos_sin_emb: torch.Tensor, config: Any
-                                  ) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Rotate query and key in place, in one launch, from a ``cos_sin_emb``
-        ``[max_seq, rot]`` cache (cos half, then sin half); FlashInfer when
-        ``use_flashinfer_fused_rope`` asks for it. Returns ``[n, 1, H, D]`` views of the
-        step's ``n`` tokens, as Megatron-Core does."""
-        from dynctx.kernels import rope
-
-        n = self._rope_positions(query, "query", cos_sin_emb, "cos_sin_emb")
-        self._rope_positions(key, "key")
-        positions = self.token_to_pos_ids[:n]
-        layout = self._rope_layout(config)
-        use_flashinfer = self.use_flashinfer_fused_rope
-        if use_flashinfer is None:
-            use_flashinfer = rope.flashinfer_rope_available(self.device) and not layout["mla_layout"]
-        if use_flashinfer:
-            if layout["mla_layout"]:
-                raise ValueError("use_flashinfer_fused_rope: FlashInfer has no MLA rope layout "
-                                 "(config.multi_latent_attention)")
-            rope.apply_rope_flashinfer(query, key, positions, cos_sin_emb, layout["interleaved"])
-        else:
-            rope.fused_qk_rope(query, key, positions, cos_sin_cache=cos_sin_emb,
-                               backend=self.kernel_backend, **layout)
-        query, key = query[:n], key[:n]
-        return (query.unsqueeze(1) if query.dim() == 3 else query,
-                key.unsqueeze(1) if key.dim() == 3 else key)
-
-    def apply_rotary_emb_and_append_key_value_cache(
-            self, layer_number: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-            *, rotary_pos_emb: Optional[torch.Tensor] = None,
-            cos_sin_emb: Optional[torch.Tensor] = None, config: Any = None,
-            mscale: float = 1.0) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Extension: rotate query and key in place and append K/V, in one launch.
-
-        Give either Megatron's angle table ``rotary_pos_emb`` or a ``cos_sin_emb`` cache.
-        Returns ``(query, key)``.
-        """
-        from dynctx.kernels.rope_kv_append import rope_kv_append
-
-        self._check_allocated()
-        if self.cache_mla_latent:
-            raise NotImplementedError("fused rope + KV append is for the MHA cache, not MLA")
-        layer = self._layer_index(layer_number)
-        table = rotary_pos_emb if rotary_pos_emb is not None else cos_sin_emb
-        n = self._rope_positions(query, "query", table,
-                                 "rotary_pos_emb" if rotary_pos_emb is not None else "cos_sin_emb")
-        self._check_step_tensor("key", key, n)
-        self._check_step_tensor("value", value, n)
-        rope_kv_append(query, key, value, self.token_to_pos_ids[:n],
-                       self.memory_buffer[0, layer], self.memory_buffer[1, layer],
-                       self.token_to_block_idx[:n],
-                       self.token_to_local_position_within_kv_block[:n],
-                       cos_sin_cache=cos_sin_emb, freqs=rotary_pos_emb, mscale=mscale,
-                       backend=self.kernel_backend, **self._rope_layout(config))
-        return query, key
-
-    # ------------------------------------------------------------------ logits
-    def _logits_2d(self, logits: torch.Tensor, name: str = "logits") -> torch.Tensor:
-        if not isinstance(logits, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor")
-        if logits.dim() == 3:
-            if logits.shape[0] != 1:
-                raise ValueError(f"{name} must be [1, tokens, vocab], got {tuple(logits.shape)}")
-            logits = logits[0]
-        if logits.dim() != 2 or not logits.is_floating_point():
-            raise ValueError(f"{name} must be a floating [1, tokens, vocab] or [tokens, vocab] "
-                             f"tensor, got {tuple(logits.shape)} {logits.dtype}")
-        if logits.device != self.device:
-            raise ValueError(f"{name} is on {logits.device}, the context on {self.device}")
-        if self.vocab_size is not None and logits.shape[1] != self.vocab_size:
-            raise ValueError(f"{name} has {logits.shape[1]} vocabulary columns, vocab_size is "
-                             f"{self.vocab_size}")
-        return logits
-
-    def _check_finite(self, name: str, rows: torch.Tensor) -> None:
-        """With ``validate``: no NaN or +inf in the real (not padding) rows used (one read-back;
-        -inf stays legal: it masks tokens)."""
-        if self.validate and rows.numel() and bool((rows.isnan() | rows.isposinf()).any()):
-            raise ValueError(f"{name} holds NaN or +inf values in the rows of real tokens "
-                             "(validate=True)")
-
-    def last_token_logits(self, logits: torch.Tensor) -> torch.Tensor:
-        """``[active, vocab]``: each active request's last-token row of ``logits``
-        (``[1, padded_tokens, vocab]``)."""
-        self._check_allocated()
-        meta = self._require_attention_state("last_token_logits")
-        logits = self._logits_2d(logits)
-        if logits.shape[0] != self.padded_active_token_count:
-            raise ValueError(f"logits has {logits.shape[0]} token rows, the step has "
-                             f"{self.padded_active_token_count} (padded_active_token_count)")
-        last = last_token_logits_kernel(logits, meta.cu_query_seq_lengths,
-                                        self.get_active_request_count(),
-                                        backend=self.kernel_backend)
-        self._check_finite("logits", last)
-        return last
-
-    def calculate_log_probs(self, logits: torch.Tensor, new_tokens: torch.Tensor,
-                            only_last_token_logits: Optional[bool] = False
-                            ) -> Tuple[List[List[float]], torch.Tensor]:
-        """Log probs of the sampled tokens (decode) and of the prompt tokens (prefill), one list
-        per active request; also returns the fp32 log-softmax of the rows used."""
-        self._check_allocated()
-        meta = self._require_attention_state("calculate_log_probs")
-        logits = self._logits_2d(logits)
-        A = self.get_active_request_count()
-        new_tokens = self._check_new_tokens(new_tokens, A)
-        if self.is_decode_only() or only_last_token_logits:
-            if logits.shape[0] < A:
-                raise ValueError(f"logits has {logits.shape[0]} rows, fewer than the {A} "
-                                 "active requests")
-            self._check_finite("logits", logits[:A])
-            selected, full = token_log_probs(logits[:A], new_tokens, return_full=True,
-                                             backend=self.kernel_backend)
-            return [[value] for value in selected.tolist()], full
-        active = self.active_token_count
-        if logits.shape[0] < active:
-            raise ValueError(f"logits has {logits.shape[0]} rows, fewer than the step's {active} "
-                             "tokens")
-        self._check_finite("logits", logits[:active])
-        # Each token predicts the next input token; a request's last token predicts its sample.
-        targets = torch.roll(self.token_to_input_ids[:active], -1)
-        last = meta.cu_query_seq_lengths[1:A + 1].long() - 1
-        targets.index_copy_(0, last, new_tokens.long())
-        selected, full = token_log_probs(logits[:active], targets, return_full=True,
-                                         backend=self.kernel_backend)
-        lengths = self._h_req[FIELD_QUERY, self.paused_request_count:self.total_request_count]
-        values = selected.tolist()
-        bounds = np.concatenate([[0], np.cumsum(lengths)])
-        return [values[bounds[i]:bounds[i + 1]] for i in range(A)], full
-
-    # ------------------------------------------------------------------ update
-    def _check_new_tokens(self, new_tokens: torch.Tensor, count: int) -> torch.Tensor:
-        if not isinstance(new_tokens, torch.Tensor):
-            raise TypeError(f"new_tokens must be a torch.Tensor, got {type(new_tokens).__name__}")
-        if new_tokens.is_floating_point() or new_tokens.is_complex() or new_tokens.dtype == torch.bool:
-            raise TypeError(f"new_tokens must hold integer token ids, got dtype {new_tokens.dtype}")
-        if new_tokens.dim() != 1 or new_tokens.shape[0] != count:
-            raise ValueError(f"new_tokens must have shape [{count}] (one per active request), got "
-                             f"{tuple(new_tokens.shape)}")
-        if new_tokens.device != self.device:
-            raise ValueError(f"new_tokens is on {new_tokens.device}, the context on {self.device}")
-        if self.validate and count:
-            low, high = int(new_tokens.min()), int(new_tokens.max())
-            limit = self.vocab_size if self.vocab_size is not None else None
-            if low < 0 or (limit is not None and high >= limit):
-                raise ValueError(f"new_tokens holds ids in [{low}, {high}], outside [0, "
-                                 f"{'inf' if limit is None else limit}) (vocab_size)")
-        return new_tokens
-
-    def _read_mask(self, mask: torch.Tensor, count: int) -> np.ndarray:
-        if not isinstance(mask, torch.Tensor):
-            raise TypeError(f"active_requests_mask must be a torch.Tensor, got "
-                            f"{type(mask).__name__}")
-        if mask.dim() != 1 or mask.shape[0] != count:
-            raise ValueError(f"active_requests_mask must have shape [{count}] (one per active "
-                             f"request), got {tuple(mask.shape)}")
-        if mask.is_floating_point() or mask.is_complex():
-            raise TypeError(f"active_requests_mask must be bool or integer, got {mask.dtype}")
-        if mask.device != self.device:
-            raise ValueError(f"active_requests_mask is on {mask.device}, the context on "
-                             f"{self.device}")
-        host = mask.cpu().numpy()  # The step's one device-to-host read.
-        if host.dtype != np.bool_:
-            if np.any((host != 0) & (host != 1)):
-                raise ValueError("active_requests_mask must hold only 0 and 1")
-            host = host.astype(np.bool_)
-        return host.copy()
-
-    def _move_rows(self, dst: np.ndarray, src: np.ndarray) -> None:
-        """Host ``x[dst] = x[src]`` for every per-request array (and the row origin map)."""
-        self._h_req[:, dst] = self._h_req[:, src]
-        self._h_bt[dst] = self._h_bt[src]
-        for label, _, _ in self.request_metadata_types:
-            meta = self._arena.host[f"meta:{label}"]
-            meta[dst] = meta[src]
-        self._origin[dst] = self._origin[src]
-
-    def _release_rows(self, rows: np.ndarray) -> None:
-        """Free the blocks (row-major order, as the reference pushes them) and the Mamba slots
-        of ``rows``, and mark the rows free."""
-        self.block_allocator.release_memory_blocks(self._h_bt[rows].reshape(-1))
-        if self.is_hybrid_model:
-            self._mamba_slots.release(self._h_req[FIELD_MAMBA_SLOT, rows])
-        self._clear_rows(rows)
-
-    def _clear_rows(self, rows: np.ndarray) -> None:
-        """Mark rows free (their blocks and slots were released or moved elsewhere)."""
-        self._h_bt[rows] = -1
-        self._h_req[FIELD_IDS, rows] = -1
-        self._h_req[FIELD_MAMBA_SLOT, rows] = -1
-
-    def _resume(self, P: int, a: int) -> Tuple[int, int]:
-        """Resume paused requests, right-most first (LIFO), each with one new block."""
-        if P == 0:
-            return P, a
-        counts = self._h_req[FIELD_BLOCKS]
-        avail_active = self.block_allocator.active_count - int(counts[P:P + a].sum())
-        needs = counts[:P][::-1].astype(np.int64) + 1
-        r = int(np.count_nonzero(np.cumsum(needs) <= avail_active))
-        r = min(r, self.block_allocator.total_avail)
-        if r == 0:
-            return P, a
-        rows = np.arange(P - r, P)
-        blocks = self.block_allocator.allocate_memory_blocks(r)
-        cols = counts[rows]
-        self._h_bt[rows, cols] = blocks
-        counts[rows] += 1
-        self._h_req[FIELD_LAST_BLOCK, rows] = blocks
-        return P - r, a + r
-
-    def _evict(self, P: int, a: int) -> Tuple[int, np.ndarray]:
-        """Evict paused requests from the right until paused blocks fit their budget."""
-        counts = self._h_req[FIELD_BLOCKS, :P].astype(np.int64)
-        budget = self.block_allocator.paused_count
-        if P == 0 or counts.sum() <= budget:
-            return P, np.empty(0, dtype=np.int64)
-        overflow = P - int(np.count_nonzero(np.cumsum(counts) <= budget))
-        if overflow == 0:
-            return P, np.empty(0, dtype=np.int64)
-        tail = counts[P - overflow:][::-1]
-        net = np.cumsum(tail) - (overflow - 1 - np.arange(overflow))
-        evict = int(np.flatnonzero(net >= 0)[0]) + 1
-        rows = np.arange(P - evict, P)
-        evicted = self._h_req[FIELD_IDS, rows].astype(np.int64)
-        self._release_rows(rows)
-        T = P + a
-        if evict < a:
-            left, right = rows, np.arange(T - evict, T)
-        else:
-            left, right = np.arange(P - evict, P - evict + a), np.arange(P, P + a)
-        self._move_rows(np.concatenate([left, right]), np.concatenate([right, left]))
-        self._clear_rows(np.arange(T - evict, T))
-        return P - evict, evicted
-
-    def update_requests(self, active_requests_mask: torch.Tensor,
-                        new_tokens: torch.Tensor) -> torch.Tensor:
-        """Advance the state after a forward pass (SEMANTICS.md §9, the fixed version).
-
-        ``active_requests_mask[i]`` (bool/0-1, one per active request) keeps request i; 0
-        finishes it. ``new_tokens`` (one per active request) is not modified. Finished requests
-        release their blocks; requests whose last block is full pause, and paused requests
-        resume (LIFO) or are evicted beyond the paused budget. Returns the ids (1-D int64 CPU
-        tensor) of the requests this call paused that are still paused; the ids this call
-        evicted are in ``self.evicted_request_ids`` (re-queue them for recompute). The one
-        device-to-host read is the mask.
-        """
-        self._check_allocated()
-        P, T = self.paused_request_count, self.total_request_count
-        A, P_old = T - P, P
-        self._check_new_tokens(new_tokens, A)
-        mask = self._read_mask(active_requests_mask, A)
-        chunked_id = self.chunked_prefill_request_id
-        if chunked_id != -1 and A:
-            mask[-1] = True
-        self.num_prefill_requests = 0
-        self.has_explicit_chunked_prefill_req = False
-        self._continuation_added = False
-        self.reset_attention_state()
-        h = self._h_req
-        old_counts = h[FIELD_BLOCKS, :T].copy()
-        old_rows_used = T
-        self._origin = np.full(self.max_requests, -1, dtype=np.int64)
-        self._origin[:T] = np.arange(T)
-        self.evicted_request_ids = torch.empty(0, dtype=torch.int64)
-        a = int(mask.sum())
-        finished_ids = h[FIELD_IDS, P:T][~mask]
-        self._live_ids.difference_update(finished_ids.tolist())
-
-        if a + P == 0:
-            self._release_rows(np.arange(P, T))
-            self.total_request_count = self.paused_request_count = 0
-            self.active_token_count = 0
-            self.newly_paused_request_ids = torch.empty(0, dtype=torch.int64)
-            self._apply_plan(new_tokens, old_counts, P_old=P, rows=0, old_rows_used=old_rows_used)
-            self._log_metrics()
-            return self.newly_paused_request_ids
-
-        finished_rows = P + np.flatnonzero(~mask)
-        if finished_rows.size:
-            self._release_rows(finished_rows)
-            if a > 0:
-                holes = P + np.flatnonzero(~mask[:a])
-                movers = P + a + np.flatnonzero(mask[a:])
-                if holes.size:
-                    self._move_rows(holes, movers)
-                    self._clear_rows(movers)
-        T = P + a
-
-        paused_now = np.empty(0, dtype=np.int64)
-        if a > 0:
-            need = h[FIELD_LAST_OFFSET, P:T] == self.block_size_tokens - 1
-            if chunked_id != -1:
-                need &= h[FIELD_IDS, P:T] != chunked_id
-            k = int(need.sum())
-            if k:
-                paused_now = h[FIELD_IDS, P:T][need].astype(np.int64)
-                if k < a:
-                    left_keep = np.flatnonzero(~need[:k])
-                    right_need = k + np.flatnonzero(need[k:])
-                    self._move_rows(P + np.concatenate([left_keep, right_need]),
-                                    P + np.concatenate([right_need, left_keep]))
-                P, a = P + k, a - k
-
-        P, a = self._resume(P, a)
-        P, evicted = self._evict(P, a)
-        P, a = self._resume(P, a)
-        T = P + a
-        if a == 0:
-            raise RuntimeError(
-                f"no request can run: {P} paused requests hold {self._paused_used_blocks()} "
-                f"blocks and none can resume ({self.block_allocator.total_avail} free blocks, "
-                f"active budget {self.block_allocator.active_count}); the buffer is too small "
-                "for max_sequence_length")
-        if chunked_id != -1:
-            row = P + int(np.flatnonzero(h[FIELD_IDS, P:T] == chunked_id)[0])
-            if row != T - 1:
-                self._move_rows(np.array([row, T - 1]), np.array([T - 1, row]))
-
-        # The next step is a pure decode unless requests are added.
-        h[FIELD_KV_OFFSET, P:T] += h[FIELD_QUERY, P:T]
-        h[FIELD_QUERY, P:T] = 1
-        h[FIELD_LAST_OFFSET, P:T] = (h[FIELD_LAST_OFFSET, P:T] + 1) % self.block_size_tokens
-        self.paused_request_count, self.total_request_count = P, T
-        self.active_token_count = a
-        self._live_ids.difference_update(evicted.tolist())
-        still_paused = h[FIELD_IDS, :P].astype(np.int64)
-        self.newly_paused_request_ids = torch.from_numpy(
-            still_paused[np.isin(still_paused, paused_now)].copy())
-        self.evicted_request_ids = torch.from_numpy(evicted)
-        self._apply_plan(new_tokens, old_counts, P_old=P_old, rows=T,
-                         old_rows_used=old_rows_used)
-        self._log_metrics()
-        return self.newly_paused_request_ids
-
-    def _apply_plan(self, new_tokens: torch.Tensor, old_counts: np.ndarray, *, P_old: int,
-                    rows: int, old_rows_used: int) -> None:
-        """Upload the host state and apply the row plan to the device in one launch."""
-        arena = self._arena.host
-        origin = self._origin[:rows]
-        src = arena["plan_src"]
-        src[:rows] = origin
-        counts = self._h_req[FIELD_BLOCKS, :rows]
-        appended = counts > old_counts[origin]
-        col = np.where(appended, counts - 1, -1)
-        arena["plan_col"][:rows] = col
-        arena["plan_block"][:rows] = np.where(
-            appended, self._h_bt[np.arange(rows), np.maximum(col, 0)], -1)
-        self._arena.flush(self._h2d)
-        dst_index = self._current ^ 1
-        device = self._arena.device
-        compact_requests(
-            self._block_tables[dst_index], self._block_tables[self._current],
-            self._next_tokens[dst_index], self._next_tokens[self._current], new_tokens,
-            device["plan_src"], device["plan_col"], device["plan_block"],
-            new_token_offset=P_old, num_rows=rows,
-            clear_rows=max(rows, self._rows_used[dst_index], old_rows_used),
-            backend=self.kernel_backend)
-        self._rows_used[dst_index] = rows
-        self._current = dst_index
-        self._bt_dirty_from = self.max_requests
 
     # ------------------------------------------------------------------ stats
     def get_kvcache_utilization_stats(self) -> dict:
