@@ -16,9 +16,9 @@ from dynctx.kernels import _autotune
 from dynctx.kernels._common import bits
 from dynctx.kernels.rope import assert_rope_close
 
-__all__ = ["DEVICE", "DTYPES", "POISONS", "assert_only_views_written", "assert_rotated_heads",
-           "bits", "byte_view", "check_presets_share_space", "poisoned", "preset_configs",
-           "token_layout"]
+__all__ = ["DEVICE", "DTYPES", "POISONS", "assert_only_views_written", "assert_raises_naming",
+           "assert_rotated_heads", "bits", "byte_view", "check_presets_share_space",
+           "check_tune_case", "poisoned", "preset_configs", "token_layout"]
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.float16, id="fp16"),
@@ -78,6 +78,24 @@ def check_presets_share_space(configs, default_config, presets, key: dict) -> No
         assert configs(preset) == space
         assert default_config(preset) in space
     assert len(set(space)) == len(space)
+
+
+def check_tune_case(tuning, key: dict, configs=None) -> None:
+    """``tuning.make_case(key)`` passes its ``check`` with each of ``configs`` (the default
+    config when None), runs its reference, and counts the bytes it moves."""
+    case = tuning.make_case(key, DEVICE)
+    for config in [tuning.default_config(key)] if configs is None else configs:
+        case.check(config)
+    case.run_reference()
+    assert case.bytes_moved > 0
+
+
+def assert_raises_naming(call, name: str, backend: str, monkeypatch) -> None:
+    """With the kernel backend set to ``backend``, ``call()`` raises a ``ValueError`` whose
+    message matches ``name`` (the argument at fault)."""
+    monkeypatch.setenv("DYNCTX_KERNEL_BACKEND", backend)
+    with pytest.raises(ValueError, match=name):
+        call()
 
 
 def preset_configs(name: str) -> list:

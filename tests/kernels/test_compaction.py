@@ -17,7 +17,7 @@ from dynctx.kernels.compaction import (
     compact_requests_ref,
     compact_requests_tune_key,
 )
-from kernel_test_utils import DEVICE, POISONS, poisoned
+from kernel_test_utils import DEVICE, POISONS, assert_raises_naming, check_tune_case, poisoned
 
 pytestmark = pytest.mark.interpreter
 
@@ -151,11 +151,7 @@ def test_default_config_is_in_search_space():
 def test_tune_cases_check_at_scaled_down_presets():
     tuning = _autotune.get_tuning("compact_requests")
     for key in tuning.presets():
-        small = {**key, "num_rows": min(key["num_rows"], 4)}
-        case = tuning.make_case(small, DEVICE)
-        case.check(tuning.default_config(small))
-        case.run_reference()
-        assert case.bytes_moved > 0
+        check_tune_case(tuning, {**key, "num_rows": min(key["num_rows"], 4)})
 
 
 def test_disjoint_halves_of_one_allocation_are_allowed():
@@ -224,6 +220,4 @@ def _bad_calls():
 @pytest.mark.parametrize("call, name", _bad_calls())
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 def test_bad_inputs_raise(call, name, backend, monkeypatch):
-    monkeypatch.setenv("DYNCTX_KERNEL_BACKEND", backend)
-    with pytest.raises(ValueError, match=name):
-        call()
+    assert_raises_naming(call, name, backend, monkeypatch)

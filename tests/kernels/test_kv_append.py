@@ -14,7 +14,8 @@ from dynctx.kernels import _autotune
 from dynctx.kernels.kv_append import (kv_append, kv_append_configs, kv_append_default_config,
                                       kv_append_op, kv_append_presets, kv_append_ref,
                                       kv_append_tune_key)
-from kernel_test_utils import DEVICE, DTYPES, bits, check_presets_share_space, token_layout
+from kernel_test_utils import (DEVICE, DTYPES, bits, check_presets_share_space, check_tune_case,
+                               token_layout)
 
 pytestmark = pytest.mark.interpreter
 
@@ -140,11 +141,8 @@ def test_default_config_in_space_and_key_buckets():
 
 def test_tune_case_checks_and_runs():
     tuning = _autotune.get_tuning("kv_append")
-    key = tuning.tune_key(num_tokens=5, num_heads=2, head_dim=16, dtype=torch.bfloat16)
-    case = tuning.make_case(key, DEVICE)
-    case.check(tuning.default_config(key))
-    case.run_reference()
-    assert case.bytes_moved > 0
+    check_tune_case(tuning, tuning.tune_key(num_tokens=5, num_heads=2, head_dim=16,
+                                            dtype=torch.bfloat16))
 
 
 def _bad_inputs():

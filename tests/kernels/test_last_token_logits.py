@@ -24,7 +24,7 @@ from dynctx.kernels.last_token_logits import (
     token_log_probs_ref,
     token_log_probs_tune_key,
 )
-from kernel_test_utils import DEVICE, DTYPES, poisoned
+from kernel_test_utils import DEVICE, DTYPES, assert_raises_naming, check_tune_case, poisoned
 
 pytestmark = pytest.mark.interpreter
 
@@ -222,10 +222,7 @@ def test_tune_cases_check_at_scaled_down_presets(name):
     for key in tuning.presets():
         small = scaled_down_key(key)
         assert tuning.configs(small) == tuning.configs(key)
-        case = tuning.make_case(small, DEVICE)
-        case.check(tuning.default_config(small))
-        case.run_reference()
-        assert case.bytes_moved > 0
+        check_tune_case(tuning, small)
 
 
 def _bad_calls():
@@ -254,6 +251,4 @@ def _bad_calls():
 @pytest.mark.parametrize("call, name", _bad_calls())
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 def test_bad_inputs_raise(call, name, backend, monkeypatch):
-    monkeypatch.setenv("DYNCTX_KERNEL_BACKEND", backend)
-    with pytest.raises(ValueError, match=name):
-        call()
+    assert_raises_naming(call, name, backend, monkeypatch)

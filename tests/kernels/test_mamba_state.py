@@ -15,7 +15,7 @@ from dynctx.kernels.mamba_state import (mamba_state_configs, mamba_state_default
                                         mamba_state_gather_ref, mamba_state_presets,
                                         mamba_state_scatter, mamba_state_scatter_op,
                                         mamba_state_scatter_ref, mamba_state_tune_key)
-from kernel_test_utils import DEVICE, DTYPES, bits, check_presets_share_space
+from kernel_test_utils import DEVICE, DTYPES, bits, check_presets_share_space, check_tune_case
 
 pytestmark = pytest.mark.interpreter
 
@@ -169,11 +169,7 @@ def test_default_config_in_space_and_key_buckets():
 def test_tune_case_checks_and_runs(name):
     tuning = _autotune.get_tuning(name)
     key = tuning.tune_key(num_requests=3, state_shape=(4, 300), dtype=torch.bfloat16)
-    case = tuning.make_case(key, DEVICE)
-    for config in tuning.configs(key):
-        case.check(config)
-    case.run_reference()
-    assert case.bytes_moved > 0
+    check_tune_case(tuning, key, tuning.configs(key))
 
 
 def _base_args():

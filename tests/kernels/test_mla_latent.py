@@ -13,7 +13,8 @@ from dynctx.kernels.mla_latent import (mla_latent_append, mla_latent_append_conf
                                        mla_latent_append_default_config, mla_latent_append_op,
                                        mla_latent_append_presets, mla_latent_append_ref,
                                        mla_latent_append_tune_key)
-from kernel_test_utils import DEVICE, DTYPES, bits, check_presets_share_space, token_layout
+from kernel_test_utils import (DEVICE, DTYPES, bits, check_presets_share_space, check_tune_case,
+                               token_layout)
 
 pytestmark = pytest.mark.interpreter
 
@@ -136,11 +137,8 @@ def test_default_config_in_space_and_key_buckets():
 
 def test_tune_case_checks_and_runs():
     tuning = _autotune.get_tuning("mla_latent_append")
-    key = tuning.tune_key(num_tokens=5, kv_lora_rank=40, rope_dim=8, dtype=torch.bfloat16)
-    case = tuning.make_case(key, DEVICE)
-    case.check(tuning.default_config(key))
-    case.run_reference()
-    assert case.bytes_moved > 0
+    check_tune_case(tuning, tuning.tune_key(num_tokens=5, kv_lora_rank=40, rope_dim=8,
+                                            dtype=torch.bfloat16))
 
 
 def _bad_inputs():

@@ -19,7 +19,7 @@ from dynctx.kernels.step_metadata import (
     step_metadata_tune_key,
     scaled_down_key,
 )
-from kernel_test_utils import DEVICE, POISONS, poisoned
+from kernel_test_utils import DEVICE, POISONS, assert_raises_naming, check_tune_case, poisoned
 
 pytestmark = pytest.mark.interpreter
 
@@ -170,11 +170,7 @@ def test_default_config_is_in_search_space():
 def test_tune_cases_check_at_scaled_down_presets():
     tuning = _autotune.get_tuning("step_metadata")
     for key in tuning.presets():
-        small = scaled_down_key(key)
-        case = tuning.make_case(small, DEVICE)
-        case.check(tuning.default_config(small))
-        case.run_reference()
-        assert case.bytes_moved > 0
+        check_tune_case(tuning, scaled_down_key(key))
 
 
 def _small_step():
@@ -237,6 +233,4 @@ def _bad_calls():
 @pytest.mark.parametrize("call, name", _bad_calls())
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 def test_bad_inputs_raise(call, name, backend, monkeypatch):
-    monkeypatch.setenv("DYNCTX_KERNEL_BACKEND", backend)
-    with pytest.raises(ValueError, match=name):
-        call()
+    assert_raises_naming(call, name, backend, monkeypatch)
