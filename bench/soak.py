@@ -3,12 +3,14 @@
 The same model engine and invariant checks as the hypothesis test, driven by a seeded
 ``random.Random`` instead of hypothesis (no shrinking), over several seeds and configurations
 (block sizes 4 and 8, an explicit paused budget, the default half split at
-``unified_memory_level=0``, no paused budget at all, and the MLA latent cache). An invariant
+``unified_memory_level=0``, no paused budget at all, the MLA latent cache, and hybrid Mamba +
+attention models, whose Mamba slots and per-request state patterns are checked too). An invariant
 violation (or any unexpected exception) is counted, its first message is printed, and the run
 continues with a fresh context.
 
     python bench/soak.py --steps 10000            # prints a table; exit code 1 on a violation
     python bench/soak.py --steps 2000 --seeds 0 1 --configs bs4-paused4 mla-bs8-paused3
+    python bench/soak.py --steps 4000 --configs hyb-bs4-paused4 hyb-bs8-half hyb-bs4-paused0
 
 ``--steps`` is the total number of forward steps (``initialize_attention_state`` +
 ``update_requests``), split evenly over the (configuration, seed) runs.
@@ -36,7 +38,7 @@ ACTIONS = {"step": 60, "admit": 12, "add": 16, "add_bad": 3, "chunked": 5, "susp
            "reset": 0.2}
 ADD_KINDS = {"too_long": 1, "too_many_tokens": 1, "duplicate": 1}
 COLUMNS = ("steps", "finished", "pauses", "resumes", "evictions", "chunks", "suspends", "resets",
-           "stalls", "adds", "rejected_adds", "adds_while_paused")
+           "stalls", "adds", "rejected_adds", "adds_while_paused", "deferred_adds")
 
 
 def one_action(driver: ContextDriver, rng: random.Random) -> None:
@@ -101,7 +103,8 @@ def soak(config_name: str, seed: int, steps: int) -> dict:
 
 def print_table(rows: list[dict]) -> None:
     head = ("config", "seed") + COLUMNS + ("actions", "violations", "seconds")
-    short = {"rejected_adds": "rejected", "adds_while_paused": "add@paused"}
+    short = {"rejected_adds": "rejected", "adds_while_paused": "add@paused",
+             "deferred_adds": "deferred"}
     names = [short.get(h, h) for h in head]
     cells = [[str(r[h]) if h != "seconds" else f"{r[h]:.1f}" for h in head] for r in rows]
     widths = [max(len(n), *(len(c[i]) for c in cells)) for i, n in enumerate(names)]

@@ -17,7 +17,19 @@ random finish mask, then the chunked continuation), suspend + resume, and reset.
 ``check()`` asserts the invariants (raising ``Violation``): every block free or owned by exactly
 one live request with nothing leaked; counts and rows consistent with the model; block counts ==
 ceil(kv length / block size); the device mirrors equal the host; the cached K/V of every live
-request (paused ones included) read back through ``key_value_cache`` equal the pattern.
+request (paused ones included) read back through ``key_value_cache`` equal the pattern (written
+to and read from the attention layers ``*`` only, for hybrids).
+
+Hybrids (``MachineConfig.layer_types``) also check the Mamba side: every live request owns
+exactly one slot, the one it got when added (the top of the free stack), through compaction,
+pause, resume and eviction; slots are distinct; free + live slots == max_requests; the step's
+``mamba_metadata`` (slot map, decode / prefill / chunked batch indices, cu_seqlens, seq_idx,
+device offsets) matches the model. Each step writes every active request's pattern (incarnation,
+write count, layer) into its slot through ``scatter_mamba_states`` at the step's batch indices
+(poisoned rows at the -1 padding entries must be skipped); every check reads every live request's
+state back through ``mamba_states_cache`` (paused ones included), and a new request's state must
+read zero after its first ``initialize_attention_state``. The driver follows the fixed engine:
+nothing is added after a hybrid's continuation chunk in the same step.
 """
 
 from __future__ import annotations
@@ -25,7 +37,7 @@ from __future__ import annotations
 import math
 from collections import Counter, deque
 from dataclasses import dataclass, field
-from typing import Deque, Dict, List, Optional
+from typing import Deque, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -34,6 +46,7 @@ from dynctx.context import (
     BlockOverflowError,
     DynamicInferenceContext,
     DynamicInferenceRequest,
+    MambaInferenceStateConfig,
     MaxSequenceLengthOverflowError,
     RequestOverflowError,
     SamplingParams,
@@ -45,6 +58,7 @@ from dynctx.context.dynamic_context import (
     FIELD_KV_OFFSET,
     FIELD_LAST_BLOCK,
     FIELD_LAST_OFFSET,
+    FIELD_MAMBA_SLOT,
     FIELD_OUTPUT,
     FIELD_QUERY,
 )
@@ -55,6 +69,10 @@ VOCAB = 1000                 # token ids of prompts and samples lie in [0, VOCAB
 TERMINATION_BASE = 10 ** 6   # termination ids are never sampled
 WAITING_LIMIT = 8            # rejected fitting requests wait (up to this many) and are re-tried
 _EXACT = 2 ** 24             # integers below this are exact in fp32
+
+
+HYBRID_LAYERS = ("M", "*", "-", "M", "*")  # Mamba layers 1 and 4, attention layers 2 and 5
+_POISON = 0.5                # never a pattern value: states of free slots and padded scatter rows
 
 
 class Violation(AssertionError):
@@ -69,7 +87,9 @@ def require(condition, message) -> None:
 @dataclass(frozen=True)
 class MachineConfig:
     """A small fp32 context. ``paused_blocks=None`` uses the default half split at
-    ``unified_memory_level=0``; otherwise ``paused_buffer_size_gb`` is that many blocks."""
+    ``unified_memory_level=0``; otherwise ``paused_buffer_size_gb`` is that many blocks.
+    ``layer_types`` (``*`` attention, ``M`` Mamba, ``-`` MLP) makes it a hybrid with Mamba
+    states of ``conv_shape`` and ``ssm_shape``; ``num_layers`` is then ignored."""
 
     name: str
     block_size: int = 4
@@ -84,19 +104,52 @@ class MachineConfig:
     head_dim: int = 4
     kv_lora_rank: int = 8
     rope_dim: int = 4
+    layer_types: Optional[Tuple[str, ...]] = None
+    conv_shape: Tuple[int, ...] = (3, 2)
+    ssm_shape: Tuple[int, ...] = (2, 2, 3)
+
+    @property
+    def hybrid(self) -> bool:
+        return self.layer_types is not None
+
+    @property
+    def total_layers(self) -> int:
+        return len(self.layer_types) if self.hybrid else self.num_layers
+
+    @property
+    def attention_layers(self) -> List[int]:
+        """Global 1-based numbers of the attention layers."""
+        if not self.hybrid:
+            return list(range(1, self.num_layers + 1))
+        return [i + 1 for i, kind in enumerate(self.layer_types) if kind == "*"]
+
+    @property
+    def mamba_layers(self) -> List[int]:
+        """Global 1-based numbers of the Mamba layers."""
+        if not self.hybrid:
+            return []
+        return [i + 1 for i, kind in enumerate(self.layer_types) if kind == "M"]
+
+    @property
+    def mamba_bytes(self) -> int:
+        return 4 * len(self.mamba_layers) * (math.prod(self.conv_shape)
+                                             + math.prod(self.ssm_shape))
 
     @property
     def block_bytes(self) -> int:
+        """Bytes per block, including the one request's Mamba state a hybrid budgets per block."""
+        layers = len(self.attention_layers)
         if self.mla:
-            return 4 * self.num_layers * self.block_size * (self.kv_lora_rank + self.rope_dim)
-        return 4 * 2 * self.num_layers * self.block_size * self.num_heads * self.head_dim
+            return 4 * layers * self.block_size * (self.kv_lora_rank + self.rope_dim)
+        return (4 * 2 * layers * self.block_size * self.num_heads * self.head_dim
+                + self.mamba_bytes)
 
     @property
     def latent_dim(self) -> int:
         return self.kv_lora_rank + self.rope_dim
 
     def make_context(self) -> DynamicInferenceContext:
-        args = dict(params_dtype=torch.float32, num_layers=self.num_layers,
+        args = dict(params_dtype=torch.float32, num_layers=self.total_layers,
                     kv_channels=self.head_dim, num_attention_heads=self.num_heads,
                     max_sequence_length=self.max_sequence_length,
                     buffer_size_gb=self.buffer_blocks * self.block_bytes / GIB,
@@ -107,6 +160,9 @@ class MachineConfig:
         if self.mla:
             args.update(cache_mla_latent=True, kv_lora_rank=self.kv_lora_rank,
                         qk_pos_emb_head_dim=self.rope_dim)
+        if self.hybrid:
+            args["mamba_inference_state_config"] = MambaInferenceStateConfig(
+                self.layer_types, self.conv_shape, self.ssm_shape)
         ctx = DynamicInferenceContext(**args)
         # A request that pauses alone must be able to resume, or no request could ever run.
         max_blocks = math.ceil(self.max_sequence_length / self.block_size)
@@ -123,8 +179,15 @@ CONFIGS = {c.name: c for c in [
     MachineConfig("mla-bs8-paused3", block_size=8, buffer_blocks=12, paused_blocks=3, mla=True),
     MachineConfig("bs4-half", block_size=4, buffer_blocks=24, paused_blocks=None),
     MachineConfig("mla-bs4-half", block_size=4, buffer_blocks=24, paused_blocks=None, mla=True),
+    MachineConfig("hyb-bs4-paused4", block_size=4, buffer_blocks=16, paused_blocks=4,
+                  layer_types=HYBRID_LAYERS),
+    MachineConfig("hyb-bs8-half", block_size=8, buffer_blocks=24, paused_blocks=None,
+                  layer_types=HYBRID_LAYERS, conv_shape=(4, 3), ssm_shape=(2, 3, 2)),
+    MachineConfig("hyb-bs4-paused0", block_size=4, buffer_blocks=14, paused_blocks=0,
+                  layer_types=("*", "M", "-"), conv_shape=(2, 2), ssm_shape=(1, 2, 2)),
 ]}
-CI_CONFIGS = [CONFIGS[n] for n in ("bs4-paused4", "bs8-half", "bs4-paused0", "mla-bs8-paused3")]
+CI_CONFIGS = [CONFIGS[n] for n in ("bs4-paused4", "bs8-half", "bs4-paused0", "mla-bs8-paused3",
+                                   "hyb-bs4-paused4", "hyb-bs8-half")]
 
 
 def sample_token(rid: int, position: int) -> int:
@@ -158,6 +221,9 @@ class Tracked:
     placeholder: bool = False     # the pending query is the junk token after a non-final chunk
     paused: bool = False
     blocks: List[int] = field(default_factory=list)  # block ids seen at the last check
+    slot: int = -1                # hybrids: the Mamba slot it got when added (never changes)
+    mamba_writes: int = 0         # hybrids: steps whose Mamba state pattern it holds
+    continued: bool = False       # the pending query is a continuation chunk (added this step)
 
     def expected_blocks(self, block_size: int) -> int:
         if self.paused or self.placeholder:
@@ -179,6 +245,7 @@ class ContextDriver:
         self.stats: Counter = Counter()
         self._generator = torch.Generator().manual_seed(1234)
         self.actions: List[str] = []
+        self._poison_mamba()
 
     # ------------------------------------------------------------------ model helpers
     def note(self, action: str) -> None:
@@ -253,6 +320,7 @@ class ContextDriver:
         remaining = t.req.remaining_prompt_length
         arg = None if pass_none and chunk == remaining else chunk
         paused = ctx.paused_request_count
+        slots_before = self._slot_stack()
         try:
             ctx.add_request(t.req, arg)
         except Exception as error:  # noqa: BLE001 - any unexpected error is a violation
@@ -264,6 +332,9 @@ class ContextDriver:
             except AssertionError as changed:
                 raise Violation(f"rejected add_request(id={t.rid}) changed the state: "
                                 f"{changed}") from None
+            require(self._slot_stack() == slots_before, lambda: f"rejected add_request("
+                    f"id={t.rid}) changed the free Mamba slots: {slots_before} -> "
+                    f"{self._slot_stack()}")
             self.stats["rejected_adds"] += 1
             return False
         require(not expected, lambda: f"add_request(id={t.rid}, chunk={arg}, prompt="
@@ -275,6 +346,20 @@ class ContextDriver:
         t.query_start, t.query = fin, t.prompt[fin:fin + chunk]
         t.cached = fin
         t.prefill, t.placeholder, t.paused = True, False, False
+        t.continued = continuation
+        if self.cfg.hybrid:
+            row = ctx.host_request_ids().tolist().index(t.rid)
+            slot = int(ctx._h_req[FIELD_MAMBA_SLOT, row])
+            if continuation:
+                require(slot == t.slot, lambda: f"the continuation chunk of request {t.rid} "
+                        f"moved it from Mamba slot {t.slot} to {slot}")
+            else:
+                free = self._slot_stack()
+                require(slot >= 0 and slots_before is not None and free == slots_before[:-1]
+                        and slots_before[-1] == slot, lambda: f"add_request(id={t.rid}) got "
+                        f"Mamba slot {slot}; the free stack was {slots_before}, is {free} (the "
+                        "top of the stack must be handed out)")
+                t.slot, t.mamba_writes = slot, 0
         self.live[t.rid] = t
         self.stats["adds"] += 1
         if chunk < remaining or continuation:
@@ -311,6 +396,13 @@ class ContextDriver:
         chunk = prompt_len
         if kind == "chunked":
             chunk = 1 + choice % (prompt_len - 1)
+        if kind in ("fit", "chunked") and self._continuation_pending():
+            # Hybrids: the scheduler stops after a continuation chunk (SEMANTICS.md §10, fixed
+            # version), so the request waits for the next step.
+            self.stats["deferred_adds"] += 1
+            if len(self.waiting) < WAITING_LIMIT:
+                self.waiting.append(t)
+            return False
         added = self._try_add(t, chunk, duplicate=kind == "duplicate", pass_none=choice % 2 == 0)
         if added and kind == "chunked":
             self.ctx.chunked_prefill_request_id = t.rid
@@ -319,13 +411,20 @@ class ContextDriver:
             self.waiting.append(t)  # the engine keeps it waiting (and chunks it if needed)
         return added
 
+    def _continuation_pending(self) -> bool:
+        """A hybrid's continuation chunk (the final one included) is in the context for the next
+        step: the fixed engine adds nothing after it (its Mamba metadata takes the last active
+        row as the continuation; see the xfail regression in test_state_machine.py)."""
+        return self.cfg.hybrid and any(t.continued for t in self.live.values())
+
     def admit(self) -> int:
         """The engine's chunked scheduler over the waiting queue (FIFO, stop at the first that
         does not fit; a prompt longer than the room left is chunked and ends the admission)."""
         self.note("admit")
         ctx, cfg = self.ctx, self.cfg
         admitted = 0
-        while self.waiting and ctx.chunked_prefill_request_id == -1:
+        while self.waiting and ctx.chunked_prefill_request_id == -1 \
+                and not self._continuation_pending():
             t = self.waiting[0]
             got = ctx.check_availability(t.req)
             remaining = t.req.remaining_prompt_length
@@ -402,6 +501,8 @@ class ContextDriver:
         active = rows[P:]
         require(active, "initialize_attention_state with no active request")
         self._check_step_metadata(P, active)
+        if cfg.hybrid:
+            self._step_mamba(rows, P, active)
         self._write_kv(active, layout)
         for t in active:
             t.cached = t.query_start + len(t.query)
@@ -425,6 +526,7 @@ class ContextDriver:
         finished = {t.rid for t, keep in zip(active, mask) if not keep and not t.chunking}
         eligible = set()
         for t, token in zip(active, samples):
+            t.continued = False
             if t.rid in finished:
                 del self.live[t.rid]
                 continue
@@ -478,7 +580,7 @@ class ContextDriver:
         """Engine suspend (``deallocate_all_tensors``) and resume (``allocate_all_tensors
         (is_init=False)``); the in-flight requests go back to the head of the waiting queue as
         fresh requests with prompt = prompt + generated, and are admitted again."""
-        ctx = self.ctx
+        ctx, cfg = self.ctx, self.cfg
         self.note("suspend_resume")
         rows = self._rows()
         ctx.deallocate_all_tensors()
@@ -506,11 +608,14 @@ class ContextDriver:
                                     "TensorStateDeallocatedError") from None
                 raise Violation(f"{name} while deallocated did not raise")
         ctx.allocate_all_tensors(is_init=False)
+        self._poison_mamba()
         alloc = ctx.block_allocator
         require((ctx.total_request_count, ctx.paused_request_count, ctx.active_token_count,
                  ctx.num_prefill_requests, ctx.chunked_prefill_request_id) == (0, 0, 0, 0, -1),
                 "the context is not empty after a resume")
         require(alloc.total_avail == alloc.total_count - 1, "blocks in use after a resume")
+        require(not cfg.hybrid or ctx._mamba_slots.free_count == cfg.max_requests,
+                "Mamba slots in use after a resume")
         self.waiting.extendleft(reversed([self._checkpoint(t) for t in rows]))
         self.live.clear()
         self.chunked = None
@@ -522,6 +627,8 @@ class ContextDriver:
         """``reset()``: the context and the engine's queues are emptied."""
         self.note("reset")
         self.ctx.reset()
+        require(not self.cfg.hybrid or self._slot_stack() == list(range(self.cfg.max_requests)),
+                lambda: f"Mamba slots after reset(): {self._slot_stack()}")
         self.live.clear()
         self.waiting.clear()
         self.chunked = None
@@ -533,13 +640,14 @@ class ContextDriver:
         return cfg.latent_dim if cfg.mla else 2 * cfg.num_heads * cfg.head_dim
 
     def pattern(self, uids: np.ndarray, positions: np.ndarray, layer: int) -> np.ndarray:
-        """Exact fp32 values of (incarnation, position, layer, [K/V, head, dim] | latent dim):
-        MHA ``[n, 2, H, D]``, MLA ``[n, latent]``."""
+        """Exact fp32 values of (incarnation, position, attention layer (0-based index among the
+        ``*`` layers), [K/V, head, dim] | latent dim): MHA ``[n, 2, H, D]``, MLA ``[n, latent]``."""
         cfg = self.cfg
         inner = self._inner()
-        per_uid = cfg.max_sequence_length * cfg.num_layers * inner
+        layers = len(cfg.attention_layers)
+        per_uid = cfg.max_sequence_length * layers * inner
         base = ((uids % (_EXACT // per_uid)) * cfg.max_sequence_length + positions) \
-            * cfg.num_layers + layer
+            * layers + layer
         values = base[:, None] * inner + np.arange(inner)[None, :]
         values = values.astype(np.float32)
         if cfg.mla:
@@ -552,9 +660,10 @@ class ContextDriver:
         if value != v or v < 0:
             return f"{value} (not written by the pattern)"
         v //= self._inner()
-        layer, v = v % cfg.num_layers, v // cfg.num_layers
+        layers = len(cfg.attention_layers)
+        layer, v = v % layers, v // layers
         pos, uid = v % cfg.max_sequence_length, v // cfg.max_sequence_length
-        return f"{value} (uid {uid}, position {pos}, layer {layer})"
+        return f"{value} (uid {uid}, position {pos}, layer {cfg.attention_layers[layer]})"
 
     def _write_kv(self, active: List[Tracked], layout: int) -> None:
         ctx, cfg = self.ctx, self.cfg
@@ -562,7 +671,7 @@ class ContextDriver:
         uids = np.concatenate([np.full(len(t.query), t.uid) for t in active])
         positions = np.concatenate([t.query_start + np.arange(len(t.query)) for t in active])
         extra = 3 if layout == 2 else 0
-        for layer in range(cfg.num_layers):
+        for layer, number in enumerate(cfg.attention_layers):
             real = torch.from_numpy(self.pattern(uids, positions, layer))
             shape = (n + extra,) + tuple(real.shape[1:])
             data = torch.full(shape, -1.0)       # padding tokens: into the dummy block
@@ -571,12 +680,12 @@ class ContextDriver:
                 data[n:] = -2.0                  # rows beyond the step: must not be written
             if cfg.mla:
                 latent = data if layout == 1 else data.unsqueeze(1)
-                ctx.append_key_value_cache(layer + 1, latent, None)
+                ctx.append_key_value_cache(number, latent, None)
             else:
                 key, value = data[:, 0], data[:, 1]
                 if layout != 1:
                     key, value = key.unsqueeze(1), value.unsqueeze(1)
-                ctx.append_key_value_cache(layer + 1, key.contiguous(), value.contiguous())
+                ctx.append_key_value_cache(number, key.contiguous(), value.contiguous())
 
     def check_kv(self) -> None:
         """Every live request's cached K/V (positions < cached) equal the pattern."""
@@ -598,9 +707,9 @@ class ContextDriver:
             return
         require(np.all(blocks >= 0), "a cached position has no block")
         slots = positions % bs
-        for layer in range(cfg.num_layers):
+        for layer, number in enumerate(cfg.attention_layers):
             expected = self.pattern(uids, positions, layer)
-            k_cache, v_cache = ctx.key_value_cache(layer + 1)
+            k_cache, v_cache = ctx.key_value_cache(number)
             if cfg.mla:
                 require(v_cache is None, "the MLA cache returned a V view")
                 got = k_cache[blocks, slots].numpy()
@@ -613,9 +722,195 @@ class ContextDriver:
                 rid = next(t.rid for t in self.live.values() if t.uid == uids[i])
                 raise Violation(
                     f"cached K/V of request {rid} (uid {uids[i]}) at position {positions[i]}, "
-                    f"layer {layer}, block {blocks[i]} slot {slots[i]} is "
+                    f"layer {number}, block {blocks[i]} slot {slots[i]} is "
                     f"{self._decode(got[i].reshape(-1)[0])}, expected "
                     f"{self._decode(expected[i].reshape(-1)[0])} ({bad.size} positions differ)")
+
+    # ------------------------------------------------------------------ Mamba (hybrids)
+    def _slot_stack(self) -> Optional[List[int]]:
+        """The free Mamba slots, bottom to top of the stack (None for a non-hybrid)."""
+        if not self.cfg.hybrid or not self.ctx.is_tensor_state_allocated:
+            return None
+        slots = self.ctx._mamba_slots
+        return slots.free_slots[:slots.free_count].tolist()
+
+    def _poison_mamba(self) -> None:
+        """Fill every Mamba state with a value no pattern has (``torch.empty`` may be zeros)."""
+        if self.cfg.hybrid:
+            for number in self.cfg.mamba_layers:
+                for states in self.ctx.mamba_states_cache(number):
+                    states.fill_(_POISON)
+
+    def mamba_pattern(self, uids: np.ndarray, writes: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+        """Exact fp32 values of (incarnation, write count, Mamba layer (0-based index among the
+        ``M`` layers), conv | ssm, element): conv ``[n, layers, *conv_shape]`` and ssm
+        ``[n, layers, *ssm_shape]``."""
+        cfg = self.cfg
+        inner = max(math.prod(cfg.conv_shape), math.prod(cfg.ssm_shape))
+        layers, span = len(cfg.mamba_layers), cfg.max_sequence_length + 1
+        per_uid = span * layers * 2 * inner
+        base = ((uids % (_EXACT // per_uid - 1)) * span + writes % span)[:, None] * layers \
+            + np.arange(layers)[None, :]                                     # [n, layers]
+        out = []
+        for ssm, shape in enumerate((cfg.conv_shape, cfg.ssm_shape)):
+            values = (base * 2 + ssm)[..., None] * inner + np.arange(math.prod(shape)) + 1
+            out.append(values.astype(np.float32).reshape(len(uids), layers, *shape))
+        return out[0], out[1]
+
+    def _decode_mamba(self, value: float) -> str:
+        cfg = self.cfg
+        v = int(value)
+        if value != v or v <= 0:
+            return f"{value} (not written by the pattern)"
+        v -= 1
+        inner = max(math.prod(cfg.conv_shape), math.prod(cfg.ssm_shape))
+        layers, span = len(cfg.mamba_layers), cfg.max_sequence_length + 1
+        v //= inner
+        kind, v = ("ssm", "conv")[v % 2 == 0], v // 2
+        layer, v = v % layers, v // layers
+        writes, uid = v % span, v // span
+        return (f"{value} (uid {uid}, write {writes}, {kind} of layer "
+                f"{cfg.mamba_layers[layer]})")
+
+    def _check_mamba_states(self, live: List[Tracked], what: str, fresh_zero: bool) -> None:
+        """Each request's state (through ``mamba_states_cache`` at its slot) holds its last
+        pattern; one not written yet holds zeros (``fresh_zero``: it went through an
+        ``initialize_attention_state``) or is skipped (its state is zeroed at the next one)."""
+        if not fresh_zero:
+            live = [t for t in live if t.mamba_writes]
+        if not live:
+            return
+        cfg, ctx = self.cfg, self.ctx
+        slots = torch.tensor([t.slot for t in live], dtype=torch.int64)
+        writes = np.array([t.mamba_writes for t in live])
+        fresh = writes == 0
+        wants = self.mamba_pattern(np.array([t.uid for t in live]), writes)
+        caches = [ctx.mamba_states_cache(number) for number in cfg.mamba_layers]
+        for ssm, want in enumerate(wants):
+            got = torch.stack([c[ssm][slots] for c in caches], dim=1).numpy()  # [n, layers, ...]
+            want[fresh] = 0
+            differs = (got != want).reshape(len(live), -1)
+            bad = np.flatnonzero(differs.any(axis=1))
+            if bad.size:
+                i = bad[0]
+                t = live[i]
+                first = np.flatnonzero(differs[i])[0]
+                layer = cfg.mamba_layers[first // (differs.shape[1] // len(caches))]
+                expected = ("zeros (a new request)" if fresh[i] else
+                            self._decode_mamba(want[i].reshape(-1)[first]))
+                raise Violation(
+                    f"{what}: Mamba {('conv', 'ssm')[ssm]} state of request {t.rid} (uid "
+                    f"{t.uid}, slot {t.slot}{', paused' if t.paused else ''}) in layer "
+                    f"{layer} is {self._decode_mamba(got[i].reshape(-1)[first])}, expected "
+                    f"{expected} ({bad.size} requests differ)")
+
+    def _check_mamba_metadata(self, rows: List[Tracked], P: int, active: List[Tracked]) -> dict:
+        ctx = self.ctx
+        meta = ctx.mamba_metadata
+        require(meta is not None, "no mamba_metadata after initialize_attention_state")
+        continued = [i for i, t in enumerate(active) if t.continued]
+        require(len(continued) <= 1 and (not continued or continued[0] == len(active) - 1),
+                lambda: f"continuation chunks at active indices {continued}")
+        chunked = bool(continued)
+        decode = sum(not t.prefill for t in active)
+        regular = len(active) - decode - int(chunked)
+        padded = ctx.padded_batch_dimensions
+        pd, pp = padded.decode_req_count, padded.prefill_req_count
+        require(ctx.batch_dimensions.has_explicit_chunked_prefill_req == chunked
+                and padded.has_explicit_chunked_prefill_req == chunked,
+                lambda: f"chunked flags {ctx.batch_dimensions!r} / {padded!r}, expected {chunked}")
+        slots = [t.slot for t in active]
+        T = len(rows)
+        got_map = meta.request_to_mamba_state_idx.numpy()
+        want_map = [t.slot for t in rows] + [-1] * (len(got_map) - T)
+        require(got_map.tolist() == want_map, lambda: f"request_to_mamba_state_idx "
+                f"{got_map.tolist()}, expected {want_map}")
+
+        def same(name, got, want):
+            got = None if got is None else got.reshape(-1).tolist()
+            require(got == want, lambda: f"mamba_metadata.{name} is {got}, expected {want}")
+
+        same("batch_indices_decode", meta.batch_indices_decode,
+             slots[:decode] + [-1] * (pd - decode) if pd else None)
+        same("batch_indices_prefill", meta.batch_indices_prefill,
+             slots[decode:decode + regular] + [-1] * (pp - regular) if pp else None)
+        same("batch_indices_chunked_prefill", meta.batch_indices_chunked_prefill,
+             [slots[-1]] if chunked else None)
+        lengths = [len(t.query) for t in active[decode:decode + regular]]
+        cu = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
+        same("cu_seqlens", meta.cu_seqlens,
+             cu.tolist() + [int(cu[-1])] * (pp - regular) if pp else None)
+        n = ctx.padded_active_token_count
+        seq = np.repeat(np.arange(regular), lengths).tolist()
+        same("seq_idx", meta.seq_idx, seq + [-1] * (n - len(seq)) if pp else None)
+        require(meta.seq_idx is None or tuple(meta.seq_idx.shape) == (1, n),
+                lambda: f"seq_idx shape {tuple(meta.seq_idx.shape)}, expected (1, {n})")
+        require(tuple(meta.device_decode_prefill) == (decode, regular), lambda: f"device_decode_"
+                f"prefill {meta.device_decode_prefill}, expected {(decode, regular)}")
+        want = (int(cu[-1]), len(active[-1].query)) if chunked else None
+        got = None if meta.device_chunked_prefill is None else tuple(meta.device_chunked_prefill)
+        require(got == want, lambda: f"device_chunked_prefill {got}, expected {want}")
+        return dict(decode=decode, regular=regular, chunked=chunked)
+
+    def _step_mamba(self, rows: List[Tracked], P: int, active: List[Tracked]) -> None:
+        """Check the step's Mamba metadata and that new requests start from zero state, then
+        write every active request's next pattern through ``scatter_mamba_states`` at the
+        step's batch indices (padding entries -1 get poisoned rows that must be skipped)."""
+        ctx, cfg = self.ctx, self.cfg
+        self._check_mamba_metadata(rows, P, active)
+        self._check_mamba_states(active, "after initialize_attention_state", True)
+        meta = ctx.mamba_metadata
+        groups = [g for g in (meta.batch_indices_decode, meta.batch_indices_prefill,
+                              meta.batch_indices_chunked_prefill) if g is not None]
+        index = torch.cat(groups) if groups else torch.empty(0, dtype=torch.int32)
+        # The metadata was checked: the valid entries are the active requests, in order.
+        valid = (index >= 0).numpy()
+        require(int(valid.sum()) == len(active), "the batch indices do not cover the active rows")
+        for t in active:
+            t.mamba_writes += 1
+        patterns = self.mamba_pattern(np.array([t.uid for t in active]),
+                                      np.array([t.mamba_writes for t in active]))
+        src = []
+        for shape, pattern in zip((cfg.conv_shape, cfg.ssm_shape), patterns):
+            data = torch.full((len(index), len(cfg.mamba_layers), *shape), _POISON)
+            data[torch.from_numpy(valid)] = torch.from_numpy(pattern)
+            src.append(data)
+        for layer, number in enumerate(cfg.mamba_layers):
+            # (The next check() reads every state back; update_requests must not touch them.)
+            ctx.scatter_mamba_states(number, index, src[0][:, layer], src[1][:, layer])
+
+    def check_mamba(self, rows: List[Tracked], device: bool) -> None:
+        """Slot invariants and every live request's Mamba state (paused ones included)."""
+        ctx, cfg = self.ctx, self.cfg
+        T = len(rows)
+        h = ctx._h_req
+        slots = h[FIELD_MAMBA_SLOT, :T].astype(np.int64)
+        for row, t in enumerate(rows):
+            require(slots[row] == t.slot and t.slot >= 0, lambda: f"request {t.rid} (row {row}) "
+                    f"has Mamba slot {slots[row]}; it was given slot {t.slot}")
+        require(np.unique(slots).size == T, lambda: f"two requests share a Mamba slot: "
+                f"{slots.tolist()}")
+        require(np.all(h[FIELD_MAMBA_SLOT, T:] == -1), "a free row holds a Mamba slot")
+        free = np.array(self._slot_stack(), dtype=np.int64)
+        require(np.unique(free).size == free.size, lambda: f"the free Mamba slot stack holds a "
+                f"slot twice: {free.tolist()}")
+        require(np.intersect1d(free, slots).size == 0, lambda: f"Mamba slots both live and free: "
+                f"{np.intersect1d(free, slots).tolist()}")
+        require(free.size + T == cfg.max_requests and np.all((free >= 0)
+                & (free < cfg.max_requests)), lambda: f"{free.size} free + {T} live Mamba slots "
+                f"!= {cfg.max_requests}: free {free.tolist()}")
+        self._check_mamba_states(rows, "check", False)
+        if device:
+            got = ctx._device_field(FIELD_MAMBA_SLOT).numpy()
+            require(np.array_equal(got, h[FIELD_MAMBA_SLOT]), lambda: f"device Mamba slot map "
+                    f"{got.tolist()} != host {h[FIELD_MAMBA_SLOT].tolist()}")
+            index = torch.tensor(slots.tolist() + [-1], dtype=torch.int32)
+            for number in cfg.mamba_layers:
+                conv, ssm = ctx.mamba_states_cache(number)
+                g_conv, g_ssm = ctx.gather_mamba_states(number, index)
+                require(torch.equal(g_conv[:T], conv[slots]) and torch.equal(g_ssm[:T], ssm[slots])
+                        and not g_conv[T:].any() and not g_ssm[T:].any(),
+                        f"gather_mamba_states of layer {number} disagrees with the states")
 
     # ------------------------------------------------------------------ step checks
     def _check_step_metadata(self, P: int, active: List[Tracked]) -> None:
@@ -825,4 +1120,6 @@ class ContextDriver:
             require((pending is None and P == 0) or (pending is not None
                     and pending.tolist() == want), lambda: f"paused_tokens "
                     f"{None if pending is None else pending.tolist()}, expected {want}")
+        if cfg.hybrid:
+            self.check_mamba(rows, device)
         self.check_kv()

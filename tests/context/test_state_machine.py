@@ -1,7 +1,7 @@
 """Property test: a hypothesis state machine drives the context through random sequences of
 add / step / finish / pause / evict / chunk / suspend / resume / reset and checks every invariant
-after every rule (the machine and its checks: ``state_machine.py``; the long run without
-shrinking: ``bench/soak.py``)."""
+after every rule, for plain, MLA and hybrid (Mamba + attention) contexts (the machine and its
+checks: ``state_machine.py``; the long run without shrinking: ``bench/soak.py``)."""
 
 from __future__ import annotations
 
@@ -20,9 +20,10 @@ from hypothesis.stateful import (
 from helpers import add, make_ctx, request
 from state_machine import CI_CONFIGS, ContextDriver, MachineConfig
 
-# Deterministic and sized for CI (the four configurations together take well under 2 minutes
-# on one CPU core): no example database, derandomized generation, no deadline.
-SETTINGS = settings(max_examples=100, stateful_step_count=50, deadline=None, derandomize=True,
+# Deterministic and sized for CI (the six configurations, two of them hybrids, together take
+# about 35 s of CPU on one core): no example database, derandomized generation, no deadline.
+# The long run is bench/soak.py.
+SETTINGS = settings(max_examples=50, stateful_step_count=50, deadline=None, derandomize=True,
                     database=None, print_blob=False,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                            HealthCheck.filter_too_much])
@@ -150,3 +151,30 @@ def test_step_without_the_chunked_continuation_is_refused():
     # The engine could not schedule the next chunk (e.g. no free block) and steps anyway.
     with pytest.raises(RuntimeError, match="chunked"):
         ctx.initialize_attention_state()
+
+
+@pytest.mark.xfail(strict=True, reason="context bug (found by the hybrid state machine): a new "
+                   "request added after a hybrid's final continuation chunk is taken for the "
+                   "chunked continuation (Mamba metadata uses the last active row), and the "
+                   "continuation runs as a regular prefill from zero state; add_request should "
+                   "refuse it or the metadata should locate the continuation's row")
+def test_hybrid_add_after_the_final_chunk_keeps_the_continuation_state():
+    cfg = MachineConfig("repro", block_size=4, buffer_blocks=16, paused_blocks=4,
+                        max_tokens=16, layer_types=("M", "*"))
+    ctx = cfg.make_context()
+    long = request(5, 20, gen=4)
+    add(ctx, long, chunk_length=12)
+    ctx.chunked_prefill_request_id = 5
+    ctx.initialize_attention_state()
+    ctx.update_requests(torch.tensor([True]), torch.tensor([51]))
+    ctx.chunked_prefill_request_id = -1
+    add(ctx, long, chunk_length=8)  # the final chunk: must start from the saved Mamba state
+    try:
+        add(ctx, request(6, 3))     # the unfixed engine schedules a new request after it
+    except (ValueError, RuntimeError):
+        return                      # refusing the add is a fix
+    ctx.initialize_attention_state()
+    slot_5, slot_6 = (int(s) for s in ctx._h_req[7, :2])
+    meta = ctx.mamba_metadata
+    assert meta.batch_indices_chunked_prefill.tolist() == [slot_5]
+    assert meta.batch_indices_prefill.tolist()[0] == slot_6
