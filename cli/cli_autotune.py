@@ -300,14 +300,20 @@ def _progress(items: list, description: str):
                 file=sys.stderr, dynamic_ncols=True)
 
 
-def cmd_tune(args) -> int:
-    if _refuse_without_gpu("tune"):
-        return EXIT_NO_GPU
+def _start_gpu_run(args):
+    """``(started, tunings, device, dev)`` of a tune or bench run: its start time, the selected
+    kernel tunings, the GPU and that GPU's config-folder name."""
     started = time.monotonic()
     import_kernel_modules()
     tunings = select_tunings(args.kernel, args.preset)
     device = _gpu_device()
-    dev = _autotune.device_name(device)
+    return started, tunings, device, _autotune.device_name(device)
+
+
+def cmd_tune(args) -> int:
+    if _refuse_without_gpu("tune"):
+        return EXIT_NO_GPU
+    started, tunings, device, dev = _start_gpu_run(args)
     out_dir = Path(args.out) if args.out else _autotune.PACKAGED_DIR
     run_versions = versions()
     print(f"dynctx autotune tune: {len(tunings)} kernels on {dev} -> {out_dir / dev}", flush=True)
@@ -581,11 +587,7 @@ def bench_key(tuning: KernelTuning, key: dict, device: torch.device, args) -> di
 def cmd_bench(args) -> int:
     if _refuse_without_gpu("bench"):
         return EXIT_NO_GPU
-    started = time.monotonic()
-    import_kernel_modules()
-    tunings = select_tunings(args.kernel, args.preset)
-    device = _gpu_device()
-    dev = _autotune.device_name(device)
+    started, tunings, device, dev = _start_gpu_run(args)
     bench_dir = REPO_ROOT / "bench" if (REPO_ROOT / "bench").is_dir() else Path.cwd() / "bench"
     out = Path(args.out) if args.out else bench_dir / "results" / f"{dev}.json"
     results, skipped, fatal = [], [], None
