@@ -154,7 +154,10 @@ class _Entry:
 def _transformers_adapters() -> Dict[str, Callable[..., Any]]:
     from dynctx.models import LlamaAdapter
 
-    return {"LlamaForCausalLM": LlamaAdapter.from_transformers}
+    from dynctx.models import NemotronHAdapter
+
+    return {"NemotronHForCausalLM": NemotronHAdapter.from_transformers,
+            "LlamaForCausalLM": LlamaAdapter.from_transformers}
 
 
 class Engine:
@@ -224,6 +227,8 @@ class Engine:
         kwargs.setdefault("num_layers", model.num_layers)
         kwargs.setdefault("kv_channels", model.head_dim)
         kwargs.setdefault("num_attention_heads", model.num_kv_heads)
+        if getattr(model, "mamba_inference_state_config", None) is not None:
+            kwargs.setdefault("mamba_inference_state_config", model.mamba_inference_state_config)
         kwargs.setdefault("max_sequence_length", config.max_position_embeddings)
         kwargs.setdefault("buffer_size_gb", 1.0)
         kwargs.update(params_dtype=dtype, device=device)
