@@ -809,6 +809,10 @@ class DynamicInferenceContext(RotaryMixin, LogitsMixin, UpdateMixin, MambaMixin)
                 raise ValueError(f"request {request_id}: the chunked prefill request "
                                  f"{self.chunked_prefill_request_id} must stay the last active "
                                  "row; add new requests before its next chunk, not after it")
+            if self.is_hybrid_model and self._continuation_added:
+                raise ValueError(f"request {request_id}: on a hybrid model the continuation chunk "
+                                 "added in this step must stay the last row (it alone starts "
+                                 "from its saved Mamba state); add new requests in the next step")
             row = T
             tokens_before = self.active_token_count
         if tokens_before + chunk > self.max_tokens:

@@ -396,6 +396,10 @@ class Engine:
                 self.waiting.popleft()
                 if continuing:
                     ctx.chunked_prefill_request_id = -1
+                    if ctx.is_hybrid_model:
+                        # A hybrid's continuation must stay the step's last row: it alone
+                        # starts from its saved Mamba state (SEMANTICS.md §0.3).
+                        break
                 continue
             ctx.chunked_prefill_request_id = rid
             break

@@ -304,6 +304,8 @@ class ContextDriver:
                 errors.add(RequestOverflowError)
             if ctx.chunked_prefill_request_id != -1:
                 errors.add(ValueError)
+            if self._continuation_pending():
+                errors.add(ValueError)  # a hybrid's continuation must stay the last row
         if tokens + chunk > cfg.max_tokens:
             errors.add(TokenOverflowError)
         bs = cfg.block_size

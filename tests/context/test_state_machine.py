@@ -17,7 +17,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from helpers import add, make_ctx, request
+from helpers import add, assert_same, make_ctx, request, snapshot
 from state_machine import CI_CONFIGS, ContextDriver, MachineConfig
 
 # Deterministic and sized for CI (the six configurations, two of them hybrids, together take
@@ -153,11 +153,6 @@ def test_step_without_the_chunked_continuation_is_refused():
         ctx.initialize_attention_state()
 
 
-@pytest.mark.xfail(strict=True, reason="context bug (found by the hybrid state machine): a new "
-                   "request added after a hybrid's final continuation chunk is taken for the "
-                   "chunked continuation (Mamba metadata uses the last active row), and the "
-                   "continuation runs as a regular prefill from zero state; add_request should "
-                   "refuse it or the metadata should locate the continuation's row")
 def test_hybrid_add_after_the_final_chunk_keeps_the_continuation_state():
     cfg = MachineConfig("repro", block_size=4, buffer_blocks=16, paused_blocks=4,
                         max_tokens=16, layer_types=("M", "*"))
@@ -169,12 +164,12 @@ def test_hybrid_add_after_the_final_chunk_keeps_the_continuation_state():
     ctx.update_requests(torch.tensor([True]), torch.tensor([51]))
     ctx.chunked_prefill_request_id = -1
     add(ctx, long, chunk_length=8)  # the final chunk: must start from the saved Mamba state
-    try:
-        add(ctx, request(6, 3))     # the unfixed engine schedules a new request after it
-    except (ValueError, RuntimeError):
-        return                      # refusing the add is a fix
+    before = snapshot(ctx)
+    # An add after it would take the continuation's place as the last row: refused.
+    with pytest.raises(ValueError, match="hybrid"):
+        ctx.add_request(request(6, 3))
+    assert_same(before, snapshot(ctx))
     ctx.initialize_attention_state()
-    slot_5, slot_6 = (int(s) for s in ctx._h_req[7, :2])
     meta = ctx.mamba_metadata
-    assert meta.batch_indices_chunked_prefill.tolist() == [slot_5]
-    assert meta.batch_indices_prefill.tolist()[0] == slot_6
+    assert meta.batch_indices_chunked_prefill.tolist() == [int(ctx._h_req[7, 0])]
+    assert meta.device_chunked_prefill == (0, 8)
