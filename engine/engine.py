@@ -152,12 +152,13 @@ class _Entry:
 
 
 def _transformers_adapters() -> Dict[str, Callable[..., Any]]:
-    from dynctx.models import LlamaAdapter
+    from dynctx.models import DeepseekV2Adapter, LlamaAdapter
 
     from dynctx.models import NemotronHAdapter
 
     return {"NemotronHForCausalLM": NemotronHAdapter.from_transformers,
-            "LlamaForCausalLM": LlamaAdapter.from_transformers}
+            "LlamaForCausalLM": LlamaAdapter.from_transformers,
+            "DeepseekV2ForCausalLM": DeepseekV2Adapter.from_transformers}
 
 
 class Engine:
@@ -227,6 +228,8 @@ class Engine:
         kwargs.setdefault("num_layers", model.num_layers)
         kwargs.setdefault("kv_channels", model.head_dim)
         kwargs.setdefault("num_attention_heads", model.num_kv_heads)
+        for key, value in getattr(model, "context_kwargs", {}).items():  # e.g. the MLA cache
+            kwargs.setdefault(key, value)
         if getattr(model, "mamba_inference_state_config", None) is not None:
             kwargs.setdefault("mamba_inference_state_config", model.mamba_inference_state_config)
         kwargs.setdefault("max_sequence_length", config.max_position_embeddings)
