@@ -40,7 +40,7 @@ class UpdateMixin:
             raise ValueError(f"new_tokens is on {new_tokens.device}, the context on {self.device}")
         if self.validate and count:
             low, high = int(new_tokens.min()), int(new_tokens.max())
-            limit = self.vocab_size if self.vocab_size is not None else None
+            limit = self.vocab_size
             if low < 0 or (limit is not None and high >= limit):
                 raise ValueError(f"new_tokens holds ids in [{low}, {high}], outside [0, "
                                  f"{'inf' if limit is None else limit}) (vocab_size)")

@@ -112,7 +112,7 @@ def assert_same(a: dict, b: dict) -> None:
 
 def check_invariants(ctx) -> None:
     """Every block is free or owned by exactly one live request; device mirrors the host."""
-    P, T = ctx.paused_request_count, ctx.total_request_count
+    T = ctx.total_request_count
     table = ctx.block_table_host
     owned = table[:T][table[:T] >= 0]
     assert owned.size == np.unique(owned).size, "a block is owned twice"

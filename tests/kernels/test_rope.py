@@ -24,8 +24,7 @@ from dynctx.kernels import _autotune
 from dynctx.kernels._backend import triton_interpreting
 from dynctx.kernels.rope import (assert_rope_close, cos_sin_cache_from_freqs, fused_qk_rope,
                                  fused_qk_rope_ref, make_rope_tables)
-from kernel_test_utils import (assert_only_views_written, assert_rotated_heads, byte_view,
-                               preset_configs)
+from kernel_test_utils import assert_only_views_written, assert_rotated_heads, preset_configs
 
 pytestmark = pytest.mark.interpreter
 
