@@ -49,8 +49,9 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
-from .llama import _ACTIVATIONS, _STATIC_ROPE_TYPES, ROPE_MODES, _rms_norm
-from .paged_attention import _TorchRowGroup
+from ._common import (ACTIVATIONS, ROPE_MODES, PagedAdapter, activation, check_model_class,
+                      gated_mlp, placement, rms_norm, static_rotary, weight_taker)
+from .paged_attention import _TorchRowGroup, torch_row_groups
 
 ATTENTION_FORMS = ("decompress", "absorbed")
 _TOPK_METHODS = ("greedy", "group_limited_greedy")
@@ -87,18 +88,11 @@ class MlaPagedAttention:
              num_decode_requests: int = 0) -> None:
         """Index tensors of one step: decode requests (one query each) apart from the
         prefills, as the torch paged attention does."""
-        groups = []
-        num_requests = kv_seq_lengths.shape[0]
-        decode = min(max(int(num_decode_requests), 0), num_requests)
-        common = (int(max_seqlen_k), int(num_tokens), cu_query_lengths, kv_seq_lengths,
-                  block_table, self.block_size)
-        if num_requests and max_seqlen_k > 0:
-            if decode:
-                groups.append(_TorchRowGroup(0, decode, 1, *common))
-            if decode < num_requests:
-                groups.append(_TorchRowGroup(decode, num_requests, max(1, int(max_seqlen_q)),
-                                             *common))
-        self._groups = groups
+        self._groups = torch_row_groups(
+            cu_query_lengths=cu_query_lengths, kv_seq_lengths=kv_seq_lengths,
+            block_table=block_table, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+            num_tokens=num_tokens, num_decode_requests=num_decode_requests,
+            block_size=self.block_size)
 
     def __call__(self, q_nope: torch.Tensor, q_pe: torch.Tensor, latent_cache: torch.Tensor,
                  kv_b: torch.Tensor) -> torch.Tensor:
@@ -150,7 +144,7 @@ class MlaPagedAttention:
         out[group.scatter_tokens.reshape(-1)] = result.reshape(-1, H, self.v_dim).to(out.dtype)
 
 
-class DeepseekV2Adapter:
+class DeepseekV2Adapter(PagedAdapter):
     """A DeepSeek-V2 causal LM whose forward reads and writes a ``DynamicInferenceContext``
     with an MLA latent cache.
 
@@ -172,8 +166,9 @@ class DeepseekV2Adapter:
                 "('auto' or 'torch')")
         if attention_form not in ATTENTION_FORMS:
             raise ValueError(f"attention_form={attention_form!r} must be one of {ATTENTION_FORMS}")
-        self.config = config
-        self.hidden_size = config.hidden_size
+        self._init_weights(config=config, embed=embed, layers=layers, final_norm=final_norm,
+                           lm_head=lm_head, eps=config.rms_norm_eps,
+                           attention_backend=attention_backend)
         self.num_layers = config.num_hidden_layers
         self.num_heads = config.num_attention_heads
         self.q_lora_rank = config.q_lora_rank
@@ -181,30 +176,17 @@ class DeepseekV2Adapter:
         self.qk_nope_head_dim = config.qk_nope_head_dim
         self.qk_rope_head_dim = config.qk_rope_head_dim
         self.v_head_dim = config.v_head_dim
-        self.vocab_size = config.vocab_size
-        self.eps = config.rms_norm_eps
         # What Engine.from_transformers sizes the context with: the cache holds one latent row
         # of kv_lora_rank + rope per token and layer (the "KV heads" do not matter for it).
         self.head_dim = self.kv_lora_rank + self.qk_rope_head_dim
         self.num_kv_heads = 1
         self.context_kwargs = dict(cache_mla_latent=True, kv_lora_rank=self.kv_lora_rank,
                                    qk_pos_emb_head_dim=self.qk_rope_head_dim)
-        act = getattr(config, "hidden_act", "silu")
-        if act not in _ACTIVATIONS:
-            raise NotImplementedError(f"hidden_act={act!r}: supported {sorted(_ACTIVATIONS)}")
-        self.act = _ACTIVATIONS[act]
-        self.embed, self.layers, self.final_norm, self.lm_head = embed, layers, final_norm, lm_head
-        self.device, self.dtype = embed.device, embed.dtype
-        self.inv_freq = inv_freq.float().to(self.device)
-        self.rope_mscale = float(rope_mscale)
+        self.act = activation(ACTIVATIONS, "hidden_act", getattr(config, "hidden_act", "silu"))
+        self._init_rope(inv_freq=inv_freq, rope_mscale=rope_mscale, rope=rope)
         self.softmax_scale = float(softmax_scale)
-        self.rope = rope
         self.attention_form = attention_form
-        self.attention_backend_request = attention_backend
         self.rope_config = SimpleNamespace(rotary_interleaved=False, multi_latent_attention=True)
-        self._tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._attention: Optional[MlaPagedAttention] = None
-        self._attention_key = None
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -215,27 +197,10 @@ class DeepseekV2Adapter:
         """Take the weights of a ``transformers`` ``DeepseekV2ForCausalLM`` (moved to
         ``device`` and cast to ``dtype`` when given; shared with the model otherwise). The MoE
         router weight stays fp32, as transformers keeps it."""
-        name = type(hf_model).__name__
-        if name != "DeepseekV2ForCausalLM":
-            raise NotImplementedError(f"DeepseekV2Adapter takes a DeepseekV2ForCausalLM, got {name}")
+        check_model_class(hf_model, "DeepseekV2ForCausalLM", "DeepseekV2Adapter")
         config = hf_model.config
-        if getattr(config, "pretraining_tp", 1) not in (None, 1):
-            raise NotImplementedError(f"pretraining_tp={config.pretraining_tp} is not supported")
-        rotary = hf_model.model.rotary_emb
-        rope_type = getattr(rotary, "rope_type", "default")
-        if rope_type not in _STATIC_ROPE_TYPES:
-            raise NotImplementedError(
-                f"rope_type={rope_type!r}: its frequencies depend on the sequence length; "
-                f"supported {_STATIC_ROPE_TYPES}")
-        param = next(hf_model.parameters())
-        device = torch.device(device) if device is not None else param.device
-        dtype = dtype or param.dtype
-
-        def take(tensor: Optional[torch.Tensor], as_dtype: Optional[torch.dtype] = None
-                 ) -> Optional[torch.Tensor]:
-            if tensor is None:
-                return None
-            return tensor.detach().to(device=device, dtype=as_dtype or dtype)
+        rotary = static_rotary(hf_model)
+        take = weight_taker(*placement(hf_model, device, dtype))
 
         def bias(linear: Any) -> Optional[torch.Tensor]:
             return take(getattr(linear, "bias", None))
@@ -288,22 +253,10 @@ class DeepseekV2Adapter:
                    softmax_scale=softmax_scale, rope=rope, attention_backend=attention_backend,
                    attention_form=attention_form)
 
-    # ------------------------------------------------------------------ rotary tables
-    def rope_tables(self, max_sequence_length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(angle table [max_seq, 1, 1, rope] fp32, cos/sin cache [max_seq, rope] fp32)``:
-        Megatron's half-split ``cat(freqs, freqs)`` angles (``position * inv_freq`` in fp32);
-        the cos/sin cache carries the rope mscale, the angle table does not."""
-        if max_sequence_length not in self._tables:
-            positions = torch.arange(max_sequence_length, dtype=torch.float32, device=self.device)
-            angles = torch.outer(positions, self.inv_freq)                   # [max_seq, rope/2]
-            table = torch.cat((angles, angles), dim=-1)[:, None, None, :].contiguous()
-            cos_sin = torch.cat((angles.cos(), angles.sin()), dim=-1) * self.rope_mscale
-            self._tables[max_sequence_length] = (table, cos_sin.contiguous())
-        return self._tables[max_sequence_length]
-
     # ------------------------------------------------------------------ attention
-    def check_context(self, ctx: Any) -> None:
-        """Raise ``ValueError`` when the context's cache does not fit this model."""
+    _plan_with_dtype = False
+
+    def _cache_problems(self, ctx: Any) -> list:
         problems = []
         if not ctx.cache_mla_latent:
             problems.append("the context must cache the MLA latent (cache_mla_latent=True)")
@@ -317,34 +270,21 @@ class DeepseekV2Adapter:
             problems.append("fused_rope_kv_append=True is for the MHA cache, not MLA")
         if ctx.num_attention_layers != self.num_layers:
             problems.append(f"num_layers {ctx.num_attention_layers} != {self.num_layers}")
-        if ctx.params_dtype != self.dtype:
-            problems.append(f"params_dtype {ctx.params_dtype} != model dtype {self.dtype}")
-        if ctx.device != self.device:
-            problems.append(f"device {ctx.device} != model device {self.device}")
-        if problems:
-            raise ValueError("the context does not match the model: " + "; ".join(problems))
+        return problems
 
-    def attention_for(self, ctx: Any) -> MlaPagedAttention:
-        """The MLA paged attention object for ``ctx`` (built once per block size)."""
-        key = ctx.block_size_tokens
-        if self._attention is None or self._attention_key != key:
-            self._attention = MlaPagedAttention(
-                num_heads=self.num_heads, qk_nope_head_dim=self.qk_nope_head_dim,
-                qk_rope_head_dim=self.qk_rope_head_dim, v_head_dim=self.v_head_dim,
-                kv_lora_rank=self.kv_lora_rank, block_size=ctx.block_size_tokens,
-                softmax_scale=self.softmax_scale, form=self.attention_form)
-            self._attention_key = key
-        return self._attention
+    def _attention_cache_key(self, ctx: Any) -> Any:
+        return ctx.block_size_tokens
 
-    @property
-    def attention_backend(self) -> Optional[str]:
-        """The paged attention backend that runs (``None`` before the first forward)."""
-        return None if self._attention is None else self._attention.backend
+    def _new_attention(self, ctx: Any) -> MlaPagedAttention:
+        return MlaPagedAttention(
+            num_heads=self.num_heads, qk_nope_head_dim=self.qk_nope_head_dim,
+            qk_rope_head_dim=self.qk_rope_head_dim, v_head_dim=self.v_head_dim,
+            kv_lora_rank=self.kv_lora_rank, block_size=ctx.block_size_tokens,
+            softmax_scale=self.softmax_scale, form=self.attention_form)
 
     # ------------------------------------------------------------------ MLP
     def _dense_mlp(self, x: torch.Tensor, m: SimpleNamespace) -> torch.Tensor:
-        hidden = self.act(F.linear(x, m.gate, m.gate_bias)) * F.linear(x, m.up, m.up_bias)
-        return F.linear(hidden, m.down, m.down_bias)
+        return gated_mlp(self.act, x, m)
 
     def _moe(self, x: torch.Tensor, m: SimpleNamespace) -> torch.Tensor:
         """DeepSeek-V2's MoE as transformers runs it: fp32 softmax router, greedy or
@@ -377,34 +317,23 @@ class DeepseekV2Adapter:
         Returns ``[active_requests, vocab]`` last-token logits (``last_token_only``), or
         ``[1, padded_tokens, vocab]`` logits of every token, in the model dtype.
         """
-        self.check_context(ctx)
-        meta = ctx.active_attn_metadata
-        if meta is None:
-            raise RuntimeError("call ctx.initialize_attention_state() before forward()")
-        input_ids, _ = ctx.current_input_and_position_ids()
-        n = input_ids.shape[1]
-        attention = self.attention_for(ctx)
-        attention.plan(cu_query_lengths=meta.cu_query_seq_lengths,
-                       kv_seq_lengths=meta.kv_seq_lengths, block_table=meta.block_table,
-                       max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_k,
-                       num_tokens=n, num_decode_requests=ctx.num_decode_requests)
+        hidden, n, attention = self._start_step(ctx)                          # [n, hidden]
         table, cos_sin = self.rope_tables(ctx.max_sequence_length)
         H, nope, rope, rank = (self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim,
                                self.kv_lora_rank)
 
-        hidden = F.embedding(input_ids[0], self.embed)                         # [n, hidden]
         for index, w in enumerate(self.layers):
             layer_number = index + 1
-            x = _rms_norm(hidden, w.input_norm, self.eps)
+            x = rms_norm(hidden, w.input_norm, self.eps)
             if w.q is not None:
                 q = F.linear(x, w.q)
             else:
-                q = F.linear(_rms_norm(F.linear(x, w.q_a, w.q_a_bias), w.q_a_norm, w.q_a_eps),
+                q = F.linear(rms_norm(F.linear(x, w.q_a, w.q_a_bias), w.q_a_norm, w.q_a_eps),
                              w.q_b)
             q = q.view(n, H, nope + rope)
             q_nope, q_pe = q[..., :nope], q[..., nope:]                        # views
             compressed = F.linear(x, w.kv_a, w.kv_a_bias)                      # [n, rank + rope]
-            latent = _rms_norm(compressed[:, :rank], w.kv_a_norm, w.kv_a_eps)  # [n, rank]
+            latent = rms_norm(compressed[:, :rank], w.kv_a_norm, w.kv_a_eps)  # [n, rank]
             k_pe = compressed[:, None, rank:]                                  # [n, 1, rope] view
             # Rope in place on the q_pe / k_pe views (MLA layout: see the module docstring).
             if self.rope == "table":
@@ -417,13 +346,10 @@ class DeepseekV2Adapter:
             latent_cache, _ = ctx.key_value_cache(layer_number)
             attn = attention(q_nope, q_pe, latent_cache, w.kv_b)                # [n, H, v]
             hidden = hidden + F.linear(attn.reshape(n, H * self.v_head_dim), w.o, w.o_bias)
-            x = _rms_norm(hidden, w.post_norm, self.eps)
+            x = rms_norm(hidden, w.post_norm, self.eps)
             hidden = hidden + (self._moe(x, w.moe) if w.moe is not None
                                else self._dense_mlp(x, w.mlp))
-        hidden = _rms_norm(hidden, self.final_norm, self.eps)
-        if last_token_only:
-            return F.linear(ctx.last_token_logits(hidden.unsqueeze(0)), self.lm_head)
-        return F.linear(hidden, self.lm_head).unsqueeze(0)
+        return self._logits(ctx, hidden, last_token_only)
 
     __call__ = forward
 

@@ -42,11 +42,10 @@ from typing import Any, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from .paged_attention import PagedAttention
+from ._common import (ACTIVATIONS, PagedMhaAdapter, activation, check_model_class,
+                      mha_cache_problems, placement, weight_taker)
 
-_ACTIVATIONS = {"relu2": lambda x: torch.square(F.relu(x)), "relu": F.relu, "silu": F.silu,
-                "swish": F.silu, "gelu": F.gelu,
-                "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+_ACTIVATIONS = {"relu2": lambda x: torch.square(F.relu(x)), "relu": F.relu, **ACTIVATIONS}
 _LAYER_SYMBOLS = {"linear_attention": "M", "full_attention": "*", "mlp": "-", "moe": "E"}
 
 
@@ -73,7 +72,7 @@ class NemotronHLayerWeights(SimpleNamespace):
     """One block's tensors; ``kind`` is ``M``, ``*`` or ``-``."""
 
 
-class NemotronHAdapter:
+class NemotronHAdapter(PagedMhaAdapter):
     """A NemotronH causal LM whose forward reads and writes a hybrid ``DynamicInferenceContext``.
 
     Build it with ``NemotronHAdapter.from_transformers(hf_model)``; the context needs
@@ -85,22 +84,15 @@ class NemotronHAdapter:
     def __init__(self, *, config: Any, layer_types: List[str], embed: torch.Tensor,
                  layers: list, final_norm: torch.Tensor, lm_head: torch.Tensor,
                  attention_backend: str = "auto"):
-        self.config = config
+        self._init_weights(config=config, embed=embed, layers=layers, final_norm=final_norm,
+                           lm_head=lm_head, eps=config.layer_norm_epsilon,
+                           attention_backend=attention_backend)
         self.layer_types = list(layer_types)
         self.num_layers = len(self.layer_types)
         self.num_attention_layers = self.layer_types.count("*")
-        self.hidden_size = config.hidden_size
-        self.num_q_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_q_heads
-        self.head_dim = getattr(config, "head_dim", None) or self.hidden_size // self.num_q_heads
-        self.vocab_size = config.vocab_size
-        self.eps = config.layer_norm_epsilon
-        for name in ("mlp_hidden_act", "mamba_hidden_act"):
-            act = getattr(config, name)
-            if act not in _ACTIVATIONS:
-                raise NotImplementedError(f"{name}={act!r}: supported {sorted(_ACTIVATIONS)}")
-        self.mlp_act = _ACTIVATIONS[config.mlp_hidden_act]
-        self.mamba_act = _ACTIVATIONS[config.mamba_hidden_act]
+        self._init_heads(config)
+        self.mlp_act = activation(_ACTIVATIONS, "mlp_hidden_act", config.mlp_hidden_act)
+        self.mamba_act = activation(_ACTIVATIONS, "mamba_hidden_act", config.mamba_hidden_act)
         # Mamba2 dimensions (as NemotronHMamba2Mixer derives them).
         self.mamba_heads = config.mamba_num_heads
         self.mamba_head_dim = config.mamba_head_dim
@@ -110,11 +102,6 @@ class NemotronHAdapter:
         self.d_inner = self.mamba_heads * self.mamba_head_dim
         self.conv_dim = self.d_inner + 2 * self.n_groups * self.d_state
         self.dt_min = float(config.time_step_min)  # the mixer's time_step_limit lower bound
-        self.embed, self.layers, self.final_norm, self.lm_head = embed, layers, final_norm, lm_head
-        self.device, self.dtype = embed.device, embed.dtype
-        self.attention_backend_request = attention_backend
-        self._attention: Optional[PagedAttention] = None
-        self._attention_key = None
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -124,9 +111,7 @@ class NemotronHAdapter:
         """Take the weights of a ``transformers`` ``NemotronHForCausalLM`` (moved to ``device`` and
         cast to ``dtype`` when given). ``rope`` is accepted for the engine's uniform call and
         ignored: NemotronH attention has no rotary embedding."""
-        name = type(hf_model).__name__
-        if name != "NemotronHForCausalLM":
-            raise NotImplementedError(f"NemotronHAdapter takes a NemotronHForCausalLM, got {name}")
+        check_model_class(hf_model, "NemotronHForCausalLM", "NemotronHAdapter")
         config = hf_model.config
         block_types = list(config.layers_block_type)
         unknown = sorted(set(block_types) - set(_LAYER_SYMBOLS))
@@ -141,15 +126,8 @@ class NemotronHAdapter:
             raise NotImplementedError("multi-token-prediction layers are not supported")
         if getattr(config, "sliding_window", None):
             raise NotImplementedError("sliding-window attention is not supported")
-        param = next(hf_model.parameters())
-        device = torch.device(device) if device is not None else param.device
-        dtype = dtype or param.dtype
-
-        def take(tensor: Optional[torch.Tensor], keep_dtype: bool = False
-                 ) -> Optional[torch.Tensor]:
-            if tensor is None:
-                return None
-            return tensor.detach().to(device=device, dtype=None if keep_dtype else dtype)
+        device, dtype = placement(hf_model, device, dtype)
+        take = weight_taker(device, dtype)
 
         layers = []
         for block in hf_model.model.layers:
@@ -197,8 +175,11 @@ class NemotronHAdapter:
         return MambaInferenceStateConfig(tuple(self.layer_types), self.conv_shape, self.ssm_shape)
 
     # ------------------------------------------------------------------ context checks
-    def check_context(self, ctx: Any) -> None:
-        """Raise ``ValueError`` when the context's caches do not fit this model."""
+    @staticmethod
+    def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return _rms_norm(x, weight, eps)
+
+    def _cache_problems(self, ctx: Any) -> list:
         problems = []
         if not getattr(ctx, "is_hybrid_model", False):
             problems.append("the context is not hybrid (pass mamba_inference_state_config)")
@@ -212,35 +193,11 @@ class NemotronHAdapter:
             if tuple(ctx.mamba_ssm_states_shape) != self.ssm_shape:
                 problems.append(f"ssm state shape {tuple(ctx.mamba_ssm_states_shape)} != "
                                 f"{self.ssm_shape}")
-        if ctx.cache_mla_latent:
-            problems.append("the context caches an MLA latent (cache_mla_latent=True)")
-        if ctx.kv_channels != self.head_dim:
-            problems.append(f"kv_channels {ctx.kv_channels} != head_dim {self.head_dim}")
-        if ctx.num_attention_heads_per_partition != self.num_kv_heads:
-            problems.append(f"num_attention_heads (per partition) "
-                            f"{ctx.num_attention_heads_per_partition} != num_key_value_heads "
-                            f"{self.num_kv_heads}")
-        if ctx.params_dtype != self.dtype:
-            problems.append(f"params_dtype {ctx.params_dtype} != model dtype {self.dtype}")
-        if ctx.device != self.device:
-            problems.append(f"device {ctx.device} != model device {self.device}")
-        if problems:
-            raise ValueError("the context does not match the model: " + "; ".join(problems))
+        return problems + mha_cache_problems(ctx, head_dim=self.head_dim,
+                                             num_kv_heads=self.num_kv_heads)
 
-    def attention_for(self, ctx: Any) -> PagedAttention:
-        key = (ctx.block_size_tokens, ctx.device)
-        if self._attention is None or self._attention_key != key:
-            self._attention = PagedAttention(
-                num_q_heads=self.num_q_heads, num_kv_heads=self.num_kv_heads,
-                head_dim=self.head_dim, block_size=ctx.block_size_tokens, device=ctx.device,
-                softmax_scale=self.head_dim ** -0.5, backend=self.attention_backend_request,
-                dtype=self.dtype)
-            self._attention_key = key
-        return self._attention
-
-    @property
-    def attention_backend(self) -> Optional[str]:
-        return None if self._attention is None else self._attention.backend
+    def _step_ready(self, ctx: Any) -> bool:
+        return ctx.active_attn_metadata is not None and ctx.mamba_metadata is not None
 
     # ------------------------------------------------------------------ Mamba
     def mamba_plan(self, ctx: Any) -> list:
@@ -331,22 +288,10 @@ class NemotronHAdapter:
     def forward(self, ctx: Any, *, last_token_only: bool = True) -> torch.Tensor:
         """Run the step's tokens through the model; returns ``[active_requests, vocab]``
         last-token logits or (``last_token_only=False``) ``[1, padded_tokens, vocab]``."""
-        self.check_context(ctx)
-        meta = ctx.active_attn_metadata
-        if meta is None or ctx.mamba_metadata is None:
-            raise RuntimeError("call ctx.initialize_attention_state() before forward()")
-        input_ids, _ = ctx.current_input_and_position_ids()
-        n = input_ids.shape[1]
-        attention = self.attention_for(ctx)
-        attention.plan(cu_query_lengths=meta.cu_query_seq_lengths,
-                       kv_seq_lengths=meta.kv_seq_lengths, block_table=meta.block_table,
-                       max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_k,
-                       num_tokens=n, num_decode_requests=ctx.num_decode_requests,
-                       dtype=self.dtype)
+        hidden, n, attention = self._start_step(ctx)                          # [n, hidden]
         groups = self.mamba_plan(ctx)
         Hq, Hkv, D = self.num_q_heads, self.num_kv_heads, self.head_dim
 
-        hidden = F.embedding(input_ids[0], self.embed)                         # [n, hidden]
         for index, w in enumerate(self.layers):
             layer_number = index + 1
             x = _rms_norm(hidden, w.norm, self.eps)
@@ -357,15 +302,11 @@ class NemotronHAdapter:
                 key = F.linear(x, w.k, w.k_bias).view(n, 1, Hkv, D)
                 value = F.linear(x, w.v, w.v_bias).view(n, 1, Hkv, D)
                 ctx.append_key_value_cache(layer_number, key, value)
-                key_cache, value_cache = ctx.key_value_cache(layer_number)
-                attn = attention(query, key_cache, value_cache)                 # [n, Hq, D]
-                out = F.linear(attn.reshape(n, Hq * D), w.o, w.o_bias)
+                attn = self._attend_mha(ctx, attention, layer_number, query, n)  # [n, Hq * D]
+                out = F.linear(attn, w.o, w.o_bias)
             else:
                 out = F.linear(self.mlp_act(F.linear(x, w.up, w.up_bias)), w.down, w.down_bias)
             hidden = hidden + out
-        hidden = _rms_norm(hidden, self.final_norm, self.eps)
-        if last_token_only:
-            return F.linear(ctx.last_token_logits(hidden.unsqueeze(0)), self.lm_head)
-        return F.linear(hidden, self.lm_head).unsqueeze(0)
+        return self._logits(ctx, hidden, last_token_only)
 
     __call__ = forward

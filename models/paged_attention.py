@@ -139,6 +139,25 @@ class _TorchRowGroup:
                                                               ).to(out.dtype)
 
 
+def torch_row_groups(*, cu_query_lengths: torch.Tensor, kv_seq_lengths: torch.Tensor,
+                     block_table: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                     num_tokens: int, num_decode_requests: int, block_size: int) -> list:
+    """The step's ``_TorchRowGroup``s: the leading decode requests (one query each) apart from
+    the prefills, so a long prefill does not pad every decode request."""
+    groups = []
+    num_requests = kv_seq_lengths.shape[0]
+    decode = min(max(int(num_decode_requests), 0), num_requests)
+    common = (int(max_seqlen_k), int(num_tokens), cu_query_lengths, kv_seq_lengths,
+              block_table, block_size)
+    if num_requests and max_seqlen_k > 0:
+        if decode:
+            groups.append(_TorchRowGroup(0, decode, 1, *common))
+        if decode < num_requests:
+            groups.append(_TorchRowGroup(decode, num_requests, max(1, int(max_seqlen_q)),
+                                         *common))
+    return groups
+
+
 class PagedAttention:
     """Causal GQA attention of the step's packed queries over the paged KV cache.
 
@@ -174,17 +193,11 @@ class PagedAttention:
                     max_seqlen_k=int(max_seqlen_k), num_tokens=int(num_tokens),
                     num_requests=num_requests)
         if self.backend == "torch":
-            groups = []
-            decode = min(max(int(num_decode_requests), 0), num_requests)
-            common = (int(max_seqlen_k), int(num_tokens), cu_query_lengths, kv_seq_lengths,
-                      block_table, self.block_size)
-            if num_requests and max_seqlen_k > 0:
-                if decode:
-                    groups.append(_TorchRowGroup(0, decode, 1, *common))
-                if decode < num_requests:
-                    groups.append(_TorchRowGroup(decode, num_requests, max(1, int(max_seqlen_q)),
-                                                 *common))
-            args["groups"] = groups
+            args["groups"] = torch_row_groups(
+                cu_query_lengths=cu_query_lengths, kv_seq_lengths=kv_seq_lengths,
+                block_table=block_table, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                num_tokens=num_tokens, num_decode_requests=num_decode_requests,
+                block_size=self.block_size)
         elif self.backend == "flashinfer":
             self._plan_flashinfer(args, dtype or self.dtype or torch.float16)
         self._plan = args

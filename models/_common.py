@@ -1,0 +1,238 @@
+"""What the model adapters share: weight loading from ``transformers``, the Llama RMSNorm, the
+activation table, the rotary tables, the context checks, and ``PagedAdapter``, the base class
+that owns the attention object, the start of a step (context check, attention plan, embedding)
+and its end (final norm, LM head, last-token logits)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from .paged_attention import PagedAttention
+
+ROPE_MODES = ("table", "cos_sin")
+# RoPE types whose inverse frequencies do not depend on the sequence length.
+STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu,
+               "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm: normalise in fp32, cast back, then scale."""
+    dtype = x.dtype
+    hidden = x.float()
+    hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * hidden.to(dtype)
+
+
+def gated_mlp(act: Callable, x: torch.Tensor, w: Any) -> torch.Tensor:
+    """SwiGLU-style MLP ``down(act(gate(x)) * up(x))`` over ``w``'s ``gate``/``up``/``down``
+    weights and biases."""
+    hidden = act(F.linear(x, w.gate, w.gate_bias)) * F.linear(x, w.up, w.up_bias)
+    return F.linear(hidden, w.down, w.down_bias)
+
+
+def activation(table: dict, name: str, value: str) -> Callable:
+    """``table[value]``; ``NotImplementedError`` naming the config field ``name`` otherwise."""
+    if value not in table:
+        raise NotImplementedError(f"{name}={value!r}: supported {sorted(table)}")
+    return table[value]
+
+
+# ---------------------------------------------------------------------- weight loading
+def check_model_class(hf_model: Any, expected: str, adapter: str) -> None:
+    name = type(hf_model).__name__
+    if name != expected:
+        raise NotImplementedError(f"{adapter} takes a {expected}, got {name}")
+
+
+def static_rotary(hf_model: Any) -> Any:
+    """The model's rotary embedding module, after checking that tensor parallelism is off and
+    that its frequencies do not depend on the sequence length."""
+    config = hf_model.config
+    if getattr(config, "pretraining_tp", 1) not in (None, 1):
+        raise NotImplementedError(f"pretraining_tp={config.pretraining_tp} is not supported")
+    rotary = hf_model.model.rotary_emb
+    rope_type = getattr(rotary, "rope_type", "default")
+    if rope_type not in STATIC_ROPE_TYPES:
+        raise NotImplementedError(
+            f"rope_type={rope_type!r}: its frequencies depend on the sequence length; "
+            f"supported {STATIC_ROPE_TYPES}")
+    return rotary
+
+
+def placement(hf_model: Any, device: Optional[torch.device | str],
+              dtype: Optional[torch.dtype]) -> tuple[torch.device, torch.dtype]:
+    """``(device, dtype)`` to take the weights to: the given ones, else the model's."""
+    param = next(hf_model.parameters())
+    return (torch.device(device) if device is not None else param.device), (dtype or param.dtype)
+
+
+def weight_taker(device: torch.device, dtype: torch.dtype
+                 ) -> Callable[..., Optional[torch.Tensor]]:
+    """``take(tensor, as_dtype=None)``: the tensor detached, on ``device``, in ``as_dtype`` or
+    ``dtype`` (``None`` stays ``None``; shared with the model when nothing changes)."""
+
+    def take(tensor: Optional[torch.Tensor], as_dtype: Optional[torch.dtype] = None
+             ) -> Optional[torch.Tensor]:
+        if tensor is None:
+            return None
+        return tensor.detach().to(device=device, dtype=as_dtype or dtype)
+
+    return take
+
+
+# ---------------------------------------------------------------------- context checks
+def mha_cache_problems(ctx: Any, *, head_dim: int, num_kv_heads: int,
+                       num_layers: Optional[int] = None) -> list:
+    """Mismatches between a K/V cache context and an MHA/GQA model (``num_layers`` checked when
+    given)."""
+    problems = []
+    if ctx.cache_mla_latent:
+        problems.append("the context caches an MLA latent (cache_mla_latent=True)")
+    if num_layers is not None and ctx.num_attention_layers != num_layers:
+        problems.append(f"num_layers {ctx.num_attention_layers} != {num_layers}")
+    if ctx.kv_channels != head_dim:
+        problems.append(f"kv_channels {ctx.kv_channels} != head_dim {head_dim}")
+    if ctx.num_attention_heads_per_partition != num_kv_heads:
+        problems.append(f"num_attention_heads (per partition) "
+                        f"{ctx.num_attention_heads_per_partition} != num_key_value_heads "
+                        f"{num_kv_heads}")
+    return problems
+
+
+class PagedAdapter:
+    """Base of the adapters. A subclass calls ``_init_weights`` (and ``_init_rope`` when it has
+    rotary embeddings), defines ``_cache_problems(ctx)`` and ``_new_attention(ctx)``, and runs
+    its layers between ``_start_step`` and ``_logits``."""
+
+    # Whether the attention's ``plan`` takes the model dtype.
+    _plan_with_dtype = True
+
+    def _init_weights(self, *, config: Any, embed: torch.Tensor, layers: list,
+                      final_norm: torch.Tensor, lm_head: torch.Tensor, eps: float,
+                      attention_backend: str) -> None:
+        self.config = config
+        self.hidden_size = config.hidden_size
+        self.vocab_size = config.vocab_size
+        self.eps = eps
+        self.embed, self.layers, self.final_norm, self.lm_head = embed, layers, final_norm, lm_head
+        self.device, self.dtype = embed.device, embed.dtype
+        self.attention_backend_request = attention_backend
+        self._attention = None
+        self._attention_key = None
+
+    @staticmethod
+    def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return rms_norm(x, weight, eps)
+
+    # ------------------------------------------------------------------ rotary tables
+    def _init_rope(self, *, inv_freq: torch.Tensor, rope_mscale: float, rope: str) -> None:
+        self.inv_freq = inv_freq.float().to(self.device)
+        self.rope_mscale = float(rope_mscale)
+        self.rope = rope
+        self._tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def rope_tables(self, max_sequence_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(angle table [max_seq, 1, 1, D] fp32, cos/sin cache [max_seq, D] fp32)`` over the
+        rotary dims ``D``.
+
+        Megatron's half-split ``cat(freqs, freqs)`` angles, ``position * inv_freq`` in fp32 as
+        transformers computes them; the cos/sin cache carries the rope ``attention_scaling``
+        (mscale), the angle table does not (the context applies ``mscale``)."""
+        if max_sequence_length not in self._tables:
+            positions = torch.arange(max_sequence_length, dtype=torch.float32, device=self.device)
+            angles = torch.outer(positions, self.inv_freq)                   # [max_seq, D/2]
+            table = torch.cat((angles, angles), dim=-1)[:, None, None, :].contiguous()
+            cos_sin = torch.cat((angles.cos(), angles.sin()), dim=-1) * self.rope_mscale
+            self._tables[max_sequence_length] = (table, cos_sin.contiguous())
+        return self._tables[max_sequence_length]
+
+    # ------------------------------------------------------------------ attention
+    def check_context(self, ctx: Any) -> None:
+        """Raise ``ValueError`` when the context's cache does not fit this model."""
+        problems = self._cache_problems(ctx)
+        if ctx.params_dtype != self.dtype:
+            problems.append(f"params_dtype {ctx.params_dtype} != model dtype {self.dtype}")
+        if ctx.device != self.device:
+            problems.append(f"device {ctx.device} != model device {self.device}")
+        if problems:
+            raise ValueError("the context does not match the model: " + "; ".join(problems))
+
+    def _attention_cache_key(self, ctx: Any) -> Any:
+        return (ctx.block_size_tokens, ctx.device)
+
+    def attention_for(self, ctx: Any) -> Any:
+        """The paged attention object for ``ctx`` (built once per block size and device)."""
+        key = self._attention_cache_key(ctx)
+        if self._attention is None or self._attention_key != key:
+            self._attention = self._new_attention(ctx)
+            self._attention_key = key
+        return self._attention
+
+    @property
+    def attention_backend(self) -> Optional[str]:
+        """The paged attention backend that runs (``None`` before the first forward)."""
+        return None if self._attention is None else self._attention.backend
+
+    # ------------------------------------------------------------------ step driver
+    def _step_ready(self, ctx: Any) -> bool:
+        return ctx.active_attn_metadata is not None
+
+    def _start_step(self, ctx: Any) -> tuple[torch.Tensor, int, Any]:
+        """Check the context, plan the step's attention and embed its tokens: ``(hidden [n,
+        hidden], n, attention)``."""
+        self.check_context(ctx)
+        if not self._step_ready(ctx):
+            raise RuntimeError("call ctx.initialize_attention_state() before forward()")
+        meta = ctx.active_attn_metadata
+        input_ids, _ = ctx.current_input_and_position_ids()
+        n = input_ids.shape[1]
+        attention = self.attention_for(ctx)
+        extra = dict(dtype=self.dtype) if self._plan_with_dtype else {}
+        attention.plan(cu_query_lengths=meta.cu_query_seq_lengths,
+                       kv_seq_lengths=meta.kv_seq_lengths, block_table=meta.block_table,
+                       max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_k,
+                       num_tokens=n, num_decode_requests=ctx.num_decode_requests, **extra)
+        return F.embedding(input_ids[0], self.embed), n, attention
+
+    def _logits(self, ctx: Any, hidden: torch.Tensor, last_token_only: bool) -> torch.Tensor:
+        """Final norm and LM head: ``[active_requests, vocab]`` last-token logits (picked on the
+        hidden states before the LM head) or ``[1, n, vocab]``."""
+        hidden = self._norm(hidden, self.final_norm, self.eps)
+        if last_token_only:
+            return F.linear(ctx.last_token_logits(hidden.unsqueeze(0)), self.lm_head)
+        return F.linear(hidden, self.lm_head).unsqueeze(0)
+
+
+class PagedMhaAdapter(PagedAdapter):
+    """An adapter whose attention layers use the K/V cache and ``PagedAttention`` (needs
+    ``num_q_heads``, ``num_kv_heads`` and ``head_dim``)."""
+
+    def _init_heads(self, config: Any) -> None:
+        self.num_q_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_q_heads
+        self.head_dim = getattr(config, "head_dim", None) or self.hidden_size // self.num_q_heads
+
+    def _new_attention(self, ctx: Any) -> PagedAttention:
+        return PagedAttention(
+            num_q_heads=self.num_q_heads, num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim, block_size=ctx.block_size_tokens, device=ctx.device,
+            softmax_scale=self.head_dim ** -0.5, backend=self.attention_backend_request,
+            dtype=self.dtype)
+
+    def _attend_mha(self, ctx: Any, attention: PagedAttention, layer_number: int,
+                    query: torch.Tensor, n: int) -> torch.Tensor:
+        """Paged attention of ``query`` over layer ``layer_number``'s cache (this step's K/V
+        appended): ``[n, Hq * D]``."""
+        Hq, D = self.num_q_heads, self.head_dim
+        key_cache, value_cache = ctx.key_value_cache(layer_number)
+        attn = attention(query.reshape(n, Hq, D), key_cache, value_cache)      # [n, Hq, D]
+        return attn.reshape(n, Hq * D)
+
+
+__all__ = ["ACTIVATIONS", "ROPE_MODES", "STATIC_ROPE_TYPES", "PagedAdapter", "PagedMhaAdapter",
+           "activation", "check_model_class", "gated_mlp", "mha_cache_problems", "placement", "rms_norm",
+           "static_rotary", "weight_taker"]
