@@ -1,9 +1,11 @@
-"""Shared helpers of the end-to-end tests: a tiny random Llama, sizes in blocks, and
-transformers references (greedy generate, last-token logits of a prefix)."""
+"""Shared helpers of the end-to-end tests: a tiny random Llama, sizes in blocks, an engine sized
+in blocks, transformers references (greedy generate, last-token logits of a prefix) and the
+checks every model's tests make against them."""
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence
+import importlib
+from typing import Callable, Dict, List, Optional, Sequence
 
 import pytest
 import torch
@@ -11,6 +13,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.utils import logging as hf_logging
 
 from dynctx.context import DynamicInferenceRequest, SamplingParams
+from dynctx.engine import Engine
 
 hf_logging.set_verbosity_error()
 
@@ -49,9 +52,29 @@ def block_bytes(hf: LlamaForCausalLM, block_size: int) -> int:
             * head_dim)
 
 
-def gib_for_blocks(hf: LlamaForCausalLM, block_size: int, blocks: int) -> float:
-    """``buffer_size_gb`` that gives exactly ``blocks`` blocks."""
+def gib_for_blocks(hf, block_size: int, blocks: int,
+                   block_bytes: Callable[..., int] = block_bytes) -> float:
+    """``buffer_size_gb`` that gives exactly ``blocks`` blocks of ``block_bytes(hf,
+    block_size)`` bytes (a Llama's K/V block by default)."""
     return blocks * block_bytes(hf, block_size) / 1024 ** 3
+
+
+def build_engine(hf, *, block_size, blocks, paused_blocks, max_tokens, max_requests=None,
+                 gib: Callable[..., float] = gib_for_blocks, **kwargs) -> Engine:
+    """``Engine.from_transformers`` with ``blocks`` (``paused_blocks``) blocks of
+    ``block_size`` tokens, ``gib(hf, block_size, blocks)`` converting blocks to GiB."""
+    return Engine.from_transformers(
+        hf, block_size_tokens=block_size, buffer_size_gb=gib(hf, block_size, blocks),
+        paused_buffer_size_gb=gib(hf, block_size, paused_blocks),
+        max_tokens=max_tokens, max_requests=max_requests, **kwargs)
+
+
+def refuse_torch_references(monkeypatch, references: Sequence[tuple]) -> None:
+    """Make each ``(module, name)`` torch reference raise, so the Triton kernel must run."""
+    for module, name in references:
+        def refuse(*args, _name=name, **kwargs):
+            raise AssertionError(f"{_name} ran: the Triton kernel should have")
+        monkeypatch.setattr(importlib.import_module(module), name, refuse)
 
 
 def make_prompts(lengths: Sequence[int], vocab: int, seed: int = 1) -> List[List[int]]:
@@ -110,3 +133,37 @@ def step_logit_errors(hf: LlamaForCausalLM, results, reference: Optional[PrefixL
         for length, ours in result.step_logits:
             rows.append((result.request_id, length, ours.cpu(), reference(sequence[:length])))
     return rows
+
+
+def worst_logit_error(hf, results, reference: Optional[PrefixLogits] = None) -> float:
+    """The largest ``|ours - transformers|`` over every recorded step logit."""
+    return max(float((ours.cpu() - theirs).abs().max())
+               for _, _, ours, theirs in step_logit_errors(hf, results, reference))
+
+
+def assert_pressure_stats(stats, results) -> None:
+    """The workload paused, evicted and chunked requests."""
+    assert stats.pauses > 0, "the workload should pause requests"
+    assert stats.evictions > 0, "the workload should evict paused requests"
+    assert stats.chunked_prefills > 0 and stats.prefill_chunks > stats.chunked_prefills
+    assert any(r.num_evictions for r in results) and any(r.num_prefill_chunks for r in results)
+
+
+def assert_requests_match_greedy(hf, requests, prompts, results) -> None:
+    """Every request ran to its length and generated transformers' greedy tokens for its prompt
+    alone."""
+    for request, result in zip(requests, results):
+        gen = request.sampling_params.num_tokens_to_generate
+        assert result.finish_reason == "length"
+        assert result.generated_tokens == hf_greedy(hf, prompts[request.request_id], gen), \
+            f"request {request.request_id} (prompt {len(prompts[request.request_id])} tokens)"
+
+
+def assert_matches_transformers(hf, prompts, gens, results,
+                                reference: Optional[PrefixLogits] = None) -> None:
+    """Greedy tokens equal transformers' ``generate`` per prompt, and every step's logits are
+    within ``FP32_LOGITS_ATOL`` of transformers' full forward."""
+    for prompt, gen, result in zip(prompts, gens, results):
+        assert result.generated_tokens == hf_greedy(hf, prompt, gen)
+    worst = worst_logit_error(hf, results, reference)
+    assert worst <= FP32_LOGITS_ATOL, f"step logits differ by {worst}"

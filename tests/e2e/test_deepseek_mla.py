@@ -23,8 +23,11 @@ from dynctx.engine import Engine
 from dynctx.kernels import _backend
 from dynctx.models import DeepseekV2Adapter
 from dynctx.models.deepseek import mla_block_bytes
-from e2e_helpers import (FP32_LOGITS_ATOL, PrefixLogits, greedy_requests, hf_greedy,
-                         make_prompts, step_logit_errors)
+from e2e_helpers import (FP32_LOGITS_ATOL, PrefixLogits, assert_matches_transformers,
+                         assert_pressure_stats, assert_requests_match_greedy, greedy_requests,
+                         hf_greedy, make_prompts, refuse_torch_references, worst_logit_error)
+from e2e_helpers import build_engine as build_engine_in_blocks
+from e2e_helpers import gib_for_blocks as gib_for_blocks_of
 
 
 def tiny_deepseek(*, seed: int = 0, vocab: int = 128, hidden: int = 64, layers: int = 2,
@@ -47,20 +50,12 @@ def tiny_deepseek(*, seed: int = 0, vocab: int = 128, hidden: int = 64, layers: 
 
 def gib_for_blocks(hf, block_size: int, blocks: int) -> float:
     """``buffer_size_gb`` that gives exactly ``blocks`` latent blocks."""
-    return blocks * mla_block_bytes(hf.config, block_size) / 1024 ** 3
+    return gib_for_blocks_of(hf, block_size, blocks,
+                             lambda hf, block_size: mla_block_bytes(hf.config, block_size))
 
 
-def build_engine(hf, *, block_size, blocks, paused_blocks, max_tokens, max_requests=None,
-                 **kwargs) -> Engine:
-    return Engine.from_transformers(
-        hf, block_size_tokens=block_size, buffer_size_gb=gib_for_blocks(hf, block_size, blocks),
-        paused_buffer_size_gb=gib_for_blocks(hf, block_size, paused_blocks),
-        max_tokens=max_tokens, max_requests=max_requests, **kwargs)
-
-
-def worst_logit_error(hf, results) -> float:
-    return max(float((ours - theirs).abs().max())
-               for _, _, ours, theirs in step_logit_errors(hf, results))
+def build_engine(hf, **kwargs) -> Engine:
+    return build_engine_in_blocks(hf, gib=gib_for_blocks, **kwargs)
 
 
 BASE_LENGTHS = [1, 5, 17, 40, 3, 33, 16, 48, 2, 9]
@@ -94,21 +89,13 @@ def test_mla_pressure_workload_matches_transformers(case):
     assert tuple(ctx.memory_buffer.shape) == (2, case["blocks"], case["block_size"], 48)
     results = engine.generate_requests(requests, arrival_steps=arrivals)
 
-    stats = engine.stats
-    assert stats.pauses > 0, "the workload should pause requests"
-    assert stats.evictions > 0, "the workload should evict paused requests"
-    assert stats.chunked_prefills > 0 and stats.prefill_chunks > stats.chunked_prefills
-    assert any(r.num_evictions for r in results) and any(r.num_prefill_chunks for r in results)
+    assert_pressure_stats(engine.stats, results)
     assert max(r.first_scheduled_step for r in results) > 0
     assert engine.model.attention_backend == "torch"
     assert not ctx.has_unfinished_requests()
     assert ctx.block_allocator.total_avail == case["blocks"] - 1
 
-    for request, result in zip(requests, results):
-        gen = request.sampling_params.num_tokens_to_generate
-        assert result.finish_reason == "length"
-        assert result.generated_tokens == hf_greedy(hf, prompts[request.request_id], gen), \
-            f"request {request.request_id} (prompt {len(prompts[request.request_id])} tokens)"
+    assert_requests_match_greedy(hf, requests, prompts, results)
     worst = worst_logit_error(hf, results)
     assert worst <= FP32_LOGITS_ATOL, f"step logits differ by {worst}"
 
@@ -132,9 +119,7 @@ def test_mla_attention_forms_and_rope_modes(form, rope, q_lora_rank):
     engine = Engine(model, ctx, record_logits=True)
     results = engine.generate_requests(greedy_requests(prompts, gens), arrival_steps=[0, 0, 1, 3])
     assert engine.stats.chunked_prefills > 0
-    for prompt, gen, result in zip(prompts, gens, results):
-        assert result.generated_tokens == hf_greedy(hf, prompt, gen)
-    assert worst_logit_error(hf, results) <= FP32_LOGITS_ATOL
+    assert_matches_transformers(hf, prompts, gens, results)
 
 
 def test_the_check_catches_a_wrong_rope():
@@ -188,12 +173,7 @@ REFERENCES = [
 def test_mla_triton_kernels_through_the_engine(monkeypatch):
     """kernel_backend="triton": the MLA latent append, the MLA-layout rope and the step
     kernels run as Triton (their torch references are made to raise)."""
-    import importlib
-
-    for module, name in REFERENCES:
-        def refuse(*args, _name=name, **kwargs):
-            raise AssertionError(f"{_name} ran: the Triton kernel should have")
-        monkeypatch.setattr(importlib.import_module(module), name, refuse)
+    refuse_torch_references(monkeypatch, REFERENCES)
     hf = tiny_deepseek(seed=11, hidden=32, heads=2, kv_lora_rank=16, rope=8, nope=8, v=8,
                        moe=False, max_positions=64)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -206,9 +186,4 @@ def test_mla_triton_kernels_through_the_engine(monkeypatch):
     results = engine.generate_requests(greedy_requests(prompts, gens), arrival_steps=[0, 1])
     assert engine.stats.chunked_prefills == 1
     hf = hf.cpu()
-    for prompt, gen, result in zip(prompts, gens, results):
-        assert result.generated_tokens == hf_greedy(hf, prompt, gen)
-    reference = PrefixLogits(hf)
-    worst = max(float((ours.cpu() - theirs).abs().max())
-                for _, _, ours, theirs in step_logit_errors(hf, results, reference))
-    assert worst <= FP32_LOGITS_ATOL
+    assert_matches_transformers(hf, prompts, gens, results, PrefixLogits(hf))

@@ -10,8 +10,8 @@ import torch
 
 from dynctx.engine import Engine
 from dynctx.kernels import _backend
-from e2e_helpers import (FP32_LOGITS_ATOL, gib_for_blocks, greedy_requests, hf_greedy,
-                         make_prompts, step_logit_errors, tiny_llama)
+from e2e_helpers import (assert_matches_transformers, gib_for_blocks, greedy_requests,
+                         make_prompts, refuse_torch_references, tiny_llama)
 
 pytestmark = [
     pytest.mark.interpreter,
@@ -32,12 +32,7 @@ REFERENCES = [
 
 @pytest.fixture
 def no_torch_references(monkeypatch):
-    import importlib
-
-    for module, name in REFERENCES:
-        def refuse(*args, _name=name, **kwargs):
-            raise AssertionError(f"{_name} ran: the Triton kernel should have")
-        monkeypatch.setattr(importlib.import_module(module), name, refuse)
+    refuse_torch_references(monkeypatch, REFERENCES)
 
 
 @pytest.mark.parametrize("rope, fused", [("table", False), ("cos_sin", False), ("table", True)],
@@ -57,8 +52,4 @@ def test_triton_kernels_compose_through_the_engine(rope, fused, no_torch_referen
     results = engine.generate_requests(greedy_requests(prompts, gens), arrival_steps=[0, 0, 2])
     assert engine.stats.chunked_prefills == 1
     hf = hf.cpu()
-    for prompt, gen, result in zip(prompts, gens, results):
-        assert result.generated_tokens == hf_greedy(hf, prompt, gen)
-    worst = max(float((ours.cpu() - theirs).abs().max())
-                for _, _, ours, theirs in step_logit_errors(hf, results))
-    assert worst <= FP32_LOGITS_ATOL
+    assert_matches_transformers(hf, prompts, gens, results)

@@ -14,8 +14,9 @@ import torch
 from dynctx.context import DynamicInferenceRequest, SamplingParams
 from dynctx.engine import Engine
 from e2e_helpers import (BF16_ATOL, BF16_RTOL, DEVICES, FP32_LOGITS_ATOL, PrefixLogits,
-                         gib_for_blocks, greedy_requests, hf_greedy, make_prompts,
-                         step_logit_errors, tiny_llama)
+                         assert_matches_transformers, assert_pressure_stats,
+                         assert_requests_match_greedy, build_engine, greedy_requests, hf_greedy,
+                         make_prompts, step_logit_errors, tiny_llama, worst_logit_error)
 
 BASE_LENGTHS = [1, 5, 17, 40, 3, 33, 16, 48, 2, 9, 31, 12, 20, 7, 45, 15]
 BASE_GENS = [40, 24, 40, 16, 40, 32, 40, 24, 40, 12, 40, 28, 36, 40, 20, 40]
@@ -35,14 +36,6 @@ def kernel_backend(device: str) -> str:
     return "torch" if device == "cpu" else "triton"
 
 
-def build_engine(hf, *, block_size, blocks, paused_blocks, max_tokens, max_requests=None,
-                 **kwargs) -> Engine:
-    return Engine.from_transformers(
-        hf, block_size_tokens=block_size, buffer_size_gb=gib_for_blocks(hf, block_size, blocks),
-        paused_buffer_size_gb=gib_for_blocks(hf, block_size, paused_blocks),
-        max_tokens=max_tokens, max_requests=max_requests, **kwargs)
-
-
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", PRESSURE_CASES)
 def test_pressure_workload_matches_transformers(case, device):
@@ -59,24 +52,14 @@ def test_pressure_workload_matches_transformers(case, device):
     assert engine.context.block_allocator.total_count == case["blocks"]
     results = engine.generate_requests(requests, arrival_steps=arrivals)
 
-    stats = engine.stats
-    assert stats.pauses > 0, "the workload should pause requests"
-    assert stats.evictions > 0, "the workload should evict paused requests"
-    assert stats.chunked_prefills > 0 and stats.prefill_chunks > stats.chunked_prefills
-    assert any(r.num_evictions for r in results) and any(r.num_prefill_chunks for r in results)
+    assert_pressure_stats(engine.stats, results)
     assert max(r.first_scheduled_step for r in results) > 0
     assert engine.model.attention_backend == "torch"
     assert not engine.context.has_unfinished_requests()
     assert engine.context.block_allocator.total_avail == case["blocks"] - 1
 
-    for request, result in zip(requests, results):
-        gen = request.sampling_params.num_tokens_to_generate
-        assert result.finish_reason == "length"
-        assert result.generated_tokens == hf_greedy(hf, prompts[request.request_id], gen), \
-            f"request {request.request_id} (prompt {len(prompts[request.request_id])} tokens)"
-
-    worst = max(float((ours - theirs).abs().max())
-                for _, _, ours, theirs in step_logit_errors(hf, results))
+    assert_requests_match_greedy(hf, requests, prompts, results)
+    worst = worst_logit_error(hf, results)
     assert worst <= FP32_LOGITS_ATOL, f"step logits differ by {worst}"
 
 
@@ -94,11 +77,7 @@ def test_rope_paths_match_transformers(rope, fused, device):
                           record_logits=True)
     results = engine.generate_requests(greedy_requests(prompts, gens), arrival_steps=[0, 0, 1, 3])
     assert engine.stats.chunked_prefills > 0
-    for prompt, gen, result in zip(prompts, gens, results):
-        assert result.generated_tokens == hf_greedy(hf, prompt, gen)
-    worst = max(float((ours - theirs).abs().max())
-                for _, _, ours, theirs in step_logit_errors(hf, results))
-    assert worst <= FP32_LOGITS_ATOL
+    assert_matches_transformers(hf, prompts, gens, results)
 
 
 def test_three_line_api_greedy_and_eos():

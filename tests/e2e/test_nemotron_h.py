@@ -18,8 +18,11 @@ from transformers import NemotronHConfig, NemotronHForCausalLM
 from dynctx.engine import Engine
 from dynctx.kernels import _backend
 from dynctx.models import NemotronHAdapter
-from e2e_helpers import (FP32_LOGITS_ATOL, PrefixLogits, greedy_requests, hf_greedy,
-                         make_prompts, step_logit_errors)
+from e2e_helpers import (FP32_LOGITS_ATOL, assert_matches_transformers, assert_pressure_stats,
+                         assert_requests_match_greedy, greedy_requests, hf_greedy, make_prompts,
+                         refuse_torch_references, worst_logit_error)
+from e2e_helpers import build_engine as build_engine_in_blocks
+from e2e_helpers import gib_for_blocks as gib_for_blocks_of
 
 
 def tiny_nemotron_h(*, seed: int = 0, pattern: str = "M*-M", vocab: int = 128, hidden: int = 64,
@@ -46,14 +49,11 @@ def block_bytes(hf: NemotronHForCausalLM, block_size: int) -> int:
 
 
 def gib_for_blocks(hf: NemotronHForCausalLM, block_size: int, blocks: int) -> float:
-    return blocks * block_bytes(hf, block_size) / 1024 ** 3
+    return gib_for_blocks_of(hf, block_size, blocks, block_bytes)
 
 
-def build_engine(hf, *, block_size, blocks, paused_blocks, max_tokens, **kwargs) -> Engine:
-    return Engine.from_transformers(
-        hf, block_size_tokens=block_size, buffer_size_gb=gib_for_blocks(hf, block_size, blocks),
-        paused_buffer_size_gb=gib_for_blocks(hf, block_size, paused_blocks),
-        max_tokens=max_tokens, **kwargs)
+def build_engine(hf, **kwargs) -> Engine:
+    return build_engine_in_blocks(hf, gib=gib_for_blocks, **kwargs)
 
 
 def record_mamba_steps(engine: Engine) -> list:
@@ -71,11 +71,6 @@ def record_mamba_steps(engine: Engine) -> list:
 
     engine.model.forward = recording
     return steps
-
-
-def worst_logit_error(hf, results) -> float:
-    return max(float((ours - theirs).abs().max())
-               for _, _, ours, theirs in step_logit_errors(hf, results))
 
 
 LENGTHS = [1, 5, 17, 40, 3, 33, 16, 48, 2, 9, 31, 12, 20, 7, 45, 15]
@@ -99,22 +94,14 @@ def test_pressure_workload_matches_transformers():
     arrivals = [i // 2 for i in range(len(prompts))]
     results = engine.generate_requests(requests, arrival_steps=arrivals)
 
-    stats = engine.stats
-    assert stats.pauses > 0, "the workload should pause requests"
-    assert stats.evictions > 0, "the workload should evict paused requests"
-    assert stats.chunked_prefills > 0 and stats.prefill_chunks > stats.chunked_prefills
-    assert any(r.num_evictions for r in results) and any(r.num_prefill_chunks for r in results)
+    assert_pressure_stats(engine.stats, results)
     continuations = [s for s in steps if s[2] is not None]
     assert continuations, "a continuation chunk should resume from its saved Mamba state"
     assert any(d and p for d, p, _ in steps), "a step should mix decode rows and prefills"
     assert not ctx.has_unfinished_requests()
     assert ctx._mamba_slots.free_count == ctx.max_requests
 
-    for request, result in zip(requests, results):
-        gen = request.sampling_params.num_tokens_to_generate
-        assert result.finish_reason == "length"
-        assert result.generated_tokens == hf_greedy(hf, prompts[request.request_id], gen), \
-            f"request {request.request_id} (prompt {len(prompts[request.request_id])} tokens)"
+    assert_requests_match_greedy(hf, requests, prompts, results)
     worst = worst_logit_error(hf, results)
     assert worst <= FP32_LOGITS_ATOL, f"step logits differ by {worst}"
 
@@ -182,16 +169,11 @@ def test_unsupported_nemotron_h_variants_raise():
 def test_triton_state_kernels_through_the_engine(monkeypatch):
     """``kernel_backend="triton"``: the Mamba state gather/scatter (and every other context
     kernel) run as Triton; their torch references are made to raise."""
-    import importlib
-
-    for module, name in [("dynctx.kernels.mamba_state", "mamba_state_gather_ref"),
+    refuse_torch_references(monkeypatch, [("dynctx.kernels.mamba_state", "mamba_state_gather_ref"),
                          ("dynctx.kernels.mamba_state", "mamba_state_scatter_ref"),
                          ("dynctx.kernels.kv_append", "kv_append_ref"),
                          ("dynctx.kernels.step_metadata", "step_metadata_ref"),
-                         ("dynctx.kernels.last_token_logits", "last_token_logits_ref")]:
-        def refuse(*args, _name=name, **kwargs):
-            raise AssertionError(f"{_name} ran: the Triton kernel should have")
-        monkeypatch.setattr(importlib.import_module(module), name, refuse)
+                         ("dynctx.kernels.last_token_logits", "last_token_logits_ref")])
     hf = tiny_nemotron_h(seed=6, pattern="M*", hidden=32, mamba_heads=2, state=4,
                          max_positions=64)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -206,8 +188,4 @@ def test_triton_state_kernels_through_the_engine(monkeypatch):
     results = engine.generate_requests(greedy_requests(prompts, gens), arrival_steps=[0, 1])
     assert any(s[2] is not None for s in steps), "the second chunk should resume its state"
     hf = hf.cpu()
-    for prompt, gen, result in zip(prompts, gens, results):
-        assert result.generated_tokens == hf_greedy(hf, prompt, gen)
-    worst = max(float((ours.cpu() - theirs).abs().max())
-                for _, _, ours, theirs in step_logit_errors(hf, results))
-    assert worst <= FP32_LOGITS_ATOL
+    assert_matches_transformers(hf, prompts, gens, results)
