@@ -69,6 +69,24 @@ def build_engine(hf, *, block_size, blocks, paused_blocks, max_tokens, max_reque
         max_tokens=max_tokens, max_requests=max_requests, **kwargs)
 
 
+def pressure_workload(hf, case: dict, base_lengths: Sequence[int], base_gens: Sequence[int]):
+    """``(prompts, greedy requests, arrival steps)`` of a pressure case: a one-token prompt, then
+    ``base_lengths[1:]`` times ``case["scale"]``; two requests arrive per step."""
+    scale = case["scale"]
+    lengths = [1] + [n * scale for n in base_lengths[1:]]
+    prompts = make_prompts(lengths, hf.config.vocab_size)
+    requests = greedy_requests(prompts, base_gens)
+    arrivals = [i // 2 for i in range(len(requests))]
+    return prompts, requests, arrivals
+
+
+def case_engine_sizes(case: dict) -> dict:
+    """``build_engine`` sizes of a pressure case."""
+    return dict(block_size=case["block_size"], blocks=case["blocks"],
+                paused_blocks=case["paused_blocks"], max_tokens=case["max_tokens"],
+                max_requests=case["max_requests"])
+
+
 def refuse_torch_references(monkeypatch, references: Sequence[tuple]) -> None:
     """Make each ``(module, name)`` torch reference raise, so the Triton kernel must run."""
     for module, name in references:

@@ -24,8 +24,9 @@ from dynctx.kernels import _backend
 from dynctx.models import DeepseekV2Adapter
 from dynctx.models.deepseek import mla_block_bytes
 from e2e_helpers import (FP32_LOGITS_ATOL, PrefixLogits, assert_matches_transformers,
-                         assert_pressure_stats, assert_requests_match_greedy, greedy_requests,
-                         hf_greedy, make_prompts, refuse_torch_references, worst_logit_error)
+                         assert_pressure_stats, assert_requests_match_greedy, case_engine_sizes,
+                         greedy_requests, hf_greedy, make_prompts, pressure_workload,
+                         refuse_torch_references, worst_logit_error)
 from e2e_helpers import build_engine as build_engine_in_blocks
 from e2e_helpers import gib_for_blocks as gib_for_blocks_of
 
@@ -74,14 +75,8 @@ PRESSURE_CASES = [
 @pytest.mark.parametrize("case", PRESSURE_CASES)
 def test_mla_pressure_workload_matches_transformers(case):
     hf = tiny_deepseek()
-    scale = case["scale"]
-    lengths = [1] + [n * scale for n in BASE_LENGTHS[1:]]
-    prompts = make_prompts(lengths, hf.config.vocab_size)
-    requests = greedy_requests(prompts, BASE_GENS)
-    arrivals = [i // 2 for i in range(len(requests))]
-    engine = build_engine(hf, block_size=case["block_size"], blocks=case["blocks"],
-                          paused_blocks=case["paused_blocks"], max_tokens=case["max_tokens"],
-                          max_requests=case["max_requests"], kernel_backend="torch",
+    prompts, requests, arrivals = pressure_workload(hf, case, BASE_LENGTHS, BASE_GENS)
+    engine = build_engine(hf, **case_engine_sizes(case), kernel_backend="torch",
                           record_logits=True)
     ctx = engine.context
     assert isinstance(engine.model, DeepseekV2Adapter)

@@ -15,8 +15,9 @@ from dynctx.context import DynamicInferenceRequest, SamplingParams
 from dynctx.engine import Engine
 from e2e_helpers import (BF16_ATOL, BF16_RTOL, DEVICES, FP32_LOGITS_ATOL, PrefixLogits,
                          assert_matches_transformers, assert_pressure_stats,
-                         assert_requests_match_greedy, build_engine, greedy_requests, hf_greedy,
-                         make_prompts, step_logit_errors, tiny_llama, worst_logit_error)
+                         assert_requests_match_greedy, build_engine, case_engine_sizes,
+                         greedy_requests, hf_greedy, make_prompts, pressure_workload,
+                         step_logit_errors, tiny_llama, worst_logit_error)
 
 BASE_LENGTHS = [1, 5, 17, 40, 3, 33, 16, 48, 2, 9, 31, 12, 20, 7, 45, 15]
 BASE_GENS = [40, 24, 40, 16, 40, 32, 40, 24, 40, 12, 40, 28, 36, 40, 20, 40]
@@ -40,14 +41,8 @@ def kernel_backend(device: str) -> str:
 @pytest.mark.parametrize("case", PRESSURE_CASES)
 def test_pressure_workload_matches_transformers(case, device):
     hf = tiny_llama(device=device)
-    scale = case["scale"]
-    lengths = [1] + [n * scale for n in BASE_LENGTHS[1:]]
-    prompts = make_prompts(lengths, hf.config.vocab_size)
-    requests = greedy_requests(prompts, BASE_GENS)
-    arrivals = [i // 2 for i in range(len(requests))]
-    engine = build_engine(hf, block_size=case["block_size"], blocks=case["blocks"],
-                          paused_blocks=case["paused_blocks"], max_tokens=case["max_tokens"],
-                          max_requests=case["max_requests"],
+    prompts, requests, arrivals = pressure_workload(hf, case, BASE_LENGTHS, BASE_GENS)
+    engine = build_engine(hf, **case_engine_sizes(case),
                           kernel_backend=kernel_backend(device), record_logits=True)
     assert engine.context.block_allocator.total_count == case["blocks"]
     results = engine.generate_requests(requests, arrival_steps=arrivals)
