@@ -18,7 +18,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 venv: $(VENV)/.installed
 
 demo: venv
-	$(PY) -m dynctx demo
+	$(PY) -P -m dynctx demo
 
 test: venv
 	bash tests/run_tests.sh $(PY)

@@ -14,6 +14,39 @@ FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 
+class _RegisteredElsewhere:
+    """An op that an earlier execution of the same kernel module registered (see ``custom_op``):
+    calls go to that registration, and the fake implementation stays the one registered with it."""
+
+    def __init__(self, namespace: str, name: str):
+        self._namespace, self._name = namespace, name
+
+    def register_fake(self, fn):
+        return fn
+
+    def __call__(self, *args, **kwargs):
+        return getattr(getattr(torch.ops, self._namespace), self._name)(*args, **kwargs)
+
+
+def custom_op(qualname: str, *, mutates_args):
+    """``torch.library.custom_op`` that registers each name once per process.
+
+    A kernel module can run twice in one process: from a checkout, ``kernels/`` is importable as
+    the top-level package ``kernels`` whenever the working directory is on ``sys.path`` (any
+    ``python -m ...`` started in the repository root), and transformers imports a top-level
+    ``kernels`` it finds when it probes for the Hugging Face ``kernels`` library. Registering a
+    name again makes torch destroy the first registration, and every op handle taken before it
+    (module-level ``torch.ops.dynctx.*`` aliases, compiled graphs) then points at a freed
+    dispatcher entry: a use-after-free that shows up as random segfaults, "Tried to access the
+    schema for  which doesn't have a schema registered yet" or ``vector::reserve``. So a name
+    that is registered already is kept, and the second module's function is not registered.
+    """
+    namespace, name = qualname.split("::")
+    if hasattr(getattr(torch.ops, namespace), name):
+        return lambda fn: _RegisteredElsewhere(namespace, name)
+    return torch.library.custom_op(qualname, mutates_args=mutates_args)
+
+
 def next_pow2(x: int) -> int:
     """The smallest power of two ``>= x`` (1 for ``x <= 1``): Triton block sizes."""
     return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()

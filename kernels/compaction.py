@@ -29,6 +29,7 @@ import torch
 from . import _autotune
 from ._autotune import KernelConfig, KernelTuning, TuneCase, bucket_tokens
 from ._backend import HAS_TRITON, resolve_backend
+from ._common import custom_op
 
 if HAS_TRITON:
     import triton
@@ -285,7 +286,7 @@ def compact_requests_ref(dst_block_table: torch.Tensor, src_block_table: torch.T
     dst_next_tokens[num_rows:clear_rows] = 0
 
 
-@torch.library.custom_op("dynctx::compact_requests", mutates_args=("dst_block_table", "dst_next_tokens"))
+@custom_op("dynctx::compact_requests", mutates_args=("dst_block_table", "dst_next_tokens"))
 def _compact_requests_op(dst_block_table: torch.Tensor, src_block_table: torch.Tensor,
                          dst_next_tokens: torch.Tensor, src_next_tokens: torch.Tensor,
                          new_tokens: torch.Tensor, plan_src: torch.Tensor,

@@ -13,7 +13,7 @@ from . import _autotune
 from ._autotune import KernelConfig, KernelTuning
 from ._backend import HAS_TRITON, resolve_backend
 from ._common import (FLOAT_DTYPES, BufferWriteCase, check_block_slots, check_same_device,
-                      next_pow2, paged_targets, squeeze_singleton)
+                      custom_op, next_pow2, paged_targets, squeeze_singleton)
 
 NAME = "kv_append"
 # Largest tile (tokens x heads x padded head dim) one program moves per tensor.
@@ -221,7 +221,7 @@ class KvAppendCase(BufferWriteCase):
         kv_append_ref(*self._args())
 
 
-@torch.library.custom_op("dynctx::kv_append", mutates_args=("key_cache", "value_cache"))
+@custom_op("dynctx::kv_append", mutates_args=("key_cache", "value_cache"))
 def _kv_append_op(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor,
                   value: torch.Tensor, block_ids: torch.Tensor, slots: torch.Tensor) -> None:
     kv_append(key_cache, value_cache, key, value, block_ids, slots, backend=None)

@@ -19,7 +19,7 @@ import torch
 from . import _autotune
 from ._autotune import KernelConfig, KernelTuning, TuneCase, bucket_tokens, dtype_name
 from ._backend import HAS_TRITON, resolve_backend
-from ._common import FLOAT_DTYPES
+from ._common import FLOAT_DTYPES, custom_op
 
 if HAS_TRITON:
     import triton
@@ -398,7 +398,7 @@ def token_log_probs_ref(logits: torch.Tensor, token_ids: torch.Tensor, *, return
     return log_probs, (full if return_full else None)
 
 
-@torch.library.custom_op("dynctx::last_token_logits", mutates_args=())
+@custom_op("dynctx::last_token_logits", mutates_args=())
 def _last_token_logits_op(logits: torch.Tensor, cu_query_lengths: torch.Tensor, num_requests: int,
                           log_softmax: bool) -> torch.Tensor:
     return last_token_logits(logits, cu_query_lengths, num_requests, log_softmax=log_softmax)
@@ -411,7 +411,7 @@ def _(logits, cu_query_lengths, num_requests, log_softmax):
                             dtype=torch.float32 if log_softmax else logits.dtype)
 
 
-@torch.library.custom_op("dynctx::token_log_probs", mutates_args=())
+@custom_op("dynctx::token_log_probs", mutates_args=())
 def _token_log_probs_op(logits: torch.Tensor, token_ids: torch.Tensor, return_full: bool
                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """As ``token_log_probs``; without ``return_full`` the second output is an empty ``[0, V]``."""

@@ -16,7 +16,7 @@ import torch
 from . import _autotune
 from ._autotune import KernelConfig, KernelTuning, TuneCase
 from ._backend import HAS_TRITON, resolve_backend
-from ._common import FLOAT_DTYPES, bits, next_pow2
+from ._common import FLOAT_DTYPES, bits, custom_op, next_pow2
 
 GATHER, SCATTER = "mamba_state_gather", "mamba_state_scatter"
 _MIN_BLOCK_R = 1024
@@ -267,7 +267,7 @@ class MambaStateCase(TuneCase):
                 f"{self.name} with {config} differs from its reference"
 
 
-@torch.library.custom_op("dynctx::mamba_state_gather", mutates_args=())
+@custom_op("dynctx::mamba_state_gather", mutates_args=())
 def _mamba_state_gather_op(states: torch.Tensor, slot_ids: torch.Tensor) -> torch.Tensor:
     return mamba_state_gather(states, slot_ids, backend=None)
 
@@ -277,7 +277,7 @@ def _mamba_state_gather_fake(states, slot_ids):
     return states.new_empty((slot_ids.shape[0], *states.shape[1:]))
 
 
-@torch.library.custom_op("dynctx::mamba_state_scatter", mutates_args=("states",))
+@custom_op("dynctx::mamba_state_scatter", mutates_args=("states",))
 def _mamba_state_scatter_op(states: torch.Tensor, slot_ids: torch.Tensor, src: torch.Tensor) -> None:
     mamba_state_scatter(states, slot_ids, src, backend=None)
 

@@ -12,7 +12,7 @@ from . import _autotune
 from ._autotune import KernelConfig, KernelTuning
 from ._backend import HAS_TRITON, resolve_backend
 from ._common import (FLOAT_DTYPES, BufferWriteCase, check_block_slots, check_same_device,
-                      next_pow2, paged_targets, squeeze_singleton)
+                      custom_op, next_pow2, paged_targets, squeeze_singleton)
 
 NAME = "mla_latent_append"
 
@@ -204,7 +204,7 @@ class MlaLatentAppendCase(BufferWriteCase):
         mla_latent_append_ref(*self._args())
 
 
-@torch.library.custom_op("dynctx::mla_latent_append", mutates_args=("latent_cache",))
+@custom_op("dynctx::mla_latent_append", mutates_args=("latent_cache",))
 def _mla_latent_append_op(latent_cache: torch.Tensor, kv_latent: torch.Tensor, k_rope: torch.Tensor,
                           block_ids: torch.Tensor, slots: torch.Tensor) -> None:
     mla_latent_append(latent_cache, kv_latent, k_rope, block_ids, slots, backend=None)

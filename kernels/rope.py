@@ -22,7 +22,7 @@ import torch
 from . import _autotune
 from ._autotune import KernelConfig, KernelTuning, TuneCase, bucket_tokens, dtype_name
 from ._backend import HAS_TRITON, resolve_backend
-from ._common import FLOAT_DTYPES, next_pow2
+from ._common import FLOAT_DTYPES, custom_op, next_pow2
 
 if HAS_TRITON:
     import triton
@@ -373,7 +373,7 @@ def fused_qk_rope(query: Optional[torch.Tensor], key: Optional[torch.Tensor],
     )
 
 
-@torch.library.custom_op("dynctx::fused_qk_rope", mutates_args=("query", "key"))
+@custom_op("dynctx::fused_qk_rope", mutates_args=("query", "key"))
 def _fused_qk_rope_op(query: Optional[torch.Tensor], key: Optional[torch.Tensor],
                       positions: torch.Tensor, cos_sin_cache: Optional[torch.Tensor],
                       freqs: Optional[torch.Tensor], interleaved: bool, mscale: float,

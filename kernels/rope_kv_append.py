@@ -16,7 +16,7 @@ import torch
 from . import _autotune
 from ._autotune import KernelConfig, KernelTuning
 from ._backend import HAS_TRITON, resolve_backend
-from ._common import next_pow2
+from ._common import custom_op, next_pow2
 from .rope import (RopeTuneCase, as_head_view, assert_rope_close, check_rope_args,
                    fused_qk_rope_ref, fused_qk_rope_tune_key, rope_block_configs,
                    rope_block_default, rope_meta)
@@ -209,7 +209,7 @@ def rope_kv_append(query: Optional[torch.Tensor], key: torch.Tensor, value: torc
     )
 
 
-@torch.library.custom_op("dynctx::rope_kv_append",
+@custom_op("dynctx::rope_kv_append",
                          mutates_args=("query", "key", "key_cache", "value_cache"))
 def _rope_kv_append_op(query: Optional[torch.Tensor], key: torch.Tensor, value: torch.Tensor,
                        positions: torch.Tensor, key_cache: torch.Tensor,

@@ -31,6 +31,7 @@ import torch
 from . import _autotune
 from ._autotune import KernelConfig, KernelTuning, TuneCase, bucket_tokens
 from ._backend import HAS_TRITON, resolve_backend
+from ._common import custom_op
 
 if HAS_TRITON:
     import triton
@@ -409,7 +410,7 @@ def step_metadata_ref(token_to_input_ids: torch.Tensor, token_to_pos_ids: torch.
     attn_block_table[num_requests:padded_requests] = -1
 
 
-@torch.library.custom_op("dynctx::step_metadata", mutates_args=(*TOKEN_OUTPUTS, "attn_block_table"))
+@custom_op("dynctx::step_metadata", mutates_args=(*TOKEN_OUTPUTS, "attn_block_table"))
 def _step_metadata_op(token_to_input_ids: torch.Tensor, token_to_pos_ids: torch.Tensor,
                       token_to_request_idx: torch.Tensor, token_to_block_idx: torch.Tensor,
                       token_to_position_in_request: torch.Tensor,
