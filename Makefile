@@ -6,7 +6,10 @@ PY := $(VENV)/bin/python
 PINS := torch==2.13.0 triton==3.9.0 transformers==5.24.0 megatron-core==0.16.1 \
         pytest==9.2.0 pytest-benchmark==5.3.1 hypothesis==6.170.17 matplotlib==3.11.2 tqdm==4.70.1 numpy==2.4.6
 
-.PHONY: venv demo test test-fast bench clean
+# Lint tool, outside the test pins (`make test` does not lint); .pre-commit-config.yaml uses the same.
+RUFF_PIN := ruff==0.17.6
+
+.PHONY: venv demo test test-fast bench lint clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +28,10 @@ test: venv
 
 bench: venv
 	$(PY) -m pytest bench -q --benchmark-only
+
+lint: venv
+	$(PY) -m pip install -q $(RUFF_PIN)
+	$(PY) -m ruff check .
 
 clean:
 	rm -rf $(VENV) build *.egg-info
