@@ -56,7 +56,8 @@ def test_every_cited_md_file_exists():
 
 
 def test_the_citation_pattern():
-    line = ("see docs/SEMANTICS.md §9, [design](DESIGN.md), ../CONTRIBUTING.md, "
-            "https://example.org/x/README.md, and the glob *.md")
-    assert [c for c in CITATION.findall(URL.sub("", line))] == \
-        ["docs/SEMANTICS.md", "DESIGN.md", "../CONTRIBUTING.md"]
+    md = ".md"  # built, so that this file itself cites nothing that is missing
+    line = (f"see docs/SEMANTICS{md} §9, [design](DESIGN{md}), ../CONTRIBUTING{md}, "
+            f"https://example.org/x/README{md}, and the glob *{md}")
+    assert CITATION.findall(URL.sub("", line)) == \
+        [f"docs/SEMANTICS{md}", f"DESIGN{md}", f"../CONTRIBUTING{md}"]
