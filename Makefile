@@ -11,11 +11,13 @@ RUFF_PIN := ruff==0.17.6
 
 .PHONY: venv demo test test-fast bench lint clean
 
+# The editable install runs with -qq: setuptools prints a notice for every editable install of
+# a package-dir layout ("Editable installation ... folders with the same name"); errors still show.
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(PINS)
-	$(PY) -m pip install -q --no-deps -e .
+	$(PY) -m pip install -qq --no-deps -e .
 	touch $@
 
 venv: $(VENV)/.installed
