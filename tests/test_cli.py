@@ -63,7 +63,7 @@ def test_console_script_usage_names_dynctx():
     script = Path(sys.executable).with_name("dynctx")
     if not script.exists():
         pytest.skip(f"no dynctx console script next to {sys.executable} (not pip-installed)")
-    for args in (["--help"], ["autotune", "--help"], ["demo", "--help"]):
+    for args in (["--help"], ["demo", "--help"]):  # (neither imports torch: fast)
         result = subprocess.run([str(script), *args], capture_output=True, text=True,
                                 timeout=120)
         assert result.returncode == 0, result.stderr
@@ -129,15 +129,15 @@ def test_demo_without_transformers_names_the_extra(monkeypatch, capsys):
 
 def test_demo_progress_bars_end_at_100_percent_before_the_summary(capsys):
     pytest.importorskip("tqdm")
-    assert cli_demo.main(["--requests", "4", "--max-new-tokens", "6", "--plot", ""]) == 0
+    assert cli_demo.main(["--requests", "3", "--max-new-tokens", "4", "--plot", ""]) == 0
     captured = capsys.readouterr()
     bars = captured.err.replace("\r", "\n")
     generating = [line for line in bars.splitlines() if line.startswith("generating")]
     checking = [line for line in bars.splitlines() if line.startswith("checking against")]
     assert generating and "100%" in generating[-1]
-    assert checking and "100%" in checking[-1] and "4/4" in checking[-1]
+    assert checking and "100%" in checking[-1] and "3/3" in checking[-1]
     assert captured.err.endswith("\n")  # the summary starts on a fresh line, also in a log
-    assert "check             OK: 4/4" in captured.out
+    assert "check             OK: 3/3" in captured.out
 
 
 def _history(steps: int) -> list[cli_demo.StepRecord]:
