@@ -176,7 +176,9 @@ def plot_history(history: List[StepRecord], path: str, title: str) -> None:
     util.set_ylim(0, 105)
     lines = axis.get_legend_handles_labels()
     more = util.get_legend_handles_labels()
-    axis.legend(lines[0] + more[0], lines[1] + more[1], loc="upper right", fontsize=8)
+    # Below the plot, so that it never hides the curves.
+    axis.legend(lines[0] + more[0], lines[1] + more[1], loc="upper center", fontsize=8,
+                bbox_to_anchor=(0.5, -0.14), ncol=3, frameon=False)
     if width > 1:
         title += f"\n{len(history)} steps shown in windows of {width}"
     axis.set_title(title, fontsize=10)
