@@ -40,7 +40,8 @@ Two things live here, both used by the differential tests and by ``bench/step_ov
      sampled token to every active non-chunked request, drops finished ones, and re-queues
      evicted ones at the FRONT of the queue (behind an in-flight chunked prefill, as 0.16.1's
      engine does, with ``deque.extendleft`` order) with prompt = prompt + generated and the
-     generation budget reduced (``DynamicInferenceRequestRecord.checkpoint``, docs/SEMANTICS.md §9.4).
+     generation budget reduced (``DynamicInferenceRequestRecord.checkpoint``,
+     docs/SEMANTICS.md §9.4).
 
    It returns one ``StepRecord`` per forward step. Each record also carries what the host
    KNOWS the context must show (``expected_*``: per-request query length, kv offset, input ids

@@ -1,7 +1,7 @@
 """A model engine that drives ``DynamicInferenceContext`` and checks it after every action.
 
-``ContextDriver`` plays the engine (docs/SEMANTICS.md §10-§11) against one small fp32 context and keeps
-its own model of every request: prompt, generated tokens, the tokens of its pending query and how
+``ContextDriver`` plays the engine (docs/SEMANTICS.md §10-§11) against one small fp32 context and
+keeps its own model of every request: prompt, generated tokens, the tokens of its pending query and how
 many of its tokens have K/V in the cache. Each action takes its random choices as explicit
 arguments, so that two front ends drive the same machine:
 

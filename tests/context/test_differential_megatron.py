@@ -21,8 +21,8 @@ and say why. What megatron-core 0.16.1 from PyPI actually does, checked here:
   (README, "Differences"); the driver reads either form.
 * It HAS the fixed chunked-request swap (docs/SEMANTICS.md §0.1, b705148cdd: step 6.d of
   ``update_requests`` swaps the chunked request back to the last active row unconditionally)
-  and the fixed ``row - paused_request_count`` index (docs/SEMANTICS.md §0.2, 096dbeb479), and its engine
-  queues evicted requests behind an in-flight chunked prefill instead of raising. The
+  and the fixed ``row - paused_request_count`` index (docs/SEMANTICS.md §0.2, 096dbeb479), and its
+  engine queues evicted requests behind an in-flight chunked prefill instead of raising. The
   workloads below exercise all three (``test_workloads_cover_the_hard_paths``) and the two
   contexts agree there.
 * It still has: ``newly_paused_request_ids`` wrong (it drops the LAST ids per resumed request,
@@ -123,8 +123,8 @@ def test_newly_paused_ids_are_the_requests_still_paused(name):
     """Ours reports exactly the requests this update paused that are still paused at its end
     (not the resumed ones, not the evicted ones; evicted ids come separately).
 
-    REFERENCE BUG (docs/SEMANTICS.md §9.3, §15.11): megatron-core 0.16.1 builds the list in row order
-    before the pause partition, then drops its LAST r entries for r resumed requests; the
+    REFERENCE BUG (docs/SEMANTICS.md §9.3, §15.11): megatron-core 0.16.1 builds the list in row
+    order before the pause partition, then drops its LAST r entries for r resumed requests; the
     partition is not stable and an eviction moves rows too, so it can report resumed or
     evicted requests as paused and miss ones that stay paused. We do not compare with it."""
     ours, ref = run_both(name)
