@@ -1,8 +1,8 @@
 """A model engine that drives ``DynamicInferenceContext`` and checks it after every action.
 
 ``ContextDriver`` plays the engine (docs/SEMANTICS.md §10-§11) against one small fp32 context and
-keeps its own model of every request: prompt, generated tokens, the tokens of its pending query and how
-many of its tokens have K/V in the cache. Each action takes its random choices as explicit
+keeps its own model of every request: prompt, generated tokens, the tokens of its pending query
+and how many of its tokens have K/V in the cache. Each action takes its random choices as explicit
 arguments, so that two front ends drive the same machine:
 
 * ``tests/context/test_state_machine.py``: a hypothesis ``RuleBasedStateMachine`` (shrinking);
