@@ -1,4 +1,4 @@
-"""The one shape registry shared by benchmarks, tuning presets and tests (STYLE.md guideline 10).
+"""The one shape registry shared by benchmarks, tuning presets and tests (docs/DESIGN.md §5).
 
 Plain dicts and tuples only, no imports: kernel files may read these numbers to build their
 ``presets()`` keys without pulling in anything else. Dimensions are per tensor-parallel rank

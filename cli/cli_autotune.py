@@ -33,6 +33,7 @@ from typing import Callable
 
 import torch
 
+from dynctx._cli_common import HelpFormatter, plain, program_name, run_to_closed_stdout
 from dynctx.kernels import _autotune
 from dynctx.kernels._autotune import KernelConfig, KernelTuning
 from dynctx.kernels._backend import HAS_TRITON, triton_interpreting
@@ -394,35 +395,79 @@ def _cache_files(roots: list[tuple[str, Path]], device: str | None = None):
 
 
 def cmd_show(args) -> int:
+    """One block per config file: the key fields every entry shares on one line, then a table
+    of the fields that vary (numbers sorted as numbers), the config and its time."""
     import_kernel_modules(quiet=True)
     roots = _cache_roots(args.dir)
-    rows = []
+    shown = 0
     for origin, path in _cache_files(roots, args.device):
+        if shown:
+            print()
+        shown += 1
         try:
             data = _autotune.load_cache_file(path)
         except ValueError as exc:
-            rows.append((path.parent.name, path.stem, "-", f"INVALID: {exc}", "", origin))
+            print(f"{path.parent.name}  {path.stem}  ({origin})  INVALID: {exc}")
             continue
-        for entry in data["entries"]:
-            config = str(KernelConfig.from_dict(entry["config"]))
-            best = entry["times_us"].get(config, min(entry["times_us"].values()))
-            rows.append((data["device"], data["kernel"], key_text(entry["key"]), config,
-                         f"{best:.2f}", origin))
-    if not rows:
+        _print_file_block(data, origin)
+    if not shown:
         where = ", ".join(str(root) for _, root in roots)
         device = f" for device {args.device}" if args.device else ""
         print(f"no committed configs{device} under {where}")
-        return 0
-    _print_table(("device", "kernel", "key", "config", "us", "from"), rows)
     return 0
 
 
-def _print_table(header: tuple[str, ...], rows: list[tuple]) -> None:
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _sort_value(value) -> tuple:
+    """Numbers before text, numbers by value (so 16 sorts before 128)."""
+    if _is_number(value):
+        return (0, value, "")
+    return (1, 0, str(value))
+
+
+def _print_file_block(data: dict, origin: str) -> None:
+    entries = data["entries"]
+    print(f"{data['device']}  {data['kernel']}  ({origin}, {len(entries)} keys)")
+    if not entries:
+        return
+    fields = sorted({name for entry in entries for name in entry["key"]})
+    missing = object()
+    shared = [name for name in fields
+              if len({repr(entry["key"].get(name, missing)) for entry in entries}) == 1
+              and name in entries[0]["key"]]
+    varying = [name for name in fields if name not in shared]
+    # The token count is the bucketed dimension: vary it fastest.
+    varying.sort(key=lambda name: (name == "num_tokens", name))
+    if shared:
+        print("  all keys: " + " ".join(f"{name}={entries[0]['key'][name]}" for name in shared))
+    rows = []
+    for entry in sorted(entries, key=lambda e: tuple(_sort_value(e["key"].get(name, ""))
+                                                       for name in varying)):
+        config = str(KernelConfig.from_dict(entry["config"]))
+        best = entry["times_us"].get(config, min(entry["times_us"].values()))
+        rows.append((*(entry["key"].get(name, "-") for name in varying), config, f"{best:.2f}"))
+    numeric = [all(_is_number(entry["key"].get(name)) for entry in entries)
+               for name in varying] + [False, True]
+    _print_table((*varying, "config", "us"), rows, numeric=numeric, indent="  ")
+
+
+def _print_table(header: tuple[str, ...], rows: list[tuple], *, numeric: list[bool] | None = None,
+                 indent: str = "") -> None:
+    """Columns two spaces apart; numeric columns right-aligned."""
     rows = [tuple(str(c) for c in row) for row in rows]
+    numeric = numeric or [False] * len(header)
     widths = [max(len(header[i]), *(len(r[i]) for r in rows)) for i in range(len(header))]
-    print("  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip())
+
+    def line(cells) -> str:
+        return indent + "  ".join(c.rjust(w) if right else c.ljust(w)
+                                  for c, w, right in zip(cells, widths, numeric)).rstrip()
+
+    print(line(header))
     for row in rows:
-        print("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+        print(line(row))
 
 
 def check_file(path: Path) -> list[str]:
@@ -659,9 +704,12 @@ def _positive_float(text: str) -> float:
     return value
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m dynctx autotune",
-                                     description=__doc__.split("\n\n")[0])
+def build_parser(prog: str = "python -m dynctx autotune") -> argparse.ArgumentParser:
+    summary, commands = __doc__.split("\n\n")[:2]
+    parser = argparse.ArgumentParser(
+        prog=prog, formatter_class=HelpFormatter,
+        description=plain(summary).replace("python -m dynctx autotune", prog),
+        epilog=plain(commands))
     commands = parser.add_subparsers(dest="command", required=True)
 
     def add_selection(sub):
@@ -676,7 +724,8 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--warmup", type=int, default=10, help="eager calls before timing")
         sub.add_argument("--rep", type=int, default=20, help="timed CUDA-graph replays")
 
-    tune = commands.add_parser("tune", help="tune every kernel's preset keys on this CUDA GPU")
+    tune = commands.add_parser("tune", formatter_class=HelpFormatter,
+                               help="tune every kernel's preset keys on this CUDA GPU")
     add_selection(tune)
     tune.add_argument("--out", metavar="DIR", default=None,
                       help=f"root folder of the configs (default {_autotune.PACKAGED_DIR})")
@@ -684,19 +733,23 @@ def build_parser() -> argparse.ArgumentParser:
                       help="keep keys already present in the output files instead of re-tuning")
     tune.set_defaults(run=cmd_tune)
 
-    show = commands.add_parser("show", help="table of the committed configs")
-    show.add_argument("--device", default=None, help="only this device folder (NVIDIA_H200)")
+    show = commands.add_parser("show", formatter_class=HelpFormatter,
+                               help="table of the committed configs")
+    show.add_argument("--device", default=None,
+                      help="only this device folder, e.g. NVIDIA_H200 (default: every device)")
     show.add_argument("--dir", action="append", metavar="DIR",
-                      help="also show the configs under this root folder")
+                      help="also show the configs under this root folder (repeatable)")
     show.set_defaults(run=cmd_show)
 
-    check = commands.add_parser("check", help="validate the committed config files")
+    check = commands.add_parser("check", formatter_class=HelpFormatter,
+                                help="validate the committed config files")
     check.add_argument("--dir", action="append", metavar="DIR",
                        help="check the files under this root folder (repeatable) instead of "
                             "the packaged folder and $DYNCTX_AUTOTUNE_DIR")
     check.set_defaults(run=cmd_check)
 
-    bench = commands.add_parser("bench", help="time resolved configs against torch and a copy")
+    bench = commands.add_parser("bench", formatter_class=HelpFormatter,
+                                help="time resolved configs against torch and a copy")
     add_selection(bench)
     bench.add_argument("--out", metavar="FILE", default=None,
                        help="results file (default bench/results/<device>.json)")
@@ -704,10 +757,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    args = build_parser(prog or f"{program_name()} autotune").parse_args(argv)
     return args.run(args)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_to_closed_stdout(main))

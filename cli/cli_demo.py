@@ -14,7 +14,10 @@ import argparse
 import os
 import sys
 import time
+from dataclasses import dataclass
 from typing import List, Optional
+
+from dynctx._cli_common import HelpFormatter, plain, program_name
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 # bf16/fp16 runs may diverge from transformers at a near-tie: accepted when the top two
@@ -22,47 +25,64 @@ DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 HALF_TIE_ATOL, HALF_TIE_RTOL = 2e-2, 2e-2
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m dynctx demo", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    model = parser.add_argument_group("model (random weights)")
-    model.add_argument("--layers", type=int, default=2)
-    model.add_argument("--hidden", type=int, default=64)
+def build_parser(prog: str = "python -m dynctx demo") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog,
+                                     description=plain(__doc__).replace("python -m dynctx demo",
+                                                                        prog),
+                                     formatter_class=HelpFormatter)
+    model = parser.add_argument_group("model (a transformers LlamaForCausalLM, random weights)")
+    model.add_argument("--layers", type=int, default=2, help="decoder layers")
+    model.add_argument("--hidden", type=int, default=64, help="hidden size")
     model.add_argument("--heads", type=int, default=4, help="query heads")
     model.add_argument("--kv-heads", type=int, default=2, help="key/value heads (GQA)")
-    model.add_argument("--intermediate", type=int, default=128)
-    model.add_argument("--vocab", type=int, default=512)
-    model.add_argument("--max-seq", type=int, default=256, help="max_position_embeddings")
+    model.add_argument("--intermediate", type=int, default=128, help="MLP intermediate size")
+    model.add_argument("--vocab", type=int, default=512, help="vocabulary size")
+    model.add_argument("--max-seq", type=int, default=256,
+                       help="max_position_embeddings, the context's max_sequence_length")
     work = parser.add_argument_group("workload")
-    work.add_argument("--requests", type=int, default=24)
+    work.add_argument("--requests", type=int, default=24, help="number of requests")
     work.add_argument("--max-new-tokens", type=int, default=32,
-                      help="longest generation; requests ask for 1/4 to all of it")
+                      help="longest generation; each request asks for 1/4 to all of it")
     work.add_argument("--arrival-every", type=float, default=1.5,
-                      help="mean engine steps between arrivals")
+                      help="mean engine steps between arrivals (exponential gaps)")
     ctx = parser.add_argument_group("context")
-    ctx.add_argument("--block-size", type=int, default=16)
+    ctx.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     ctx.add_argument("--buffer-blocks", type=int, default=14,
-                     help="KV buffer in blocks (sets buffer_size_gb from the model dims)")
-    ctx.add_argument("--paused-blocks", type=int, default=3, help="paused budget in blocks")
+                     help="KV buffer in blocks (sets buffer_size_gb from the model dimensions)")
+    ctx.add_argument("--paused-blocks", type=int, default=3,
+                     help="paused budget in blocks (sets paused_buffer_size_gb)")
     ctx.add_argument("--buffer-size-gb", type=float, default=None,
-                     help="overrides --buffer-blocks")
+                     help="KV buffer in GiB; overrides --buffer-blocks")
     ctx.add_argument("--paused-buffer-size-gb", type=float, default=None,
-                     help="overrides --paused-blocks")
-    ctx.add_argument("--max-tokens", type=int, default=32, help="tokens per step (chunking)")
-    ctx.add_argument("--max-requests", type=int, default=None)
-    ctx.add_argument("--kernel-backend", choices=["auto", "triton", "torch"], default=None)
+                     help="paused budget in GiB; overrides --paused-blocks")
+    ctx.add_argument("--max-tokens", type=int, default=32,
+                     help="tokens per step; longer prompts are chunked")
+    ctx.add_argument("--max-requests", type=int, default=None,
+                     help="request rows (default: the context's, about one per block, capped "
+                          "at --max-tokens)")
+    ctx.add_argument("--kernel-backend", choices=["auto", "triton", "torch"], default=None,
+                     help="kernels: compiled Triton on CUDA and the torch references on a CPU "
+                          "(auto), or force one (default: $DYNCTX_KERNEL_BACKEND, else auto)")
     ctx.add_argument("--attention-backend", default="auto",
-                     choices=["auto", "torch", "flashinfer", "flash_attn"])
-    ctx.add_argument("--rope", choices=["table", "cos_sin"], default="table")
-    ctx.add_argument("--fused-rope-kv-append", action="store_true")
+                     choices=["auto", "torch", "flashinfer", "flash_attn"],
+                     help="paged attention; auto picks FlashInfer, then flash-attn, on CUDA in "
+                          "fp16/bf16 when installed, else torch")
+    ctx.add_argument("--rope", choices=["table", "cos_sin"], default="table",
+                     help="rotary embedding through Megatron's angle table "
+                          "(apply_rotary_emb_query/key) or a cos/sin cache "
+                          "(apply_fused_qk_rotary_emb)")
+    ctx.add_argument("--fused-rope-kv-append", action="store_true",
+                     help="rotate K and append K/V to the cache in one launch")
     run = parser.add_argument_group("run")
-    run.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
-    run.add_argument("--device", default="cpu")
-    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--dtype", choices=sorted(DTYPES), default="fp32",
+                     help="model and KV cache dtype; fp16/bf16 accept divergence at near-ties")
+    run.add_argument("--device", default="cpu", help="torch device, e.g. cuda")
+    run.add_argument("--seed", type=int, default=0, help="seed of the weights and the workload")
     run.add_argument("--threads", type=int, default=1,
-                     help="torch CPU threads (1 is fastest for a small model)")
-    run.add_argument("--plot", default="demo.png", help="PNG path ('' to skip)")
-    run.add_argument("--no-progress", action="store_true")
+                     help="torch CPU threads (1 is fastest for a small model; 0 keeps torch's)")
+    run.add_argument("--plot", default="demo.png", help="PNG path ('' skips the plot)")
+    run.add_argument("--no-progress", action="store_true",
+                     help="no progress bars (they need tqdm and go to stderr)")
     return parser
 
 
@@ -82,41 +102,121 @@ def make_workload(args, vocab: int) -> tuple[List[List[int]], List[int], List[in
     return prompts, gens, arrivals
 
 
-def plot_history(history, path: str, title: str) -> None:
+@dataclass
+class StepRecord:
+    """What the plot shows of one engine step."""
+
+    step: int
+    active: int
+    paused: int
+    evictions: int
+    kv_utilization: float
+
+
+# Above this many steps the plot shows windows (mean line, min-max band) instead of every step.
+PLOT_MAX_POINTS = 400
+
+
+def aggregate(history: List[StepRecord], max_points: int = PLOT_MAX_POINTS) -> dict:
+    """Per-window arrays for the plot: ``step`` (window start), mean/min/max of active and
+    paused requests, mean KV utilization (%) and evictions per window. One window per step when
+    ``history`` has at most ``max_points`` steps."""
+    import numpy as np
+
+    n = len(history)
+    width = max(1, -(-n // max_points))
+    steps = np.array([h.step for h in history], dtype=np.int64)
+    columns = {name: np.array([getattr(h, name) for h in history], dtype=np.float64)
+               for name in ("active", "paused", "evictions", "kv_utilization")}
+    starts = np.arange(0, n, width)
+    out = {"width": width, "step": steps[starts]}
+    for name in ("active", "paused"):
+        out[f"{name}_mean"] = np.add.reduceat(columns[name], starts) / np.diff(np.append(starts, n))
+        out[f"{name}_min"] = np.minimum.reduceat(columns[name], starts)
+        out[f"{name}_max"] = np.maximum.reduceat(columns[name], starts)
+    out["kv_percent"] = 100 * np.add.reduceat(columns["kv_utilization"], starts) / \
+        np.diff(np.append(starts, n))
+    out["evictions"] = np.add.reduceat(columns["evictions"], starts)
+    return out
+
+
+def plot_history(history: List[StepRecord], path: str, title: str) -> None:
+    """Active and paused requests and KV utilization per step; at more than
+    ``PLOT_MAX_POINTS`` steps, per window of steps: the mean as a line, min to max as a band."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    steps = [h.step for h in history]
-    fig, axis = plt.subplots(figsize=(9, 4.5))
-    axis.step(steps, [h.active_requests for h in history], where="post", label="active requests")
-    axis.step(steps, [h.paused_requests for h in history], where="post", label="paused requests")
-    evictions = [h.step for h in history if h.evicted_ids]
-    if evictions:
-        axis.scatter(evictions, [0] * len(evictions), marker="x", color="red", zorder=3,
-                     label="evictions")
+    data = aggregate(history)
+    width = data["width"]
+    steps = data["step"]
+    fig, axis = plt.subplots(figsize=(10, 4.8))
+    for name, label, color in (("active", "active requests", "tab:blue"),
+                               ("paused", "paused requests", "tab:orange")):
+        if width == 1:
+            axis.step(steps, data[f"{name}_mean"], where="post", label=label, color=color)
+        else:
+            axis.plot(steps, data[f"{name}_mean"], label=f"{label} (mean)", color=color)
+            axis.fill_between(steps, data[f"{name}_min"], data[f"{name}_max"], step="post",
+                              color=color, alpha=0.2, linewidth=0,
+                              label=f"{label} (min-max)")
+    evicted = data["evictions"] > 0
+    if evicted.any():
+        per = "" if width == 1 else f" (windows with any, of {width} steps)"
+        axis.scatter(steps[evicted], [0] * int(evicted.sum()), marker="x", color="red",
+                     zorder=3, label=f"evictions{per}")
     axis.set_xlabel("engine step")
     axis.set_ylabel("requests")
+    axis.set_ylim(bottom=0)
     util = axis.twinx()
-    util.plot(steps, [100 * h.kv_utilization for h in history], color="gray", alpha=0.7,
-              label="KV utilization (%)")
+    util.plot(steps, data["kv_percent"], color="gray", alpha=0.7,
+              label="KV blocks allocated (%)" + ("" if width == 1 else " (mean)"))
     util.set_ylabel("KV blocks allocated (%)")
     util.set_ylim(0, 105)
     lines = axis.get_legend_handles_labels()
     more = util.get_legend_handles_labels()
-    axis.legend(lines[0] + more[0], lines[1] + more[1], loc="upper right", fontsize=8)
-    axis.set_title(title)
+    # Below the plot, so that it never hides the curves.
+    axis.legend(lines[0] + more[0], lines[1] + more[1], loc="upper center", fontsize=8,
+                bbox_to_anchor=(0.5, -0.14), ncol=3, frameon=False)
+    if width > 1:
+        title += f"\n{len(history)} steps shown in windows of {width}"
+    axis.set_title(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
+def _missing_demo_dependency(error: ImportError) -> int:
+    name = error.name or str(error)
+    print(f"python -m dynctx demo needs {name}, which is not installed.\n"
+          "Install the demo's extras: pip install 'dynctx[demo]' (transformers, matplotlib, "
+          "tqdm), or from a checkout: pip install '.[demo]'", file=sys.stderr)
+    return 2
+
+
+def _progress_bar(enabled: bool, **kwargs):
+    """A tqdm bar on stderr, kept on screen when closed (so later output starts on a fresh
+    line, also in a log), or None when disabled or tqdm is missing."""
+    if not enabled:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        print("(no progress bar: tqdm is not installed; pip install 'dynctx[demo]')")
+        return None
+    return tqdm(leave=True, file=sys.stderr, dynamic_ncols=True, **kwargs)
+
+
+def main(argv: Optional[List[str]] = None, prog: Optional[str] = None) -> int:
+    args = build_parser(prog or f"{program_name()} demo").parse_args(argv)
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-    from transformers.utils import logging as hf_logging
+
+    try:
+        from transformers import LlamaConfig, LlamaForCausalLM
+        from transformers.utils import logging as hf_logging
+    except ImportError as error:
+        return _missing_demo_dependency(error)
 
     from dynctx.context import DynamicInferenceRequest, SamplingParams
     from dynctx.engine import Engine
@@ -162,55 +262,60 @@ def main(argv: Optional[List[str]] = None) -> int:
     alloc = ctx.block_allocator
     print(f"context: {alloc.total_count - 1} KV blocks of {args.block_size} tokens "
           f"(active budget {alloc.active_count}, paused budget {alloc.paused_count}), "
-          f"max_tokens {ctx.max_tokens}, max_requests {ctx.max_requests}")
+          f"max_tokens {ctx.max_tokens}, max_requests {ctx.max_requests}", flush=True)
 
-    progress = None
-    if not args.no_progress:
-        try:
-            from tqdm import tqdm
-        except ImportError:
-            print("(no progress bar: tqdm is not installed; pip install 'dynctx[demo]')")
-        else:
-            progress = tqdm(total=sum(gens), unit="tok", desc="generating", leave=False,
-                            file=sys.stderr)
+    # The bar counts each request's generation budget: tokens as they come, and the unused rest
+    # of the budget when a request stops early, so it ends at 100 %.
+    progress = _progress_bar(not args.no_progress, total=sum(gens), unit="tok",
+                             desc="generating")
+    counted = [0] * len(requests)
+    history: List[StepRecord] = []
 
     def on_step(result) -> None:
-        if progress is not None:
-            progress.update(len(result.new_tokens))
-            progress.set_postfix(step=result.step, active=result.active_requests,
-                                 paused=result.paused_requests, refresh=False)
+        history.append(StepRecord(result.step, result.active_requests, result.paused_requests,
+                                  len(result.evicted_ids), result.kv_utilization))
+        if progress is None:
+            return
+        advance = 0
+        for rid in result.new_tokens:
+            if counted[rid] < gens[rid]:
+                counted[rid] += 1
+                advance += 1
+        for finished in result.finished:
+            rid = finished.request_id
+            advance += gens[rid] - counted[rid]
+            counted[rid] = gens[rid]
+        progress.update(advance)
+        progress.set_postfix(step=result.step, active=result.active_requests,
+                             paused=result.paused_requests, refresh=False)
 
     engine.step_callback = on_step
     started = time.perf_counter()
     results = engine.generate_requests(requests, arrival_steps=arrivals)
     elapsed = time.perf_counter() - started
     if progress is not None:
+        progress.update(progress.total - progress.n)
         progress.close()
 
     # Check every output against transformers' greedy generate for that prompt alone.
     exact = near_tie = 0
     mismatched = []
+    checking = _progress_bar(not args.no_progress, total=len(requests), unit="req",
+                             desc="checking against transformers")
     for request, result in zip(requests, results):
-        prompt = request.prompt_tokens.unsqueeze(0).to(device)
-        reference = hf_model.generate(
-            prompt, max_new_tokens=request.sampling_params.num_tokens_to_generate,
-            do_sample=False, eos_token_id=eos, pad_token_id=eos if eos is not None else 0)
-        reference = reference[0, prompt.shape[1]:].tolist()
-        ours = result.generated_tokens
-        if ours == reference:
+        verdict = _check_against_transformers(hf_model, request, result, eos, device,
+                                              half=args.dtype != "fp32")
+        if verdict == "exact":
             exact += 1
-            continue
-        diverge = next((j for j, (a, b) in enumerate(zip(ours, reference)) if a != b),
-                       min(len(ours), len(reference)))
-        if args.dtype != "fp32" and diverge < min(len(ours), len(reference)):
-            sequence = result.prompt_tokens + ours[:diverge]
-            with torch.no_grad():
-                logits = hf_model(torch.tensor([sequence], device=device)).logits[0, -1].float()
-            top = torch.topk(logits, 2).values
-            if top[0] - top[1] <= HALF_TIE_ATOL + HALF_TIE_RTOL * top[0].abs():
-                near_tie += 1
-                continue
-        mismatched.append((result.request_id, diverge))
+        elif verdict == "near-tie":
+            near_tie += 1
+        else:
+            mismatched.append((result.request_id, verdict))
+        if checking is not None:
+            checking.update(1)
+    if checking is not None:
+        checking.close()
+    sys.stderr.flush()
 
     stats = engine.stats
     generated = sum(len(r.generated_tokens) for r in results)
@@ -234,7 +339,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.plot:
         path = os.path.abspath(args.plot)
         try:
-            plot_history(stats.history, path, f"dynctx demo: {len(results)} requests, "
+            plot_history(history, path, f"dynctx demo: {len(results)} requests, "
                          f"{alloc.total_count - 1} KV blocks of {args.block_size}")
         except ImportError:
             print("plot              skipped: matplotlib is not installed "
@@ -250,6 +355,31 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 1
     print(f"check             OK: {checked}")
     return 0
+
+
+def _check_against_transformers(hf_model, request, result, eos, device, *, half: bool):
+    """``"exact"``, ``"near-tie"`` (fp16/bf16 diverging where the reference's top two logits
+    nearly tie), or the index of the first token that differs."""
+    import torch
+
+    prompt = request.prompt_tokens.unsqueeze(0).to(device)
+    reference = hf_model.generate(
+        prompt, max_new_tokens=request.sampling_params.num_tokens_to_generate,
+        do_sample=False, eos_token_id=eos, pad_token_id=eos if eos is not None else 0)
+    reference = reference[0, prompt.shape[1]:].tolist()
+    ours = result.generated_tokens
+    if ours == reference:
+        return "exact"
+    diverge = next((j for j, (a, b) in enumerate(zip(ours, reference)) if a != b),
+                   min(len(ours), len(reference)))
+    if half and diverge < min(len(ours), len(reference)):
+        sequence = result.prompt_tokens + ours[:diverge]
+        with torch.no_grad():
+            logits = hf_model(torch.tensor([sequence], device=device)).logits[0, -1].float()
+        top = torch.topk(logits, 2).values
+        if top[0] - top[1] <= HALF_TIE_ATOL + HALF_TIE_RTOL * top[0].abs():
+            return "near-tie"
+    return diverge
 
 
 def _kernel_backend_name(ctx) -> str:

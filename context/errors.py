@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Optional
 
 
@@ -21,6 +23,23 @@ class ContextOverflowError(Exception):
         if message is not None:
             text += f" | {message}"
         super().__init__(text)
+
+    def __reduce__(self):
+        # Exception's default pickles ``self.args`` (the formatted text) and calls
+        # ``cls(text)`` on load, which would make the text the request id ("request request 5 |
+        # ...") and cannot call subclasses whose constructor takes other arguments. Rebuild from
+        # the fields instead, without running any subclass constructor, then restore the
+        # instance dict (request_id, message, is_transient and any subclass field).
+        return (_rebuild_error, (type(self), self.request_id, self.message, self.is_transient),
+                self.__dict__.copy())
+
+
+def _rebuild_error(error_type: type, request_id: Optional[int], message: Optional[str],
+                   is_transient: bool) -> "ContextOverflowError":
+    """An instance of ``error_type`` with these fields, built through the base constructor."""
+    error = ContextOverflowError.__new__(error_type)
+    ContextOverflowError.__init__(error, request_id, message, is_transient=is_transient)
+    return error
 
 
 class RequestOverflowError(ContextOverflowError):
@@ -52,6 +71,8 @@ class ActiveRequestCountOverflowError(ContextOverflowError):
                 f"max_request_count ({max_request_count}) for this error")
         super().__init__(None, f"active_request_count ({active_request_count}) > "
                                f"max_request_count ({max_request_count}).")
+        self.max_request_count = max_request_count
+        self.active_request_count = active_request_count
 
 
 class TensorStateDeallocatedError(ContextOverflowError):
@@ -81,17 +102,23 @@ class ContextErrorFactory:
         except KeyError:
             raise ValueError(f"obj['type']={obj.get('type')!r} is not a context error; "
                              f"known: {sorted(_ERROR_TYPES)}") from None
-        error = ContextOverflowError(obj["request_id"], obj["message"],
-                                     is_transient=obj["is_transient"])
-        error.__class__ = error_type
-        return error
+        return _rebuild_error(error_type, obj["request_id"], obj["message"], obj["is_transient"])
 
 
 _UNITS = (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024), ("bytes", 1))
 
 
 def get_mem_size_str(n_bytes: int) -> str:
-    """Human-readable size with 1024-based units: ``get_mem_size_str(1536) == '1.5 KiB'``."""
+    """Human-readable size with 1024-based units: ``get_mem_size_str(1536) == '1.5 KiB'``.
+
+    ``n_bytes`` is a finite, non-negative real number (int, float, numpy scalar); anything else
+    raises ``TypeError`` (not a number) or ``ValueError`` (negative, NaN or infinite) naming it.
+    """
+    if isinstance(n_bytes, bool) or not isinstance(n_bytes, numbers.Real):
+        raise TypeError(f"n_bytes={n_bytes!r} must be a real number of bytes, "
+                        f"got {type(n_bytes).__name__}")
+    if not math.isfinite(n_bytes):
+        raise ValueError(f"n_bytes={n_bytes} must be a finite number of bytes")
     if n_bytes < 0:
         raise ValueError(f"n_bytes={n_bytes} must be >= 0")
     for name, unit in _UNITS:

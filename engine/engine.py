@@ -1,11 +1,11 @@
 """A small reference engine: in-flight batching over a ``DynamicInferenceContext``.
 
-One ``step()`` does what Megatron-Core's ``DynamicInferenceEngine`` step does (SEMANTICS.md §10,
-§11): release the requests whose arrival step has come into the waiting queue; schedule from
-the head of the queue (``check_availability`` / ``add_request``, chunked prefill when a prompt
-does not fit the step's token budget); ``initialize_attention_state``; the model's forward;
-per-request sampling; the finish mask; ``update_requests``; re-queue evicted requests at the
-front for recompute; return finished requests.
+One ``step()`` does what Megatron-Core's ``DynamicInferenceEngine`` step does
+(docs/SEMANTICS.md §10, §11): release the requests whose arrival step has come into the waiting
+queue; schedule from the head of the queue (``check_availability`` / ``add_request``, chunked
+prefill when a prompt does not fit the step's token budget); ``initialize_attention_state``;
+the model's forward; per-request sampling; the finish mask; ``update_requests``; re-queue
+evicted requests at the front for recompute; return finished requests.
 
 Chunked prefill. The chunk is the last request added in its step, and its continuation is the
 first request added in the very next step (our context keeps the chunked request in the last
@@ -401,7 +401,7 @@ class Engine:
                     ctx.chunked_prefill_request_id = -1
                     if ctx.is_hybrid_model:
                         # A hybrid's continuation must stay the step's last row: it alone
-                        # starts from its saved Mamba state (SEMANTICS.md §0.3).
+                        # starts from its saved Mamba state (docs/SEMANTICS.md §0.3).
                         break
                 continue
             ctx.chunked_prefill_request_id = rid

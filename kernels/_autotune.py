@@ -72,7 +72,7 @@ class KernelConfig:
 
 @dataclass(frozen=True)
 class KernelTuning:
-    """A kernel's tuning declaration (STYLE.md guideline 7).
+    """A kernel's tuning declaration (docs/DESIGN.md §5).
 
     ``configs(key)`` is the search space, ``default_config(key)`` the heuristic default and
     ``tune_key(**shapes)`` builds the key: model dimensions and dtype exact, the token count

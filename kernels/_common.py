@@ -1,6 +1,6 @@
 """Helpers shared by the kernel files: sizes, argument checks and tune-case plumbing.
 
-Nothing here launches a kernel; each launcher still owns its contract (STYLE.md guideline 2)
+Nothing here launches a kernel; each launcher still owns its contract (docs/DESIGN.md §4)
 and calls these helpers for the checks that several launchers state in the same words.
 """
 

@@ -2,7 +2,7 @@
 through a ``DynamicInferenceContext``.
 
 The weights come from a ``transformers`` ``LlamaForCausalLM``; the forward follows the model code
-path SEMANTICS.md §11 and §13 describe: ``current_input_and_position_ids``, per layer the
+path docs/SEMANTICS.md §11 and §13 describe: ``current_input_and_position_ids``, per layer the
 rotary embedding through the context, the KV append, paged attention over the block table,
 and last-token logits through ``last_token_logits``. Padding tokens (from
 ``active_token_count`` to ``padded_active_token_count``) flow through every layer, write their

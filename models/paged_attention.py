@@ -1,7 +1,7 @@
 """Paged attention over the context's KV cache: a readable torch version that runs anywhere, and
 FlashInfer's or flash-attn's paged kernels on CUDA when they are installed.
 
-Inputs, as the context publishes them for one step (SEMANTICS.md §5, §13), with ``n`` the
+Inputs, as the context publishes them for one step (docs/SEMANTICS.md §5, §13), with ``n`` the
 padded token count and ``R`` the padded request count:
 
 * ``query`` ``[n, Hq, D]``: the step's packed queries, already rotated; request ``i`` owns

@@ -26,12 +26,12 @@ Two things live here, both used by the differential tests and by ``bench/step_ov
 
    * admits arrivals into a FIFO waiting queue;
    * schedules with the chunked-prefill scheduler of ``DynamicInferenceEngine.
-     schedule_chunked_prefill`` (SEMANTICS.md §10), setting ``chunked_prefill_request_id`` and
+     schedule_chunked_prefill`` (docs/SEMANTICS.md §10), setting ``chunked_prefill_request_id`` and
      ``has_explicit_chunked_prefill_req`` on the context exactly as the engine does;
    * runs ``initialize_attention_state()`` and records the attention metadata;
    * "samples" one token per active row, a deterministic function of (request id, step), and
      builds the continue mask on the host (length reached, or a deterministic early stop), the
-     way the controller would (SEMANTICS.md §9: ``seq_len + 1 < output_len`` and
+     way the controller would (docs/SEMANTICS.md §9: ``seq_len + 1 < output_len`` and
      ``token != termination_id``); the length half is cross-checked against the context's own
      ``get_active_sequence_lengths()`` / ``get_max_sequence_lengths()``;
    * calls ``update_requests(mask, tokens)`` (0.16.1's dict-or-None result, or the API text's
@@ -40,7 +40,8 @@ Two things live here, both used by the differential tests and by ``bench/step_ov
      sampled token to every active non-chunked request, drops finished ones, and re-queues
      evicted ones at the FRONT of the queue (behind an in-flight chunked prefill, as 0.16.1's
      engine does, with ``deque.extendleft`` order) with prompt = prompt + generated and the
-     generation budget reduced (``DynamicInferenceRequestRecord.checkpoint``, SEMANTICS §9.4).
+     generation budget reduced (``DynamicInferenceRequestRecord.checkpoint``,
+     docs/SEMANTICS.md §9.4).
 
    It returns one ``StepRecord`` per forward step. Each record also carries what the host
    KNOWS the context must show (``expected_*``: per-request query length, kv offset, input ids
@@ -244,7 +245,7 @@ def megatron_request_factory(request_id: int, prompt_tokens: torch.Tensor,
 
 def block_size_bytes(*, params_dtype, num_layers, kv_channels, num_attention_heads,
                      block_size_tokens, **_ignored) -> int:
-    """Bytes of one MHA KV block (SEMANTICS.md §2.3), tp = 1."""
+    """Bytes of one MHA KV block (docs/SEMANTICS.md §2.3), tp = 1."""
     return (
         params_dtype.itemsize * 2 * num_layers * block_size_tokens * num_attention_heads
         * kv_channels
@@ -333,7 +334,7 @@ def workload_basic() -> Workload:
 
 def workload_chunked() -> Workload:
     """Prompts longer than the token budget: chunked prefill, continuation chunks, finishes of
-    requests ahead of the chunked one (the swap-back path, SEMANTICS §0 fix 1)."""
+    requests ahead of the chunked one (the swap-back path, docs/SEMANTICS.md §0.1)."""
     cfg = base_config(total_blocks=129, paused_blocks=16)
     reqs = [
         RequestSpec(0, 10, 3, 0), RequestSpec(1, 10, 1, 0), RequestSpec(2, 100, 6, 0),
@@ -364,7 +365,7 @@ def workload_pressure_chunked() -> Workload:
 def workload_long_prompts(seed: int) -> Workload:
     """Random, under pressure, with prompts up to 160 tokens (three chunks at max_tokens 64):
     chunked prefills in flight while other requests pause (P > 0 when a middle chunk's update
-    runs: the `row - P` fix, SEMANTICS §0 fix 2) and while requests are evicted."""
+    runs: the `row - P` fix, docs/SEMANTICS.md §0.2) and while requests are evicted."""
     wl = generate_workload(seed, n_requests=20, total_blocks=40, paused_blocks=8, max_prompt=160,
                            max_gen=60)
     return Workload(f"long-prompts-{seed}", wl.config, wl.requests, wl.stop_per_mille)
@@ -621,7 +622,7 @@ def run_workload(ctx, workload: Workload, *, request_factory: Callable,
                 rec.expected_input_ids_by_id[rid] = _ints(st.prompt[start:start + chunk])
             elif rid == chunked_id or not st.generated:
                 # A chunked prefill whose continuation was not scheduled: its junk token is
-                # forwarded as a decode token (SEMANTICS §10 hazard). Nothing to expect.
+                # forwarded as a decode token (docs/SEMANTICS.md §10). Nothing to expect.
                 rec.junk_token_forwarded = True
                 continue
             else:  # decode: the last sampled token at its position
@@ -662,7 +663,7 @@ def run_workload(ctx, workload: Workload, *, request_factory: Callable,
         # ---- post-process (DynamicInferenceEngine.post_process_requests)
         # megatron-core 0.16.1 returns {"newly_paused_request_ids", "evict_request_ids"} (each
         # a tensor or None), or None when the context becomes empty. The API text
-        # (spec/dynamic_context_api.txt) documents a Tensor of newly paused ids; a context that
+        # (docs/SEMANTICS.md §9) documents a Tensor of newly paused ids; a context that
         # returns that form reports its evicted ids in `evicted_request_ids`.
         rec.update_returned_none = result is None
         if result is None:

@@ -1,8 +1,8 @@
 """A model engine that drives ``DynamicInferenceContext`` and checks it after every action.
 
-``ContextDriver`` plays the engine (SEMANTICS.md §10-§11) against one small fp32 context and keeps
-its own model of every request: prompt, generated tokens, the tokens of its pending query and how
-many of its tokens have K/V in the cache. Each action takes its random choices as explicit
+``ContextDriver`` plays the engine (docs/SEMANTICS.md §10-§11) against one small fp32 context and
+keeps its own model of every request: prompt, generated tokens, the tokens of its pending query
+and how many of its tokens have K/V in the cache. Each action takes its random choices as explicit
 arguments, so that two front ends drive the same machine:
 
 * ``tests/context/test_state_machine.py``: a hypothesis ``RuleBasedStateMachine`` (shrinking);
@@ -399,7 +399,7 @@ class ContextDriver:
         if kind == "chunked":
             chunk = 1 + choice % (prompt_len - 1)
         if kind in ("fit", "chunked") and self._continuation_pending():
-            # Hybrids: the scheduler stops after a continuation chunk (SEMANTICS.md §10, fixed
+            # Hybrids: the scheduler stops after a continuation chunk (docs/SEMANTICS.md §10, fixed
             # version), so the request waits for the next step.
             self.stats["deferred_adds"] += 1
             if len(self.waiting) < WAITING_LIMIT:

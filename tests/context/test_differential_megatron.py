@@ -1,7 +1,7 @@
 """Differential tests: our DynamicInferenceContext against megatron-core 0.16.1's, on the CPU.
 
 Both contexts get the same configuration (an explicit ``paused_buffer_size_gb`` on both sides,
-so they size alike: DESIGN.md, memory model) and are driven by the same scripted workloads
+so they size alike: docs/SEMANTICS.md §2.5) and are driven by the same scripted workloads
 through the same driver (``megatron_oracle.run_workload``, which plays Megatron's engine and
 controller: chunked-prefill scheduling, the continue mask, re-queueing evicted requests for
 recompute). Step by step, rows matched by request id, we compare: what was scheduled, token
@@ -11,7 +11,7 @@ evicted ids, free-block counts, per-request block counts, and, separately, the r
 the block ids themselves. The driver also checks each run against the host's own truth and
 block ownership after every update.
 
-Where megatron-core 0.16.1 is wrong (SEMANTICS.md §0 / §15.11), the tests assert OUR behaviour
+Where megatron-core 0.16.1 is wrong (docs/SEMANTICS.md §0, §15.11), the tests assert OUR behaviour
 and say why. What megatron-core 0.16.1 from PyPI actually does, checked here:
 
 * ``update_requests`` returns ``{"newly_paused_request_ids": Tensor | None,
@@ -19,10 +19,10 @@ and say why. What megatron-core 0.16.1 from PyPI actually does, checked here:
   ``return``; ``test_update_requests_return_value_megatron_0_16_1``). Ours returns the API
   text's Tensor of newly paused ids and keeps the evicted ids in ``evicted_request_ids``
   (README, "Differences"); the driver reads either form.
-* It HAS the fixed chunked-request swap (SEMANTICS §0 fix 1, b705148cdd: step 6.d of
+* It HAS the fixed chunked-request swap (docs/SEMANTICS.md §0.1, b705148cdd: step 6.d of
   ``update_requests`` swaps the chunked request back to the last active row unconditionally)
-  and the fixed ``row - paused_request_count`` index (§0 fix 2, 096dbeb479), and its engine
-  queues evicted requests behind an in-flight chunked prefill instead of raising. The
+  and the fixed ``row - paused_request_count`` index (docs/SEMANTICS.md §0.2, 096dbeb479), and its
+  engine queues evicted requests behind an in-flight chunked prefill instead of raising. The
   workloads below exercise all three (``test_workloads_cover_the_hard_paths``) and the two
   contexts agree there.
 * It still has: ``newly_paused_request_ids`` wrong (it drops the LAST ids per resumed request,
@@ -123,8 +123,8 @@ def test_newly_paused_ids_are_the_requests_still_paused(name):
     """Ours reports exactly the requests this update paused that are still paused at its end
     (not the resumed ones, not the evicted ones; evicted ids come separately).
 
-    REFERENCE BUG (SEMANTICS §9.3, §15.11): megatron-core 0.16.1 builds the list in row order
-    before the pause partition, then drops its LAST r entries for r resumed requests; the
+    REFERENCE BUG (docs/SEMANTICS.md §9.3, §15.11): megatron-core 0.16.1 builds the list in row
+    order before the pause partition, then drops its LAST r entries for r resumed requests; the
     partition is not stable and an eviction moves rows too, so it can report resumed or
     evicted requests as paused and miss ones that stay paused. We do not compare with it."""
     ours, ref = run_both(name)
@@ -214,7 +214,7 @@ def test_update_requests_return_value_ours():
 
 
 def test_request_overflow_does_not_leak_blocks():
-    """REFERENCE BUG (SEMANTICS §8 add_request step 6, §15.11): megatron allocates the blocks
+    """REFERENCE BUG (docs/SEMANTICS.md §8 add_request, §15.11): megatron allocates the blocks
     before the max_requests check, so RequestOverflowError leaks them. Ours checks first."""
     cfg = dict(mo.base_config(total_blocks=33, paused_blocks=8), max_requests=2)
     results = {}
@@ -242,7 +242,7 @@ def test_block_overflow_changes_nothing():
 
 
 def test_eager_prefill_padding_capped_at_max_tokens():
-    """REFERENCE BUG (SEMANTICS §8 initialize_attention_state step 4, §15.11): megatron pads an
+    """REFERENCE BUG (docs/SEMANTICS.md §8 initialize_attention_state, §15.11): megatron pads an
     eager prefill step to round_up_tokens(active), uncapped, past the token buffer when
     max_tokens is not a multiple of 64. Ours caps the padding at max_tokens."""
     cfg = dict(mo.base_config(total_blocks=33, paused_blocks=8), max_tokens=100)

@@ -34,7 +34,7 @@ def make_hybrid(**overrides) -> DynamicInferenceContext:
     pytest.param(64, 8, 1.0, 1897, 379, 1517, id="1GB"),
 ])
 def test_hybrid_block_counts_match_the_reference_examples(kv, heads, gb, total, paused, active):
-    """SEMANTICS.md §2.5: a block also budgets one request's Mamba state."""
+    """docs/SEMANTICS.md §2.5: a block also budgets one request's Mamba state."""
     ctx = DynamicInferenceContext(
         params_dtype=torch.float32, num_layers=4, kv_channels=kv, num_attention_heads=heads,
         max_sequence_length=512, buffer_size_gb=gb, paused_buffer_size_gb=0.2 * gb,

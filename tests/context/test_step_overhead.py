@@ -109,9 +109,9 @@ def test_dynctx_launcher_counts_once():
 
 
 def test_step_counts_small():
-    """Megatron's steady decode step reproduces SEMANTICS §8/§9's syncs (2 .item() + 1 blocking
-    H2D in initialize_attention_state, 4 .item() in update_requests); ours reads back at most
-    one tensor per step and never calls .item()/nonzero (DESIGN.md)."""
+    """Megatron's steady decode step reproduces the syncs docs/SEMANTICS.md §14 counts (2 .item()
+    + 1 blocking H2D in initialize_attention_state, 4 .item() in update_requests); ours reads
+    back at most one tensor per step and never calls .item()/nonzero (docs/DESIGN.md §2)."""
     result = so.measure_step_overhead(requests=8, steps=6, block_size=16, max_prompt=40,
                                       max_tokens=256, repeats=1)
     meg, ours = result["sides"]["megatron"], result["sides"]["ours"]
