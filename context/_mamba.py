@@ -32,7 +32,7 @@ class MambaMixin:
 
     def _mamba_host_metadata(self, P: int, A: int, decode: int, prefill: int, chunked: bool,
                              padded: InferenceBatchDimensions, cu_q: np.ndarray) -> dict:
-        """Mamba slot indices and varlen offsets of the step, on the host (SEMANTICS.md §7).
+        """Mamba slot indices and varlen offsets of the step, on the host (docs/SEMANTICS.md §7).
 
         Decode rows come first, then the regular prefills, then (``chunked``) the continuation
         chunk, which runs separately from its saved state.

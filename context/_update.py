@@ -1,4 +1,4 @@
-"""The step-end state machine of the context (``update_requests``, SEMANTICS.md §9).
+"""The step-end state machine of the context (``update_requests``, docs/SEMANTICS.md §9).
 
 Everything runs on the host over numpy rows (finish, compact, pause, resume LIFO, evict, the
 chunked-request swap); the device gets the new rows in one arena upload and the row plan in one
@@ -133,7 +133,7 @@ class UpdateMixin:
 
     def update_requests(self, active_requests_mask: torch.Tensor,
                         new_tokens: torch.Tensor) -> torch.Tensor:
-        """Advance the state after a forward pass (SEMANTICS.md §9, the fixed version).
+        """Advance the state after a forward pass (docs/SEMANTICS.md §9, with the §0 fixes).
 
         ``active_requests_mask[i]`` (bool/0-1, one per active request) keeps request i; 0
         finishes it. ``new_tokens`` (one per active request) is not modified. Finished requests

@@ -7,7 +7,7 @@ device holds the same arena, the block table, the pending next token of every ro
 arrays of the step and the KV buffer. Changes reach the device in bulk:
 
 * ``update_requests`` reads back the finish mask (the step's one sync), runs the whole state
-  machine on the host (finish, compact, pause, resume, evict: SEMANTICS.md §9, the fixed
+  machine on the host (finish, compact, pause, resume, evict: docs/SEMANTICS.md §9, the fixed
   version), uploads the arena (one copy, with the plan) and applies the plan to the device
   block table and next tokens with one ``compact_requests`` launch;
 * ``add_request`` validates and reserves on the host at once (errors raise there, before any
@@ -252,7 +252,7 @@ class DynamicInferenceContext(RotaryMixin, LogitsMixin, UpdateMixin, MambaMixin)
         self.vocab_size = None if vocab_size is None else _positive_int("vocab_size", vocab_size)
         self.validate = bool(validate)
 
-        # Memory model (DESIGN.md, one rule).
+        # Memory model (docs/SEMANTICS.md §2.5).
         itemsize = torch.empty((), dtype=params_dtype).element_size()
         if self.cache_mla_latent:
             self.kv_reduced_dim = kv_lora_rank + qk_pos_emb_head_dim
@@ -906,13 +906,13 @@ class DynamicInferenceContext(RotaryMixin, LogitsMixin, UpdateMixin, MambaMixin)
         prefill = self.num_prefill_requests
         if self.chunked_prefill_request_id != -1 and prefill == 0 and A:
             # The chunked request's row holds a placeholder token, not a real one: forwarding it
-            # would write K/V at a position whose block may not exist (SEMANTICS.md §10).
+            # would write K/V at a position whose block may not exist (docs/SEMANTICS.md §10).
             raise RuntimeError(
                 f"the chunked prefill request {self.chunked_prefill_request_id} needs its next "
                 "chunk (add_request) before this step; a step without it would forward its "
                 "placeholder token")
         decode = A - prefill
-        # A continuation chunk of a hybrid starts from its saved Mamba state (SEMANTICS.md §0.3);
+        # A continuation chunk of a hybrid starts from its saved Mamba state (docs/SEMANTICS.md §0.3);
         # the context knows it added one, whatever the engine's explicit flag says.
         chunked = self.is_hybrid_model and self._continuation_added
         self.batch_dimensions = InferenceBatchDimensions(active, prefill, decode, chunked)
