@@ -19,7 +19,10 @@ import torch
 
 
 def _block_ids(blocks: Any, name: str) -> np.ndarray:
-    """``blocks`` as a flat int64 numpy array (a device tensor is copied to the host: a sync)."""
+    """``blocks`` as a flat integer numpy array (a device tensor is copied to the host: a
+    sync). An integer numpy array, the context's own form, is used as it is."""
+    if isinstance(blocks, np.ndarray) and blocks.dtype.kind in "iu":
+        return blocks.reshape(-1)
     if isinstance(blocks, torch.Tensor):
         if blocks.is_floating_point() or blocks.is_complex() or blocks.dtype == torch.bool:
             raise TypeError(f"{name} must hold integer block ids, got dtype {blocks.dtype}")
@@ -119,12 +122,12 @@ class BlockAllocator:
         ``blocks``: a tensor on any device (a device tensor costs one copy to the host), a
         numpy array or a sequence of ints."""
         blocks = _block_ids(blocks, "blocks")
-        if np.any(blocks >= self.total_count):
-            raise ValueError(f"release of block ids {blocks[blocks >= self.total_count].tolist()} "
-                             f">= total_count={self.total_count}")
         blocks = blocks[blocks >= 0]
         if blocks.size == 0:
             return
+        if blocks.max() >= self.total_count:
+            raise ValueError(f"release of block ids {blocks[blocks >= self.total_count].tolist()} "
+                             f">= total_count={self.total_count}")
         if np.any(self.ref_counts[blocks] <= 0) or np.any(blocks == self.dummy_block_idx):
             raise RuntimeError(f"release of blocks that are not allocated: {blocks.tolist()}")
         np.subtract.at(self.ref_counts, blocks, 1)
