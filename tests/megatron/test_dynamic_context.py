@@ -29,7 +29,7 @@ DynamicInferenceRequest = SamplingParams = MambaInferenceStateConfig = None
 
 # CPU port: `Utils` of tests.unit_tests.test_utilities (not packaged) is replaced by a CPU
 # version; model_parallel_cuda_manual_seed (CUDA RNG tracker) is not imported; tensors are
-# made on DEVICE ('cpu') where Megatron makes them on 'cuda'; the pipeline-parallel test spawns
+# made on DEVICE ('cpu') where Megatron makes them on 'cuda'; the pipeline-parallel test forks
 # its ranks itself (run_ranks).
 from mcore_port import DEVICE, Utils, load_impl, run_ranks  # noqa: E402
 
@@ -1229,7 +1229,7 @@ class TestDynamicContext:
         pipeline stages when they have unequal layer counts.
         """
         # CPU port: Megatron runs this file under torchrun with one GPU per rank; here the test
-        # spawns 2 CPU ranks in one gloo group, each runs the original body below
+        # forks 2 CPU ranks in one gloo group, each runs the original body below
         # (_pipeline_parallel_uneven_layers_on_rank), and the test fails if either rank fails.
         run_ranks(_pipeline_rank_entry, world_size=2, args=(self.impl.name,), timeout_s=90)
 
