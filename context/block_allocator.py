@@ -1,7 +1,10 @@
 """The KV block allocator: a host-side LIFO stack of block ids with reference counts.
 
 The host knows every request's length, so block ids never need a device round trip: allocation
-and release are numpy operations on the host. Block ``dummy_block_idx`` (the last id) is never
+and release are numpy operations on the host. The Megatron-Core names take and give torch
+tensors (``allocate_memory_blocks`` returns a CPU int32 tensor, ``release_memory_blocks`` takes
+a tensor on any device, a numpy array or a list); the context itself uses the numpy form,
+``allocate_memory_blocks_host``. Block ``dummy_block_idx`` (the last id) is never
 handed out; padding tokens write into it. Reference counts (one per block) are there so that a
 block can later be shared by several requests (prefix caching): ``share`` adds a reference and
 ``release`` returns a block to the stack only when its last reference goes.
@@ -9,7 +12,25 @@ block can later be shared by several requests (prefix caching): ``share`` adds a
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
+import torch
+
+
+def _block_ids(blocks: Any, name: str) -> np.ndarray:
+    """``blocks`` as a flat integer numpy array (a device tensor is copied to the host: a
+    sync). An integer numpy array, the context's own form, is used as it is."""
+    if isinstance(blocks, np.ndarray) and blocks.dtype.kind in "iu":
+        return blocks.reshape(-1)
+    if isinstance(blocks, torch.Tensor):
+        if blocks.is_floating_point() or blocks.is_complex() or blocks.dtype == torch.bool:
+            raise TypeError(f"{name} must hold integer block ids, got dtype {blocks.dtype}")
+        blocks = blocks.detach().to("cpu").numpy()
+    array = np.asarray(blocks)
+    if array.size and array.dtype.kind not in "iu":
+        raise TypeError(f"{name} must hold integer block ids, got dtype {array.dtype}")
+    return array.astype(np.int64, copy=False).reshape(-1)
 
 
 class BlockAllocator:
@@ -36,35 +57,77 @@ class BlockAllocator:
         """Every block free again (the stack is rebuilt, so stale duplicates cannot survive)."""
         self.block_bag = np.arange(self.total_count, dtype=np.int32)
         self.ref_counts = np.zeros(self.total_count, dtype=np.int32)
-        self.total_avail = self.total_count - 1
+        self._total_avail = self.total_count - 1
+
+    @property
+    def total_avail(self) -> int:
+        """Free blocks: ``block_bag[:total_avail]`` is the free stack, its top last."""
+        return self._total_avail
+
+    @total_avail.setter
+    def total_avail(self, value: int) -> None:
+        """Move the top of the stack by hand, as Megatron-Core code does (its allocator is the
+        same stack without reference counts): lowering it takes the blocks
+        ``block_bag[value:total_avail]`` (one reference each), raising it frees
+        ``block_bag[total_avail:value]`` whatever their references. Raising it undoes a
+        lowering; otherwise it frees whatever ids lie above the top, as Megatron's does."""
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise TypeError(f"total_avail={value!r} must be an int")
+        if not 0 <= value <= self.total_count - 1:
+            raise ValueError(f"total_avail={value} must lie in [0, total_count - 1 = "
+                             f"{self.total_count - 1}] (the dummy block is never free)")
+        old = self._total_avail
+        if value < old:
+            self.ref_counts[self.block_bag[value:old]] = 1
+        else:
+            self.ref_counts[self.block_bag[old:value]] = 0
+        self._total_avail = int(value)
 
     def is_memory_available(self, num_blocks: int) -> bool:
-        return self.total_avail >= num_blocks
+        return self._total_avail >= num_blocks
 
-    def allocate_memory_blocks(self, num_blocks: int) -> np.ndarray | None:
-        """Pop ``num_blocks`` ids (ascending stack order), or None when too few are free."""
+    def allocate_memory_blocks(self, num_blocks: int) -> torch.Tensor | None:
+        """Pop ``num_blocks`` ids (ascending stack order) as a 1-D int32 CPU tensor, or None
+        when too few are free (Megatron-Core's call; its tensor lives on the GPU, ours on the
+        host, where the allocator is)."""
+        blocks = self.allocate_memory_blocks_host(num_blocks)
+        return None if blocks is None else torch.from_numpy(blocks)
+
+    def allocate_memory_blocks_host(self, num_blocks: int) -> np.ndarray | None:
+        """``allocate_memory_blocks`` as an int32 numpy array (what the context uses)."""
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, (int, np.integer)):
+            raise TypeError(f"num_blocks={num_blocks!r} must be an int")
         if num_blocks < 0:
             raise ValueError(f"num_blocks={num_blocks} must be >= 0")
-        if num_blocks > self.total_avail:
+        if num_blocks > self._total_avail:
             return None
-        self.total_avail -= num_blocks
-        blocks = self.block_bag[self.total_avail:self.total_avail + num_blocks].copy()
+        self._total_avail -= num_blocks
+        blocks = self.block_bag[self._total_avail:self._total_avail + num_blocks].copy()
         self.ref_counts[blocks] = 1
         return blocks
 
-    def share(self, blocks: np.ndarray) -> None:
+    def share(self, blocks: Any) -> None:
         """Add a reference to blocks already owned (for shared prefixes)."""
-        blocks = np.asarray(blocks, dtype=np.int32)
+        blocks = _block_ids(blocks, "blocks")
+        if np.any((blocks < 0) | (blocks >= self.total_count)):
+            raise ValueError(f"share() of block ids {blocks.tolist()}: each must lie in "
+                             f"[0, total_count={self.total_count})")
         if np.any(self.ref_counts[blocks] <= 0):
             raise ValueError("share() of a block that is not allocated")
         np.add.at(self.ref_counts, blocks, 1)
 
-    def release_memory_blocks(self, blocks: np.ndarray) -> None:
-        """Drop one reference per id (``-1`` entries ignored); free ids go back on the stack."""
-        blocks = np.asarray(blocks, dtype=np.int32).reshape(-1)
+    def release_memory_blocks(self, blocks: Any) -> None:
+        """Drop one reference per id (``-1`` entries ignored); free ids go back on the stack.
+
+        ``blocks``: a tensor on any device (a device tensor costs one copy to the host), a
+        numpy array or a sequence of ints."""
+        blocks = _block_ids(blocks, "blocks")
         blocks = blocks[blocks >= 0]
         if blocks.size == 0:
             return
+        if blocks.max() >= self.total_count:
+            raise ValueError(f"release of block ids {blocks[blocks >= self.total_count].tolist()} "
+                             f">= total_count={self.total_count}")
         if np.any(self.ref_counts[blocks] <= 0) or np.any(blocks == self.dummy_block_idx):
             raise RuntimeError(f"release of blocks that are not allocated: {blocks.tolist()}")
         np.subtract.at(self.ref_counts, blocks, 1)
@@ -73,11 +136,11 @@ class BlockAllocator:
         if freed.size > 1:
             _, first = np.unique(freed, return_index=True)
             freed = freed[np.sort(first)]
-        self.block_bag[self.total_avail:self.total_avail + freed.size] = freed
-        self.total_avail += int(freed.size)
+        self.block_bag[self._total_avail:self._total_avail + freed.size] = freed
+        self._total_avail += int(freed.size)
 
     def get_total_used(self) -> int:
-        return self.total_count - 1 - self.total_avail
+        return self.total_count - 1 - self._total_avail
 
     def __str__(self) -> str:
         return (f"using: total {self.get_total_used()}/{self.total_count - 1}; "

@@ -6,6 +6,7 @@ import copy
 from dataclasses import asdict, dataclass, field
 from typing import Any, List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 
 MetadataTypes = List[Tuple[str, torch.dtype, bool]]
@@ -63,15 +64,40 @@ DEFAULT_METADATA_TYPES: MetadataTypes = [
 
 
 def _as_token_tensor(tokens: Any, name: str) -> torch.Tensor:
+    """``tokens`` as a 1-D integer tensor.
+
+    Integer tensors are kept as they are (dtype and device). Floating-point tokens are accepted
+    when every value is a whole number (Megatron-Core's tests build prompts with
+    ``torch.zeros(n)``) and become int64 on the same device; a float tensor on a GPU costs one
+    read-back for that check. Fractions, NaN/inf, booleans and complex numbers are refused.
+    """
     if isinstance(tokens, torch.Tensor):
         tensor = tokens
     else:
-        tensor = torch.as_tensor(list(tokens) if not isinstance(tokens, Sequence) else tokens,
-                                 dtype=torch.int64)
-    if tensor.is_floating_point() or tensor.is_complex() or tensor.dtype == torch.bool:
+        array = np.asarray(list(tokens) if not isinstance(tokens, (Sequence, np.ndarray))
+                           else tokens)
+        if array.size == 0:
+            array = array.astype(np.int64)
+        if array.dtype.kind not in "iuf":
+            kind = "bool" if array.dtype.kind == "b" else str(array.dtype)
+            raise TypeError(f"{name} must hold integer token ids, got {kind} values")
+        tensor = torch.from_numpy(np.ascontiguousarray(array))
+        if not tensor.is_floating_point():
+            tensor = tensor.to(torch.int64)
+    if tensor.is_complex() or tensor.dtype == torch.bool:
         raise TypeError(f"{name} must hold integer token ids, got dtype {tensor.dtype}")
     if tensor.dim() != 1:
         raise ValueError(f"{name} must be 1-D, got shape {tuple(tensor.shape)}")
+    if tensor.is_floating_point():
+        whole = torch.isfinite(tensor) & (tensor == torch.trunc(tensor))
+        if not bool(whole.all()):
+            bad = tensor[~whole][:4].tolist()
+            raise ValueError(f"{name} of dtype {tensor.dtype} must hold whole numbers (token "
+                             f"ids); got {bad}")
+        if tensor.numel() and not bool((tensor.abs() < 2.0 ** 63).all()):
+            raise ValueError(f"{name} holds values beyond the int64 range: "
+                             f"{tensor[tensor.abs() >= 2.0 ** 63][:4].tolist()}")
+        tensor = tensor.to(torch.int64)
     return tensor
 
 

@@ -378,8 +378,17 @@ def test_bad_requests_leave_state(make, error, match):
 
 
 def test_float_prompt_and_bad_chunk_rejected():
-    with pytest.raises(TypeError, match="prompt_tokens"):
-        DynamicInferenceRequest(request_id=1, prompt_tokens=torch.tensor([1.0, 2.0]))
+    # Whole-number floats are token ids (Megatron-Core's tests pass torch.zeros(n)); fractions,
+    # NaN and booleans are not.
+    for tokens in (torch.tensor([1.0, 2.0]), [1.0, 2.0], np.array([1.0, 2.0])):
+        prompt = DynamicInferenceRequest(request_id=1, prompt_tokens=tokens).prompt_tokens
+        assert prompt.dtype == torch.int64 and prompt.tolist() == [1, 2]
+    for tokens in (torch.tensor([1.5, 2.0]), [1.0, float("nan")], np.array([0.5])):
+        with pytest.raises(ValueError, match="prompt_tokens .* whole numbers"):
+            DynamicInferenceRequest(request_id=1, prompt_tokens=tokens)
+    for tokens in (torch.tensor([True, False]), [True, False]):
+        with pytest.raises(TypeError, match="prompt_tokens"):
+            DynamicInferenceRequest(request_id=1, prompt_tokens=tokens)
     ctx = make_ctx()
     before = snapshot(ctx)
     for chunk in (0, 4, -1, 1.5):
