@@ -359,17 +359,17 @@ class Engine:
         return rid
 
     def _free_ids(self, count: int) -> List[int]:
-        taken = self._taken_ids()
         ids, rid = [], self._next_request_id
         while len(ids) < count:
-            if rid not in taken:
+            if not self._id_in_use(rid):
                 ids.append(rid)
             rid += 1
         return ids
 
-    def _taken_ids(self) -> set:
-        """Ids a new request may not use: queued or running, or finished and not returned."""
-        return set(self._entries) | {r.request_id for r in self._undelivered}
+    def _id_in_use(self, rid: int) -> bool:
+        """Queued or running, or finished with its result not yet returned (O(1) but for
+        the few undelivered results)."""
+        return rid in self._entries or any(r.request_id == rid for r in self._undelivered)
 
     def add_request(self, request: DynamicInferenceRequest,
                     arrival_step: Optional[int] = None) -> None:
@@ -383,14 +383,14 @@ class Engine:
         ``max_sequence_length``, for the active KV budget, or for ``max_tokens`` without chunked
         prefill) finish at the next step with ``finish_reason="error"``.
         """
-        own = self._check_request(request, "request", self._taken_ids())
+        own = self._check_request(request, "request")
         self._enqueue(own, self._arrival(arrival_step, "arrival_step"))
 
-    def _check_request(self, request: Any, name: str, taken: set) -> DynamicInferenceRequest:
+    def _check_request(self, request: Any, name: str) -> DynamicInferenceRequest:
         metadata_types = getattr(self.context, "request_metadata_types", None) \
             or DynamicInferenceRequest.get_metadata_types()
         own = checked_request(request, name, vocab=self.vocab_size, metadata_types=metadata_types)
-        if own.request_id in taken:
+        if self._id_in_use(own.request_id):
             raise ValueError(f"{name}.request_id={own.request_id} is already in use in the "
                              "engine (queued, running, or finished and not yet returned)")
         return own
@@ -781,11 +781,10 @@ class Engine:
                 raise ValueError(f"arrival_steps has {len(delays)} entries for "
                                  f"{len(requests)} requests")
             delays = [check_int(f"arrival_steps[{i}]", d, low=0) for i, d in enumerate(delays)]
-        taken = self._taken_ids()
         first_index: Dict[int, int] = {}
         checked = []
         for i, (request, delay) in enumerate(zip(requests, delays)):
-            own = self._check_request(request, f"requests[{i}]", taken)
+            own = self._check_request(request, f"requests[{i}]")
             if own.request_id in first_index:
                 raise ValueError(f"requests[{i}].request_id={own.request_id} repeats "
                                  f"requests[{first_index[own.request_id]}]; ids must be unique")

@@ -120,7 +120,6 @@ def check_sampling_params(params: Any, name: str, metadata_types: MetadataTypes)
     """A copy of ``params`` once every field the engine and the context use is checked."""
     if not isinstance(params, SamplingParams):
         raise TypeError(f"{name} must be a SamplingParams, got {type(params).__name__}")
-    params = copy.deepcopy(params)
     if params.stop_words:
         raise NotImplementedError(f"{name}.stop_words: stop words are not supported by the "
                                   "reference engine")
@@ -154,7 +153,7 @@ def check_sampling_params(params: Any, name: str, metadata_types: MetadataTypes)
             if not info.min <= value <= info.max:
                 raise ValueError(f"{name}.{label}={value} must lie in [{info.min}, {info.max}] "
                                  f"(the context stores it as {dtype})")
-    return params
+    return copy.copy(params)  # every field the engine reads is a scalar
 
 
 def generation_budget(params: SamplingParams, prompt_length: int, name: str) -> int:
@@ -181,8 +180,9 @@ def checked_request(request: Any, name: str, *, vocab: Optional[int],
                                    metadata_types)
     params.num_tokens_to_generate = generation_budget(params, len(prompt),
                                                       f"{name}.sampling_params")
-    return DynamicInferenceRequest(request_id=rid, prompt_tokens=prompt, sampling_params=params,
-                                   prompt=request.prompt)
+    own = DynamicInferenceRequest(request_id=rid, prompt_tokens=prompt, prompt=request.prompt)
+    own.sampling_params = params  # already a copy: no second deep copy
+    return own
 
 
 def check_prompts(prompts: Any) -> List[Any]:
