@@ -1,7 +1,8 @@
 """Property test: a hypothesis state machine drives the context through random sequences of
 add / step / finish / pause / evict / chunk / suspend / resume / reset and checks every invariant
-after every rule, for plain, MLA and hybrid (Mamba + attention) contexts (the machine and its
-checks: ``state_machine.py``; the long run without shrinking: ``bench/soak.py``)."""
+after every rule, for plain, MLA and hybrid (Mamba + attention) contexts (the driver:
+``state_machine.py``, which admits through the engine's ``Scheduler``; its invariants:
+``machine_checks.py``; the long run without shrinking: ``bench/soak.py``)."""
 
 from __future__ import annotations
 
