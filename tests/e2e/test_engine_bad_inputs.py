@@ -45,7 +45,9 @@ def greedy(hf, prompts):
 
 
 def small_engine(hf, **kwargs) -> Engine:
-    """10 blocks of 16 tokens (2 paused), 24 tokens a step: the 40-token prompt is chunked."""
+    """10 blocks of 16 tokens (2 paused), 24 tokens a step: the 40-token prompt is chunked;
+    requests up to 96 tokens (6 blocks: one request alone always fits the active budget)."""
+    kwargs.setdefault("max_sequence_length", 96)
     return build_engine(hf, block_size=16, blocks=10, paused_blocks=2, max_tokens=24,
                         kernel_backend="torch", **kwargs)
 
