@@ -257,6 +257,10 @@ class Engine:
                  step_callback: Optional[StepCallback] = None,
                  history_window: Optional[int] = DEFAULT_HISTORY_WINDOW):
         seed = check_int("seed", seed, low=0)
+        for name, flag in (("enable_chunked_prefill", enable_chunked_prefill),
+                           ("record_logits", record_logits)):
+            if not isinstance(flag, (bool, np.bool_)):
+                raise TypeError(f"{name}={flag!r} must be a bool")
         if default_termination_id is not None:
             default_termination_id = check_int("default_termination_id", default_termination_id)
         if history_window is not None:

@@ -441,3 +441,16 @@ def test_history_is_a_bounded_window(hf, prompts):
     assert small_engine(hf).stats.history.maxlen == DEFAULT_HISTORY_WINDOW
     with pytest.raises(ValueError, match=r"history_window=-1 must lie in \[0, inf\]"):
         small_engine(hf, history_window=-1)
+
+
+def test_engine_arguments_are_checked(hf):
+    engine = small_engine(hf)
+    for kwargs, error, message in [
+            (dict(seed=-1), ValueError, r"seed=-1 must lie in \[0, inf\]"),
+            (dict(seed="abc"), TypeError, r"seed='abc' must be an int"),
+            (dict(record_logits="yes"), TypeError, r"record_logits='yes' must be a bool"),
+            (dict(step_callback=3), TypeError, r"step_callback=3 must be callable"),
+            (dict(default_termination_id=1.5), TypeError,
+             r"default_termination_id=1.5 must be an int")]:
+        with pytest.raises(error, match=message):
+            Engine(engine.model, engine.context, **kwargs)
