@@ -31,7 +31,6 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests" / "context"))
 
 import torch  # noqa: E402
-
 from state_machine import CONFIGS, ContextDriver  # noqa: E402
 
 # Relative weights of the engine's actions per iteration (a step is the common case).

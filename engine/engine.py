@@ -39,12 +39,18 @@ from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Sequenc
 import numpy as np
 import torch
 
-from dynctx.context import (DynamicInferenceContext, DynamicInferenceRequest, SamplingParams)
+from dynctx.context import DynamicInferenceContext, DynamicInferenceRequest, SamplingParams
 
 from .sampling import sample
 from .scheduler import Admission, Scheduler
-from .validation import (check_int, check_prompts, check_sampling_params, checked_request,
-                         prompt_tensor, vocab_limit)
+from .validation import (
+    check_int,
+    check_prompts,
+    check_sampling_params,
+    checked_request,
+    prompt_tensor,
+    vocab_limit,
+)
 
 StepCallback = Callable[["StepResult"], None]
 
@@ -173,9 +179,7 @@ class _Entry:
 
 
 def _transformers_adapters() -> Dict[str, Callable[..., Any]]:
-    from dynctx.models import DeepseekV2Adapter, LlamaAdapter
-
-    from dynctx.models import NemotronHAdapter
+    from dynctx.models import DeepseekV2Adapter, LlamaAdapter, NemotronHAdapter
 
     return {"NemotronHForCausalLM": NemotronHAdapter.from_transformers,
             "LlamaForCausalLM": LlamaAdapter.from_transformers,
@@ -430,6 +434,17 @@ class Engine:
                     "prefill is disabled")
         return None
 
+    def unfinished_request_ids(self) -> List[int]:
+        """Ids of the requests queued (pending arrival or waiting) or running, sorted."""
+        return sorted(self._entries)
+
+    @property
+    def undelivered_results(self) -> List[RequestResult]:
+        """Finished results not yet returned by a completed ``step()`` (after a step whose
+        callback or metrics writer raised, or a batch call that raised); the next ``step()``
+        returns them."""
+        return list(self._undelivered)
+
     def has_unfinished_requests(self) -> bool:
         """Requests queued or running, or finished results not yet returned by a step."""
         return bool(self._undelivered or self.scheduler.has_work()
@@ -679,8 +694,8 @@ class Engine:
             try:
                 self.step_callback(result)
             except BaseException as error:
-                if deferred is not None:
-                    error.add_note(f"the context's metrics_writer raised too: {deferred!r}")
+                if deferred is not None and error.__context__ is None:
+                    error.__context__ = deferred  # the metrics writer raised first
                 raise
         if deferred is not None:
             raise deferred

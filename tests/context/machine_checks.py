@@ -17,6 +17,9 @@ from typing import List, Optional
 
 import numpy as np
 import torch
+from helpers import FIELD_NAMES
+from machine_model import VOCAB, Tracked, Violation, expected_metadata, require
+from machine_patterns import Patterns
 
 from dynctx.context.dynamic_context import (
     FIELD_BLOCKS,
@@ -27,10 +30,6 @@ from dynctx.context.dynamic_context import (
     FIELD_OUTPUT,
     FIELD_QUERY,
 )
-
-from helpers import FIELD_NAMES
-from machine_model import VOCAB, Tracked, Violation, expected_metadata, require
-from machine_patterns import Patterns
 
 
 class InvariantChecks(Patterns):

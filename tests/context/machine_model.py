@@ -15,14 +15,13 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 import torch
+from helpers import GIB
 
 from dynctx.context import (
     DynamicInferenceContext,
     DynamicInferenceRequest,
     MambaInferenceStateConfig,
 )
-
-from helpers import GIB
 
 VOCAB = 1000                 # token ids of prompts and samples lie in [0, VOCAB)
 TERMINATION_BASE = 10 ** 6   # termination ids are never sampled

@@ -12,7 +12,6 @@ import math
 from typing import Tuple
 
 import numpy as np
-
 from machine_model import _EXACT
 
 

@@ -42,6 +42,22 @@ from typing import Dict, List, Optional
 
 import numpy as np
 import torch
+from helpers import assert_same, snapshot
+from machine_checks import InvariantChecks
+from machine_model import (  # noqa: F401 (re-exported for the test and the soak)
+    _POISON,
+    CI_CONFIGS,
+    CONFIGS,
+    HYBRID_LAYERS,
+    VOCAB,
+    WAITING_LIMIT,
+    MachineConfig,
+    Tracked,
+    Violation,
+    expected_metadata,
+    require,
+    sample_token,
+)
 
 from dynctx.context import (
     BlockOverflowError,
@@ -54,23 +70,6 @@ from dynctx.context import (
 )
 from dynctx.context.dynamic_context import FIELD_MAMBA_SLOT
 from dynctx.engine.scheduler import Admission, Scheduler
-
-from helpers import assert_same, snapshot
-from machine_checks import InvariantChecks
-from machine_model import (  # noqa: F401 (re-exported for the test and the soak)
-    CI_CONFIGS,
-    CONFIGS,
-    HYBRID_LAYERS,
-    VOCAB,
-    WAITING_LIMIT,
-    _POISON,
-    MachineConfig,
-    Tracked,
-    Violation,
-    expected_metadata,
-    require,
-    sample_token,
-)
 
 
 class ContextDriver(InvariantChecks):
@@ -168,8 +167,9 @@ class ContextDriver(InvariantChecks):
         try:
             ctx.add_request(t.req, arg)
         except Exception as error:  # noqa: BLE001 - any unexpected error is a violation
-            require(type(error) in expected, lambda: f"add_request(id={t.rid}, chunk={arg}, "
-                    f"prompt={len(t.prompt)}, gen={t.gen}) raised {error!r}; expected "
+            raised = error
+            require(type(raised) in expected, lambda: f"add_request(id={t.rid}, chunk={arg}, "
+                    f"prompt={len(t.prompt)}, gen={t.gen}) raised {raised!r}; expected "
                     f"{sorted(e.__name__ for e in expected) or 'success'}")
             try:
                 assert_same(before, snapshot(ctx))

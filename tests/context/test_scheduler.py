@@ -6,11 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from dynctx.context import DynamicInferenceRequest
-from dynctx.engine.scheduler import Admission, ChunkStalled, Scheduler
-
 from helpers import make_ctx, request
+
+from dynctx.engine.scheduler import Admission, ChunkStalled, Scheduler
 
 
 def requests(*lengths) -> dict:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import add, assert_same, make_ctx, request, snapshot
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -17,8 +18,6 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
-
-from helpers import add, assert_same, make_ctx, request, snapshot
 from state_machine import CI_CONFIGS, ContextDriver, MachineConfig
 
 # Deterministic and sized for CI (the six configurations, two of them hybrids, together take

@@ -16,12 +16,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from e2e_helpers import build_engine, greedy_requests, hf_greedy, make_prompts, tiny_llama
 
 from dynctx.context import DynamicInferenceRequest, SamplingParams
 from dynctx.engine import Engine
 from dynctx.engine.engine import DEFAULT_HISTORY_WINDOW
 from dynctx.engine.sampling import sample
-from e2e_helpers import build_engine, greedy_requests, hf_greedy, make_prompts, tiny_llama
 
 VOCAB = 256
 PROMPT_LENGTHS = [5, 23, 9, 40]
@@ -56,10 +56,10 @@ def state(engine: Engine) -> dict:
     """The engine's queue, requests and undelivered results, and the context's rows and
     allocator: what a refused call must leave unchanged."""
     ctx = engine.context
-    engine_side = dict(queued=engine.scheduler.queued_ids(), entries=sorted(engine._entries),
-                       undelivered=[r.request_id for r in engine._undelivered],
-                       step=engine.step_count, next_id=engine._next_request_id,
-                       suspended=engine.suspended)
+    engine_side = dict(queued=engine.scheduler.queued_ids(),
+                       unfinished=engine.unfinished_request_ids(),
+                       undelivered=[r.request_id for r in engine.undelivered_results],
+                       step=engine.step_count, suspended=engine.suspended)
     if not ctx.is_tensor_state_allocated:
         return engine_side
     T = ctx.total_request_count
@@ -97,10 +97,10 @@ def assert_greedy(results, greedy, ids=None):
 
 # ------------------------------------------------------------------ refused at add_request
 BAD_REQUESTS = [
-    pytest.param(lambda p: request(-1, p), ValueError, r"request_id=-1 must lie in \[0, 2147483647\]",
-                 id="id_negative"),
-    pytest.param(lambda p: request(2 ** 40, p), ValueError, r"request_id=1099511627776 .*2147483647",
-                 id="id_2_40"),
+    pytest.param(lambda p: request(-1, p), ValueError,
+                 r"request_id=-1 must lie in \[0, 2147483647\]", id="id_negative"),
+    pytest.param(lambda p: request(2 ** 40, p), ValueError,
+                 r"request_id=1099511627776 .*2147483647", id="id_2_40"),
     pytest.param(lambda p: request(True, p), TypeError, r"request_id=True must be an int",
                  id="id_bool"),
     pytest.param(lambda p: request(0, p), ValueError, r"request_id=0 is already in use",
@@ -112,7 +112,8 @@ BAD_REQUESTS = [
                  r"termination_id=1180591620717411303424 must lie in .*9223372036854775807",
                  id="termination_2_70"),
     pytest.param(lambda p: request(50, [3, -1, 4]), ValueError,
-                 r"prompt_tokens\[1\]=-1 is outside the vocabulary \[0, 256\)", id="token_negative"),
+                 r"prompt_tokens\[1\]=-1 is outside the vocabulary \[0, 256\)",
+                 id="token_negative"),
     pytest.param(lambda p: request(50, [3, VOCAB, 4]), ValueError,
                  r"prompt_tokens\[1\]=256 is outside the vocabulary \[0, 256\)",
                  id="token_vocab"),
@@ -372,7 +373,7 @@ def test_a_raising_step_callback_loses_no_result(hf, prompts, greedy):
     assert lost and not any(r.request_id in lost for r in results)
     ctx = engine.context
     running = set(ctx.host_request_ids()[:ctx.total_request_count].tolist())
-    assert running <= set(engine._entries) and not running & set(lost)
+    assert running <= set(engine.unfinished_request_ids()) and not running & set(lost)
     retry = engine.step()
     assert [r.request_id for r in retry.finished][:len(lost)] == lost
     assert_greedy(results + retry.finished + engine.run(), greedy)
@@ -406,9 +407,10 @@ def test_a_raising_metrics_writer_leaves_engine_and_context_agreeing(hf, prompts
     assert ctx.metrics_writer is writer
     running = ctx.host_request_ids()[:ctx.total_request_count].tolist()
     # Every request the context holds is one the engine tracks, and every finished one left both.
-    assert set(running) <= set(engine._entries)
-    finished_now = [r.request_id for r in engine._undelivered]
-    assert finished_now and not set(finished_now) & (set(running) | set(engine._entries))
+    assert set(running) <= set(engine.unfinished_request_ids())
+    finished_now = [r.request_id for r in engine.undelivered_results]
+    tracked = set(engine.unfinished_request_ids())
+    assert finished_now and not set(finished_now) & (set(running) | tracked)
     assert_greedy(results + engine.run(), greedy)
 
 
@@ -423,7 +425,7 @@ def test_generate_requests_keeps_collected_results_when_a_step_raises(hf, prompt
     engine = small_engine(hf, step_callback=callback)
     with pytest.raises(RuntimeError, match="stream closed"):
         engine.generate_requests(greedy_requests(prompts, GENS))
-    assert len(engine._undelivered) >= 2, "requests 0 and 1 had finished before the error"
+    assert len(engine.undelivered_results) >= 2, "requests 0 and 1 had finished before the error"
     assert_greedy(engine.run(), greedy)
 
 
