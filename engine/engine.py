@@ -17,7 +17,9 @@ Requests are isolated from each other:
   ``finish_reason="error"`` and a message in ``RequestResult.error``, while every other request
   goes on: one too long for the context (at the next step), one the context refuses when it is
   added, and, when the context has ``validate=True``, one whose logits hold NaN or +inf (NaN
-  never reaches sampling).
+  never reaches sampling). With the context's ``validate`` or ``vocab_size`` set, the model
+  computes every token's logits and the engine picks the last-token rows through the context
+  (whose checks are then made on logits; the LM head also runs on prefill tokens).
 * A ``step_callback`` or the context's ``metrics_writer`` that raises: the step completes first,
   so that the engine and the context agree, and then the error propagates out of ``step()``.
   No result is lost: the finished results of a step that raised stay undelivered, and the next
