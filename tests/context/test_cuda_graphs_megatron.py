@@ -1,0 +1,322 @@
+"""CUDA graph batch dimensions against megatron-core 0.16.1 (the oracle), on the CPU.
+
+1. The ladder: ``build_cuda_graph_ladder`` equals ``CUDAGraphBatchDimensionBuilder.
+   generate_cuda_graph_batch_dimensions_list`` (list, order included, and token counts) over a
+   grid of configurations and a random sample; ``context_cuda_graph_ladder`` and our context's
+   ``cuda_graph_batch_dimensions_list`` / ``cuda_graph_token_counts`` equal those of
+   megatron's context built with the same arguments.
+2. The per-step choice: ``match_cuda_graph`` equals ``match_graph_config`` (strict and not) on
+   random step dimensions; and megatron's context, driven through random workloads with
+   ``num_cuda_graphs`` set, makes at every step the choice (``using_cuda_graph_this_step()``,
+   ``padded_batch_dimensions``, ``padded_active_token_count``, ``padded_active_request_count``)
+   that ``select_step_dimensions`` makes from that step's counts; our context makes the same
+   choices on the same workloads, and the rest of the step-by-step comparison still holds.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import random
+import warnings
+
+import pytest
+
+pytest.importorskip("megatron.core", reason="megatron-core==0.16.1 is a test dependency")
+
+import megatron_oracle as mo  # noqa: E402
+from dynctx.context import DynamicInferenceContext, DynamicInferenceRequest, SamplingParams  # noqa: E402
+from dynctx.context.batch_dimensions import InferenceBatchDimensions as Dims  # noqa: E402
+from dynctx.context.cuda_graphs import (  # noqa: E402
+    build_cuda_graph_ladder,
+    context_cuda_graph_ladder,
+    match_cuda_graph,
+    select_step_dimensions,
+)
+
+OURS_FACTORY = mo.make_request_factory(DynamicInferenceRequest, SamplingParams)
+
+
+@functools.lru_cache(maxsize=None)
+def _megatron_batch_dimensions():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.core.inference import batch_dimensions_utils as mbd
+    return mbd
+
+
+def _t(dims):
+    """Fields of an InferenceBatchDimensions (ours or megatron's) as a tuple."""
+    if dims is None:
+        return None
+    return (dims.token_count, dims.prefill_req_count, dims.decode_req_count,
+            dims.has_explicit_chunked_prefill_req)
+
+
+def _megatron_ladder(kw):
+    mbd = _megatron_batch_dimensions()
+    dims, tokens = mbd.CUDAGraphBatchDimensionBuilder.generate_cuda_graph_batch_dimensions_list(
+        tp_size=kw["tp_size"], num_cuda_graphs=kw["num_cuda_graphs"],
+        cuda_graph_max_tokens=kw["cuda_graph_max_tokens"],
+        cuda_graph_mixed_prefill_count=kw["cuda_graph_mixed_prefill_count"],
+        max_requests=kw["max_requests"], max_tokens=kw["max_tokens"],
+        max_sequence_length=kw["max_sequence_length"],
+        use_cuda_graphs_for_non_decode_steps=kw["use_cuda_graphs_for_non_decode_steps"])
+    return [_t(d) for d in dims], tokens
+
+
+def _ours_ladder(kw):
+    ladder = build_cuda_graph_ladder(**kw)
+    tokens = ladder.cuda_graph_token_counts
+    return [_t(d) for d in ladder], (None if tokens is None else list(tokens))
+
+
+def _grid():
+    for (tp, n, max_requests, tokens_mult, seq, non_decode, mixed, cap) in itertools.product(
+            (1, 2, 3, 8), (None, 0, 1, 2, 5, 16, 300), (1, 4, 13, 64, 256), (1, 3),
+            (1, 2, 100, 4096), (True, False), (None, 0, 1, 16, 48), ("reqs", None, 50)):
+        if not non_decode and mixed not in (None, 16):
+            continue  # mixed counts are ignored without non-decode graphs
+        max_tokens = max_requests * tokens_mult
+        yield dict(tp_size=tp, num_cuda_graphs=n, max_requests=max_requests,
+                   max_tokens=max_tokens, max_sequence_length=seq,
+                   use_cuda_graphs_for_non_decode_steps=non_decode,
+                   cuda_graph_mixed_prefill_count=mixed,
+                   cuda_graph_max_tokens=max_requests if cap == "reqs" else cap)
+
+
+def _random_configs(seed, count):
+    rng = random.Random(seed)
+    for _ in range(count):
+        max_requests = rng.randint(1, 600)
+        yield dict(
+            tp_size=rng.choice([1, 1, 2, 4, 8]), num_cuda_graphs=rng.randint(-2, 80),
+            max_requests=max_requests, max_tokens=max_requests + rng.randint(0, 4000),
+            max_sequence_length=rng.randint(1, 5000),
+            use_cuda_graphs_for_non_decode_steps=rng.random() < 0.8,
+            cuda_graph_mixed_prefill_count=rng.choice([None, -1, 0, rng.randint(1, 64)]),
+            cuda_graph_max_tokens=rng.choice([None, max_requests, rng.randint(-10, 5000)]))
+
+
+@pytest.mark.parametrize("source", ["grid", "random"])
+def test_ladder_equals_megatron(source):
+    configs = list(_grid()) if source == "grid" else list(_random_configs(0, 1500))
+    nonempty = mixed = refused = 0
+    for kw in configs:
+        try:
+            ref = _megatron_ladder(kw)
+        except ValueError:
+            # Megatron's range() gets a zero step when more graphs are asked for than the
+            # decode cap min(cuda_graph_max_tokens, max_requests) has tokens; ours refuses too.
+            refused += 1
+            with pytest.raises(ValueError, match="more than the decode graphs' token cap"):
+                _ours_ladder(kw)
+            continue
+        ours = _ours_ladder(kw)
+        assert ours == ref, f"{kw}:\nours     {ours}\nmegatron {ref}"
+        nonempty += bool(ref[0])
+        mixed += any(d[1] for d in ref[0])
+    # The grid really builds ladders, mixed ones included.
+    assert nonempty > len(configs) // 2 and mixed > len(configs) // 10
+    assert refused < len(configs) // 4
+
+
+CONTEXT_CASES = [
+    dict(num_cuda_graphs=n, max_requests=r, max_tokens=t, use_cuda_graphs_for_non_decode_steps=nd,
+         cuda_graph_mixed_prefill_count=m)
+    for n, r, t, nd, m in [
+        (1, 16, 64, True, 16), (4, 16, 64, True, 4), (16, 16, 64, True, 2), (8, 16, 64, False, 16),
+        (3, 24, 100, True, None), (7, 32, 256, True, 8), (1000, 8, 64, True, 1),
+        (0, 16, 64, True, 16), (None, 16, 64, True, 16),
+    ]
+]
+
+
+@pytest.mark.parametrize("case", CONTEXT_CASES, ids=lambda c: "-".join(map(str, c.values())))
+def test_context_ladder_equals_megatron_context(case):
+    cfg = dict(mo.base_config(total_blocks=65, paused_blocks=8), **case)
+    ref = mo.make_megatron_context(**cfg)
+    ref_dims = [_t(d) for d in ref.cuda_graph_batch_dimensions_list]
+    ladder = context_cuda_graph_ladder(
+        num_cuda_graphs=case["num_cuda_graphs"], max_requests=ref.max_requests,
+        max_tokens=ref.max_tokens, max_sequence_length=ref.max_sequence_length,
+        use_cuda_graphs_for_non_decode_steps=case["use_cuda_graphs_for_non_decode_steps"],
+        cuda_graph_mixed_prefill_count=case["cuda_graph_mixed_prefill_count"])
+    assert [_t(d) for d in ladder] == ref_dims
+    tokens = ladder.cuda_graph_token_counts
+    assert (None if tokens is None else list(tokens)) == ref.cuda_graph_token_counts
+    ours = DynamicInferenceContext(**cfg, device="cpu")
+    assert [_t(d) for d in ours.cuda_graph_batch_dimensions_list] == ref_dims
+    assert ours.cuda_graph_token_counts == ref.cuda_graph_token_counts
+
+
+def test_match_equals_megatron_on_random_steps():
+    mbd = _megatron_batch_dimensions()
+    rng = random.Random(3)
+    kinds = {"graph": 0, "eager": 0, "strict-differs": 0}
+    for kw in itertools.islice(_random_configs(5, 10_000), 120):
+        kw["cuda_graph_max_tokens"] = kw["max_requests"]  # the context's cap
+        ladder = build_cuda_graph_ladder(**kw)
+        ref_list = [mbd.InferenceBatchDimensions(*_t(d)) for d in ladder]
+        cap = max(1, min(kw["max_requests"], max(kw["max_tokens"], 1)))
+        for _ in range(40):
+            prefill = rng.choice([0, 0, 1, 2, rng.randint(0, cap)])
+            decode = rng.randint(0 if prefill else 1, max(1, cap - prefill))
+            tokens = decode + prefill * rng.randint(1, 8)
+            chunked = prefill > 0 and rng.random() < 0.1
+            step = Dims(tokens, prefill, decode, chunked)
+            ref_step = mbd.InferenceBatchDimensions(*_t(step))
+            loose = None
+            for strict in (False, True):
+                ours = match_cuda_graph(step, ladder.cuda_graph_batch_dimensions_list,
+                                        strict=strict)
+                ref = mbd.CUDAGraphBatchDimensionBuilder.match_graph_config(
+                    ref_step, ref_list, strict=strict)
+                assert _t(ours) == _t(ref), (kw, step, strict)
+                kinds["graph" if ours is not None else "eager"] += 1
+                if strict:
+                    kinds["strict-differs"] += _t(ours) != loose
+                loose = _t(ours)
+    assert min(kinds.values()) > 20, kinds
+
+
+# ------------------------------------------------------------------------------------------
+# Random workloads: the per-step choice, as megatron's context makes it
+# ------------------------------------------------------------------------------------------
+
+
+class _Recorder:
+    """Forwards everything to a context and records its graph choice after every
+    ``initialize_attention_state``."""
+
+    def __init__(self, ctx):
+        object.__setattr__(self, "_ctx", ctx)
+        object.__setattr__(self, "choices", [])
+
+    def __getattr__(self, name):
+        value = getattr(self._ctx, name)
+        if name != "initialize_attention_state":
+            return value
+
+        def initialize_attention_state(*args, **kwargs):
+            out = value(*args, **kwargs)
+            ctx = self._ctx
+            self.choices.append(dict(
+                batch=_t(ctx.batch_dimensions), padded=_t(ctx.padded_batch_dimensions),
+                graph=bool(ctx.using_cuda_graph_this_step()),
+                padded_tokens=int(ctx.padded_active_token_count),
+                padded_requests=int(ctx.padded_active_request_count)))
+            return out
+
+        return initialize_attention_state
+
+    def __setattr__(self, name, value):
+        setattr(self._ctx, name, value)
+
+
+GRAPH_SETTINGS = {
+    "decode-only-4": dict(num_cuda_graphs=4, use_cuda_graphs_for_non_decode_steps=False),
+    "mixed2-16": dict(num_cuda_graphs=16, cuda_graph_mixed_prefill_count=2),
+    "mixed4-3-r24-t100": dict(num_cuda_graphs=3, cuda_graph_mixed_prefill_count=4,
+                              max_requests=24, max_tokens=100),
+    "default-mixed16-8": dict(num_cuda_graphs=8),
+    "mixed1-1-r32-t128": dict(num_cuda_graphs=1, cuda_graph_mixed_prefill_count=1,
+                              max_requests=32, max_tokens=128),
+}
+
+
+def _workloads():
+    for i, (name, setting) in enumerate(GRAPH_SETTINGS.items()):
+        for seed in (i, 10 + i):
+            base = mo.generate_workload(seed, n_requests=18, total_blocks=48, paused_blocks=8,
+                                        max_prompt=70, arrival_span=10)
+            if seed % 2:
+                base = mo.workload_long_prompts(seed)
+            yield mo.Workload(f"{name}-{base.name}", dict(base.config, **setting), base.requests,
+                              base.stop_per_mille)
+
+
+WORKLOADS = {w.name: w for w in _workloads()}
+
+
+@functools.lru_cache(maxsize=None)
+def _run(name, side):
+    workload = WORKLOADS[name]
+    if side == "megatron":
+        ctx = _Recorder(mo.make_megatron_context(**workload.config))
+        factory = mo.megatron_request_factory
+    else:
+        ctx = _Recorder(DynamicInferenceContext(**workload.config, device="cpu"))
+        factory = OURS_FACTORY
+    records = mo.run_workload(ctx, workload, request_factory=factory)
+    return ctx, records
+
+
+def _expected(ctx, choice):
+    """``select_step_dimensions`` applied to a recorded step's real counts."""
+    return select_step_dimensions(
+        Dims(*choice["batch"]), ctx.cuda_graph_batch_dimensions_list,
+        strict=bool(ctx.is_hybrid_model), max_requests=int(ctx.max_requests),
+        max_tokens=int(ctx.max_tokens), tp_size=1)
+
+
+@pytest.mark.parametrize("name", list(WORKLOADS))
+def test_step_choice_equals_megatron_context(name):
+    ref, _ = _run(name, "megatron")
+    assert ref.choices
+    for step, choice in enumerate(ref.choices):
+        want = _expected(ref, choice)
+        got_padded = want.padded_batch_dimensions
+        ref_padded = choice["padded"]
+        if not choice["graph"] and ref_padded[1] > 0:
+            # Megatron's eager prefill padding is not capped at max_tokens; ours is
+            # (docs/SEMANTICS.md §15.11, test_eager_prefill_padding_capped_at_max_tokens).
+            ref_padded = (min(ref_padded[0], int(ref.max_tokens)),) + ref_padded[1:]
+        assert (want.using_cuda_graph_this_step, _t(got_padded)) == (choice["graph"], ref_padded), (
+            name, step, choice)
+        assert want.padded_active_request_count == choice["padded_requests"]
+        assert min(want.padded_active_token_count, int(ref.max_tokens)) == min(
+            choice["padded_tokens"], int(ref.max_tokens))
+
+
+def test_workloads_exercise_every_kind_of_choice():
+    # No decode-only step runs eager at tp 1: the top decode graph has max_requests slots.
+    counts = {"decode-graph": 0, "mixed-graph": 0, "eager-prefill": 0,
+              "decodes-in-prefill-slots": 0}
+    for name in WORKLOADS:
+        ref, _ = _run(name, "megatron")
+        for choice in ref.choices:
+            batch, padded = choice["batch"], choice["padded"]
+            if choice["graph"]:
+                counts["mixed-graph" if padded[1] else "decode-graph"] += 1
+                counts["decodes-in-prefill-slots"] += batch[2] > padded[2]
+            else:
+                assert batch[1], (name, choice)
+                counts["eager-prefill"] += 1
+    assert min(counts.values()) >= 3, counts
+
+
+@pytest.mark.parametrize("name", list(WORKLOADS))
+def test_our_context_chooses_as_megatron(name):
+    """Ours, with the same graphs, makes megatron's choice at every step; and the whole
+    step-by-step comparison (lengths, positions, blocks, pauses, evictions) still holds."""
+    ref, ref_records = _run(name, "megatron")
+    ours, our_records = _run(name, "ours")
+    assert len(ours.choices) == len(ref.choices)
+    for step, (a, b) in enumerate(zip(ours.choices, ref.choices)):
+        assert a["batch"] == b["batch"], (name, step)
+        assert a["graph"] == b["graph"], (name, step, a, b)
+        if a["graph"]:
+            assert a == b, (name, step)
+        else:
+            want = _expected(ours, a)
+            assert (a["padded"], a["padded_tokens"], a["padded_requests"]) == (
+                _t(want.padded_batch_dimensions), want.padded_active_token_count,
+                want.padded_active_request_count), (name, step)
+    fields = tuple(f for f in mo.COMPARED_FIELDS
+                   if f not in ("newly_paused_ids", "padded_active_token_count"))
+    diffs = mo.compare_records(our_records, ref_records, fields=fields)
+    assert not diffs, "\n".join(map(str, diffs[:12]))
+    for a, b in zip(our_records, ref_records):
+        assert a.padded_active_token_count == min(b.padded_active_token_count,
+                                                  int(ref.max_tokens)), (name, a.step)
