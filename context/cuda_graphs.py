@@ -45,6 +45,7 @@ __all__ = [
     "eager_padded_dimensions",
     "select_step_dimensions",
     "attention_batch_dimensions",
+    "graph_attention_maxima",
     "dummy_request_plan",
 ]
 
@@ -323,6 +324,17 @@ def select_step_dimensions(step: InferenceBatchDimensions,
         padded = graph
     return StepBatchDimensions(step, padded, graph is not None,
                                attention_batch_dimensions(step, graph))
+
+
+def graph_attention_maxima(padded: InferenceBatchDimensions,
+                           max_sequence_length: int) -> Tuple[int, int]:
+    """``(max_seqlen_q, max_seqlen_k)`` as Megatron's graphed attention metadata reports them
+    for a step in graph ``padded``: static per graph, so a captured forward can bake them in.
+    ``max_seqlen_q`` is 1 for a decode-only graph, else ``max(2, token_count)`` (the prefill
+    kernel is always the one launched); ``max_seqlen_k`` is ``max_sequence_length``. An eager
+    step reports the real maxima instead."""
+    max_q = 1 if padded.prefill_req_count == 0 else max(2, padded.token_count)
+    return max_q, max_sequence_length
 
 
 def dummy_request_plan(graph: InferenceBatchDimensions) -> Tuple[int, List[int]]:

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import itertools
 import random
+import warnings
 
 import pytest
+import torch
 
 from dynctx.context.batch_dimensions import InferenceBatchDimensions as Dims
 from dynctx.context.cuda_graphs import (
@@ -19,6 +21,7 @@ from dynctx.context.cuda_graphs import (
     cuda_graph_token_counts,
     dummy_request_plan,
     eager_padded_dimensions,
+    graph_attention_maxima,
     graph_fits_step,
     is_valid_graph_dimensions,
     match_cuda_graph,
@@ -250,3 +253,100 @@ def test_every_context_graph_has_a_dummy_plan():
             decode, prefills = dummy_request_plan(graph)
             assert decode + sum(prefills) == graph.token_count
             assert all(0 < n <= kw["max_sequence_length"] for n in prefills)
+
+
+def test_graph_attention_maxima():
+    assert graph_attention_maxima(Dims(16, 0, 16), 4096) == (1, 4096)
+    assert graph_attention_maxima(Dims(16, 4, 12), 4096) == (16, 4096)
+    assert graph_attention_maxima(Dims(1, 1, 0), 64) == (2, 64)
+
+
+# ------------------------------------------------------------------------------------------
+# The context: the ladder at construction, the choice in initialize_attention_state
+# ------------------------------------------------------------------------------------------
+
+
+def _small_context(**overrides):
+    from helpers import make_ctx
+
+    return make_ctx(**overrides)
+
+
+def _small_hybrid(**overrides):
+    from dynctx.context import DynamicInferenceContext, MambaInferenceStateConfig
+    from helpers import GIB
+
+    block_bytes = 4 * 2 * 1 * 4 * 2 * 8 + 4 * (24 + 30)  # one KV block + one Mamba state
+    args = dict(params_dtype=torch.float32, num_layers=4, kv_channels=8, num_attention_heads=2,
+                max_sequence_length=64, buffer_size_gb=40 * block_bytes / GIB,
+                paused_buffer_size_gb=8 * block_bytes / GIB, block_size_tokens=4,
+                max_tokens=64, max_requests=8, unified_memory_level=0, device="cpu",
+                mamba_inference_state_config=MambaInferenceStateConfig(
+                    ("M", "-", "*", "-"), (6, 4), (2, 3, 5)))
+    args.update(overrides)
+    return DynamicInferenceContext(**args)
+
+
+def test_context_builds_the_ladder_without_warning():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ctx = _small_context(num_cuda_graphs=2, cuda_graph_mixed_prefill_count=2,
+                             max_requests=16)
+    assert ctx.num_cuda_graphs == 2
+    # Capped at max_requests = 16 tokens, 2 graphs: token counts 16 and 8.
+    assert ctx.cuda_graph_batch_dimensions_list == [
+        Dims(16, 16, 0), Dims(8, 8, 0), Dims(16, 2, 14), Dims(8, 2, 6), Dims(16, 0, 16),
+        Dims(8, 0, 8)]
+    assert ctx.cuda_graph_token_counts == [16, 8]
+    plain = _small_context()
+    assert plain.cuda_graph_batch_dimensions_list == [] and plain.cuda_graph_token_counts is None
+    with pytest.raises(TypeError, match="num_cuda_graphs=2.5 must be an int"):
+        _small_context(num_cuda_graphs=2.5)
+
+
+def _one_prefill_seven_decodes(ctx):
+    """Step 1: seven 1-token prefills; step 2: one 1-token prefill and seven decodes."""
+    from helpers import add, request, step
+
+    for rid in range(7):
+        add(ctx, request(rid, 1))
+    step(ctx)
+    add(ctx, request(7, 1))
+    ctx.initialize_attention_state()
+
+
+@pytest.mark.parametrize("hybrid", [False, True], ids=["attention", "hybrid"])
+def test_context_step_runs_in_the_matching_graph(hybrid):
+    make = _small_hybrid if hybrid else _small_context
+    ctx = make(num_cuda_graphs=2, cuda_graph_mixed_prefill_count=2, max_requests=16)
+    _one_prefill_seven_decodes(ctx)
+    assert ctx.batch_dimensions == Dims(8, 1, 7)
+    assert ctx.using_cuda_graph_this_step()
+    # Non-strict: (8, 2, 6) takes the seventh decode in a prefill slot; a hybrid's decodes need
+    # decode slots (strict), so it runs in (16, 2, 14).
+    want = Dims(16, 2, 14) if hybrid else Dims(8, 2, 6)
+    assert ctx.padded_batch_dimensions == want
+    assert ctx.padded_active_token_count == want.token_count
+    assert ctx.padded_active_request_count == want.req_count
+    ids, pos = ctx.current_input_and_position_ids()
+    assert ids.shape == pos.shape == (1, want.token_count)
+    # Padding tokens write to the dummy block at position 0; padding rows have no tokens.
+    pad = slice(8, want.token_count)
+    assert torch.all(ctx.token_to_block_idx[pad] == ctx.block_allocator.dummy_block_idx)
+    assert torch.all(ctx.token_to_pos_ids[pad] == 0)
+    meta = ctx.active_attn_metadata
+    assert meta.query_lengths.tolist() == [1] * 8 + [0] * (want.req_count - 8)
+    assert meta.cu_query_seq_lengths.tolist()[-1] == 8
+    if hybrid:
+        mamba = ctx.mamba_metadata
+        assert mamba.batch_indices_decode.shape[0] == want.decode_req_count
+        assert mamba.batch_indices_prefill.shape[0] == want.prefill_req_count
+        assert mamba.batch_indices_decode[7:].tolist() == [-1] * 7
+
+
+def test_context_without_graphs_pads_eagerly():
+    ctx = _small_context(max_requests=16)
+    _one_prefill_seven_decodes(ctx)
+    assert not ctx.using_cuda_graph_this_step()
+    assert ctx.padded_batch_dimensions == Dims(64, 1, 7)
+    assert ctx.padded_active_request_count == 8

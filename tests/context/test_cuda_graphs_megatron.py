@@ -30,6 +30,7 @@ from dynctx.context.batch_dimensions import InferenceBatchDimensions as Dims  # 
 from dynctx.context.cuda_graphs import (  # noqa: E402
     build_cuda_graph_ladder,
     context_cuda_graph_ladder,
+    graph_attention_maxima,
     match_cuda_graph,
     select_step_dimensions,
 )
@@ -313,10 +314,18 @@ def test_our_context_chooses_as_megatron(name):
             assert (a["padded"], a["padded_tokens"], a["padded_requests"]) == (
                 _t(want.padded_batch_dimensions), want.padded_active_token_count,
                 want.padded_active_request_count), (name, step)
-    fields = tuple(f for f in mo.COMPARED_FIELDS
-                   if f not in ("newly_paused_ids", "padded_active_token_count"))
+    # max_seqlen_q/k: on graph steps megatron's graphed metadata reports static maxima
+    # (graph_attention_maxima); ours still runs eager and reports the real ones.
+    fields = tuple(f for f in mo.COMPARED_FIELDS if f not in (
+        "newly_paused_ids", "padded_active_token_count", "max_seqlen_q", "max_seqlen_k"))
     diffs = mo.compare_records(our_records, ref_records, fields=fields)
     assert not diffs, "\n".join(map(str, diffs[:12]))
-    for a, b in zip(our_records, ref_records):
+    for a, b, choice in zip(our_records, ref_records, ref.choices):
         assert a.padded_active_token_count == min(b.padded_active_token_count,
                                                   int(ref.max_tokens)), (name, a.step)
+        maxima = (b.max_seqlen_q, b.max_seqlen_k)
+        if choice["graph"]:
+            assert maxima == graph_attention_maxima(Dims(*choice["padded"]),
+                                                    int(ref.max_sequence_length)), (name, a.step)
+        else:
+            assert (a.max_seqlen_q, a.max_seqlen_k) == maxima, (name, a.step)
