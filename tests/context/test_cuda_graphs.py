@@ -350,3 +350,32 @@ def test_context_without_graphs_pads_eagerly():
     assert not ctx.using_cuda_graph_this_step()
     assert ctx.padded_batch_dimensions == Dims(64, 1, 7)
     assert ctx.padded_active_request_count == 8
+
+
+def test_docs_semantics_worked_examples():
+    """docs/SEMANTICS.md §6.2-§6.3: the 42-entry ladder, the engine test's ladders at
+    max_requests 80, and the matching examples."""
+    ladder = context_cuda_graph_ladder(num_cuda_graphs=16, max_requests=448, max_tokens=8192,
+                                       max_sequence_length=512)
+    assert ladder.cuda_graph_token_counts == tuple(range(448, 0, -32))
+    assert len(ladder) == 42
+    sizes = range(32, 449, 32)
+    assert set(ladder) == ({Dims(s, s, 0) for s in sizes} | {Dims(s, 16, s - 16) for s in sizes}
+                           | {Dims(s, 0, s) for s in sizes})
+    decode_only = context_cuda_graph_ladder(num_cuda_graphs=16, max_requests=448,
+                                            max_tokens=8192, max_sequence_length=512,
+                                            use_cuda_graphs_for_non_decode_steps=False)
+    assert list(decode_only) == [Dims(s, 0, s) for s in reversed(sizes)]
+    for n, counts in ((0, [80]), (1, [80]), (2, [80, 40]), (4, [80, 72, 48, 24]),
+                      (8, [80, 64, 48, 32, 16]), (16, list(range(80, 0, -8))),
+                      (32, list(range(80, 0, -8)))):
+        got = context_cuda_graph_ladder(num_cuda_graphs=n, max_requests=80, max_tokens=8192,
+                                        max_sequence_length=512)
+        assert list(got.cuda_graph_token_counts) == counts, n
+    graphs = ladder.cuda_graph_batch_dimensions_list
+    assert match_cuda_graph(Dims(37, 0, 37), graphs) == Dims(64, 0, 64)
+    assert match_cuda_graph(Dims(100, 2, 30), graphs) == Dims(128, 16, 112)
+    assert match_cuda_graph(Dims(40, 20, 10), graphs) == Dims(64, 64, 0)
+    assert match_cuda_graph(Dims(40, 20, 10), graphs, strict=True) is None
+    assert match_cuda_graph(Dims(449, 0, 449), graphs) is None
+    assert match_cuda_graph(Dims(449, 3, 10), graphs) is None

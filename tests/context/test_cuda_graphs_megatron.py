@@ -25,7 +25,12 @@ import pytest
 pytest.importorskip("megatron.core", reason="megatron-core==0.16.1 is a test dependency")
 
 import megatron_oracle as mo  # noqa: E402
-from dynctx.context import DynamicInferenceContext, DynamicInferenceRequest, SamplingParams  # noqa: E402
+from dynctx.context import (  # noqa: E402
+    DynamicInferenceContext,
+    DynamicInferenceRequest,
+    MambaInferenceStateConfig,
+    SamplingParams,
+)
 from dynctx.context.batch_dimensions import InferenceBatchDimensions as Dims  # noqa: E402
 from dynctx.context.cuda_graphs import (  # noqa: E402
     build_cuda_graph_ladder,
@@ -237,17 +242,45 @@ def _workloads():
                               base.stop_per_mille)
 
 
+def _hybrid_workloads():
+    """Hybrid (Mamba) workloads: megatron matches strictly, and runs eager whenever the engine
+    flags an explicit chunked prefill (every chunk of a chunked prompt on a hybrid)."""
+    from megatron.core.inference.contexts.attention_context.mamba_metadata import (
+        MambaInferenceStateConfig as MegatronMambaConfig,
+    )
+
+    mamba = dict(num_layers=4, mamba_inference_state_config=MegatronMambaConfig(
+        ["M", "-", "*", "-"], (6, 4), (2, 3, 5)))
+    # Short prompts arriving over time: prefill steps of a few tokens among many decodes,
+    # where strict and non-strict matching part.
+    for seed, setting, prompt in ((3, dict(num_cuda_graphs=8, cuda_graph_mixed_prefill_count=2),
+                                   70),
+                                  (6, dict(num_cuda_graphs=4, cuda_graph_mixed_prefill_count=4),
+                                   3)):
+        base = mo.generate_workload(seed, n_requests=20, total_blocks=48, paused_blocks=8,
+                                    max_prompt=prompt, arrival_span=30)
+        yield mo.Workload(f"hybrid-{seed}", dict(base.config, **mamba, **setting), base.requests,
+                          base.stop_per_mille)
+
+
 WORKLOADS = {w.name: w for w in _workloads()}
+HYBRID_WORKLOADS = {w.name: w for w in _hybrid_workloads()}
 
 
 @functools.lru_cache(maxsize=None)
 def _run(name, side):
-    workload = WORKLOADS[name]
+    workload = WORKLOADS.get(name) or HYBRID_WORKLOADS[name]
     if side == "megatron":
         ctx = _Recorder(mo.make_megatron_context(**workload.config))
         factory = mo.megatron_request_factory
     else:
-        ctx = _Recorder(DynamicInferenceContext(**workload.config, device="cpu"))
+        config = dict(workload.config)
+        mamba = config.get("mamba_inference_state_config")
+        if mamba is not None:  # megatron's config class -> ours
+            config["mamba_inference_state_config"] = MambaInferenceStateConfig(
+                tuple(mamba.layer_type_list), tuple(mamba.mamba_conv_states_shape),
+                tuple(mamba.mamba_ssm_states_shape))
+        ctx = _Recorder(DynamicInferenceContext(**config, device="cpu"))
         factory = OURS_FACTORY
     records = mo.run_workload(ctx, workload, request_factory=factory)
     return ctx, records
@@ -261,7 +294,7 @@ def _expected(ctx, choice):
         max_tokens=int(ctx.max_tokens), tp_size=1)
 
 
-@pytest.mark.parametrize("name", list(WORKLOADS))
+@pytest.mark.parametrize("name", list(WORKLOADS) + list(HYBRID_WORKLOADS))
 def test_step_choice_equals_megatron_context(name):
     ref, _ = _run(name, "megatron")
     assert ref.choices
@@ -329,3 +362,46 @@ def test_our_context_chooses_as_megatron(name):
                                                     int(ref.max_sequence_length)), (name, a.step)
         else:
             assert (a.max_seqlen_q, a.max_seqlen_k) == maxima, (name, a.step)
+
+
+def test_hybrid_workloads_exercise_the_strict_choice():
+    """On the hybrids, megatron's context is strict (``is_hybrid_model``): some steps get a
+    bigger graph than the non-strict rule would give, and flagged chunked steps run eager."""
+    stricter = chunked_eager = graph = 0
+    for name in HYBRID_WORKLOADS:
+        ref, _ = _run(name, "megatron")
+        assert ref.is_hybrid_model
+        for choice in ref.choices:
+            batch = Dims(*choice["batch"])
+            loose = match_cuda_graph(batch, ref.cuda_graph_batch_dimensions_list, strict=False)
+            graph += choice["graph"]
+            stricter += choice["graph"] and _t(loose) != choice["padded"]
+            chunked_eager += batch.has_explicit_chunked_prefill_req and not choice["graph"]
+    assert graph >= 20 and stricter >= 1 and chunked_eager >= 3, (graph, stricter, chunked_eager)
+
+
+@pytest.mark.parametrize("name", list(HYBRID_WORKLOADS))
+def test_our_hybrid_context_chooses_as_megatron(name):
+    """Ours, strict as a hybrid, makes megatron's choice wherever the two agree on the step's
+    counts. They differ only in the chunked flag of a first chunk: megatron's engine flags
+    every chunk of a chunked prompt on a hybrid, ours marks only continuation chunks (the
+    first chunk starts from zero state like any prefill; README, Hybrid). There ours applies
+    the same rule to its own counts."""
+    ref, ref_records = _run(name, "megatron")
+    ours, our_records = _run(name, "ours")
+    assert len(ours.choices) == len(ref.choices)
+    flag_only = 0
+    for step, (a, b) in enumerate(zip(ours.choices, ref.choices)):
+        if a["batch"] == b["batch"]:
+            assert a == b, (name, step, a, b)
+            continue
+        assert a["batch"][:3] == b["batch"][:3] and b["batch"][3] and not a["batch"][3], (
+            name, step)
+        flag_only += 1
+        want = _expected(ours, a)
+        assert (a["graph"], a["padded"]) == (want.using_cuda_graph_this_step,
+                                             _t(want.padded_batch_dimensions)), (name, step)
+    fields = tuple(f for f in mo.COMPARED_FIELDS if f not in (
+        "newly_paused_ids", "padded_active_token_count", "max_seqlen_q", "max_seqlen_k"))
+    diffs = mo.compare_records(our_records, ref_records, fields=fields)
+    assert not diffs, "\n".join(map(str, diffs[:12]))
