@@ -27,8 +27,8 @@ the step runs eager, padded to the token and request rounders.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from dataclasses import dataclass, field
+from typing import List, NamedTuple, Optional, Sequence, Tuple, Union
 
 from .batch_dimensions import InferenceBatchDimensions
 
@@ -143,12 +143,45 @@ class CUDAGraphLadder:
 
     cuda_graph_batch_dimensions_list: Tuple[InferenceBatchDimensions, ...]
     cuda_graph_token_counts: Optional[Tuple[int, ...]]
+    # The graphs in ascending order (the first that fits is the smallest), and the choices
+    # already made (by ``match`` and ``select_step_dimensions``): a step's counts repeat from
+    # step to step, so choosing is a dict lookup.
+    _ascending: Tuple[InferenceBatchDimensions, ...] = field(
+        init=False, repr=False, compare=False)
+    _choices: dict = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        ascending = tuple(sorted(self.cuda_graph_batch_dimensions_list))
+        object.__setattr__(self, "_ascending", ascending)
+        object.__setattr__(self, "_choices", {})
 
     def __len__(self) -> int:
         return len(self.cuda_graph_batch_dimensions_list)
 
     def __iter__(self):
         return iter(self.cuda_graph_batch_dimensions_list)
+
+    def match(self, step: InferenceBatchDimensions, *,
+              strict: bool = False) -> Optional[InferenceBatchDimensions]:
+        """``match_cuda_graph(step, self, strict=strict)``, remembered per step."""
+        key = (step, strict)
+        try:
+            return self._choices[key]
+        except KeyError:
+            pass
+        best = None
+        for graph in self._ascending:
+            if graph_fits_step(graph, step, strict=strict):
+                best = graph
+                break
+        if len(self._choices) >= _MAX_REMEMBERED_CHOICES:
+            self._choices.clear()
+        self._choices[key] = best
+        return best
+
+
+#: Bound on the choices a ladder remembers (a long run sees few distinct step shapes).
+_MAX_REMEMBERED_CHOICES = 4096
 
 
 def build_cuda_graph_ladder(*, num_cuda_graphs: Optional[int], max_requests: int,
@@ -238,11 +271,13 @@ def context_cuda_graph_ladder(*, num_cuda_graphs: Optional[int], max_requests: i
 
 
 def match_cuda_graph(step: InferenceBatchDimensions,
-                     graphs: Sequence[InferenceBatchDimensions], *,
+                     graphs: Union[CUDAGraphLadder, Sequence[InferenceBatchDimensions]], *,
                      strict: bool = False) -> Optional[InferenceBatchDimensions]:
     """The graph a step runs in (Megatron's ``match_graph_config``, one expert-parallel rank):
     the smallest ``(token_count, prefill_req_count, decode_req_count)`` among those that fit,
-    or None (eager)."""
+    or None (eager). A ``CUDAGraphLadder`` answers from its memory of earlier steps."""
+    if isinstance(graphs, CUDAGraphLadder):
+        return graphs.match(step, strict=strict)
     best = None
     for graph in graphs:
         if graph_fits_step(graph, step, strict=strict) and (best is None or graph < best):
@@ -271,8 +306,7 @@ def eager_padded_dimensions(step: InferenceBatchDimensions, *, max_requests: int
                                     step.decode_req_count, step.has_explicit_chunked_prefill_req)
 
 
-@dataclass(frozen=True)
-class StepBatchDimensions:
+class StepBatchDimensions(NamedTuple):
     """One step's choice, under Megatron's names.
 
     ``attn_batch_dimensions``: the real counts as the attention metadata sees them; in a graph
@@ -306,15 +340,22 @@ def attention_batch_dimensions(step: InferenceBatchDimensions,
 
 
 def select_step_dimensions(step: InferenceBatchDimensions,
-                           graphs: Sequence[InferenceBatchDimensions], *, strict: bool,
-                           max_requests: int, max_tokens: int, tp_size: int = 1,
+                           graphs: Union[CUDAGraphLadder, Sequence[InferenceBatchDimensions]],
+                           *, strict: bool, max_requests: int, max_tokens: int, tp_size: int = 1,
                            token_rounder: int = 64, request_rounder: int = 4
                            ) -> StepBatchDimensions:
     """Megatron's per-step choice in ``initialize_attention_state``: the matching graph's
     dimensions, or the eager padding (``eager_padded_dimensions``) when none fits.
 
-    ``strict``: the context is a hybrid (Mamba) model.
+    ``strict``: the context is a hybrid (Mamba) model. A ``CUDAGraphLadder`` remembers the
+    choice for the step's counts, so a repeated step costs a dict lookup.
     """
+    memo = graphs._choices if isinstance(graphs, CUDAGraphLadder) else None
+    if memo is not None:
+        key = (step, strict, max_requests, max_tokens, tp_size, token_rounder, request_rounder)
+        choice = memo.get(key)
+        if choice is not None:
+            return choice
     graph = match_cuda_graph(step, graphs, strict=strict)
     if graph is None:
         padded = eager_padded_dimensions(step, max_requests=max_requests, max_tokens=max_tokens,
@@ -322,8 +363,13 @@ def select_step_dimensions(step: InferenceBatchDimensions,
                                          request_rounder=request_rounder)
     else:
         padded = graph
-    return StepBatchDimensions(step, padded, graph is not None,
-                               attention_batch_dimensions(step, graph))
+    choice = StepBatchDimensions(step, padded, graph is not None,
+                                 attention_batch_dimensions(step, graph))
+    if memo is not None:
+        if len(memo) >= _MAX_REMEMBERED_CHOICES:
+            memo.clear()
+        memo[key] = choice
+    return choice
 
 
 def graph_attention_maxima(padded: InferenceBatchDimensions,

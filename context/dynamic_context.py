@@ -309,6 +309,7 @@ class DynamicInferenceContext(RotaryMixin, LogitsMixin, UpdateMixin, MambaMixin)
             use_cuda_graphs_for_non_decode_steps=use_cuda_graphs_for_non_decode_steps,
             cuda_graph_mixed_prefill_count=cuda_graph_mixed_prefill_count)
         self.num_cuda_graphs = num_cuda_graphs
+        self._cuda_graph_ladder = ladder
         self.cuda_graph_batch_dimensions_list = list(ladder.cuda_graph_batch_dimensions_list)
         self.cuda_graph_token_counts = (None if ladder.cuda_graph_token_counts is None
                                         else list(ladder.cuda_graph_token_counts))
@@ -923,9 +924,9 @@ class DynamicInferenceContext(RotaryMixin, LogitsMixin, UpdateMixin, MambaMixin)
         self.batch_dimensions = InferenceBatchDimensions(active, prefill, decode, chunked)
         # The CUDA graph that fits, else eager padding capped at max_tokens (cuda_graphs.py).
         choice = select_step_dimensions(
-            self.batch_dimensions, self.cuda_graph_batch_dimensions_list,
-            strict=self.is_hybrid_model, max_requests=self.max_requests,
-            max_tokens=self.max_tokens, tp_size=self.tensor_model_parallel_size,
+            self.batch_dimensions, self._cuda_graph_ladder, strict=self.is_hybrid_model,
+            max_requests=self.max_requests, max_tokens=self.max_tokens,
+            tp_size=self.tensor_model_parallel_size,
             token_rounder=self.TOKEN_ROUNDER, request_rounder=self.REQUEST_ROUNDER)
         self._using_cuda_graph_this_step = choice.using_cuda_graph_this_step
         padded = choice.padded_batch_dimensions

@@ -182,6 +182,12 @@ def test_match_takes_the_smallest_fitting_graph():
         best = match_cuda_graph(step, ladder.cuda_graph_batch_dimensions_list)
         fitting = [g for g in ladder if graph_fits_step(g, step)]
         assert best == (min(fitting) if fitting else None)
+        # The ladder's remembered matching (twice: computed, then looked up) agrees.
+        for _ in range(2):
+            assert match_cuda_graph(step, ladder) == best == ladder.match(step)
+        strict_fitting = [g for g in ladder if graph_fits_step(g, step, strict=True)]
+        assert ladder.match(step, strict=True) == (min(strict_fitting) if strict_fitting
+                                                   else None)
         if best is not None:
             assert best.token_count >= tokens and best.req_count >= step.req_count
 
