@@ -37,6 +37,7 @@ from dynctx.kernels.mla_latent import mla_latent_append
 from dynctx.kernels.step_metadata import step_metadata
 
 from .cuda_graphs import context_cuda_graph_ladder, select_step_dimensions
+from ._graph_capture import GraphCaptureMixin
 from ._fields import (
     _FIELD_RESET,
     _LAYER_SYMBOLS,
@@ -85,7 +86,8 @@ def _positive_int(name: str, value: Any) -> int:
     return int(value)
 
 
-class DynamicInferenceContext(RotaryMixin, LogitsMixin, UpdateMixin, MambaMixin):
+class DynamicInferenceContext(RotaryMixin, LogitsMixin, UpdateMixin, MambaMixin,
+                              GraphCaptureMixin):
     """Paged KV cache plus in-flight batching bookkeeping (Megatron-Core's API).
 
     Args (keyword only, Megatron-Core's names):
@@ -901,11 +903,12 @@ class DynamicInferenceContext(RotaryMixin, LogitsMixin, UpdateMixin, MambaMixin)
 
     def initialize_attention_state(self, *, construct_graph_dimensions: Optional[
             InferenceBatchDimensions] = None) -> None:
-        """Prepare the step's token arrays and attention metadata (eager path)."""
+        """Prepare the step's token arrays and attention metadata (eager path); with
+        ``construct_graph_dimensions`` (an empty context), first add that graph's capture
+        dummies (``add_dummy_requests_for_cudagraph_capture``)."""
         self._check_allocated()
         if construct_graph_dimensions is not None:
-            raise NotImplementedError("construct_graph_dimensions: CUDA graph capture is not "
-                                      "supported yet (dynctx runs eager)")
+            self.add_dummy_requests_for_cudagraph_capture(construct_graph_dimensions)
         P, T = self.paused_request_count, self.total_request_count
         A = T - P
         active = self.active_token_count
@@ -1105,10 +1108,6 @@ class DynamicInferenceContext(RotaryMixin, LogitsMixin, UpdateMixin, MambaMixin)
                                     count_as_prefill: bool = True) -> None:
         raise NotImplementedError("add_dummy_requests_parallel: CUDA graph capture is not "
                                   "supported yet")
-
-    def add_dummy_requests_for_cudagraph_capture(self, graph_dimensions: Any) -> None:
-        raise NotImplementedError("add_dummy_requests_for_cudagraph_capture: CUDA graph capture "
-                                  "is not supported yet")
 
     def __repr__(self) -> str:
         return (f"DynamicInferenceContext(requests {self.total_request_count}/"

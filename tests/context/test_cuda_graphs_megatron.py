@@ -29,7 +29,9 @@ from dynctx.context import (  # noqa: E402
     DynamicInferenceContext,
     DynamicInferenceRequest,
     MambaInferenceStateConfig,
+    RequestOverflowError,
     SamplingParams,
+    TokenOverflowError,
 )
 from dynctx.context.batch_dimensions import InferenceBatchDimensions as Dims  # noqa: E402
 from dynctx.context.cuda_graphs import (  # noqa: E402
@@ -405,3 +407,114 @@ def test_our_hybrid_context_chooses_as_megatron(name):
         "newly_paused_ids", "padded_active_token_count", "max_seqlen_q", "max_seqlen_k"))
     diffs = mo.compare_records(our_records, ref_records, fields=fields)
     assert not diffs, "\n".join(map(str, diffs[:12]))
+
+
+# ------------------------------------------------------------------------------------------
+# Capture dummies: initialize_attention_state(construct_graph_dimensions=graph)
+# ------------------------------------------------------------------------------------------
+
+
+def _capture_state(ctx):
+    """Everything a captured forward reads after ``initialize_attention_state``."""
+    T, n = int(ctx.total_request_count), int(ctx.padded_active_token_count)
+    ints = mo._ints
+    cu_q, max_q = ctx.cu_query_lengths()
+    cu_kv, kv_lens, _ = ctx.cu_kv_lengths()
+    state = dict(
+        batch=_t(ctx.batch_dimensions), padded=_t(ctx.padded_batch_dimensions),
+        graph=bool(ctx.using_cuda_graph_this_step()), requests=T,
+        active_tokens=int(ctx.active_token_count), prefill=int(ctx.num_prefill_requests),
+        padded_tokens=n, padded_requests=int(ctx.padded_active_request_count),
+        ids=ints(ctx.request_ids[:T]), query=ints(ctx.request_query_lengths[:T]),
+        kv_offsets=ints(ctx.request_kv_length_offsets[:T]),
+        output=ints(ctx.request_output_lengths[:T]),
+        block_counts=ints(ctx.request_kv_block_counts[:T]),
+        last_block=ints(ctx.request_last_kv_block_id[:T]),
+        last_offset=ints(ctx.request_last_kv_block_offset[:T]),
+        block_table=ints(ctx.request_to_kv_block_ids[:T]),
+        input_ids=ints(ctx.token_to_input_ids[:n]), positions=ints(ctx.token_to_pos_ids[:n]),
+        token_blocks=ints(ctx.token_to_block_idx[:n]),
+        token_slots=ints(ctx.token_to_local_position_within_kv_block[:n]),
+        cu_query=ints(cu_q[:T + 1]), cu_kv=ints(cu_kv[:T + 1]), kv_lengths=ints(kv_lens[:T]),
+        total_avail=int(ctx.block_allocator.total_avail))
+    if ctx.is_hybrid_model:
+        state["mamba_slots"] = ints(ctx.mamba_metadata.request_to_mamba_state_idx[:T])
+    return state
+
+
+CAPTURE_SETTINGS = {
+    "mixed": dict(num_cuda_graphs=4, cuda_graph_mixed_prefill_count=2),
+    "decode-only": dict(num_cuda_graphs=3, use_cuda_graphs_for_non_decode_steps=False),
+    "hybrid-mixed": dict(num_cuda_graphs=4, cuda_graph_mixed_prefill_count=3, hybrid=True),
+}
+
+
+@pytest.mark.parametrize("setting", list(CAPTURE_SETTINGS))
+def test_capture_dummies_equal_megatron(setting):
+    """For every graph of the ladder: the dummies, the step's dimensions (the graph itself),
+    the tokens, positions, blocks and lengths equal megatron's; no block is allocated; after
+    ``reset()`` both contexts run the same workload identically."""
+    options = dict(CAPTURE_SETTINGS[setting])
+    hybrid = options.pop("hybrid", False)
+    workload = mo.generate_workload(2, n_requests=12, total_blocks=48, paused_blocks=8)
+    config = dict(workload.config, max_requests=16, **options)
+    if hybrid:
+        from megatron.core.inference.contexts.attention_context.mamba_metadata import (
+            MambaInferenceStateConfig as MegatronMambaConfig,
+        )
+
+        layers, conv, ssm = ("M", "-", "*", "-"), (6, 4), (2, 3, 5)
+        config["num_layers"] = 4
+        ref = mo.make_megatron_context(**config, mamba_inference_state_config=MegatronMambaConfig(
+            list(layers), conv, ssm))
+        ours = DynamicInferenceContext(**config, device="cpu",
+                                       mamba_inference_state_config=MambaInferenceStateConfig(
+                                           layers, conv, ssm))
+    else:
+        ref = mo.make_megatron_context(**config)
+        ours = DynamicInferenceContext(**config, device="cpu")
+    graphs = list(ours.cuda_graph_batch_dimensions_list)
+    assert [_t(g) for g in graphs] == [_t(g) for g in ref.cuda_graph_batch_dimensions_list]
+    assert any(g.prefill_req_count for g in graphs) != (setting == "decode-only")
+    free = ours.block_allocator.total_avail
+    mbd = _megatron_batch_dimensions()
+    # The context's ladder has one token per prefill dummy (no graph holds more tokens than
+    # max_requests); shapes given by hand give longer prefills, over several blocks, and the
+    # step then runs in whatever graph fits, or eager.
+    by_hand = [Dims(40, 3, 5), Dims(64, 2, 0), Dims(30, 1, 15), Dims(7, 0, 7)]
+    for graph in graphs + by_hand:
+        ours.initialize_attention_state(construct_graph_dimensions=graph)
+        ref.initialize_attention_state(
+            construct_graph_dimensions=mbd.InferenceBatchDimensions(*_t(graph)))
+        a, b = _capture_state(ours), _capture_state(ref)
+        assert a == b, (setting, str(graph), {k: (a[k], b[k]) for k in a if a[k] != b[k]})
+        assert a["batch"] == _t(graph) and a["total_avail"] == free
+        if graph in graphs:
+            assert a["graph"] and a["padded"] == _t(graph)
+        ours.reset()
+        ref.reset()
+    if not hybrid:
+        records = [mo.run_workload(ctx, workload, request_factory=factory) for ctx, factory in (
+            (ours, OURS_FACTORY), (ref, mo.megatron_request_factory))]
+        fields = tuple(f for f in mo.COMPARED_FIELDS if f not in (
+            "newly_paused_ids", "padded_active_token_count", "max_seqlen_q", "max_seqlen_k"))
+        assert not mo.compare_records(*records, fields=fields)
+
+
+def test_capture_dummies_refuse_what_they_cannot_build():
+    ctx = DynamicInferenceContext(**mo.base_config(total_blocks=33, paused_blocks=8),
+                                  device="cpu", num_cuda_graphs=2)
+    with pytest.raises(ValueError, match="explicit chunked prefill"):
+        ctx.add_dummy_requests_for_cudagraph_capture(Dims(8, 2, 6, True))
+    with pytest.raises(ValueError, match="prefill tokens for 4 prefill requests"):
+        ctx.add_dummy_requests_for_cudagraph_capture(Dims(14, 4, 12))
+    with pytest.raises(TypeError, match="must be an InferenceBatchDimensions"):
+        ctx.add_dummy_requests_for_cudagraph_capture((8, 0, 8))
+    with pytest.raises(RequestOverflowError, match="17 requests > max_requests"):
+        ctx.add_dummy_requests_for_cudagraph_capture(Dims(17, 0, 17))
+    with pytest.raises(TokenOverflowError, match="80 tokens > max_tokens"):
+        ctx.add_dummy_requests_for_cudagraph_capture(Dims(80, 2, 14))
+    assert ctx.total_request_count == 0 and ctx.active_token_count == 0
+    ctx.add_dummy_requests_for_cudagraph_capture(Dims(8, 0, 8))
+    with pytest.raises(RuntimeError, match="needs an empty context, it holds 8 requests"):
+        ctx.add_dummy_requests_for_cudagraph_capture(Dims(8, 0, 8))
