@@ -359,8 +359,9 @@ def test_context_without_graphs_pads_eagerly():
 
 
 def test_docs_semantics_worked_examples():
-    """docs/SEMANTICS.md §6.2-§6.3: the 42-entry ladder, the engine test's ladders at
-    max_requests 80, and the matching examples."""
+    """Megatron-Core 0.16.1's behaviour as worked out by hand from its source: the 42-entry
+    ladder at max_requests 448, the ladders its engine test expects at max_requests 80, and
+    matching examples on the 42-entry ladder."""
     ladder = context_cuda_graph_ladder(num_cuda_graphs=16, max_requests=448, max_tokens=8192,
                                        max_sequence_length=512)
     assert ladder.cuda_graph_token_counts == tuple(range(448, 0, -32))

@@ -306,7 +306,7 @@ def test_step_choice_equals_megatron_context(name):
         ref_padded = choice["padded"]
         if not choice["graph"] and ref_padded[1] > 0:
             # Megatron's eager prefill padding is not capped at max_tokens; ours is
-            # (docs/SEMANTICS.md §15.11, test_eager_prefill_padding_capped_at_max_tokens).
+            # (docs/SEMANTICS.md §8, test_eager_prefill_padding_capped_at_max_tokens).
             ref_padded = (min(ref_padded[0], int(ref.max_tokens)),) + ref_padded[1:]
         assert (want.using_cuda_graph_this_step, _t(got_padded)) == (choice["graph"], ref_padded), (
             name, step, choice)
