@@ -36,6 +36,8 @@ from dynctx.kernels.kv_append import kv_append
 from dynctx.kernels.mla_latent import mla_latent_append
 from dynctx.kernels.step_metadata import step_metadata
 
+from .cuda_graphs import context_cuda_graph_ladder, select_step_dimensions
+from ._graph_capture import GraphCaptureMixin
 from ._fields import (
     _FIELD_RESET,
     _LAYER_SYMBOLS,
@@ -84,7 +86,8 @@ def _positive_int(name: str, value: Any) -> int:
     return int(value)
 
 
-class DynamicInferenceContext(RotaryMixin, LogitsMixin, UpdateMixin, MambaMixin):
+class DynamicInferenceContext(RotaryMixin, LogitsMixin, UpdateMixin, MambaMixin,
+                              GraphCaptureMixin):
     """Paged KV cache plus in-flight batching bookkeeping (Megatron-Core's API).
 
     Args (keyword only, Megatron-Core's names):
@@ -213,9 +216,6 @@ class DynamicInferenceContext(RotaryMixin, LogitsMixin, UpdateMixin, MambaMixin)
         if cuda_graph_max_tokens is not None:
             warnings.warn("cuda_graph_max_tokens is deprecated and ignored", DeprecationWarning,
                           stacklevel=2)
-        if num_cuda_graphs is not None:
-            warnings.warn("num_cuda_graphs: CUDA graphs are not supported yet; running eager",
-                          stacklevel=2)
         self.device = torch.device(device) if device is not None else _default_device()
         _backend.check_backend_name(kernel_backend)
         self.kernel_backend = kernel_backend
@@ -244,9 +244,6 @@ class DynamicInferenceContext(RotaryMixin, LogitsMixin, UpdateMixin, MambaMixin)
         self.use_flashinfer_fused_rope = use_flashinfer_fused_rope
         self.use_cuda_graphs_for_non_decode_steps = use_cuda_graphs_for_non_decode_steps
         self.cuda_graph_mixed_prefill_count = cuda_graph_mixed_prefill_count
-        self.num_cuda_graphs = None
-        self.cuda_graph_batch_dimensions_list: list = []
-        self.cuda_graph_token_counts = None
         self.metrics_writer = metrics_writer
         self.fused_rope_kv_append = bool(fused_rope_kv_append)
         self.vocab_size = None if vocab_size is None else _positive_int("vocab_size", vocab_size)
@@ -307,6 +304,17 @@ class DynamicInferenceContext(RotaryMixin, LogitsMixin, UpdateMixin, MambaMixin)
             raise ValueError(f"max_tokens={self.max_tokens} must be >= max_requests="
                              f"{self.max_requests} (every request needs a token slot at decode)")
         self.max_kv_block_count = math.ceil(max_sequence_length / block_size_tokens)
+        # CUDA graph batch dimensions: Megatron's ladder (context/cuda_graphs.py).
+        ladder = context_cuda_graph_ladder(
+            num_cuda_graphs=num_cuda_graphs, max_requests=self.max_requests,
+            max_tokens=self.max_tokens, max_sequence_length=max_sequence_length, tp_size=tp,
+            use_cuda_graphs_for_non_decode_steps=use_cuda_graphs_for_non_decode_steps,
+            cuda_graph_mixed_prefill_count=cuda_graph_mixed_prefill_count)
+        self.num_cuda_graphs = num_cuda_graphs
+        self._cuda_graph_ladder = ladder
+        self.cuda_graph_batch_dimensions_list = list(ladder.cuda_graph_batch_dimensions_list)
+        self.cuda_graph_token_counts = (None if ladder.cuda_graph_token_counts is None
+                                        else list(ladder.cuda_graph_token_counts))
 
         types = request_metadata_types or DynamicInferenceRequest.get_metadata_types()
         for label, dtype, _ in types:
@@ -895,11 +903,12 @@ class DynamicInferenceContext(RotaryMixin, LogitsMixin, UpdateMixin, MambaMixin)
 
     def initialize_attention_state(self, *, construct_graph_dimensions: Optional[
             InferenceBatchDimensions] = None) -> None:
-        """Prepare the step's token arrays and attention metadata (eager path)."""
+        """Prepare the step's token arrays and attention metadata (eager path); with
+        ``construct_graph_dimensions`` (an empty context), first add that graph's capture
+        dummies (``add_dummy_requests_for_cudagraph_capture``)."""
         self._check_allocated()
         if construct_graph_dimensions is not None:
-            raise NotImplementedError("construct_graph_dimensions: CUDA graph capture is not "
-                                      "supported yet (dynctx runs eager)")
+            self.add_dummy_requests_for_cudagraph_capture(construct_graph_dimensions)
         P, T = self.paused_request_count, self.total_request_count
         A = T - P
         active = self.active_token_count
@@ -916,19 +925,14 @@ class DynamicInferenceContext(RotaryMixin, LogitsMixin, UpdateMixin, MambaMixin)
         # the context knows it added one, whatever the engine's explicit flag says.
         chunked = self.is_hybrid_model and self._continuation_added
         self.batch_dimensions = InferenceBatchDimensions(active, prefill, decode, chunked)
-        self._using_cuda_graph_this_step = False
-        if prefill == 0:
-            padded_tokens = min(self.max_tokens, self.max_requests, self.round_up_tokens(
-                active, self.tensor_model_parallel_size))
-            padded = InferenceBatchDimensions(padded_tokens, 0, padded_tokens, False)
-        else:
-            # Capped at max_tokens: the reference can pad past the token buffer.
-            padded_tokens = min(self.max_tokens, self.round_up_tokens(
-                active, self.tensor_model_parallel_size))
-            padded_requests = min(self.max_requests, self.round_up_requests(
-                A, self.tensor_model_parallel_size))
-            padded = InferenceBatchDimensions(padded_tokens, padded_requests - decode, decode,
-                                              chunked)
+        # The CUDA graph that fits, else eager padding capped at max_tokens (cuda_graphs.py).
+        choice = select_step_dimensions(
+            self.batch_dimensions, self._cuda_graph_ladder, strict=self.is_hybrid_model,
+            max_requests=self.max_requests, max_tokens=self.max_tokens,
+            tp_size=self.tensor_model_parallel_size,
+            token_rounder=self.TOKEN_ROUNDER, request_rounder=self.REQUEST_ROUNDER)
+        self._using_cuda_graph_this_step = choice.using_cuda_graph_this_step
+        padded = choice.padded_batch_dimensions
         padded_requests = padded.req_count
         self.padded_batch_dimensions = padded
         self.padded_active_token_count = padded.token_count
@@ -1104,10 +1108,6 @@ class DynamicInferenceContext(RotaryMixin, LogitsMixin, UpdateMixin, MambaMixin)
                                     count_as_prefill: bool = True) -> None:
         raise NotImplementedError("add_dummy_requests_parallel: CUDA graph capture is not "
                                   "supported yet")
-
-    def add_dummy_requests_for_cudagraph_capture(self, graph_dimensions: Any) -> None:
-        raise NotImplementedError("add_dummy_requests_for_cudagraph_capture: CUDA graph capture "
-                                  "is not supported yet")
 
     def __repr__(self) -> str:
         return (f"DynamicInferenceContext(requests {self.total_request_count}/"
