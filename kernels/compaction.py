@@ -34,6 +34,9 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
+# The dtypes ``new_tokens`` may have: every signed integer dtype and uint8, all widened to int64.
+NEW_TOKEN_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
+
 _BLOCK_ROWS = (1, 4, 16)
 _BLOCK_COLS = (64, 128, 256)
 _WARPS = (1, 4)
@@ -122,6 +125,8 @@ if HAS_TRITON:
         plan_src_ptr, plan_append_col_ptr, plan_append_block_ptr,
         num_rows, end_rows, num_src_rows, new_token_offset, num_new_tokens, max_blocks,
         stride_dst_row, stride_dst_col, stride_src_row, stride_src_col,
+        stride_dst_tokens, stride_src_tokens, stride_new_tokens,
+        stride_plan_src, stride_plan_append_col, stride_plan_append_block,
         BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
     ):
         """One [BLOCK_R, BLOCK_C] tile of the new block table; column tile 0 also writes the tokens."""
@@ -132,10 +137,12 @@ if HAS_TRITON:
         mask_plan = offs_r < num_rows
         mask_c = offs_c < max_blocks
         # Rows past num_rows (cleared) read the plan as "no source, no append".
-        src = tl.load(plan_src_ptr + offs_r, mask=mask_plan, other=-1).to(tl.int64)
+        src = tl.load(plan_src_ptr + offs_r * stride_plan_src, mask=mask_plan, other=-1).to(tl.int64)
         has_src = (src >= 0) & (src < num_src_rows)
-        append_col = tl.load(plan_append_col_ptr + offs_r, mask=mask_plan, other=-1).to(tl.int64)
-        append_block = tl.load(plan_append_block_ptr + offs_r, mask=mask_plan, other=-1)
+        append_col = tl.load(plan_append_col_ptr + offs_r * stride_plan_append_col, mask=mask_plan,
+                             other=-1).to(tl.int64)
+        append_block = tl.load(plan_append_block_ptr + offs_r * stride_plan_append_block,
+                               mask=mask_plan, other=-1)
         # [BLOCK_R, BLOCK_C]
         src_ptrs = src_block_table_ptr + src[:, None] * stride_src_row + offs_c[None, :] * stride_src_col
         blocks = tl.load(src_ptrs, mask=has_src[:, None] & mask_c[None, :], other=-1)
@@ -146,9 +153,12 @@ if HAS_TRITON:
             new_index = src - new_token_offset
             from_new = has_src & (new_index >= 0) & (new_index < num_new_tokens)
             from_old = has_src & (new_index < 0)
-            new = tl.load(new_tokens_ptr + new_index, mask=from_new, other=0).to(tl.int64)
-            old = tl.load(src_next_tokens_ptr + src, mask=from_old, other=0)
-            tl.store(dst_next_tokens_ptr + offs_r, tl.where(from_new, new, old), mask=mask_r)
+            # Any integer dtype of new_tokens (uint8 included) widens exactly to int64.
+            new = tl.load(new_tokens_ptr + new_index * stride_new_tokens, mask=from_new,
+                          other=0).to(tl.int64)
+            old = tl.load(src_next_tokens_ptr + src * stride_src_tokens, mask=from_old, other=0)
+            tl.store(dst_next_tokens_ptr + offs_r * stride_dst_tokens, tl.where(from_new, new, old),
+                     mask=mask_r)
 
 
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -188,11 +198,19 @@ def compact_requests(dst_block_table: torch.Tensor, src_block_table: torch.Tenso
         dst_block_table, src_block_table: int32 ``[max_requests, max_blocks]`` (any strides,
             the same number of columns), distinct memory. ``dst_block_table[:max(num_rows,
             clear_rows)]`` is written.
-        dst_next_tokens, src_next_tokens: int64 ``[max_requests]``, distinct memory;
+        dst_next_tokens, src_next_tokens: int64 ``[max_requests]`` (any stride), distinct memory;
             ``dst_next_tokens[:max(num_rows, clear_rows)]`` is written.
-        new_tokens: int32/int64 ``[A_old]``, the tokens just sampled, one per previously active
-            row (source rows ``new_token_offset + k``).
-        plan_src, plan_append_col, plan_append_block: int32 ``[>= num_rows]``.
+        new_tokens: ``[A_old]`` of any integer dtype of ``NEW_TOKEN_DTYPES`` (int8, uint8,
+            int16, int32, int64) and any stride or storage offset (``sampled[:, 0]`` works), the
+            tokens just sampled, one per previously active row (source rows
+            ``new_token_offset + k``). Narrow dtypes are widened to int64 in the kernel, with no
+            copy; bool, unsigned 16/32/64-bit and float dtypes are refused before anything is
+            written.
+        plan_src, plan_append_col, plan_append_block: int32 ``[>= num_rows]``, any stride.
+
+    Every tensor is read or written through its own strides; nothing is copied at the edge.
+    Every argument is checked before anything is written: a refused call leaves ``dst_*``
+    untouched.
         new_token_offset: host int, source rows below it take their token from
             ``src_next_tokens``.
         num_rows, clear_rows: host ints; rows ``[num_rows, clear_rows)`` are cleared.
@@ -202,7 +220,7 @@ def compact_requests(dst_block_table: torch.Tensor, src_block_table: torch.Tenso
     _check_tensor("src_block_table", src_block_table, dims=2, dtypes=(torch.int32,), device=device)
     _check_tensor("dst_next_tokens", dst_next_tokens, dims=1, dtypes=(torch.int64,), device=device)
     _check_tensor("src_next_tokens", src_next_tokens, dims=1, dtypes=(torch.int64,), device=device)
-    _check_tensor("new_tokens", new_tokens, dims=1, dtypes=(torch.int32, torch.int64), device=device)
+    _check_tensor("new_tokens", new_tokens, dims=1, dtypes=NEW_TOKEN_DTYPES, device=device)
     for name, plan in (("plan_src", plan_src), ("plan_append_col", plan_append_col),
                        ("plan_append_block", plan_append_block)):
         _check_tensor(name, plan, dims=1, dtypes=(torch.int32,), device=device)
@@ -253,6 +271,10 @@ def compact_requests(dst_block_table: torch.Tensor, src_block_table: torch.Tenso
         max_blocks=max_blocks,
         stride_dst_row=dst_block_table.stride(0), stride_dst_col=dst_block_table.stride(1),
         stride_src_row=src_block_table.stride(0), stride_src_col=src_block_table.stride(1),
+        stride_dst_tokens=dst_next_tokens.stride(0), stride_src_tokens=src_next_tokens.stride(0),
+        stride_new_tokens=new_tokens.stride(0), stride_plan_src=plan_src.stride(0),
+        stride_plan_append_col=plan_append_col.stride(0),
+        stride_plan_append_block=plan_append_block.stride(0),
         **config.launch_kwargs())
 
 

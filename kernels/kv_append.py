@@ -77,9 +77,12 @@ if HAS_TRITON:
     def _kv_append_kernel(
         key_cache_ptr, value_cache_ptr, key_ptr, value_ptr, block_ids_ptr, slots_ptr,
         num_tokens, num_heads, head_dim,
-        stride_cache_block, stride_cache_slot, stride_cache_head,
+        stride_key_cache_block, stride_key_cache_slot, stride_key_cache_head, stride_key_cache_dim,
+        stride_value_cache_block, stride_value_cache_slot, stride_value_cache_head,
+        stride_value_cache_dim,
         stride_key_token, stride_key_head, stride_key_dim,
         stride_value_token, stride_value_head, stride_value_dim,
+        stride_block_ids, stride_slots,
         BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
     ):
         """Copy a [BLOCK_T, BLOCK_H, head_dim] tile of K and of V to each token's (block, slot)."""
@@ -89,20 +92,24 @@ if HAS_TRITON:
         offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
         offs_d = tl.arange(0, BLOCK_D)
         mask_t = offs_t < num_tokens
-        block = tl.load(block_ids_ptr + offs_t, mask=mask_t, other=0).to(tl.int64)
-        slot = tl.load(slots_ptr + offs_t, mask=mask_t, other=0).to(tl.int64)
+        block = tl.load(block_ids_ptr + offs_t * stride_block_ids, mask=mask_t, other=0).to(tl.int64)
+        slot = tl.load(slots_ptr + offs_t * stride_slots, mask=mask_t, other=0).to(tl.int64)
         # [BLOCK_T, BLOCK_H, BLOCK_D]
         mask = (mask_t[:, None, None] & (offs_h < num_heads)[None, :, None]
                 & (offs_d < head_dim)[None, None, :])
-        dst = ((block * stride_cache_block + slot * stride_cache_slot)[:, None, None]
-               + offs_h[None, :, None] * stride_cache_head + offs_d[None, None, :])
+        key_dst = ((block * stride_key_cache_block + slot * stride_key_cache_slot)[:, None, None]
+                   + offs_h[None, :, None] * stride_key_cache_head
+                   + offs_d[None, None, :] * stride_key_cache_dim)
+        value_dst = ((block * stride_value_cache_block + slot * stride_value_cache_slot)[:, None, None]
+                     + offs_h[None, :, None] * stride_value_cache_head
+                     + offs_d[None, None, :] * stride_value_cache_dim)
         key_src = (offs_t[:, None, None] * stride_key_token + offs_h[None, :, None] * stride_key_head
                    + offs_d[None, None, :] * stride_key_dim)
         value_src = (offs_t[:, None, None] * stride_value_token
                      + offs_h[None, :, None] * stride_value_head
                      + offs_d[None, None, :] * stride_value_dim)
-        tl.store(key_cache_ptr + dst, tl.load(key_ptr + key_src, mask=mask), mask=mask)
-        tl.store(value_cache_ptr + dst, tl.load(value_ptr + value_src, mask=mask), mask=mask)
+        tl.store(key_cache_ptr + key_dst, tl.load(key_ptr + key_src, mask=mask), mask=mask)
+        tl.store(value_cache_ptr + value_dst, tl.load(value_ptr + value_src, mask=mask), mask=mask)
 
 
 def _check_inputs(key_cache, value_cache, key, value, block_ids, slots):
@@ -116,11 +123,6 @@ def _check_inputs(key_cache, value_cache, key, value, block_ids, slots):
         raise ValueError(f"key_cache dtype {key_cache.dtype} is not one of {FLOAT_DTYPES}")
     if value_cache.dtype != key_cache.dtype:
         raise ValueError(f"value_cache dtype {value_cache.dtype} != key_cache dtype {key_cache.dtype}")
-    if key_cache.stride(-1) != 1:
-        raise ValueError(f"key_cache must be contiguous in its last dim, strides {key_cache.stride()}")
-    if value_cache.stride() != key_cache.stride():
-        raise ValueError(f"value_cache strides {value_cache.stride()} != key_cache strides "
-                         f"{key_cache.stride()} (both are views of one [2, L, ...] buffer)")
     key = squeeze_singleton("key", key, 3, "H, D")
     value = squeeze_singleton("value", value, 3, "H, D")
     num_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
@@ -144,12 +146,16 @@ def kv_append(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Ten
               config: KernelConfig | None = None, backend: str | None = None) -> None:
     """Write K and V of ``n = block_ids.numel()`` tokens into the paged cache, in place.
 
-    - ``key_cache``, ``value_cache``: ``[num_blocks, block_size, H, D]`` fp32/fp16/bf16, last dim
-      contiguous, otherwise any (equal) strides: views ``buf[0, layer]``, ``buf[1, layer]`` of the
-      ``[2, L, num_blocks, block_size, H, D]`` buffer. Written in place.
+    - ``key_cache``, ``value_cache``: ``[num_blocks, block_size, H, D]`` fp32/fp16/bf16, the same
+      shape, each with its own strides (usually views ``buf[0, layer]``, ``buf[1, layer]`` of the
+      ``[2, L, num_blocks, block_size, H, D]`` buffer, last dim contiguous). Written in place.
     - ``key``, ``value``: ``[>=n, H, D]`` or ``[>=n, 1, H, D]``, the cache's dtype, any strides;
       rows past ``n`` are ignored.
-    - ``block_ids``, ``slots``: ``[n]`` int32/int64, in range (not checked: that would sync).
+    - ``block_ids``, ``slots``: ``[n]`` int32/int64, any stride, in range (not checked: that
+      would sync).
+
+    Every tensor is read or written through its own strides and storage offset; nothing is
+    copied at the edge. Every argument is checked before anything is written.
       Tokens sharing a (block, slot), such as padding tokens, leave one of their rows there.
     """
     key, value = _check_inputs(key_cache, value_cache, key, value, block_ids, slots)
@@ -170,11 +176,16 @@ def kv_append(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Ten
         key_cache_ptr=key_cache, value_cache_ptr=value_cache, key_ptr=key, value_ptr=value,
         block_ids_ptr=block_ids, slots_ptr=slots,
         num_tokens=n, num_heads=num_heads, head_dim=head_dim,
-        stride_cache_block=key_cache.stride(0), stride_cache_slot=key_cache.stride(1),
-        stride_cache_head=key_cache.stride(2),
+        stride_key_cache_block=key_cache.stride(0), stride_key_cache_slot=key_cache.stride(1),
+        stride_key_cache_head=key_cache.stride(2), stride_key_cache_dim=key_cache.stride(3),
+        stride_value_cache_block=value_cache.stride(0),
+        stride_value_cache_slot=value_cache.stride(1),
+        stride_value_cache_head=value_cache.stride(2),
+        stride_value_cache_dim=value_cache.stride(3),
         stride_key_token=key.stride(0), stride_key_head=key.stride(1), stride_key_dim=key.stride(2),
         stride_value_token=value.stride(0), stride_value_head=value.stride(1),
         stride_value_dim=value.stride(2),
+        stride_block_ids=block_ids.stride(0), stride_slots=slots.stride(0),
         BLOCK_D=next_pow2(head_dim), **config.launch_kwargs(),
     )
 

@@ -25,7 +25,9 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-LOG_SOFTMAX_TOLERANCE = dict(rtol=1e-5, atol=1e-5)
+# A tune case's acceptance bound for a log-softmax config (the tests state their own tolerance
+# in tests/tolerances.py).
+_TUNE_CHECK_TOLERANCE = dict(rtol=1e-5, atol=1e-5)
 
 # Search spaces: the gather is a copy of BLOCK_V-wide tiles; the log-softmax walks the row.
 _GATHER_BLOCKS = (1024, 2048, 4096, 8192)
@@ -136,7 +138,7 @@ class _LogitsCase(TuneCase):
             if exact:
                 assert torch.equal(g, e), f"{config}: gathered rows differ from the reference"
             else:
-                torch.testing.assert_close(g, e, **LOG_SOFTMAX_TOLERANCE)
+                torch.testing.assert_close(g, e, **_TUNE_CHECK_TOLERANCE)
 
 
 def _last_token_case(key: dict, device: torch.device) -> TuneCase:
@@ -176,20 +178,20 @@ if HAS_TRITON:
     def _last_token_gather_kernel(
         out_ptr, logits_ptr, cu_query_lengths_ptr,
         num_tokens, vocab_size,
-        stride_out_row, stride_logits_row,
+        stride_out_row, stride_out_col, stride_logits_row, stride_logits_col, stride_cu,
         BLOCK_V: tl.constexpr,
     ):
         """out[i, tile] = logits[cu_query_lengths[i + 1] - 1, tile]; a row outside the logits gives NaN."""
         request = tl.program_id(0).to(tl.int64)
         offs_v = tl.program_id(1).to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)
         mask_v = offs_v < vocab_size
-        row = tl.load(cu_query_lengths_ptr + request + 1).to(tl.int64) - 1
+        row = tl.load(cu_query_lengths_ptr + (request + 1) * stride_cu).to(tl.int64) - 1
         mask_row = (row >= 0) & (row < num_tokens)
         # tl.where, not `&`: a scalar & vector mask loses its bool dtype under the interpreter.
         mask_load = tl.where(mask_row, mask_v, False)
-        values = tl.load(logits_ptr + row * stride_logits_row + offs_v, mask=mask_load,
-                         other=float("nan"))
-        tl.store(out_ptr + request * stride_out_row + offs_v, values, mask=mask_v)
+        values = tl.load(logits_ptr + row * stride_logits_row + offs_v * stride_logits_col,
+                         mask=mask_load, other=float("nan"))
+        tl.store(out_ptr + request * stride_out_row + offs_v * stride_out_col, values, mask=mask_v)
 
     @triton.heuristics({
         "GATHER_LAST": lambda args: args["cu_query_lengths_ptr"] is not None,
@@ -202,14 +204,15 @@ if HAS_TRITON:
         logits_ptr,
         cu_query_lengths_ptr, token_ids_ptr,
         num_tokens, vocab_size,
-        stride_full_row, stride_logits_row,
+        stride_full_row, stride_full_col, stride_token_log_probs,
+        stride_logits_row, stride_logits_col, stride_cu, stride_token_ids,
         BLOCK_V: tl.constexpr, GATHER_LAST: tl.constexpr, WRITE_FULL: tl.constexpr,
         PICK_TOKEN: tl.constexpr,
     ):
         """fp32 log-softmax of one row (row i, or row cu[i + 1] - 1): online max and sum-exp."""
         program = tl.program_id(0).to(tl.int64)
         if GATHER_LAST:
-            row = tl.load(cu_query_lengths_ptr + program + 1).to(tl.int64) - 1
+            row = tl.load(cu_query_lengths_ptr + (program + 1) * stride_cu).to(tl.int64) - 1
         else:
             row = program
         mask_row = (row >= 0) & (row < num_tokens)
@@ -220,24 +223,28 @@ if HAS_TRITON:
         for start in range(0, vocab_size, BLOCK_V):
             mask_v = tl.where(mask_row, start + offs < vocab_size, False)
             # Upcast at once: fp32 arithmetic only (the interpreter has no bf16 arithmetic).
-            x = tl.load(row_ptr + start + offs, mask=mask_v, other=float("-inf")).to(tl.float32)
+            x = tl.load(row_ptr + (start + offs) * stride_logits_col, mask=mask_v,
+                        other=float("-inf")).to(tl.float32)
             new_max = tl.maximum(running_max, tl.max(x, axis=0))
             running_sum = running_sum * tl.exp(running_max - new_max) + tl.sum(tl.exp(x - new_max), axis=0)
             running_max = new_max
         # An invalid row has max -inf and sum 0: its log-sum-exp is NaN, and so is every output.
         log_sum_exp = running_max + tl.log(running_sum)
         if PICK_TOKEN:
-            token = tl.load(token_ids_ptr + program).to(tl.int64)
+            token = tl.load(token_ids_ptr + program * stride_token_ids).to(tl.int64)
             mask_token = (token >= 0) & (token < vocab_size) & mask_row
-            x_token = tl.load(row_ptr + token, mask=mask_token, other=float("nan")).to(tl.float32)
-            tl.store(token_log_probs_ptr + program, x_token - log_sum_exp)
+            x_token = tl.load(row_ptr + token * stride_logits_col, mask=mask_token,
+                              other=float("nan")).to(tl.float32)
+            tl.store(token_log_probs_ptr + program * stride_token_log_probs, x_token - log_sum_exp)
         if WRITE_FULL:
             out_row_ptr = full_ptr + program * stride_full_row
             for start in range(0, vocab_size, BLOCK_V):
                 mask_v = start + offs < vocab_size
                 mask_load = tl.where(mask_row, mask_v, False)
-                x = tl.load(row_ptr + start + offs, mask=mask_load, other=0.0).to(tl.float32)
-                tl.store(out_row_ptr + start + offs, x - log_sum_exp, mask=mask_v)
+                x = tl.load(row_ptr + (start + offs) * stride_logits_col, mask=mask_load,
+                            other=0.0).to(tl.float32)
+                tl.store(out_row_ptr + (start + offs) * stride_full_col, x - log_sum_exp,
+                         mask=mask_v)
 
 
 def _check_logits(logits: torch.Tensor) -> torch.Tensor:
@@ -251,8 +258,6 @@ def _check_logits(logits: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"logits must be [T, V] or [1, T, V], got {tuple(logits.shape)}")
     if logits.dtype not in FLOAT_DTYPES:
         raise ValueError(f"logits must be float32, float16 or bfloat16, got {logits.dtype}")
-    if logits.shape[1] > 1 and logits.stride(1) != 1:
-        raise ValueError(f"logits must have a contiguous last dim, got strides {logits.stride()}")
     return logits
 
 
@@ -264,8 +269,6 @@ def _check_out(out: torch.Tensor, shape: tuple[int, int], dtype: torch.dtype,
         raise ValueError(f"{name} must be {dtype}, got {out.dtype}")
     if out.device != device:
         raise ValueError(f"{name} is on {out.device}, logits on {device}")
-    if shape[1] > 1 and out.stride(1) != 1:
-        raise ValueError(f"{name} must have a contiguous last dim, got strides {out.stride()}")
 
 
 def last_token_logits(logits: torch.Tensor, cu_query_lengths: torch.Tensor, num_requests: int, *,
@@ -274,14 +277,17 @@ def last_token_logits(logits: torch.Tensor, cu_query_lengths: torch.Tensor, num_
     """Gather each request's last-token row of the logits.
 
     Args:
-        logits: ``[T, V]`` or ``[1, T, V]``, float32/float16/bfloat16, last dim contiguous, any
-            row stride.
-        cu_query_lengths: int32 ``[>= num_requests + 1]`` on the logits' device; request ``i``
-            owns tokens ``[cu[i], cu[i + 1])``.
+        logits: ``[T, V]`` or ``[1, T, V]``, float32/float16/bfloat16, any strides (a
+            transposed view works; a contiguous last dim is the fast case).
+        cu_query_lengths: int32 ``[>= num_requests + 1]`` on the logits' device, any stride;
+            request ``i`` owns tokens ``[cu[i], cu[i + 1])``.
         num_requests: host int, the number of rows to return.
         log_softmax: return the fp32 log-softmax of each row instead of the row itself.
         out: optional ``[num_requests, V]`` output (logits' dtype, or float32 with
-            ``log_softmax``; any row stride), written in place and returned.
+            ``log_softmax``; any strides), written in place and returned.
+
+    Every tensor is read or written through its own strides and storage offset; nothing is
+    copied at the edge. Every argument is checked before anything is written.
 
     Returns ``[num_requests, V]``: row ``i`` is ``logits[cu_query_lengths[i + 1] - 1]``, bit-exact
     (or its fp32 log-softmax).
@@ -319,14 +325,18 @@ def last_token_logits(logits: torch.Tensor, cu_query_lengths: torch.Tensor, num_
             full_ptr=out, token_log_probs_ptr=None, logits_ptr=logits,
             cu_query_lengths_ptr=cu_query_lengths, token_ids_ptr=None,
             num_tokens=num_tokens, vocab_size=vocab_size,
-            stride_full_row=out.stride(0), stride_logits_row=logits.stride(0),
+            stride_full_row=out.stride(0), stride_full_col=out.stride(1), stride_token_log_probs=0,
+            stride_logits_row=logits.stride(0), stride_logits_col=logits.stride(1),
+            stride_cu=cu_query_lengths.stride(0), stride_token_ids=0,
             **config.launch_kwargs())
     else:
         grid = (num_requests, triton.cdiv(vocab_size, config.kwargs["BLOCK_V"]))
         _last_token_gather_kernel[grid](
             out_ptr=out, logits_ptr=logits, cu_query_lengths_ptr=cu_query_lengths,
             num_tokens=num_tokens, vocab_size=vocab_size,
-            stride_out_row=out.stride(0), stride_logits_row=logits.stride(0),
+            stride_out_row=out.stride(0), stride_out_col=out.stride(1),
+            stride_logits_row=logits.stride(0), stride_logits_col=logits.stride(1),
+            stride_cu=cu_query_lengths.stride(0),
             **config.launch_kwargs())
     return out
 
@@ -337,10 +347,13 @@ def token_log_probs(logits: torch.Tensor, token_ids: torch.Tensor, *, return_ful
     """Log-probability of one chosen token per row, in one launch.
 
     Args:
-        logits: ``[T, V]`` or ``[1, T, V]``, float32/float16/bfloat16, last dim contiguous.
-        token_ids: ``[T]`` int32/int64 on the logits' device, each in ``[0, V)`` (not checked on
-            the host; an out-of-range id gives NaN).
+        logits: ``[T, V]`` or ``[1, T, V]``, float32/float16/bfloat16, any strides.
+        token_ids: ``[T]`` int32/int64 on the logits' device, any stride or storage offset
+            (``sampled[:, 0]`` works), each in ``[0, V)`` (not checked on the host; an
+            out-of-range id gives NaN).
         return_full: also return the full fp32 log-softmax.
+
+    Every input is read through its own strides; nothing is copied at the edge.
 
     Returns ``(log_probs, full)``: fp32 ``[T]`` with ``log_softmax(logits[t].float())[token_ids[t]]``
     and, when ``return_full``, fp32 ``[T, V]`` (else ``None``). Both are newly allocated.
@@ -371,7 +384,10 @@ def token_log_probs(logits: torch.Tensor, token_ids: torch.Tensor, *, return_ful
         cu_query_lengths_ptr=None, token_ids_ptr=token_ids,
         num_tokens=num_tokens, vocab_size=vocab_size,
         stride_full_row=full.stride(0) if full is not None else 0,
-        stride_logits_row=logits.stride(0),
+        stride_full_col=full.stride(1) if full is not None else 0,
+        stride_token_log_probs=log_probs.stride(0),
+        stride_logits_row=logits.stride(0), stride_logits_col=logits.stride(1),
+        stride_cu=0, stride_token_ids=token_ids.stride(0),
         **config.launch_kwargs())
     return log_probs, full
 

@@ -73,8 +73,9 @@ if HAS_TRITON:
     def _mla_latent_append_kernel(
         latent_cache_ptr, kv_latent_ptr, k_rope_ptr, block_ids_ptr, slots_ptr,
         num_tokens, kv_lora_rank, rope_dim,
-        stride_cache_block, stride_cache_slot,
+        stride_cache_block, stride_cache_slot, stride_cache_col,
         stride_latent_token, stride_latent_dim, stride_rope_token, stride_rope_dim,
+        stride_block_ids, stride_slots,
         BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
     ):
         """Copy a [BLOCK_T, BLOCK_C] tile of cache rows; column c < rank comes from the latent,
@@ -84,8 +85,8 @@ if HAS_TRITON:
         offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
         offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
         mask_t = offs_t < num_tokens
-        block = tl.load(block_ids_ptr + offs_t, mask=mask_t, other=0).to(tl.int64)
-        slot = tl.load(slots_ptr + offs_t, mask=mask_t, other=0).to(tl.int64)
+        block = tl.load(block_ids_ptr + offs_t * stride_block_ids, mask=mask_t, other=0).to(tl.int64)
+        slot = tl.load(slots_ptr + offs_t * stride_slots, mask=mask_t, other=0).to(tl.int64)
         is_latent = offs_c < kv_lora_rank
         is_rope = (offs_c >= kv_lora_rank) & (offs_c < kv_lora_rank + rope_dim)
         # [BLOCK_T, BLOCK_C]
@@ -95,7 +96,8 @@ if HAS_TRITON:
         rope = tl.load(k_rope_ptr + offs_t[:, None] * stride_rope_token
                        + (offs_c - kv_lora_rank)[None, :] * stride_rope_dim,
                        mask=mask_t[:, None] & is_rope[None, :])
-        dst = (block * stride_cache_block + slot * stride_cache_slot)[:, None] + offs_c[None, :]
+        dst = ((block * stride_cache_block + slot * stride_cache_slot)[:, None]
+               + offs_c[None, :] * stride_cache_col)
         tl.store(latent_cache_ptr + dst, tl.where(is_latent[None, :], latent, rope),
                  mask=mask_t[:, None] & (is_latent | is_rope)[None, :])
 
@@ -107,9 +109,6 @@ def _check_inputs(latent_cache, kv_latent, k_rope, block_ids, slots):
                          f"got {tuple(latent_cache.shape)}")
     if latent_cache.dtype not in FLOAT_DTYPES:
         raise ValueError(f"latent_cache dtype {latent_cache.dtype} is not one of {FLOAT_DTYPES}")
-    if latent_cache.stride(-1) != 1:
-        raise ValueError(f"latent_cache must be contiguous in its last dim, strides "
-                         f"{latent_cache.stride()}")
     kv_latent = squeeze_singleton("kv_latent", kv_latent, 2, "dim")
     k_rope = squeeze_singleton("k_rope", k_rope, 2, "dim")
     n = block_ids.numel()
@@ -132,12 +131,16 @@ def mla_latent_append(latent_cache: torch.Tensor, kv_latent: torch.Tensor, k_rop
                       config: KernelConfig | None = None, backend: str | None = None) -> None:
     """Write the latent and rope key of ``n = block_ids.numel()`` tokens into the cache, in place.
 
-    - ``latent_cache``: ``[num_blocks, block_size, kv_lora_rank + rope_dim]`` fp32/fp16/bf16, last
-      dim contiguous, otherwise strided (a view ``buf[layer]`` of ``[L, blocks, bs, rank + rope]``).
+    - ``latent_cache``: ``[num_blocks, block_size, kv_lora_rank + rope_dim]`` fp32/fp16/bf16, any
+      strides (usually a view ``buf[layer]`` of ``[L, blocks, bs, rank + rope]``).
       Written in place: columns ``[:rank]`` take the latent, ``[rank:]`` the rope key.
     - ``kv_latent``: ``[>=n, rank]`` or ``[>=n, 1, rank]``; ``k_rope``: ``[>=n, rope]`` or
       ``[>=n, 1, rope]``; the cache's dtype, each with its own strides; rows past ``n`` ignored.
-    - ``block_ids``, ``slots``: ``[n]`` int32/int64, in range (not checked: that would sync).
+    - ``block_ids``, ``slots``: ``[n]`` int32/int64, any stride, in range (not checked: that
+      would sync).
+
+    Every tensor is read or written through its own strides and storage offset; nothing is
+    copied at the edge. Every argument is checked before anything is written.
     """
     kv_latent, k_rope = _check_inputs(latent_cache, kv_latent, k_rope, block_ids, slots)
     n = block_ids.numel()
@@ -158,8 +161,10 @@ def mla_latent_append(latent_cache: torch.Tensor, kv_latent: torch.Tensor, k_rop
         block_ids_ptr=block_ids, slots_ptr=slots,
         num_tokens=n, kv_lora_rank=rank, rope_dim=rope_dim,
         stride_cache_block=latent_cache.stride(0), stride_cache_slot=latent_cache.stride(1),
+        stride_cache_col=latent_cache.stride(2),
         stride_latent_token=kv_latent.stride(0), stride_latent_dim=kv_latent.stride(1),
         stride_rope_token=k_rope.stride(0), stride_rope_dim=k_rope.stride(1),
+        stride_block_ids=block_ids.stride(0), stride_slots=slots.stride(0),
         **config.launch_kwargs(),
     )
 

@@ -125,51 +125,57 @@ if HAS_TRITON:
         return offs_pair, offs_pair < HALF, in1, in2, out1, out2
 
     @triton.jit
-    def _rope_cos_sin(table_ptr, positions, mask_t, stride_table_pos, offs_pair, mask_pair,
-                      out1, out2, mscale, ROT_DIM: tl.constexpr, TABLE_IS_FREQS: tl.constexpr):
+    def _rope_cos_sin(table_ptr, positions, mask_t, stride_table_pos, stride_table_dim, offs_pair,
+                      mask_pair, out1, out2, mscale, ROT_DIM: tl.constexpr,
+                      TABLE_IS_FREQS: tl.constexpr):
         """cos/sin for the two outputs of every pair, [BLOCK_T, 1, HALF_BLOCK] each, fp32."""
         rows = table_ptr + positions[:, None] * stride_table_pos
         mask = mask_t[:, None] & mask_pair[None, :]
         if TABLE_IS_FREQS:
             # Megatron gives each output dim p its own angle freqs[pos, p]
-            angle1 = tl.load(rows + out1[None, :], mask=mask, other=0.0).to(tl.float32)
-            angle2 = tl.load(rows + out2[None, :], mask=mask, other=0.0).to(tl.float32)
+            angle1 = tl.load(rows + out1[None, :] * stride_table_dim, mask=mask,
+                             other=0.0).to(tl.float32)
+            angle2 = tl.load(rows + out2[None, :] * stride_table_dim, mask=mask,
+                             other=0.0).to(tl.float32)
             cos1 = tl.cos(angle1) * mscale
             sin1 = tl.sin(angle1) * mscale
             cos2 = tl.cos(angle2) * mscale
             sin2 = tl.sin(angle2) * mscale
         else:
-            cos1 = tl.load(rows + offs_pair[None, :], mask=mask, other=0.0).to(tl.float32) * mscale
-            sin1 = tl.load(rows + (ROT_DIM // 2) + offs_pair[None, :], mask=mask,
+            cos1 = tl.load(rows + offs_pair[None, :] * stride_table_dim, mask=mask,
                            other=0.0).to(tl.float32) * mscale
+            sin1 = tl.load(rows + ((ROT_DIM // 2) + offs_pair[None, :]) * stride_table_dim,
+                           mask=mask, other=0.0).to(tl.float32) * mscale
             cos2 = cos1
             sin2 = sin1
         return cos1[:, None, :], sin1[:, None, :], cos2[:, None, :], sin2[:, None, :]
 
     @triton.jit
     def _rope_rotate_tile(x_ptr, offs_t, mask_t, offs_h, mask_h, stride_x_token, stride_x_head,
-                          in1, in2, out1, out2, mask_pair, cos1, sin1, cos2, sin2,
+                          stride_x_dim, in1, in2, out1, out2, mask_pair, cos1, sin1, cos2, sin2,
                           PERMUTES: tl.constexpr):
         """Rotate a [BLOCK_T, BLOCK_H] tile of heads in place; returns the fp32 outputs."""
         rows = (x_ptr + offs_t[:, None, None] * stride_x_token
                 + offs_h[None, :, None] * stride_x_head)
         mask = mask_t[:, None, None] & mask_h[None, :, None] & mask_pair[None, None, :]
         # [BLOCK_T, BLOCK_H, HALF_BLOCK]
-        x1 = tl.load(rows + in1[None, None, :], mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(rows + in2[None, None, :], mask=mask, other=0.0).to(tl.float32)
+        x1 = tl.load(rows + in1[None, None, :] * stride_x_dim, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(rows + in2[None, None, :] * stride_x_dim, mask=mask, other=0.0).to(tl.float32)
         out_first = x1 * cos1 - x2 * sin1
         out_second = x2 * cos2 + x1 * sin2
         if PERMUTES:
             # MLA layouts write dims that other threads read: every load lands before any store
             tl.debug_barrier()
-        tl.store(rows + out1[None, None, :], out_first.to(x_ptr.dtype.element_ty), mask=mask)
-        tl.store(rows + out2[None, None, :], out_second.to(x_ptr.dtype.element_ty), mask=mask)
+        tl.store(rows + out1[None, None, :] * stride_x_dim, out_first.to(x_ptr.dtype.element_ty),
+                 mask=mask)
+        tl.store(rows + out2[None, None, :] * stride_x_dim, out_second.to(x_ptr.dtype.element_ty),
+                 mask=mask)
         return out_first, out_second
 
     @triton.jit
     def _rope_rotate_program(x_ptr, table_ptr, positions_ptr, head_tile, num_tokens, num_heads,
-                             mscale, stride_x_token, stride_x_head, stride_table_pos,
-                             ROT_DIM: tl.constexpr, HALF_BLOCK: tl.constexpr, LAYOUT: tl.constexpr,
+                             mscale, stride_x_token, stride_x_head, stride_x_dim, stride_table_pos,
+                             stride_table_dim, stride_positions, ROT_DIM: tl.constexpr, HALF_BLOCK: tl.constexpr, LAYOUT: tl.constexpr,
                              TABLE_IS_FREQS: tl.constexpr, BLOCK_T: tl.constexpr,
                              BLOCK_H: tl.constexpr):
         """Rotate this program's [BLOCK_T] tokens x head tile ``head_tile`` of ``x`` in place.
@@ -179,15 +185,16 @@ if HAS_TRITON:
         """
         offs_t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
         mask_t = offs_t < num_tokens
-        positions = tl.load(positions_ptr + offs_t, mask=mask_t, other=0).to(tl.int64)
+        positions = tl.load(positions_ptr + offs_t * stride_positions, mask=mask_t,
+                            other=0).to(tl.int64)
         offs_pair, mask_pair, in1, in2, out1, out2 = _rope_pair_offsets(LAYOUT, ROT_DIM, HALF_BLOCK)
         cos1, sin1, cos2, sin2 = _rope_cos_sin(table_ptr, positions, mask_t, stride_table_pos,
-                                               offs_pair, mask_pair, out1, out2, mscale,
-                                               ROT_DIM, TABLE_IS_FREQS)
+                                               stride_table_dim, offs_pair, mask_pair, out1, out2,
+                                               mscale, ROT_DIM, TABLE_IS_FREQS)
         offs_h = (head_tile * BLOCK_H + tl.arange(0, BLOCK_H)).to(tl.int64)
         mask_h = offs_h < num_heads
         out_first, out_second = _rope_rotate_tile(
-            x_ptr, offs_t, mask_t, offs_h, mask_h, stride_x_token, stride_x_head,
+            x_ptr, offs_t, mask_t, offs_h, mask_h, stride_x_token, stride_x_head, stride_x_dim,
             in1, in2, out1, out2, mask_pair, cos1, sin1, cos2, sin2, LAYOUT >= 2)
         return offs_t, mask_t, offs_h, mask_h, mask_pair, out1, out2, out_first, out_second
 
@@ -198,7 +205,9 @@ if HAS_TRITON:
         query_ptr, key_ptr,
         table_ptr, positions_ptr,
         num_tokens, num_q_heads, num_k_heads, mscale,
-        stride_query_token, stride_query_head, stride_key_token, stride_key_head, stride_table_pos,
+        stride_query_token, stride_query_head, stride_query_dim,
+        stride_key_token, stride_key_head, stride_key_dim,
+        stride_table_pos, stride_table_dim, stride_positions,
         ROT_DIM: tl.constexpr, HALF_BLOCK: tl.constexpr, LAYOUT: tl.constexpr,
         TABLE_IS_FREQS: tl.constexpr, HAS_QUERY: tl.constexpr, HAS_KEY: tl.constexpr,
         BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
@@ -210,13 +219,15 @@ if HAS_TRITON:
             if pid_h < num_q_tiles:
                 _rope_rotate_program(query_ptr, table_ptr, positions_ptr, pid_h, num_tokens,
                                      num_q_heads, mscale, stride_query_token, stride_query_head,
-                                     stride_table_pos, ROT_DIM, HALF_BLOCK, LAYOUT, TABLE_IS_FREQS,
-                                     BLOCK_T, BLOCK_H)
+                                     stride_query_dim, stride_table_pos, stride_table_dim,
+                                     stride_positions, ROT_DIM, HALF_BLOCK, LAYOUT,
+                                     TABLE_IS_FREQS, BLOCK_T, BLOCK_H)
         if HAS_KEY:
             if pid_h >= num_q_tiles:
                 _rope_rotate_program(key_ptr, table_ptr, positions_ptr, pid_h - num_q_tiles,
                                      num_tokens, num_k_heads, mscale, stride_key_token,
-                                     stride_key_head, stride_table_pos, ROT_DIM, HALF_BLOCK,
+                                     stride_key_head, stride_key_dim, stride_table_pos,
+                                     stride_table_dim, stride_positions, ROT_DIM, HALF_BLOCK,
                                      LAYOUT, TABLE_IS_FREQS, BLOCK_T, BLOCK_H)
 
 
@@ -251,7 +262,7 @@ class RopeProblem:
 
 
 def as_head_view(x: torch.Tensor, name: str, num_tokens: int) -> torch.Tensor:
-    """``[T, H, D]`` or ``[T, 1, H, D]`` -> a ``[T, H, D]`` view; last dim contiguous, T >= n."""
+    """``[T, H, D]`` or ``[T, 1, H, D]`` -> a ``[T, H, D]`` view (any strides), T >= n."""
     if not isinstance(x, torch.Tensor):
         raise ValueError(f"{name} must be a tensor, got {type(x).__name__}")
     if x.dim() == 4:
@@ -262,8 +273,6 @@ def as_head_view(x: torch.Tensor, name: str, num_tokens: int) -> torch.Tensor:
         raise ValueError(f"{name} must be [T, H, D] or [T, 1, H, D], got {tuple(x.shape)}")
     if x.shape[0] < num_tokens:
         raise ValueError(f"{name} has {x.shape[0]} rows, fewer than positions.numel()={num_tokens}")
-    if x.shape[2] > 1 and x.stride(2) != 1:
-        raise ValueError(f"{name} needs a contiguous last dim, got strides {tuple(x.stride())}")
     return x
 
 
@@ -274,8 +283,6 @@ def check_rope_args(query, key, positions, cos_sin_cache, freqs, interleaved: bo
         raise ValueError("positions must be a 1-D tensor")
     if positions.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"positions must be int32 or int64, got {positions.dtype}")
-    if positions.numel() > 1 and positions.stride(0) != 1:
-        raise ValueError("positions must be contiguous")
     num_tokens = positions.numel()
     if query is None and key is None:
         raise ValueError("query and key are both None: nothing to rotate")
@@ -294,8 +301,6 @@ def check_rope_args(query, key, positions, cos_sin_cache, freqs, interleaved: bo
                              f"got {tuple(freqs.shape)}")
     if table.dtype != torch.float32:
         raise ValueError(f"{table_name} must be float32, got {table.dtype}")
-    if table.shape[1] > 1 and table.stride(1) != 1:
-        raise ValueError(f"{table_name} needs a contiguous last dim")
     rot_dim = table.shape[1]
     if rot_dim < 2 or rot_dim % 2:
         raise ValueError(f"{table_name}: rotary dim {rot_dim} must be even and >= 2")
@@ -336,11 +341,13 @@ def fused_qk_rope(query: Optional[torch.Tensor], key: Optional[torch.Tensor],
                   config: KernelConfig | None = None, backend: str | None = None) -> None:
     """Rotate ``query[:n]`` and ``key[:n]`` IN PLACE, ``n = positions.numel()``; one launch.
 
-    query: ``[>=n, Hq, D]`` or ``[>=n, 1, Hq, D]``, fp32/fp16/bf16, any token and head strides,
-        last dim contiguous; or None. key: the same with ``Hk`` heads, same dtype and ``D``.
-    positions: ``[n]`` int32/int64, contiguous; each must be ``< max_pos`` (not checked: no sync).
+    query: ``[>=n, Hq, D]`` or ``[>=n, 1, Hq, D]``, fp32/fp16/bf16, any strides; or None.
+        key: the same with ``Hk`` heads, same dtype and ``D``. Both are rotated in place through
+        their own strides; query and key must not overlap (not checked).
+    positions: ``[n]`` int32/int64, any stride; each must be ``< max_pos`` (not checked: no sync).
     cos_sin_cache: ``[max_pos, rot]`` fp32, cos then sin (FlashInfer); or
-    freqs: ``[max_pos, 1, 1, rot]`` / ``[max_pos, rot]`` fp32 angles (Megatron). Exactly one.
+    freqs: ``[max_pos, 1, 1, rot]`` / ``[max_pos, rot]`` fp32 angles (Megatron). Exactly one;
+        any strides.
     interleaved: GPT-J pairs ``(2i, 2i+1)`` instead of half-split ``(i, i + rot/2)``.
     mla_layout: Megatron's ``multi_latent_attention`` de-interleave (read pairs, write half-split).
     mscale: multiplies cos and sin. Rows ``>= n`` and dims ``>= rot`` are never touched.
@@ -366,9 +373,12 @@ def fused_qk_rope(query: Optional[torch.Tensor], key: Optional[torch.Tensor],
         num_k_heads=problem.num_k_heads, mscale=float(mscale),
         stride_query_token=0 if q is None else q.stride(0),
         stride_query_head=0 if q is None else q.stride(1),
+        stride_query_dim=0 if q is None else q.stride(2),
         stride_key_token=0 if k is None else k.stride(0),
         stride_key_head=0 if k is None else k.stride(1),
-        stride_table_pos=problem.table.stride(0),
+        stride_key_dim=0 if k is None else k.stride(2),
+        stride_table_pos=problem.table.stride(0), stride_table_dim=problem.table.stride(1),
+        stride_positions=positions.stride(0),
         **rope_meta(problem), **config.launch_kwargs(),
     )
 
@@ -467,10 +477,10 @@ def fused_qk_rope_ref(query, key, positions, *, cos_sin_cache=None, freqs=None,
         heads[:n, :, :rot] = rotated.to(x.dtype)
 
 
-def rope_tolerance(expected: torch.Tensor, dtype: torch.dtype, input_scale: float) -> torch.Tensor:
-    """Allowed |kernel - fp32 reference|: one ulp of ``dtype`` at the reference value (covers
-    round-to-nearest on a GPU and the interpreter's truncation to bf16), plus 8 fp32 eps times
-    the input scale for fp32 cos/sin and FMA differences."""
+def _tune_check_bound(expected: torch.Tensor, dtype: torch.dtype, input_scale: float) -> torch.Tensor:
+    """The tune-time acceptance bound of a candidate config (not a test tolerance: the tests
+    state theirs in ``tests/tolerances.py``): one ulp of ``dtype`` at the fp32 reference value,
+    plus 8 fp32 eps times the input scale for fp32 cos/sin and FMA differences."""
     mantissa = {torch.float32: 23, torch.float16: 10, torch.bfloat16: 7}[dtype]
     exponent = torch.frexp(expected.float()).exponent
     ulp = torch.ldexp(torch.ones_like(expected, dtype=torch.float32), exponent - 1 - mantissa)
@@ -478,11 +488,11 @@ def rope_tolerance(expected: torch.Tensor, dtype: torch.dtype, input_scale: floa
     return ulp + 8 * torch.finfo(torch.float32).eps * input_scale
 
 
-def assert_rope_close(actual: torch.Tensor, expected: torch.Tensor, input_scale: float,
-                      name: str = "output") -> None:
-    """``actual`` (any float dtype) within ``rope_tolerance`` of the fp32 ``expected``."""
+def tune_check_rotation(actual: torch.Tensor, expected: torch.Tensor, input_scale: float,
+                        name: str = "output") -> None:
+    """A tune case's check: ``actual`` within ``_tune_check_bound`` of the fp32 ``expected``."""
     error = (actual.float() - expected.float()).abs()
-    allowed = rope_tolerance(expected, actual.dtype, input_scale)
+    allowed = _tune_check_bound(expected, actual.dtype, input_scale)
     bad = ~(error <= allowed)
     if bad.any():
         index = tuple(int(i) for i in bad.nonzero()[0])
@@ -549,7 +559,7 @@ class _FusedQKRopeCase(RopeTuneCase):
         self._launch(*expected, None, "torch")
         for name, got, want in zip(("query", "key"), actual, expected):
             if got is not None:
-                assert_rope_close(got, want, 1.0, name)
+                tune_check_rotation(got, want, 1.0, name)
 
 
 _autotune.register(KernelTuning(

@@ -43,6 +43,8 @@ _WARPS = (1, 4)
 TOKEN_OUTPUTS = ("token_to_input_ids", "token_to_pos_ids", "token_to_request_idx",
                  "token_to_block_idx", "token_to_position_in_request",
                  "token_to_local_position_within_kv_block")
+# The kernel's stride argument of each TOKEN_OUTPUTS entry, in the same order.
+_OUTPUT_STRIDES = ("input_ids", "pos_ids", "request_idx", "block_idx", "position", "local_slot")
 
 
 def step_metadata_configs(key: dict) -> list[KernelConfig]:
@@ -152,8 +154,25 @@ _autotune.register(KernelTuning(
 if HAS_TRITON:
 
     @triton.jit
+    def _store_token_outputs(
+        input_ids_ptr, pos_ids_ptr, request_idx_ptr, block_idx_ptr, position_ptr, local_slot_ptr,
+        stride_input_ids, stride_pos_ids, stride_request_idx, stride_block_idx, stride_position,
+        stride_local_slot,
+        tokens, input_ids, positions, request_idx, blocks, local_slots, mask,
+    ):
+        """Store one tile of the six per-token arrays, each through its own stride."""
+        tl.store(input_ids_ptr + tokens * stride_input_ids, input_ids, mask=mask)
+        tl.store(pos_ids_ptr + tokens * stride_pos_ids, positions, mask=mask)
+        tl.store(request_idx_ptr + tokens * stride_request_idx, request_idx, mask=mask)
+        tl.store(block_idx_ptr + tokens * stride_block_idx, blocks, mask=mask)
+        tl.store(position_ptr + tokens * stride_position, positions, mask=mask)
+        tl.store(local_slot_ptr + tokens * stride_local_slot, local_slots, mask=mask)
+
+    @triton.jit
     def _store_token_metadata(
         input_ids_ptr, pos_ids_ptr, request_idx_ptr, block_idx_ptr, position_ptr, local_slot_ptr,
+        stride_input_ids, stride_pos_ids, stride_request_idx, stride_block_idx, stride_position,
+        stride_local_slot,
         block_table_ptr, tokens, requests, positions, input_ids, mask,
         row_offset, block_size, max_blocks, stride_table_row, stride_table_col,
     ):
@@ -162,12 +181,11 @@ if HAS_TRITON:
         # A position past the table reads nothing (the reference raises instead).
         blocks = tl.load(block_table_ptr + requests * stride_table_row + block_cols * stride_table_col,
                          mask=mask & (block_cols < max_blocks), other=-1).to(tl.int64)
-        tl.store(input_ids_ptr + tokens, input_ids, mask=mask)
-        tl.store(pos_ids_ptr + tokens, positions, mask=mask)
-        tl.store(request_idx_ptr + tokens, requests + row_offset, mask=mask)
-        tl.store(block_idx_ptr + tokens, blocks, mask=mask)
-        tl.store(position_ptr + tokens, positions, mask=mask)
-        tl.store(local_slot_ptr + tokens, positions % block_size, mask=mask)
+        _store_token_outputs(input_ids_ptr, pos_ids_ptr, request_idx_ptr, block_idx_ptr,
+                             position_ptr, local_slot_ptr, stride_input_ids, stride_pos_ids,
+                             stride_request_idx, stride_block_idx, stride_position,
+                             stride_local_slot, tokens, input_ids, positions,
+                             requests + row_offset, blocks, positions % block_size, mask)
 
     @triton.jit
     def _step_metadata_kernel(
@@ -179,6 +197,9 @@ if HAS_TRITON:
         num_decode_programs, num_prefill_programs, num_pad_programs, num_search_steps,
         row_offset, block_size, dummy_block, max_blocks,
         stride_attn_row, stride_attn_col, stride_table_row, stride_table_col,
+        stride_input_ids, stride_pos_ids, stride_request_idx, stride_block_idx, stride_position,
+        stride_local_slot,
+        stride_next_tokens, stride_prompt_tokens, stride_kv_offsets, stride_cu,
         BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
     ):
         """Segments of the 1-D grid: decode rows, prefill tokens, padding tokens, table rows."""
@@ -191,11 +212,16 @@ if HAS_TRITON:
             # [BLOCK_T] decode rows, one token each.
             requests = pid.to(tl.int64) * BLOCK_T + offs_t
             mask = requests < num_decode
-            tokens = tl.load(cu_query_lengths_ptr + requests, mask=mask, other=0).to(tl.int64)
-            positions = tl.load(kv_offsets_ptr + requests, mask=mask, other=0).to(tl.int64)
-            input_ids = tl.load(next_tokens_ptr + requests, mask=mask, other=0).to(tl.int64)
+            tokens = tl.load(cu_query_lengths_ptr + requests * stride_cu, mask=mask,
+                             other=0).to(tl.int64)
+            positions = tl.load(kv_offsets_ptr + requests * stride_kv_offsets, mask=mask,
+                                other=0).to(tl.int64)
+            input_ids = tl.load(next_tokens_ptr + requests * stride_next_tokens, mask=mask,
+                                other=0).to(tl.int64)
             _store_token_metadata(input_ids_ptr, pos_ids_ptr, request_idx_ptr, block_idx_ptr,
-                                  position_ptr, local_slot_ptr, block_table_ptr, tokens, requests,
+                                  position_ptr, local_slot_ptr, stride_input_ids, stride_pos_ids,
+                                  stride_request_idx, stride_block_idx, stride_position,
+                                  stride_local_slot, block_table_ptr, tokens, requests,
                                   positions, input_ids, mask, row_offset, block_size, max_blocks,
                                   stride_table_row, stride_table_col)
         elif pid < pad_start:
@@ -204,19 +230,25 @@ if HAS_TRITON:
             mask = tokens < active_tokens
             low = tl.zeros([BLOCK_T], dtype=tl.int64) + num_decode
             high = tl.zeros([BLOCK_T], dtype=tl.int64) + num_requests
-            first_token = tl.zeros([BLOCK_T], dtype=tl.int64) + tl.load(cu_query_lengths_ptr + num_decode)
+            first_token = (tl.zeros([BLOCK_T], dtype=tl.int64)
+                           + tl.load(cu_query_lengths_ptr + num_decode * stride_cu))
             for _ in range(num_search_steps):
                 middle = (low + high) // 2
-                middle_first = tl.load(cu_query_lengths_ptr + middle, mask=mask, other=0).to(tl.int64)
+                middle_first = tl.load(cu_query_lengths_ptr + middle * stride_cu, mask=mask,
+                                       other=0).to(tl.int64)
                 right = middle_first <= tokens
                 low = tl.where(right, middle, low)
                 first_token = tl.where(right, middle_first, first_token)
                 high = tl.where(right, high, middle)
-            kv_offset = tl.load(kv_offsets_ptr + low, mask=mask, other=0).to(tl.int64)
+            kv_offset = tl.load(kv_offsets_ptr + low * stride_kv_offsets, mask=mask,
+                                other=0).to(tl.int64)
             positions = kv_offset + tokens - first_token
-            input_ids = tl.load(prompt_tokens_ptr + (tokens - num_decode), mask=mask, other=0).to(tl.int64)
+            input_ids = tl.load(prompt_tokens_ptr + (tokens - num_decode) * stride_prompt_tokens,
+                                mask=mask, other=0).to(tl.int64)
             _store_token_metadata(input_ids_ptr, pos_ids_ptr, request_idx_ptr, block_idx_ptr,
-                                  position_ptr, local_slot_ptr, block_table_ptr, tokens, low,
+                                  position_ptr, local_slot_ptr, stride_input_ids, stride_pos_ids,
+                                  stride_request_idx, stride_block_idx, stride_position,
+                                  stride_local_slot, block_table_ptr, tokens, low,
                                   positions, input_ids, mask, row_offset, block_size, max_blocks,
                                   stride_table_row, stride_table_col)
         elif pid < table_start:
@@ -224,12 +256,11 @@ if HAS_TRITON:
             tokens = active_tokens + (pid - pad_start).to(tl.int64) * BLOCK_T + offs_t
             mask = tokens < padded_tokens
             zeros = tl.zeros([BLOCK_T], dtype=tl.int64)
-            tl.store(input_ids_ptr + tokens, zeros, mask=mask)
-            tl.store(pos_ids_ptr + tokens, zeros, mask=mask)
-            tl.store(request_idx_ptr + tokens, zeros - 1, mask=mask)
-            tl.store(block_idx_ptr + tokens, zeros + dummy_block, mask=mask)
-            tl.store(position_ptr + tokens, zeros, mask=mask)
-            tl.store(local_slot_ptr + tokens, zeros, mask=mask)
+            _store_token_outputs(input_ids_ptr, pos_ids_ptr, request_idx_ptr, block_idx_ptr,
+                                 position_ptr, local_slot_ptr, stride_input_ids, stride_pos_ids,
+                                 stride_request_idx, stride_block_idx, stride_position,
+                                 stride_local_slot, tokens, zeros, zeros, zeros - 1,
+                                 zeros + dummy_block, zeros, mask)
         else:
             # One attention block-table row: a copy of an active row, or -1 past them.
             row = (pid - table_start).to(tl.int64)
@@ -256,8 +287,6 @@ def _check_tensor(name: str, t, *, dims: int, dtypes: tuple, device, min_rows: i
         raise ValueError(f"{name} is on {t.device}, block_table on {device}")
     if t.shape[0] < min_rows:
         raise ValueError(f"{name} has {t.shape[0]} rows, needs at least {min_rows}")
-    if dims == 1 and t.shape[0] > 1 and t.stride(0) != 1:
-        raise ValueError(f"{name} must be contiguous, got stride {t.stride()}")
 
 
 def step_metadata(token_to_input_ids: torch.Tensor, token_to_pos_ids: torch.Tensor,
@@ -274,11 +303,11 @@ def step_metadata(token_to_input_ids: torch.Tensor, token_to_pos_ids: torch.Tens
     """Write the step's per-token metadata and attention block table (module docstring), in place.
 
     Args:
-        token_to_*: six contiguous int64 ``[>= padded_tokens]`` outputs.
+        token_to_*: six int64 ``[>= padded_tokens]`` outputs, any stride, distinct memory.
         attn_block_table: int32 ``[>= padded_requests, max_blocks]`` output, any strides.
         block_table: int32 ``[>= num_requests, max_blocks]``, the active rows (any strides).
-        query_lengths, kv_offsets: int32 ``[>= num_requests]`` (the kernel needs only
-            ``cu_query_lengths``; decode rows have one token each).
+        query_lengths, kv_offsets: int32 ``[>= num_requests]``, any stride (the kernel needs
+            only ``cu_query_lengths``; decode rows have one token each).
         cu_query_lengths: int32 ``[>= num_requests + 1]``, ``cu[0] = 0`` and
             ``cu[num_requests] == active_tokens`` (the caller guarantees it; not checked).
         next_tokens: int64 (or int32) ``[>= num_requests]``, the input token of each decode row.
@@ -286,6 +315,10 @@ def step_metadata(token_to_input_ids: torch.Tensor, token_to_pos_ids: torch.Tens
             ``[num_decode, num_requests)`` in order.
         num_requests, num_decode, active_tokens, padded_tokens, padded_requests, row_offset,
         block_size, dummy_block: host ints.
+
+    ``cu_query_lengths``, ``next_tokens`` and ``prompt_tokens`` may have any stride too: every
+    tensor is read or written through its own strides and storage offset, and nothing is copied
+    at the edge. Every argument is checked before anything is written.
     """
     device = block_table.device if isinstance(block_table, torch.Tensor) else None
     num_requests, num_decode = int(num_requests), int(num_decode)
@@ -363,6 +396,9 @@ def step_metadata(token_to_input_ids: torch.Tensor, token_to_pos_ids: torch.Tens
         max_blocks=max_blocks,
         stride_attn_row=attn_block_table.stride(0), stride_attn_col=attn_block_table.stride(1),
         stride_table_row=block_table.stride(0), stride_table_col=block_table.stride(1),
+        **{"stride_" + short: out.stride(0) for short, out in zip(_OUTPUT_STRIDES, token_outputs)},
+        stride_next_tokens=next_tokens.stride(0), stride_prompt_tokens=prompt_tokens.stride(0),
+        stride_kv_offsets=kv_offsets.stride(0), stride_cu=cu_query_lengths.stride(0),
         **config.launch_kwargs())
 
 
