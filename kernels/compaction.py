@@ -34,8 +34,10 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-# The dtypes ``new_tokens`` may have: every signed integer dtype and uint8, all widened to int64.
-NEW_TOKEN_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
+# The dtypes ``new_tokens`` may have: every integer dtype, each widened to int64 in the kernel
+# (unsigned ones by zero extension; a uint64 id above 2**63 - 1 would wrap, no vocabulary has one).
+NEW_TOKEN_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.uint16, torch.int32, torch.uint32,
+                    torch.int64, torch.uint64)
 
 _BLOCK_ROWS = (1, 4, 16)
 _BLOCK_COLS = (64, 128, 256)
@@ -200,12 +202,11 @@ def compact_requests(dst_block_table: torch.Tensor, src_block_table: torch.Tenso
             clear_rows)]`` is written.
         dst_next_tokens, src_next_tokens: int64 ``[max_requests]`` (any stride), distinct memory;
             ``dst_next_tokens[:max(num_rows, clear_rows)]`` is written.
-        new_tokens: ``[A_old]`` of any integer dtype of ``NEW_TOKEN_DTYPES`` (int8, uint8,
-            int16, int32, int64) and any stride or storage offset (``sampled[:, 0]`` works), the
-            tokens just sampled, one per previously active row (source rows
-            ``new_token_offset + k``). Narrow dtypes are widened to int64 in the kernel, with no
-            copy; bool, unsigned 16/32/64-bit and float dtypes are refused before anything is
-            written.
+        new_tokens: ``[A_old]`` of any integer dtype (``NEW_TOKEN_DTYPES``: signed and unsigned,
+            8 to 64 bits) and any stride or storage offset (``sampled[:, 0]`` works), the tokens
+            just sampled, one per previously active row (source rows ``new_token_offset + k``).
+            Every dtype is widened to int64 in the kernel, with no copy; bool, float and complex
+            dtypes are refused before anything is written.
         plan_src, plan_append_col, plan_append_block: int32 ``[>= num_rows]``, any stride.
 
     Every tensor is read or written through its own strides; nothing is copied at the edge.
