@@ -29,6 +29,7 @@ import torch
 from . import _autotune
 from ._autotune import KernelConfig, KernelTuning, TuneCase, bucket_tokens
 from ._backend import HAS_TRITON, resolve_backend
+from ._common import check_writable
 
 if HAS_TRITON:
     import triton
@@ -38,84 +39,6 @@ if HAS_TRITON:
 # (unsigned ones by zero extension; a uint64 id above 2**63 - 1 would wrap, no vocabulary has one).
 NEW_TOKEN_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.uint16, torch.int32, torch.uint32,
                     torch.int64, torch.uint64)
-
-_BLOCK_ROWS = (1, 4, 16)
-_BLOCK_COLS = (64, 128, 256)
-_WARPS = (1, 4)
-
-
-def compact_requests_configs(key: dict) -> list[KernelConfig]:
-    return [KernelConfig.make(BLOCK_R=r, BLOCK_C=c, num_warps=w)
-            for r in _BLOCK_ROWS for c in _BLOCK_COLS for w in _WARPS]
-
-
-def compact_requests_default_config(key: dict) -> KernelConfig:
-    block_cols = next((c for c in _BLOCK_COLS if c >= key["max_blocks"]), _BLOCK_COLS[-1])
-    return KernelConfig.make(BLOCK_R=4, BLOCK_C=block_cols, num_warps=4)
-
-
-def compact_requests_tune_key(*, max_blocks: int, num_rows: int) -> dict:
-    return {"max_blocks": int(max_blocks), "num_rows": bucket_tokens(num_rows)}
-
-
-class _CompactionCase(TuneCase):
-    """A step end with ``num_rows`` live rows: a few paused rows keep their token, the rest are
-    permuted active rows with holes, and every fourth row gets a block appended."""
-
-    def __init__(self, key: dict, device: torch.device):
-        rows, max_blocks = key["num_rows"], key["max_blocks"]
-        gen = torch.Generator(device="cpu").manual_seed(0)
-        self.src_block_table = torch.randint(0, 1 << 20, (rows, max_blocks), generator=gen,
-                                             dtype=torch.int32).to(device)
-        self.dst_block_table = torch.full_like(self.src_block_table, -1)
-        self.src_next_tokens = torch.randint(0, 1 << 16, (rows,), generator=gen).to(device)
-        self.dst_next_tokens = torch.zeros_like(self.src_next_tokens)
-        self.new_token_offset = rows // 8
-        num_new_tokens = rows - self.new_token_offset
-        self.new_tokens = torch.randint(0, 1 << 16, (num_new_tokens,), generator=gen).to(device)
-        plan_src = torch.randperm(rows, generator=gen).to(torch.int32)
-        plan_src[::7] = -1
-        append_col = torch.where(torch.arange(rows) % 4 == 0,
-                                 torch.randint(0, max_blocks, (rows,), generator=gen), -1)
-        self.plan_src = plan_src.to(device)
-        self.plan_append_col = append_col.to(torch.int32).to(device)
-        self.plan_append_block = torch.randint(0, 1 << 20, (rows,), generator=gen,
-                                               dtype=torch.int32).to(device)
-        self.num_rows = rows
-        self.bytes_moved = 2 * rows * max_blocks * 4 + rows * (3 * 4 + 3 * 8)
-
-    def _call(self, dst_block_table, dst_next_tokens, config, backend):
-        compact_requests(dst_block_table, self.src_block_table, dst_next_tokens, self.src_next_tokens,
-                         self.new_tokens, self.plan_src, self.plan_append_col, self.plan_append_block,
-                         new_token_offset=self.new_token_offset, num_rows=self.num_rows,
-                         clear_rows=self.num_rows, config=config, backend=backend)
-
-    def run(self, config: KernelConfig) -> None:
-        self._call(self.dst_block_table, self.dst_next_tokens, config, "triton")
-
-    def run_reference(self) -> None:
-        self._call(self.dst_block_table, self.dst_next_tokens, None, "torch")
-
-    def check(self, config: KernelConfig) -> None:
-        expected_table = torch.full_like(self.dst_block_table, -7)
-        expected_tokens = torch.full_like(self.dst_next_tokens, -7)
-        self._call(expected_table, expected_tokens, None, "torch")
-        self.dst_block_table.fill_(-7)
-        self.dst_next_tokens.fill_(-7)
-        self.run(config)
-        assert torch.equal(self.dst_block_table, expected_table), f"{config}: block table differs"
-        assert torch.equal(self.dst_next_tokens, expected_tokens), f"{config}: next tokens differ"
-
-
-def _compaction_presets() -> list[dict]:
-    return [compact_requests_tune_key(max_blocks=b, num_rows=r)
-            for b in (128, 256) for r in (64, 256, 1024)]
-
-
-_autotune.register(KernelTuning(
-    name="compact_requests", configs=compact_requests_configs,
-    default_config=compact_requests_default_config, tune_key=compact_requests_tune_key,
-    token_field="num_rows", make_case=_CompactionCase, presets=_compaction_presets))
 
 
 if HAS_TRITON:
@@ -227,6 +150,7 @@ def compact_requests(dst_block_table: torch.Tensor, src_block_table: torch.Tenso
         _check_tensor(name, plan, dims=1, dtypes=(torch.int32,), device=device)
         if plan.numel() < num_rows:
             raise ValueError(f"{name} has {plan.numel()} entries, num_rows={num_rows}")
+    check_writable(("dst_block_table", dst_block_table), ("dst_next_tokens", dst_next_tokens))
     if src_block_table.shape[1] != dst_block_table.shape[1]:
         raise ValueError(f"src_block_table has {src_block_table.shape[1]} columns, "
                          f"dst_block_table {dst_block_table.shape[1]}")
@@ -306,6 +230,89 @@ def compact_requests_ref(dst_block_table: torch.Tensor, src_block_table: torch.T
     dst_next_tokens[:num_rows] = tokens
     dst_block_table[num_rows:clear_rows] = -1
     dst_next_tokens[num_rows:clear_rows] = 0
+
+
+_BLOCK_ROWS = (1, 4, 16)
+
+
+_BLOCK_COLS = (64, 128, 256)
+
+
+_WARPS = (1, 4)
+
+
+def compact_requests_configs(key: dict) -> list[KernelConfig]:
+    return [KernelConfig.make(BLOCK_R=r, BLOCK_C=c, num_warps=w)
+            for r in _BLOCK_ROWS for c in _BLOCK_COLS for w in _WARPS]
+
+
+def compact_requests_default_config(key: dict) -> KernelConfig:
+    block_cols = next((c for c in _BLOCK_COLS if c >= key["max_blocks"]), _BLOCK_COLS[-1])
+    return KernelConfig.make(BLOCK_R=4, BLOCK_C=block_cols, num_warps=4)
+
+
+def compact_requests_tune_key(*, max_blocks: int, num_rows: int) -> dict:
+    return {"max_blocks": int(max_blocks), "num_rows": bucket_tokens(num_rows)}
+
+
+class _CompactionCase(TuneCase):
+    """A step end with ``num_rows`` live rows: a few paused rows keep their token, the rest are
+    permuted active rows with holes, and every fourth row gets a block appended."""
+
+    def __init__(self, key: dict, device: torch.device):
+        rows, max_blocks = key["num_rows"], key["max_blocks"]
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        self.src_block_table = torch.randint(0, 1 << 20, (rows, max_blocks), generator=gen,
+                                             dtype=torch.int32).to(device)
+        self.dst_block_table = torch.full_like(self.src_block_table, -1)
+        self.src_next_tokens = torch.randint(0, 1 << 16, (rows,), generator=gen).to(device)
+        self.dst_next_tokens = torch.zeros_like(self.src_next_tokens)
+        self.new_token_offset = rows // 8
+        num_new_tokens = rows - self.new_token_offset
+        self.new_tokens = torch.randint(0, 1 << 16, (num_new_tokens,), generator=gen).to(device)
+        plan_src = torch.randperm(rows, generator=gen).to(torch.int32)
+        plan_src[::7] = -1
+        append_col = torch.where(torch.arange(rows) % 4 == 0,
+                                 torch.randint(0, max_blocks, (rows,), generator=gen), -1)
+        self.plan_src = plan_src.to(device)
+        self.plan_append_col = append_col.to(torch.int32).to(device)
+        self.plan_append_block = torch.randint(0, 1 << 20, (rows,), generator=gen,
+                                               dtype=torch.int32).to(device)
+        self.num_rows = rows
+        self.bytes_moved = 2 * rows * max_blocks * 4 + rows * (3 * 4 + 3 * 8)
+
+    def _call(self, dst_block_table, dst_next_tokens, config, backend):
+        compact_requests(dst_block_table, self.src_block_table, dst_next_tokens, self.src_next_tokens,
+                         self.new_tokens, self.plan_src, self.plan_append_col, self.plan_append_block,
+                         new_token_offset=self.new_token_offset, num_rows=self.num_rows,
+                         clear_rows=self.num_rows, config=config, backend=backend)
+
+    def run(self, config: KernelConfig) -> None:
+        self._call(self.dst_block_table, self.dst_next_tokens, config, "triton")
+
+    def run_reference(self) -> None:
+        self._call(self.dst_block_table, self.dst_next_tokens, None, "torch")
+
+    def check(self, config: KernelConfig) -> None:
+        expected_table = torch.full_like(self.dst_block_table, -7)
+        expected_tokens = torch.full_like(self.dst_next_tokens, -7)
+        self._call(expected_table, expected_tokens, None, "torch")
+        self.dst_block_table.fill_(-7)
+        self.dst_next_tokens.fill_(-7)
+        self.run(config)
+        assert torch.equal(self.dst_block_table, expected_table), f"{config}: block table differs"
+        assert torch.equal(self.dst_next_tokens, expected_tokens), f"{config}: next tokens differ"
+
+
+def _compaction_presets() -> list[dict]:
+    return [compact_requests_tune_key(max_blocks=b, num_rows=r)
+            for b in (128, 256) for r in (64, 256, 1024)]
+
+
+_autotune.register(KernelTuning(
+    name="compact_requests", configs=compact_requests_configs,
+    default_config=compact_requests_default_config, tune_key=compact_requests_tune_key,
+    token_field="num_rows", make_case=_CompactionCase, presets=_compaction_presets))
 
 
 @torch.library.custom_op("dynctx::compact_requests", mutates_args=("dst_block_table", "dst_next_tokens"))

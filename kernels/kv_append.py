@@ -12,62 +12,20 @@ import torch
 from . import _autotune
 from ._autotune import KernelConfig, KernelTuning
 from ._backend import HAS_TRITON, resolve_backend
-from ._common import (FLOAT_DTYPES, BufferWriteCase, check_block_slots, check_same_device,
-                      next_pow2, paged_targets, squeeze_singleton)
+from ._common import (
+    FLOAT_DTYPES,
+    BufferWriteCase,
+    check_block_slots,
+    check_same_device,
+    check_writable,
+    next_pow2,
+    paged_targets,
+    squeeze_singleton,
+)
+from ._shapes import LLAMA_3_8B
 
 NAME = "kv_append"
-# Largest tile (tokens x heads x padded head dim) one program moves per tensor.
-_MAX_TILE = 16384
 
-
-def kv_append_configs(key: dict) -> list[KernelConfig]:
-    """Search space: tokens per program x heads per program x warps, tiles up to 16K elements."""
-    heads_pow2, dim_pow2 = next_pow2(key["num_heads"]), next_pow2(key["head_dim"])
-    configs: list[KernelConfig] = []
-    for block_t in (1, 4, 16):
-        for block_h in sorted({min(2, heads_pow2), min(8, heads_pow2)}):
-            tile = block_t * block_h * dim_pow2
-            smallest = block_t == 1 and block_h == min(2, heads_pow2)
-            if tile > _MAX_TILE and not smallest:
-                continue
-            for num_warps in (4, 8):
-                if num_warps == 8 and tile < 32 * 8:
-                    continue
-                configs.append(KernelConfig.make(BLOCK_T=block_t, BLOCK_H=block_h, num_warps=num_warps))
-    return configs
-
-
-def kv_append_default_config(key: dict) -> KernelConfig:
-    """A whole token's heads per program (up to 8); 4 tokens per program from 64 tokens on."""
-    block_h = min(8, next_pow2(key["num_heads"]))
-    block_t = 4 if key["num_tokens"] >= 64 else 1
-    tile = block_t * block_h * next_pow2(key["head_dim"])
-    config = KernelConfig.make(BLOCK_T=block_t, BLOCK_H=block_h, num_warps=8 if tile >= 2048 else 4)
-    space = kv_append_configs(key)
-    return config if config in space else space[0]
-
-
-def kv_append_tune_key(*, num_tokens: int, num_heads: int, head_dim: int, dtype) -> dict:
-    """Heads, head dim and dtype exact; the token count bucketed to a power of two."""
-    dtype = dtype if isinstance(dtype, str) else _autotune.dtype_name(dtype)
-    return {"num_tokens": _autotune.bucket_tokens(num_tokens), "num_heads": int(num_heads),
-            "head_dim": int(head_dim), "dtype": dtype}
-
-
-def kv_append_presets() -> list[dict]:
-    """Llama-3-8B GQA (8 KV heads of 128, bf16) at decode and prefill token counts."""
-    return [kv_append_tune_key(num_tokens=n, num_heads=8, head_dim=128, dtype="bfloat16")
-            for n in (1, 16, 64, 256, 2048, 8192)]
-
-
-def _make_case(key: dict, device: torch.device) -> "KvAppendCase":
-    return KvAppendCase(key, device)
-
-
-_autotune.register(KernelTuning(
-    name=NAME, configs=kv_append_configs, default_config=kv_append_default_config,
-    tune_key=kv_append_tune_key, make_case=_make_case, presets=kv_append_presets,
-))
 
 if HAS_TRITON:
     import triton
@@ -123,6 +81,7 @@ def _check_inputs(key_cache, value_cache, key, value, block_ids, slots):
         raise ValueError(f"key_cache dtype {key_cache.dtype} is not one of {FLOAT_DTYPES}")
     if value_cache.dtype != key_cache.dtype:
         raise ValueError(f"value_cache dtype {value_cache.dtype} != key_cache dtype {key_cache.dtype}")
+    check_writable(("key_cache", key_cache), ("value_cache", value_cache))
     key = squeeze_singleton("key", key, 3, "H, D")
     value = squeeze_singleton("value", value, 3, "H, D")
     num_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
@@ -199,6 +158,61 @@ def kv_append_ref(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch
     block_ids, slots = block_ids.long(), slots.long()
     key_cache[block_ids, slots] = key[:n]
     value_cache[block_ids, slots] = value[:n]
+
+
+# Largest tile (tokens x heads x padded head dim) one program moves per tensor.
+_MAX_TILE = 16384
+
+
+def kv_append_configs(key: dict) -> list[KernelConfig]:
+    """Search space: tokens per program x heads per program x warps, tiles up to 16K elements."""
+    heads_pow2, dim_pow2 = next_pow2(key["num_heads"]), next_pow2(key["head_dim"])
+    configs: list[KernelConfig] = []
+    for block_t in (1, 4, 16):
+        for block_h in sorted({min(2, heads_pow2), min(8, heads_pow2)}):
+            tile = block_t * block_h * dim_pow2
+            smallest = block_t == 1 and block_h == min(2, heads_pow2)
+            if tile > _MAX_TILE and not smallest:
+                continue
+            for num_warps in (4, 8):
+                if num_warps == 8 and tile < 32 * 8:
+                    continue
+                configs.append(KernelConfig.make(BLOCK_T=block_t, BLOCK_H=block_h, num_warps=num_warps))
+    return configs
+
+
+def kv_append_default_config(key: dict) -> KernelConfig:
+    """A whole token's heads per program (up to 8); 4 tokens per program from 64 tokens on."""
+    block_h = min(8, next_pow2(key["num_heads"]))
+    block_t = 4 if key["num_tokens"] >= 64 else 1
+    tile = block_t * block_h * next_pow2(key["head_dim"])
+    config = KernelConfig.make(BLOCK_T=block_t, BLOCK_H=block_h, num_warps=8 if tile >= 2048 else 4)
+    space = kv_append_configs(key)
+    return config if config in space else space[0]
+
+
+def kv_append_tune_key(*, num_tokens: int, num_heads: int, head_dim: int, dtype) -> dict:
+    """Heads, head dim and dtype exact; the token count bucketed to a power of two."""
+    dtype = dtype if isinstance(dtype, str) else _autotune.dtype_name(dtype)
+    return {"num_tokens": _autotune.bucket_tokens(num_tokens), "num_heads": int(num_heads),
+            "head_dim": int(head_dim), "dtype": dtype}
+
+
+def kv_append_presets() -> list[dict]:
+    """Llama-3-8B GQA (8 KV heads of 128, bf16) at decode and prefill token counts."""
+    return [kv_append_tune_key(num_tokens=n, num_heads=LLAMA_3_8B["num_key_value_heads"],
+                               head_dim=LLAMA_3_8B["head_dim"], dtype=LLAMA_3_8B["dtype"])
+            for n in (1, 16, 64, 256, 2048, 8192)]
+
+
+def _make_case(key: dict, device: torch.device) -> "KvAppendCase":
+    return KvAppendCase(key, device)
+
+
+_autotune.register(KernelTuning(
+    name=NAME, configs=kv_append_configs, default_config=kv_append_default_config,
+    tune_key=kv_append_tune_key, make_case=_make_case, presets=kv_append_presets,
+))
 
 
 class KvAppendCase(BufferWriteCase):

@@ -19,157 +19,12 @@ import torch
 from . import _autotune
 from ._autotune import KernelConfig, KernelTuning, TuneCase, bucket_tokens, dtype_name
 from ._backend import HAS_TRITON, resolve_backend
-from ._common import FLOAT_DTYPES
+from ._common import FLOAT_DTYPES, check_writable
+from ._shapes import LLAMA_3_8B
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
-
-# A tune case's acceptance bound for a log-softmax config (the tests state their own tolerance
-# in tests/tolerances.py).
-_TUNE_CHECK_TOLERANCE = dict(rtol=1e-5, atol=1e-5)
-
-# Search spaces: the gather is a copy of BLOCK_V-wide tiles; the log-softmax walks the row.
-_GATHER_BLOCKS = (1024, 2048, 4096, 8192)
-_GATHER_WARPS = (4, 8)
-# One program walks a whole row, so at a few rows the walk's latency dominates and the widest
-# tiles win (H200, V = 128256: 16384 x 16 warps beat 4096 x 8 by 1.3x; num_stages changed nothing).
-_SOFTMAX_BLOCKS = (4096, 8192, 16384, 32768)
-_SOFTMAX_WARPS = (4, 8, 16)
-
-
-def _softmax_configs() -> list[KernelConfig]:
-    return [KernelConfig.make(BLOCK_V=b, num_warps=w) for b in _SOFTMAX_BLOCKS for w in _SOFTMAX_WARPS]
-
-
-def _softmax_default(vocab_size: int) -> KernelConfig:
-    if vocab_size >= 16384:
-        return KernelConfig.make(BLOCK_V=16384, num_warps=16)
-    return KernelConfig.make(BLOCK_V=4096 if vocab_size <= 4096 else 8192, num_warps=8)
-
-
-def last_token_logits_configs(key: dict) -> list[KernelConfig]:
-    if key.get("log_softmax"):
-        return _softmax_configs()
-    return [KernelConfig.make(BLOCK_V=b, num_warps=w) for b in _GATHER_BLOCKS for w in _GATHER_WARPS]
-
-
-def last_token_logits_default_config(key: dict) -> KernelConfig:
-    if key.get("log_softmax"):
-        return _softmax_default(key["vocab_size"])
-    return KernelConfig.make(BLOCK_V=4096 if key["vocab_size"] >= 4096 else 1024, num_warps=4)
-
-
-def last_token_logits_tune_key(*, vocab_size: int, dtype: torch.dtype, num_requests: int,
-                               log_softmax: bool = False) -> dict:
-    return {"vocab_size": int(vocab_size), "dtype": dtype_name(dtype),
-            "num_requests": bucket_tokens(num_requests), "log_softmax": bool(log_softmax)}
-
-
-def token_log_probs_configs(key: dict) -> list[KernelConfig]:
-    return _softmax_configs()
-
-
-def token_log_probs_default_config(key: dict) -> KernelConfig:
-    return _softmax_default(key["vocab_size"])
-
-
-def token_log_probs_tune_key(*, vocab_size: int, dtype: torch.dtype, num_tokens: int,
-                             return_full: bool = False) -> dict:
-    return {"vocab_size": int(vocab_size), "dtype": dtype_name(dtype),
-            "num_tokens": bucket_tokens(num_tokens), "return_full": bool(return_full)}
-
-
-def scaled_down_key(key: dict) -> dict:
-    """A committed key made small enough for the interpreter: at most 4 rows and a 9000-entry
-    vocabulary (several tiles for every block size; no search space depends on either)."""
-    small = {**key, "vocab_size": min(key["vocab_size"], 9000)}
-    for field in ("num_requests", "num_tokens"):
-        if field in small:
-            small[field] = min(small[field], 4)
-    return small
-
-
-class _LogitsCase(TuneCase):
-    """Scratch logits of a decode step: ``rows`` requests of one token each (or ``rows`` tokens)."""
-
-    def __init__(self, key: dict, device: torch.device, *, rows: int, last_token: bool):
-        self.key = key
-        self.last_token = last_token
-        vocab = key["vocab_size"]
-        dtype = getattr(torch, key["dtype"])
-        gen = torch.Generator(device="cpu").manual_seed(0)
-        self.logits = (4 * torch.randn(rows, vocab, generator=gen)).to(dtype).to(device)
-        self.cu_query_lengths = torch.arange(rows + 1, dtype=torch.int32, device=device)
-        self.token_ids = torch.randint(0, vocab, (rows,), generator=gen).to(device)
-        self.rows = rows
-        out_dtype = torch.float32 if key.get("log_softmax") else dtype
-        self.out = torch.empty(rows, vocab, dtype=out_dtype, device=device) if last_token else None
-        item = self.logits.element_size()
-        if last_token and not key["log_softmax"]:
-            self.bytes_moved = 2 * rows * vocab * item
-        else:
-            full = key.get("log_softmax") or key.get("return_full")
-            # One read for the running max/sum, one more and an fp32 write for the full row.
-            self.bytes_moved = rows * vocab * item * (2 if full else 1) + (rows * vocab * 4 if full else 0)
-
-    def _call(self, config, backend, out=None):
-        if self.last_token:
-            return (last_token_logits(self.logits, self.cu_query_lengths, self.rows,
-                                      log_softmax=self.key["log_softmax"], out=out, config=config,
-                                      backend=backend), None)
-        return token_log_probs(self.logits, self.token_ids, return_full=self.key["return_full"],
-                               config=config, backend=backend)
-
-    def run(self, config: KernelConfig) -> None:
-        self._call(config, "triton", self.out)
-
-    def run_reference(self) -> None:
-        self._call(None, "torch", self.out)
-
-    def check(self, config: KernelConfig) -> None:
-        if self.out is not None:
-            self.out.fill_(float("nan"))
-        got, expected = self._call(config, "triton", self.out), self._call(None, "torch")
-        exact = self.last_token and not self.key["log_softmax"]
-        for g, e in zip(got, expected):
-            if e is None:
-                continue
-            if exact:
-                assert torch.equal(g, e), f"{config}: gathered rows differ from the reference"
-            else:
-                torch.testing.assert_close(g, e, **_TUNE_CHECK_TOLERANCE)
-
-
-def _last_token_case(key: dict, device: torch.device) -> TuneCase:
-    return _LogitsCase(key, device, rows=key["num_requests"], last_token=True)
-
-
-def _token_log_probs_case(key: dict, device: torch.device) -> TuneCase:
-    return _LogitsCase(key, device, rows=key["num_tokens"], last_token=False)
-
-
-def _last_token_presets() -> list[dict]:
-    return [last_token_logits_tune_key(vocab_size=128256, dtype=torch.bfloat16, num_requests=r,
-                                       log_softmax=ls)
-            for r in (1, 16, 64, 256) for ls in (False, True)]
-
-
-def _token_log_probs_presets() -> list[dict]:
-    keys = [token_log_probs_tune_key(vocab_size=128256, dtype=torch.bfloat16, num_tokens=n)
-            for n in (1, 16, 64, 256)]
-    return keys + [token_log_probs_tune_key(vocab_size=128256, dtype=torch.bfloat16, num_tokens=256,
-                                            return_full=True)]
-
-
-_autotune.register(KernelTuning(
-    name="last_token_logits", configs=last_token_logits_configs,
-    default_config=last_token_logits_default_config, tune_key=last_token_logits_tune_key,
-    token_field="num_requests", make_case=_last_token_case, presets=_last_token_presets))
-_autotune.register(KernelTuning(
-    name="token_log_probs", configs=token_log_probs_configs,
-    default_config=token_log_probs_default_config, tune_key=token_log_probs_tune_key,
-    token_field="num_tokens", make_case=_token_log_probs_case, presets=_token_log_probs_presets))
 
 
 if HAS_TRITON:
@@ -269,6 +124,7 @@ def _check_out(out: torch.Tensor, shape: tuple[int, int], dtype: torch.dtype,
         raise ValueError(f"{name} must be {dtype}, got {out.dtype}")
     if out.device != device:
         raise ValueError(f"{name} is on {out.device}, logits on {device}")
+    check_writable((name, out))
 
 
 def last_token_logits(logits: torch.Tensor, cu_query_lengths: torch.Tensor, num_requests: int, *,
@@ -412,6 +268,164 @@ def token_log_probs_ref(logits: torch.Tensor, token_ids: torch.Tensor, *, return
     full = torch.log_softmax(logits.float(), dim=-1)
     log_probs = full.gather(1, token_ids.long()[:, None])[:, 0]
     return log_probs, (full if return_full else None)
+
+
+# A tune case's acceptance bound for a log-softmax config (the tests state their own tolerance
+# in tests/tolerances.py).
+_TUNE_CHECK_TOLERANCE = dict(rtol=1e-5, atol=1e-5)
+
+
+# Search spaces: the gather is a copy of BLOCK_V-wide tiles; the log-softmax walks the row.
+_GATHER_BLOCKS = (1024, 2048, 4096, 8192)
+
+
+_GATHER_WARPS = (4, 8)
+
+
+# One program walks a whole row, so at a few rows the walk's latency dominates and the widest
+# tiles win (H200, V = 128256: 16384 x 16 warps beat 4096 x 8 by 1.3x; num_stages changed nothing).
+_SOFTMAX_BLOCKS = (4096, 8192, 16384, 32768)
+
+
+_SOFTMAX_WARPS = (4, 8, 16)
+
+
+def _softmax_configs() -> list[KernelConfig]:
+    return [KernelConfig.make(BLOCK_V=b, num_warps=w) for b in _SOFTMAX_BLOCKS for w in _SOFTMAX_WARPS]
+
+
+def _softmax_default(vocab_size: int) -> KernelConfig:
+    if vocab_size >= 16384:
+        return KernelConfig.make(BLOCK_V=16384, num_warps=16)
+    return KernelConfig.make(BLOCK_V=4096 if vocab_size <= 4096 else 8192, num_warps=8)
+
+
+def last_token_logits_configs(key: dict) -> list[KernelConfig]:
+    if key.get("log_softmax"):
+        return _softmax_configs()
+    return [KernelConfig.make(BLOCK_V=b, num_warps=w) for b in _GATHER_BLOCKS for w in _GATHER_WARPS]
+
+
+def last_token_logits_default_config(key: dict) -> KernelConfig:
+    if key.get("log_softmax"):
+        return _softmax_default(key["vocab_size"])
+    return KernelConfig.make(BLOCK_V=4096 if key["vocab_size"] >= 4096 else 1024, num_warps=4)
+
+
+def last_token_logits_tune_key(*, vocab_size: int, dtype: torch.dtype, num_requests: int,
+                               log_softmax: bool = False) -> dict:
+    return {"vocab_size": int(vocab_size), "dtype": dtype_name(dtype),
+            "num_requests": bucket_tokens(num_requests), "log_softmax": bool(log_softmax)}
+
+
+def token_log_probs_configs(key: dict) -> list[KernelConfig]:
+    return _softmax_configs()
+
+
+def token_log_probs_default_config(key: dict) -> KernelConfig:
+    return _softmax_default(key["vocab_size"])
+
+
+def token_log_probs_tune_key(*, vocab_size: int, dtype: torch.dtype, num_tokens: int,
+                             return_full: bool = False) -> dict:
+    return {"vocab_size": int(vocab_size), "dtype": dtype_name(dtype),
+            "num_tokens": bucket_tokens(num_tokens), "return_full": bool(return_full)}
+
+
+def scaled_down_key(key: dict) -> dict:
+    """A committed key made small enough for the interpreter: at most 4 rows and a 9000-entry
+    vocabulary (several tiles for every block size; no search space depends on either)."""
+    small = {**key, "vocab_size": min(key["vocab_size"], 9000)}
+    for field in ("num_requests", "num_tokens"):
+        if field in small:
+            small[field] = min(small[field], 4)
+    return small
+
+
+class _LogitsCase(TuneCase):
+    """Scratch logits of a decode step: ``rows`` requests of one token each (or ``rows`` tokens)."""
+
+    def __init__(self, key: dict, device: torch.device, *, rows: int, last_token: bool):
+        self.key = key
+        self.last_token = last_token
+        vocab = key["vocab_size"]
+        dtype = getattr(torch, key["dtype"])
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        self.logits = (4 * torch.randn(rows, vocab, generator=gen)).to(dtype).to(device)
+        self.cu_query_lengths = torch.arange(rows + 1, dtype=torch.int32, device=device)
+        self.token_ids = torch.randint(0, vocab, (rows,), generator=gen).to(device)
+        self.rows = rows
+        out_dtype = torch.float32 if key.get("log_softmax") else dtype
+        self.out = torch.empty(rows, vocab, dtype=out_dtype, device=device) if last_token else None
+        item = self.logits.element_size()
+        if last_token and not key["log_softmax"]:
+            self.bytes_moved = 2 * rows * vocab * item
+        else:
+            full = key.get("log_softmax") or key.get("return_full")
+            # One read for the running max/sum, one more and an fp32 write for the full row.
+            self.bytes_moved = rows * vocab * item * (2 if full else 1) + (rows * vocab * 4 if full else 0)
+
+    def _call(self, config, backend, out=None):
+        if self.last_token:
+            return (last_token_logits(self.logits, self.cu_query_lengths, self.rows,
+                                      log_softmax=self.key["log_softmax"], out=out, config=config,
+                                      backend=backend), None)
+        return token_log_probs(self.logits, self.token_ids, return_full=self.key["return_full"],
+                               config=config, backend=backend)
+
+    def run(self, config: KernelConfig) -> None:
+        self._call(config, "triton", self.out)
+
+    def run_reference(self) -> None:
+        self._call(None, "torch", self.out)
+
+    def check(self, config: KernelConfig) -> None:
+        if self.out is not None:
+            self.out.fill_(float("nan"))
+        got, expected = self._call(config, "triton", self.out), self._call(None, "torch")
+        exact = self.last_token and not self.key["log_softmax"]
+        for g, e in zip(got, expected):
+            if e is None:
+                continue
+            if exact:
+                assert torch.equal(g, e), f"{config}: gathered rows differ from the reference"
+            else:
+                torch.testing.assert_close(g, e, **_TUNE_CHECK_TOLERANCE)
+
+
+def _last_token_case(key: dict, device: torch.device) -> TuneCase:
+    return _LogitsCase(key, device, rows=key["num_requests"], last_token=True)
+
+
+def _token_log_probs_case(key: dict, device: torch.device) -> TuneCase:
+    return _LogitsCase(key, device, rows=key["num_tokens"], last_token=False)
+
+
+def _last_token_presets() -> list[dict]:
+    return [last_token_logits_tune_key(vocab_size=LLAMA_3_8B["vocab_size"],
+                                       dtype=getattr(torch, LLAMA_3_8B["dtype"]), num_requests=r,
+                                       log_softmax=ls)
+            for r in (1, 16, 64, 256) for ls in (False, True)]
+
+
+def _token_log_probs_presets() -> list[dict]:
+    vocab, dtype = LLAMA_3_8B["vocab_size"], getattr(torch, LLAMA_3_8B["dtype"])
+    keys = [token_log_probs_tune_key(vocab_size=vocab, dtype=dtype, num_tokens=n)
+            for n in (1, 16, 64, 256)]
+    return keys + [token_log_probs_tune_key(vocab_size=vocab, dtype=dtype, num_tokens=256,
+                                            return_full=True)]
+
+
+_autotune.register(KernelTuning(
+    name="last_token_logits", configs=last_token_logits_configs,
+    default_config=last_token_logits_default_config, tune_key=last_token_logits_tune_key,
+    token_field="num_requests", make_case=_last_token_case, presets=_last_token_presets))
+
+
+_autotune.register(KernelTuning(
+    name="token_log_probs", configs=token_log_probs_configs,
+    default_config=token_log_probs_default_config, tune_key=token_log_probs_tune_key,
+    token_field="num_tokens", make_case=_token_log_probs_case, presets=_token_log_probs_presets))
 
 
 @torch.library.custom_op("dynctx::last_token_logits", mutates_args=())

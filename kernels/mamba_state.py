@@ -16,50 +16,11 @@ import torch
 from . import _autotune
 from ._autotune import KernelConfig, KernelTuning, TuneCase
 from ._backend import HAS_TRITON, resolve_backend
-from ._common import FLOAT_DTYPES, bits, next_pow2
+from ._common import FLOAT_DTYPES, bits, check_writable, next_pow2
+from ._shapes import MAMBA2_CONV_STATE, MAMBA2_MIXER, MAMBA2_SSM_STATE
 
 GATHER, SCATTER = "mamba_state_gather", "mamba_state_scatter"
-_MIN_BLOCK_R = 1024
 
-
-def mamba_state_configs(key: dict) -> list[KernelConfig]:
-    """Search space: row elements per program (1K to 8K, no wider than the row) x warps."""
-    widest = max(_MIN_BLOCK_R, next_pow2(key["row_elems"]))
-    return [KernelConfig.make(BLOCK_R=block_r, num_warps=num_warps)
-            for block_r in (1024, 2048, 4096, 8192) if block_r <= widest for num_warps in (4, 8)]
-
-
-def mamba_state_default_config(key: dict) -> KernelConfig:
-    """4K elements per program (or the row, if shorter), 8 warps from 4K on."""
-    block_r = min(4096, max(_MIN_BLOCK_R, next_pow2(key["row_elems"])))
-    return KernelConfig.make(BLOCK_R=block_r, num_warps=8 if block_r >= 4096 else 4)
-
-
-def mamba_state_tune_key(*, num_requests: int, state_shape, dtype) -> dict:
-    """Row length (``prod(state_shape)``) and dtype exact; the request count bucketed."""
-    dtype = dtype if isinstance(dtype, str) else _autotune.dtype_name(dtype)
-    return {"num_requests": _autotune.bucket_tokens(num_requests),
-            "row_elems": int(math.prod(state_shape)), "dtype": dtype}
-
-
-# NemotronH-style Mamba2 mixer: d_inner 4096, ngroups 8, d_state 128, d_conv 4, 64 heads of 64.
-_CONV_STATE = (4096 + 2 * 8 * 128, 4)
-_SSM_STATE = (64, 64, 128)
-
-
-def mamba_state_presets() -> list[dict]:
-    """Conv and SSM states of a NemotronH-style Mamba2 layer (bf16) for 1 to 256 requests."""
-    return [mamba_state_tune_key(num_requests=n, state_shape=shape, dtype="bfloat16")
-            for shape in (_CONV_STATE, _SSM_STATE) for n in (1, 16, 64, 256)]
-
-
-for _name in (GATHER, SCATTER):
-    _autotune.register(KernelTuning(
-        name=_name, configs=mamba_state_configs, default_config=mamba_state_default_config,
-        tune_key=mamba_state_tune_key, token_field="num_requests",
-        make_case=lambda key, device, _name=_name: MambaStateCase(_name, key, device),
-        presets=mamba_state_presets,
-    ))
 
 if HAS_TRITON:
     import triton
@@ -210,6 +171,7 @@ def mamba_state_gather(states: torch.Tensor, slot_ids: torch.Tensor, out: torch.
         out = torch.empty((n, *states.shape[1:]), dtype=states.dtype, device=states.device)
     else:
         _check_rows("out", out, states, exact_rows=n, min_rows=n)
+        check_writable(("out", out))
     sizes, (states_strides, out_strides), flat = row_layout(states, out)
     if n == 0:
         return out
@@ -249,6 +211,7 @@ def mamba_state_scatter(states: torch.Tensor, slot_ids: torch.Tensor, src: torch
     _check_states(states, slot_ids)
     n = slot_ids.numel()
     _check_rows("src", src, states, exact_rows=None, min_rows=n)
+    check_writable(("states", states))
     sizes, (states_strides, src_strides), flat = row_layout(states, src)
     if n == 0:
         return
@@ -287,6 +250,44 @@ def mamba_state_scatter_ref(states: torch.Tensor, slot_ids: torch.Tensor, src: t
     n = slot_ids.numel()
     valid = slot_ids >= 0
     states[slot_ids[valid].long()] = src[:n][valid]
+
+
+_MIN_BLOCK_R = 1024
+
+
+def mamba_state_configs(key: dict) -> list[KernelConfig]:
+    """Search space: row elements per program (1K to 8K, no wider than the row) x warps."""
+    widest = max(_MIN_BLOCK_R, next_pow2(key["row_elems"]))
+    return [KernelConfig.make(BLOCK_R=block_r, num_warps=num_warps)
+            for block_r in (1024, 2048, 4096, 8192) if block_r <= widest for num_warps in (4, 8)]
+
+
+def mamba_state_default_config(key: dict) -> KernelConfig:
+    """4K elements per program (or the row, if shorter), 8 warps from 4K on."""
+    block_r = min(4096, max(_MIN_BLOCK_R, next_pow2(key["row_elems"])))
+    return KernelConfig.make(BLOCK_R=block_r, num_warps=8 if block_r >= 4096 else 4)
+
+
+def mamba_state_tune_key(*, num_requests: int, state_shape, dtype) -> dict:
+    """Row length (``prod(state_shape)``) and dtype exact; the request count bucketed."""
+    dtype = dtype if isinstance(dtype, str) else _autotune.dtype_name(dtype)
+    return {"num_requests": _autotune.bucket_tokens(num_requests),
+            "row_elems": int(math.prod(state_shape)), "dtype": dtype}
+
+
+def mamba_state_presets() -> list[dict]:
+    """Conv and SSM states of a NemotronH-style Mamba2 layer (bf16) for 1 to 256 requests."""
+    return [mamba_state_tune_key(num_requests=n, state_shape=shape, dtype=MAMBA2_MIXER["dtype"])
+            for shape in (MAMBA2_CONV_STATE, MAMBA2_SSM_STATE) for n in (1, 16, 64, 256)]
+
+
+for _name in (GATHER, SCATTER):
+    _autotune.register(KernelTuning(
+        name=_name, configs=mamba_state_configs, default_config=mamba_state_default_config,
+        tune_key=mamba_state_tune_key, token_field="num_requests",
+        make_case=lambda key, device, _name=_name: MambaStateCase(_name, key, device),
+        presets=mamba_state_presets,
+    ))
 
 
 class MambaStateCase(TuneCase):
@@ -352,4 +353,6 @@ def _mamba_state_scatter_fake(states, slot_ids, src) -> None:
 
 
 mamba_state_gather_op = torch.ops.dynctx.mamba_state_gather
+
+
 mamba_state_scatter_op = torch.ops.dynctx.mamba_state_scatter

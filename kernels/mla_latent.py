@@ -11,59 +11,20 @@ import torch
 from . import _autotune
 from ._autotune import KernelConfig, KernelTuning
 from ._backend import HAS_TRITON, resolve_backend
-from ._common import (FLOAT_DTYPES, BufferWriteCase, check_block_slots, check_same_device,
-                      next_pow2, paged_targets, squeeze_singleton)
+from ._common import (
+    FLOAT_DTYPES,
+    BufferWriteCase,
+    check_block_slots,
+    check_same_device,
+    check_writable,
+    next_pow2,
+    paged_targets,
+    squeeze_singleton,
+)
+from ._shapes import DEEPSEEK_V2_LITE
 
 NAME = "mla_latent_append"
 
-
-def mla_latent_append_configs(key: dict) -> list[KernelConfig]:
-    """Search space: tokens per program x row columns per program (256 or the whole row) x warps."""
-    row_pow2 = next_pow2(key["kv_lora_rank"] + key["rope_dim"])
-    configs: list[KernelConfig] = []
-    for block_t in (1, 4, 16):
-        for block_c in sorted({min(256, row_pow2), row_pow2}):
-            tile = block_t * block_c
-            if tile > 16384 and block_t > 1:
-                continue
-            for num_warps in (4, 8):
-                if num_warps == 8 and tile < 32 * 8:
-                    continue
-                configs.append(KernelConfig.make(BLOCK_T=block_t, BLOCK_C=block_c, num_warps=num_warps))
-    return configs
-
-
-def mla_latent_append_default_config(key: dict) -> KernelConfig:
-    """The whole row per program; 4 tokens per program from 64 tokens on."""
-    block_c = next_pow2(key["kv_lora_rank"] + key["rope_dim"])
-    block_t = 4 if key["num_tokens"] >= 64 else 1
-    config = KernelConfig.make(BLOCK_T=block_t, BLOCK_C=block_c,
-                               num_warps=8 if block_t * block_c >= 2048 else 4)
-    space = mla_latent_append_configs(key)
-    return config if config in space else space[0]
-
-
-def mla_latent_append_tune_key(*, num_tokens: int, kv_lora_rank: int, rope_dim: int, dtype) -> dict:
-    """Latent rank, rope dim and dtype exact; the token count bucketed to a power of two."""
-    dtype = dtype if isinstance(dtype, str) else _autotune.dtype_name(dtype)
-    return {"num_tokens": _autotune.bucket_tokens(num_tokens), "kv_lora_rank": int(kv_lora_rank),
-            "rope_dim": int(rope_dim), "dtype": dtype}
-
-
-def mla_latent_append_presets() -> list[dict]:
-    """DeepSeek-V2-Lite MLA (kv_lora_rank 512, rope 64, bf16) at decode and prefill sizes."""
-    return [mla_latent_append_tune_key(num_tokens=n, kv_lora_rank=512, rope_dim=64, dtype="bfloat16")
-            for n in (1, 16, 64, 256, 2048, 8192)]
-
-
-def _make_case(key: dict, device: torch.device) -> "MlaLatentAppendCase":
-    return MlaLatentAppendCase(key, device)
-
-
-_autotune.register(KernelTuning(
-    name=NAME, configs=mla_latent_append_configs, default_config=mla_latent_append_default_config,
-    tune_key=mla_latent_append_tune_key, make_case=_make_case, presets=mla_latent_append_presets,
-))
 
 if HAS_TRITON:
     import triton
@@ -109,6 +70,7 @@ def _check_inputs(latent_cache, kv_latent, k_rope, block_ids, slots):
                          f"got {tuple(latent_cache.shape)}")
     if latent_cache.dtype not in FLOAT_DTYPES:
         raise ValueError(f"latent_cache dtype {latent_cache.dtype} is not one of {FLOAT_DTYPES}")
+    check_writable(("latent_cache", latent_cache))
     kv_latent = squeeze_singleton("kv_latent", kv_latent, 2, "dim")
     k_rope = squeeze_singleton("k_rope", k_rope, 2, "dim")
     n = block_ids.numel()
@@ -177,6 +139,57 @@ def mla_latent_append_ref(latent_cache: torch.Tensor, kv_latent: torch.Tensor, k
     k_rope = k_rope[:, 0] if k_rope.dim() == 3 else k_rope
     rows = torch.cat([kv_latent[:n], k_rope[:n]], dim=-1)
     latent_cache[block_ids.long(), slots.long()] = rows
+
+
+def mla_latent_append_configs(key: dict) -> list[KernelConfig]:
+    """Search space: tokens per program x row columns per program (256 or the whole row) x warps."""
+    row_pow2 = next_pow2(key["kv_lora_rank"] + key["rope_dim"])
+    configs: list[KernelConfig] = []
+    for block_t in (1, 4, 16):
+        for block_c in sorted({min(256, row_pow2), row_pow2}):
+            tile = block_t * block_c
+            if tile > 16384 and block_t > 1:
+                continue
+            for num_warps in (4, 8):
+                if num_warps == 8 and tile < 32 * 8:
+                    continue
+                configs.append(KernelConfig.make(BLOCK_T=block_t, BLOCK_C=block_c, num_warps=num_warps))
+    return configs
+
+
+def mla_latent_append_default_config(key: dict) -> KernelConfig:
+    """The whole row per program; 4 tokens per program from 64 tokens on."""
+    block_c = next_pow2(key["kv_lora_rank"] + key["rope_dim"])
+    block_t = 4 if key["num_tokens"] >= 64 else 1
+    config = KernelConfig.make(BLOCK_T=block_t, BLOCK_C=block_c,
+                               num_warps=8 if block_t * block_c >= 2048 else 4)
+    space = mla_latent_append_configs(key)
+    return config if config in space else space[0]
+
+
+def mla_latent_append_tune_key(*, num_tokens: int, kv_lora_rank: int, rope_dim: int, dtype) -> dict:
+    """Latent rank, rope dim and dtype exact; the token count bucketed to a power of two."""
+    dtype = dtype if isinstance(dtype, str) else _autotune.dtype_name(dtype)
+    return {"num_tokens": _autotune.bucket_tokens(num_tokens), "kv_lora_rank": int(kv_lora_rank),
+            "rope_dim": int(rope_dim), "dtype": dtype}
+
+
+def mla_latent_append_presets() -> list[dict]:
+    """DeepSeek-V2-Lite MLA (kv_lora_rank 512, rope 64, bf16) at decode and prefill sizes."""
+    return [mla_latent_append_tune_key(num_tokens=n, kv_lora_rank=DEEPSEEK_V2_LITE["kv_lora_rank"],
+                                       rope_dim=DEEPSEEK_V2_LITE["qk_rope_head_dim"],
+                                       dtype=DEEPSEEK_V2_LITE["dtype"])
+            for n in (1, 16, 64, 256, 2048, 8192)]
+
+
+def _make_case(key: dict, device: torch.device) -> "MlaLatentAppendCase":
+    return MlaLatentAppendCase(key, device)
+
+
+_autotune.register(KernelTuning(
+    name=NAME, configs=mla_latent_append_configs, default_config=mla_latent_append_default_config,
+    tune_key=mla_latent_append_tune_key, make_case=_make_case, presets=mla_latent_append_presets,
+))
 
 
 class MlaLatentAppendCase(BufferWriteCase):

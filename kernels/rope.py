@@ -22,7 +22,8 @@ import torch
 from . import _autotune
 from ._autotune import KernelConfig, KernelTuning, TuneCase, bucket_tokens, dtype_name
 from ._backend import HAS_TRITON, resolve_backend
-from ._common import FLOAT_DTYPES, next_pow2
+from ._common import FLOAT_DTYPES, check_writable, next_pow2
+from ._shapes import DEEPSEEK_V2_LITE, LLAMA_3_8B
 
 if HAS_TRITON:
     import triton
@@ -30,67 +31,6 @@ if HAS_TRITON:
 
 LAYOUTS = ("neox", "gptj", "mla", "mla_gptj")
 TABLES = ("cos_sin", "freqs")
-MAX_BLOCK_ELEMENTS = 8192
-
-
-def rope_block_configs(row_block: int, num_heads: int) -> list[KernelConfig]:
-    """Tiles of ``BLOCK_T`` tokens x ``BLOCK_H`` heads x ``row_block`` dims, capped in size."""
-    head_cap = next_pow2(max(1, num_heads))
-    configs = []
-    for block_t in (1, 4, 16):
-        for block_h in (1, 4, 8):
-            elements = block_t * block_h * row_block
-            if block_h > head_cap or elements > MAX_BLOCK_ELEMENTS:
-                continue
-            warps = (1, 4) if elements <= 512 else (4, 8) if elements >= 4096 else (4,)
-            configs += [KernelConfig.make(BLOCK_T=block_t, BLOCK_H=block_h, num_warps=w)
-                        for w in warps]
-    return configs
-
-
-def rope_block_default(row_block: int, num_heads: int, num_tokens: int) -> KernelConfig:
-    """Decode: one token, four heads per program; prefill: more tokens per program."""
-    block_t = 1 if num_tokens <= 16 else 4 if num_tokens <= 256 else 16
-    block_h = min(4, next_pow2(max(1, num_heads)))
-    while block_t > 1 and block_t * block_h * row_block > MAX_BLOCK_ELEMENTS:
-        block_t //= 4
-    elements = block_t * block_h * row_block
-    return KernelConfig.make(BLOCK_T=block_t, BLOCK_H=block_h,
-                             num_warps=1 if elements <= 512 else 4)
-
-
-def fused_qk_rope_tune_key(*, num_tokens: int, num_q_heads: int, num_k_heads: int, head_dim: int,
-                           rot_dim: int, layout: str, table: str, dtype) -> dict:
-    if layout not in LAYOUTS or table not in TABLES:
-        raise ValueError(f"layout={layout!r} / table={table!r}: expected {LAYOUTS} / {TABLES}")
-    return {"num_tokens": bucket_tokens(num_tokens), "num_q_heads": int(num_q_heads),
-            "num_k_heads": int(num_k_heads), "head_dim": int(head_dim), "rot_dim": int(rot_dim),
-            "layout": layout, "table": table,
-            "dtype": dtype if isinstance(dtype, str) else dtype_name(dtype)}
-
-
-def fused_qk_rope_configs(key: dict) -> list[KernelConfig]:
-    half_block = next_pow2(key["rot_dim"] // 2)
-    return rope_block_configs(half_block, max(key["num_q_heads"], key["num_k_heads"]))
-
-
-def fused_qk_rope_default_config(key: dict) -> KernelConfig:
-    half_block = next_pow2(key["rot_dim"] // 2)
-    return rope_block_default(half_block, max(key["num_q_heads"], key["num_k_heads"]),
-                              key["num_tokens"])
-
-
-def fused_qk_rope_presets() -> list[dict]:
-    """Llama-3-8B (GQA 32/8, D 128, half-split) and DeepSeek-V2-Lite's rope part (MLA)."""
-    llama = dict(num_q_heads=32, num_k_heads=8, head_dim=128, rot_dim=128, layout="neox",
-                 dtype="bfloat16")
-    deepseek = dict(num_q_heads=16, num_k_heads=1, head_dim=64, rot_dim=64, layout="mla",
-                    table="freqs", dtype="bfloat16")
-    keys = [fused_qk_rope_tune_key(num_tokens=n, table="freqs", **llama)
-            for n in (1, 16, 64, 256, 2048, 8192)]
-    keys += [fused_qk_rope_tune_key(num_tokens=n, table="cos_sin", **llama) for n in (64, 2048)]
-    keys += [fused_qk_rope_tune_key(num_tokens=n, **deepseek) for n in (64, 2048)]
-    return keys
 
 
 if HAS_TRITON:
@@ -314,6 +254,7 @@ def check_rope_args(query, key, positions, cos_sin_cache, freqs, interleaved: bo
         if rot_dim > x.shape[2]:
             raise ValueError(f"{name} head dim {x.shape[2]} is smaller than the rotary dim "
                              f"{rot_dim}")
+        check_writable((name, x[:num_tokens]))
         views[name] = x
     first = views.get("query", views.get("key"))
     for name, x in views.items():
@@ -381,21 +322,6 @@ def fused_qk_rope(query: Optional[torch.Tensor], key: Optional[torch.Tensor],
         stride_positions=positions.stride(0),
         **rope_meta(problem), **config.launch_kwargs(),
     )
-
-
-@torch.library.custom_op("dynctx::fused_qk_rope", mutates_args=("query", "key"))
-def _fused_qk_rope_op(query: Optional[torch.Tensor], key: Optional[torch.Tensor],
-                      positions: torch.Tensor, cos_sin_cache: Optional[torch.Tensor],
-                      freqs: Optional[torch.Tensor], interleaved: bool, mscale: float,
-                      mla_layout: bool) -> None:
-    fused_qk_rope(query, key, positions, cos_sin_cache=cos_sin_cache, freqs=freqs,
-                  interleaved=interleaved, mscale=mscale, mla_layout=mla_layout, backend=None)
-
-
-@_fused_qk_rope_op.register_fake
-def _fused_qk_rope_fake(query, key, positions, cos_sin_cache, freqs, interleaved, mscale,
-                        mla_layout) -> None:
-    return None
 
 
 def flashinfer_rope_available(device) -> bool:
@@ -477,6 +403,83 @@ def fused_qk_rope_ref(query, key, positions, *, cos_sin_cache=None, freqs=None,
         heads[:n, :, :rot] = rotated.to(x.dtype)
 
 
+def make_rope_tables(max_pos: int, rot_dim: int, interleaved: bool, *, base: float = 10000.0,
+                     device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(freqs [max_pos, 1, 1, rot], cos_sin_cache [max_pos, rot])`` as Megatron builds them."""
+    inv_freq = 1.0 / base ** (torch.arange(0, rot_dim, 2, dtype=torch.float32, device=device)
+                              / rot_dim)
+    angles = torch.outer(torch.arange(max_pos, dtype=torch.float32, device=device), inv_freq)
+    emb = angles.repeat_interleave(2, dim=-1) if interleaved else torch.cat((angles, angles), -1)
+    return emb[:, None, None, :].contiguous(), cos_sin_cache_from_freqs(emb, interleaved)
+
+
+MAX_BLOCK_ELEMENTS = 8192
+
+
+def rope_block_configs(row_block: int, num_heads: int) -> list[KernelConfig]:
+    """Tiles of ``BLOCK_T`` tokens x ``BLOCK_H`` heads x ``row_block`` dims, capped in size."""
+    head_cap = next_pow2(max(1, num_heads))
+    configs = []
+    for block_t in (1, 4, 16):
+        for block_h in (1, 4, 8):
+            elements = block_t * block_h * row_block
+            if block_h > head_cap or elements > MAX_BLOCK_ELEMENTS:
+                continue
+            warps = (1, 4) if elements <= 512 else (4, 8) if elements >= 4096 else (4,)
+            configs += [KernelConfig.make(BLOCK_T=block_t, BLOCK_H=block_h, num_warps=w)
+                        for w in warps]
+    return configs
+
+
+def rope_block_default(row_block: int, num_heads: int, num_tokens: int) -> KernelConfig:
+    """Decode: one token, four heads per program; prefill: more tokens per program."""
+    block_t = 1 if num_tokens <= 16 else 4 if num_tokens <= 256 else 16
+    block_h = min(4, next_pow2(max(1, num_heads)))
+    while block_t > 1 and block_t * block_h * row_block > MAX_BLOCK_ELEMENTS:
+        block_t //= 4
+    elements = block_t * block_h * row_block
+    return KernelConfig.make(BLOCK_T=block_t, BLOCK_H=block_h,
+                             num_warps=1 if elements <= 512 else 4)
+
+
+def fused_qk_rope_tune_key(*, num_tokens: int, num_q_heads: int, num_k_heads: int, head_dim: int,
+                           rot_dim: int, layout: str, table: str, dtype) -> dict:
+    if layout not in LAYOUTS or table not in TABLES:
+        raise ValueError(f"layout={layout!r} / table={table!r}: expected {LAYOUTS} / {TABLES}")
+    return {"num_tokens": bucket_tokens(num_tokens), "num_q_heads": int(num_q_heads),
+            "num_k_heads": int(num_k_heads), "head_dim": int(head_dim), "rot_dim": int(rot_dim),
+            "layout": layout, "table": table,
+            "dtype": dtype if isinstance(dtype, str) else dtype_name(dtype)}
+
+
+def fused_qk_rope_configs(key: dict) -> list[KernelConfig]:
+    half_block = next_pow2(key["rot_dim"] // 2)
+    return rope_block_configs(half_block, max(key["num_q_heads"], key["num_k_heads"]))
+
+
+def fused_qk_rope_default_config(key: dict) -> KernelConfig:
+    half_block = next_pow2(key["rot_dim"] // 2)
+    return rope_block_default(half_block, max(key["num_q_heads"], key["num_k_heads"]),
+                              key["num_tokens"])
+
+
+def fused_qk_rope_presets() -> list[dict]:
+    """Llama-3-8B (GQA 32/8, D 128, half-split) and DeepSeek-V2-Lite's rope part (MLA)."""
+    llama = dict(num_q_heads=LLAMA_3_8B["num_attention_heads"],
+                 num_k_heads=LLAMA_3_8B["num_key_value_heads"], head_dim=LLAMA_3_8B["head_dim"],
+                 rot_dim=LLAMA_3_8B["rotary_dim"], layout="neox", dtype=LLAMA_3_8B["dtype"])
+    # MLA ropes the shared rope key (one head) and the rope part of every query head.
+    rope_dim = DEEPSEEK_V2_LITE["qk_rope_head_dim"]
+    deepseek = dict(num_q_heads=DEEPSEEK_V2_LITE["num_attention_heads"], num_k_heads=1,
+                    head_dim=rope_dim, rot_dim=rope_dim, layout="mla", table="freqs",
+                    dtype=DEEPSEEK_V2_LITE["dtype"])
+    keys = [fused_qk_rope_tune_key(num_tokens=n, table="freqs", **llama)
+            for n in (1, 16, 64, 256, 2048, 8192)]
+    keys += [fused_qk_rope_tune_key(num_tokens=n, table="cos_sin", **llama) for n in (64, 2048)]
+    keys += [fused_qk_rope_tune_key(num_tokens=n, **deepseek) for n in (64, 2048)]
+    return keys
+
+
 def _tune_check_bound(expected: torch.Tensor, dtype: torch.dtype, input_scale: float) -> torch.Tensor:
     """The tune-time acceptance bound of a candidate config (not a test tolerance: the tests
     state theirs in ``tests/tolerances.py``): one ulp of ``dtype`` at the fp32 reference value,
@@ -499,16 +502,6 @@ def tune_check_rotation(actual: torch.Tensor, expected: torch.Tensor, input_scal
         raise AssertionError(f"{name}: {int(bad.sum())} of {bad.numel()} elements differ, first at "
                              f"{index}: {float(actual[index])} vs {float(expected[index])} "
                              f"(allowed {float(allowed[index]):.3g})")
-
-
-def make_rope_tables(max_pos: int, rot_dim: int, interleaved: bool, *, base: float = 10000.0,
-                     device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(freqs [max_pos, 1, 1, rot], cos_sin_cache [max_pos, rot])`` as Megatron builds them."""
-    inv_freq = 1.0 / base ** (torch.arange(0, rot_dim, 2, dtype=torch.float32, device=device)
-                              / rot_dim)
-    angles = torch.outer(torch.arange(max_pos, dtype=torch.float32, device=device), inv_freq)
-    emb = angles.repeat_interleave(2, dim=-1) if interleaved else torch.cat((angles, angles), -1)
-    return emb[:, None, None, :].contiguous(), cos_sin_cache_from_freqs(emb, interleaved)
 
 
 class RopeTuneCase(TuneCase):
@@ -568,3 +561,18 @@ _autotune.register(KernelTuning(
     make_case=lambda key, device: _FusedQKRopeCase(key, torch.device(device)),
     presets=fused_qk_rope_presets,
 ))
+
+
+@torch.library.custom_op("dynctx::fused_qk_rope", mutates_args=("query", "key"))
+def _fused_qk_rope_op(query: Optional[torch.Tensor], key: Optional[torch.Tensor],
+                      positions: torch.Tensor, cos_sin_cache: Optional[torch.Tensor],
+                      freqs: Optional[torch.Tensor], interleaved: bool, mscale: float,
+                      mla_layout: bool) -> None:
+    fused_qk_rope(query, key, positions, cos_sin_cache=cos_sin_cache, freqs=freqs,
+                  interleaved=interleaved, mscale=mscale, mla_layout=mla_layout, backend=None)
+
+
+@_fused_qk_rope_op.register_fake
+def _fused_qk_rope_fake(query, key, positions, cos_sin_cache, freqs, interleaved, mscale,
+                        mla_layout) -> None:
+    return None

@@ -16,42 +16,25 @@ import torch
 from . import _autotune
 from ._autotune import KernelConfig, KernelTuning
 from ._backend import HAS_TRITON, resolve_backend
-from ._common import next_pow2
-from .rope import (RopeTuneCase, as_head_view, check_rope_args,
-                   fused_qk_rope_ref, fused_qk_rope_tune_key, rope_block_configs,
-                   rope_block_default, rope_meta, tune_check_rotation)
+from ._common import check_writable, next_pow2
+from ._shapes import LLAMA_3_8B
+from .rope import (
+    RopeTuneCase,
+    as_head_view,
+    check_rope_args,
+    fused_qk_rope_ref,
+    fused_qk_rope_tune_key,
+    rope_block_configs,
+    rope_block_default,
+    rope_meta,
+    tune_check_rotation,
+)
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
 
     from .rope import _rope_rotate_program
-
-
-def rope_kv_append_tune_key(**shapes) -> dict:
-    """The ``fused_qk_rope`` key: ``num_k_heads`` is also the value/cache head count."""
-    return fused_qk_rope_tune_key(**shapes)
-
-
-def rope_kv_append_configs(key: dict) -> list[KernelConfig]:
-    # key programs also copy the whole value head and the key's pass-through dims
-    return rope_block_configs(next_pow2(key["head_dim"]),
-                              max(key["num_q_heads"], key["num_k_heads"]))
-
-
-def rope_kv_append_default_config(key: dict) -> KernelConfig:
-    return rope_block_default(next_pow2(key["head_dim"]),
-                              max(key["num_q_heads"], key["num_k_heads"]), key["num_tokens"])
-
-
-def rope_kv_append_presets() -> list[dict]:
-    """Llama-3-8B (GQA 32/8, D 128, half-split, bf16) at decode and prefill sizes."""
-    llama = dict(num_q_heads=32, num_k_heads=8, head_dim=128, rot_dim=128, layout="neox",
-                 dtype="bfloat16")
-    keys = [rope_kv_append_tune_key(num_tokens=n, table="freqs", **llama)
-            for n in (1, 16, 64, 256, 2048, 8192)]
-    keys += [rope_kv_append_tune_key(num_tokens=64, table="cos_sin", **llama)]
-    return keys
 
 
 if HAS_TRITON:
@@ -138,6 +121,7 @@ def _check_cache(cache, name: str, like: torch.Tensor) -> None:
         raise ValueError(f"{name} dtype {cache.dtype} != key dtype {like.dtype}")
     if cache.device != like.device:
         raise ValueError(f"{name} is on {cache.device}, expected {like.device}")
+    check_writable((name, cache))
 
 
 def _check_index(index, name: str, num_tokens: int, device: torch.device) -> None:
@@ -221,24 +205,6 @@ def rope_kv_append(query: Optional[torch.Tensor], key: torch.Tensor, value: torc
     )
 
 
-@torch.library.custom_op("dynctx::rope_kv_append",
-                         mutates_args=("query", "key", "key_cache", "value_cache"))
-def _rope_kv_append_op(query: Optional[torch.Tensor], key: torch.Tensor, value: torch.Tensor,
-                       positions: torch.Tensor, key_cache: torch.Tensor,
-                       value_cache: torch.Tensor, block_ids: torch.Tensor, slots: torch.Tensor,
-                       cos_sin_cache: Optional[torch.Tensor], freqs: Optional[torch.Tensor],
-                       interleaved: bool, mscale: float, mla_layout: bool) -> None:
-    rope_kv_append(query, key, value, positions, key_cache, value_cache, block_ids, slots,
-                   cos_sin_cache=cos_sin_cache, freqs=freqs, interleaved=interleaved,
-                   mscale=mscale, mla_layout=mla_layout, backend=None)
-
-
-@_rope_kv_append_op.register_fake
-def _rope_kv_append_fake(query, key, value, positions, key_cache, value_cache, block_ids, slots,
-                         cos_sin_cache, freqs, interleaved, mscale, mla_layout) -> None:
-    return None
-
-
 def _kv_append_ref(key_cache, value_cache, key, value, block_ids, slots) -> None:
     """``cache[block_ids[t], slots[t]] = x[t]`` for ``t < n`` with both indices >= 0."""
     n = block_ids.numel()
@@ -256,6 +222,33 @@ def rope_kv_append_ref(query, key, value, positions, key_cache, value_cache, blo
     fused_qk_rope_ref(query, key, positions, cos_sin_cache=cos_sin_cache, freqs=freqs,
                       interleaved=interleaved, mscale=mscale, mla_layout=mla_layout)
     _kv_append_ref(key_cache, value_cache, key, value, block_ids, slots)
+
+
+def rope_kv_append_tune_key(**shapes) -> dict:
+    """The ``fused_qk_rope`` key: ``num_k_heads`` is also the value/cache head count."""
+    return fused_qk_rope_tune_key(**shapes)
+
+
+def rope_kv_append_configs(key: dict) -> list[KernelConfig]:
+    # key programs also copy the whole value head and the key's pass-through dims
+    return rope_block_configs(next_pow2(key["head_dim"]),
+                              max(key["num_q_heads"], key["num_k_heads"]))
+
+
+def rope_kv_append_default_config(key: dict) -> KernelConfig:
+    return rope_block_default(next_pow2(key["head_dim"]),
+                              max(key["num_q_heads"], key["num_k_heads"]), key["num_tokens"])
+
+
+def rope_kv_append_presets() -> list[dict]:
+    """Llama-3-8B (GQA 32/8, D 128, half-split, bf16) at decode and prefill sizes."""
+    llama = dict(num_q_heads=LLAMA_3_8B["num_attention_heads"],
+                 num_k_heads=LLAMA_3_8B["num_key_value_heads"], head_dim=LLAMA_3_8B["head_dim"],
+                 rot_dim=LLAMA_3_8B["rotary_dim"], layout="neox", dtype=LLAMA_3_8B["dtype"])
+    keys = [rope_kv_append_tune_key(num_tokens=n, table="freqs", **llama)
+            for n in (1, 16, 64, 256, 2048, 8192)]
+    keys += [rope_kv_append_tune_key(num_tokens=64, table="cos_sin", **llama)]
+    return keys
 
 
 class _RopeKVAppendCase(RopeTuneCase):
@@ -314,3 +307,21 @@ _autotune.register(KernelTuning(
     make_case=lambda key, device: _RopeKVAppendCase(key, torch.device(device)),
     presets=rope_kv_append_presets,
 ))
+
+
+@torch.library.custom_op("dynctx::rope_kv_append",
+                         mutates_args=("query", "key", "key_cache", "value_cache"))
+def _rope_kv_append_op(query: Optional[torch.Tensor], key: torch.Tensor, value: torch.Tensor,
+                       positions: torch.Tensor, key_cache: torch.Tensor,
+                       value_cache: torch.Tensor, block_ids: torch.Tensor, slots: torch.Tensor,
+                       cos_sin_cache: Optional[torch.Tensor], freqs: Optional[torch.Tensor],
+                       interleaved: bool, mscale: float, mla_layout: bool) -> None:
+    rope_kv_append(query, key, value, positions, key_cache, value_cache, block_ids, slots,
+                   cos_sin_cache=cos_sin_cache, freqs=freqs, interleaved=interleaved,
+                   mscale=mscale, mla_layout=mla_layout, backend=None)
+
+
+@_rope_kv_append_op.register_fake
+def _rope_kv_append_fake(query, key, value, positions, key_cache, value_cache, block_ids, slots,
+                         cos_sin_cache, freqs, interleaved, mscale, mla_layout) -> None:
+    return None

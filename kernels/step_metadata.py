@@ -31,124 +31,19 @@ import torch
 from . import _autotune
 from ._autotune import KernelConfig, KernelTuning, TuneCase, bucket_tokens
 from ._backend import HAS_TRITON, resolve_backend
+from ._common import check_writable
+from ._shapes import BLOCK_SIZE
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
 
-_BLOCK_TOKENS = (16, 64, 256)
-_BLOCK_COLS = (64, 256)
-_WARPS = (1, 4)
-
 TOKEN_OUTPUTS = ("token_to_input_ids", "token_to_pos_ids", "token_to_request_idx",
                  "token_to_block_idx", "token_to_position_in_request",
                  "token_to_local_position_within_kv_block")
+
 # The kernel's stride argument of each TOKEN_OUTPUTS entry, in the same order.
 _OUTPUT_STRIDES = ("input_ids", "pos_ids", "request_idx", "block_idx", "position", "local_slot")
-
-
-def step_metadata_configs(key: dict) -> list[KernelConfig]:
-    return [KernelConfig.make(BLOCK_T=t, BLOCK_C=c, num_warps=w)
-            for t in _BLOCK_TOKENS for c in _BLOCK_COLS for w in _WARPS]
-
-
-def step_metadata_default_config(key: dict) -> KernelConfig:
-    block_cols = 64 if key["max_blocks"] <= 64 else 256
-    if key["prefill"]:
-        return KernelConfig.make(BLOCK_T=64, BLOCK_C=block_cols, num_warps=4)
-    return KernelConfig.make(BLOCK_T=16, BLOCK_C=block_cols, num_warps=1)
-
-
-def step_metadata_tune_key(*, max_blocks: int, block_size: int, num_tokens: int, num_requests: int,
-                           prefill: bool) -> dict:
-    return {"max_blocks": int(max_blocks), "block_size": int(block_size),
-            "num_tokens": bucket_tokens(num_tokens), "num_requests": bucket_tokens(num_requests),
-            "prefill": bool(prefill)}
-
-
-def scaled_down_key(key: dict) -> dict:
-    """A committed key made small enough for the interpreter: at most 4 requests and 8 tokens,
-    the table shape and the decode/prefill mix kept (the search space depends on none)."""
-    return {**key, "num_requests": min(key["num_requests"], 4), "num_tokens": min(key["num_tokens"], 8)}
-
-
-class _StepMetadataCase(TuneCase):
-    """A step of ``num_requests`` rows: all decode, or half decode and the rest prefill chunks
-    sharing the remaining tokens; no padding (the key's counts are powers of two)."""
-
-    def __init__(self, key: dict, device: torch.device):
-        requests, max_blocks, block_size = key["num_requests"], key["max_blocks"], key["block_size"]
-        # Decode: one token per request; prefill: at least one each.
-        tokens = max(key["num_tokens"], requests) if key["prefill"] else requests
-        gen = torch.Generator(device="cpu").manual_seed(0)
-        num_decode = requests // 2 if key["prefill"] else requests
-        num_prefill = requests - num_decode
-        query_lengths = torch.ones(requests, dtype=torch.int64)
-        if num_prefill:
-            share = (tokens - num_decode) // num_prefill
-            query_lengths[num_decode:] = share
-            query_lengths[-1] += tokens - num_decode - share * num_prefill
-        capacity = max_blocks * block_size
-        kv_offsets = (torch.rand(requests, generator=gen) * (capacity - query_lengths).clamp(min=0)).long()
-        self.args = dict(
-            block_table=torch.randint(0, 1 << 20, (requests, max_blocks), generator=gen,
-                                      dtype=torch.int32).to(device),
-            query_lengths=query_lengths.to(torch.int32).to(device),
-            kv_offsets=kv_offsets.to(torch.int32).to(device),
-            cu_query_lengths=torch.cat([torch.zeros(1, dtype=torch.int64), query_lengths.cumsum(0)]
-                                       ).to(torch.int32).to(device),
-            next_tokens=torch.randint(0, 1 << 16, (requests,), generator=gen).to(device),
-            prompt_tokens=torch.randint(0, 1 << 16, (tokens - num_decode,), generator=gen).to(device),
-        )
-        self.sizes = dict(num_requests=requests, num_decode=num_decode, active_tokens=tokens,
-                          padded_tokens=tokens, padded_requests=requests, row_offset=0,
-                          block_size=block_size, dummy_block=(1 << 20))
-        self.outputs = self._new_outputs(requests, tokens, max_blocks, device)
-        self.bytes_moved = 6 * 8 * tokens + 2 * 4 * requests * max_blocks + (4 + 4 + 4 + 8) * requests
-
-    @staticmethod
-    def _new_outputs(requests, tokens, max_blocks, device):
-        outputs = {name: torch.full((tokens,), -7, dtype=torch.int64, device=device)
-                   for name in TOKEN_OUTPUTS}
-        outputs["attn_block_table"] = torch.full((requests, max_blocks), -7, dtype=torch.int32,
-                                                 device=device)
-        return outputs
-
-    def _call(self, outputs, config, backend):
-        step_metadata(**outputs, **self.args, **self.sizes, config=config, backend=backend)
-
-    def run(self, config: KernelConfig) -> None:
-        self._call(self.outputs, config, "triton")
-
-    def run_reference(self) -> None:
-        self._call(self.outputs, None, "torch")
-
-    def check(self, config: KernelConfig) -> None:
-        table = self.args["block_table"]
-        expected = self._new_outputs(table.shape[0], self.sizes["active_tokens"], table.shape[1],
-                                     table.device)
-        self._call(expected, None, "torch")
-        for out in self.outputs.values():
-            out.fill_(-7)
-        self.run(config)
-        for name, out in self.outputs.items():
-            assert torch.equal(out, expected[name]), f"{config}: {name} differs from the reference"
-
-
-def _step_metadata_presets() -> list[dict]:
-    keys = [step_metadata_tune_key(max_blocks=b, block_size=256, num_tokens=r, num_requests=r,
-                                   prefill=False)
-            for b in (128, 256) for r in (64, 256, 1024)]
-    keys += [step_metadata_tune_key(max_blocks=256, block_size=256, num_tokens=n, num_requests=r,
-                                    prefill=True)
-             for r, n in ((64, 2048), (256, 4096), (1024, 8192))]
-    return keys
-
-
-_autotune.register(KernelTuning(
-    name="step_metadata", configs=step_metadata_configs,
-    default_config=step_metadata_default_config, tune_key=step_metadata_tune_key,
-    token_field="num_tokens", make_case=_StepMetadataCase, presets=_step_metadata_presets))
 
 
 if HAS_TRITON:
@@ -355,6 +250,8 @@ def step_metadata(token_to_input_ids: torch.Tensor, token_to_pos_ids: torch.Tens
     _check_tensor("prompt_tokens", prompt_tokens, dims=1, dtypes=(torch.int64, torch.int32),
                   device=device, min_rows=max(active_tokens - num_decode, 0))
     outputs = dict(zip(TOKEN_OUTPUTS, token_outputs), attn_block_table=attn_block_table)
+    check_writable(*((name, out[:padded_tokens]) for name, out in zip(TOKEN_OUTPUTS, token_outputs)),
+                   ("attn_block_table", attn_block_table[:padded_requests]))
     if resolve_backend(backend, device) == "torch":
         step_metadata_ref(**outputs, block_table=block_table, query_lengths=query_lengths,
                           kv_offsets=kv_offsets, cu_query_lengths=cu_query_lengths,
@@ -443,6 +340,119 @@ def step_metadata_ref(token_to_input_ids: torch.Tensor, token_to_pos_ids: torch.
 
     attn_block_table[:num_requests] = block_table[:num_requests]
     attn_block_table[num_requests:padded_requests] = -1
+
+
+_BLOCK_TOKENS = (16, 64, 256)
+
+
+_BLOCK_COLS = (64, 256)
+
+
+_WARPS = (1, 4)
+
+
+def step_metadata_configs(key: dict) -> list[KernelConfig]:
+    return [KernelConfig.make(BLOCK_T=t, BLOCK_C=c, num_warps=w)
+            for t in _BLOCK_TOKENS for c in _BLOCK_COLS for w in _WARPS]
+
+
+def step_metadata_default_config(key: dict) -> KernelConfig:
+    block_cols = 64 if key["max_blocks"] <= 64 else 256
+    if key["prefill"]:
+        return KernelConfig.make(BLOCK_T=64, BLOCK_C=block_cols, num_warps=4)
+    return KernelConfig.make(BLOCK_T=16, BLOCK_C=block_cols, num_warps=1)
+
+
+def step_metadata_tune_key(*, max_blocks: int, block_size: int, num_tokens: int, num_requests: int,
+                           prefill: bool) -> dict:
+    return {"max_blocks": int(max_blocks), "block_size": int(block_size),
+            "num_tokens": bucket_tokens(num_tokens), "num_requests": bucket_tokens(num_requests),
+            "prefill": bool(prefill)}
+
+
+def scaled_down_key(key: dict) -> dict:
+    """A committed key made small enough for the interpreter: at most 4 requests and 8 tokens,
+    the table shape and the decode/prefill mix kept (the search space depends on none)."""
+    return {**key, "num_requests": min(key["num_requests"], 4), "num_tokens": min(key["num_tokens"], 8)}
+
+
+class _StepMetadataCase(TuneCase):
+    """A step of ``num_requests`` rows: all decode, or half decode and the rest prefill chunks
+    sharing the remaining tokens; no padding (the key's counts are powers of two)."""
+
+    def __init__(self, key: dict, device: torch.device):
+        requests, max_blocks, block_size = key["num_requests"], key["max_blocks"], key["block_size"]
+        # Decode: one token per request; prefill: at least one each.
+        tokens = max(key["num_tokens"], requests) if key["prefill"] else requests
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        num_decode = requests // 2 if key["prefill"] else requests
+        num_prefill = requests - num_decode
+        query_lengths = torch.ones(requests, dtype=torch.int64)
+        if num_prefill:
+            share = (tokens - num_decode) // num_prefill
+            query_lengths[num_decode:] = share
+            query_lengths[-1] += tokens - num_decode - share * num_prefill
+        capacity = max_blocks * block_size
+        kv_offsets = (torch.rand(requests, generator=gen) * (capacity - query_lengths).clamp(min=0)).long()
+        self.args = dict(
+            block_table=torch.randint(0, 1 << 20, (requests, max_blocks), generator=gen,
+                                      dtype=torch.int32).to(device),
+            query_lengths=query_lengths.to(torch.int32).to(device),
+            kv_offsets=kv_offsets.to(torch.int32).to(device),
+            cu_query_lengths=torch.cat([torch.zeros(1, dtype=torch.int64), query_lengths.cumsum(0)]
+                                       ).to(torch.int32).to(device),
+            next_tokens=torch.randint(0, 1 << 16, (requests,), generator=gen).to(device),
+            prompt_tokens=torch.randint(0, 1 << 16, (tokens - num_decode,), generator=gen).to(device),
+        )
+        self.sizes = dict(num_requests=requests, num_decode=num_decode, active_tokens=tokens,
+                          padded_tokens=tokens, padded_requests=requests, row_offset=0,
+                          block_size=block_size, dummy_block=(1 << 20))
+        self.outputs = self._new_outputs(requests, tokens, max_blocks, device)
+        self.bytes_moved = 6 * 8 * tokens + 2 * 4 * requests * max_blocks + (4 + 4 + 4 + 8) * requests
+
+    @staticmethod
+    def _new_outputs(requests, tokens, max_blocks, device):
+        outputs = {name: torch.full((tokens,), -7, dtype=torch.int64, device=device)
+                   for name in TOKEN_OUTPUTS}
+        outputs["attn_block_table"] = torch.full((requests, max_blocks), -7, dtype=torch.int32,
+                                                 device=device)
+        return outputs
+
+    def _call(self, outputs, config, backend):
+        step_metadata(**outputs, **self.args, **self.sizes, config=config, backend=backend)
+
+    def run(self, config: KernelConfig) -> None:
+        self._call(self.outputs, config, "triton")
+
+    def run_reference(self) -> None:
+        self._call(self.outputs, None, "torch")
+
+    def check(self, config: KernelConfig) -> None:
+        table = self.args["block_table"]
+        expected = self._new_outputs(table.shape[0], self.sizes["active_tokens"], table.shape[1],
+                                     table.device)
+        self._call(expected, None, "torch")
+        for out in self.outputs.values():
+            out.fill_(-7)
+        self.run(config)
+        for name, out in self.outputs.items():
+            assert torch.equal(out, expected[name]), f"{config}: {name} differs from the reference"
+
+
+def _step_metadata_presets() -> list[dict]:
+    keys = [step_metadata_tune_key(max_blocks=b, block_size=BLOCK_SIZE, num_tokens=r,
+                                   num_requests=r, prefill=False)
+            for b in (128, 256) for r in (64, 256, 1024)]
+    keys += [step_metadata_tune_key(max_blocks=256, block_size=BLOCK_SIZE, num_tokens=n,
+                                    num_requests=r, prefill=True)
+             for r, n in ((64, 2048), (256, 4096), (1024, 8192))]
+    return keys
+
+
+_autotune.register(KernelTuning(
+    name="step_metadata", configs=step_metadata_configs,
+    default_config=step_metadata_default_config, tune_key=step_metadata_tune_key,
+    token_field="num_tokens", make_case=_StepMetadataCase, presets=_step_metadata_presets))
 
 
 @torch.library.custom_op("dynctx::step_metadata", mutates_args=(*TOKEN_OUTPUTS, "attn_block_table"))

@@ -386,3 +386,24 @@ def test_issue_examples():
     slots = _index([[4, 0], [1, 0]])[:, 0]
     mamba_state_scatter(states, slots, torch.ones(2, 3, device=DEVICE), backend="triton")
     assert states.sum(1).tolist() == [0, 3, 0, 0, 3, 0]
+
+
+def _written_params():
+    return [pytest.param(case_name, arg, id=f"{case_name}-{arg}")
+            for case_name, make in CASES.items() for arg in make().written]
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("case_name,arg", _written_params())
+def test_outputs_whose_elements_share_an_address_are_refused(case_name, arg, backend):
+    """An output that is an expanded view (stride 0) is refused, naming it, before any write."""
+    case = CASES[case_name]()
+    tensors = {name: t.clone() for name, t in case.tensors.items()}
+    tensors[arg] = tensors[arg][:1].expand_as(tensors[arg])
+    before = {name: t.clone() for name, t in tensors.items()}
+    with pytest.raises(ValueError, match=rf"^{arg} is written in place but dim 0 has stride 0"):
+        case.call(**tensors, **case.others, backend=backend)
+    for name, tensor in tensors.items():
+        assert torch.equal(tensor.nan_to_num(-9.0) if tensor.is_floating_point() else tensor,
+                           before[name].nan_to_num(-9.0) if tensor.is_floating_point()
+                           else before[name]), f"a refused call wrote {name}"
