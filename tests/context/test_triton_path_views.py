@@ -31,10 +31,12 @@ pytestmark = [
                               "or a CUDA device"),
 ]
 
-DEVICE = "cpu"
+# Compiled Triton on a GPU, the interpreter on a CPU (the Triton backend needs one of them).
+DEVICE = torch.device("cuda" if torch.cuda.is_available() and not _backend.triton_interpreting()
+                      else "cpu")
 VOCAB = 160  # above every prompt token of helpers.request (100 + id + position)
 HEADS, DIM = 2, 8
-FREQS, COS_SIN = make_rope_tables(128, DIM, False)
+FREQS, COS_SIN = make_rope_tables(128, DIM, False, device=DEVICE)
 KINDS = ("offset", "strided", "transposed")
 
 
@@ -42,16 +44,17 @@ def as_view(values: torch.Tensor, kind: str) -> torch.Tensor:
     """``values`` copied into a non-contiguous (or offset) layout of a NaN/0x5A-poisoned buffer."""
     shape = tuple(values.shape)
     if kind == "offset":
-        buffer = torch.empty(values.numel() + 5, dtype=values.dtype)
+        buffer = torch.empty(values.numel() + 5, dtype=values.dtype, device=values.device)
         view = buffer[3:3 + values.numel()].view(shape)
     elif kind == "strided":
-        buffer = torch.empty([2 * s + 1 for s in shape], dtype=values.dtype)
+        buffer = torch.empty([2 * s + 1 for s in shape], dtype=values.dtype,
+                             device=values.device)
         view = buffer[tuple(slice(1, 1 + 2 * s, 2) for s in shape)]
     elif kind == "transposed" and values.dim() >= 2:
-        buffer = torch.empty(shape[::-1], dtype=values.dtype)
+        buffer = torch.empty(shape[::-1], dtype=values.dtype, device=values.device)
         view = buffer.permute(*range(values.dim() - 1, -1, -1))
     else:  # a 1-D tensor has no transpose: take it as a column of a wider matrix
-        buffer = torch.empty(values.numel(), 3, dtype=values.dtype)
+        buffer = torch.empty(values.numel(), 3, dtype=values.dtype, device=values.device)
         view = buffer[:, 1].view(shape)
     if buffer.is_floating_point():
         buffer.fill_(float("nan"))
@@ -123,7 +126,8 @@ class Twin:
         keyword args named in ``views`` are replaced by views of the kinds given."""
         views = views or {}
         torch_args = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
-        torch_kwargs = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+        torch_kwargs = {k: v.clone() if isinstance(v, torch.Tensor) else v
+                        for k, v in kwargs.items()}
         triton_args = [as_view(a, views[i]) if i in views else
                        (a.clone() if isinstance(a, torch.Tensor) else a)
                        for i, a in enumerate(args)]
@@ -146,7 +150,8 @@ def _attention_layers(twin: Twin, gen: torch.Generator, step: int) -> None:
     n = ctx.padded_active_token_count
 
     def qkv():
-        return [torch.randn(n, 1, heads, DIM, generator=gen) for heads in (3, HEADS, HEADS)]
+        return [torch.randn(n, 1, heads, DIM, generator=gen).to(DEVICE)
+                for heads in (3, HEADS, HEADS)]
 
     rope_layer, plain_layer = (1, 2) if step % 2 else (2, 1)
     query, key, value = qkv()
@@ -193,11 +198,11 @@ def _attention_layers(twin: Twin, gen: torch.Generator, step: int) -> None:
 def _logits_and_update(twin: Twin, gen: torch.Generator, step: int, finish: set) -> None:
     ctx = twin.torch
     n, A = ctx.padded_active_token_count, ctx.get_active_request_count()
-    logits = torch.randn(1, n, VOCAB, generator=gen) * 3
+    logits = (torch.randn(1, n, VOCAB, generator=gen) * 3).to(DEVICE)
     got, want, _, _ = twin.both("last_token_logits", logits, views={0: twin.kind()})
     exact(f"step {step}: last_token_logits", got, want)
 
-    sampled = torch.randint(0, VOCAB, (A, 2), generator=gen)
+    sampled = torch.randint(0, VOCAB, (A, 2), generator=gen).to(DEVICE)
     triton_tokens = sampled[:, 0]  # the strided column the issue reports
     assert triton_tokens.stride() == (2,)
     for only_last in (False, True):
@@ -212,7 +217,7 @@ def _logits_and_update(twin: Twin, gen: torch.Generator, step: int, finish: set)
         torch.testing.assert_close(got[1], want[1], **LOG_SOFTMAX_TOLERANCE)
 
     ids = ctx.host_request_ids()[ctx.paused_request_count:ctx.total_request_count]
-    mask = torch.tensor([int(i) not in finish for i in ids], dtype=torch.bool)
+    mask = torch.tensor([int(i) not in finish for i in ids], dtype=torch.bool, device=DEVICE)
     got = twin.triton.update_requests(as_view(mask, twin.kind()), triton_tokens)
     want = twin.torch.update_requests(mask.clone(), triton_tokens.contiguous())
     twin.calls += 1
@@ -244,7 +249,8 @@ def _continue_chunk(twin: Twin, chunk: int) -> None:
 def test_context_workload_triton_views_match_torch():
     """Chunked prefill, decode, pauses under memory pressure, resumes and finishes: every output
     and the observable state agree after every call."""
-    twin = Twin(lambda backend: make_ctx(kernel_backend=backend, buffer_size_gb=11 * BLOCK / GIB,
+    twin = Twin(lambda backend: make_ctx(kernel_backend=backend, device=str(DEVICE),
+                                         buffer_size_gb=11 * BLOCK / GIB,
                                          paused_buffer_size_gb=4 * BLOCK / GIB))
     gen = torch.Generator().manual_seed(0)
     _add(twin, 1, 3, 12)
@@ -312,16 +318,16 @@ def test_hybrid_mamba_states_at_strided_slots_match_torch():
               twin.torch.mamba_metadata.request_to_mamba_state_idx)
         # Slot ids as the first column of a [A, 2] table, and one padding slot (-1) appended.
         table = torch.stack([torch.cat([slots, slots.new_tensor([-1])]),
-                             torch.full((A + 1,), 99, dtype=slots.dtype)], dim=1)
+                             torch.full((A + 1,), 99, dtype=slots.dtype, device=DEVICE)], dim=1)
         strided_slots = table[:, 0]
-        conv = torch.randn(A + 1, *CONV, generator=gen)
-        ssm = torch.randn(A + 1, *SSM, generator=gen)
+        conv = torch.randn(A + 1, *CONV, generator=gen).to(DEVICE)
+        ssm = torch.randn(A + 1, *SSM, generator=gen).to(DEVICE)
         before = [t.clone().view(torch.int32) for t in twin.triton.mamba_states_cache(1)]
         twin.triton.scatter_mamba_states(1, strided_slots, as_view(conv, twin.kind()),
                                          as_view(ssm, twin.kind(1)))
         twin.torch.scatter_mamba_states(1, strided_slots.contiguous(), conv.clone(), ssm.clone())
         owned = slots.long()
-        others = torch.ones(before[0].shape[0], dtype=torch.bool)
+        others = torch.ones(before[0].shape[0], dtype=torch.bool, device=DEVICE)
         others[owned] = False
         for got, want, old, name in zip(twin.triton.mamba_states_cache(1),
                                         twin.torch.mamba_states_cache(1), before, ("conv", "ssm")):
@@ -336,8 +342,7 @@ def test_hybrid_mamba_states_at_strided_slots_match_torch():
             exact(f"step {step}: gathered {name}", g, w)
         assert torch.equal(got[0][:A], conv[:A]) and torch.equal(got[1][:A], ssm[:A])
         n = twin.torch.padded_active_token_count
-        key, value = torch.randn(n, 1, HEADS, DIM, generator=gen), torch.randn(n, 1, HEADS, DIM,
-                                                                                generator=gen)
+        key, value = (torch.randn(n, 1, HEADS, DIM, generator=gen).to(DEVICE) for _ in range(2))
         twin.both("append_key_value_cache", 2, key, value, views={1: twin.kind(), 2: twin.kind(1)})
         real = twin.torch.active_token_count
         blocks = twin.torch.token_to_block_idx[:real]
@@ -345,8 +350,8 @@ def test_hybrid_mamba_states_at_strided_slots_match_torch():
         for got, want, name in zip(twin.triton.key_value_cache(2), twin.torch.key_value_cache(2),
                                    "KV"):
             exact(f"step {step}: {name} cache", got[blocks, slots], want[blocks, slots])
-        sampled = torch.randint(0, VOCAB, (A, 2), generator=gen)
-        mask = torch.ones(A, dtype=torch.bool)
+        sampled = torch.randint(0, VOCAB, (A, 2), generator=gen).to(DEVICE)
+        mask = torch.ones(A, dtype=torch.bool, device=DEVICE)
         twin.triton.update_requests(mask, sampled[:, 0])
         twin.torch.update_requests(mask.clone(), sampled[:, 0].contiguous())
         compare(f"step {step}: hybrid update", observable_state(twin.triton),

@@ -2,11 +2,12 @@
 
 For each launcher, each of its tensor arguments is replaced in turn by a view holding the same
 values in another layout (every dim strided, and from 2-D on every dim reversed in memory), and
-then every argument at once (storage offsets, strided, reversed). The Triton kernel runs on the views; the torch reference runs on contiguous
-copies of the same values. Outputs must match (bit for bit for data movement, within the
-kernel's tolerance for rope and log-softmax), inputs must be left as they were, and the memory
-around each view (its buffer's other elements, poisoned) must be untouched. One more case per
-launcher gives every argument a view at once.
+then every argument at once (storage offsets, strided, reversed). The Triton kernel runs on the
+views; the torch reference runs on contiguous copies of the same values. Outputs must match
+(bit for bit for data movement, within the tolerances of ``tests/tolerances.py`` for rope and
+log-softmax), inputs must be left as they were, and the memory around each view (its buffer's
+other elements, poisoned) must be untouched. Outputs that are expanded views (several elements
+at one address) are refused before anything is written.
 
 Grids are tiny: a few programs per launch, so the whole file runs in seconds under
 TRITON_INTERPRET=1.
@@ -98,7 +99,8 @@ def _assert_same(name: str, got: torch.Tensor, want: torch.Tensor, case: Launche
         assert torch.equal(bits(got.contiguous()), bits(want.contiguous())), \
             f"{case.name}: {name} differs from the reference"
     else:
-        assert torch.equal(got, want), f"{case.name}: {name} differs from the reference:\n{got}\n{want}"
+        assert torch.equal(got, want), \
+            f"{case.name}: {name} differs from the reference:\n{got}\n{want}"
 
 
 def run_with_views(case: LauncherCase, views: dict[str, str]) -> None:
@@ -279,7 +281,8 @@ def step_metadata_case() -> LauncherCase:
              attn_block_table=torch.full((5, 3), -7, dtype=torch.int32, device=DEVICE),
              block_table=torch.arange(100, 112, dtype=torch.int32, device=DEVICE).view(4, 3),
              query_lengths=_index([1, 1, 3, 2]), kv_offsets=_index([5, 2, 0, 6]),
-             cu_query_lengths=_index([0, 1, 2, 5, 7]), next_tokens=_index([41, 42, 43, 44], torch.int64),
+             cu_query_lengths=_index([0, 1, 2, 5, 7]),
+             next_tokens=_index([41, 42, 43, 44], torch.int64),
              prompt_tokens=_index([51, 52, 53, 54, 55])),
         step_metadata,
         written=("token_to_input_ids", "token_to_pos_ids", "token_to_request_idx",
