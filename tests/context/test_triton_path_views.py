@@ -9,10 +9,13 @@ padded heads...), once on the torch references with contiguous copies of the sam
 output and the context's observable state after every call must agree: bit for bit for data
 movement (metadata, block tables, K/V appends, gathers, compaction), within the rope and
 log-softmax tolerances of ``tests/tolerances.py`` for arithmetic. A hybrid model does the same
-with Mamba state gather and scatter at strided slot ids.
+with Mamba state gather and scatter at strided slot ids, and an MLA model with the latent cache
+and the MLA-layout rope.
 """
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -355,4 +358,41 @@ def test_hybrid_mamba_states_at_strided_slots_match_torch():
         twin.triton.update_requests(mask, sampled[:, 0])
         twin.torch.update_requests(mask.clone(), sampled[:, 0].contiguous())
         compare(f"step {step}: hybrid update", observable_state(twin.triton),
+                observable_state(twin.torch))
+
+
+def test_mla_latent_cache_and_rope_from_views_match_torch():
+    """MLA: the latent append (``append_key_value_cache`` with the concatenated latent) and the
+    MLA-layout rope of the rope key, from views, against torch on contiguous copies."""
+    rank, rope_dim = 8, 4
+    twin = Twin(lambda backend: make_ctx(kernel_backend=backend, device=str(DEVICE),
+                                         cache_mla_latent=True, kv_lora_rank=rank,
+                                         qk_pos_emb_head_dim=rope_dim))
+    freqs, _ = make_rope_tables(128, rope_dim, False, device=DEVICE)
+    mla = SimpleNamespace(rotary_interleaved=False, multi_latent_attention=True)
+    gen = torch.Generator().manual_seed(2)
+    for rid, length in ((1, 6), (2, 3)):
+        _add(twin, rid, length, 4)
+    for step in range(3):
+        for ctx in (twin.triton, twin.torch):
+            ctx.initialize_attention_state()
+        compare(f"step {step}: MLA step", step_state(twin.triton), step_state(twin.torch))
+        n, A = twin.torch.padded_active_token_count, twin.torch.get_active_request_count()
+        k_rope = torch.randn(n, 1, 1, rope_dim, generator=gen).to(DEVICE)
+        got, want, _, _ = twin.both("apply_rotary_emb_key", k_rope, freqs, mla,
+                                    views={0: twin.kind(), 1: twin.kind(1)})
+        assert_rope_close(got[:n], want[:n], 1.0, f"step {step}: MLA rope key")
+        latent = torch.cat([torch.randn(n, 1, rank, generator=gen).to(DEVICE),
+                            want[:, :, 0].clone()], dim=-1)
+        twin.both("append_key_value_cache", 1, latent, None, views={1: twin.kind()})
+        real = twin.torch.active_token_count
+        blocks = twin.torch.token_to_block_idx[:real]
+        slots = twin.torch.token_to_local_position_within_kv_block[:real]
+        exact(f"step {step}: latent cache", twin.triton.key_value_cache(1)[0][blocks, slots],
+              twin.torch.key_value_cache(1)[0][blocks, slots])
+        sampled = torch.randint(0, VOCAB, (A, 2), generator=gen).to(DEVICE)
+        mask = torch.ones(A, dtype=torch.bool, device=DEVICE)
+        twin.triton.update_requests(mask, sampled[:, 0])
+        twin.torch.update_requests(mask.clone(), sampled[:, 0].contiguous())
+        compare(f"step {step}: MLA update", observable_state(twin.triton),
                 observable_state(twin.torch))
