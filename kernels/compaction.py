@@ -131,13 +131,13 @@ def compact_requests(dst_block_table: torch.Tensor, src_block_table: torch.Tenso
             Every dtype is widened to int64 in the kernel, with no copy; bool, float and complex
             dtypes are refused before anything is written.
         plan_src, plan_append_col, plan_append_block: int32 ``[>= num_rows]``, any stride.
-
-    Every tensor is read or written through its own strides; nothing is copied at the edge.
-    Every argument is checked before anything is written: a refused call leaves ``dst_*``
-    untouched.
         new_token_offset: host int, source rows below it take their token from
             ``src_next_tokens``.
         num_rows, clear_rows: host ints; rows ``[num_rows, clear_rows)`` are cleared.
+
+    Every tensor is read or written through its own strides and storage offset; nothing is
+    copied at the edge. Every argument is checked before anything is written: a refused call
+    leaves ``dst_*`` untouched.
     """
     device = dst_block_table.device if isinstance(dst_block_table, torch.Tensor) else None
     _check_tensor("dst_block_table", dst_block_table, dims=2, dtypes=(torch.int32,), device=device)
