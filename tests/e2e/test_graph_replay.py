@@ -1,0 +1,196 @@
+"""The engine with CUDA graphs on (``num_cuda_graphs``): every graph of the ladder is captured on
+the capture dummies, the steps the context puts in a graph replay it, the others run eagerly,
+and the tokens and every step's logits equal transformers' (engine/graphs.py).
+
+On a CPU the stand-in runner replays (the forward on the static inputs, the output in a static
+buffer per graph, every input checked to be at its captured address); the ``gpu`` cases run
+``torch.cuda.CUDAGraph`` capture and replay on a CUDA device."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dynctx.context import SamplingParams
+from dynctx.engine.graphs import (CudaGraphRunner, GraphStepContext, StandInGraphRunner,
+                                  static_plan_values)
+from e2e_helpers import (DEVICES, FP32_LOGITS_ATOL, assert_pressure_stats,
+                         assert_requests_match_greedy, build_engine, case_engine_sizes,
+                         greedy_requests, make_prompts, pressure_workload, tiny_llama,
+                         worst_logit_error)
+from test_llama_engine import BASE_GENS, BASE_LENGTHS
+
+CASE = dict(block_size=16, blocks=14, paused_blocks=3, max_tokens=32, max_requests=8, scale=1)
+
+
+def graph_engine(hf, device="cpu", **kwargs):
+    kwargs.setdefault("num_cuda_graphs", 4)
+    return build_engine(hf, **case_engine_sizes(CASE),
+                        kernel_backend="torch" if device == "cpu" else "triton",
+                        attention_backend="torch", record_logits=True, **kwargs)
+
+
+@pytest.mark.parametrize("mixed", [2, None], ids=["mixed", "decode-only"])
+def test_graphs_replay_under_pressure_and_match_transformers(mixed):
+    hf = tiny_llama()
+    prompts, requests, arrivals = pressure_workload(hf, CASE, BASE_LENGTHS, BASE_GENS)
+    steps = []
+
+    def record(step):
+        ctx = engine.context
+        if not step.idle:
+            steps.append((ctx.padded_batch_dimensions, ctx.using_cuda_graph_this_step()))
+
+    engine = graph_engine(hf, cuda_graph_mixed_prefill_count=mixed, step_callback=record)
+    runner = engine.graphs
+    ladder = engine.context.cuda_graph_batch_dimensions_list
+    assert isinstance(runner, StandInGraphRunner)
+    assert set(runner.graphs) == set(ladder) and runner.captures == len(ladder)
+    assert engine.context.total_request_count == 0  # the capture dummies are gone
+
+    results = engine.generate_requests(requests, arrival_steps=arrivals)
+
+    assert_pressure_stats(engine.stats, results)
+    # Every step in a graph replayed it, every other step ran eagerly, nothing else.
+    expected = {}
+    for dims, in_graph in steps:
+        if in_graph:
+            expected[dims] = expected.get(dims, 0) + 1
+    assert dict(runner.replays) == expected
+    assert runner.eager_steps == sum(not in_graph for _, in_graph in steps)
+    assert sum(expected.values()) >= len(steps) // 2
+    assert any(dims.prefill_req_count == 0 for dims in expected), "decode steps use graphs"
+    if mixed is not None:
+        assert any(dims.prefill_req_count for dims in expected), "mixed steps use graphs"
+    assert_requests_match_greedy(hf, requests, prompts, results)
+    worst = worst_logit_error(hf, results)
+    assert worst <= FP32_LOGITS_ATOL, f"step logits differ by {worst}"
+
+
+def test_suspend_releases_graphs_and_resume_captures_them_again():
+    hf = tiny_llama()
+    prompts = make_prompts([5, 9, 3, 12], hf.config.vocab_size)
+    gens = [12, 8, 14, 6]
+    engine = graph_engine(hf)
+    runner = engine.graphs
+    graphs = len(runner.graphs)
+    for request in greedy_requests(prompts, gens):
+        engine.add_request(request)
+    for _ in range(4):
+        engine.step()
+    replays_before = sum(runner.replays.values())
+    assert replays_before > 0
+    engine.suspend()
+    assert runner.graphs == {}
+    engine.resume()
+    assert len(runner.graphs) == graphs and runner.captures == 2 * graphs
+    results = sorted(engine.run(), key=lambda r: r.request_id)
+    assert sum(runner.replays.values()) > replays_before
+    for prompt, gen, result in zip(prompts, gens, results):
+        assert result.finish_reason == "length"
+    assert_requests_match_greedy(hf, greedy_requests(prompts, gens), prompts, results)
+    worst = worst_logit_error(hf, results)
+    assert worst <= FP32_LOGITS_ATOL, f"step logits differ by {worst}"
+
+
+def test_replay_writes_one_static_buffer_per_graph():
+    hf = tiny_llama()
+    engine = graph_engine(hf, cuda_graph_mixed_prefill_count=None)
+    runner = engine.graphs
+    outputs = {}
+    original_replay = runner._replay
+
+    def replay(dims, graph):
+        out = original_replay(dims, graph)
+        outputs.setdefault(dims, set()).add(out.data_ptr())
+        return out
+
+    runner._replay = replay
+    engine.generate(make_prompts([4, 6, 3], hf.config.vocab_size), max_new_tokens=6,
+                    ignore_eos=True)
+    assert outputs and all(len(addresses) == 1 for addresses in outputs.values())
+    assert {next(iter(a)) for a in outputs.values()} == \
+        {runner.graphs[d].output.data_ptr() for d in outputs}
+
+
+def test_a_moved_input_is_refused_before_the_replay():
+    hf = tiny_llama()
+    engine = graph_engine(hf)
+    prompts = make_prompts([4, 6], hf.config.vocab_size)
+    engine.generate(prompts, max_new_tokens=3, ignore_eos=True)
+    ctx = engine.context
+    ctx.token_to_pos_ids = ctx.token_to_pos_ids.clone()  # what a re-allocation would do
+    with pytest.raises(RuntimeError, match="token_to_pos_ids"):
+        engine.generate(prompts, max_new_tokens=3, ignore_eos=True)
+
+
+def test_prompt_log_prob_steps_run_eagerly_and_decode_steps_replay():
+    hf = tiny_llama()
+    engine = graph_engine(hf)
+    runner = engine.graphs
+    assert runner.last_token_only
+    params = SamplingParams(temperature=1.0, top_k=1, return_log_probs=True)
+    engine.generate(make_prompts([5, 7], hf.config.vocab_size), max_new_tokens=5,
+                    sampling_params=params, ignore_eos=True)
+    # The prefill step wants every token's logits (prompt log probs): eager; decodes replay.
+    assert runner.eager_steps >= 1
+    assert sum(runner.replays.values()) >= 4
+
+
+def test_graphs_off_runs_every_forward_eagerly():
+    hf = tiny_llama()
+    engine = graph_engine(hf, cuda_graphs=False)
+    assert engine.graphs is None
+    assert engine.context.cuda_graph_batch_dimensions_list
+    assert build_engine(hf, **case_engine_sizes(CASE)).graphs is None  # no num_cuda_graphs
+
+
+def test_graph_step_context_reports_static_plan_values():
+    hf = tiny_llama()
+    engine = graph_engine(hf)
+    ctx = engine.context
+    for dims in ctx.cuda_graph_batch_dimensions_list:
+        max_q, max_k, decode = static_plan_values(ctx, dims)
+        assert max_k == ctx.max_sequence_length
+        if dims.prefill_req_count == 0:
+            assert (max_q, decode) == (1, dims.decode_req_count)
+        else:
+            assert (max_q, decode) == (dims.token_count, 0)
+    dims = ctx.cuda_graph_batch_dimensions_list[0]
+    ctx.initialize_attention_state(construct_graph_dimensions=dims)
+    view = GraphStepContext(ctx, dims)
+    assert view.active_attn_metadata.block_table is ctx.active_attn_metadata.block_table
+    assert view.active_attn_metadata.max_seqlen_k == ctx.max_sequence_length
+    assert view.padded_active_token_count == dims.token_count
+    with pytest.raises(AttributeError, match="read-only"):
+        view.chunked_prefill_request_id = 3
+    logits = torch.randn(1, dims.token_count, 11)
+    assert view.last_token_logits(logits).shape == (dims.req_count, 11)
+    with pytest.raises(ValueError, match="token rows"):
+        view.last_token_logits(logits[:, :-1])
+    ctx.reset()
+
+
+def test_cuda_graph_runner_refuses_a_cpu_context():
+    hf = tiny_llama()
+    engine = graph_engine(hf)
+    with pytest.raises(ValueError, match="CUDA context"):
+        CudaGraphRunner(engine.model, engine.context, last_token_only=True)
+
+
+@pytest.mark.parametrize("device", [p for p in DEVICES if p.id == "cuda"])
+def test_cuda_graphs_capture_replay_and_match_eager(device):
+    """On CUDA: torch.cuda.CUDAGraph capture and replay give the eager engine's tokens."""
+    hf = tiny_llama(device=device)
+    prompts, requests, arrivals = pressure_workload(hf, CASE, BASE_LENGTHS, BASE_GENS)
+    results = {}
+    for graphs in (True, False):
+        engine = graph_engine(hf, device=device, cuda_graphs=graphs)
+        results[graphs] = engine.generate_requests(
+            greedy_requests(prompts, BASE_GENS), arrival_steps=arrivals)
+        if graphs:
+            assert isinstance(engine.graphs, CudaGraphRunner)
+            assert sum(engine.graphs.replays.values()) > 0
+    for with_graphs, eager in zip(results[True], results[False]):
+        assert with_graphs.generated_tokens == eager.generated_tokens
+    assert_requests_match_greedy(hf, requests, prompts, results[True])
