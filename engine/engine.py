@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import math
 import time
 from collections import deque
@@ -43,7 +44,7 @@ import torch
 
 from dynctx.context import DynamicInferenceContext, DynamicInferenceRequest, SamplingParams
 
-from .graphs import make_graph_runner
+from .graphs import graph_attention_backend, make_graph_runner
 from .sampling import sample
 from .scheduler import Admission, Scheduler
 from .validation import (
@@ -260,7 +261,7 @@ class Engine:
             model's forward per graph batch dimension now and replay it on the steps the context
             puts in a graph (``engine/graphs.py``: ``torch.cuda.CUDAGraph`` on CUDA, the stand-in
             runner elsewhere); ``False`` runs every forward eagerly, padded to the graph shapes.
-            The context must be empty. ``self.graphs`` is the runner (None without graphs).
+            The context must be empty. ``self.graph_runner`` is the runner (None without graphs).
     """
 
     def __init__(self, model: Any, context: DynamicInferenceContext, *,
@@ -299,11 +300,11 @@ class Engine:
         self._next_request_id = 0
         # The forward mode the graphs capture: every token's logits when the context checks
         # logits (``_forward``), else last-token logits; steps in the other mode run eagerly.
-        self.graphs = make_graph_runner(model, context,
+        self.graph_runner = make_graph_runner(model, context,
                                         last_token_only=not self._checks_logits()) \
             if cuda_graphs else None
-        if self.graphs is not None:
-            self.graphs.capture_all()
+        if self.graph_runner is not None:
+            self.graph_runner.capture_all()
 
     @classmethod
     def from_transformers(cls, hf_model: Any, *, rope: str = "table",
@@ -322,7 +323,9 @@ class Engine:
         ``max_position_embeddings``; ``buffer_size_gb`` defaults to 1. ``max_requests`` defaults
         to the context's (about one block per request), capped at ``max_tokens``.
         ``num_cuda_graphs`` (a context argument) with ``cuda_graphs=True``: the engine captures
-        and replays the forward per graph batch dimension (``Engine``'s ``cuda_graphs``).
+        and replays the forward per graph batch dimension (``Engine``'s ``cuda_graphs``), and
+        ``attention_backend="auto"`` picks among the backends a graph can capture
+        (``engine.graphs.graph_attention_backend``).
         """
         adapters = _transformers_adapters()
         name = type(hf_model).__name__
@@ -334,6 +337,11 @@ class Engine:
         kwargs = dict(context_kwargs)
         device = torch.device(kwargs.pop("device", None) or param.device)
         dtype = kwargs.pop("params_dtype", None) or param.dtype
+        if cuda_graphs and kwargs.get("num_cuda_graphs"):
+            block_size = kwargs.get("block_size_tokens") or inspect.signature(
+                DynamicInferenceContext).parameters["block_size_tokens"].default
+            attention_backend = graph_attention_backend(attention_backend, device, block_size,
+                                                        dtype)
         model = adapters[name](hf_model, device=device, dtype=dtype, rope=rope,
                                attention_backend=attention_backend)
         kwargs.setdefault("num_layers", model.num_layers)
@@ -566,8 +574,8 @@ class Engine:
         # checks are meant for logits.
         full = want_prompt_lp or self._checks_logits()
         forward_start = time.perf_counter()
-        if self.graphs is not None:
-            output = self.graphs.run(last_token_only=not full)
+        if self.graph_runner is not None:
+            output = self.graph_runner.run(last_token_only=not full)
         else:
             output = self.model.forward(ctx, last_token_only=not full)
         failed = self._nonfinite_rows(output, full, len(entries))
@@ -595,6 +603,12 @@ class Engine:
                 entry.step_logits.append((int(prefix[i]), rows[i].clone()))
         self.stats.forward_time_s += time.perf_counter() - forward_start
         return batch
+
+    @property
+    def graph_replays(self) -> int:
+        """Forward steps that replayed a captured graph (0 without graphs)."""
+        runner = self.graph_runner
+        return 0 if runner is None else sum(runner.replays.values())
 
     def _checks_logits(self) -> bool:
         """The context checks logits (``vocab_size`` or ``validate``): the model then gives
@@ -772,8 +786,8 @@ class Engine:
                 # The prompt runs again from its start: its prompt log probs too.
                 entry.prompt_log_probs.clear()
         self.scheduler.requeue_suspended(ids)
-        if self.graphs is not None:
-            self.graphs.release()  # they read the tensors freed now
+        if self.graph_runner is not None:
+            self.graph_runner.release()  # they read the tensors freed now
         ctx.deallocate_all_tensors()
         self._suspended = True
         self.stats.suspends += 1
@@ -784,8 +798,8 @@ class Engine:
         if not self._suspended:
             return
         self.context.allocate_all_tensors(is_init=False)
-        if self.graphs is not None:
-            self.graphs.capture_all()
+        if self.graph_runner is not None:
+            self.graph_runner.capture_all()
         self._suspended = False
 
     # ------------------------------------------------------------------ batch APIs

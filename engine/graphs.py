@@ -14,9 +14,9 @@ graphs are captured again.
 What the forward sees in a graph (``GraphStepContext``): everything the context publishes, except
 the values a captured forward would otherwise bake in from the capture step.
 
-* ``active_attn_metadata.max_seqlen_q``/``max_seqlen_k``: static bounds of the graph (its token
-  count, or 1 for a decode-only graph; ``max_sequence_length``), as upstream's graphed metadata
-  reports fixed values, instead of the step's exact maxima.
+* ``active_attn_metadata.max_seqlen_q``/``max_seqlen_k``: static bounds of the graph, the values
+  upstream's graphed metadata reports (``graph_attention_maxima``: 1 for a decode-only graph,
+  else ``max(2, token_count)``; ``max_sequence_length``), instead of the step's exact maxima.
 * ``num_decode_requests``: the graph's decode count for a decode-only graph, else 0 (in a mixed
   graph, rows past the step's real decode requests may be real prefills).
 * ``last_token_logits``: one row per request of the graph (padded rows repeat the last real
@@ -48,7 +48,9 @@ import torch
 
 from dynctx.context import DynamicInferenceContext
 from dynctx.context.batch_dimensions import InferenceBatchDimensions
+from dynctx.context.cuda_graphs import graph_attention_maxima
 from dynctx.kernels.last_token_logits import last_token_logits as last_token_rows
+from dynctx.models.paged_attention import flash_attn_available, resolve_attention_backend
 
 # Eager runs on the side stream before a capture (lazy initialisation: cuBLAS workspaces,
 # Triton compilation, rope tables, the attention object). Megatron warms up similarly.
@@ -58,12 +60,27 @@ CUDA_GRAPH_WARMUP_STEPS = 2
 GRAPH_SAFE_ATTENTION_BACKENDS = ("torch", "flash_attn")
 
 
+def graph_attention_backend(requested: str, device: torch.device, block_size: int,
+                            dtype: torch.dtype) -> str:
+    """The attention backend of an engine with CUDA graphs: ``requested`` unless it is
+    ``"auto"`` and auto would pick one a graph cannot capture (FlashInfer); then flash-attn
+    where it runs, else the torch version. An explicit choice is kept (and refused at capture
+    when it cannot be captured)."""
+    if requested != "auto":
+        return requested
+    chosen = resolve_attention_backend("auto", device, block_size, dtype)
+    if chosen in GRAPH_SAFE_ATTENTION_BACKENDS:
+        return chosen
+    half = dtype in (torch.float16, torch.bfloat16)
+    return "flash_attn" if half and flash_attn_available(device, block_size) else "torch"
+
+
 def static_plan_values(ctx: Any, dims: InferenceBatchDimensions) -> Tuple[int, int, int]:
     """``(max_seqlen_q, max_seqlen_k, num_decode_requests)`` of graph ``dims``: bounds that hold
-    for every step the context puts in this graph, and depend on nothing else."""
-    decode_only = dims.prefill_req_count == 0
-    max_q = 1 if decode_only else max(1, dims.token_count)
-    return max_q, int(ctx.max_sequence_length), (dims.decode_req_count if decode_only else 0)
+    for every step the context puts in this graph, and depend on nothing else. The maxima are
+    Megatron's graphed metadata values (``graph_attention_maxima``)."""
+    max_q, max_k = graph_attention_maxima(dims, int(ctx.max_sequence_length))
+    return max_q, max_k, (dims.decode_req_count if dims.prefill_req_count == 0 else 0)
 
 
 class GraphStepContext:
@@ -286,6 +303,13 @@ class CudaGraphRunner(_GraphRunner):
         if context.device.type != "cuda":
             raise ValueError(f"CudaGraphRunner needs a CUDA context, the context is on "
                              f"{context.device}")
+        if context.is_hybrid_model:
+            # models/nemotron_h.py plans its Mamba sequences on host counts and lists
+            # (mamba_plan): a capture would bake one step's groups into every replay.
+            raise NotImplementedError(
+                "CUDA graphs of a hybrid (Mamba) model: its forward plans the Mamba sequences "
+                "on the host from the step's counts, which a graph cannot replay; build the "
+                "engine with cuda_graphs=False")
         if warmup_steps < 1:
             raise ValueError(f"warmup_steps={warmup_steps} must be >= 1 (lazy initialisation "
                              "must happen before the capture)")
@@ -339,5 +363,6 @@ def make_graph_runner(model: Any, context: DynamicInferenceContext, *,
 
 
 __all__ = ["CUDA_GRAPH_WARMUP_STEPS", "GRAPH_SAFE_ATTENTION_BACKENDS", "CudaGraphRunner",
-           "GraphStepContext", "StandInGraphRunner", "forward_inputs", "make_graph_runner",
+           "GraphStepContext", "StandInGraphRunner", "forward_inputs", "graph_attention_backend",
+           "make_graph_runner",
            "static_plan_values", "tensor_addresses"]

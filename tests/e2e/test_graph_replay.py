@@ -42,7 +42,7 @@ def test_graphs_replay_under_pressure_and_match_transformers(mixed):
             steps.append((ctx.padded_batch_dimensions, ctx.using_cuda_graph_this_step()))
 
     engine = graph_engine(hf, cuda_graph_mixed_prefill_count=mixed, step_callback=record)
-    runner = engine.graphs
+    runner = engine.graph_runner
     ladder = engine.context.cuda_graph_batch_dimensions_list
     assert isinstance(runner, StandInGraphRunner)
     assert set(runner.graphs) == set(ladder) and runner.captures == len(ladder)
@@ -72,7 +72,7 @@ def test_suspend_releases_graphs_and_resume_captures_them_again():
     prompts = make_prompts([5, 9, 3, 12], hf.config.vocab_size)
     gens = [12, 8, 14, 6]
     engine = graph_engine(hf)
-    runner = engine.graphs
+    runner = engine.graph_runner
     graphs = len(runner.graphs)
     for request in greedy_requests(prompts, gens):
         engine.add_request(request)
@@ -96,7 +96,7 @@ def test_suspend_releases_graphs_and_resume_captures_them_again():
 def test_replay_writes_one_static_buffer_per_graph():
     hf = tiny_llama()
     engine = graph_engine(hf, cuda_graph_mixed_prefill_count=None)
-    runner = engine.graphs
+    runner = engine.graph_runner
     outputs = {}
     original_replay = runner._replay
 
@@ -127,7 +127,7 @@ def test_a_moved_input_is_refused_before_the_replay():
 def test_prompt_log_prob_steps_run_eagerly_and_decode_steps_replay():
     hf = tiny_llama()
     engine = graph_engine(hf)
-    runner = engine.graphs
+    runner = engine.graph_runner
     assert runner.last_token_only
     params = SamplingParams(temperature=1.0, top_k=1, return_log_probs=True)
     engine.generate(make_prompts([5, 7], hf.config.vocab_size), max_new_tokens=5,
@@ -140,9 +140,9 @@ def test_prompt_log_prob_steps_run_eagerly_and_decode_steps_replay():
 def test_graphs_off_runs_every_forward_eagerly():
     hf = tiny_llama()
     engine = graph_engine(hf, cuda_graphs=False)
-    assert engine.graphs is None
+    assert engine.graph_runner is None
     assert engine.context.cuda_graph_batch_dimensions_list
-    assert build_engine(hf, **case_engine_sizes(CASE)).graphs is None  # no num_cuda_graphs
+    assert build_engine(hf, **case_engine_sizes(CASE)).graph_runner is None  # no num_cuda_graphs
 
 
 def test_graph_step_context_reports_static_plan_values():
@@ -155,7 +155,7 @@ def test_graph_step_context_reports_static_plan_values():
         if dims.prefill_req_count == 0:
             assert (max_q, decode) == (1, dims.decode_req_count)
         else:
-            assert (max_q, decode) == (dims.token_count, 0)
+            assert (max_q, decode) == (max(2, dims.token_count), 0)
     dims = ctx.cuda_graph_batch_dimensions_list[0]
     ctx.initialize_attention_state(construct_graph_dimensions=dims)
     view = GraphStepContext(ctx, dims)
@@ -189,8 +189,20 @@ def test_cuda_graphs_capture_replay_and_match_eager(device):
         results[graphs] = engine.generate_requests(
             greedy_requests(prompts, BASE_GENS), arrival_steps=arrivals)
         if graphs:
-            assert isinstance(engine.graphs, CudaGraphRunner)
-            assert sum(engine.graphs.replays.values()) > 0
+            assert isinstance(engine.graph_runner, CudaGraphRunner)
+            assert sum(engine.graph_runner.replays.values()) > 0
     for with_graphs, eager in zip(results[True], results[False]):
         assert with_graphs.generated_tokens == eager.generated_tokens
     assert_requests_match_greedy(hf, requests, prompts, results[True])
+
+
+def test_graph_attention_backend_keeps_explicit_choices_and_avoids_flashinfer(monkeypatch):
+    from dynctx.engine import graphs
+
+    cpu = torch.device("cpu")
+    assert graphs.graph_attention_backend("auto", cpu, 16, torch.float32) == "torch"
+    assert graphs.graph_attention_backend("flashinfer", cpu, 16, torch.bfloat16) == "flashinfer"
+    monkeypatch.setattr(graphs, "resolve_attention_backend", lambda *args: "flashinfer")
+    monkeypatch.setattr(graphs, "flash_attn_available", lambda device, block: block % 256 == 0)
+    assert graphs.graph_attention_backend("auto", cpu, 256, torch.bfloat16) == "flash_attn"
+    assert graphs.graph_attention_backend("auto", cpu, 16, torch.bfloat16) == "torch"
