@@ -40,11 +40,16 @@ or a forward mode the graphs were not captured for) run eagerly.
 
 from __future__ import annotations
 
+import os
+import traceback
 from collections import Counter
+from contextlib import contextmanager
 from types import SimpleNamespace
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
+
+from torch.overrides import TorchFunctionMode
 
 from dynctx.context import DynamicInferenceContext
 from dynctx.context.batch_dimensions import InferenceBatchDimensions
@@ -58,6 +63,89 @@ CUDA_GRAPH_WARMUP_STEPS = 2
 # Attention backends whose forward has no host sync or data-dependent shape once planned with
 # static maxima; FlashInfer's plan reads lengths back (models/paged_attention.py).
 GRAPH_SAFE_ATTENTION_BACKENDS = ("torch", "flash_attn")
+
+
+# Torch functions that read device memory back to the host (a sync, which a capture refuses) or
+# copy host data to the device inside the forward (a value baked into the graph).
+HOST_SYNC_FUNCTIONS = frozenset((
+    "item", "tolist", "numpy", "cpu", "__bool__", "__int__", "__float__", "__index__",
+    "nonzero", "argwhere", "masked_select", "unique", "unique_consecutive", "equal", "allclose",
+    "is_nonzero", "tensor", "as_tensor", "from_numpy"))
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_THIS_FILE = os.path.abspath(__file__)
+
+
+def _has_bool_tensor(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return value.dtype == torch.bool
+    if isinstance(value, (tuple, list)):
+        return any(_has_bool_tensor(v) for v in value)
+    return False
+
+
+def host_sync_reason(name: str, args: tuple, kwargs: dict) -> Optional[str]:
+    """Why the torch function ``name`` called with ``args`` cannot run inside a CUDA graph
+    capture (a host sync, a data-dependent shape, host data copied in), or None."""
+    if name in HOST_SYNC_FUNCTIONS:
+        return f"{name}()"
+    if name in ("__getitem__", "__setitem__", "index_put_", "index_put") and \
+            _has_bool_tensor(args[1:2]):
+        return f"{name} with a boolean mask (data-dependent shape)"
+    if name == "repeat_interleave" and isinstance(args[1] if len(args) > 1 else
+                                                  kwargs.get("repeats"), torch.Tensor) \
+            and kwargs.get("output_size") is None:
+        return "repeat_interleave with tensor repeats and no output_size"
+    if name == "where" and len(args) == 1 and not kwargs:
+        return "where(condition) (nonzero)"
+    return None
+
+
+class HostSyncDetector(TorchFunctionMode):
+    """Records every torch call that would stop a CUDA graph capture (``host_sync_reason``),
+    with the caller's ``file:line``, while the model's forward runs. Calls made inside a
+    kernel's torch reference (``dynctx/kernels``, ``*_ref``) or the Triton interpreter are not
+    counted: on CUDA the compiled kernels run instead."""
+
+    def __init__(self):
+        super().__init__()
+        self.found: List[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        reason = host_sync_reason(name, args, kwargs)
+        if reason is not None:
+            where = self._caller()
+            if where is not None:
+                self.found.append(f"{where}: {reason}")
+        return func(*args, **kwargs)
+
+    @staticmethod
+    def _caller() -> Optional[str]:
+        frames = [f for f in traceback.extract_stack()[:-2]
+                  if not f.filename.startswith(_TORCH_DIR) and f.filename != _THIS_FILE]
+        for frame in frames:
+            path = frame.filename.replace(os.sep, "/")
+            if "/triton/" in path or ("/kernels/" in path and frame.name.endswith("_ref")):
+                return None
+        if not frames:
+            return None
+        frame = frames[-1]
+        return f"{os.path.relpath(frame.filename)}:{frame.lineno} ({frame.name})"
+
+
+@contextmanager
+def refuse_host_syncs(dims: InferenceBatchDimensions):
+    """Run the enclosed forward under ``HostSyncDetector``; raise ``RuntimeError`` listing
+    every call found (file:line and why), since a capture of graph ``dims`` would fail or bake
+    one step's values into every replay."""
+    detector = HostSyncDetector()
+    with detector:
+        yield detector
+    if detector.found:
+        found = sorted(set(detector.found))
+        raise RuntimeError(f"the forward of graph {dims} cannot be captured in a CUDA graph: "
+                           + "; ".join(found) + " (build the engine with cuda_graphs=False)")
 
 
 def graph_attention_backend(requested: str, device: torch.device, block_size: int,
@@ -279,7 +367,8 @@ class StandInGraphRunner(_GraphRunner):
     kind = "stand-in"
 
     def _capture(self, dims: InferenceBatchDimensions, view: GraphStepContext) -> Any:
-        output = self.model.forward(view, last_token_only=self.last_token_only)
+        with refuse_host_syncs(dims):
+            output = self.model.forward(view, last_token_only=self.last_token_only)
         return SimpleNamespace(view=view, output=output.clone())
 
     def _replay(self, dims: InferenceBatchDimensions, graph: Any) -> torch.Tensor:
@@ -329,7 +418,9 @@ class CudaGraphRunner(_GraphRunner):
         side = torch.cuda.Stream(device=device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
-            for _ in range(self.warmup_steps):
+            with refuse_host_syncs(dims):
+                self.model.forward(view, last_token_only=self.last_token_only)
+            for _ in range(self.warmup_steps - 1):
                 self.model.forward(view, last_token_only=self.last_token_only)
         torch.cuda.current_stream(device).wait_stream(side)
         backend = getattr(self.model, "attention_backend", None)
@@ -363,6 +454,6 @@ def make_graph_runner(model: Any, context: DynamicInferenceContext, *,
 
 
 __all__ = ["CUDA_GRAPH_WARMUP_STEPS", "GRAPH_SAFE_ATTENTION_BACKENDS", "CudaGraphRunner",
-           "GraphStepContext", "StandInGraphRunner", "forward_inputs", "graph_attention_backend",
-           "make_graph_runner",
-           "static_plan_values", "tensor_addresses"]
+           "GraphStepContext", "HOST_SYNC_FUNCTIONS", "HostSyncDetector", "StandInGraphRunner", "forward_inputs", "graph_attention_backend",
+           "host_sync_reason",
+           "make_graph_runner", "refuse_host_syncs", "static_plan_values", "tensor_addresses"]

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from dynctx.context import SamplingParams
+from dynctx.engine import Engine
 from dynctx.engine.graphs import (CudaGraphRunner, GraphStepContext, StandInGraphRunner,
                                   static_plan_values)
 from e2e_helpers import (DEVICES, FP32_LOGITS_ATOL, assert_pressure_stats,
@@ -206,3 +207,34 @@ def test_graph_attention_backend_keeps_explicit_choices_and_avoids_flashinfer(mo
     monkeypatch.setattr(graphs, "flash_attn_available", lambda device, block: block % 256 == 0)
     assert graphs.graph_attention_backend("auto", cpu, 256, torch.bfloat16) == "flash_attn"
     assert graphs.graph_attention_backend("auto", cpu, 16, torch.bfloat16) == "torch"
+
+
+class _SyncingLlama:
+    """A Llama adapter whose forward reads a value back (as ``.item()`` would on a GPU)."""
+
+    def __init__(self, model):
+        self.model = model
+        self.vocab_size = model.vocab_size
+
+    def forward(self, ctx, *, last_token_only=True):
+        ctx.active_attn_metadata.kv_seq_lengths.max().item()
+        return self.model.forward(ctx, last_token_only=last_token_only)
+
+
+def test_a_forward_with_a_host_sync_is_refused_at_capture_naming_the_line():
+    hf = tiny_llama()
+    engine = graph_engine(hf, cuda_graphs=False)
+    with pytest.raises(RuntimeError, match=r"cannot be captured.*test_graph_replay\.py:\d+ "
+                                           r"\(forward\): item\(\)"):
+        Engine(_SyncingLlama(engine.model), engine.context)
+    # The eager engine runs it.
+    Engine(_SyncingLlama(engine.model), engine.context, cuda_graphs=False)
+
+
+def test_the_hybrid_forward_is_refused_at_capture_naming_its_host_syncs():
+    from test_nemotron_h import build_engine as build_hybrid, tiny_nemotron_h
+
+    hf = tiny_nemotron_h()
+    with pytest.raises(RuntimeError, match=r"cannot be captured.*models/nemotron_h\.py:\d+"):
+        build_hybrid(hf, block_size=16, blocks=8, paused_blocks=2, max_tokens=32,
+                     max_requests=8, kernel_backend="torch", num_cuda_graphs=2)
