@@ -238,3 +238,20 @@ def test_the_hybrid_forward_is_refused_at_capture_naming_its_host_syncs():
     with pytest.raises(RuntimeError, match=r"cannot be captured.*models/nemotron_h\.py:\d+"):
         build_hybrid(hf, block_size=16, blocks=8, paused_blocks=2, max_tokens=32,
                      max_requests=8, kernel_backend="torch", num_cuda_graphs=2)
+
+
+def test_with_validate_the_graphs_capture_every_token_logits_and_match_transformers():
+    """``validate=True`` makes the engine take every token's logits (it checks them outside
+    the forward): the graphs are captured in that mode and replay it."""
+    hf = tiny_llama()
+    prompts = make_prompts([5, 9, 3], hf.config.vocab_size)
+    gens = [6, 4, 7]
+    engine = graph_engine(hf, validate=True)
+    runner = engine.graph_runner
+    assert not runner.last_token_only
+    results = engine.generate_requests(greedy_requests(prompts, gens))
+    assert engine.graph_replays > 0 and runner.eager_steps == engine.stats.forward_steps - \
+        engine.graph_replays
+    assert_requests_match_greedy(hf, greedy_requests(prompts, gens), prompts, results)
+    worst = worst_logit_error(hf, results)
+    assert worst <= FP32_LOGITS_ATOL, f"step logits differ by {worst}"
