@@ -15,10 +15,11 @@ from dynctx.context import SamplingParams
 from dynctx.engine import Engine
 from dynctx.engine.graphs import (CudaGraphRunner, GraphStepContext, StandInGraphRunner,
                                   static_plan_values)
-from e2e_helpers import (DEVICES, FP32_LOGITS_ATOL, assert_pressure_stats,
-                         assert_requests_match_greedy, build_engine, case_engine_sizes,
-                         greedy_requests, make_prompts, pressure_workload, tiny_llama,
-                         worst_logit_error)
+from dynctx.kernels import _backend
+from e2e_helpers import (DEVICES, FP32_LOGITS_ATOL, assert_matches_transformers,
+                         assert_pressure_stats, assert_requests_match_greedy, build_engine,
+                         case_engine_sizes, greedy_requests, make_prompts, pressure_workload,
+                         refuse_torch_references, tiny_llama, worst_logit_error)
 from test_llama_engine import BASE_GENS, BASE_LENGTHS
 
 CASE = dict(block_size=16, blocks=14, paused_blocks=3, max_tokens=32, max_requests=8, scale=1)
@@ -255,3 +256,29 @@ def test_with_validate_the_graphs_capture_every_token_logits_and_match_transform
     assert_requests_match_greedy(hf, greedy_requests(prompts, gens), prompts, results)
     worst = worst_logit_error(hf, results)
     assert worst <= FP32_LOGITS_ATOL, f"step logits differ by {worst}"
+
+
+@pytest.mark.interpreter
+@pytest.mark.skipif(not (_backend.triton_interpreting() or torch.cuda.is_available()),
+                    reason="needs TRITON_INTERPRET=1 set before import (tests/run_tests.sh) or a "
+                           "CUDA device")
+def test_graphs_replay_the_triton_kernels(monkeypatch):
+    """The context's Triton kernels inside the graphed forward (the interpreter on a CPU, the
+    CUDA graph runner on a GPU); the torch references refuse to run."""
+    refuse_torch_references(monkeypatch, [
+        ("dynctx.kernels.kv_append", "kv_append_ref"),
+        ("dynctx.kernels.rope", "fused_qk_rope_ref"),
+        ("dynctx.kernels.step_metadata", "step_metadata_ref"),
+        ("dynctx.kernels.compaction", "compact_requests_ref"),
+        ("dynctx.kernels.last_token_logits", "last_token_logits_ref")])
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    hf = tiny_llama(seed=21, vocab=128, hidden=32, intermediate=64, max_positions=64,
+                    device=device)
+    prompts = make_prompts([3, 20, 1], hf.config.vocab_size, seed=22)
+    gens = [5, 4, 5]
+    engine = build_engine(hf, block_size=16, blocks=6, paused_blocks=1, max_tokens=16,
+                          max_requests=4, kernel_backend="triton", attention_backend="torch",
+                          num_cuda_graphs=2, record_logits=True)
+    results = engine.generate_requests(greedy_requests(prompts, gens), arrival_steps=[0, 0, 2])
+    assert engine.graph_replays > 0
+    assert_matches_transformers(hf.cpu(), prompts, gens, results)
