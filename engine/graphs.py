@@ -453,7 +453,7 @@ def make_graph_runner(model: Any, context: DynamicInferenceContext, *,
     return cls(model, context, last_token_only=last_token_only)
 
 
-__all__ = ["CUDA_GRAPH_WARMUP_STEPS", "GRAPH_SAFE_ATTENTION_BACKENDS", "CudaGraphRunner",
-           "GraphStepContext", "HOST_SYNC_FUNCTIONS", "HostSyncDetector", "StandInGraphRunner", "forward_inputs", "graph_attention_backend",
-           "host_sync_reason",
-           "make_graph_runner", "refuse_host_syncs", "static_plan_values", "tensor_addresses"]
+__all__ = ["CUDA_GRAPH_WARMUP_STEPS", "GRAPH_SAFE_ATTENTION_BACKENDS", "HOST_SYNC_FUNCTIONS",
+           "CudaGraphRunner", "GraphStepContext", "HostSyncDetector", "StandInGraphRunner",
+           "forward_inputs", "graph_attention_backend", "host_sync_reason", "make_graph_runner",
+           "refuse_host_syncs", "static_plan_values", "tensor_addresses"]
