@@ -8,6 +8,8 @@ buffer per graph, every input checked to be at its captured address); the ``gpu`
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -282,3 +284,80 @@ def test_graphs_replay_the_triton_kernels(monkeypatch):
     results = engine.generate_requests(greedy_requests(prompts, gens), arrival_steps=[0, 0, 2])
     assert engine.graph_replays > 0
     assert_matches_transformers(hf.cpu(), prompts, gens, results)
+
+
+def test_cuda_runner_protocol_with_torch_cuda_faked(monkeypatch):
+    """The CUDA runner's control flow on a CPU, torch.cuda's graph API faked: warm-up runs on a
+    side stream (the first one checked for host syncs), every graph is captured into the one
+    shared pool, and a graph step replays its graph and returns its output's real rows. (The
+    real capture runs only on a GPU: test_cuda_graphs_capture_replay_and_match_eager.)"""
+    from dynctx.engine import graphs as graphs_module
+
+    events = []
+
+    class FakeStream:
+        def __init__(self, device=None):
+            events.append("stream")
+
+        def wait_stream(self, other):
+            pass
+
+    class FakeGraph:
+        def replay(self):
+            events.append(("replay", id(self)))
+
+    @contextlib.contextmanager
+    def fake_stream(stream):
+        events.append("side stream")
+        yield
+
+    @contextlib.contextmanager
+    def fake_graph(graph, pool=None):
+        events.append(("capture", id(graph), pool))
+        yield
+
+    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
+    monkeypatch.setattr(torch.cuda, "stream", fake_stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: FakeStream())
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph", fake_graph)
+    checked = []
+    original_refuse = graphs_module.refuse_host_syncs
+    monkeypatch.setattr(graphs_module, "refuse_host_syncs",
+                        lambda dims: checked.append(dims) or original_refuse(dims))
+
+    hf = tiny_llama()
+    engine = graph_engine(hf, cuda_graphs=False)
+    forwards = []
+    model = engine.model
+
+    class CountingModel:
+        vocab_size = model.vocab_size
+
+        def forward(self, ctx, *, last_token_only=True):
+            forwards.append(type(ctx).__name__)
+            return model.forward(ctx, last_token_only=last_token_only)
+
+    # The device check refuses a CPU context: build the runner past it.
+    runner = CudaGraphRunner.__new__(CudaGraphRunner)
+    graphs_module._GraphRunner.__init__(runner, CountingModel(), engine.context,
+                                        last_token_only=True)
+    runner.warmup_steps, runner._pool = 2, None
+    runner.capture_all()
+    ladder = engine.context.cuda_graph_batch_dimensions_list
+    captures = [e for e in events if isinstance(e, tuple) and e[0] == "capture"]
+    assert len(captures) == len(ladder) and {pool for _, _, pool in captures} == {"pool"}
+    assert sorted(checked) == sorted(ladder)
+    # Per graph: two warm-up forwards and the captured one, all through the graph's view.
+    assert forwards == ["GraphStepContext"] * 3 * len(ladder)
+    assert events.count("side stream") == len(ladder)
+
+    engine.graph_runner = runner
+    engine.generate(make_prompts([4, 6], hf.config.vocab_size), max_new_tokens=3,
+                    ignore_eos=True)
+    replayed = [e for e in events if isinstance(e, tuple) and e[0] == "replay"]
+    assert len(replayed) == sum(runner.replays.values()) > 0
+    assert {graph_id for _, graph_id in replayed} <= {id(g.graph) for g in runner.graphs.values()}
+    runner.release()
+    assert runner.graphs == {} and runner._pool is None
