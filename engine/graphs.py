@@ -32,7 +32,11 @@ Two runners share the capture protocol and the dimension choice:
   Each replay checks that the output has the captured shape, which a CUDA graph relies on.
 
 Both runners check before each replay (``check_addresses``) that every tensor of the capture is
-still at its address, which a CUDA graph silently relies on.
+still at its address, which a CUDA graph silently relies on, and run one forward per graph under
+``HostSyncDetector`` before capturing it: a forward that reads device values back to the host,
+indexes with a boolean mask or copies host data in is refused, naming each ``file:line`` (on a
+CPU too, so CI catches what a GPU capture would refuse). Known refusals: the hybrid's Mamba plan
+(models/nemotron_h.py) and the DeepSeek MoE routing (models/deepseek.py).
 
 Steps whose padded dimensions are not a captured graph (``using_cuda_graph_this_step()`` false,
 or a forward mode the graphs were not captured for) run eagerly.

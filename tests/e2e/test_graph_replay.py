@@ -361,3 +361,36 @@ def test_cuda_runner_protocol_with_torch_cuda_faked(monkeypatch):
     assert {graph_id for _, graph_id in replayed} <= {id(g.graph) for g in runner.graphs.values()}
     runner.release()
     assert runner.graphs == {} and runner._pool is None
+
+
+@pytest.mark.parametrize("rope, fused", [("cos_sin", False), ("table", True), ("cos_sin", True)],
+                         ids=["cos_sin", "fused_table", "fused_cos_sin"])
+def test_every_llama_rope_path_captures_without_host_syncs_and_matches(rope, fused):
+    hf = tiny_llama()
+    prompts = make_prompts([5, 9], hf.config.vocab_size)
+    gens = [5, 4]
+    engine = graph_engine(hf, rope=rope, fused_rope_kv_append=fused)
+    assert engine.graph_runner.captures == len(engine.context.cuda_graph_batch_dimensions_list)
+    results = engine.generate_requests(greedy_requests(prompts, gens))
+    assert engine.graph_replays > 0
+    assert_matches_transformers(hf, prompts, gens, results)
+
+
+def test_mla_dense_forward_replays_and_moe_routing_is_refused():
+    """DeepSeek-V2 (MLA): the dense model captures and replays with the eager engine's tokens;
+    the MoE routing reads the chosen experts back to the host (models/deepseek.py), so capture
+    refuses it."""
+    from test_deepseek_mla import build_engine as build_mla, tiny_deepseek
+
+    sizes = dict(block_size=16, blocks=14, paused_blocks=3, max_tokens=32, max_requests=8,
+                 kernel_backend="torch", num_cuda_graphs=4)
+    prompts = make_prompts([5, 17, 3], 128)
+    hf = tiny_deepseek(moe=False)
+    outputs = {}
+    for graphs in (True, False):
+        engine = build_mla(hf, cuda_graphs=graphs, **sizes)
+        outputs[graphs] = engine.generate(prompts, max_new_tokens=6, ignore_eos=True)
+        assert (engine.graph_replays > 0) == graphs
+    assert outputs[True] == outputs[False]
+    with pytest.raises(RuntimeError, match=r"cannot be captured.*models/deepseek\.py:\d+"):
+        build_mla(tiny_deepseek(moe=True), **sizes)
