@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import math
 import time
 from collections import deque
@@ -43,6 +44,7 @@ import torch
 
 from dynctx.context import DynamicInferenceContext, DynamicInferenceRequest, SamplingParams
 
+from .graphs import graph_attention_backend, make_graph_runner
 from .sampling import sample
 from .scheduler import Admission, Scheduler
 from .validation import (
@@ -255,16 +257,22 @@ class Engine:
         step_callback: called with each ``StepResult`` (streaming); an error it raises
             propagates out of ``step()`` once the step is complete (module docstring).
         history_window: steps kept in ``stats.history`` (``None``: all, 0: none).
+        cuda_graphs: when the context has a CUDA graph ladder (``num_cuda_graphs``), capture the
+            model's forward per graph batch dimension now and replay it on the steps the context
+            puts in a graph (``engine/graphs.py``: ``torch.cuda.CUDAGraph`` on CUDA, the stand-in
+            runner elsewhere); ``False`` runs every forward eagerly, padded to the graph shapes.
+            The context must be empty. ``self.graph_runner`` is the runner (None without graphs).
     """
 
     def __init__(self, model: Any, context: DynamicInferenceContext, *,
                  enable_chunked_prefill: bool = True, seed: int = 0,
                  default_termination_id: Optional[int] = None, record_logits: bool = False,
                  step_callback: Optional[StepCallback] = None,
-                 history_window: Optional[int] = DEFAULT_HISTORY_WINDOW):
+                 history_window: Optional[int] = DEFAULT_HISTORY_WINDOW,
+                 cuda_graphs: bool = True):
         seed = check_int("seed", seed, low=0)
         for name, flag in (("enable_chunked_prefill", enable_chunked_prefill),
-                           ("record_logits", record_logits)):
+                           ("record_logits", record_logits), ("cuda_graphs", cuda_graphs)):
             if not isinstance(flag, (bool, np.bool_)):
                 raise TypeError(f"{name}={flag!r} must be a bool")
         if default_termination_id is not None:
@@ -290,6 +298,13 @@ class Engine:
         self._undelivered: List[RequestResult] = []
         self._suspended = False
         self._next_request_id = 0
+        # The forward mode the graphs capture: every token's logits when the context checks
+        # logits (``_forward``), else last-token logits; steps in the other mode run eagerly.
+        self.graph_runner = make_graph_runner(model, context,
+                                        last_token_only=not self._checks_logits()) \
+            if cuda_graphs else None
+        if self.graph_runner is not None:
+            self.graph_runner.capture_all()
 
     @classmethod
     def from_transformers(cls, hf_model: Any, *, rope: str = "table",
@@ -297,7 +312,7 @@ class Engine:
                           seed: int = 0, record_logits: bool = False,
                           step_callback: Optional[StepCallback] = None,
                           history_window: Optional[int] = DEFAULT_HISTORY_WINDOW,
-                          **context_kwargs: Any) -> "Engine":
+                          cuda_graphs: bool = True, **context_kwargs: Any) -> "Engine":
         """Build the adapter for a ``transformers`` causal LM and a context sized for it.
 
         ``context_kwargs`` go to ``DynamicInferenceContext`` (``buffer_size_gb``,
@@ -307,6 +322,10 @@ class Engine:
         head_dim, ``num_attention_heads`` = ``num_key_value_heads``, ``max_sequence_length`` =
         ``max_position_embeddings``; ``buffer_size_gb`` defaults to 1. ``max_requests`` defaults
         to the context's (about one block per request), capped at ``max_tokens``.
+        ``num_cuda_graphs`` (a context argument) with ``cuda_graphs=True``: the engine captures
+        and replays the forward per graph batch dimension (``Engine``'s ``cuda_graphs``), and
+        ``attention_backend="auto"`` picks among the backends a graph can capture
+        (``engine.graphs.graph_attention_backend``).
         """
         adapters = _transformers_adapters()
         name = type(hf_model).__name__
@@ -318,6 +337,11 @@ class Engine:
         kwargs = dict(context_kwargs)
         device = torch.device(kwargs.pop("device", None) or param.device)
         dtype = kwargs.pop("params_dtype", None) or param.dtype
+        if cuda_graphs and kwargs.get("num_cuda_graphs"):
+            block_size = kwargs.get("block_size_tokens") or inspect.signature(
+                DynamicInferenceContext).parameters["block_size_tokens"].default
+            attention_backend = graph_attention_backend(attention_backend, device, block_size,
+                                                        dtype)
         model = adapters[name](hf_model, device=device, dtype=dtype, rope=rope,
                                attention_backend=attention_backend)
         kwargs.setdefault("num_layers", model.num_layers)
@@ -350,7 +374,8 @@ class Engine:
             eos = eos[0] if eos else None
         return cls(model, context, enable_chunked_prefill=enable_chunked_prefill, seed=seed,
                    default_termination_id=eos, record_logits=record_logits,
-                   step_callback=step_callback, history_window=history_window)
+                   step_callback=step_callback, history_window=history_window,
+                   cuda_graphs=cuda_graphs)
 
     # ------------------------------------------------------------------ submission
     @property
@@ -547,10 +572,12 @@ class Engine:
         # Every token's logits also when the context checks logits (vocab_size, validate): the
         # model's last-token path picks hidden-state rows through ``last_token_logits``, whose
         # checks are meant for logits.
-        full = (want_prompt_lp or getattr(ctx, "vocab_size", None) is not None
-                or bool(getattr(ctx, "validate", False)))
+        full = want_prompt_lp or self._checks_logits()
         forward_start = time.perf_counter()
-        output = self.model.forward(ctx, last_token_only=not full)
+        if self.graph_runner is not None:
+            output = self.graph_runner.run(last_token_only=not full)
+        else:
+            output = self.model.forward(ctx, last_token_only=not full)
         failed = self._nonfinite_rows(output, full, len(entries))
         if failed:
             # The failed rows finish with an error; zeros keep NaN out of sampling.
@@ -576,6 +603,18 @@ class Engine:
                 entry.step_logits.append((int(prefix[i]), rows[i].clone()))
         self.stats.forward_time_s += time.perf_counter() - forward_start
         return batch
+
+    @property
+    def graph_replays(self) -> int:
+        """Forward steps that replayed a captured graph (0 without graphs)."""
+        runner = self.graph_runner
+        return 0 if runner is None else sum(runner.replays.values())
+
+    def _checks_logits(self) -> bool:
+        """The context checks logits (``vocab_size`` or ``validate``): the model then gives
+        every token's logits."""
+        ctx = self.context
+        return getattr(ctx, "vocab_size", None) is not None or bool(getattr(ctx, "validate", False))
 
     def _nonfinite_rows(self, output: torch.Tensor, full: bool, active: int) -> Dict[int, str]:
         """With the context's ``validate``: the active rows whose logits hold NaN or +inf
@@ -747,15 +786,20 @@ class Engine:
                 # The prompt runs again from its start: its prompt log probs too.
                 entry.prompt_log_probs.clear()
         self.scheduler.requeue_suspended(ids)
+        if self.graph_runner is not None:
+            self.graph_runner.release()  # they read the tensors freed now
         ctx.deallocate_all_tensors()
         self._suspended = True
         self.stats.suspends += 1
 
     def resume(self) -> None:
-        """Re-allocate the context's tensors; the next steps re-add the suspended requests."""
+        """Re-allocate the context's tensors and capture the CUDA graphs again (the tensors
+        have new addresses); the next steps re-add the suspended requests."""
         if not self._suspended:
             return
         self.context.allocate_all_tensors(is_init=False)
+        if self.graph_runner is not None:
+            self.graph_runner.capture_all()
         self._suspended = False
 
     # ------------------------------------------------------------------ batch APIs

@@ -1,6 +1,7 @@
-"""The engine on a random Llama with CUDA graph batch dimensions on (``num_cuda_graphs``):
-steps run padded to Megatron's graph shapes (decode-only and mixed), the forward still eager,
-and every request's tokens and every step's logits equal transformers' as without graphs."""
+"""The engine on a random Llama with CUDA graph batch dimensions on (``num_cuda_graphs``) and
+capture off (``cuda_graphs=False``): steps run padded to Megatron's graph shapes (decode-only and
+mixed), the forward eager, and every request's tokens and every step's logits equal
+transformers' as without graphs. With capture on: tests/e2e/test_graph_replay.py."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ def test_pressure_workload_in_graph_shapes_matches_transformers(mixed):
                            ctx.using_cuda_graph_this_step()))
 
     engine = build_engine(hf, **case_engine_sizes(CASE), kernel_backend="torch",
-                          record_logits=True, num_cuda_graphs=4,
+                          record_logits=True, num_cuda_graphs=4, cuda_graphs=False,
                           cuda_graph_mixed_prefill_count=mixed, step_callback=record)
     graphs = engine.context.cuda_graph_batch_dimensions_list
     assert graphs and any(g.prefill_req_count for g in graphs) == (mixed is not None)
