@@ -54,7 +54,7 @@ def read_mask(mask, count: int, device: torch.device) -> np.ndarray:
         raise ValueError(f"active_requests_mask is on {mask.device}, the context on {device}")
     host = mask.cpu().numpy()
     if host.dtype != np.bool_:
-        if np.any((host != 0) & (host != 1)):
+        if host.size and (host.max() > 1 or host.min() < 0):
             raise ValueError("active_requests_mask must hold only 0 and 1")
         host = host.astype(np.bool_)
     return host.copy()

@@ -202,8 +202,8 @@ def plan_update(table, mask: np.ndarray, *, chunked_id: int, max_sequence_length
         mask[-1] = True
     # A kept request gets one more token: it must stay within max_sequence_length.
     lengths = table.rows[FIELD_KV_OFFSET, P:T].astype(np.int64) + table.rows[FIELD_QUERY, P:T] + 1
-    too_long = mask & (lengths > max_sequence_length)
-    if too_long.any():
+    if lengths.size and lengths.max() > max_sequence_length and \
+            (too_long := mask & (lengths > max_sequence_length)).any():
         k = int(np.flatnonzero(too_long)[0])
         raise ValueError(
             f"active_requests_mask keeps request {int(ids[P + k])}, which would hold "
@@ -262,11 +262,14 @@ def plan_update(table, mask: np.ndarray, *, chunked_id: int, max_sequence_length
         h[FIELD_KV_OFFSET, P:T] += h[FIELD_QUERY, P:T]
         h[FIELD_QUERY, P:T] = 1
         h[FIELD_LAST_OFFSET, P:T] = (h[FIELD_LAST_OFFSET, P:T] + 1) % table.block_size
-    still_paused = h[FIELD_IDS, :P].astype(np.int64)
+    newly_paused = _EMPTY
+    if P and paused_now.size:
+        still_paused = h[FIELD_IDS, :P].astype(np.int64)
+        newly_paused = still_paused[np.isin(still_paused, paused_now)]
     slots = np.concatenate(scratch.slots) if scratch.slots else np.empty(0, dtype=np.int32)
     return UpdatePlan(
         old_paused=old_P, old_total=old_T, paused=P, total=T, active_tokens=T - P,
         origin=scratch.origin, rows=h, append_col=scratch.append_col,
         append_block=scratch.append_block, allocator_ops=tuple(scratch.stack.ops),
         released_slots=slots, finished_ids=finished_ids, evicted_ids=evicted,
-        newly_paused_ids=still_paused[np.isin(still_paused, paused_now)].copy())
+        newly_paused_ids=newly_paused)
