@@ -18,6 +18,7 @@ import torch
 from dynctx.context import (
     BlockOverflowError,
     DynamicInferenceRequest,
+    MambaInferenceStateConfig,
     MaxSequenceLengthOverflowError,
     RequestOverflowError,
     SamplingParams,
@@ -131,6 +132,24 @@ def s_stuck(backend):
     add(ctx, req(1, 11, gen=40))
     _step(ctx)
     ctx.initialize_attention_state()
+    return ctx
+
+
+def s_hybrid_continued(backend):
+    """A hybrid: request 3's final continuation chunk added in this step (it must stay last)."""
+    layers, conv, ssm = ("M", "*"), (6, 4), (2, 3, 5)
+    mamba_bytes = 4 * (24 + 30)
+    block = BLOCK // 2 + mamba_bytes  # one attention layer
+    ctx = make_ctx(kernel_backend=backend, num_layers=2, buffer_size_gb=40 * block / GIB,
+                   paused_buffer_size_gb=8 * block / GIB,
+                   mamba_inference_state_config=MambaInferenceStateConfig(layers, conv, ssm))
+    add(ctx, req(1, 3))
+    r = req(3, 20)
+    add(ctx, r, chunk_length=8)
+    ctx.chunked_prefill_request_id = 3
+    _step(ctx)
+    ctx.chunked_prefill_request_id = -1
+    add(ctx, r)
     return ctx
 
 
@@ -270,6 +289,8 @@ CASES = [
      "decoding", True),
     (f"{A}/continuation-claims-more-than-cached", s_chunked,
      lambda c: c.add_request(_continuation(c, claim=10)), ValueError, "cached", "chunk"),
+    (f"{A}/new-request-after-a-hybrid-continuation", s_hybrid_continued,
+     lambda c: c.add_request(req(9)), ValueError, "hybrid", True),
     (f"{A}/new-request-while-chunked", s_chunked, lambda c: c.add_request(req(9)), ValueError,
      "chunked", "chunk"),
 ]
