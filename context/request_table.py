@@ -192,8 +192,9 @@ class RequestTable:
                 values[moved] = values[sources]
         self.rows[:, :old_total] = plan.rows
         self.block_table[total:old_total] = -1
-        appended = np.flatnonzero(plan.append_col >= 0)
-        self.block_table[appended, plan.append_col[appended]] = plan.append_block[appended]
+        if plan.allocator_ops:
+            appended = np.flatnonzero(plan.append_col >= 0)
+            self.block_table[appended, plan.append_col[appended]] = plan.append_block[appended]
         self.paused, self.total = plan.paused, total
         self.active_tokens = plan.active_tokens
         self.num_prefill = 0

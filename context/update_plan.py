@@ -180,6 +180,23 @@ class _Scratch:
         return P - evict, evicted
 
 
+def _steady_plan(table, T: int):
+    """The plan of the common decode step (nothing paused, finished, chunked, and no request
+    filling its last block), without the scratch machinery; None when it does not apply."""
+    h = table.rows[:, :T].copy()
+    if (h[FIELD_LAST_OFFSET] == table.block_size - 1).any():
+        return None
+    h[FIELD_KV_OFFSET] += h[FIELD_QUERY]
+    h[FIELD_QUERY] = 1
+    h[FIELD_LAST_OFFSET] += 1
+    none = np.full(T, -1, dtype=np.int32)
+    return UpdatePlan(
+        old_paused=0, old_total=T, paused=0, total=T, active_tokens=T,
+        origin=np.arange(T, dtype=np.int64), rows=h, append_col=none, append_block=none,
+        allocator_ops=(), released_slots=np.empty(0, dtype=np.int32), finished_ids=_EMPTY,
+        evicted_ids=_EMPTY, newly_paused_ids=_EMPTY)
+
+
 def plan_update(table, mask: np.ndarray, *, chunked_id: int, max_sequence_length: int
                 ) -> UpdatePlan:
     """The plan of one ``update_requests`` (see the module docstring); changes nothing.
@@ -210,6 +227,10 @@ def plan_update(table, mask: np.ndarray, *, chunked_id: int, max_sequence_length
             f"{int(lengths[k])} tokens after this step, beyond max_sequence_length="
             f"{max_sequence_length}: finish it (mask 0) at its last token")
 
+    if P == 0 and chunked_id == -1 and A and mask.all():
+        steady = _steady_plan(table, T)
+        if steady is not None:
+            return steady
     allocator = table.allocator
     scratch = _Scratch(table, _StackSim(allocator))
     h = scratch.h
