@@ -77,5 +77,5 @@ def check_options(values: dict, *, stacklevel: int = 3) -> None:
 
 
 def unsupported(method: str) -> NotImplementedError:
-    """The error a Megatron-Core method dynctx does not support raises (``raise unsupported(..)``)."""
+    """The error of a Megatron-Core method dynctx does not support (``raise unsupported(..)``)."""
     return NotImplementedError(METHODS[method])

@@ -388,7 +388,7 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
         table = self._table
         if self.chunked_prefill_request_id != -1 and table.num_prefill == 0 and table.active:
             # The chunked request's row holds a placeholder token, not a real one: forwarding it
-            # would write K/V at a position whose block may not exist (SEMANTICS.md §10).
+            # would write K/V at a position whose block may not exist (docs/SEMANTICS.md §10).
             raise RuntimeError(
                 f"the chunked prefill request {self.chunked_prefill_request_id} needs its next "
                 "chunk (add_request) before this step; a step without it would forward its "
@@ -420,7 +420,7 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
 
     def update_requests(self, active_requests_mask: torch.Tensor,
                         new_tokens: torch.Tensor) -> torch.Tensor:
-        """Advance the state after a forward pass (SEMANTICS.md §9, the fixed version).
+        """Advance the state after a forward pass (docs/SEMANTICS.md §9, the fixed version).
 
         ``active_requests_mask[i]`` (bool/0-1, one per active request) keeps request i; 0
         finishes it. ``new_tokens`` (int32/int64, one per active request) is not modified.

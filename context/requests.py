@@ -89,7 +89,8 @@ def whole_number_ids(values: Any, name: str) -> np.ndarray:
         whole = np.isfinite(array) & (array == np.round(array))
         if not whole.all():
             bad = array[~whole].reshape(-1)[0]
-            raise TypeError(f"{name} must hold integer token ids; {float(bad)!r} is not a whole number")
+            raise TypeError(f"{name} must hold integer token ids; {float(bad)!r} is not a whole "
+                            "number")
         if array.size and (array.max() >= 2 ** 63 or array.min() < -2 ** 63):
             raise ValueError(f"{name} holds ids outside int64")
     return array.astype(np.int64)

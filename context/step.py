@@ -30,7 +30,7 @@ def rounded(value: int, rounder: int, tp_size: Optional[int]) -> int:
 
 @dataclass(frozen=True)
 class MambaStep:
-    """The Mamba side of a step (SEMANTICS.md §7): decode rows, regular prefills, then the
+    """The Mamba side of a step (docs/SEMANTICS.md §7): decode rows, regular prefills, then the
     continuation chunk, which runs separately from its saved state."""
 
     decode: int
@@ -83,7 +83,7 @@ def build_step(table, arena: dict, *, max_tokens: int, max_requests: int, tp: in
     A = T - P
     active, prefill = table.active_tokens, table.num_prefill
     decode = A - prefill
-    # A continuation chunk of a hybrid starts from its saved Mamba state (SEMANTICS.md §0.3);
+    # A continuation chunk of a hybrid starts from its saved Mamba state (docs/SEMANTICS.md §0.3);
     # the context knows it added one, whatever the engine's explicit flag says.
     chunked = table.hybrid and table.continuation_added
     real = InferenceBatchDimensions(active, prefill, decode, chunked)
@@ -126,7 +126,7 @@ def build_step(table, arena: dict, *, max_tokens: int, max_requests: int, tp: in
 def _mamba_host(table, arena: dict, seq_idx: np.ndarray, P: int, A: int, decode: int,
                 prefill: int, chunked: bool, padded: InferenceBatchDimensions, cu_q: np.ndarray,
                 zero_count: int) -> MambaStep:
-    """Mamba slot indices and varlen offsets of the step, on the host (SEMANTICS.md §7)."""
+    """Mamba slot indices and varlen offsets of the step, on the host (docs/SEMANTICS.md §7)."""
     slots = table.rows[FIELD_MAMBA_SLOT, P:P + A]
     regular = prefill - 1 if chunked else prefill
     padded_decode, padded_prefill = padded.decode_req_count, padded.prefill_req_count

@@ -1,4 +1,4 @@
-"""The step-end state machine (``update_requests``, SEMANTICS.md §9, the fixed version), as a plan.
+"""The step-end state machine (``update_requests``, docs/SEMANTICS.md §9, fixed), as a plan.
 
 ``plan_update`` decides, from the unchanged ``RequestTable``, everything one update does: which
 requests finish, how rows compact, which pause, resume (LIFO, one new block each) or are evicted
