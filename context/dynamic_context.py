@@ -428,7 +428,9 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
         paused requests resume (LIFO) or are evicted beyond the paused budget. Returns the ids
         (1-D int64 CPU tensor) of the requests this call paused that are still paused; the ids
         this call evicted are in ``self.evicted_request_ids`` (re-queue them for recompute).
-        Every check runs before anything changes; the one device-to-host read is the mask.
+        Every check runs before anything changes (an error leaves the context as it was); the
+        one device-to-host read is the mask. ``metrics_writer.log`` runs last, on the updated
+        context: if it raises, the update is complete and the error propagates.
         """
         self._check_allocated()
         table = self._table
