@@ -44,7 +44,6 @@ from ._mamba import MambaMixin
 from ._kv import KVCacheMixin
 from ._rotary import RotaryMixin
 from ._views import StateViewsMixin
-from .admission import plan_add
 from .batch_dimensions import InferenceBatchDimensions, MambaInferenceStateConfig
 from .block_allocator import BlockAllocator
 from .device_state import DeviceState
@@ -55,7 +54,6 @@ from .requests import DynamicInferenceRequest
 from .sizing import check_scalars, config_from_model, layer_layout, memory_layout, positive_int
 from .staging import numpy_dtype
 from .step import REQUEST_ROUNDER, TOKEN_ROUNDER, build_step, rounded
-from .update_plan import plan_update
 
 logger = logging.getLogger("dynctx.context")
 _EMPTY_IDS = torch.empty(0, dtype=torch.int64)
@@ -370,10 +368,10 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
         ``req.remaining_prompt_tokens`` and ``req.finished_chunk_token_count``.
         """
         self._check_allocated(getattr(req, "request_id", None))
-        plan = plan_add(self._table, req, chunk_length,
-                        max_sequence_length=self.max_sequence_length,
-                        metadata_types=self.request_metadata_types, device=self.device,
-                        vocab_size=self.vocab_size)
+        plan = self._table.plan_add(req, chunk_length,
+                                    max_sequence_length=self.max_sequence_length,
+                                    metadata_types=self.request_metadata_types,
+                                    device=self.device, vocab_size=self.vocab_size)
         self._table.commit_add(plan)
         self._device.arena.dirty = True
         self._step = None
@@ -442,8 +440,8 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
         new_tokens = check_new_tokens(new_tokens, A, self.device, validate=self.validate,
                                       vocab_size=self.vocab_size)
         mask = read_mask(active_requests_mask, A, self.device)
-        plan = plan_update(table, mask, chunked_id=self.chunked_prefill_request_id,
-                           max_sequence_length=self.max_sequence_length)
+        plan = table.plan_update(mask, chunked_id=self.chunked_prefill_request_id,
+                                 max_sequence_length=self.max_sequence_length)
         table.commit_update(plan)
         self._device.apply_update(plan, table, new_tokens)
         self.has_explicit_chunked_prefill_req = False

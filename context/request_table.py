@@ -27,7 +27,9 @@ from ._fields import (
     FIELD_OUTPUT,
     FIELD_QUERY,
 )
+from .admission import AddPlan, plan_add
 from .block_allocator import BlockAllocator, SlotAllocator
+from .update_plan import UpdatePlan, plan_update
 
 
 class RequestTable:
@@ -130,8 +132,19 @@ class RequestTable:
     def ids(self, start: int = 0, stop: Optional[int] = None) -> np.ndarray:
         return self.rows[FIELD_IDS, start:self.total if stop is None else stop]
 
+    # ------------------------------------------------------------------ plans (pure)
+    def plan_add(self, req, chunk_length, **limits) -> AddPlan:
+        """``admission.plan_add`` against this table: every check, nothing changed."""
+        return plan_add(self, req, chunk_length, **limits)
+
+    def plan_update(self, mask: np.ndarray, *, chunked_id: int,
+                    max_sequence_length: int) -> UpdatePlan:
+        """``update_plan.plan_update`` against this table: every check, nothing changed."""
+        return plan_update(self, mask, chunked_id=chunked_id,
+                           max_sequence_length=max_sequence_length)
+
     # ------------------------------------------------------------------ commits
-    def commit_add(self, plan) -> None:
+    def commit_add(self, plan: AddPlan) -> None:
         """Apply an ``admission.AddPlan`` made from this table: reserve and write."""
         rows, row = self.rows, plan.row
         new_blocks = self.allocator.allocate_memory_blocks(plan.needed - plan.already)
@@ -171,7 +184,7 @@ class RequestTable:
         self.num_prefill += 1
         self.partial_id = plan.request_id if plan.partial else -1
 
-    def commit_update(self, plan) -> None:
+    def commit_update(self, plan: UpdatePlan) -> None:
         """Apply an ``update_plan.UpdatePlan`` made from this table."""
         allocator = self.allocator
         for op, arg in plan.allocator_ops:
