@@ -7,99 +7,71 @@ one-token decode requests (ids ``0..D-1``), then ``prefill_req_count`` prefills 
 graph's prefill tokens (``dummy_request_plan``), every token id 0, every block the dummy block
 (no block is allocated; positions and slots as for a fresh request). The step that follows
 runs in ``graph``; ``reset()`` afterwards returns the context to empty.
+
+``plan_dummy_requests`` makes one ``admission.AddPlan`` per dummy from the unchanged request
+table, with every check; the context commits them with ``RequestTable.commit_add`` like any
+add (the plans carry ``dummy_block`` and, for decode rows, ``decode``).
 """
 
 from __future__ import annotations
 
+from typing import List
+
 import numpy as np
 
-from ._fields import (
-    FIELD_BLOCKS,
-    FIELD_IDS,
-    FIELD_KV_OFFSET,
-    FIELD_LAST_BLOCK,
-    FIELD_LAST_OFFSET,
-    FIELD_MAMBA_SLOT,
-    FIELD_OUTPUT,
-    FIELD_QUERY,
-)
+from .admission import AddPlan, metadata_values
 from .batch_dimensions import InferenceBatchDimensions
 from .cuda_graphs import dummy_request_plan
 from .errors import ContextOverflowError, RequestOverflowError, TokenOverflowError
 from .requests import DynamicInferenceRequest, SamplingParams
 
 
-class GraphCaptureMixin:
-    """``add_dummy_requests_for_cudagraph_capture`` for ``DynamicInferenceContext``."""
+def plan_dummy_requests(table, graph_dimensions: InferenceBatchDimensions, *,
+                        metadata_types: list) -> List[AddPlan]:
+    """The add plans of ``graph_dimensions``'s dummies against the empty ``table``; change
+    nothing.
 
-    def add_dummy_requests_for_cudagraph_capture(
-            self, graph_dimensions: InferenceBatchDimensions) -> None:
-        """Fill the empty context with the requests of ``graph_dimensions`` (module docstring).
-
-        Raises ``RuntimeError`` when the context holds requests, ``ValueError`` for dimensions
-        no dummy set can give (a chunked-prefill graph, fewer prefill tokens than prefill
-        requests), and the context's overflow errors when they exceed ``max_requests``,
-        ``max_tokens`` or (hybrids) the free Mamba slots.
-        """
-        self._check_allocated()
-        if not isinstance(graph_dimensions, InferenceBatchDimensions):
-            raise TypeError(f"graph_dimensions must be an InferenceBatchDimensions, got "
-                            f"{type(graph_dimensions).__name__}")
-        if self.total_request_count:
-            raise RuntimeError(
-                f"add_dummy_requests_for_cudagraph_capture needs an empty context, it holds "
-                f"{self.total_request_count} requests (call reset() first)")
-        decode, prefill_lengths = dummy_request_plan(graph_dimensions)
-        lengths = [1] * decode + prefill_lengths
-        count, tokens = len(lengths), sum(lengths)
-        if count > self.max_requests:
-            raise RequestOverflowError(count - 1, f"graph {graph_dimensions} needs {count} "
-                                                  f"requests > max_requests ({self.max_requests})")
-        if tokens > self.max_tokens:
-            raise TokenOverflowError(count - 1, f"graph {graph_dimensions} needs {tokens} "
-                                                f"tokens > max_tokens ({self.max_tokens})")
-        if self.is_hybrid_model and self._mamba_slots.free_count < count:
-            raise ContextOverflowError(count - 1, f"graph {graph_dimensions} needs {count} "
-                                                  "Mamba slots; No Mamba slots available")
-        # One request (Megatron's dummy: one token to generate) gives the metadata values.
-        sample = DynamicInferenceRequest(
-            request_id=0, prompt_tokens=[0],
-            sampling_params=SamplingParams(num_tokens_to_generate=1, termination_id=-1))
-        metadata = self._metadata_values(sample)
-
-        # From here on nothing raises.
-        bs, dummy = self.block_size_tokens, self.block_allocator.dummy_block_idx
-        rows = np.arange(count)
-        length = np.asarray(lengths, dtype=np.int64)
-        h = self._h_req
-        h[:, :count] = 0
-        h[FIELD_IDS, :count] = rows
-        h[FIELD_QUERY, :count] = length
-        h[FIELD_OUTPUT, :count] = length + 1
-        h[FIELD_KV_OFFSET, :count] = 0
-        blocks = -(-length // bs)
-        h[FIELD_BLOCKS, :count] = blocks
-        h[FIELD_LAST_BLOCK, :count] = dummy
-        h[FIELD_LAST_OFFSET, :count] = (length - 1) % bs
-        h[FIELD_MAMBA_SLOT, :count] = -1
-        width = int(blocks.max()) if count else 0
-        self._h_bt[:count] = -1
-        self._h_bt[:count, :width] = np.where(np.arange(width) < blocks[:, None], dummy, -1)
-        for (label, _, _), value in zip(self.request_metadata_types, metadata):
-            self._arena.host[f"meta:{label}"][:count] = value
-        if self.is_hybrid_model:
-            for row in range(count):
-                slot = self._mamba_slots.allocate()
-                h[FIELD_MAMBA_SLOT, row] = slot
-                self._arena.host["mamba_zero_slots"][self._mamba_zero_count] = slot
-                self._mamba_zero_count += 1
-        # Decode rows read their token from the step's sampled tokens, prefills from the
-        # prompt buffer, which then starts at the first prefill.
-        self._next_tokens[self._current][:decode].zero_()
-        self._h_prompt[:tokens - decode] = 0
-        self._live_ids.update(range(count))
-        self._bt_dirty_from = 0
-        self._arena.dirty = True
-        self.total_request_count = count
-        self.active_token_count = tokens
-        self.num_prefill_requests = graph_dimensions.prefill_req_count
+    Raises ``TypeError`` for anything but an ``InferenceBatchDimensions``, ``RuntimeError``
+    when the table holds requests, ``ValueError`` for dimensions no dummy set can give (a
+    chunked-prefill graph, fewer prefill tokens than prefill requests), and the context's
+    overflow errors when they exceed ``max_requests``, ``max_tokens`` or (hybrids) the free
+    Mamba slots.
+    """
+    if not isinstance(graph_dimensions, InferenceBatchDimensions):
+        raise TypeError(f"graph_dimensions must be an InferenceBatchDimensions, got "
+                        f"{type(graph_dimensions).__name__}")
+    if table.total:
+        raise RuntimeError(
+            f"add_dummy_requests_for_cudagraph_capture needs an empty context, it holds "
+            f"{table.total} requests (call reset() first)")
+    decode, prefill_lengths = dummy_request_plan(graph_dimensions)
+    lengths = [1] * decode + prefill_lengths
+    count, tokens = len(lengths), sum(lengths)
+    if count > table.max_requests:
+        raise RequestOverflowError(count - 1, f"graph {graph_dimensions} needs {count} "
+                                              f"requests > max_requests ({table.max_requests})")
+    if tokens > table.max_tokens:
+        raise TokenOverflowError(count - 1, f"graph {graph_dimensions} needs {tokens} "
+                                            f"tokens > max_tokens ({table.max_tokens})")
+    if table.hybrid and table.slots.free_count < count:
+        raise ContextOverflowError(count - 1, f"graph {graph_dimensions} needs {count} "
+                                              "Mamba slots; No Mamba slots available")
+    # One request (Megatron's dummy: one token to generate) gives the metadata values.
+    sample = DynamicInferenceRequest(
+        request_id=0, prompt_tokens=[0],
+        sampling_params=SamplingParams(num_tokens_to_generate=1, termination_id=-1))
+    metadata = metadata_values(sample, metadata_types)
+    dummy, bs = table.allocator.dummy_block_idx, table.block_size
+    plans, tokens_before = [], 0
+    for row, length in enumerate(lengths):
+        is_decode = row < decode
+        plans.append(AddPlan(
+            request_id=row, row=row, is_continuation=False, chunk=length, finished=0, gen=1,
+            already=0, needed=-(-length // bs), tokens_before=tokens_before,
+            # Prefill tokens go to the prompt buffer, which starts at the first prefill.
+            prompt_offset=tokens_before - decode if not is_decode else 0,
+            host_prompt=None if is_decode else np.zeros(length, dtype=np.int64),
+            device_prompt=None, metadata=metadata, partial=False, dummy_block=dummy,
+            decode=is_decode))
+        tokens_before += length
+    return plans

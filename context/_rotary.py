@@ -85,7 +85,8 @@ class RotaryMixin:
         layout = self._rope_layout(config)
         use_flashinfer = self.use_flashinfer_fused_rope
         if use_flashinfer is None:
-            use_flashinfer = rope.flashinfer_rope_available(self.device) and not layout["mla_layout"]
+            use_flashinfer = (rope.flashinfer_rope_available(self.device)
+                              and not layout["mla_layout"])
         if use_flashinfer:
             if layout["mla_layout"]:
                 raise ValueError("use_flashinfer_fused_rope: FlashInfer has no MLA rope layout "

@@ -91,7 +91,8 @@ def _check_inputs(latent_cache, kv_latent, k_rope, block_ids, slots):
 
 def mla_latent_append(latent_cache: torch.Tensor, kv_latent: torch.Tensor, k_rope: torch.Tensor,
                       block_ids: torch.Tensor, slots: torch.Tensor, *,
-                      config: KernelConfig | None = None, backend: str | None = None) -> None:
+                      config: KernelConfig | None = None, backend: str | None = None,
+                      check: bool = True) -> None:
     """Write the latent and rope key of ``n = block_ids.numel()`` tokens into the cache, in place.
 
     - ``latent_cache``: ``[num_blocks, block_size, kv_lora_rank + rope_dim]`` fp32/fp16/bf16, any
@@ -101,11 +102,14 @@ def mla_latent_append(latent_cache: torch.Tensor, kv_latent: torch.Tensor, k_rop
       ``[>=n, 1, rope]``; the cache's dtype, each with its own strides; rows past ``n`` ignored.
     - ``block_ids``, ``slots``: ``[n]`` int32/int64, any stride, in range (not checked: that
       would sync).
+    - ``check=False`` skips the checks: for a caller (the context) that checked its inputs once
+      and passes ``kv_latent``, ``k_rope`` as 2-D views.
 
     Every tensor is read or written through its own strides and storage offset; nothing is
     copied at the edge. Every argument is checked before anything is written.
     """
-    kv_latent, k_rope = _check_inputs(latent_cache, kv_latent, k_rope, block_ids, slots)
+    if check:
+        kv_latent, k_rope = _check_inputs(latent_cache, kv_latent, k_rope, block_ids, slots)
     n = block_ids.numel()
     if n == 0:
         return
