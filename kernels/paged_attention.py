@@ -7,9 +7,10 @@ Two kernels behind one launcher, ``paged_attention``:
   ``BLOCK_N`` tokens through the block table, and keeps an online softmax for all the query
   heads of that KV head at once (each K/V tile is loaded once for the whole group). It writes
   an fp32 partial output and log-sum-exp per split; a second kernel merges the splits.
-* **varlen** (prefill, chunked prefill, mixed steps): a program takes ``BLOCK_M`` query tokens
-  of one request times the ``G`` query heads of one KV head (``BLOCK_M * G`` rows) and walks the
-  request's keys up to the last row's position. Query ``j`` of a request with ``q`` queries and
+* **varlen** (prefill, chunked prefill, mixed steps): a program takes ``BLOCK_M`` rows, that
+  is ``BLOCK_M // G`` query tokens of one request times the ``G`` query heads of one KV head
+  (each K/V tile again loaded once for the group), and walks the request's keys up to its last
+  token's position. Query ``j`` of a request with ``q`` queries and
   ``kv`` cached tokens sits at position ``kv - q + j`` (a chunk may start mid-sequence).
 
 Both read only the slots ``< kv_seq_lengths[i]`` of a request: block-table entries past them
@@ -46,7 +47,7 @@ MAX_GROUP = 64
 _DECODE_BLOCK_N = (32, 64, 128)
 _DECODE_SPLIT_TOKENS = (128, 256, 512, 1024, 2048)
 _DECODE_WARPS = (2, 4, 8)
-_VARLEN_BLOCK_M = (16, 32, 64)
+_VARLEN_BLOCK_M = (32, 64, 128)
 _VARLEN_BLOCK_N = (32, 64)
 _VARLEN_WARPS = (4, 8)
 _VARLEN_STAGES = (1, 2, 3)
@@ -87,12 +88,10 @@ def paged_attention_varlen_configs(key: dict) -> list[KernelConfig]:
 
 
 def paged_attention_varlen_default_config(key: dict) -> KernelConfig:
-    group = key["num_q_heads"] // key["num_kv_heads"]
-    # About 64-128 rows (query tokens x heads of the group) per program.
-    block_m = max(16, min(64, 128 // next_pow2(group)))
-    block_n = 64 if key["head_dim"] <= 128 else 32
-    return KernelConfig.make(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4,
-                             num_stages=2 if key["head_dim"] <= 128 else 1)
+    # FlashAttention-2's forward tile: 128 rows x 64 keys, 8 warps, up to head dim 128.
+    if key["head_dim"] <= 128:
+        return KernelConfig.make(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2)
+    return KernelConfig.make(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=1)
 
 
 def paged_attention_varlen_tune_key(*, num_q_heads: int, num_kv_heads: int, head_dim: int,
@@ -104,9 +103,11 @@ def paged_attention_varlen_tune_key(*, num_q_heads: int, num_kv_heads: int, head
 
 def scaled_down_key(key: dict) -> dict:
     """A committed key made small enough for the interpreter: at most 2 requests (or 64
-    tokens), 300 keys and 2 KV heads of 4 query heads, head dim 32, and fp16 for bf16 (the
-    interpreter has no bf16 arithmetic). The search spaces depend on none of these."""
-    small = {**key, "num_q_heads": 4, "num_kv_heads": 2, "head_dim": min(key["head_dim"], 32)}
+    tokens), 300 keys, 2 KV heads (the query heads per KV head kept), head dim 32, and fp16 for
+    bf16 (the interpreter has no bf16 arithmetic). The search spaces depend on none of these."""
+    group = key["num_q_heads"] // key["num_kv_heads"]
+    small = {**key, "num_q_heads": 2 * group, "num_kv_heads": 2,
+             "head_dim": min(key["head_dim"], 32)}
     if small["dtype"] == "bfloat16":
         small["dtype"] = "float16"
     if "num_requests" in small:
@@ -339,20 +340,22 @@ if HAS_TRITON:
         stride_kc_block, stride_kc_slot, stride_kc_head,
         stride_vc_block, stride_vc_slot, stride_vc_head,
         stride_table_row,
-        BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-        BLOCK_N: tl.constexpr, IEEE_DOT: tl.constexpr,
+        BLOCK_M: tl.constexpr, TILE_TOKENS: tl.constexpr, BLOCK_G: tl.constexpr,
+        BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE_DOT: tl.constexpr,
     ):
-        """BLOCK_M query tokens of one request x the G query heads of one KV head, causal over its keys."""
+        """TILE_TOKENS query tokens of one request x the G query heads of one KV head, causal.
+
+        BLOCK_M (the config's row count) sets TILE_TOKENS = max(1, BLOCK_M // BLOCK_G) on the host."""
         request = tl.program_id(0).to(tl.int64)
         tile = tl.program_id(1).to(tl.int64)
         kv_head = tl.program_id(2).to(tl.int64)
         q_start = tl.load(cu_query_lengths_ptr + request).to(tl.int64)
         q_len = tl.load(cu_query_lengths_ptr + request + 1).to(tl.int64) - q_start
-        if tile * BLOCK_M < q_len:
+        if tile * TILE_TOKENS < q_len:
             kv_len = tl.load(kv_seq_lengths_ptr + request).to(tl.int64)
-            # Row r of the tile is query token tile * BLOCK_M + r // BLOCK_G, head r % BLOCK_G.
-            offs_r = tl.arange(0, BLOCK_M * BLOCK_G)
-            offs_q = tile * BLOCK_M + offs_r // BLOCK_G
+            # Row r of the tile is query token tile * TILE_TOKENS + r // BLOCK_G, head r % BLOCK_G.
+            offs_r = tl.arange(0, TILE_TOKENS * BLOCK_G)
+            offs_q = tile * TILE_TOKENS + offs_r // BLOCK_G
             offs_g = offs_r % BLOCK_G
             offs_d = tl.arange(0, BLOCK_D)
             offs_n = tl.arange(0, BLOCK_N)
@@ -361,14 +364,14 @@ if HAS_TRITON:
             heads = kv_head * group_size + offs_g
             q = tl.load(query_ptr + (q_start + offs_q)[:, None] * stride_query_token
                         + heads[:, None] * stride_query_head + offs_d[None, :],
-                        mask=mask_r[:, None] & mask_d[None, :], other=0.0)  # [M * G, BLOCK_D]
+                        mask=mask_r[:, None] & mask_d[None, :], other=0.0)  # [rows, BLOCK_D]
             # Causal: a row sees the keys up to its own position; every row sees key 0.
-            row_position = kv_len - q_len + offs_q                             # [M * G]
-            last_key = tl.minimum(kv_len, kv_len - q_len + (tile + 1) * BLOCK_M)
+            row_position = kv_len - q_len + offs_q                             # [rows]
+            last_key = tl.minimum(kv_len, kv_len - q_len + (tile + 1) * TILE_TOKENS)
 
-            running_max = tl.full((BLOCK_M * BLOCK_G,), float("-inf"), tl.float32)
-            running_sum = tl.zeros((BLOCK_M * BLOCK_G,), tl.float32)
-            acc = tl.zeros((BLOCK_M * BLOCK_G, BLOCK_D), tl.float32)
+            running_max = tl.full((TILE_TOKENS * BLOCK_G,), float("-inf"), tl.float32)
+            running_sum = tl.zeros((TILE_TOKENS * BLOCK_G,), tl.float32)
+            acc = tl.zeros((TILE_TOKENS * BLOCK_G, BLOCK_D), tl.float32)
             table_row = block_table_ptr + request * stride_table_row
             for start in range(0, last_key, BLOCK_N):
                 positions = start + offs_n
@@ -523,8 +526,8 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     if num_requests == 0 or max_seqlen_q == 0 or max_seqlen_k == 0 or num_tokens == 0:
         return out
     group = num_q_heads // num_kv_heads
-    shape_meta = dict(BLOCK_G=max(16, next_pow2(group)), BLOCK_D=max(16, next_pow2(head_dim)),
-                      IEEE_DOT=query.dtype == torch.float32)
+    # tl.dot wants at least 16 rows and a reduction dim of at least 16.
+    shape_meta = dict(BLOCK_D=max(16, next_pow2(head_dim)), IEEE_DOT=query.dtype == torch.float32)
     common = dict(query_ptr=query, key_cache_ptr=key_cache, value_cache_ptr=value_cache,
                   cu_query_lengths_ptr=cu_query_lengths, kv_seq_lengths_ptr=kv_seq_lengths,
                   block_table_ptr=block_table, group_size=group, head_dim=head_dim,
@@ -551,22 +554,24 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                                stride_lse_request=lse.stride(0), stride_lse_head=lse.stride(1))
         _paged_attention_decode_kernel[(num_requests, num_kv_heads, num_splits)](
             partial_out_ptr=partial, partial_lse_ptr=lse, **common, **partial_strides,
-            **shape_meta, **config.launch_kwargs())
+            BLOCK_G=max(16, next_pow2(group)), **shape_meta, **config.launch_kwargs())
         _paged_attention_merge_kernel[(num_requests, num_q_heads)](
             out_ptr=out, partial_out_ptr=partial, partial_lse_ptr=lse,
             cu_query_lengths_ptr=cu_query_lengths, num_splits=num_splits, head_dim=head_dim,
             stride_out_token=out.stride(0), stride_out_head=out.stride(1), **partial_strides,
-            BLOCK_S=next_pow2(num_splits), BLOCK_D=shape_meta["BLOCK_D"])
+            BLOCK_S=max(2, next_pow2(num_splits)), BLOCK_D=shape_meta["BLOCK_D"])
         return out
     if config is None:
         key = paged_attention_varlen_tune_key(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
                                               head_dim=head_dim, dtype=query.dtype,
                                               num_tokens=num_tokens)
         config, _ = _autotune.resolve_config("paged_attention_varlen", key, query.device)
-    grid = (num_requests, triton.cdiv(max_seqlen_q, config.kwargs["BLOCK_M"]), num_kv_heads)
+    block_g = next_pow2(group)
+    tile_tokens = max(1, config.kwargs["BLOCK_M"] // block_g)
+    grid = (num_requests, triton.cdiv(max_seqlen_q, tile_tokens), num_kv_heads)
     _paged_attention_varlen_kernel[grid](
         out_ptr=out, **common, stride_out_token=out.stride(0), stride_out_head=out.stride(1),
-        **shape_meta, **config.launch_kwargs())
+        TILE_TOKENS=tile_tokens, BLOCK_G=block_g, **shape_meta, **config.launch_kwargs())
     return out
 
 
