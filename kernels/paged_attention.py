@@ -251,8 +251,11 @@ if HAS_TRITON:
         mask_g = offs_g < group_size
         mask_d = offs_d < head_dim
         heads = kv_head * group_size + offs_g                                   # [BLOCK_G]
+        # A padded request's first token may lie past the queries: load nothing for it.
+        # (tl.where, not `&`: a scalar & vector mask loses its bool dtype under the interpreter.)
+        mask_q = tl.where(q_len > 0, mask_g, False)
         q = tl.load(query_ptr + q_start * stride_query_token + heads[:, None] * stride_query_head
-                    + offs_d[None, :], mask=mask_g[:, None] & mask_d[None, :], other=0.0)
+                    + offs_d[None, :], mask=mask_q[:, None] & mask_d[None, :], other=0.0)
 
         running_max = tl.full((BLOCK_G,), float("-inf"), tl.float32)
         running_sum = tl.zeros((BLOCK_G,), tl.float32)

@@ -102,6 +102,8 @@ def check_against_reference(case, q_lens, kv_lens, *, config=None, num_requests=
 CASES = [
     # decode: a 1-token prompt, a full last block, a partial one; two padded requests
     pytest.param([1, 1, 1, 1], [1, 32, 45, 7], 6, 8, id="decode"),
+    # decode with padded requests but no padding token: their first token is past the query
+    pytest.param([1, 1], [17, 3], 4, 2, id="decode_tight"),
     # decode requests first, then a whole prompt, a chunk starting mid-sequence (mid-block),
     # a one-token prompt; padded requests and tokens after them
     pytest.param([1, 1, 20, 7, 1], [5, 40, 20, 26, 1], 7, 36, id="mixed"),
