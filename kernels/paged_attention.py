@@ -490,8 +490,9 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                     cu_query_lengths: torch.Tensor, kv_seq_lengths: torch.Tensor,
                     block_table: torch.Tensor, *, max_seqlen_q: int, max_seqlen_k: int,
                     softmax_scale: float | None = None, num_requests: int | None = None,
-                    out: torch.Tensor | None = None, config: KernelConfig | None = None,
-                    backend: str | None = None) -> torch.Tensor:
+                    num_decode_requests: int = 0, out: torch.Tensor | None = None,
+                    config: KernelConfig | None = None, backend: str | None = None
+                    ) -> torch.Tensor:
     """Causal GQA attention of packed queries over a paged KV cache.
 
     Args:
@@ -509,6 +510,10 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
             grid and pick the kernel: at most one query per request runs the split-KV decode).
         softmax_scale: default ``D ** -0.5``.
         num_requests: requests to attend (default ``kv_seq_lengths.shape[0]``).
+        num_decode_requests: the leading requests with at most one query each (the context
+            puts decode requests first). In a step with longer queries they still run through
+            the split-KV decode kernel, the rest through the varlen one. ``config`` then must be
+            None (each kernel resolves its own).
         out: optional ``[n, Hq, D]`` output in query's dtype, written in place for the
             requests' tokens only (padding rows keep their bytes).
 
@@ -518,8 +523,14 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                                  block_table, num_requests, max_seqlen_q, max_seqlen_k, out)
     max_seqlen_q, max_seqlen_k = int(max_seqlen_q), int(max_seqlen_k)
     num_tokens, num_q_heads, head_dim = query.shape
-    num_kv_heads = key_cache.shape[2]
     scale = head_dim ** -0.5 if softmax_scale is None else float(softmax_scale)
+    num_decode_requests = int(num_decode_requests)
+    if not 0 <= num_decode_requests <= num_requests:
+        raise ValueError(f"num_decode_requests={num_decode_requests} must be in [0, "
+                         f"num_requests={num_requests}]")
+    if max_seqlen_q > 1 and 0 < num_decode_requests < num_requests and config is not None:
+        raise ValueError(f"config={config} names one kernel's config, but num_decode_requests="
+                         f"{num_decode_requests} of num_requests={num_requests} runs both")
     if resolve_backend(backend, query.device) == "torch":
         result = paged_attention_ref(query, key_cache, value_cache, cu_query_lengths,
                                      kv_seq_lengths, block_table, softmax_scale=scale,
@@ -533,54 +544,87 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         out = torch.zeros_like(query)
     if num_requests == 0 or max_seqlen_q == 0 or max_seqlen_k == 0 or num_tokens == 0:
         return out
-    group = num_q_heads // num_kv_heads
-    # tl.dot wants at least 16 rows and a reduction dim of at least 16.
-    shape_meta = dict(BLOCK_D=max(16, next_pow2(head_dim)), IEEE_DOT=query.dtype == torch.float32)
-    common = dict(query_ptr=query, key_cache_ptr=key_cache, value_cache_ptr=value_cache,
-                  cu_query_lengths_ptr=cu_query_lengths, kv_seq_lengths_ptr=kv_seq_lengths,
-                  block_table_ptr=block_table, group_size=group, head_dim=head_dim,
-                  block_size=key_cache.shape[1], softmax_scale=scale,
-                  stride_query_token=query.stride(0), stride_query_head=query.stride(1),
-                  stride_kc_block=key_cache.stride(0), stride_kc_slot=key_cache.stride(1),
-                  stride_kc_head=key_cache.stride(2), stride_vc_block=value_cache.stride(0),
-                  stride_vc_slot=value_cache.stride(1), stride_vc_head=value_cache.stride(2),
-                  stride_table_row=block_table.stride(0))
-    if max_seqlen_q == 1:
-        if config is None:
-            key = paged_attention_decode_tune_key(
-                num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                dtype=query.dtype, num_requests=num_requests, max_seqlen_k=max_seqlen_k)
-            config, _ = _autotune.resolve_config("paged_attention_decode", key, query.device)
-        num_splits = triton.cdiv(max_seqlen_k, config.kwargs["SPLIT_TOKENS"])
-        partial = torch.empty(num_requests, num_q_heads, num_splits, head_dim,
-                              dtype=torch.float32, device=query.device)
-        lse = torch.empty(num_requests, num_q_heads, num_splits, dtype=torch.float32,
-                          device=query.device)
-        partial_strides = dict(stride_partial_request=partial.stride(0),
-                               stride_partial_head=partial.stride(1),
-                               stride_partial_split=partial.stride(2),
-                               stride_lse_request=lse.stride(0), stride_lse_head=lse.stride(1))
-        _paged_attention_decode_kernel[(num_requests, num_kv_heads, num_splits)](
-            partial_out_ptr=partial, partial_lse_ptr=lse, **common, **partial_strides,
-            BLOCK_G=max(16, next_pow2(group)), **shape_meta, **config.launch_kwargs())
-        _paged_attention_merge_kernel[(num_requests, num_q_heads)](
-            out_ptr=out, partial_out_ptr=partial, partial_lse_ptr=lse,
-            cu_query_lengths_ptr=cu_query_lengths, num_splits=num_splits, head_dim=head_dim,
-            stride_out_token=out.stride(0), stride_out_head=out.stride(1), **partial_strides,
-            BLOCK_S=max(2, next_pow2(num_splits)), BLOCK_D=shape_meta["BLOCK_D"])
-        return out
+    decode = num_requests if max_seqlen_q == 1 else num_decode_requests
+    launch = dict(query=query, key_cache=key_cache, value_cache=value_cache, out=out,
+                  scale=scale, config=config)
+    if decode:
+        _launch_decode(**launch, cu_query_lengths=cu_query_lengths[:decode + 1],
+                       kv_seq_lengths=kv_seq_lengths[:decode], block_table=block_table[:decode],
+                       num_requests=decode, max_seqlen_k=max_seqlen_k)
+    if decode < num_requests:
+        # Views from the first prefill request on: its tokens keep their absolute indices.
+        _launch_varlen(**launch, cu_query_lengths=cu_query_lengths[decode:num_requests + 1],
+                       kv_seq_lengths=kv_seq_lengths[decode:num_requests],
+                       block_table=block_table[decode:num_requests],
+                       num_requests=num_requests - decode, max_seqlen_q=max_seqlen_q)
+    return out
+
+
+def _common_args(query, key_cache, value_cache, cu_query_lengths, kv_seq_lengths, block_table,
+                 scale) -> dict:
+    num_q_heads, head_dim = query.shape[1:]
+    return dict(query_ptr=query, key_cache_ptr=key_cache, value_cache_ptr=value_cache,
+                cu_query_lengths_ptr=cu_query_lengths, kv_seq_lengths_ptr=kv_seq_lengths,
+                block_table_ptr=block_table, group_size=num_q_heads // key_cache.shape[2],
+                head_dim=head_dim, block_size=key_cache.shape[1], softmax_scale=scale,
+                stride_query_token=query.stride(0), stride_query_head=query.stride(1),
+                stride_kc_block=key_cache.stride(0), stride_kc_slot=key_cache.stride(1),
+                stride_kc_head=key_cache.stride(2), stride_vc_block=value_cache.stride(0),
+                stride_vc_slot=value_cache.stride(1), stride_vc_head=value_cache.stride(2),
+                stride_table_row=block_table.stride(0),
+                # tl.dot wants a reduction dim of at least 16; fp32 products stay IEEE.
+                BLOCK_D=max(16, next_pow2(head_dim)), IEEE_DOT=query.dtype == torch.float32)
+
+
+def _launch_decode(*, query, key_cache, value_cache, out, scale, config, cu_query_lengths,
+                   kv_seq_lengths, block_table, num_requests, max_seqlen_k) -> None:
+    """Split-KV decode of requests with at most one query each, then the merge of the splits."""
+    num_q_heads, head_dim = query.shape[1:]
+    num_kv_heads = key_cache.shape[2]
     if config is None:
-        key = paged_attention_varlen_tune_key(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
-                                              head_dim=head_dim, dtype=query.dtype,
-                                              num_tokens=num_tokens)
+        key = paged_attention_decode_tune_key(
+            num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+            dtype=query.dtype, num_requests=num_requests, max_seqlen_k=max_seqlen_k)
+        config, _ = _autotune.resolve_config("paged_attention_decode", key, query.device)
+    common = _common_args(query, key_cache, value_cache, cu_query_lengths, kv_seq_lengths,
+                          block_table, scale)
+    num_splits = triton.cdiv(max_seqlen_k, config.kwargs["SPLIT_TOKENS"])
+    partial = torch.empty(num_requests, num_q_heads, num_splits, head_dim, dtype=torch.float32,
+                          device=query.device)
+    lse = torch.empty(num_requests, num_q_heads, num_splits, dtype=torch.float32,
+                      device=query.device)
+    partial_strides = dict(stride_partial_request=partial.stride(0),
+                           stride_partial_head=partial.stride(1),
+                           stride_partial_split=partial.stride(2),
+                           stride_lse_request=lse.stride(0), stride_lse_head=lse.stride(1))
+    # tl.dot wants at least 16 rows: the group's query heads, padded.
+    _paged_attention_decode_kernel[(num_requests, num_kv_heads, num_splits)](
+        partial_out_ptr=partial, partial_lse_ptr=lse, **common, **partial_strides,
+        BLOCK_G=max(16, next_pow2(common["group_size"])), **config.launch_kwargs())
+    _paged_attention_merge_kernel[(num_requests, num_q_heads)](
+        out_ptr=out, partial_out_ptr=partial, partial_lse_ptr=lse,
+        cu_query_lengths_ptr=cu_query_lengths, num_splits=num_splits, head_dim=head_dim,
+        stride_out_token=out.stride(0), stride_out_head=out.stride(1), **partial_strides,
+        BLOCK_S=max(2, next_pow2(num_splits)), BLOCK_D=common["BLOCK_D"])
+
+
+def _launch_varlen(*, query, key_cache, value_cache, out, scale, config, cu_query_lengths,
+                   kv_seq_lengths, block_table, num_requests, max_seqlen_q) -> None:
+    """Causal attention of every query token of the requests, in tiles of query tokens."""
+    num_tokens, num_q_heads, head_dim = query.shape
+    if config is None:
+        key = paged_attention_varlen_tune_key(num_q_heads=num_q_heads,
+                                              num_kv_heads=key_cache.shape[2], head_dim=head_dim,
+                                              dtype=query.dtype, num_tokens=num_tokens)
         config, _ = _autotune.resolve_config("paged_attention_varlen", key, query.device)
-    block_g = next_pow2(group)
+    common = _common_args(query, key_cache, value_cache, cu_query_lengths, kv_seq_lengths,
+                          block_table, scale)
+    block_g = next_pow2(common["group_size"])
     tile_tokens = max(1, config.kwargs["BLOCK_M"] // block_g)
-    grid = (num_requests, triton.cdiv(max_seqlen_q, tile_tokens), num_kv_heads)
+    grid = (num_requests, triton.cdiv(max_seqlen_q, tile_tokens), key_cache.shape[2])
     _paged_attention_varlen_kernel[grid](
         out_ptr=out, **common, stride_out_token=out.stride(0), stride_out_head=out.stride(1),
-        TILE_TOKENS=tile_tokens, BLOCK_G=block_g, **shape_meta, **config.launch_kwargs())
-    return out
+        TILE_TOKENS=tile_tokens, BLOCK_G=block_g, **config.launch_kwargs())
 
 
 def paged_attention_ref(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -617,13 +661,15 @@ def paged_attention_ref(query: torch.Tensor, key_cache: torch.Tensor, value_cach
 def _paged_attention_op(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                         cu_query_lengths: torch.Tensor, kv_seq_lengths: torch.Tensor,
                         block_table: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
-                        softmax_scale: float, num_requests: int) -> torch.Tensor:
+                        softmax_scale: float, num_requests: int,
+                        num_decode_requests: int = 0) -> torch.Tensor:
     return paged_attention(query, key_cache, value_cache, cu_query_lengths, kv_seq_lengths,
                            block_table, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-                           softmax_scale=softmax_scale, num_requests=num_requests)
+                           softmax_scale=softmax_scale, num_requests=num_requests,
+                           num_decode_requests=num_decode_requests)
 
 
 @_paged_attention_op.register_fake
 def _(query, key_cache, value_cache, cu_query_lengths, kv_seq_lengths, block_table, max_seqlen_q,
-      max_seqlen_k, softmax_scale, num_requests):
+      max_seqlen_k, softmax_scale, num_requests, num_decode_requests=0):
     return torch.empty_like(query)

@@ -330,7 +330,8 @@ class PagedAttention:
                                      block_size=self.block_size,
                                      group_size=self.num_q_heads // self.num_kv_heads)
         elif self.backend == "triton":
-            args["num_decode_requests"] = int(num_decode_requests)
+            # The leading decode requests go through the split-KV kernel in mixed steps too.
+            args["num_decode_requests"] = min(max(int(num_decode_requests), 0), num_requests)
         elif self.backend == "flashinfer":
             self._plan_flashinfer(args, dtype or self.dtype or torch.float16)
         self._plan = args
@@ -380,7 +381,8 @@ class PagedAttention:
                 query, key_cache, value_cache, plan["cu_query_lengths"], plan["kv_seq_lengths"],
                 plan["block_table"], max_seqlen_q=plan["max_seqlen_q"],
                 max_seqlen_k=plan["max_seqlen_k"], softmax_scale=self.scale,
-                num_requests=plan["num_requests"], backend="triton")
+                num_requests=plan["num_requests"],
+                num_decode_requests=plan["num_decode_requests"], backend="triton")
         if self.backend == "flashinfer":
             out = query.new_zeros(query.shape)
             tokens = plan["flashinfer_tokens"]

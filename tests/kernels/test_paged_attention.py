@@ -81,13 +81,15 @@ def poisoned_out(query):
     return out
 
 
-def check_against_reference(case, q_lens, kv_lens, *, config=None, num_requests=None):
+def check_against_reference(case, q_lens, kv_lens, *, config=None, num_requests=None,
+                            num_decode_requests=0):
     query, key_cache, value_cache, cu, kv, table = case
     out = poisoned_out(query)
     before = out.clone()
     got = paged_attention(query, key_cache, value_cache, cu, kv, table,
                           max_seqlen_q=max(q_lens, default=0), max_seqlen_k=max(kv_lens, default=0),
-                          num_requests=num_requests, out=out, config=config, backend="triton")
+                          num_requests=num_requests, num_decode_requests=num_decode_requests,
+                          out=out, config=config, backend="triton")
     assert got is out
     expected = paged_attention_ref(query, key_cache, value_cache, cu, kv, table,
                                    num_requests=num_requests)
@@ -122,6 +124,15 @@ def test_matches_reference(q_lens, kv_lens, padded_requests, padded_tokens, head
                      padded_tokens=padded_tokens, block_size=16, heads=heads, kv_heads=kv_heads,
                      dim=8, dtype=dtype)
     check_against_reference(case, q_lens, kv_lens)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_mixed_step_with_decode_requests_apart(dtype):
+    # The two leading decode requests through the split-KV kernel, the rest through varlen.
+    q_lens, kv_lens = [1, 1, 20, 7, 1], [5, 40, 20, 26, 1]
+    case = make_case(q_lens, kv_lens, padded_requests=7, padded_tokens=36, block_size=16,
+                     heads=4, kv_heads=1, dim=8, dtype=dtype, seed=5)
+    check_against_reference(case, q_lens, kv_lens, num_decode_requests=2)
 
 
 def test_head_dim_not_a_power_of_two_and_wide_groups():
@@ -226,8 +237,9 @@ def test_custom_op_matches_reference():
     q_lens, kv_lens = [1, 4], [6, 4]
     case = make_case(q_lens, kv_lens, padded_requests=2, padded_tokens=5, block_size=16, heads=2,
                      kv_heads=1, dim=8, dtype=torch.float32)
-    got = torch.ops.dynctx.paged_attention(*case, 4, 6, 0.25, 2)
-    torch.testing.assert_close(got, paged_attention_ref(*case, softmax_scale=0.25))
+    expected = paged_attention_ref(*case, softmax_scale=0.25)
+    torch.testing.assert_close(torch.ops.dynctx.paged_attention(*case, 4, 6, 0.25, 2), expected)
+    torch.testing.assert_close(torch.ops.dynctx.paged_attention(*case, 4, 6, 0.25, 2, 1), expected)
 
 
 def _bad_calls():
@@ -259,6 +271,10 @@ def _bad_calls():
         pytest.param(call(max_seqlen_q=-1), "max_seqlen_q", id="negative_seqlen_q"),
         pytest.param(call(num_requests=-1), "num_requests", id="negative_requests"),
         pytest.param(call(out=torch.zeros(3, 4, 8)), "out", id="out_shape"),
+        pytest.param(call(num_decode_requests=3), "num_decode_requests", id="decode_over_requests"),
+        pytest.param(call(max_seqlen_q=2, num_decode_requests=1,
+                          config=paged_attention_varlen_default_config(VARLEN_KEY)), "config",
+                     id="config_with_both_kernels"),
     ]
 
 
