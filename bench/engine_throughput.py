@@ -9,7 +9,8 @@ generation (prefill included) on each side. Outputs are compared token for token
 
 One torch thread by default (``--threads``), so the number does not depend on how many cores
 happen to be free. The sides alternate ``--repeats`` times (default 2) and each rate is taken
-from its fastest run: on a shared machine other work only ever adds time. The model runs in fp32 on a CPU unless ``--device``/``--dtype`` say otherwise.
+from its fastest run: on a shared machine other work only ever adds time. The model runs in
+fp32 on a CPU unless ``--device``/``--dtype`` say otherwise.
 
 Usage::
 

@@ -416,10 +416,13 @@ if HAS_TRITON:
                      result.to(out_ptr.dtype.element_ty), mask=mask_r[:, None] & mask_d[None, :])
 
 
-def _check_index(name: str, tensor, dims: int, min_rows: int, device) -> None:
+def _describe(tensor) -> str:
+    return str(tuple(tensor.shape)) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+
+
+def _check_index(name: str, tensor, dims: int, min_rows: int) -> None:
     if not isinstance(tensor, torch.Tensor) or tensor.dim() != dims:
-        raise ValueError(f"{name} must be a {dims}-D int32 tensor, got "
-                         f"{tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__}")
+        raise ValueError(f"{name} must be a {dims}-D int32 tensor, got {_describe(tensor)}")
     if tensor.dtype != torch.int32:
         raise ValueError(f"{name} must be int32, got {tensor.dtype}")
     if tensor.shape[0] < min_rows:
@@ -432,8 +435,7 @@ def _check_inputs(query, key_cache, value_cache, cu_query_lengths, kv_seq_length
                   num_requests, max_seqlen_q, max_seqlen_k, out) -> int:
     """Validate the launcher's arguments (shapes, dtypes, devices, limits); return num_requests."""
     if not isinstance(query, torch.Tensor) or query.dim() != 3:
-        raise ValueError(f"query must be [n, Hq, D], got "
-                         f"{tuple(query.shape) if isinstance(query, torch.Tensor) else type(query).__name__}")
+        raise ValueError(f"query must be [n, Hq, D], got {_describe(query)}")
     if query.dtype not in FLOAT_DTYPES:
         raise ValueError(f"query must be float32, float16 or bfloat16, got {query.dtype}")
     for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
@@ -463,9 +465,9 @@ def _check_inputs(query, key_cache, value_cache, cu_query_lengths, kv_seq_length
     num_requests = kv_seq_lengths.shape[0] if num_requests is None else int(num_requests)
     if num_requests < 0:
         raise ValueError(f"num_requests={num_requests} must be >= 0")
-    _check_index("cu_query_lengths", cu_query_lengths, 1, num_requests + 1, query.device)
-    _check_index("kv_seq_lengths", kv_seq_lengths, 1, num_requests, query.device)
-    _check_index("block_table", block_table, 2, num_requests, query.device)
+    _check_index("cu_query_lengths", cu_query_lengths, 1, num_requests + 1)
+    _check_index("kv_seq_lengths", kv_seq_lengths, 1, num_requests)
+    _check_index("block_table", block_table, 2, num_requests)
     check_same_device((("key_cache", key_cache), ("value_cache", value_cache),
                        ("cu_query_lengths", cu_query_lengths), ("kv_seq_lengths", kv_seq_lengths),
                        ("block_table", block_table)), "query", query)
@@ -641,7 +643,8 @@ def paged_attention_ref(query: torch.Tensor, key_cache: torch.Tensor, value_cach
     out = torch.zeros(query.shape, dtype=torch.float32, device=query.device)
     cu = cu_query_lengths.tolist()
     for request in range(num_requests):
-        q_start, q_len, kv_len = cu[request], cu[request + 1] - cu[request], int(kv_seq_lengths[request])
+        q_start, q_len = cu[request], cu[request + 1] - cu[request]
+        kv_len = int(kv_seq_lengths[request])
         if q_len == 0:
             continue
         positions = torch.arange(kv_len, device=query.device)
