@@ -1,5 +1,5 @@
-"""Paged attention over the context's KV cache: a readable torch version that runs anywhere, and
-FlashInfer's or flash-attn's paged kernels on CUDA when they are installed.
+"""Paged attention over the context's KV cache: our Triton kernels on CUDA, a torch version that
+runs anywhere, and FlashInfer's or flash-attn's paged kernels when asked for by name.
 
 Inputs, as the context publishes them for one step (SEMANTICS.md §5, §13), with ``n`` the
 padded token count and ``R`` the padded request count:
@@ -17,7 +17,7 @@ padded token count and ``R`` the padded request count:
 Causality: the ``j``-th query token of request ``i`` sits at position
 ``kv_seq_lengths[i] - q_len[i] + j`` and sees the cached tokens at positions up to its own. GQA:
 query head ``h`` reads KV head ``h // (Hq // Hkv)``. Padding tokens get zeros from the torch
-version and unspecified values from the kernels; callers ignore them.
+version and our kernels, unspecified values from FlashInfer and flash-attn; callers ignore them.
 
 Backends (``PagedAttention(backend=...)``): ``"auto"`` runs our Triton kernels
 (``dynctx.kernels.paged_attention``) on CUDA and the torch version elsewhere; ``"triton"``
