@@ -209,7 +209,9 @@ class _SdpaStep:
 
     ``decode``: groups of one-query requests, each ``(tokens [g], slots [g, L], mask [g, 1, 1,
     L] or None)``; ``prefill``: one entry per request with several queries, ``(first token,
-    q_len, slots [kv], mask [G * q_len, kv] or None, is_causal)``.
+    q_len, slots [kv], mask [G * q_len, kv] or None, is_causal)``. The grouping reads the
+    lengths on the host (``tolist``: free on a CPU, one sync per step on CUDA, where the Triton
+    kernels are the default).
     """
 
     def __init__(self, *, cu_query_lengths: torch.Tensor, kv_seq_lengths: torch.Tensor,
