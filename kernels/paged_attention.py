@@ -10,7 +10,8 @@ Two kernels behind one launcher, ``paged_attention``:
 * **varlen** (prefill, chunked prefill, mixed steps): a program takes ``BLOCK_M`` rows, that
   is ``BLOCK_M // G`` query tokens of one request times the ``G`` query heads of one KV head
   (each K/V tile again loaded once for the group), and walks the request's keys up to its last
-  token's position. Query ``j`` of a request with ``q`` queries and
+  token's position. In a mixed step the leading ``num_decode_requests`` (the context puts decode
+  requests first) still take the decode kernel; the varlen kernel gets the rest. Query ``j`` of a request with ``q`` queries and
   ``kv`` cached tokens sits at position ``kv - q + j`` (a chunk may start mid-sequence).
 
 Both read only the slots ``< kv_seq_lengths[i]`` of a request: block-table entries past them
