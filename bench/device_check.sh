@@ -1,15 +1,19 @@
 #!/usr/bin/env bash
 # One call on the lent GPU machine (H200): install the checkout, run the kernel tests compiled
-# on the GPU, a compute-sanitizer pass, `autotune tune` and `autotune bench`, and print a short
-# table last. Each phase runs under `timeout` inside a total budget (default 380 s); whatever a
-# phase leaves is written under $OUT even when it fails. From the repo root, through the device
-# tool (see bench/README.md):
+# on the GPU and the end-to-end tests on CUDA, a compute-sanitizer pass, `autotune tune`, the
+# paged attention bench (bench/attention_bench.py) and `autotune bench`, and print a short table
+# last. Each phase runs under `timeout` inside a total budget (default 470 s); whatever a phase
+# leaves is written under $OUT even when it fails. From the repo root, through the device tool
+# (see bench/README.md):
 #
 #   DYNCTX_GIT_REVISION=<sha> bash bench/device_check.sh      # timeout_s=540
 #
-# $OUT gets at most 7 files, no folders (the tool returns 8 files, 2 folder levels):
+# $OUT gets at most 8 files, no folders (the tool returns 8 files, 2 folder levels):
 #   device_check.log    versions, nvidia-smi, install, phase results
-#   kernel_tests.log    pytest tests/kernels -m "interpreter or gpu", compiled
+#   kernel_tests.log    pytest tests/kernels -m "interpreter or gpu", compiled; then the e2e
+#                       tests on CUDA (pytest tests/e2e -m "gpu or interpreter")
+#   attention.json      bench/attention_bench.py: decode us, GB/s and HBM fraction at batch
+#                       1/8/64/256 x context 1K/4K/16K, prefill TFLOP/s, both against SDPA
 #   sanitizer.log       compute-sanitizer memcheck over every config of every kernel
 #   tune.log            python -m dynctx autotune tune
 #   autotune_cache.tar  autotune_cache/<device>/<kernel>.json as tuned (bench/device_collect.sh)
@@ -20,7 +24,7 @@
 # folder and keys already there are kept (--skip-existing), unless DYNCTX_DEVICE_RETUNE=1.
 #
 # Environment: DYNCTX_DEVICE_TESTS (test files to run instead of tests/kernels),
-# DYNCTX_DEVICE_SANITIZER=0 (skip the sanitizer phase), DYNCTX_DEVICE_BUDGET_S (total seconds, default 380), DYNCTX_GIT_REVISION (the
+# DYNCTX_DEVICE_SANITIZER=0 (skip the sanitizer phase), DYNCTX_DEVICE_BUDGET_S (total seconds, default 470), DYNCTX_GIT_REVISION (the
 # checkout's revision: the device machine gets no .git), PYTHON (default python3),
 # DYNCTX_DEVICE_SMOKE=1 (every phase on kv_append alone, 200 s by default: a cheap first try),
 # DYNCTX_DEVICE_ENGINE_GRAPHS=1 (instead of the kernel phases, only the engine benchmark
@@ -43,7 +47,9 @@ fi
 # DYNCTX_DEVICE_TESTS="a.py b.py": run only these test files (e.g. those not yet seen compiled).
 [ -n "${DYNCTX_DEVICE_TESTS:-}" ] && read -r -a TESTS <<<"$DYNCTX_DEVICE_TESTS"
 ENGINE_GRAPHS=${DYNCTX_DEVICE_ENGINE_GRAPHS:-0}
-TOTAL=${DYNCTX_DEVICE_BUDGET_S:-$([ "$SMOKE" = 1 ] && echo 200 || { [ "$ENGINE_GRAPHS" = 1 ] && echo 480 || echo 380; })}
+TOTAL=${DYNCTX_DEVICE_BUDGET_S:-$([ "$SMOKE" = 1 ] && echo 200 || { [ "$ENGINE_GRAPHS" = 1 ] && echo 480 || echo 470; })}
+# Seconds kept for the paged attention bench (phase c2) while tuning; none in a smoke run.
+ATTENTION_S=$([ "$SMOKE" = 1 ] && echo 0 || echo 110)
 START=$(date +%s)
 SCRATCH=$(mktemp -d /tmp/dynctx_device.XXXXXX)
 LOG=$OUT/device_check.log
@@ -117,6 +123,31 @@ PYEOF
         elif [ "$ENGINE_GRAPHS" != 1 ]; then
             echo "no bench results"
         fi
+        if [ -s "$OUT/attention.json" ]; then
+            "$PY" - "$OUT/attention.json" <<'PYEOF'
+import json, sys
+data = json.load(open(sys.argv[1]))
+fmt = lambda v, spec: "-" if v is None else format(v, spec)
+print(f"paged attention decode (published Hopper: ~{data['published_decode_us_batch1_1k']} us "
+      f"at batch 1 / 1K; HBM {data['hbm_gbps']:.0f} GB/s)")
+print(f"{'batch':>6} {'ctx':>6} {'ours us':>9} {'GB/s':>6} {'%HBM':>5} {'sdpa us':>9} "
+      f"{'sdpa GB/s':>9} {'maxdiff':>8}")
+for r in data["decode"]:
+    if "error" in r:
+        print(f"{r['batch']:>6} {r['context']:>6} {r['error']}")
+        continue
+    print(f"{r['batch']:>6} {r['context']:>6} {fmt(r['ours_us'], '.2f'):>9} "
+          f"{fmt(r['ours_gbps'], '.0f'):>6} {fmt(100 * r['ours_hbm_fraction'], '.0f'):>5} "
+          f"{fmt(r.get('sdpa_us'), '.2f'):>9} {fmt(r.get('sdpa_gbps'), '.0f'):>9} "
+          f"{fmt(r.get('max_abs_diff_vs_sdpa'), '.1e'):>8}")
+print("paged attention prefill (causal)")
+for r in data["prefill"]:
+    print(f"{r['prompts']:>3} x {r['length']:>6}: ours {fmt(r['ours_tflops'], '.1f')} TFLOP/s, "
+          f"sdpa {fmt(r.get('sdpa_tflops'), '.1f')} TFLOP/s, ratio "
+          f"{fmt(r.get('ours_over_sdpa_throughput'), '.2f')}, maxdiff "
+          f"{fmt(r.get('max_abs_diff_vs_sdpa'), '.1e')}")
+PYEOF
+        fi
     } >"$SUMMARY" 2>&1
     cat "$SUMMARY"
     rm -rf "$SCRATCH"
@@ -189,7 +220,7 @@ if [ -f "$REPO/.device_carry/fused_kv_append_kernel.py" ]; then
 fi
 
 # (a) The kernel tests, compiled on the GPU: the same files the interpreter runs on a CPU.
-b=$(phase_budget 90 $(( TOTAL * 5 / 8 )))
+b=$(phase_budget 90 $(( TOTAL * 3 / 4 )))
 t0=$(elapsed)
 XDIST=()
 "$PY" -c "import xdist" 2>/dev/null && XDIST=(-n 8)
@@ -203,8 +234,27 @@ case $rc in
 esac
 record kernel-tests "$what" $(( $(elapsed) - t0 ))
 
+# (a2) The end-to-end tests on CUDA (tokens and per-step logits against transformers; bf16 to
+# its tolerance), the Triton attention among them; appended to kernel_tests.log.
+b=$(phase_budget 45 $(( TOTAL * 2 / 3 )))
+t0=$(elapsed)
+if [ "$SMOKE" != 1 ] && (( b > 15 )); then
+    echo "== pytest tests/e2e -m 'gpu or interpreter' (CUDA) ==" >>"$OUT/kernel_tests.log"
+    timeout -k 10 "$b" "$PY" -m pytest -q -p no:cacheprovider --maxfail=10 -rfEs --durations=5 \
+        -m "gpu or interpreter" tests/e2e >>"$OUT/kernel_tests.log" 2>&1
+    rc=$?
+    tail -n 2 "$OUT/kernel_tests.log" | tee -a "$LOG"
+    case $rc in
+        0) what="passed" ;; 124|137) what="TIMED OUT after $b s" ;; 5) what="no tests collected" ;;
+        *) what="FAILED rc=$rc" ;;
+    esac
+else
+    what="skipped (smoke run or no time)"
+fi
+record e2e-tests "$what" $(( $(elapsed) - t0 ))
+
 # (b) compute-sanitizer memcheck over every config of every kernel at its smallest key.
-b=$(phase_budget 40 $(( TOTAL * 5 / 8 )))
+b=$(phase_budget 40 $(( TOTAL * 7 / 12 )))
 t0=$(elapsed)
 if [ "${DYNCTX_DEVICE_SANITIZER:-1}" = 1 ] && command -v compute-sanitizer >/dev/null 2>&1 \
         && (( b > 15 )); then
@@ -226,7 +276,7 @@ record sanitizer "$what" $(( $(elapsed) - t0 ))
 
 # (c) Tune: the attention path first, then every other kernel while time remains.
 t0=$(elapsed)
-b=$(phase_budget 150 $(( TOTAL / 5 )))
+b=$(phase_budget 150 $(( TOTAL / 10 + ATTENTION_S )))
 what="skipped (no time)"
 if (( b > 20 )); then
     timeout -k 10 "$b" "$PY" -m dynctx autotune tune --preset llama --max-seconds $(( b - 25 )) \
@@ -234,7 +284,7 @@ if (( b > 20 )); then
         --out "$DYNCTX_AUTOTUNE_DIR" >"$OUT/tune.log" 2>&1
     rc=$?
     what="llama rc=$rc"
-    b=$(phase_budget 600 $(( TOTAL / 5 )))
+    b=$(phase_budget 600 $(( TOTAL / 10 + ATTENTION_S )))
     if (( b > 30 )) && [ "$SMOKE" != 1 ]; then
         timeout -k 10 "$b" "$PY" -m dynctx autotune tune --preset all --skip-existing \
             --max-seconds $(( b - 25 )) --out "$DYNCTX_AUTOTUNE_DIR" >>"$OUT/tune.log" 2>&1
@@ -243,6 +293,20 @@ if (( b > 20 )); then
     grep -E "^dynctx autotune tune: wrote|^  (skipped|failed):" "$OUT/tune.log" | tee -a "$LOG"
 fi
 record tune "$what" $(( $(elapsed) - t0 ))
+
+# (c2) Paged attention: decode at batch 1/8/64/256 x context 1K/4K/16K and causal prefill, our
+# kernels (the configs just tuned) against SDPA on the same data laid out contiguously.
+t0=$(elapsed)
+b=$(phase_budget "$ATTENTION_S" $(( TOTAL / 12 )))
+what="skipped (smoke run or no time)"
+if (( b > 20 )); then
+    timeout -k 10 "$b" "$PY" bench/attention_bench.py --json "$OUT/attention.json" >>"$LOG" 2>&1
+    rc=$?
+    case $rc in
+        0) what="passed" ;; 124|137) what="TIMED OUT after $b s" ;; *) what="FAILED rc=$rc" ;;
+    esac
+fi
+record attention "$what" $(( $(elapsed) - t0 ))
 
 # (d) Bench: the tuned configs against the torch reference, a copy and Megatron-Core.
 t0=$(elapsed)

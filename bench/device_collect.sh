@@ -2,7 +2,8 @@
 # Bring the results of bench/device_check.sh into the checkout:
 #   autotune_cache.tar -> autotune_cache/<device>/<kernel>.json, merged key by key into the
 #                         committed files (the new measurement wins), written canonically;
-#   results.json       -> bench/results/<device>.json, plotted to bench/results/<device>.png.
+#   results.json       -> bench/results/<device>.json, plotted to bench/results/<device>.png;
+#   attention.json     -> bench/results/<device>_attention.json (bench/attention_bench.py).
 # Then `python -m dynctx autotune check` must pass before anything is committed.
 #
 #   bash bench/device_collect.sh /work/.device/<files_at folder of the run>
@@ -52,6 +53,15 @@ if [ -f "$SRC/results.json" ]; then
     "$PY" bench/plot_results.py "bench/results/$DEVICE.json" || echo "plot failed (matplotlib?)"
 else
     echo "no results.json in $SRC: no bench results to collect"
+fi
+
+if [ -f "$SRC/attention.json" ]; then
+    DEVICE=$("$PY" -c "import json, sys, re; d = json.load(open(sys.argv[1]))['versions'].get('gpu', 'cpu'); print(re.sub(r'[^A-Za-z0-9_.-]+', '_', d).strip('_'))" "$SRC/attention.json")
+    mkdir -p bench/results
+    cp "$SRC/attention.json" "bench/results/${DEVICE}_attention.json"
+    echo "bench/results/${DEVICE}_attention.json"
+else
+    echo "no attention.json in $SRC: no paged attention bench to collect"
 fi
 
 "$PY" -m dynctx autotune check

@@ -1,5 +1,5 @@
-"""Paged attention over the context's KV cache: a readable torch version that runs anywhere, and
-FlashInfer's or flash-attn's paged kernels on CUDA when they are installed.
+"""Paged attention over the context's KV cache: our Triton kernels on CUDA, a torch version that
+runs anywhere, and FlashInfer's or flash-attn's paged kernels when asked for by name.
 
 Inputs, as the context publishes them for one step (docs/SEMANTICS.md §5, §13), with ``n`` the
 padded token count and ``R`` the padded request count:
@@ -17,7 +17,21 @@ padded token count and ``R`` the padded request count:
 Causality: the ``j``-th query token of request ``i`` sits at position
 ``kv_seq_lengths[i] - q_len[i] + j`` and sees the cached tokens at positions up to its own. GQA:
 query head ``h`` reads KV head ``h // (Hq // Hkv)``. Padding tokens get zeros from the torch
-version and unspecified values from the kernels; callers ignore them.
+version and our kernels, unspecified values from FlashInfer and flash-attn; callers ignore them.
+
+Backends (``PagedAttention(backend=...)``): ``"auto"`` runs our Triton kernels
+(``dynctx.kernels.paged_attention``) on CUDA and the torch version elsewhere; ``"triton"``
+asks for the kernels (on a CPU only under ``TRITON_INTERPRET=1``); ``"torch"``; FlashInfer's
+(``"flashinfer"``) and flash-attn's (``"flash_attn"``) paged kernels run only when asked for by
+name.
+
+The torch version computes attention with ``scaled_dot_product_attention`` and no copy of K/V
+per query head: the query heads of a KV head become that head's queries (``[rows, Hkv, G *
+q, D]``). Decode requests (one query) are sorted by key count and batched in a few groups, each
+padded only to its own longest key count; every prefill or chunk runs alone over its own keys
+gathered contiguously from its blocks, with its causal mask (a chunk starting mid-sequence
+sees its whole prefix). Key slots past a request's length gather the request's first key (never
+stale or NaN bytes) and are masked out.
 
 Use ``PagedAttention``: ``plan(...)`` once per step (the index work is shared by all layers),
 then call it per layer. ``paged_attention_torch`` is the one-shot torch form.
@@ -29,8 +43,11 @@ import math
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
-BACKENDS = ("auto", "torch", "flashinfer", "flash_attn")
+from ..kernels._backend import HAS_TRITON, triton_interpreting
+
+BACKENDS = ("auto", "torch", "triton", "flashinfer", "flash_attn")
 _FLASHINFER_WORKSPACE_BYTES = 128 * 1024 * 1024
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -58,21 +75,29 @@ def flash_attn_available(device: torch.device, block_size: int) -> bool:
     return True
 
 
+def triton_attention_available(device: torch.device) -> bool:
+    """True when our Triton kernels can run on ``device``: CUDA with Triton installed, or any
+    device under the Triton interpreter (``TRITON_INTERPRET=1``)."""
+    return HAS_TRITON and (torch.device(device).type == "cuda" or triton_interpreting())
+
+
 def resolve_attention_backend(backend: str, device: torch.device, block_size: int,
                               dtype: Optional[torch.dtype] = None) -> str:
-    """Pick the backend: ``"auto"`` takes FlashInfer, then flash-attn, on CUDA where installed
-    and ``dtype`` is fp16/bf16 (their kernels have no fp32 path), else the torch version. An
-    explicit choice that cannot run raises ``RuntimeError``."""
+    """Pick the backend: ``"auto"`` takes our Triton kernels on CUDA (when Triton is
+    installed), else the torch version; FlashInfer and flash-attn run only when named (fp16/bf16
+    only: their kernels have no fp32 path). An explicit choice that cannot run raises
+    ``RuntimeError``."""
     if backend not in BACKENDS:
         raise ValueError(f"attention backend {backend!r} is not one of {BACKENDS}")
     device = torch.device(device)
-    half = dtype is None or dtype in _KERNEL_DTYPES
     if backend == "auto":
-        if half and flashinfer_available(device):
-            return "flashinfer"
-        if half and flash_attn_available(device, block_size):
-            return "flash_attn"
-        return "torch"
+        return "triton" if HAS_TRITON and device.type == "cuda" else "torch"
+    if backend == "triton" and not triton_attention_available(device):
+        reason = ("triton is not installed" if not HAS_TRITON else
+                  f"device is {device}; a CPU needs TRITON_INTERPRET=1 set before dynctx is "
+                  "imported")
+        raise RuntimeError(f"attention backend 'triton' cannot run: {reason}")
+    half = dtype is None or dtype in _KERNEL_DTYPES
     if backend in ("flashinfer", "flash_attn") and not half:
         raise RuntimeError(f"attention backend {backend!r} runs fp16/bf16, not {dtype}")
     if backend == "flashinfer" and not flashinfer_available(device):
@@ -86,7 +111,8 @@ def resolve_attention_backend(backend: str, device: torch.device, block_size: in
 
 
 class _TorchRowGroup:
-    """Index tensors for requests ``[lo, hi)`` padded to ``max_q`` queries and ``max_k`` keys."""
+    """Index tensors for requests ``[lo, hi)`` padded to ``max_q`` queries and ``max_k`` keys
+    (the einsum form that DeepSeek's MLA attention builds on)."""
 
     def __init__(self, lo: int, hi: int, max_q: int, max_k: int, num_tokens: int,
                  cu_query_lengths: torch.Tensor, kv_seq_lengths: torch.Tensor,
@@ -158,12 +184,120 @@ def torch_row_groups(*, cu_query_lengths: torch.Tensor, kv_seq_lengths: torch.Te
     return groups
 
 
+# A decode group holds rows whose key counts are at least this fraction of its longest one, so
+# padding wastes at most a quarter of its work; a step has at most this many decode groups.
+_DECODE_GROUP_FILL = 0.75
+_MAX_DECODE_GROUPS = 4
+
+
+def _gather_rows(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """``cache[slots // bs, slots % bs]`` for flat slot ids ``slots``: ``[*slots.shape, H, D]``.
+
+    One ``index_select`` of ``[slots, H * D]`` rows when each block's slots are contiguous rows
+    (a 2-D ``index_select`` is several times faster on a CPU than a 3-D one or indexing)."""
+    num_blocks, block_size, heads, dim = cache.shape
+    row = heads * dim
+    if cache.stride(3) == 1 and cache.stride(2) == dim and cache.stride(1) == row \
+            and cache.stride(0) == block_size * row:
+        flat = cache.view(num_blocks * block_size, row)
+        return flat.index_select(0, slots.reshape(-1)).view(*slots.shape, heads, dim)
+    return cache[slots // block_size, slots % block_size]
+
+
+class _SdpaStep:
+    """One step's index tensors for the torch version (built by ``plan``, used by every layer).
+
+    ``decode``: groups of one-query requests, each ``(tokens [g], slots [g, L], mask [g, 1, 1,
+    L] or None)``; ``prefill``: one entry per request with several queries, ``(first token,
+    q_len, slots [kv], mask [G * q_len, kv] or None, is_causal)``. The grouping reads the
+    lengths on the host (``tolist``: free on a CPU, one sync per step on CUDA, where the Triton
+    kernels are the default).
+    """
+
+    def __init__(self, *, cu_query_lengths: torch.Tensor, kv_seq_lengths: torch.Tensor,
+                 block_table: torch.Tensor, block_size: int, group_size: int):
+        device = block_table.device
+        cu = cu_query_lengths.tolist()
+        kv = kv_seq_lengths.tolist()
+        if len(cu) < len(kv) + 1:
+            raise ValueError(f"cu_query_lengths has {len(cu)} entries for {len(kv)} requests; "
+                             f"needs {len(kv) + 1}")
+        decode_rows, self.prefill = [], []
+        for request, kv_len in enumerate(kv):
+            q_len = cu[request + 1] - cu[request]
+            if q_len <= 0:
+                continue
+            if q_len > kv_len:
+                raise ValueError(f"request {request}: {q_len} query tokens but kv_seq_lengths="
+                                 f"{kv_len} (the step's own tokens are cached, so kv >= q)")
+            if q_len == 1:
+                decode_rows.append((kv_len, request))
+                continue
+            positions = torch.arange(kv_len, device=device)
+            blocks = block_table[request].long()[positions // block_size]
+            slots = blocks * block_size + positions % block_size
+            first = kv_len - q_len
+            # Whole prompt: SDPA's own causal mask (top-left aligned, right here) when no query
+            # heads are folded into the query rows.
+            if first == 0 and group_size == 1:
+                self.prefill.append((cu[request], q_len, slots, None, True))
+                continue
+            query_pos = first + torch.arange(q_len, device=device)
+            mask = positions[None, :] <= query_pos[:, None]                     # [q, kv]
+            self.prefill.append((cu[request], q_len, slots, mask.repeat(group_size, 1), False))
+        self.decode = []
+        decode_rows.sort(reverse=True)
+        while decode_rows:
+            longest = decode_rows[0][0]
+            take = len(decode_rows)
+            if len(self.decode) < _MAX_DECODE_GROUPS - 1:
+                take = sum(1 for kv_len, _ in decode_rows if kv_len >= _DECODE_GROUP_FILL * longest)
+            group, decode_rows = decode_rows[:take], decode_rows[take:]
+            lengths = torch.tensor([kv_len for kv_len, _ in group], device=device)
+            rows = torch.tensor([request for _, request in group], device=device)
+            tokens = torch.tensor([cu[request] for _, request in group], device=device)
+            positions = torch.arange(longest, device=device)
+            blocks = block_table[rows].long()[:, positions // block_size]          # [g, L]
+            slots = blocks * block_size + positions % block_size
+            valid = positions[None, :] < lengths[:, None]
+            # Past a request's length: its first key (cached, finite), masked out below.
+            slots = torch.where(valid, slots, slots[:, :1])
+            mask = None if group[-1][0] == longest else valid[:, None, None, :]
+            self.decode.append((tokens, slots, mask))
+
+    def attend(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+               scale: float) -> torch.Tensor:
+        n, num_q_heads, head_dim = query.shape
+        num_kv_heads = key_cache.shape[2]
+        group = num_q_heads // num_kv_heads
+        # fp32 math in every dtype, as the kernels do.
+        compute = torch.float32
+        out = query.new_zeros(n, num_q_heads, head_dim)
+        for tokens, slots, mask in self.decode:
+            rows, keys = slots.shape
+            q = query.index_select(0, tokens).to(compute).view(rows, num_kv_heads, group, head_dim)
+            k = _gather_rows(key_cache, slots).to(compute).transpose(1, 2)     # [g, Hkv, L, D]
+            v = _gather_rows(value_cache, slots).to(compute).transpose(1, 2)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+            out.index_copy_(0, tokens, o.reshape(rows, num_q_heads, head_dim).to(out.dtype))
+        for first, q_len, slots, mask, causal in self.prefill:
+            q = query[first:first + q_len].to(compute).view(q_len, num_kv_heads, group, head_dim)
+            q = q.permute(1, 2, 0, 3).reshape(1, num_kv_heads, group * q_len, head_dim)
+            k = _gather_rows(key_cache, slots).to(compute).transpose(0, 1)[None]  # [1, Hkv, kv, D]
+            v = _gather_rows(value_cache, slots).to(compute).transpose(0, 1)[None]
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                               scale=scale)                   # [1, Hkv, G*q, D]
+            o = o.view(num_kv_heads, group, q_len, head_dim).permute(2, 0, 1, 3)
+            out[first:first + q_len] = o.reshape(q_len, num_q_heads, head_dim).to(out.dtype)
+        return out
+
+
 class PagedAttention:
     """Causal GQA attention of the step's packed queries over the paged KV cache.
 
-    ``backend``: ``"auto"`` (FlashInfer, then flash-attn, on CUDA where installed; else
-    torch), ``"torch"``, ``"flashinfer"`` or ``"flash_attn"``. ``self.backend`` names the one
-    that runs. Call ``plan`` once per step, then the object once per layer.
+    ``backend``: ``"auto"`` (our Triton kernels on CUDA, else torch), ``"torch"``,
+    ``"triton"``, ``"flashinfer"`` or ``"flash_attn"``. ``self.backend`` names the one that
+    runs. Call ``plan`` once per step, then the object once per layer.
     """
 
     def __init__(self, *, num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
@@ -193,11 +327,13 @@ class PagedAttention:
                     max_seqlen_k=int(max_seqlen_k), num_tokens=int(num_tokens),
                     num_requests=num_requests)
         if self.backend == "torch":
-            args["groups"] = torch_row_groups(
-                cu_query_lengths=cu_query_lengths, kv_seq_lengths=kv_seq_lengths,
-                block_table=block_table, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-                num_tokens=num_tokens, num_decode_requests=num_decode_requests,
-                block_size=self.block_size)
+            args["sdpa"] = _SdpaStep(cu_query_lengths=cu_query_lengths,
+                                     kv_seq_lengths=kv_seq_lengths, block_table=block_table,
+                                     block_size=self.block_size,
+                                     group_size=self.num_q_heads // self.num_kv_heads)
+        elif self.backend == "triton":
+            # The leading decode requests go through the split-KV kernel in mixed steps too.
+            args["num_decode_requests"] = min(max(int(num_decode_requests), 0), num_requests)
         elif self.backend == "flashinfer":
             self._plan_flashinfer(args, dtype or self.dtype or torch.float16)
         self._plan = args
@@ -239,11 +375,16 @@ class PagedAttention:
             raise ValueError(f"query must be [n, {self.num_q_heads}, {self.head_dim}], got "
                              f"{tuple(query.shape)}")
         if self.backend == "torch":
-            # One spare row takes the writes of empty query slots.
-            out = query.new_zeros(query.shape[0] + 1, self.num_q_heads, self.head_dim)
-            for group in plan["groups"]:
-                group.attend(query, key_cache, value_cache, out, self.scale)
-            return out[:-1]
+            return plan["sdpa"].attend(query, key_cache, value_cache, self.scale)
+        if self.backend == "triton":
+            from ..kernels.paged_attention import paged_attention
+
+            return paged_attention(
+                query, key_cache, value_cache, plan["cu_query_lengths"], plan["kv_seq_lengths"],
+                plan["block_table"], max_seqlen_q=plan["max_seqlen_q"],
+                max_seqlen_k=plan["max_seqlen_k"], softmax_scale=self.scale,
+                num_requests=plan["num_requests"],
+                num_decode_requests=plan["num_decode_requests"], backend="triton")
         if self.backend == "flashinfer":
             out = query.new_zeros(query.shape)
             tokens = plan["flashinfer_tokens"]

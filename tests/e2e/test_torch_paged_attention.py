@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from dynctx.kernels._backend import HAS_TRITON, triton_interpreting
 from dynctx.models.paged_attention import (PagedAttention, paged_attention_torch,
                                            resolve_attention_backend)
 
@@ -66,6 +67,11 @@ CASES = [
                       padded_tokens=4, num_decode=3), id="decode_only"),
     pytest.param(dict(q_lens=[33], kv_lens=[33], padded_requests=4, padded_tokens=64,
                       num_decode=0), id="one_prefill"),
+    # decode rows of many key counts (several length groups, the last one taking the rest),
+    # then two chunks starting mid-sequence
+    pytest.param(dict(q_lens=[1] * 10 + [5, 16], kv_lens=[1, 3, 9, 16, 17, 30, 31, 50, 64, 99,
+                                                           21, 40],
+                      padded_requests=16, padded_tokens=40, num_decode=10), id="many_decode"),
 ]
 
 
@@ -116,8 +122,23 @@ def test_plan_once_serves_every_layer():
 
 def test_backend_resolution_on_cpu():
     assert resolve_attention_backend("auto", torch.device("cpu"), 16) == "torch"
+    assert resolve_attention_backend("torch", torch.device("cpu"), 16) == "torch"
     for name in ("flashinfer", "flash_attn"):
         with pytest.raises(RuntimeError, match=name):
             resolve_attention_backend(name, torch.device("cpu"), 256)
     with pytest.raises(ValueError, match="not one of"):
         resolve_attention_backend("sdpa", torch.device("cpu"), 16)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_auto_takes_the_triton_kernels_on_cuda():
+    # Resolution looks at the device type only: no CUDA device is needed to ask.
+    for dtype in (torch.float32, torch.float16, torch.bfloat16, None):
+        assert resolve_attention_backend("auto", torch.device("cuda"), 16, dtype) == "triton"
+        assert resolve_attention_backend("triton", torch.device("cuda"), 16, dtype) == "triton"
+
+
+@pytest.mark.skipif(triton_interpreting(), reason="the interpreter runs Triton on a CPU")
+def test_triton_on_cpu_needs_the_interpreter():
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET|not installed"):
+        resolve_attention_backend("triton", torch.device("cpu"), 16)
