@@ -66,7 +66,9 @@ from dynctx.models.paged_attention import flash_attn_available, resolve_attentio
 CUDA_GRAPH_WARMUP_STEPS = 2
 # Attention backends whose forward has no host sync or data-dependent shape once planned with
 # static maxima; FlashInfer's plan reads lengths back (models/paged_attention.py).
-GRAPH_SAFE_ATTENTION_BACKENDS = ("torch", "flash_attn")
+# The attention backends whose plan and forward read nothing back: "torch" (grouped by length on
+# the host) is not one of them, its padded form "torch_static" is.
+GRAPH_SAFE_ATTENTION_BACKENDS = ("torch_static", "triton", "flash_attn")
 
 
 # Torch functions that read device memory back to the host (a sync, which a capture refuses) or
@@ -155,16 +157,16 @@ def refuse_host_syncs(dims: InferenceBatchDimensions):
 def graph_attention_backend(requested: str, device: torch.device, block_size: int,
                             dtype: torch.dtype) -> str:
     """The attention backend of an engine with CUDA graphs: ``requested`` unless it is
-    ``"auto"`` and auto would pick one a graph cannot capture (FlashInfer); then flash-attn
-    where it runs, else the torch version. An explicit choice is kept (and refused at capture
-    when it cannot be captured)."""
+    ``"auto"`` and auto would pick one a graph cannot capture (the length-grouped torch version
+    on a CPU); then flash-attn where it runs, else the padded torch version ``"torch_static"``.
+    An explicit choice is kept (and refused at capture when it cannot be captured)."""
     if requested != "auto":
         return requested
     chosen = resolve_attention_backend("auto", device, block_size, dtype)
     if chosen in GRAPH_SAFE_ATTENTION_BACKENDS:
         return chosen
     half = dtype in (torch.float16, torch.bfloat16)
-    return "flash_attn" if half and flash_attn_available(device, block_size) else "torch"
+    return "flash_attn" if half and flash_attn_available(device, block_size) else "torch_static"
 
 
 def static_plan_values(ctx: Any, dims: InferenceBatchDimensions) -> Tuple[int, int, int]:

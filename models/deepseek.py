@@ -36,9 +36,10 @@ Attention forms (``attention_form=``):
   attend over the latent rows directly as one shared KV head (MQA over ``[latent, k_pe]``),
   then apply ``kv_b_proj``'s value half to the attended latent. Same result up to rounding.
 
-Both run in torch on any device (``attention_backend`` must be ``"auto"`` or ``"torch"``); the
-index work per step (which tokens of which request see which cached positions) is the torch
-paged attention's (``paged_attention._TorchRowGroup``), built once per step.
+Both run in torch on any device (``attention_backend`` must be ``"auto"``, ``"torch"`` or
+``"torch_static"``: the one torch path there is already the padded, capturable one); the index
+work per step (which tokens of which request see which cached positions) is the torch paged
+attention's (``paged_attention._TorchRowGroup``), built once per step.
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ class MlaPagedAttention:
         self.block_size = block_size
         self.scale = softmax_scale
         self.form = form
-        self.backend = "torch"
+        self.backend = "torch_static"
         self._groups: Optional[list] = None
 
     def plan(self, *, cu_query_lengths: torch.Tensor, kv_seq_lengths: torch.Tensor,
@@ -160,10 +161,10 @@ class DeepseekV2Adapter(PagedAdapter):
                  attention_backend: str = "auto", attention_form: str = "decompress"):
         if rope not in ROPE_MODES:
             raise ValueError(f"rope={rope!r} must be one of {ROPE_MODES}")
-        if attention_backend not in ("auto", "torch"):
+        if attention_backend not in ("auto", "torch", "torch_static"):
             raise NotImplementedError(
                 f"attention_backend={attention_backend!r}: MLA attention runs in torch only "
-                "('auto' or 'torch')")
+                "('auto', 'torch' or 'torch_static', which are the same padded torch path)")
         if attention_form not in ATTENTION_FORMS:
             raise ValueError(f"attention_form={attention_form!r} must be one of {ATTENTION_FORMS}")
         self._init_weights(config=config, embed=embed, layers=layers, final_norm=final_norm,

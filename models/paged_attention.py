@@ -47,7 +47,7 @@ import torch.nn.functional as F
 
 from ..kernels._backend import HAS_TRITON, triton_interpreting
 
-BACKENDS = ("auto", "torch", "triton", "flashinfer", "flash_attn")
+BACKENDS = ("auto", "torch", "torch_static", "triton", "flashinfer", "flash_attn")
 _FLASHINFER_WORKSPACE_BYTES = 128 * 1024 * 1024
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -296,8 +296,11 @@ class PagedAttention:
     """Causal GQA attention of the step's packed queries over the paged KV cache.
 
     ``backend``: ``"auto"`` (our Triton kernels on CUDA, else torch), ``"torch"``,
-    ``"triton"``, ``"flashinfer"`` or ``"flash_attn"``. ``self.backend`` names the one that
-    runs. Call ``plan`` once per step, then the object once per layer.
+    ``"torch_static"``, ``"triton"``, ``"flashinfer"`` or ``"flash_attn"``. ``self.backend``
+    names the one that runs. ``"torch"`` groups requests by their lengths on the host (fast on a
+    CPU); ``"torch_static"`` pads the decode and the prefill requests to the step's bounds
+    ``max_seqlen_q``/``max_seqlen_k``, so every shape is fixed by them and nothing is read back:
+    the torch version a CUDA graph can capture. Call ``plan`` once per step, then the object once per layer.
     """
 
     def __init__(self, *, num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
@@ -331,6 +334,12 @@ class PagedAttention:
                                      kv_seq_lengths=kv_seq_lengths, block_table=block_table,
                                      block_size=self.block_size,
                                      group_size=self.num_q_heads // self.num_kv_heads)
+        elif self.backend == "torch_static":
+            args["groups"] = torch_row_groups(
+                cu_query_lengths=cu_query_lengths, kv_seq_lengths=kv_seq_lengths,
+                block_table=block_table, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                num_tokens=num_tokens, num_decode_requests=num_decode_requests,
+                block_size=self.block_size)
         elif self.backend == "triton":
             # The leading decode requests go through the split-KV kernel in mixed steps too.
             args["num_decode_requests"] = min(max(int(num_decode_requests), 0), num_requests)
@@ -376,6 +385,12 @@ class PagedAttention:
                              f"{tuple(query.shape)}")
         if self.backend == "torch":
             return plan["sdpa"].attend(query, key_cache, value_cache, self.scale)
+        if self.backend == "torch_static":
+            # One spare row takes the writes of empty query slots.
+            out = query.new_zeros(query.shape[0] + 1, self.num_q_heads, self.head_dim)
+            for group in plan["groups"]:
+                group.attend(query, key_cache, value_cache, out, self.scale)
+            return out[:-1]
         if self.backend == "triton":
             from ..kernels.paged_attention import paged_attention
 

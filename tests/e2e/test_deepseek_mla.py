@@ -86,7 +86,7 @@ def test_mla_pressure_workload_matches_transformers(case):
 
     assert_pressure_stats(engine.stats, results)
     assert max(r.first_scheduled_step for r in results) > 0
-    assert engine.model.attention_backend == "torch"
+    assert engine.model.attention_backend == "torch_static"
     assert not ctx.has_unfinished_requests()
     assert ctx.block_allocator.total_avail == case["blocks"] - 1
 

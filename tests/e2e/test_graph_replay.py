@@ -31,7 +31,7 @@ def graph_engine(hf, device="cpu", **kwargs):
     kwargs.setdefault("num_cuda_graphs", 4)
     return build_engine(hf, **case_engine_sizes(CASE),
                         kernel_backend="torch" if device == "cpu" else "triton",
-                        attention_backend="torch", record_logits=True, **kwargs)
+                        attention_backend="torch_static", record_logits=True, **kwargs)
 
 
 @pytest.mark.parametrize("mixed", [2, None], ids=["mixed", "decode-only"])
@@ -210,12 +210,12 @@ def test_graph_attention_backend_keeps_explicit_choices_and_avoids_flashinfer(mo
     from dynctx.engine import graphs
 
     cpu = torch.device("cpu")
-    assert graphs.graph_attention_backend("auto", cpu, 16, torch.float32) == "torch"
+    assert graphs.graph_attention_backend("auto", cpu, 16, torch.float32) == "torch_static"
     assert graphs.graph_attention_backend("flashinfer", cpu, 16, torch.bfloat16) == "flashinfer"
     monkeypatch.setattr(graphs, "resolve_attention_backend", lambda *args: "flashinfer")
     monkeypatch.setattr(graphs, "flash_attn_available", lambda device, block: block % 256 == 0)
     assert graphs.graph_attention_backend("auto", cpu, 256, torch.bfloat16) == "flash_attn"
-    assert graphs.graph_attention_backend("auto", cpu, 16, torch.bfloat16) == "torch"
+    assert graphs.graph_attention_backend("auto", cpu, 16, torch.bfloat16) == "torch_static"
 
 
 class _SyncingLlama:
@@ -285,7 +285,7 @@ def test_graphs_replay_the_triton_kernels(monkeypatch):
     prompts = make_prompts([3, 20, 1], hf.config.vocab_size, seed=22)
     gens = [5, 4, 5]
     engine = build_engine(hf, block_size=16, blocks=6, paused_blocks=1, max_tokens=16,
-                          max_requests=4, kernel_backend="triton", attention_backend="torch",
+                          max_requests=4, kernel_backend="triton", attention_backend="torch_static",
                           num_cuda_graphs=2, record_logits=True)
     results = engine.generate_requests(greedy_requests(prompts, gens), arrival_steps=[0, 0, 2])
     assert engine.graph_replays > 0

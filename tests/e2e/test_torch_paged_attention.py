@@ -100,6 +100,32 @@ def test_torch_paged_attention_matches_dense(case, heads, kv_heads, dtype, atol)
         assert torch.equal(out[real:], torch.zeros_like(out[real:]))
 
 
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("heads, kv_heads", [(4, 2), (6, 1)], ids=["gqa", "mqa"])
+def test_torch_static_matches_dense(case, heads, kv_heads):
+    """The padded torch version (what a captured forward runs), with bounds above the real
+    maxima as a graph's static bounds are."""
+    bs, dim = 16, 8
+    q_lens, kv_lens = case["q_lens"], case["kv_lens"]
+    query, key_cache, value_cache, cu_q, kv, table = make_case(
+        q_lens, kv_lens, padded_requests=case["padded_requests"],
+        padded_tokens=case["padded_tokens"], bs=bs, heads=heads, kv_heads=kv_heads, dim=dim,
+        dtype=torch.float32)
+    expected = dense_reference(query, key_cache, value_cache, q_lens, kv_lens,
+                               table[:len(q_lens)], dim ** -0.5)
+    real = sum(q_lens)
+    attention = PagedAttention(num_q_heads=heads, num_kv_heads=kv_heads, head_dim=dim,
+                               block_size=bs, device="cpu", backend="torch_static")
+    assert attention.backend == "torch_static"
+    attention.plan(cu_query_lengths=cu_q, kv_seq_lengths=kv, block_table=table,
+                   max_seqlen_q=max(q_lens) + 3, max_seqlen_k=table.shape[1] * bs,
+                   num_tokens=query.shape[0], num_decode_requests=case["num_decode"])
+    out = attention(query, key_cache, value_cache)
+    torch.testing.assert_close(out[:real], expected[:real], atol=1e-5, rtol=1e-5)
+    assert torch.equal(out[real:], torch.zeros_like(out[real:]))
+
+
 def test_plan_once_serves_every_layer():
     bs, dim = 16, 8
     query, key_cache, value_cache, cu_q, kv, table = make_case(
