@@ -31,7 +31,7 @@ import torch
 from . import _autotune
 from ._autotune import KernelConfig, KernelTuning, TuneCase, bucket_tokens, dtype_name
 from ._backend import HAS_TRITON, resolve_backend
-from ._common import FLOAT_DTYPES, check_same_device, next_pow2
+from ._common import FLOAT_DTYPES, check_same_device, custom_op, next_pow2
 
 if HAS_TRITON:
     import triton
@@ -663,7 +663,7 @@ def paged_attention_ref(query: torch.Tensor, key_cache: torch.Tensor, value_cach
     return out.to(query.dtype)
 
 
-@torch.library.custom_op("dynctx::paged_attention", mutates_args=())
+@custom_op("dynctx::paged_attention", mutates_args=())
 def _paged_attention_op(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                         cu_query_lengths: torch.Tensor, kv_seq_lengths: torch.Tensor,
                         block_table: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,

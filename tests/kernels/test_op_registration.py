@@ -36,8 +36,8 @@ SCRIPT = textwrap.dedent("""
     # What transformers' probe for the Hugging Face "kernels" library does, and more: the
     # checkout's folder is imported as a top-level package, every kernel module with it.
     shadow = importlib.import_module("kernels")
-    for module in ("kv_append", "mla_latent", "mamba_state", "compaction", "rope",
-                   "rope_kv_append", "last_token_logits", "step_metadata"):
+    from dynctx.kernels._registry import KERNEL_MODULES
+    for module in KERNEL_MODULES:
         importlib.import_module("kernels." + module)
     # The second execution really happened (this is the situation under test).
     assert shadow is not sys.modules["dynctx.kernels"] and "kernels.kv_append" in sys.modules
