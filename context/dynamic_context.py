@@ -344,7 +344,6 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
         self.padded_active_token_count = padded.token_count
         self.padded_active_request_count = padded.req_count
         self.padding_slice = slice(step.active_tokens if step else 0, padded.token_count)
-        self._max_position = step.max_seqlen_k - 1 if step else -1
 
     # ------------------------------------------------------------------ admission
     def check_availability(self, req: DynamicInferenceRequest) -> Tuple[bool, bool, bool]:
