@@ -22,11 +22,9 @@ from .errors import get_mem_size_str
 
 GIB = 1024 ** 3
 REQUEST_ROUNDER = 4
-# A block table (int32, max_requests x ceil(max_sequence_length / block_size_tokens), as in
-# Megatron-Core: CUDA graphs and attention plans rely on that width) exists four times (host,
-# two device copies, the step's attention copy). One copy may take this much, or as much as the
-# KV buffer itself when that is larger; past it the constructor refuses with the numbers.
-MIN_BLOCK_TABLE_LIMIT = 64 * 1024 ** 2
+# One host block table (int32 rows x columns) may take at most this many bytes; the context
+# keeps four such tables (host, two device copies, the step's attention copy).
+MAX_BLOCK_TABLE_BYTES = 1 * GIB
 
 
 def positive_int(name: str, value: Any) -> int:
@@ -199,18 +197,19 @@ def memory_layout(*, layers: LayerLayout, params_dtype: torch.dtype, block_size_
                if derived else "")
         raise ValueError(f"max_tokens={max_tokens} must be >= max_requests={max_requests} "
                          f"(every request needs a token slot at decode){how}")
-    table_bytes = 4 * max_requests * blocks_per_request
-    limit = max(MIN_BLOCK_TABLE_LIMIT, total_count * bytes_per_block)
-    if table_bytes > limit:
+    # No request can hold more blocks than the buffer has: the table is never wider.
+    columns = min(blocks_per_request, total_count - 1)
+    table_bytes = 4 * max_requests * columns
+    if table_bytes > MAX_BLOCK_TABLE_BYTES:
         raise ValueError(
-            f"the block table of max_requests={max_requests} x {blocks_per_request} blocks "
+            f"the block table of max_requests={max_requests} x {columns} blocks "
             f"(max_sequence_length={max_sequence_length} / block_size_tokens="
-            f"{block_size_tokens}) needs {get_mem_size_str(table_bytes)} per copy (four "
-            f"copies), more than the limit of {get_mem_size_str(limit)} (the larger of "
-            f"{get_mem_size_str(MIN_BLOCK_TABLE_LIMIT)} and the KV buffer): lower "
-            "max_sequence_length or max_requests, or raise block_size_tokens")
+            f"{block_size_tokens}, at most the {total_count - 1} blocks of the buffer) needs "
+            f"{get_mem_size_str(table_bytes)} per copy (four copies), "
+            f"over the limit of {get_mem_size_str(MAX_BLOCK_TABLE_BYTES)}: lower max_requests or "
+            "max_sequence_length, or raise block_size_tokens")
     return MemoryLayout(block_size_bytes, kv_reduced_dim, level, total_count, paused_count,
-                        max_requests, max_tokens, blocks_per_request)
+                        max_requests, max_tokens, columns)
 
 
 def config_from_model(inference_config: Any, model: Any, max_batch_size: int) -> dict:

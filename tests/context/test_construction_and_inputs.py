@@ -38,23 +38,22 @@ def test_max_tokens_below_derived_max_requests_says_how_to_set_it():
     assert "derived" not in str(info.value)  # an explicit max_requests is not "derived"
 
 
-def test_huge_max_sequence_length_is_refused_with_the_numbers():
-    """The block table is Megatron-Core's width (max_sequence_length / block_size_tokens), so a
-    huge max_sequence_length is refused up front, naming the sizes, instead of ending in a numpy
-    MemoryError; a table is accepted up to the KV buffer's size or 64 MiB."""
-    with pytest.raises(ValueError, match=r"block table of max_requests=8 x 274877906944 blocks"
-                                         r".*lower max_sequence_length"):
-        make_ctx(max_sequence_length=2 ** 40)
-    with pytest.warns(UserWarning, match="active budget"):
-        ctx = make_ctx(max_sequence_length=2 ** 20)  # 4 MiB per copy: under 64 MiB
-    assert ctx.max_kv_block_count == 2 ** 18
+def test_huge_max_sequence_length_sizes_the_table_by_the_buffer():
+    """A table row never needs more columns than the buffer has blocks (no MemoryError), and
+    the active budget that cannot hold one full-length request is named."""
+    with pytest.warns(UserWarning, match="max_sequence_length=1099511627776 needs"):
+        ctx = make_ctx(max_sequence_length=2 ** 40)
+    assert ctx.max_kv_block_count == ctx.block_allocator.total_count - 1
+    assert ctx.block_table_host.nbytes < 64 * 1024
+    add(ctx, request(1, 5))
+    ctx.initialize_attention_state()
 
 
-def test_block_table_larger_than_the_buffer_is_refused_before_allocating():
+def test_block_table_over_the_limit_is_refused_before_allocating():
     with pytest.raises(ValueError, match=r"block table of max_requests=8192 x \d+ blocks.*lower "
-                                         "max_sequence_length or max_requests"):
-        make_ctx(buffer_size_gb=1024 * BLOCK / GIB, paused_buffer_size_gb=0,
-                 max_sequence_length=2 ** 16, max_requests=8192, max_tokens=8192)
+                                         "max_requests or max_sequence_length"):
+        make_ctx(buffer_size_gb=1024 * 1024 * BLOCK / GIB, paused_buffer_size_gb=0,
+                 max_sequence_length=2 ** 20, max_requests=8192, max_tokens=8192)
 
 
 def test_level1_warning_is_said_once_with_what_to_do(monkeypatch):
