@@ -357,7 +357,6 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
         self.padded_active_request_count = padded.req_count
         self._using_cuda_graph_this_step = step.using_cuda_graph if step else False
         self.padding_slice = slice(step.active_tokens if step else 0, padded.token_count)
-        self._max_position = step.max_seqlen_k - 1 if step else -1
 
     # ------------------------------------------------------------------ admission
     def check_availability(self, req: DynamicInferenceRequest) -> Tuple[bool, bool, bool]:
