@@ -151,8 +151,8 @@ def _graph_info(engine) -> Dict[str, object]:
 
 def run_engine(model, prompts, args, device, *, num_cuda_graphs: Optional[int]) -> dict:
     """One engine run over ``prompts``; times the pure decode steps."""
-    from dynctx.engine import Engine
     from dynctx.context import DynamicInferenceRequest, SamplingParams
+    from dynctx.engine import Engine
 
     batch = len(prompts)
     engine = Engine.from_transformers(

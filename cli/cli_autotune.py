@@ -36,9 +36,16 @@ from dynctx._cli_common import HelpFormatter, plain, program_name, run_to_closed
 from dynctx.kernels import _autotune
 from dynctx.kernels._autotune import KernelConfig, KernelTuning
 from dynctx.kernels._backend import HAS_TRITON, triton_interpreting
+
 # KERNEL_MODULES and module_of are re-exported: callers of this module used to find them here.
-from dynctx.kernels._registry import (KERNEL_MODULES, PRESET_MODULES,  # noqa: F401
-                                      import_kernel_modules, key_text, module_of, select_tunings)
+from dynctx.kernels._registry import (  # noqa: F401
+    KERNEL_MODULES,
+    PRESET_MODULES,
+    import_kernel_modules,
+    key_text,
+    module_of,
+    select_tunings,
+)
 from dynctx.kernels._timing import time_launches
 
 REPO_ROOT = _autotune.PACKAGED_DIR.parent

@@ -11,10 +11,10 @@ import math
 
 import pytest
 import torch
+from tolerances import assert_rope_close
 
 from dynctx.kernels import _autotune
 from dynctx.kernels._common import bits
-from tolerances import assert_rope_close
 
 __all__ = ["DEVICE", "DTYPES", "POISONS", "assert_only_views_written", "assert_raises_naming",
            "assert_rotated_heads", "bits", "byte_view", "check_presets_share_space",

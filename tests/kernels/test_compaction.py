@@ -8,6 +8,7 @@ the oracle's.
 
 import pytest
 import torch
+from kernel_test_utils import DEVICE, POISONS, assert_raises_naming, check_tune_case, poisoned
 
 from dynctx.kernels import _autotune
 from dynctx.kernels.compaction import (
@@ -17,7 +18,6 @@ from dynctx.kernels.compaction import (
     compact_requests_ref,
     compact_requests_tune_key,
 )
-from kernel_test_utils import DEVICE, POISONS, assert_raises_naming, check_tune_case, poisoned
 
 pytestmark = pytest.mark.interpreter
 

@@ -9,13 +9,25 @@ import importlib
 
 import pytest
 import torch
+from kernel_test_utils import (
+    DEVICE,
+    DTYPES,
+    bits,
+    check_presets_share_space,
+    check_tune_case,
+    token_layout,
+)
 
 from dynctx.kernels import _autotune
-from dynctx.kernels.kv_append import (kv_append, kv_append_configs, kv_append_default_config,
-                                      kv_append_op, kv_append_presets, kv_append_ref,
-                                      kv_append_tune_key)
-from kernel_test_utils import (DEVICE, DTYPES, bits, check_presets_share_space, check_tune_case,
-                               token_layout)
+from dynctx.kernels.kv_append import (
+    kv_append,
+    kv_append_configs,
+    kv_append_default_config,
+    kv_append_op,
+    kv_append_presets,
+    kv_append_ref,
+    kv_append_tune_key,
+)
 
 pytestmark = pytest.mark.interpreter
 

@@ -8,6 +8,8 @@ the same (upcast) logits within LOG_SOFTMAX_TOLERANCE.
 
 import pytest
 import torch
+from kernel_test_utils import DEVICE, DTYPES, assert_raises_naming, check_tune_case, poisoned
+from tolerances import LOG_SOFTMAX_TOLERANCE
 
 from dynctx.kernels import _autotune
 from dynctx.kernels.last_token_logits import (
@@ -23,8 +25,6 @@ from dynctx.kernels.last_token_logits import (
     token_log_probs_ref,
     token_log_probs_tune_key,
 )
-from kernel_test_utils import DEVICE, DTYPES, assert_raises_naming, check_tune_case, poisoned
-from tolerances import LOG_SOFTMAX_TOLERANCE
 
 pytestmark = pytest.mark.interpreter
 

@@ -8,14 +8,21 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_test_utils import DEVICE, DTYPES, bits, check_presets_share_space, check_tune_case
 
 from dynctx.kernels import _autotune
-from dynctx.kernels.mamba_state import (mamba_state_configs, mamba_state_default_config,
-                                        mamba_state_gather, mamba_state_gather_op,
-                                        mamba_state_gather_ref, mamba_state_presets,
-                                        mamba_state_scatter, mamba_state_scatter_op,
-                                        mamba_state_scatter_ref, mamba_state_tune_key)
-from kernel_test_utils import DEVICE, DTYPES, bits, check_presets_share_space, check_tune_case
+from dynctx.kernels.mamba_state import (
+    mamba_state_configs,
+    mamba_state_default_config,
+    mamba_state_gather,
+    mamba_state_gather_op,
+    mamba_state_gather_ref,
+    mamba_state_presets,
+    mamba_state_scatter,
+    mamba_state_scatter_op,
+    mamba_state_scatter_ref,
+    mamba_state_tune_key,
+)
 
 pytestmark = pytest.mark.interpreter
 

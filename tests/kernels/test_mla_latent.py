@@ -7,14 +7,25 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_test_utils import (
+    DEVICE,
+    DTYPES,
+    bits,
+    check_presets_share_space,
+    check_tune_case,
+    token_layout,
+)
 
 from dynctx.kernels import _autotune
-from dynctx.kernels.mla_latent import (mla_latent_append, mla_latent_append_configs,
-                                       mla_latent_append_default_config, mla_latent_append_op,
-                                       mla_latent_append_presets, mla_latent_append_ref,
-                                       mla_latent_append_tune_key)
-from kernel_test_utils import (DEVICE, DTYPES, bits, check_presets_share_space, check_tune_case,
-                               token_layout)
+from dynctx.kernels.mla_latent import (
+    mla_latent_append,
+    mla_latent_append_configs,
+    mla_latent_append_default_config,
+    mla_latent_append_op,
+    mla_latent_append_presets,
+    mla_latent_append_ref,
+    mla_latent_append_tune_key,
+)
 
 pytestmark = pytest.mark.interpreter
 

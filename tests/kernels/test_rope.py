@@ -19,13 +19,17 @@ import importlib
 
 import pytest
 import torch
+from kernel_test_utils import assert_only_views_written, assert_rotated_heads, preset_configs
+from tolerances import assert_rope_close
 
 from dynctx.kernels import _autotune
 from dynctx.kernels._backend import triton_interpreting
-from dynctx.kernels.rope import (cos_sin_cache_from_freqs, fused_qk_rope,
-                                 fused_qk_rope_ref, make_rope_tables)
-from kernel_test_utils import assert_only_views_written, assert_rotated_heads, preset_configs
-from tolerances import assert_rope_close
+from dynctx.kernels.rope import (
+    cos_sin_cache_from_freqs,
+    fused_qk_rope,
+    fused_qk_rope_ref,
+    make_rope_tables,
+)
 
 pytestmark = pytest.mark.interpreter
 

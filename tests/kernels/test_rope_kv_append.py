@@ -17,14 +17,18 @@ import importlib
 
 import pytest
 import torch
+from kernel_test_utils import (
+    assert_only_views_written,
+    assert_rotated_heads,
+    byte_view,
+    preset_configs,
+)
+from tolerances import assert_rope_close
 
 from dynctx.kernels import _autotune
 from dynctx.kernels._backend import triton_interpreting
 from dynctx.kernels.rope import LAYOUTS, TABLES, fused_qk_rope, make_rope_tables
 from dynctx.kernels.rope_kv_append import rope_kv_append, rope_kv_append_ref
-from kernel_test_utils import (assert_only_views_written, assert_rotated_heads, byte_view,
-                               preset_configs)
-from tolerances import assert_rope_close
 
 pytestmark = pytest.mark.interpreter
 

@@ -8,18 +8,18 @@ buffer must equal the oracle's. Inputs carry junk past the entries the kernel ma
 
 import pytest
 import torch
+from kernel_test_utils import DEVICE, POISONS, assert_raises_naming, check_tune_case, poisoned
 
 from dynctx.kernels import _autotune
 from dynctx.kernels.step_metadata import (
     TOKEN_OUTPUTS,
+    scaled_down_key,
     step_metadata,
     step_metadata_configs,
     step_metadata_default_config,
     step_metadata_ref,
     step_metadata_tune_key,
-    scaled_down_key,
 )
-from kernel_test_utils import DEVICE, POISONS, assert_raises_naming, check_tune_case, poisoned
 
 pytestmark = pytest.mark.interpreter
 
