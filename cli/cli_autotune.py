@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import importlib.util
 import json
 import math
@@ -160,7 +161,8 @@ def tune_key(tuning: KernelTuning, key: dict, device: torch.device, args,
                                       f"{rejected[name]}")
             continue
         try:
-            timing = time_launches(lambda: case.run(config), warmup=args.warmup, rep=args.rep)
+            timing = time_launches(functools.partial(case.run, config), warmup=args.warmup,
+                                   rep=args.rep)
         except Exception as exc:
             rejected[name] = "timing: " + _first_line(exc)
             if not _cuda_alive():
@@ -478,7 +480,8 @@ def bench_key(tuning: KernelTuning, key: dict, device: torch.device, args) -> di
             raise CudaContextLost(f"{tuning.name} {config} broke the CUDA context: "
                                   f"{result['check']}")
         return result
-    kernel = time_launches(lambda: case.run(config), warmup=args.warmup, rep=args.rep)
+    kernel = time_launches(functools.partial(case.run, config), warmup=args.warmup,
+                           rep=args.rep)
     result["kernel_us"] = round(kernel["us"], 3)
     result["timing"] = kernel["method"]
     try:
@@ -493,8 +496,8 @@ def bench_key(tuning: KernelTuning, key: dict, device: torch.device, args) -> di
     half = max(1, case.bytes_moved // 2)
     source_buffer = torch.randint(0, 255, (half,), dtype=torch.uint8, device=device)
     target_buffer = torch.empty_like(source_buffer)
-    copy_time = time_launches(lambda: target_buffer.copy_(source_buffer), warmup=args.warmup,
-                              rep=args.rep)
+    copy_time = time_launches(functools.partial(target_buffer.copy_, source_buffer),
+                              warmup=args.warmup, rep=args.rep)
     result["copy_us"] = round(copy_time["us"], 3)
     del source_buffer, target_buffer
     l2_bytes = (getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0)
