@@ -146,7 +146,9 @@ def run_and_check(case: Case, config=None) -> None:
                    slots, **_kwargs(case), config=config, backend="triton")
 
     n, rot = case.n, case.rot
-    squeeze = (lambda t: t[:, 0] if t.dim() == 4 else t)
+    def squeeze(t):
+        return t[:, 0] if t.dim() == 4 else t
+
     before_q, before_k, before_v = (squeeze(t) for t in views(snapshot))
     for name, got, want, before in (("query", query, expected[0], before_q),
                                     ("key", key, expected[1], before_k)):
