@@ -162,13 +162,16 @@ def run_and_check(case: Case, config=None) -> None:
     key_cache, value_cache = buffer[0, LAYER].cpu(), buffer[1, LAYER].cpu()
     assert_rope_close(key_cache[blocks, offsets],
                       expected_buffer[0, LAYER].cpu()[blocks, offsets], case.mscale, "key_cache")
-    assert torch.equal(byte_view(key_cache[blocks, offsets]), byte_view(squeeze(key).cpu()[:n][written]))
-    assert torch.equal(byte_view(value_cache[blocks, offsets]), byte_view(before_v.cpu()[:n][written]))
+    assert torch.equal(byte_view(key_cache[blocks, offsets]),
+                       byte_view(squeeze(key).cpu()[:n][written]))
+    assert torch.equal(byte_view(value_cache[blocks, offsets]),
+                       byte_view(before_v.cpu()[:n][written]))
     # every other byte of the poisoned buffer is untouched
     restored = buffer.clone()
     restored[:, LAYER, blocks.to(DEVICE), offsets.to(DEVICE)] = buffer_snapshot[
         :, LAYER, blocks.to(DEVICE), offsets.to(DEVICE)]
-    assert torch.equal(byte_view(restored), byte_view(buffer_snapshot)), "cache written outside targets"
+    assert torch.equal(byte_view(restored), byte_view(buffer_snapshot)), (
+        "cache written outside targets")
     assert_only_views_written(base, snapshot, views, (case.query, True, True),
                               "bytes outside q/k/v written")
 
