@@ -186,7 +186,9 @@ def main(argv=None) -> dict:
     print(f"workload: {args.requests} prompts of {args.min_prompt}-{args.max_prompt} tokens "
           f"({result['prompt_tokens']} in all), {args.new_tokens} new tokens each, greedy, "
           f"{args.dtype} on {args.device}, {args.threads} torch thread(s)")
-    runs = lambda times: ", ".join(f"{t:.2f}" for t in times)
+    def runs(times):
+        return ", ".join(f"{t:.2f}" for t in times)
+
     print(f"transformers generate : {result['transformers_tok_s']:9.1f} tok/s "
           f"(best of {runs(their_times)} s)")
     print(f"dynctx engine ({result['attention_backend']:>5}): {result['engine_tok_s']:9.1f} tok/s "

@@ -151,8 +151,8 @@ def _graph_info(engine) -> Dict[str, object]:
 
 def run_engine(model, prompts, args, device, *, num_cuda_graphs: Optional[int]) -> dict:
     """One engine run over ``prompts``; times the pure decode steps."""
-    from dynctx.engine import Engine
     from dynctx.context import DynamicInferenceRequest, SamplingParams
+    from dynctx.engine import Engine
 
     batch = len(prompts)
     engine = Engine.from_transformers(
@@ -262,7 +262,9 @@ def _table(data: dict) -> str:
              f"prompt {data['prompt_len']}  new tokens {data['new_tokens']}",
              f"{'mode':<7} {'batch':>5} {'tok/s':>10} {'step ms':>8} {'p90 ms':>8} "
              f"{'steps':>6} {'graph%':>6} {'same':>5}"]
-    fmt = lambda v, spec: "-" if v is None else format(v, spec)
+    def fmt(v, spec):
+        return "-" if v is None else format(v, spec)
+
     for run in data["runs"]:
         if "error" in run:
             lines.append(f"{run['mode']:<7} {run['batch']:>5}  ERROR {run['error'][:60]}")

@@ -61,7 +61,8 @@ def _wheel_path() -> Path | None:
             with zipfile.ZipFile(wheel) as archive:
                 if KERNEL_PATH not in archive.namelist():
                     continue
-                target = Path(tempfile.mkdtemp(prefix="dynctx_megatron_")) / "fused_kv_append_kernel.py"
+                target = (Path(tempfile.mkdtemp(prefix="dynctx_megatron_"))
+                          / "fused_kv_append_kernel.py")
                 target.write_bytes(archive.read(KERNEL_PATH))
                 return target
     return None

@@ -68,8 +68,9 @@ def plot(results_path: Path, out: Path) -> Path:
     right.grid(axis="x", alpha=0.3)
 
     versions = data.get("versions", {})
-    fig.suptitle(f"dynctx kernels on {data.get('device', '?')} (torch {versions.get('torch', '?')}, "
-                 f"triton {versions.get('triton', '?')}, rev {versions.get('git_revision', '?')[:12]})",
+    fig.suptitle(f"dynctx kernels on {data.get('device', '?')} "
+                 f"(torch {versions.get('torch', '?')}, triton {versions.get('triton', '?')}, "
+                 f"rev {versions.get('git_revision', '?')[:12]})",
                  fontsize=10)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)

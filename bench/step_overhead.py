@@ -558,7 +558,6 @@ def _step_inputs(n: int, steps: int, device):
 def _context_modules() -> list:
     """The modules of our context whose globals hold the kernel launchers it calls."""
     import importlib
-
     import pkgutil
 
     import dynctx.context

@@ -56,7 +56,8 @@ def _cases() -> list:
             seen.add(ident)
             impls = ["torch", "copy"]
             if ON_GPU:
-                impls = ["triton"] + impls + (["megatron_core"] if tuning.name == "kv_append" else [])
+                impls = (["triton"] + impls
+                         + (["megatron_core"] if tuning.name == "kv_append" else []))
             for impl in impls:
                 params.append(pytest.param(tuning.name, key, impl,
                                            id=f"{tuning.name}-{_key_id(key)}-{impl}"))

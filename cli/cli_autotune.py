@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import importlib.util
 import json
 import math
@@ -36,9 +37,16 @@ from dynctx._cli_common import HelpFormatter, plain, program_name, run_to_closed
 from dynctx.kernels import _autotune
 from dynctx.kernels._autotune import KernelConfig, KernelTuning
 from dynctx.kernels._backend import HAS_TRITON, triton_interpreting
+
 # KERNEL_MODULES and module_of are re-exported: callers of this module used to find them here.
-from dynctx.kernels._registry import (KERNEL_MODULES, PRESET_MODULES,  # noqa: F401
-                                      import_kernel_modules, key_text, module_of, select_tunings)
+from dynctx.kernels._registry import (  # noqa: F401
+    KERNEL_MODULES,
+    PRESET_MODULES,
+    import_kernel_modules,
+    key_text,
+    module_of,
+    select_tunings,
+)
 from dynctx.kernels._timing import time_launches
 
 REPO_ROOT = _autotune.PACKAGED_DIR.parent
@@ -153,7 +161,8 @@ def tune_key(tuning: KernelTuning, key: dict, device: torch.device, args,
                                       f"{rejected[name]}")
             continue
         try:
-            timing = time_launches(lambda: case.run(config), warmup=args.warmup, rep=args.rep)
+            timing = time_launches(functools.partial(case.run, config), warmup=args.warmup,
+                                   rep=args.rep)
         except Exception as exc:
             rejected[name] = "timing: " + _first_line(exc)
             if not _cuda_alive():
@@ -471,7 +480,8 @@ def bench_key(tuning: KernelTuning, key: dict, device: torch.device, args) -> di
             raise CudaContextLost(f"{tuning.name} {config} broke the CUDA context: "
                                   f"{result['check']}")
         return result
-    kernel = time_launches(lambda: case.run(config), warmup=args.warmup, rep=args.rep)
+    kernel = time_launches(functools.partial(case.run, config), warmup=args.warmup,
+                           rep=args.rep)
     result["kernel_us"] = round(kernel["us"], 3)
     result["timing"] = kernel["method"]
     try:
@@ -486,8 +496,8 @@ def bench_key(tuning: KernelTuning, key: dict, device: torch.device, args) -> di
     half = max(1, case.bytes_moved // 2)
     source_buffer = torch.randint(0, 255, (half,), dtype=torch.uint8, device=device)
     target_buffer = torch.empty_like(source_buffer)
-    copy_time = time_launches(lambda: target_buffer.copy_(source_buffer), warmup=args.warmup,
-                              rep=args.rep)
+    copy_time = time_launches(functools.partial(target_buffer.copy_, source_buffer),
+                              warmup=args.warmup, rep=args.rep)
     result["copy_us"] = round(copy_time["us"], 3)
     del source_buffer, target_buffer
     l2_bytes = (getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0)

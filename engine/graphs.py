@@ -52,7 +52,6 @@ from types import SimpleNamespace
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
-
 from torch.overrides import TorchFunctionMode
 
 from dynctx.context import DynamicInferenceContext

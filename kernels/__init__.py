@@ -18,6 +18,6 @@ from .step_metadata import step_metadata
 
 __all__ = [
     "compact_requests", "fused_qk_rope", "kv_append", "last_token_logits", "mamba_state_gather",
-    "mamba_state_scatter", "mla_latent_append", "paged_attention", "rope_kv_append", "step_metadata",
-    "token_log_probs",
+    "mamba_state_scatter", "mla_latent_append", "paged_attention", "rope_kv_append",
+    "step_metadata", "token_log_probs",
 ]

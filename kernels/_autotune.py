@@ -203,7 +203,8 @@ def validate_cache_data(data: Any, path: str = "<data>") -> None:
             raise ValueError(f"{path}: entry {i} has a malformed config ({exc!r})") from None
         times = entry["times_us"]
         if not isinstance(times, dict) or not times or not all(
-                isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t) and t > 0
+                isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t)
+                and t > 0
                 for t in times.values()):
             raise ValueError(f"{path}: entry {i} has no measured times")
 
@@ -247,7 +248,8 @@ def _lookup_in_file(tuning: KernelTuning, data: dict, key: dict, path: Path):
             exact = config
             break
         if field_name in entry_key and field_name in key:
-            distance = abs(math.log2(max(1, entry_key[field_name])) - math.log2(max(1, key[field_name])))
+            distance = abs(math.log2(max(1, entry_key[field_name]))
+                           - math.log2(max(1, key[field_name])))
             rank = (distance, -entry_key[field_name])
             if nearest is None or rank < nearest[0]:
                 nearest = (rank, config)

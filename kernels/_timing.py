@@ -1,6 +1,7 @@
 """Timing of GPU launches under CUDA graphs, for ``autotune tune|bench`` and ``bench/``.
 
-Nothing here runs at inference time: launchers only look configs up (docs/DESIGN.md, Autotune-and-commit).
+Nothing here runs at inference time: launchers only look configs up (docs/DESIGN.md,
+Autotune-and-commit).
 """
 
 from __future__ import annotations

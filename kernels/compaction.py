@@ -54,7 +54,8 @@ if HAS_TRITON:
         stride_plan_src, stride_plan_append_col, stride_plan_append_block,
         BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
     ):
-        """One [BLOCK_R, BLOCK_C] tile of the new block table; column tile 0 also writes the tokens."""
+        """One [BLOCK_R, BLOCK_C] tile of the new block table; column tile 0 also writes the
+        tokens."""
         pid_col = tl.program_id(1)
         offs_r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
         offs_c = pid_col.to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -62,17 +63,20 @@ if HAS_TRITON:
         mask_plan = offs_r < num_rows
         mask_c = offs_c < max_blocks
         # Rows past num_rows (cleared) read the plan as "no source, no append".
-        src = tl.load(plan_src_ptr + offs_r * stride_plan_src, mask=mask_plan, other=-1).to(tl.int64)
+        src = tl.load(plan_src_ptr + offs_r * stride_plan_src, mask=mask_plan,
+                      other=-1).to(tl.int64)
         has_src = (src >= 0) & (src < num_src_rows)
         append_col = tl.load(plan_append_col_ptr + offs_r * stride_plan_append_col, mask=mask_plan,
                              other=-1).to(tl.int64)
         append_block = tl.load(plan_append_block_ptr + offs_r * stride_plan_append_block,
                                mask=mask_plan, other=-1)
         # [BLOCK_R, BLOCK_C]
-        src_ptrs = src_block_table_ptr + src[:, None] * stride_src_row + offs_c[None, :] * stride_src_col
+        src_ptrs = (src_block_table_ptr + src[:, None] * stride_src_row
+                    + offs_c[None, :] * stride_src_col)
         blocks = tl.load(src_ptrs, mask=has_src[:, None] & mask_c[None, :], other=-1)
         blocks = tl.where(offs_c[None, :] == append_col[:, None], append_block[:, None], blocks)
-        dst_ptrs = dst_block_table_ptr + offs_r[:, None] * stride_dst_row + offs_c[None, :] * stride_dst_col
+        dst_ptrs = (dst_block_table_ptr + offs_r[:, None] * stride_dst_row
+                    + offs_c[None, :] * stride_dst_col)
         tl.store(dst_ptrs, blocks, mask=mask_r[:, None] & mask_c[None, :])
         if pid_col == 0:
             new_index = src - new_token_offset
@@ -113,10 +117,11 @@ def _check_tensor(name: str, t, *, dims: int, dtypes: tuple, device: torch.devic
 
 def compact_requests(dst_block_table: torch.Tensor, src_block_table: torch.Tensor,
                      dst_next_tokens: torch.Tensor, src_next_tokens: torch.Tensor,
-                     new_tokens: torch.Tensor, plan_src: torch.Tensor, plan_append_col: torch.Tensor,
-                     plan_append_block: torch.Tensor, *, new_token_offset: int, num_rows: int,
-                     clear_rows: int, config: KernelConfig | None = None,
-                     backend: str | None = None, check: bool = True) -> None:
+                     new_tokens: torch.Tensor, plan_src: torch.Tensor,
+                     plan_append_col: torch.Tensor, plan_append_block: torch.Tensor, *,
+                     new_token_offset: int, num_rows: int, clear_rows: int,
+                     config: KernelConfig | None = None, backend: str | None = None,
+                     check: bool = True) -> None:
     """Apply a row plan (see the module docstring) in one launch, writing ``dst_*`` in place.
 
     ``check=False`` skips the argument checks: for a caller (the context) that allocated every
@@ -232,7 +237,8 @@ def compact_requests_ref(dst_block_table: torch.Tensor, src_block_table: torch.T
     has_append = append_col >= 0
     safe_col = append_col.clamp(min=0)[:, None]
     kept = rows.gather(1, safe_col)
-    rows.scatter_(1, safe_col, torch.where(has_append[:, None], plan_append_block[:num_rows, None], kept))
+    rows.scatter_(1, safe_col,
+                  torch.where(has_append[:, None], plan_append_block[:num_rows, None], kept))
 
     dst_block_table[:num_rows] = rows
     dst_next_tokens[:num_rows] = tokens
@@ -290,8 +296,9 @@ class _CompactionCase(TuneCase):
         self.bytes_moved = 2 * rows * max_blocks * 4 + rows * (3 * 4 + 3 * 8)
 
     def _call(self, dst_block_table, dst_next_tokens, config, backend):
-        compact_requests(dst_block_table, self.src_block_table, dst_next_tokens, self.src_next_tokens,
-                         self.new_tokens, self.plan_src, self.plan_append_col, self.plan_append_block,
+        compact_requests(dst_block_table, self.src_block_table, dst_next_tokens,
+                         self.src_next_tokens, self.new_tokens, self.plan_src,
+                         self.plan_append_col, self.plan_append_block,
                          new_token_offset=self.new_token_offset, num_rows=self.num_rows,
                          clear_rows=self.num_rows, config=config, backend=backend)
 
@@ -329,9 +336,9 @@ def _compact_requests_op(dst_block_table: torch.Tensor, src_block_table: torch.T
                          new_tokens: torch.Tensor, plan_src: torch.Tensor,
                          plan_append_col: torch.Tensor, plan_append_block: torch.Tensor,
                          new_token_offset: int, num_rows: int, clear_rows: int) -> None:
-    compact_requests(dst_block_table, src_block_table, dst_next_tokens, src_next_tokens, new_tokens,
-                     plan_src, plan_append_col, plan_append_block, new_token_offset=new_token_offset,
-                     num_rows=num_rows, clear_rows=clear_rows)
+    compact_requests(dst_block_table, src_block_table, dst_next_tokens, src_next_tokens,
+                     new_tokens, plan_src, plan_append_col, plan_append_block,
+                     new_token_offset=new_token_offset, num_rows=num_rows, clear_rows=clear_rows)
 
 
 @_compact_requests_op.register_fake

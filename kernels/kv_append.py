@@ -51,7 +51,8 @@ if HAS_TRITON:
         offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
         offs_d = tl.arange(0, BLOCK_D)
         mask_t = offs_t < num_tokens
-        block = tl.load(block_ids_ptr + offs_t * stride_block_ids, mask=mask_t, other=0).to(tl.int64)
+        block = tl.load(block_ids_ptr + offs_t * stride_block_ids, mask=mask_t,
+                        other=0).to(tl.int64)
         slot = tl.load(slots_ptr + offs_t * stride_slots, mask=mask_t, other=0).to(tl.int64)
         # [BLOCK_T, BLOCK_H, BLOCK_D]
         mask = (mask_t[:, None, None] & (offs_h < num_heads)[None, :, None]
@@ -59,10 +60,12 @@ if HAS_TRITON:
         key_dst = ((block * stride_key_cache_block + slot * stride_key_cache_slot)[:, None, None]
                    + offs_h[None, :, None] * stride_key_cache_head
                    + offs_d[None, None, :] * stride_key_cache_dim)
-        value_dst = ((block * stride_value_cache_block + slot * stride_value_cache_slot)[:, None, None]
+        value_dst = ((block * stride_value_cache_block
+                      + slot * stride_value_cache_slot)[:, None, None]
                      + offs_h[None, :, None] * stride_value_cache_head
                      + offs_d[None, None, :] * stride_value_cache_dim)
-        key_src = (offs_t[:, None, None] * stride_key_token + offs_h[None, :, None] * stride_key_head
+        key_src = (offs_t[:, None, None] * stride_key_token
+                   + offs_h[None, :, None] * stride_key_head
                    + offs_d[None, None, :] * stride_key_dim)
         value_src = (offs_t[:, None, None] * stride_value_token
                      + offs_h[None, :, None] * stride_value_head
@@ -74,14 +77,16 @@ if HAS_TRITON:
 def _check_inputs(key_cache, value_cache, key, value, block_ids, slots):
     """Validate the contract; return ``key``, ``value`` as [>=n, H, D] views."""
     if key_cache.dim() != 4:
-        raise ValueError(f"key_cache must be [num_blocks, block_size, H, D], got {tuple(key_cache.shape)}")
+        raise ValueError(f"key_cache must be [num_blocks, block_size, H, D], "
+                         f"got {tuple(key_cache.shape)}")
     if value_cache.shape != key_cache.shape:
         raise ValueError(f"value_cache shape {tuple(value_cache.shape)} != key_cache shape "
                          f"{tuple(key_cache.shape)}")
     if key_cache.dtype not in FLOAT_DTYPES:
         raise ValueError(f"key_cache dtype {key_cache.dtype} is not one of {FLOAT_DTYPES}")
     if value_cache.dtype != key_cache.dtype:
-        raise ValueError(f"value_cache dtype {value_cache.dtype} != key_cache dtype {key_cache.dtype}")
+        raise ValueError(f"value_cache dtype {value_cache.dtype} != key_cache dtype "
+                         f"{key_cache.dtype}")
     check_writable(("key_cache", key_cache), ("value_cache", value_cache))
     key = squeeze_singleton("key", key, 3, "H, D")
     value = squeeze_singleton("value", value, 3, "H, D")
@@ -182,7 +187,8 @@ def kv_append_configs(key: dict) -> list[KernelConfig]:
             for num_warps in (4, 8):
                 if num_warps == 8 and tile < 32 * 8:
                     continue
-                configs.append(KernelConfig.make(BLOCK_T=block_t, BLOCK_H=block_h, num_warps=num_warps))
+                configs.append(KernelConfig.make(BLOCK_T=block_t, BLOCK_H=block_h,
+                                                 num_warps=num_warps))
     return configs
 
 
@@ -242,7 +248,8 @@ class KvAppendCase(BufferWriteCase):
         self.bytes_moved = 2 * 2 * elems * self.key.element_size() + 2 * 4 * n
 
     def _args(self):
-        return (self.buffer[0, 0], self.buffer[1, 0], self.key, self.value, self.block_ids, self.slots)
+        return (self.buffer[0, 0], self.buffer[1, 0], self.key, self.value, self.block_ids,
+                self.slots)
 
     def run(self, config: KernelConfig) -> None:
         kv_append(*self._args(), config=config, backend="triton")

@@ -36,7 +36,8 @@ if HAS_TRITON:
         stride_out_row, stride_out_col, stride_logits_row, stride_logits_col, stride_cu,
         BLOCK_V: tl.constexpr,
     ):
-        """out[i, tile] = logits[cu_query_lengths[i + 1] - 1, tile]; a row outside the logits gives NaN."""
+        """out[i, tile] = logits[cu_query_lengths[i + 1] - 1, tile]; a row outside the logits
+        gives NaN."""
         request = tl.program_id(0).to(tl.int64)
         offs_v = tl.program_id(1).to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)
         mask_v = offs_v < vocab_size
@@ -81,7 +82,8 @@ if HAS_TRITON:
             x = tl.load(row_ptr + (start + offs) * stride_logits_col, mask=mask_v,
                         other=float("-inf")).to(tl.float32)
             new_max = tl.maximum(running_max, tl.max(x, axis=0))
-            running_sum = running_sum * tl.exp(running_max - new_max) + tl.sum(tl.exp(x - new_max), axis=0)
+            running_sum = (running_sum * tl.exp(running_max - new_max)
+                           + tl.sum(tl.exp(x - new_max), axis=0))
             running_max = new_max
         # An invalid row has max -inf and sum 0: its log-sum-exp is NaN, and so is every output.
         log_sum_exp = running_max + tl.log(running_sum)
@@ -129,7 +131,8 @@ def _check_out(out: torch.Tensor, shape: tuple[int, int], dtype: torch.dtype,
 
 def last_token_logits(logits: torch.Tensor, cu_query_lengths: torch.Tensor, num_requests: int, *,
                       log_softmax: bool = False, out: torch.Tensor | None = None,
-                      config: KernelConfig | None = None, backend: str | None = None) -> torch.Tensor:
+                      config: KernelConfig | None = None,
+                      backend: str | None = None) -> torch.Tensor:
     """Gather each request's last-token row of the logits.
 
     Args:
@@ -154,7 +157,8 @@ def last_token_logits(logits: torch.Tensor, cu_query_lengths: torch.Tensor, num_
     if cu_query_lengths.dtype != torch.int32:
         raise ValueError(f"cu_query_lengths must be int32, got {cu_query_lengths.dtype}")
     if cu_query_lengths.device != logits.device:
-        raise ValueError(f"cu_query_lengths is on {cu_query_lengths.device}, logits on {logits.device}")
+        raise ValueError(f"cu_query_lengths is on {cu_query_lengths.device}, "
+                         f"logits on {logits.device}")
     num_requests = int(num_requests)
     if num_requests < 0:
         raise ValueError(f"num_requests={num_requests} must be >= 0")
@@ -166,7 +170,8 @@ def last_token_logits(logits: torch.Tensor, cu_query_lengths: torch.Tensor, num_
     if out is not None:
         _check_out(out, (num_requests, vocab_size), out_dtype, logits.device)
     if resolve_backend(backend, logits.device) == "torch":
-        rows = last_token_logits_ref(logits, cu_query_lengths, num_requests, log_softmax=log_softmax)
+        rows = last_token_logits_ref(logits, cu_query_lengths, num_requests,
+                                     log_softmax=log_softmax)
         return rows if out is None else out.copy_(rows)
     if out is None:
         out = torch.empty(num_requests, vocab_size, dtype=out_dtype, device=logits.device)
@@ -211,8 +216,9 @@ def token_log_probs(logits: torch.Tensor, token_ids: torch.Tensor, *, return_ful
 
     Every input is read through its own strides; nothing is copied at the edge.
 
-    Returns ``(log_probs, full)``: fp32 ``[T]`` with ``log_softmax(logits[t].float())[token_ids[t]]``
-    and, when ``return_full``, fp32 ``[T, V]`` (else ``None``). Both are newly allocated.
+    Returns ``(log_probs, full)``: fp32 ``[T]`` with
+    ``log_softmax(logits[t].float())[token_ids[t]]`` and, when ``return_full``, fp32 ``[T, V]``
+    (else ``None``). Both are newly allocated.
     """
     logits = _check_logits(logits)
     if not isinstance(token_ids, torch.Tensor) or token_ids.dim() != 1:
@@ -248,8 +254,8 @@ def token_log_probs(logits: torch.Tensor, token_ids: torch.Tensor, *, return_ful
     return log_probs, full
 
 
-def last_token_logits_ref(logits: torch.Tensor, cu_query_lengths: torch.Tensor, num_requests: int, *,
-                          log_softmax: bool = False) -> torch.Tensor:
+def last_token_logits_ref(logits: torch.Tensor, cu_query_lengths: torch.Tensor,
+                          num_requests: int, *, log_softmax: bool = False) -> torch.Tensor:
     """Torch reference of ``last_token_logits`` (returns a new tensor)."""
     if logits.dim() == 3:
         logits = logits[0]
@@ -291,7 +297,8 @@ _SOFTMAX_WARPS = (4, 8, 16)
 
 
 def _softmax_configs() -> list[KernelConfig]:
-    return [KernelConfig.make(BLOCK_V=b, num_warps=w) for b in _SOFTMAX_BLOCKS for w in _SOFTMAX_WARPS]
+    return [KernelConfig.make(BLOCK_V=b, num_warps=w)
+            for b in _SOFTMAX_BLOCKS for w in _SOFTMAX_WARPS]
 
 
 def _softmax_default(vocab_size: int) -> KernelConfig:
@@ -303,7 +310,8 @@ def _softmax_default(vocab_size: int) -> KernelConfig:
 def last_token_logits_configs(key: dict) -> list[KernelConfig]:
     if key.get("log_softmax"):
         return _softmax_configs()
-    return [KernelConfig.make(BLOCK_V=b, num_warps=w) for b in _GATHER_BLOCKS for w in _GATHER_WARPS]
+    return [KernelConfig.make(BLOCK_V=b, num_warps=w)
+            for b in _GATHER_BLOCKS for w in _GATHER_WARPS]
 
 
 def last_token_logits_default_config(key: dict) -> KernelConfig:
@@ -363,7 +371,8 @@ class _LogitsCase(TuneCase):
         else:
             full = key.get("log_softmax") or key.get("return_full")
             # One read for the running max/sum, one more and an fp32 write for the full row.
-            self.bytes_moved = rows * vocab * item * (2 if full else 1) + (rows * vocab * 4 if full else 0)
+            self.bytes_moved = (rows * vocab * item * (2 if full else 1)
+                                + (rows * vocab * 4 if full else 0))
 
     def _call(self, config, backend, out=None):
         if self.last_token:

@@ -149,9 +149,9 @@ def _resolve(name: str, config, states: torch.Tensor, n: int) -> KernelConfig:
     return _autotune.resolve_config(name, key, states.device)[0]
 
 
-def mamba_state_gather(states: torch.Tensor, slot_ids: torch.Tensor, out: torch.Tensor | None = None,
-                       *, config: KernelConfig | None = None, backend: str | None = None
-                       ) -> torch.Tensor:
+def mamba_state_gather(states: torch.Tensor, slot_ids: torch.Tensor,
+                       out: torch.Tensor | None = None, *, config: KernelConfig | None = None,
+                       backend: str | None = None) -> torch.Tensor:
     """Return ``[n, *state_shape]`` rows ``states[slot_ids[i]]``, zeros where the slot is -1.
 
     - ``states``: ``[num_slots, *state_shape]`` fp32/fp16/bf16, any strides (e.g.
@@ -245,7 +245,8 @@ def mamba_state_gather_ref(states: torch.Tensor, slot_ids: torch.Tensor,
     return out
 
 
-def mamba_state_scatter_ref(states: torch.Tensor, slot_ids: torch.Tensor, src: torch.Tensor) -> None:
+def mamba_state_scatter_ref(states: torch.Tensor, slot_ids: torch.Tensor,
+                            src: torch.Tensor) -> None:
     """Reference: one advanced-index assignment of the rows whose slot is not -1."""
     n = slot_ids.numel()
     valid = slot_ids >= 0
@@ -306,9 +307,11 @@ class MambaStateCase(TuneCase):
 
     def run(self, config: KernelConfig) -> None:
         if self.name == GATHER:
-            mamba_state_gather(self.states, self.slot_ids, self.rows, config=config, backend="triton")
+            mamba_state_gather(self.states, self.slot_ids, self.rows, config=config,
+                               backend="triton")
         else:
-            mamba_state_scatter(self.states, self.slot_ids, self.rows, config=config, backend="triton")
+            mamba_state_scatter(self.states, self.slot_ids, self.rows, config=config,
+                                backend="triton")
 
     def run_reference(self) -> None:
         if self.name == GATHER:
@@ -343,7 +346,8 @@ def _mamba_state_gather_fake(states, slot_ids):
 
 
 @custom_op("dynctx::mamba_state_scatter", mutates_args=("states",))
-def _mamba_state_scatter_op(states: torch.Tensor, slot_ids: torch.Tensor, src: torch.Tensor) -> None:
+def _mamba_state_scatter_op(states: torch.Tensor, slot_ids: torch.Tensor,
+                            src: torch.Tensor) -> None:
     mamba_state_scatter(states, slot_ids, src, backend=None)
 
 

@@ -47,7 +47,8 @@ if HAS_TRITON:
         offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
         offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
         mask_t = offs_t < num_tokens
-        block = tl.load(block_ids_ptr + offs_t * stride_block_ids, mask=mask_t, other=0).to(tl.int64)
+        block = tl.load(block_ids_ptr + offs_t * stride_block_ids, mask=mask_t,
+                        other=0).to(tl.int64)
         slot = tl.load(slots_ptr + offs_t * stride_slots, mask=mask_t, other=0).to(tl.int64)
         is_latent = offs_c < kv_lora_rank
         is_rope = (offs_c >= kv_lora_rank) & (offs_c < kv_lora_rank + rope_dim)
@@ -82,7 +83,8 @@ def _check_inputs(latent_cache, kv_latent, k_rope, block_ids, slots):
         if tensor.shape[0] < n:
             raise ValueError(f"{name} has {tensor.shape[0]} rows, fewer than the {n} tokens")
         if tensor.dtype != latent_cache.dtype:
-            raise ValueError(f"{name} dtype {tensor.dtype} != latent_cache dtype {latent_cache.dtype}")
+            raise ValueError(f"{name} dtype {tensor.dtype} != latent_cache dtype "
+                             f"{latent_cache.dtype}")
     check_block_slots(block_ids, slots)
     check_same_device((("kv_latent", kv_latent), ("k_rope", k_rope), ("block_ids", block_ids),
                        ("slots", slots)), "latent_cache", latent_cache)
@@ -158,7 +160,8 @@ def mla_latent_append_configs(key: dict) -> list[KernelConfig]:
             for num_warps in (4, 8):
                 if num_warps == 8 and tile < 32 * 8:
                     continue
-                configs.append(KernelConfig.make(BLOCK_T=block_t, BLOCK_C=block_c, num_warps=num_warps))
+                configs.append(KernelConfig.make(BLOCK_T=block_t, BLOCK_C=block_c,
+                                                 num_warps=num_warps))
     return configs
 
 
@@ -209,7 +212,8 @@ class MlaLatentAppendCase(BufferWriteCase):
         bs = self.BLOCK_SIZE
         gen = torch.Generator().manual_seed(0)
         num_blocks, block_ids, slots = paged_targets(n, bs, gen)
-        self.buffer = torch.randn(1, num_blocks, bs, rank + rope_dim, generator=gen).to(device, dtype)
+        self.buffer = torch.randn(1, num_blocks, bs, rank + rope_dim,
+                                  generator=gen).to(device, dtype)
         self.initial = self.buffer.clone()
         self.kv_latent = torch.randn(n, rank, generator=gen).to(device, dtype)
         self.k_rope = torch.randn(n, rope_dim, generator=gen).to(device, dtype)

@@ -11,8 +11,9 @@ Two kernels behind one launcher, ``paged_attention``:
   is ``BLOCK_M // G`` query tokens of one request times the ``G`` query heads of one KV head
   (each K/V tile again loaded once for the group), and walks the request's keys up to its last
   token's position. In a mixed step the leading ``num_decode_requests`` (the context puts decode
-  requests first) still take the decode kernel; the varlen kernel gets the rest. Query ``j`` of a request with ``q`` queries and
-  ``kv`` cached tokens sits at position ``kv - q + j`` (a chunk may start mid-sequence).
+  requests first) still take the decode kernel; the varlen kernel gets the rest. Query ``j`` of
+  a request with ``q`` queries and ``kv`` cached tokens sits at position ``kv - q + j`` (a chunk
+  may start mid-sequence).
 
 Both read only the slots ``< kv_seq_lengths[i]`` of a request: block-table entries past them
 (``-1`` or stale) are never dereferenced, and stale or NaN bytes in the cache never reach an
@@ -81,7 +82,8 @@ def paged_attention_decode_tune_key(*, num_q_heads: int, num_kv_heads: int, head
                                     ) -> dict:
     return {"num_q_heads": int(num_q_heads), "num_kv_heads": int(num_kv_heads),
             "head_dim": int(head_dim), "dtype": dtype_name(dtype),
-            "num_requests": bucket_tokens(num_requests), "max_seqlen_k": bucket_tokens(max_seqlen_k)}
+            "num_requests": bucket_tokens(num_requests),
+            "max_seqlen_k": bucket_tokens(max_seqlen_k)}
 
 
 def paged_attention_varlen_configs(key: dict) -> list[KernelConfig]:
@@ -241,7 +243,8 @@ if HAS_TRITON:
         BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
         SPLIT_TOKENS: tl.constexpr, IEEE_DOT: tl.constexpr,
     ):
-        """One (request, KV head, split): online softmax of the group's queries over the split's keys."""
+        """One (request, KV head, split): online softmax of the group's queries over the split's
+        keys."""
         request = tl.program_id(0).to(tl.int64)
         kv_head = tl.program_id(1).to(tl.int64)
         split = tl.program_id(2).to(tl.int64)
@@ -319,7 +322,8 @@ if HAS_TRITON:
         stride_lse_request, stride_lse_head,
         BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
     ):
-        """out[token of request, head] = the splits' partial outputs weighted by their softmax mass."""
+        """out[token of request, head] = the splits' partial outputs weighted by their softmax
+        mass."""
         request = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1).to(tl.int64)
         q_start = tl.load(cu_query_lengths_ptr + request).to(tl.int64)
@@ -356,7 +360,8 @@ if HAS_TRITON:
     ):
         """TILE_TOKENS query tokens of one request x the G query heads of one KV head, causal.
 
-        BLOCK_M (the config's row count) sets TILE_TOKENS = max(1, BLOCK_M // BLOCK_G) on the host."""
+        BLOCK_M (the config's row count) sets TILE_TOKENS = max(1, BLOCK_M // BLOCK_G) on the
+        host."""
         request = tl.program_id(0).to(tl.int64)
         tile = tl.program_id(1).to(tl.int64)
         kv_head = tl.program_id(2).to(tl.int64)
@@ -447,7 +452,8 @@ def _check_inputs(query, key_cache, value_cache, cu_query_lengths, kv_seq_length
         if cache.dtype != query.dtype:
             raise ValueError(f"{name} dtype {cache.dtype} != query dtype {query.dtype}")
         if cache.stride(-1) != 1:
-            raise ValueError(f"{name} must have a contiguous last dim, got strides {cache.stride()}")
+            raise ValueError(f"{name} must have a contiguous last dim, "
+                             f"got strides {cache.stride()}")
     if key_cache.shape != value_cache.shape:
         raise ValueError(f"value_cache shape {tuple(value_cache.shape)} != key_cache shape "
                          f"{tuple(key_cache.shape)}")

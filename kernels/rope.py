@@ -115,7 +115,8 @@ if HAS_TRITON:
     @triton.jit
     def _rope_rotate_program(x_ptr, table_ptr, positions_ptr, head_tile, num_tokens, num_heads,
                              mscale, stride_x_token, stride_x_head, stride_x_dim, stride_table_pos,
-                             stride_table_dim, stride_positions, ROT_DIM: tl.constexpr, HALF_BLOCK: tl.constexpr, LAYOUT: tl.constexpr,
+                             stride_table_dim, stride_positions, ROT_DIM: tl.constexpr,
+                             HALF_BLOCK: tl.constexpr, LAYOUT: tl.constexpr,
                              TABLE_IS_FREQS: tl.constexpr, BLOCK_T: tl.constexpr,
                              BLOCK_H: tl.constexpr):
         """Rotate this program's [BLOCK_T] tokens x head tile ``head_tile`` of ``x`` in place.
@@ -480,7 +481,8 @@ def fused_qk_rope_presets() -> list[dict]:
     return keys
 
 
-def _tune_check_bound(expected: torch.Tensor, dtype: torch.dtype, input_scale: float) -> torch.Tensor:
+def _tune_check_bound(expected: torch.Tensor, dtype: torch.dtype,
+                      input_scale: float) -> torch.Tensor:
     """The tune-time acceptance bound of a candidate config (not a test tolerance: the tests
     state theirs in ``tests/tolerances.py``): one ulp of ``dtype`` at the fp32 reference value,
     plus 8 fp32 eps times the input scale for fp32 cos/sin and FMA differences."""

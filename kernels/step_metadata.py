@@ -74,7 +74,8 @@ if HAS_TRITON:
         """Write the six per-token arrays for a tile of real tokens."""
         block_cols = positions // block_size
         # A position past the table reads nothing (the reference raises instead).
-        blocks = tl.load(block_table_ptr + requests * stride_table_row + block_cols * stride_table_col,
+        blocks = tl.load(block_table_ptr + requests * stride_table_row
+                         + block_cols * stride_table_col,
                          mask=mask & (block_cols < max_blocks), other=-1).to(tl.int64)
         _store_token_outputs(input_ids_ptr, pos_ids_ptr, request_idx_ptr, block_idx_ptr,
                              position_ptr, local_slot_ptr, stride_input_ids, stride_pos_ids,
@@ -164,11 +165,12 @@ if HAS_TRITON:
             for start in range(0, max_blocks, BLOCK_C):
                 cols = start + offs_c
                 mask_c = cols < max_blocks
-                # tl.where, not `&`: a scalar & vector mask loses its bool dtype under the interpreter.
+                # tl.where, not `&`: a scalar & vector mask loses its bool dtype under the
+                # interpreter.
                 blocks = tl.load(block_table_ptr + row * stride_table_row + cols * stride_table_col,
                                  mask=tl.where(is_active, mask_c, False), other=-1)
-                tl.store(attn_block_table_ptr + row * stride_attn_row + cols * stride_attn_col, blocks,
-                         mask=mask_c)
+                tl.store(attn_block_table_ptr + row * stride_attn_row + cols * stride_attn_col,
+                         blocks, mask=mask_c)
 
 
 def _check_tensor(name: str, t, *, dims: int, dtypes: tuple, device, min_rows: int) -> None:
@@ -326,7 +328,8 @@ def step_metadata_ref(token_to_input_ids: torch.Tensor, token_to_pos_ids: torch.
     # Decode rows feed their pending token; prefill rows their prompt, in order after the decode
     # tokens (index -1 picks the trailing 0 for decode tokens).
     is_decode = request < num_decode
-    prompt = torch.cat([prompt_tokens[:max(n - num_decode, 0)].long(), prompt_tokens.new_zeros(1).long()])
+    prompt = torch.cat([prompt_tokens[:max(n - num_decode, 0)].long(),
+                        prompt_tokens.new_zeros(1).long()])
     input_ids = torch.where(is_decode, next_tokens.long()[request],
                             prompt[torch.where(is_decode, -1, token - num_decode)])
 
@@ -379,7 +382,8 @@ def step_metadata_tune_key(*, max_blocks: int, block_size: int, num_tokens: int,
 def scaled_down_key(key: dict) -> dict:
     """A committed key made small enough for the interpreter: at most 4 requests and 8 tokens,
     the table shape and the decode/prefill mix kept (the search space depends on none)."""
-    return {**key, "num_requests": min(key["num_requests"], 4), "num_tokens": min(key["num_tokens"], 8)}
+    return {**key, "num_requests": min(key["num_requests"], 4),
+            "num_tokens": min(key["num_tokens"], 8)}
 
 
 class _StepMetadataCase(TuneCase):
@@ -399,7 +403,8 @@ class _StepMetadataCase(TuneCase):
             query_lengths[num_decode:] = share
             query_lengths[-1] += tokens - num_decode - share * num_prefill
         capacity = max_blocks * block_size
-        kv_offsets = (torch.rand(requests, generator=gen) * (capacity - query_lengths).clamp(min=0)).long()
+        kv_offsets = (torch.rand(requests, generator=gen)
+                      * (capacity - query_lengths).clamp(min=0)).long()
         self.args = dict(
             block_table=torch.randint(0, 1 << 20, (requests, max_blocks), generator=gen,
                                       dtype=torch.int32).to(device),
@@ -408,13 +413,15 @@ class _StepMetadataCase(TuneCase):
             cu_query_lengths=torch.cat([torch.zeros(1, dtype=torch.int64), query_lengths.cumsum(0)]
                                        ).to(torch.int32).to(device),
             next_tokens=torch.randint(0, 1 << 16, (requests,), generator=gen).to(device),
-            prompt_tokens=torch.randint(0, 1 << 16, (tokens - num_decode,), generator=gen).to(device),
+            prompt_tokens=torch.randint(0, 1 << 16, (tokens - num_decode,),
+                                        generator=gen).to(device),
         )
         self.sizes = dict(num_requests=requests, num_decode=num_decode, active_tokens=tokens,
                           padded_tokens=tokens, padded_requests=requests, row_offset=0,
                           block_size=block_size, dummy_block=(1 << 20))
         self.outputs = self._new_outputs(requests, tokens, max_blocks, device)
-        self.bytes_moved = 6 * 8 * tokens + 2 * 4 * requests * max_blocks + (4 + 4 + 4 + 8) * requests
+        self.bytes_moved = (6 * 8 * tokens + 2 * 4 * requests * max_blocks
+                            + (4 + 4 + 4 + 8) * requests)
 
     @staticmethod
     def _new_outputs(requests, tokens, max_blocks, device):

@@ -3,8 +3,7 @@
 from .deepseek import DeepseekV2Adapter
 from .llama import LlamaAdapter
 from .nemotron_h import NemotronHAdapter
-from .paged_attention import (PagedAttention, paged_attention_torch,
-                              resolve_attention_backend)
+from .paged_attention import PagedAttention, paged_attention_torch, resolve_attention_backend
 
 __all__ = ["DeepseekV2Adapter", "LlamaAdapter", "NemotronHAdapter", "PagedAttention",
            "paged_attention_torch", "resolve_attention_backend"]

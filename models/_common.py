@@ -234,5 +234,5 @@ class PagedMhaAdapter(PagedAdapter):
 
 
 __all__ = ["ACTIVATIONS", "ROPE_MODES", "STATIC_ROPE_TYPES", "PagedAdapter", "PagedMhaAdapter",
-           "activation", "check_model_class", "gated_mlp", "mha_cache_problems", "placement", "rms_norm",
-           "static_rotary", "weight_taker"]
+           "activation", "check_model_class", "gated_mlp", "mha_cache_problems", "placement",
+           "rms_norm", "static_rotary", "weight_taker"]

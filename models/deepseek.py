@@ -50,8 +50,18 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
-from ._common import (ACTIVATIONS, ROPE_MODES, PagedAdapter, activation, check_model_class,
-                      gated_mlp, placement, rms_norm, static_rotary, weight_taker)
+from ._common import (
+    ACTIVATIONS,
+    ROPE_MODES,
+    PagedAdapter,
+    activation,
+    check_model_class,
+    gated_mlp,
+    placement,
+    rms_norm,
+    static_rotary,
+    weight_taker,
+)
 from .paged_attention import _TorchRowGroup, torch_row_groups
 
 ATTENTION_FORMS = ("decompress", "absorbed")

@@ -29,8 +29,19 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
-from ._common import (ACTIVATIONS, ROPE_MODES, PagedMhaAdapter, activation, check_model_class,
-                      gated_mlp, mha_cache_problems, placement, rms_norm, static_rotary, weight_taker)
+from ._common import (
+    ACTIVATIONS,
+    ROPE_MODES,
+    PagedMhaAdapter,
+    activation,
+    check_model_class,
+    gated_mlp,
+    mha_cache_problems,
+    placement,
+    rms_norm,
+    static_rotary,
+    weight_taker,
+)
 
 
 class LlamaLayerWeights(SimpleNamespace):

@@ -42,8 +42,15 @@ from typing import Any, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from ._common import (ACTIVATIONS, PagedMhaAdapter, activation, check_model_class,
-                      mha_cache_problems, placement, weight_taker)
+from ._common import (
+    ACTIVATIONS,
+    PagedMhaAdapter,
+    activation,
+    check_model_class,
+    mha_cache_problems,
+    placement,
+    weight_taker,
+)
 
 _ACTIVATIONS = {"relu2": lambda x: torch.square(F.relu(x)), "relu": F.relu, **ACTIVATIONS}
 _LAYER_SYMBOLS = {"linear_attention": "M", "full_attention": "*", "mlp": "-", "moe": "E"}

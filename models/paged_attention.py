@@ -300,7 +300,8 @@ class PagedAttention:
     names the one that runs. ``"torch"`` groups requests by their lengths on the host (fast on a
     CPU); ``"torch_static"`` pads the decode and the prefill requests to the step's bounds
     ``max_seqlen_q``/``max_seqlen_k``, so every shape is fixed by them and nothing is read back:
-    the torch version a CUDA graph can capture. Call ``plan`` once per step, then the object once per layer.
+    the torch version a CUDA graph can capture. Call ``plan`` once per step, then the object once
+    per layer.
     """
 
     def __init__(self, *, num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int,

@@ -149,9 +149,9 @@ def _import_megatron():
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        from megatron.core.inference.contexts import dynamic_context as mdc
         from megatron.core.inference import inference_request as mir
         from megatron.core.inference import sampling_params as msp
+        from megatron.core.inference.contexts import dynamic_context as mdc
     return mdc, mir, msp
 
 

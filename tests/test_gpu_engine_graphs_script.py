@@ -3,14 +3,10 @@ pipeline (engine eager, engine with graph dimensions, transformers' static-cache
 the --tiny model. Numbers are never asserted; what the results file holds is."""
 
 import json
-import sys
-from pathlib import Path
 
+import gpu_engine_graphs as geg  # bench/, on sys.path through pyproject's pytest `pythonpath`
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-import gpu_engine_graphs as geg  # noqa: E402
 
 
 def test_defaults_are_the_issue_workload():

@@ -17,18 +17,28 @@ from __future__ import annotations
 
 import pytest
 import torch
+from e2e_helpers import (
+    FP32_LOGITS_ATOL,
+    PrefixLogits,
+    assert_matches_transformers,
+    assert_pressure_stats,
+    assert_requests_match_greedy,
+    case_engine_sizes,
+    greedy_requests,
+    hf_greedy,
+    make_prompts,
+    pressure_workload,
+    refuse_torch_references,
+    worst_logit_error,
+)
+from e2e_helpers import build_engine as build_engine_in_blocks
+from e2e_helpers import gib_for_blocks as gib_for_blocks_of
 from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
 
 from dynctx.engine import Engine
 from dynctx.kernels import _backend
 from dynctx.models import DeepseekV2Adapter
 from dynctx.models.deepseek import mla_block_bytes
-from e2e_helpers import (FP32_LOGITS_ATOL, PrefixLogits, assert_matches_transformers,
-                         assert_pressure_stats, assert_requests_match_greedy, case_engine_sizes,
-                         greedy_requests, hf_greedy, make_prompts, pressure_workload,
-                         refuse_torch_references, worst_logit_error)
-from e2e_helpers import build_engine as build_engine_in_blocks
-from e2e_helpers import gib_for_blocks as gib_for_blocks_of
 
 
 def tiny_deepseek(*, seed: int = 0, vocab: int = 128, hidden: int = 64, layers: int = 2,

@@ -6,12 +6,19 @@ transformers' as without graphs. With capture on: tests/e2e/test_graph_replay.py
 from __future__ import annotations
 
 import pytest
+from e2e_helpers import (
+    FP32_LOGITS_ATOL,
+    assert_pressure_stats,
+    assert_requests_match_greedy,
+    build_engine,
+    case_engine_sizes,
+    pressure_workload,
+    tiny_llama,
+    worst_logit_error,
+)
+from test_llama_engine import BASE_GENS, BASE_LENGTHS
 
 from dynctx.context.cuda_graphs import graph_fits_step
-from e2e_helpers import (FP32_LOGITS_ATOL, assert_pressure_stats, assert_requests_match_greedy,
-                         build_engine, case_engine_sizes, pressure_workload, tiny_llama,
-                         worst_logit_error)
-from test_llama_engine import BASE_GENS, BASE_LENGTHS
 
 CASE = dict(block_size=16, blocks=14, paused_blocks=3, max_tokens=32, max_requests=8, scale=1)
 

@@ -12,17 +12,32 @@ import contextlib
 
 import pytest
 import torch
+from e2e_helpers import (
+    DEVICES,
+    FP32_LOGITS_ATOL,
+    assert_matches_transformers,
+    assert_pressure_stats,
+    assert_requests_match_greedy,
+    build_engine,
+    case_engine_sizes,
+    greedy_requests,
+    make_prompts,
+    pressure_workload,
+    refuse_torch_references,
+    tiny_llama,
+    worst_logit_error,
+)
+from test_llama_engine import BASE_GENS, BASE_LENGTHS
 
 from dynctx.context import SamplingParams
 from dynctx.engine import Engine
-from dynctx.engine.graphs import (CudaGraphRunner, GraphStepContext, StandInGraphRunner,
-                                  static_plan_values)
+from dynctx.engine.graphs import (
+    CudaGraphRunner,
+    GraphStepContext,
+    StandInGraphRunner,
+    static_plan_values,
+)
 from dynctx.kernels import _backend
-from e2e_helpers import (DEVICES, FP32_LOGITS_ATOL, assert_matches_transformers,
-                         assert_pressure_stats, assert_requests_match_greedy, build_engine,
-                         case_engine_sizes, greedy_requests, make_prompts, pressure_workload,
-                         refuse_torch_references, tiny_llama, worst_logit_error)
-from test_llama_engine import BASE_GENS, BASE_LENGTHS
 
 CASE = dict(block_size=16, blocks=14, paused_blocks=3, max_tokens=32, max_requests=8, scale=1)
 
@@ -241,7 +256,8 @@ def test_a_forward_with_a_host_sync_is_refused_at_capture_naming_the_line():
 
 
 def test_the_hybrid_forward_is_refused_at_capture_naming_its_host_syncs():
-    from test_nemotron_h import build_engine as build_hybrid, tiny_nemotron_h
+    from test_nemotron_h import build_engine as build_hybrid
+    from test_nemotron_h import tiny_nemotron_h
 
     hf = tiny_nemotron_h()
     with pytest.raises(RuntimeError, match=r"cannot be captured.*models/nemotron_h\.py:\d+"):
@@ -386,7 +402,8 @@ def test_mla_dense_forward_replays_and_moe_routing_is_refused():
     """DeepSeek-V2 (MLA): the dense model captures and replays with the eager engine's tokens;
     the MoE routing reads the chosen experts back to the host (models/deepseek.py), so capture
     refuses it."""
-    from test_deepseek_mla import build_engine as build_mla, tiny_deepseek
+    from test_deepseek_mla import build_engine as build_mla
+    from test_deepseek_mla import tiny_deepseek
 
     sizes = dict(block_size=16, blocks=14, paused_blocks=3, max_tokens=32, max_requests=8,
                  kernel_backend="torch", num_cuda_graphs=4)

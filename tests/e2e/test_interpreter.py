@@ -7,11 +7,17 @@ from __future__ import annotations
 
 import pytest
 import torch
+from e2e_helpers import (
+    assert_matches_transformers,
+    gib_for_blocks,
+    greedy_requests,
+    make_prompts,
+    refuse_torch_references,
+    tiny_llama,
+)
 
 from dynctx.engine import Engine
 from dynctx.kernels import _backend
-from e2e_helpers import (assert_matches_transformers, gib_for_blocks, greedy_requests,
-                         make_prompts, refuse_torch_references, tiny_llama)
 
 pytestmark = [
     pytest.mark.interpreter,

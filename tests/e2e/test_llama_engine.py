@@ -10,14 +10,28 @@ from __future__ import annotations
 
 import pytest
 import torch
+from e2e_helpers import (
+    BF16_ATOL,
+    BF16_RTOL,
+    DEVICES,
+    FP32_LOGITS_ATOL,
+    PrefixLogits,
+    assert_matches_transformers,
+    assert_pressure_stats,
+    assert_requests_match_greedy,
+    build_engine,
+    case_engine_sizes,
+    greedy_requests,
+    hf_greedy,
+    make_prompts,
+    pressure_workload,
+    step_logit_errors,
+    tiny_llama,
+    worst_logit_error,
+)
 
 from dynctx.context import DynamicInferenceRequest, SamplingParams
 from dynctx.engine import Engine
-from e2e_helpers import (BF16_ATOL, BF16_RTOL, DEVICES, FP32_LOGITS_ATOL, PrefixLogits,
-                         assert_matches_transformers, assert_pressure_stats,
-                         assert_requests_match_greedy, build_engine, case_engine_sizes,
-                         greedy_requests, hf_greedy, make_prompts, pressure_workload,
-                         step_logit_errors, tiny_llama, worst_logit_error)
 
 BASE_LENGTHS = [1, 5, 17, 40, 3, 33, 16, 48, 2, 9, 31, 12, 20, 7, 45, 15]
 BASE_GENS = [40, 24, 40, 16, 40, 32, 40, 24, 40, 12, 40, 28, 36, 40, 20, 40]

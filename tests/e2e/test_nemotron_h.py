@@ -13,16 +13,24 @@ from __future__ import annotations
 
 import pytest
 import torch
+from e2e_helpers import (
+    FP32_LOGITS_ATOL,
+    assert_matches_transformers,
+    assert_pressure_stats,
+    assert_requests_match_greedy,
+    greedy_requests,
+    hf_greedy,
+    make_prompts,
+    refuse_torch_references,
+    worst_logit_error,
+)
+from e2e_helpers import build_engine as build_engine_in_blocks
+from e2e_helpers import gib_for_blocks as gib_for_blocks_of
 from transformers import NemotronHConfig, NemotronHForCausalLM
 
 from dynctx.engine import Engine
 from dynctx.kernels import _backend
 from dynctx.models import NemotronHAdapter
-from e2e_helpers import (FP32_LOGITS_ATOL, assert_matches_transformers, assert_pressure_stats,
-                         assert_requests_match_greedy, greedy_requests, hf_greedy, make_prompts,
-                         refuse_torch_references, worst_logit_error)
-from e2e_helpers import build_engine as build_engine_in_blocks
-from e2e_helpers import gib_for_blocks as gib_for_blocks_of
 
 
 def tiny_nemotron_h(*, seed: int = 0, pattern: str = "M*-M", vocab: int = 128, hidden: int = 64,

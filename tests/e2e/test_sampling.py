@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from e2e_helpers import gib_for_blocks, make_prompts, tiny_llama
 
 from dynctx.context import DynamicInferenceRequest, SamplingParams
 from dynctx.engine import Engine
 from dynctx.engine.sampling import filter_sorted_logits, sample
-from e2e_helpers import gib_for_blocks, make_prompts, tiny_llama
 
 
 def test_greedy_rows_take_the_argmax():

@@ -8,8 +8,11 @@ import pytest
 import torch
 
 from dynctx.kernels._backend import HAS_TRITON, triton_interpreting
-from dynctx.models.paged_attention import (PagedAttention, paged_attention_torch,
-                                           resolve_attention_backend)
+from dynctx.models.paged_attention import (
+    PagedAttention,
+    paged_attention_torch,
+    resolve_attention_backend,
+)
 
 
 def dense_reference(query, key_cache, value_cache, q_lens, kv_lens, block_table, scale):

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from e2e_helpers import gib_for_blocks, greedy_requests, make_prompts, tiny_llama
+from tolerances import LOG_SOFTMAX_TOLERANCE
 
 from dynctx.engine import Engine
 from dynctx.kernels import _backend
-from e2e_helpers import gib_for_blocks, greedy_requests, make_prompts, tiny_llama
-from tolerances import LOG_SOFTMAX_TOLERANCE
 
 pytestmark = [
     pytest.mark.interpreter,

@@ -11,10 +11,10 @@ import math
 
 import pytest
 import torch
+from tolerances import assert_rope_close
 
 from dynctx.kernels import _autotune
 from dynctx.kernels._common import bits
-from tolerances import assert_rope_close
 
 __all__ = ["DEVICE", "DTYPES", "POISONS", "assert_only_views_written", "assert_raises_naming",
            "assert_rotated_heads", "bits", "byte_view", "check_presets_share_space",
@@ -55,12 +55,14 @@ def token_layout(kind: str, block_size: int, num_blocks: int, gen: torch.Generat
         count = int(count)
         if what == "decode":
             for i in range(count):
-                slot = block_size - 1 if i == 0 else int(torch.randint(0, block_size, (1,), generator=gen))
+                slot = (block_size - 1 if i == 0
+                        else int(torch.randint(0, block_size, (1,), generator=gen)))
                 parts.append((free.pop(), slot))
         elif what == "prefill":
             start = 3 % block_size
             blocks = [free.pop() for _ in range(math.ceil((start + count) / block_size))]
-            parts += [(blocks[(start + t) // block_size], (start + t) % block_size) for t in range(count)]
+            parts += [(blocks[(start + t) // block_size], (start + t) % block_size)
+                      for t in range(count)]
         elif what == "pad":
             parts += [(dummy, 0)] * count
         else:

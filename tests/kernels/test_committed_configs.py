@@ -80,7 +80,8 @@ def test_configs_are_inside_the_search_space(path):
     for entry in data["entries"]:
         key, config = entry["key"], KernelConfig.from_dict(entry["config"])
         if fields is not None:
-            assert set(key) == fields, f"{path}: key {key} has not the fields of {tuning.name}'s keys"
+            assert set(key) == fields, (
+                f"{path}: key {key} has not the fields of {tuning.name}'s keys")
         tokens = key[tuning.token_field]
         assert _autotune.bucket_tokens(tokens) == tokens, f"{path}: raw token count in key {key}"
         assert config in tuning.configs(key), (
@@ -125,6 +126,6 @@ def test_committed_configs_match_the_reference(path):
         key = entry["key"] if device.type == "cuda" else scaled_down_key(tuning, entry["key"])
         assert config in tuning.configs(key), (
             f"{tuning.name}: {config} is in the space of {entry['key']} but not of the scaled-down "
-            f"key {key}; give kernels/{_registry.module_of(tuning)}.py a scaled_down_key(key) that keeps "
-            "the dimensions its search space depends on")
+            f"key {key}; give kernels/{_registry.module_of(tuning)}.py a scaled_down_key(key) "
+            "that keeps the dimensions its search space depends on")
         tuning.make_case(key, device).check(config)

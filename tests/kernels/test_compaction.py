@@ -8,6 +8,7 @@ the oracle's.
 
 import pytest
 import torch
+from kernel_test_utils import DEVICE, POISONS, assert_raises_naming, check_tune_case, poisoned
 
 from dynctx.kernels import _autotune
 from dynctx.kernels.compaction import (
@@ -17,7 +18,6 @@ from dynctx.kernels.compaction import (
     compact_requests_ref,
     compact_requests_tune_key,
 )
-from kernel_test_utils import DEVICE, POISONS, assert_raises_naming, check_tune_case, poisoned
 
 pytestmark = pytest.mark.interpreter
 
@@ -82,8 +82,9 @@ def _run_case(*, max_requests, max_blocks, plan_src, appends=None, new_token_off
                                         guard=GUARD)
             tokens_buf, tokens = poisoned((max_requests,), torch.int64, poison, device, guard=GUARD)
             if who == "oracle":
-                _oracle(table, tokens, src_table.cpu(), src_tokens.cpu(), new_tokens.cpu(), plan_src,
-                        append_col, append_block, new_token_offset, num_rows, clear_rows)
+                _oracle(table, tokens, src_table.cpu(), src_tokens.cpu(), new_tokens.cpu(),
+                        plan_src, append_col, append_block, new_token_offset, num_rows,
+                        clear_rows)
             else:
                 compact_requests(table, src_table, tokens, src_tokens, new_tokens, plan(plan_src),
                                  plan(append_col), plan(append_block),
@@ -101,12 +102,15 @@ CASES = [
     pytest.param(dict(max_requests=5, max_blocks=4, plan_src=[], clear_rows=4), id="clear_only"),
     pytest.param(dict(max_requests=1, max_blocks=3, plan_src=[0]), id="one_row"),
     pytest.param(dict(max_requests=9, max_blocks=7, plan_src=list(range(7))), id="identity_odd"),
-    pytest.param(dict(max_requests=6, max_blocks=5, plan_src=[1, 0, 3, 2, 4]), id="permutation_swaps"),
+    pytest.param(dict(max_requests=6, max_blocks=5, plan_src=[1, 0, 3, 2, 4]),
+                 id="permutation_swaps"),
     # Rows 1 and 3 finished: the tail survivors 5 and 4 fill the holes; rows 4, 5 are cleared.
-    pytest.param(dict(max_requests=8, max_blocks=5, plan_src=[0, 5, 2, 4], clear_rows=6), id="holes"),
+    pytest.param(dict(max_requests=8, max_blocks=5, plan_src=[0, 5, 2, 4], clear_rows=6),
+                 id="holes"),
     # Resumed rows get a block at their first free column: mid-table, the last column, column 0.
     pytest.param(dict(max_requests=6, max_blocks=6, plan_src=[0, 1, 2, -1],
-                      appends={0: (3, 900), 1: (5, 901), 3: (0, 902)}), id="appends_block_boundary"),
+                      appends={0: (3, 900), 1: (5, 901), 3: (0, 902)}),
+                 id="appends_block_boundary"),
     # Rows 0-2 are paused: they keep their pending token; rows from 3 on take the sampled one.
     pytest.param(dict(max_requests=9, max_blocks=4, plan_src=[2, 0, 1, 6, 3, 5, 4],
                       new_token_offset=3, num_new_tokens=4, clear_rows=9), id="paused_keep_token"),
@@ -173,7 +177,8 @@ def test_custom_op_matches_reference():
     new_tokens = torch.tensor([10, 11, 12], device=DEVICE)
     got = (torch.full_like(src_table, 3), torch.full_like(src_tokens, 3))
     expected = (torch.full_like(src_table, 3), torch.full_like(src_tokens, 3))
-    torch.ops.dynctx.compact_requests(got[0], src_table, got[1], src_tokens, new_tokens, *args, 2, 3, 4)
+    torch.ops.dynctx.compact_requests(got[0], src_table, got[1], src_tokens, new_tokens, *args,
+                                      2, 3, 4)
     compact_requests_ref(expected[0], src_table, expected[1], src_tokens, new_tokens, *args,
                          new_token_offset=2, num_rows=3, clear_rows=4)
     assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])

@@ -9,13 +9,25 @@ import importlib
 
 import pytest
 import torch
+from kernel_test_utils import (
+    DEVICE,
+    DTYPES,
+    bits,
+    check_presets_share_space,
+    check_tune_case,
+    token_layout,
+)
 
 from dynctx.kernels import _autotune
-from dynctx.kernels.kv_append import (kv_append, kv_append_configs, kv_append_default_config,
-                                      kv_append_op, kv_append_presets, kv_append_ref,
-                                      kv_append_tune_key)
-from kernel_test_utils import (DEVICE, DTYPES, bits, check_presets_share_space, check_tune_case,
-                               token_layout)
+from dynctx.kernels.kv_append import (
+    kv_append,
+    kv_append_configs,
+    kv_append_default_config,
+    kv_append_op,
+    kv_append_presets,
+    kv_append_ref,
+    kv_append_tune_key,
+)
 
 pytestmark = pytest.mark.interpreter
 
@@ -121,7 +133,8 @@ def test_config_space_covers_presets():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("config", [pytest.param(c, id=str(c)) for c in kv_append_configs(CONFIG_KEY)])
+@pytest.mark.parametrize("config",
+                         [pytest.param(c, id=str(c)) for c in kv_append_configs(CONFIG_KEY)])
 def test_every_config(config, dtype):
     check_against_reference(CONFIG_CASE, dtype, config=config)
 
@@ -134,7 +147,8 @@ def test_torch_backend_matches_reference(case):
 def test_default_config_in_space_and_key_buckets():
     for heads, dim in ((1, 16), (3, 80), (8, 128), (32, 256), (64, 512)):
         for n in (1, 37, 4096):
-            key = kv_append_tune_key(num_tokens=n, num_heads=heads, head_dim=dim, dtype=torch.float16)
+            key = kv_append_tune_key(num_tokens=n, num_heads=heads, head_dim=dim,
+                                     dtype=torch.float16)
             assert key["num_tokens"] == _autotune.bucket_tokens(n)
             assert kv_append_default_config(key) in kv_append_configs(key)
 
@@ -159,7 +173,8 @@ def _bad_inputs():
         pytest.param(lambda a: {**a, "slots": torch.empty_like(a["slots"], device="meta")}, "slots",
                      id="slots-device"),
         pytest.param(lambda a: {**a, "key": a["key"].to("meta")}, "key", id="key-device"),
-        pytest.param(lambda a: {**a, "key_cache": a["key_cache"][0], "value_cache": a["value_cache"][0]},
+        pytest.param(lambda a: {**a, "key_cache": a["key_cache"][0],
+                                "value_cache": a["value_cache"][0]},
                      "key_cache", id="key_cache-3d"),
         pytest.param(lambda a: {**a, "value_cache": a["value_cache"][:2]}, "value_cache",
                      id="value_cache-shape"),
@@ -176,7 +191,8 @@ def test_bad_inputs_raise(mutate, argname):
     buffer = torch.zeros(2, 1, 4, 4, 2, 8, device=DEVICE)
     # Views of one buffer, with a strided slot dim, so that a clone changes the strides.
     key_cache, value_cache = buffer[0, 0, :, ::2], buffer[1, 0, :, ::2]
-    args = dict(key_cache=key_cache, value_cache=value_cache, key=torch.zeros(3, 2, 8, device=DEVICE),
+    args = dict(key_cache=key_cache, value_cache=value_cache,
+                key=torch.zeros(3, 2, 8, device=DEVICE),
                 value=torch.zeros(3, 2, 8, device=DEVICE),
                 block_ids=torch.zeros(3, dtype=torch.int32, device=DEVICE),
                 slots=torch.zeros(3, dtype=torch.int64, device=DEVICE))
@@ -208,7 +224,8 @@ def test_override_file_config_is_launched(tmp_path, monkeypatch):
                   and c.kwargs["BLOCK_T"] == 4 and c.kwargs["BLOCK_H"] == 2)
     monkeypatch.setenv(_autotune.OVERRIDE_ENV, str(tmp_path))
     device = _autotune.device_name(DEVICE)
-    _autotune.write_cache_file(tmp_path / device / "kv_append.json", device=device, kernel="kv_append",
+    _autotune.write_cache_file(tmp_path / device / "kv_append.json", device=device,
+                               kernel="kv_append",
                                entries=[{"key": key, "config": chosen.to_dict(),
                                          "times_us": {"triton": 1.0}}],
                                versions={"triton": "test", "torch": "test"})

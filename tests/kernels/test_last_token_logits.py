@@ -8,6 +8,8 @@ the same (upcast) logits within LOG_SOFTMAX_TOLERANCE.
 
 import pytest
 import torch
+from kernel_test_utils import DEVICE, DTYPES, assert_raises_naming, check_tune_case, poisoned
+from tolerances import LOG_SOFTMAX_TOLERANCE
 
 from dynctx.kernels import _autotune
 from dynctx.kernels.last_token_logits import (
@@ -23,8 +25,6 @@ from dynctx.kernels.last_token_logits import (
     token_log_probs_ref,
     token_log_probs_tune_key,
 )
-from kernel_test_utils import DEVICE, DTYPES, assert_raises_naming, check_tune_case, poisoned
-from tolerances import LOG_SOFTMAX_TOLERANCE
 
 pytestmark = pytest.mark.interpreter
 
@@ -55,7 +55,8 @@ def _cu(query_lengths, padding_tokens):
     for q in query_lengths:
         cu.append(cu[-1] + q)
     cu += [cu[-1]] * 2
-    return torch.tensor(cu, dtype=torch.int32, device=DEVICE), cu[len(query_lengths)] + padding_tokens
+    return (torch.tensor(cu, dtype=torch.int32, device=DEVICE),
+            cu[len(query_lengths)] + padding_tokens)
 
 
 def _guarded(rows, cols, dtype):
@@ -87,7 +88,8 @@ def test_gather_matches_reference(query_lengths, padding, vocab_size, dtype):
     assert torch.equal(out, expected)
     _assert_guard_untouched(buf, num_requests, vocab_size)
     # Allocating form, and the [1, T, V] form the model hands over.
-    assert torch.equal(last_token_logits(logits[None], cu, num_requests, backend="triton"), expected)
+    assert torch.equal(last_token_logits(logits[None], cu, num_requests, backend="triton"),
+                       expected)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -110,7 +112,8 @@ def test_log_softmax_matches_reference(query_lengths, padding, vocab_size, dtype
     pytest.param(1, 77, id="one_token"),
     pytest.param(6, 9000, id="six_tokens_9000_vocab"),
 ])
-@pytest.mark.parametrize("return_full", [pytest.param(False, id="picked"), pytest.param(True, id="full")])
+@pytest.mark.parametrize("return_full",
+                         [pytest.param(False, id="picked"), pytest.param(True, id="full")])
 def test_token_log_probs_matches_reference(num_tokens, vocab_size, dtype, return_full):
     logits = _logits(num_tokens, vocab_size, dtype, seed=2)
     gen = torch.Generator().manual_seed(3)
@@ -131,7 +134,8 @@ def test_token_log_probs_int32_ids_and_3d_logits():
     logits = _logits(4, 300, torch.float16, seed=4)
     token_ids = torch.tensor([5, 0, 299, 17], dtype=torch.int32, device=DEVICE)
     got, _ = token_log_probs(logits[None], token_ids, backend="triton")
-    torch.testing.assert_close(got, token_log_probs_ref(logits, token_ids)[0], **LOG_SOFTMAX_TOLERANCE)
+    torch.testing.assert_close(got, token_log_probs_ref(logits, token_ids)[0],
+                               **LOG_SOFTMAX_TOLERANCE)
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
@@ -145,15 +149,16 @@ def test_invalid_indices_give_nan_without_reading_out_of_bounds():
     cu = torch.tensor([0, 1, 9], dtype=torch.int32, device=DEVICE)
     gathered = last_token_logits(logits, cu, 2, backend="triton")
     assert torch.equal(gathered[0], logits[0]) and torch.isnan(gathered[1]).all()
-    assert torch.isnan(last_token_logits(logits, cu, 2, log_softmax=True, backend="triton")[1]).all()
+    assert torch.isnan(
+        last_token_logits(logits, cu, 2, log_softmax=True, backend="triton")[1]).all()
 
 
 # Every config of each search space, on vocabularies with several tiles for the small blocks
 # (gather 2500 > 2 * 1024; log-softmax 9000 > 2 * 4096) and one partial tile for the large ones.
 SOFTMAX_VOCAB = 9000
 GATHER_KEY = last_token_logits_tune_key(vocab_size=2500, dtype=torch.bfloat16, num_requests=3)
-SOFTMAX_KEY = last_token_logits_tune_key(vocab_size=SOFTMAX_VOCAB, dtype=torch.bfloat16, num_requests=3,
-                                         log_softmax=True)
+SOFTMAX_KEY = last_token_logits_tune_key(vocab_size=SOFTMAX_VOCAB, dtype=torch.bfloat16,
+                                         num_requests=3, log_softmax=True)
 
 
 @pytest.mark.parametrize("config", [pytest.param(c, id=str(c))
@@ -179,13 +184,15 @@ def test_every_log_softmax_config(config):
     _assert_guard_untouched(buf, 3, SOFTMAX_VOCAB)
 
 
-@pytest.mark.parametrize("config", [pytest.param(c, id=str(c)) for c in token_log_probs_configs({})])
+@pytest.mark.parametrize("config",
+                         [pytest.param(c, id=str(c)) for c in token_log_probs_configs({})])
 def test_every_token_log_probs_config(config):
     logits = _logits(2, SOFTMAX_VOCAB, torch.float16, seed=8)
     # Row 0 peaks in its last tile, so the running max is rescaled on the way.
     logits[0, -5] = 40.0
     token_ids = torch.tensor([SOFTMAX_VOCAB - 5, 2499], device=DEVICE)
-    got, full = token_log_probs(logits, token_ids, return_full=True, config=config, backend="triton")
+    got, full = token_log_probs(logits, token_ids, return_full=True, config=config,
+                                backend="triton")
     expected, expected_full = token_log_probs_ref(logits, token_ids, return_full=True)
     torch.testing.assert_close(got, expected, **LOG_SOFTMAX_TOLERANCE)
     torch.testing.assert_close(full, expected_full, **LOG_SOFTMAX_TOLERANCE)
@@ -231,15 +238,21 @@ def _bad_calls():
     ids = torch.zeros(4, dtype=torch.int64, device=DEVICE)
     return [
         pytest.param(lambda: last_token_logits(logits.long(), cu, 2), "logits", id="int_logits"),
-        pytest.param(lambda: last_token_logits(logits[None, None], cu, 2), "logits", id="4d_logits"),
-        pytest.param(lambda: last_token_logits(torch.zeros(2, 4, 10), cu, 2), "logits", id="batch2"),
-        pytest.param(lambda: last_token_logits(logits, cu.long(), 2), "cu_query_lengths", id="cu_int64"),
+        pytest.param(lambda: last_token_logits(logits[None, None], cu, 2), "logits",
+                     id="4d_logits"),
+        pytest.param(lambda: last_token_logits(torch.zeros(2, 4, 10), cu, 2), "logits",
+                     id="batch2"),
+        pytest.param(lambda: last_token_logits(logits, cu.long(), 2), "cu_query_lengths",
+                     id="cu_int64"),
         pytest.param(lambda: last_token_logits(logits, cu, 3), "cu_query_lengths", id="cu_short"),
-        pytest.param(lambda: last_token_logits(logits, cu, -1), "num_requests", id="negative_requests"),
-        pytest.param(lambda: last_token_logits(logits, cu, 2, out=torch.empty(3, 10, device=DEVICE)),
+        pytest.param(lambda: last_token_logits(logits, cu, -1), "num_requests",
+                     id="negative_requests"),
+        pytest.param(lambda: last_token_logits(logits, cu, 2,
+                                               out=torch.empty(3, 10, device=DEVICE)),
                      "out", id="out_shape"),
         pytest.param(lambda: last_token_logits(logits.half(), cu, 2, log_softmax=True,
-                                               out=torch.empty(2, 10, dtype=torch.float16, device=DEVICE)),
+                                               out=torch.empty(2, 10, dtype=torch.float16,
+                                                               device=DEVICE)),
                      "out", id="out_dtype"),
         pytest.param(lambda: token_log_probs(logits, ids[:3]), "token_ids", id="ids_length"),
         pytest.param(lambda: token_log_probs(logits, ids.float()), "token_ids", id="ids_dtype"),

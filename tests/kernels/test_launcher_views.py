@@ -20,14 +20,23 @@ from typing import Callable
 
 import pytest
 import torch
-
-from dynctx.kernels import (compact_requests, fused_qk_rope, kv_append, last_token_logits,
-                            mamba_state_gather, mamba_state_scatter, mla_latent_append,
-                            rope_kv_append, step_metadata, token_log_probs)
-from dynctx.kernels._autotune import KernelConfig
-from dynctx.kernels.rope import make_rope_tables
 from kernel_test_utils import DEVICE, bits
 from tolerances import LOG_SOFTMAX_TOLERANCE, assert_rope_close
+
+from dynctx.kernels import (
+    compact_requests,
+    fused_qk_rope,
+    kv_append,
+    last_token_logits,
+    mamba_state_gather,
+    mamba_state_scatter,
+    mla_latent_append,
+    rope_kv_append,
+    step_metadata,
+    token_log_probs,
+)
+from dynctx.kernels._autotune import KernelConfig
+from dynctx.kernels.rope import make_rope_tables
 
 pytestmark = pytest.mark.interpreter
 

@@ -8,14 +8,21 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_test_utils import DEVICE, DTYPES, bits, check_presets_share_space, check_tune_case
 
 from dynctx.kernels import _autotune
-from dynctx.kernels.mamba_state import (mamba_state_configs, mamba_state_default_config,
-                                        mamba_state_gather, mamba_state_gather_op,
-                                        mamba_state_gather_ref, mamba_state_presets,
-                                        mamba_state_scatter, mamba_state_scatter_op,
-                                        mamba_state_scatter_ref, mamba_state_tune_key)
-from kernel_test_utils import DEVICE, DTYPES, bits, check_presets_share_space, check_tune_case
+from dynctx.kernels.mamba_state import (
+    mamba_state_configs,
+    mamba_state_default_config,
+    mamba_state_gather,
+    mamba_state_gather_op,
+    mamba_state_gather_ref,
+    mamba_state_presets,
+    mamba_state_scatter,
+    mamba_state_scatter_op,
+    mamba_state_scatter_ref,
+    mamba_state_tune_key,
+)
 
 pytestmark = pytest.mark.interpreter
 
@@ -64,7 +71,8 @@ def check_gather(case: dict, dtype, config=None, backend="triton", with_out=True
                                 device=DEVICE)
         out = out_buffer[GUARD:GUARD + n]
         out_before = bits(out_buffer).clone()
-        result = mamba_state_gather(states_view(buffer), slot_ids, out, config=config, backend=backend)
+        result = mamba_state_gather(states_view(buffer), slot_ids, out, config=config,
+                                    backend=backend)
         assert result.data_ptr() == out.data_ptr() and result.shape == out.shape
         for guard in (slice(0, GUARD), slice(GUARD + n, None)):
             assert torch.equal(bits(out_buffer[guard]), out_before[guard]), "guard rows written"
@@ -182,8 +190,10 @@ def _bad_inputs():
     """(mutation, argument named in the error, which launcher) triples."""
     both, gather, scatter = ("gather", "scatter"), ("gather",), ("scatter",)
     return [
-        pytest.param(lambda a: {**a, "states": a["states"].int()}, "states", both, id="states-dtype"),
-        pytest.param(lambda a: {**a, "states": a["states"][:, 0, 0]}, "states", both, id="states-1d"),
+        pytest.param(lambda a: {**a, "states": a["states"].int()}, "states", both,
+                     id="states-dtype"),
+        pytest.param(lambda a: {**a, "states": a["states"][:, 0, 0]}, "states", both,
+                     id="states-1d"),
         pytest.param(lambda a: {**a, "slot_ids": a["slot_ids"].float()}, "slot_ids", both,
                      id="slot_ids-float"),
         pytest.param(lambda a: {**a, "slot_ids": a["slot_ids"][None]}, "slot_ids", both,
@@ -197,7 +207,8 @@ def _bad_inputs():
         pytest.param(lambda a: {**a, "rows": a["rows"][:2]}, "src", scatter, id="src-rows"),
         pytest.param(lambda a: {**a, "rows": a["rows"][:, :, :2]}, "src", scatter, id="src-shape"),
         pytest.param(lambda a: {**a, "rows": a["rows"].double()}, "src", scatter, id="src-dtype"),
-        pytest.param(lambda a: {**a, "rows": a["rows"].to("meta")}, "src", scatter, id="src-device"),
+        pytest.param(lambda a: {**a, "rows": a["rows"].to("meta")}, "src", scatter,
+                     id="src-device"),
     ]
 
 

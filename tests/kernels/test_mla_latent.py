@@ -7,14 +7,25 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_test_utils import (
+    DEVICE,
+    DTYPES,
+    bits,
+    check_presets_share_space,
+    check_tune_case,
+    token_layout,
+)
 
 from dynctx.kernels import _autotune
-from dynctx.kernels.mla_latent import (mla_latent_append, mla_latent_append_configs,
-                                       mla_latent_append_default_config, mla_latent_append_op,
-                                       mla_latent_append_presets, mla_latent_append_ref,
-                                       mla_latent_append_tune_key)
-from kernel_test_utils import (DEVICE, DTYPES, bits, check_presets_share_space, check_tune_case,
-                               token_layout)
+from dynctx.kernels.mla_latent import (
+    mla_latent_append,
+    mla_latent_append_configs,
+    mla_latent_append_default_config,
+    mla_latent_append_op,
+    mla_latent_append_presets,
+    mla_latent_append_ref,
+    mla_latent_append_tune_key,
+)
 
 pytestmark = pytest.mark.interpreter
 
@@ -53,14 +64,16 @@ def build(case: dict, dtype, seed: int = 0):
                         dtype=dtype, device=DEVICE)
     block_ids, slots = token_layout(case["tokens"], bs, blocks, gen)
     n = block_ids.numel()
-    kv_latent, k_rope = make_inputs(case["layout"], n + case.get("extra_rows", 0), rank, rope, dtype, gen)
+    kv_latent, k_rope = make_inputs(case["layout"], n + case.get("extra_rows", 0), rank, rope,
+                                    dtype, gen)
     pad = (block_ids == blocks - 1).nonzero().flatten()
     if pad.numel() > 1:
         # Padding tokens share (dummy, 0): give them identical rows so the result is defined.
         for tensor in (kv_latent, k_rope):
             tensor[pad[1:]] = tensor[pad[0]].clone()
     index_dtype = case.get("index_dtype", torch.int32)
-    return buffer, kv_latent, k_rope, block_ids.to(DEVICE, index_dtype), slots.to(DEVICE, index_dtype)
+    return (buffer, kv_latent, k_rope, block_ids.to(DEVICE, index_dtype),
+            slots.to(DEVICE, index_dtype))
 
 
 def cache_view(buffer: torch.Tensor) -> torch.Tensor:
@@ -97,8 +110,8 @@ SHAPES = [
 ]
 
 # The preset space (512 + 64) and this case's space (500 + 40) are the same list.
-CONFIG_CASE = dict(rank=500, rope=40, block_size=16, num_blocks=8, tokens="decode:3+prefill:20+pad:4",
-                   layout="fused")
+CONFIG_CASE = dict(rank=500, rope=40, block_size=16, num_blocks=8,
+                   tokens="decode:3+prefill:20+pad:4", layout="fused")
 CONFIG_KEY = mla_latent_append_tune_key(num_tokens=27, kv_lora_rank=500, rope_dim=40,
                                         dtype=torch.bfloat16)
 
@@ -154,7 +167,8 @@ def _bad_inputs():
                      id="kv_latent-width"),
         pytest.param(lambda a: {**a, "k_rope": a["k_rope"][:2]}, "k_rope", id="k_rope-rows"),
         pytest.param(lambda a: {**a, "k_rope": a["k_rope"][None]}, "k_rope", id="k_rope-4d"),
-        pytest.param(lambda a: {**a, "k_rope": a["k_rope"].to("meta")}, "k_rope", id="k_rope-device"),
+        pytest.param(lambda a: {**a, "k_rope": a["k_rope"].to("meta")}, "k_rope",
+                     id="k_rope-device"),
         pytest.param(lambda a: {**a, "slots": a["slots"][:-1]}, "slots", id="slots-length"),
         pytest.param(lambda a: {**a, "block_ids": a["block_ids"].float()}, "block_ids",
                      id="block_ids-float"),
@@ -191,8 +205,9 @@ def test_custom_op_matches_reference():
 
 def test_custom_op_opcheck():
     buffer, kv_latent, k_rope, block_ids, slots = _op_args()
-    torch.library.opcheck(mla_latent_append_op, (cache_view(buffer.nan_to_num()), kv_latent.nan_to_num(),
-                                                 k_rope.nan_to_num(), block_ids, slots))
+    torch.library.opcheck(mla_latent_append_op, (cache_view(buffer.nan_to_num()),
+                                                 kv_latent.nan_to_num(), k_rope.nan_to_num(),
+                                                 block_ids, slots))
 
 
 def test_custom_op_compiles():
@@ -204,5 +219,6 @@ def test_custom_op_compiles():
         mla_latent_append_op(buffer[LAYER, 1:-1], kv_latent, k_rope, block_ids, slots)
         return buffer.sum()
 
-    torch.compile(step, backend="aot_eager", fullgraph=True)(buffer, kv_latent, k_rope, block_ids, slots)
+    torch.compile(step, backend="aot_eager", fullgraph=True)(buffer, kv_latent, k_rope, block_ids,
+                                                             slots)
     assert torch.equal(bits(buffer), bits(expected))

@@ -17,6 +17,7 @@ import math
 
 import pytest
 import torch
+from kernel_test_utils import DEVICE, assert_raises_naming, byte_view, check_tune_case
 
 from dynctx.kernels import _autotune
 from dynctx.kernels.paged_attention import (
@@ -31,7 +32,6 @@ from dynctx.kernels.paged_attention import (
     paged_attention_varlen_tune_key,
     scaled_down_key,
 )
-from kernel_test_utils import DEVICE, assert_raises_naming, byte_view, check_tune_case
 
 pytestmark = pytest.mark.interpreter
 

@@ -3,11 +3,11 @@
 Run: TRITON_INTERPRET=1 python -m pytest -q -m interpreter tests/kernels/test_rope.py
 (on a GPU the same tests run compiled on CUDA tensors).
 
-Tolerance (``rope_tolerance`` in ``tests/tolerances.py``): the reference runs in fp32 on the fp32 upcast of the very
-inputs the kernel sees, and the kernel's result must be within one ulp of its own dtype of that
-fp32 value, plus 8 fp32 eps times the input scale. One ulp because the GPU rounds fp32 -> bf16
-to nearest even (<= 0.5 ulp) while the Triton interpreter truncates (< 1 ulp); the eps term
-covers cos/sin computed by a different libm (numpy or libdevice vs torch) and FMA contraction.
+Tolerance (``rope_tolerance`` in ``tests/tolerances.py``): the reference runs in fp32 on the fp32
+upcast of the very inputs the kernel sees, and the kernel's result must be within one ulp of its own
+dtype of that fp32 value, plus 8 fp32 eps times the input scale. One ulp because the GPU rounds
+fp32 -> bf16 to nearest even (<= 0.5 ulp) while the Triton interpreter truncates (< 1 ulp); the eps
+term covers cos/sin computed by a different libm (numpy or libdevice vs torch) and FMA contraction.
 In fp32 that is a few ulps. Everything the kernel must not write (rows >= n, dims >= rot,
 neighbouring tensors of a fused qkv buffer) is compared bit for bit.
 """
@@ -19,13 +19,17 @@ import importlib
 
 import pytest
 import torch
+from kernel_test_utils import assert_only_views_written, assert_rotated_heads, preset_configs
+from tolerances import assert_rope_close
 
 from dynctx.kernels import _autotune
 from dynctx.kernels._backend import triton_interpreting
-from dynctx.kernels.rope import (cos_sin_cache_from_freqs, fused_qk_rope,
-                                 fused_qk_rope_ref, make_rope_tables)
-from kernel_test_utils import assert_only_views_written, assert_rotated_heads, preset_configs
-from tolerances import assert_rope_close
+from dynctx.kernels.rope import (
+    cos_sin_cache_from_freqs,
+    fused_qk_rope,
+    fused_qk_rope_ref,
+    make_rope_tables,
+)
 
 pytestmark = pytest.mark.interpreter
 

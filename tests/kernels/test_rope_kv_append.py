@@ -17,14 +17,18 @@ import importlib
 
 import pytest
 import torch
+from kernel_test_utils import (
+    assert_only_views_written,
+    assert_rotated_heads,
+    byte_view,
+    preset_configs,
+)
+from tolerances import assert_rope_close
 
 from dynctx.kernels import _autotune
 from dynctx.kernels._backend import triton_interpreting
 from dynctx.kernels.rope import LAYOUTS, TABLES, fused_qk_rope, make_rope_tables
 from dynctx.kernels.rope_kv_append import rope_kv_append, rope_kv_append_ref
-from kernel_test_utils import (assert_only_views_written, assert_rotated_heads, byte_view,
-                               preset_configs)
-from tolerances import assert_rope_close
 
 pytestmark = pytest.mark.interpreter
 
@@ -142,7 +146,9 @@ def run_and_check(case: Case, config=None) -> None:
                    slots, **_kwargs(case), config=config, backend="triton")
 
     n, rot = case.n, case.rot
-    squeeze = (lambda t: t[:, 0] if t.dim() == 4 else t)
+    def squeeze(t):
+        return t[:, 0] if t.dim() == 4 else t
+
     before_q, before_k, before_v = (squeeze(t) for t in views(snapshot))
     for name, got, want, before in (("query", query, expected[0], before_q),
                                     ("key", key, expected[1], before_k)):
@@ -156,13 +162,16 @@ def run_and_check(case: Case, config=None) -> None:
     key_cache, value_cache = buffer[0, LAYER].cpu(), buffer[1, LAYER].cpu()
     assert_rope_close(key_cache[blocks, offsets],
                       expected_buffer[0, LAYER].cpu()[blocks, offsets], case.mscale, "key_cache")
-    assert torch.equal(byte_view(key_cache[blocks, offsets]), byte_view(squeeze(key).cpu()[:n][written]))
-    assert torch.equal(byte_view(value_cache[blocks, offsets]), byte_view(before_v.cpu()[:n][written]))
+    assert torch.equal(byte_view(key_cache[blocks, offsets]),
+                       byte_view(squeeze(key).cpu()[:n][written]))
+    assert torch.equal(byte_view(value_cache[blocks, offsets]),
+                       byte_view(before_v.cpu()[:n][written]))
     # every other byte of the poisoned buffer is untouched
     restored = buffer.clone()
     restored[:, LAYER, blocks.to(DEVICE), offsets.to(DEVICE)] = buffer_snapshot[
         :, LAYER, blocks.to(DEVICE), offsets.to(DEVICE)]
-    assert torch.equal(byte_view(restored), byte_view(buffer_snapshot)), "cache written outside targets"
+    assert torch.equal(byte_view(restored), byte_view(buffer_snapshot)), (
+        "cache written outside targets")
     assert_only_views_written(base, snapshot, views, (case.query, True, True),
                               "bytes outside q/k/v written")
 

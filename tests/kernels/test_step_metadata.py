@@ -8,18 +8,18 @@ buffer must equal the oracle's. Inputs carry junk past the entries the kernel ma
 
 import pytest
 import torch
+from kernel_test_utils import DEVICE, POISONS, assert_raises_naming, check_tune_case, poisoned
 
 from dynctx.kernels import _autotune
 from dynctx.kernels.step_metadata import (
     TOKEN_OUTPUTS,
+    scaled_down_key,
     step_metadata,
     step_metadata_configs,
     step_metadata_default_config,
     step_metadata_ref,
     step_metadata_tune_key,
-    scaled_down_key,
 )
-from kernel_test_utils import DEVICE, POISONS, assert_raises_naming, check_tune_case, poisoned
 
 pytestmark = pytest.mark.interpreter
 
@@ -65,7 +65,8 @@ def _run_case(*, query_lengths, num_decode, kv_offsets, block_size=4, max_blocks
     padded_tokens, padded_requests = active_tokens + pad_tokens, num_requests + pad_rows
     gen = torch.Generator().manual_seed(seed)
     # Distinct block ids per row; a junk row below the active ones.
-    table = torch.randperm(10_000, generator=gen)[:(num_requests + 1) * max_blocks].view(-1, max_blocks)
+    table = torch.randperm(10_000, generator=gen)[:(num_requests + 1) * max_blocks].view(
+        -1, max_blocks)
     block_table = table.to(torch.int32).to(DEVICE)
     if strided_tables:
         wide = torch.full((num_requests + 1, max_blocks + 5), 31, dtype=torch.int32, device=DEVICE)
@@ -85,8 +86,8 @@ def _run_case(*, query_lengths, num_decode, kv_offsets, block_size=4, max_blocks
         prompt_tokens=_with_junk(prompt_tokens, token_dtype),
     )
     sizes = dict(num_requests=num_requests, num_decode=num_decode, active_tokens=active_tokens,
-                 padded_tokens=padded_tokens, padded_requests=padded_requests, row_offset=row_offset,
-                 block_size=block_size, dummy_block=DUMMY_BLOCK)
+                 padded_tokens=padded_tokens, padded_requests=padded_requests,
+                 row_offset=row_offset, block_size=block_size, dummy_block=DUMMY_BLOCK)
     for poison in POISONS:
         results = {}
         for who in ("triton", "torch", "oracle"):
@@ -122,7 +123,8 @@ CASES = [
     # Positions at the start, the end and the middle of blocks; padding tokens and rows.
     pytest.param(dict(query_lengths=[1] * 7, num_decode=7, kv_offsets=[0, 3, 4, 7, 8, 13, 23],
                       pad_tokens=3, pad_rows=2), id="decode7_padded"),
-    pytest.param(dict(query_lengths=[5, 1, 9], num_decode=0, kv_offsets=[0, 3, 6]), id="prefill_only"),
+    pytest.param(dict(query_lengths=[5, 1, 9], num_decode=0, kv_offsets=[0, 3, 6]),
+                 id="prefill_only"),
     # Decode rows, a new prefill, and a chunked prefill last; paused rows before (row_offset).
     pytest.param(dict(query_lengths=[1, 1, 1, 6, 7], num_decode=3, kv_offsets=[7, 8, 3, 0, 16],
                       row_offset=2, pad_tokens=2, pad_rows=1), id="mixed_chunked_paused"),
@@ -130,7 +132,8 @@ CASES = [
                  id="prefill_ends_at_block_boundary"),
     # Nine prefill rows: a four-step binary search for each token's request.
     pytest.param(dict(query_lengths=[1, 1, 3, 1, 4, 1, 5, 9, 2, 6, 5], num_decode=2,
-                      kv_offsets=[0, 23, 1, 2, 3, 4, 5, 6, 7, 8, 9], pad_tokens=1), id="many_prefills"),
+                      kv_offsets=[0, 23, 1, 2, 3, 4, 5, 6, 7, 8, 9], pad_tokens=1),
+                 id="many_prefills"),
     pytest.param(dict(query_lengths=[1, 45], num_decode=1, kv_offsets=[2, 0], max_blocks=12,
                       pad_tokens=19), id="long_prefill_many_tiles"),
     pytest.param(dict(query_lengths=[1, 1, 3], num_decode=2, kv_offsets=[9, 0, 2],
@@ -174,7 +177,8 @@ def test_tune_cases_check_at_scaled_down_presets():
 
 
 def _small_step():
-    outputs = {name: torch.full((6,), 9, dtype=torch.int64, device=DEVICE) for name in TOKEN_OUTPUTS}
+    outputs = {name: torch.full((6,), 9, dtype=torch.int64, device=DEVICE)
+               for name in TOKEN_OUTPUTS}
     outputs["attn_block_table"] = torch.full((3, 4), 9, dtype=torch.int32, device=DEVICE)
     inputs = dict(
         block_table=torch.arange(8, dtype=torch.int32, device=DEVICE).view(2, 4),
@@ -211,14 +215,18 @@ def _bad_calls():
         return lambda: step_metadata(**outputs, **inputs, **sizes)
 
     return [
-        pytest.param(call(token_to_block_idx=lambda t: t.int()), "token_to_block_idx", id="output_int32"),
+        pytest.param(call(token_to_block_idx=lambda t: t.int()), "token_to_block_idx",
+                     id="output_int32"),
         pytest.param(call(token_to_pos_ids=lambda t: t[:4]), "token_to_pos_ids", id="output_short"),
-        pytest.param(call(token_to_input_ids=lambda t: t[::2]), "token_to_input_ids", id="output_strided"),
+        pytest.param(call(token_to_input_ids=lambda t: t[::2]), "token_to_input_ids",
+                     id="output_strided"),
         pytest.param(call(attn_block_table=lambda t: t[:2]), "attn_block_table", id="attn_rows"),
-        pytest.param(call(attn_block_table=lambda t: t[:, :3]), "attn_block_table", id="attn_columns"),
+        pytest.param(call(attn_block_table=lambda t: t[:, :3]), "attn_block_table",
+                     id="attn_columns"),
         pytest.param(call(block_table=lambda t: t.long()), "block_table", id="table_int64"),
         pytest.param(call(block_table=lambda t: t[:1]), "block_table", id="table_rows"),
-        pytest.param(call(query_lengths=lambda t: t.long()), "query_lengths", id="query_lengths_int64"),
+        pytest.param(call(query_lengths=lambda t: t.long()), "query_lengths",
+                     id="query_lengths_int64"),
         pytest.param(call(kv_offsets=lambda t: t[:1]), "kv_offsets", id="kv_offsets_short"),
         pytest.param(call(cu_query_lengths=lambda t: t[:2]), "cu_query_lengths", id="cu_short"),
         pytest.param(call(next_tokens=lambda t: t.float()), "next_tokens", id="next_tokens_float"),
