@@ -1,17 +1,13 @@
 """The step-overhead counter of ``bench/step_overhead.py``: its rules on small snippets, and the
 per-step counts of both contexts at a small size (counts, never timings, are asserted)."""
 
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
 
 pytest.importorskip("megatron.core", reason="megatron-core==0.16.1 is a test dependency")
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-import step_overhead as so  # noqa: E402
+import step_overhead as so  # noqa: E402  (bench/ is on pytest's pythonpath)
 
 
 class _Holder:
