@@ -559,8 +559,12 @@ def _context_modules() -> list:
     """The modules of our context whose globals hold the kernel launchers it calls."""
     import importlib
 
-    return [importlib.import_module(f"dynctx.context.{name}")
-            for name in ("dynamic_context", "_update", "_logits", "_mamba", "_rotary")]
+    import pkgutil
+
+    import dynctx.context
+
+    return [importlib.import_module(f"dynctx.context.{info.name}")
+            for info in pkgutil.iter_modules(dynctx.context.__path__)]
 
 
 def _count_run(kind: str, cfg: dict, *, requests: int, steps: int, max_prompt: int, device):

@@ -11,6 +11,7 @@ from dynctx.kernels.last_token_logits import last_token_logits as last_token_log
 from dynctx.kernels.last_token_logits import token_log_probs
 
 from ._fields import FIELD_QUERY
+from .inputs import check_new_tokens
 
 
 class LogitsMixin:
@@ -64,7 +65,8 @@ class LogitsMixin:
         meta = self._require_attention_state("calculate_log_probs")
         logits = self._logits_2d(logits)
         A = self.get_active_request_count()
-        new_tokens = self._check_new_tokens(new_tokens, A)
+        new_tokens = check_new_tokens(new_tokens, A, self.device, validate=self.validate,
+                                      vocab_size=self.vocab_size)
         if self.is_decode_only() or only_last_token_logits:
             if logits.shape[0] < A:
                 raise ValueError(f"logits has {logits.shape[0]} rows, fewer than the {A} "
@@ -84,7 +86,7 @@ class LogitsMixin:
         targets.index_copy_(0, last, new_tokens.long())
         selected, full = token_log_probs(logits[:active], targets, return_full=True,
                                          backend=self.kernel_backend)
-        lengths = self._h_req[FIELD_QUERY, self.paused_request_count:self.total_request_count]
+        lengths = self._table.rows[FIELD_QUERY, self.paused_request_count:self.total_request_count]
         values = selected.tolist()
         bounds = np.concatenate([[0], np.cumsum(lengths)])
         return [values[bounds[i]:bounds[i + 1]] for i in range(A)], full

@@ -35,6 +35,12 @@ class SamplingParams:
     seed: Optional[int] = None
 
     def __post_init__(self):
+        gen = self.num_tokens_to_generate
+        if gen is not None and (isinstance(gen, bool) or not isinstance(
+                gen, (int, np.integer)) and not (isinstance(gen, (float, np.floating))
+                                                 and float(gen).is_integer())):
+            raise TypeError(f"num_tokens_to_generate={gen!r} must be a whole number of tokens "
+                            f"(an int), got {type(gen).__name__}")
         if not self.temperature >= 0:  # also rejects NaN
             raise ValueError(f"temperature={self.temperature} must be >= 0")
         if self.top_n_logprobs < 0:
@@ -63,37 +69,65 @@ DEFAULT_METADATA_TYPES: MetadataTypes = [
 ]
 
 
+class TokenIdError(TypeError, ValueError):
+    """Token ids that are not whole numbers (``[1.7]``, NaN): a wrong value given where ids of
+    an integer type belong, so both ``except TypeError`` and ``except ValueError`` catch it."""
+
+
+def whole_number_ids(values: Any, name: str) -> np.ndarray:
+    """``values`` (a sequence, numpy array or CPU tensor) as a 1-D int64 array of token ids.
+
+    Integer values pass; floating values pass only when every one is a whole number (a prompt
+    read from a float array: ``[1.0, 2.0]``); fractions, NaN and infinities raise
+    ``TokenIdError`` and anything else (bools, strings) ``TypeError``, naming ``name``.
+    """
+    if isinstance(values, torch.Tensor):
+        values = values.detach().cpu().numpy()
+    try:
+        array = np.asarray(values)
+    except (TypeError, ValueError) as error:
+        raise TypeError(f"{name} must be a 1-D sequence of integer token ids: {error}") from None
+    if array.dtype == np.bool_ or not (np.issubdtype(array.dtype, np.integer)
+                                       or np.issubdtype(array.dtype, np.floating)):
+        raise TypeError(f"{name} must hold integer token ids, got {array.dtype} values")
+    if np.issubdtype(array.dtype, np.floating):
+        whole = np.isfinite(array) & (array == np.round(array))
+        if not whole.all():
+            bad = array[~whole].reshape(-1)[0]
+            raise TokenIdError(f"{name} must hold whole numbers (token ids); {float(bad)!r} is "
+                               "not a whole number")
+        if array.size and (array.max() >= 2 ** 63 or array.min() < -2 ** 63):
+            raise ValueError(f"{name} holds ids outside int64")
+    return array.astype(np.int64)
+
+
 def _as_token_tensor(tokens: Any, name: str) -> torch.Tensor:
     """``tokens`` as a 1-D integer tensor.
 
     Integer tensors are kept as they are (dtype and device). Floating-point tokens are accepted
     when every value is a whole number (Megatron-Core's tests build prompts with
     ``torch.zeros(n)``) and become int64 on the same device; a float tensor on a GPU costs one
-    read-back for that check. Fractions, NaN/inf, booleans and complex numbers are refused.
+    read-back for that check. Sequences and numpy arrays go through ``whole_number_ids``.
+    Fractions, NaN/inf (``TokenIdError``), booleans, complex numbers and strings are refused.
     """
     if isinstance(tokens, torch.Tensor):
+        if tokens.is_complex() or tokens.dtype == torch.bool:
+            raise TypeError(f"{name} must hold integer token ids, got dtype {tokens.dtype}")
         tensor = tokens
     else:
-        array = np.asarray(list(tokens) if not isinstance(tokens, (Sequence, np.ndarray))
-                           else tokens)
-        if array.size == 0:
-            array = array.astype(np.int64)
-        if array.dtype.kind not in "iuf":
-            kind = "bool" if array.dtype.kind == "b" else str(array.dtype)
-            raise TypeError(f"{name} must hold integer token ids, got {kind} values")
-        tensor = torch.from_numpy(np.ascontiguousarray(array))
-        if not tensor.is_floating_point():
-            tensor = tensor.to(torch.int64)
-    if tensor.is_complex() or tensor.dtype == torch.bool:
-        raise TypeError(f"{name} must hold integer token ids, got dtype {tensor.dtype}")
+        if isinstance(tokens, str):
+            raise TypeError(f"{name} must be token ids, not a string: tokenize it first")
+        if not isinstance(tokens, (np.ndarray, Sequence)):
+            tokens = list(tokens)
+        tensor = torch.from_numpy(whole_number_ids(tokens, name))
     if tensor.dim() != 1:
         raise ValueError(f"{name} must be 1-D, got shape {tuple(tensor.shape)}")
     if tensor.is_floating_point():
         whole = torch.isfinite(tensor) & (tensor == torch.trunc(tensor))
         if not bool(whole.all()):
-            bad = tensor[~whole][:4].tolist()
-            raise ValueError(f"{name} of dtype {tensor.dtype} must hold whole numbers (token "
-                             f"ids); got {bad}")
+            bad = tensor[~whole][0].item()
+            raise TokenIdError(f"{name} of dtype {tensor.dtype} must hold whole numbers (token "
+                               f"ids); {bad!r} is not a whole number")
         if tensor.numel() and not bool((tensor.abs() < 2.0 ** 63).all()):
             raise ValueError(f"{name} holds values beyond the int64 range: "
                              f"{tensor[tensor.abs() >= 2.0 ** 63][:4].tolist()}")

@@ -182,8 +182,11 @@ def compact_requests(dst_block_table: torch.Tensor, src_block_table: torch.Tenso
                      new_tokens: torch.Tensor, plan_src: torch.Tensor, plan_append_col: torch.Tensor,
                      plan_append_block: torch.Tensor, *, new_token_offset: int, num_rows: int,
                      clear_rows: int, config: KernelConfig | None = None,
-                     backend: str | None = None) -> None:
+                     backend: str | None = None, check: bool = True) -> None:
     """Apply a row plan (see the module docstring) in one launch, writing ``dst_*`` in place.
+
+    ``check=False`` skips the argument checks: for a caller (the context) that allocated every
+    buffer itself and checked the inputs it was given once, at its own edge.
 
     Args:
         dst_block_table, src_block_table: int32 ``[max_requests, max_blocks]`` (any strides,
@@ -199,37 +202,44 @@ def compact_requests(dst_block_table: torch.Tensor, src_block_table: torch.Tenso
         num_rows, clear_rows: host ints; rows ``[num_rows, clear_rows)`` are cleared.
     """
     device = dst_block_table.device if isinstance(dst_block_table, torch.Tensor) else None
-    _check_tensor("dst_block_table", dst_block_table, dims=2, dtypes=(torch.int32,), device=device)
-    _check_tensor("src_block_table", src_block_table, dims=2, dtypes=(torch.int32,), device=device)
-    _check_tensor("dst_next_tokens", dst_next_tokens, dims=1, dtypes=(torch.int64,), device=device)
-    _check_tensor("src_next_tokens", src_next_tokens, dims=1, dtypes=(torch.int64,), device=device)
-    _check_tensor("new_tokens", new_tokens, dims=1, dtypes=(torch.int32, torch.int64), device=device)
-    for name, plan in (("plan_src", plan_src), ("plan_append_col", plan_append_col),
-                       ("plan_append_block", plan_append_block)):
-        _check_tensor(name, plan, dims=1, dtypes=(torch.int32,), device=device)
-        if plan.numel() < num_rows:
-            raise ValueError(f"{name} has {plan.numel()} entries, num_rows={num_rows}")
-    if src_block_table.shape[1] != dst_block_table.shape[1]:
-        raise ValueError(f"src_block_table has {src_block_table.shape[1]} columns, "
-                         f"dst_block_table {dst_block_table.shape[1]}")
-    if _overlap(dst_block_table, src_block_table):
-        raise ValueError("dst_block_table and src_block_table must not share memory")
-    for name, other in (("src_next_tokens", src_next_tokens), ("new_tokens", new_tokens)):
-        if _overlap(dst_next_tokens, other):
-            raise ValueError(f"dst_next_tokens and {name} must not share memory")
+    if check:
+        _check_tensor("dst_block_table", dst_block_table,
+                      dims=2, dtypes=(torch.int32,), device=device)
+        _check_tensor("src_block_table", src_block_table,
+                      dims=2, dtypes=(torch.int32,), device=device)
+        _check_tensor("dst_next_tokens", dst_next_tokens,
+                      dims=1, dtypes=(torch.int64,), device=device)
+        _check_tensor("src_next_tokens", src_next_tokens,
+                      dims=1, dtypes=(torch.int64,), device=device)
+        _check_tensor("new_tokens", new_tokens,
+                      dims=1, dtypes=(torch.int32, torch.int64), device=device)
+        for name, plan in (("plan_src", plan_src), ("plan_append_col", plan_append_col),
+                           ("plan_append_block", plan_append_block)):
+            _check_tensor(name, plan, dims=1, dtypes=(torch.int32,), device=device)
+            if plan.numel() < num_rows:
+                raise ValueError(f"{name} has {plan.numel()} entries, num_rows={num_rows}")
+        if src_block_table.shape[1] != dst_block_table.shape[1]:
+            raise ValueError(f"src_block_table has {src_block_table.shape[1]} columns, "
+                             f"dst_block_table {dst_block_table.shape[1]}")
+        if _overlap(dst_block_table, src_block_table):
+            raise ValueError("dst_block_table and src_block_table must not share memory")
+        for name, other in (("src_next_tokens", src_next_tokens), ("new_tokens", new_tokens)):
+            if _overlap(dst_next_tokens, other):
+                raise ValueError(f"dst_next_tokens and {name} must not share memory")
     num_rows, clear_rows, new_token_offset = int(num_rows), int(clear_rows), int(new_token_offset)
-    if num_rows < 0 or clear_rows < 0:
-        raise ValueError(f"num_rows={num_rows} and clear_rows={clear_rows} must be >= 0")
     end_rows = max(num_rows, clear_rows)
-    if end_rows > dst_block_table.shape[0]:
-        raise ValueError(f"dst_block_table has {dst_block_table.shape[0]} rows, "
-                         f"num_rows/clear_rows need {end_rows}")
-    if end_rows > dst_next_tokens.shape[0]:
-        raise ValueError(f"dst_next_tokens has {dst_next_tokens.shape[0]} entries, "
-                         f"num_rows/clear_rows need {end_rows}")
-    if not 0 <= new_token_offset <= src_next_tokens.shape[0]:
-        raise ValueError(f"new_token_offset={new_token_offset} must be in [0, "
-                         f"{src_next_tokens.shape[0]}] (src_next_tokens entries)")
+    if check:
+        if num_rows < 0 or clear_rows < 0:
+            raise ValueError(f"num_rows={num_rows} and clear_rows={clear_rows} must be >= 0")
+        if end_rows > dst_block_table.shape[0]:
+            raise ValueError(f"dst_block_table has {dst_block_table.shape[0]} rows, "
+                             f"num_rows/clear_rows need {end_rows}")
+        if end_rows > dst_next_tokens.shape[0]:
+            raise ValueError(f"dst_next_tokens has {dst_next_tokens.shape[0]} entries, "
+                             f"num_rows/clear_rows need {end_rows}")
+        if not 0 <= new_token_offset <= src_next_tokens.shape[0]:
+            raise ValueError(f"new_token_offset={new_token_offset} must be in [0, "
+                             f"{src_next_tokens.shape[0]}] (src_next_tokens entries)")
     if resolve_backend(backend, device) == "torch":
         compact_requests_ref(dst_block_table, src_block_table, dst_next_tokens, src_next_tokens,
                              new_tokens, plan_src, plan_append_col, plan_append_block,

@@ -141,7 +141,8 @@ def _check_inputs(key_cache, value_cache, key, value, block_ids, slots):
 
 def kv_append(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor,
               value: torch.Tensor, block_ids: torch.Tensor, slots: torch.Tensor, *,
-              config: KernelConfig | None = None, backend: str | None = None) -> None:
+              config: KernelConfig | None = None, backend: str | None = None,
+              check: bool = True) -> None:
     """Write K and V of ``n = block_ids.numel()`` tokens into the paged cache, in place.
 
     - ``key_cache``, ``value_cache``: ``[num_blocks, block_size, H, D]`` fp32/fp16/bf16, last dim
@@ -151,8 +152,11 @@ def kv_append(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Ten
       rows past ``n`` are ignored.
     - ``block_ids``, ``slots``: ``[n]`` int32/int64, in range (not checked: that would sync).
       Tokens sharing a (block, slot), such as padding tokens, leave one of their rows there.
+    - ``check=False`` skips the checks: for a caller (the context) that checked its inputs once
+      and passes ``key``, ``value`` as ``[>=n, H, D]``.
     """
-    key, value = _check_inputs(key_cache, value_cache, key, value, block_ids, slots)
+    if check:
+        key, value = _check_inputs(key_cache, value_cache, key, value, block_ids, slots)
     n = block_ids.numel()
     if n == 0:
         return

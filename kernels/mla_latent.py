@@ -129,7 +129,8 @@ def _check_inputs(latent_cache, kv_latent, k_rope, block_ids, slots):
 
 def mla_latent_append(latent_cache: torch.Tensor, kv_latent: torch.Tensor, k_rope: torch.Tensor,
                       block_ids: torch.Tensor, slots: torch.Tensor, *,
-                      config: KernelConfig | None = None, backend: str | None = None) -> None:
+                      config: KernelConfig | None = None, backend: str | None = None,
+                      check: bool = True) -> None:
     """Write the latent and rope key of ``n = block_ids.numel()`` tokens into the cache, in place.
 
     - ``latent_cache``: ``[num_blocks, block_size, kv_lora_rank + rope_dim]`` fp32/fp16/bf16, last
@@ -138,8 +139,11 @@ def mla_latent_append(latent_cache: torch.Tensor, kv_latent: torch.Tensor, k_rop
     - ``kv_latent``: ``[>=n, rank]`` or ``[>=n, 1, rank]``; ``k_rope``: ``[>=n, rope]`` or
       ``[>=n, 1, rope]``; the cache's dtype, each with its own strides; rows past ``n`` ignored.
     - ``block_ids``, ``slots``: ``[n]`` int32/int64, in range (not checked: that would sync).
+    - ``check=False`` skips the checks: for a caller (the context) that checked its inputs once
+      and passes ``kv_latent``, ``k_rope`` as 2-D views.
     """
-    kv_latent, k_rope = _check_inputs(latent_cache, kv_latent, k_rope, block_ids, slots)
+    if check:
+        kv_latent, k_rope = _check_inputs(latent_cache, kv_latent, k_rope, block_ids, slots)
     n = block_ids.numel()
     if n == 0:
         return

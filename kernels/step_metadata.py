@@ -271,8 +271,11 @@ def step_metadata(token_to_input_ids: torch.Tensor, token_to_pos_ids: torch.Tens
                   prompt_tokens: torch.Tensor, *, num_requests: int, num_decode: int,
                   active_tokens: int, padded_tokens: int, padded_requests: int, row_offset: int,
                   block_size: int, dummy_block: int, config: KernelConfig | None = None,
-                  backend: str | None = None) -> None:
+                  backend: str | None = None, check: bool = True) -> None:
     """Write the step's per-token metadata and attention block table (module docstring), in place.
+
+    ``check=False`` skips the argument checks: for a caller (the context) that allocated every
+    buffer itself and checks its host counts once, where it computes them.
 
     Args:
         token_to_*: six contiguous int64 ``[>= padded_tokens]`` outputs.
@@ -292,36 +295,40 @@ def step_metadata(token_to_input_ids: torch.Tensor, token_to_pos_ids: torch.Tens
     num_requests, num_decode = int(num_requests), int(num_decode)
     active_tokens, padded_tokens = int(active_tokens), int(padded_tokens)
     padded_requests, block_size = int(padded_requests), int(block_size)
-    if not 0 <= num_decode <= num_requests:
-        raise ValueError(f"num_decode={num_decode} must be in [0, num_requests={num_requests}]")
-    if not 0 <= active_tokens <= padded_tokens:
-        raise ValueError(f"active_tokens={active_tokens} and padded_tokens={padded_tokens} must "
-                         "satisfy 0 <= active_tokens <= padded_tokens")
-    if padded_requests < num_requests:
-        raise ValueError(f"padded_requests={padded_requests} < num_requests={num_requests}")
-    if block_size <= 0:
-        raise ValueError(f"block_size={block_size} must be positive")
-    _check_tensor("block_table", block_table, dims=2, dtypes=(torch.int32,), device=device,
-                  min_rows=num_requests)
     token_outputs = (token_to_input_ids, token_to_pos_ids, token_to_request_idx, token_to_block_idx,
                      token_to_position_in_request, token_to_local_position_within_kv_block)
-    for name, out in zip(TOKEN_OUTPUTS, token_outputs):
-        _check_tensor(name, out, dims=1, dtypes=(torch.int64,), device=device, min_rows=padded_tokens)
-    _check_tensor("attn_block_table", attn_block_table, dims=2, dtypes=(torch.int32,), device=device,
-                  min_rows=padded_requests)
-    if attn_block_table.shape[1] != block_table.shape[1]:
-        raise ValueError(f"attn_block_table has {attn_block_table.shape[1]} columns, "
-                         f"block_table {block_table.shape[1]}")
-    _check_tensor("query_lengths", query_lengths, dims=1, dtypes=(torch.int32,), device=device,
-                  min_rows=num_requests)
-    _check_tensor("kv_offsets", kv_offsets, dims=1, dtypes=(torch.int32,), device=device,
-                  min_rows=num_requests)
-    _check_tensor("cu_query_lengths", cu_query_lengths, dims=1, dtypes=(torch.int32,), device=device,
-                  min_rows=num_requests + 1)
-    _check_tensor("next_tokens", next_tokens, dims=1, dtypes=(torch.int64, torch.int32),
-                  device=device, min_rows=num_requests)
-    _check_tensor("prompt_tokens", prompt_tokens, dims=1, dtypes=(torch.int64, torch.int32),
-                  device=device, min_rows=max(active_tokens - num_decode, 0))
+    if check:
+        if not 0 <= num_decode <= num_requests:
+            raise ValueError(f"num_decode={num_decode} must be in [0, num_requests={num_requests}]")
+        if not 0 <= active_tokens <= padded_tokens:
+            raise ValueError(f"active_tokens={active_tokens} and padded_tokens={padded_tokens} must "
+                             "satisfy 0 <= active_tokens <= padded_tokens")
+        if padded_requests < num_requests:
+            raise ValueError(f"padded_requests={padded_requests} < num_requests={num_requests}")
+        if block_size <= 0:
+            raise ValueError(f"block_size={block_size} must be positive")
+        _check_tensor("block_table", block_table, dims=2, dtypes=(torch.int32,), device=device,
+                      min_rows=num_requests)
+        for name, out in zip(TOKEN_OUTPUTS, token_outputs):
+            _check_tensor(name, out,
+                          dims=1, dtypes=(torch.int64,), device=device, min_rows=padded_tokens)
+        _check_tensor("attn_block_table", attn_block_table,
+                      dims=2, dtypes=(torch.int32,), device=device,
+                      min_rows=padded_requests)
+        if attn_block_table.shape[1] != block_table.shape[1]:
+            raise ValueError(f"attn_block_table has {attn_block_table.shape[1]} columns, "
+                             f"block_table {block_table.shape[1]}")
+        _check_tensor("query_lengths", query_lengths, dims=1, dtypes=(torch.int32,), device=device,
+                      min_rows=num_requests)
+        _check_tensor("kv_offsets", kv_offsets, dims=1, dtypes=(torch.int32,), device=device,
+                      min_rows=num_requests)
+        _check_tensor("cu_query_lengths", cu_query_lengths,
+                      dims=1, dtypes=(torch.int32,), device=device,
+                      min_rows=num_requests + 1)
+        _check_tensor("next_tokens", next_tokens, dims=1, dtypes=(torch.int64, torch.int32),
+                      device=device, min_rows=num_requests)
+        _check_tensor("prompt_tokens", prompt_tokens, dims=1, dtypes=(torch.int64, torch.int32),
+                      device=device, min_rows=max(active_tokens - num_decode, 0))
     outputs = dict(zip(TOKEN_OUTPUTS, token_outputs), attn_block_table=attn_block_table)
     if resolve_backend(backend, device) == "torch":
         step_metadata_ref(**outputs, block_table=block_table, query_lengths=query_lengths,

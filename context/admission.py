@@ -1,0 +1,208 @@
+"""``add_request`` as a plan: every check, then what the request table will write.
+
+``plan_add`` reads the unchanged ``RequestTable`` and the request and raises (naming the
+argument, the value and the limit) on anything that cannot be added; the ``AddPlan`` it returns
+is applied by ``RequestTable.commit_add``, which cannot fail on it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Optional, Tuple
+
+import numpy as np
+import torch
+
+from ._fields import FIELD_IDS, FIELD_KV_OFFSET
+from .errors import (
+    BlockOverflowError,
+    ContextOverflowError,
+    MaxSequenceLengthOverflowError,
+    RequestOverflowError,
+    TokenOverflowError,
+)
+from .requests import DynamicInferenceRequest, whole_number_ids
+from .staging import numpy_dtype
+
+
+@dataclass(frozen=True)
+class AddPlan:
+    """What ``commit_add`` writes for one request (or one chunk of it)."""
+
+    request_id: int
+    row: int
+    is_continuation: bool
+    chunk: int
+    finished: int
+    gen: int
+    already: int               # blocks the request holds before this chunk
+    needed: int                # blocks it holds after
+    tokens_before: int         # tokens of the step before this chunk
+    prompt_offset: int         # where its tokens go among the step's prompt tokens
+    host_prompt: Optional[np.ndarray]
+    device_prompt: Optional[torch.Tensor]
+    metadata: Tuple[Any, ...]
+    partial: bool              # the chunk leaves prompt tokens for a later continuation
+
+
+def check_request_id(request_id: Any) -> int:
+    if isinstance(request_id, bool) or not isinstance(request_id, (int, np.integer)):
+        raise TypeError(f"request_id={request_id!r} must be an int")
+    if not 0 <= request_id < 2 ** 31:
+        raise ValueError(f"request_id={request_id} must lie in [0, 2**31) (-1 marks free rows)")
+    return int(request_id)
+
+
+def _request_lengths(req: Any, chunk_length: Optional[int]) -> Tuple[int, int, int]:
+    if not isinstance(req, DynamicInferenceRequest) and not hasattr(req, "remaining_prompt_tokens"):
+        raise TypeError(f"req must be a DynamicInferenceRequest, got {type(req).__name__}")
+    remaining = req.remaining_prompt_tokens
+    if remaining is None:
+        raise ValueError(f"request {req.request_id}: prompt_tokens is missing")
+    if isinstance(remaining, torch.Tensor):
+        if remaining.is_floating_point() or remaining.is_complex() or remaining.dtype == torch.bool:
+            raise TypeError(f"request {req.request_id}: prompt tokens must be integer ids, "
+                            f"got dtype {remaining.dtype}")
+        if remaining.dim() != 1:
+            raise ValueError(f"request {req.request_id}: prompt tokens must be 1-D, got shape "
+                             f"{tuple(remaining.shape)}")
+    remaining_length = len(remaining)
+    finished = req.finished_chunk_token_count
+    if isinstance(finished, bool) or not isinstance(finished, (int, np.integer)) or finished < 0:
+        raise ValueError(f"request {req.request_id}: finished_chunk_token_count={finished!r} "
+                         "must be an int >= 0")
+    if remaining_length == 0:
+        raise ValueError(f"request {req.request_id}: the prompt is empty "
+                         "(remaining_prompt_tokens has no tokens)")
+    chunk = remaining_length if chunk_length is None else chunk_length
+    if isinstance(chunk, bool) or not isinstance(chunk, (int, np.integer)) or \
+            not 0 < chunk <= remaining_length:
+        raise ValueError(f"chunk_length={chunk_length!r} must be an int in [1, "
+                         f"{remaining_length}] (the remaining prompt length)")
+    return int(chunk), remaining_length, int(finished)
+
+
+def _tokens_to_generate(request_id: int, gen: Any) -> int:
+    if gen is None:
+        raise ValueError(f"request {request_id}: num_tokens_to_generate=None must be >= 0")
+    if isinstance(gen, bool) or not isinstance(gen, (int, np.integer, float, np.floating)):
+        raise TypeError(f"request {request_id}: num_tokens_to_generate={gen!r} must be an int, "
+                        f"got {type(gen).__name__}")
+    if isinstance(gen, (float, np.floating)) and not float(gen).is_integer():
+        raise ValueError(f"request {request_id}: num_tokens_to_generate={gen!r} must be a whole "
+                         "number of tokens")
+    if gen < 0:
+        raise ValueError(f"request {request_id}: num_tokens_to_generate={gen} must be >= 0")
+    return int(gen)
+
+
+def metadata_values(req: DynamicInferenceRequest, metadata_types: list) -> Tuple[Any, ...]:
+    """The request's metadata as numpy scalars of the context's dtypes; raises ValueError
+    naming the field when a value does not fit."""
+    values = []
+    for (label, dtype, _), value in zip(metadata_types, req.tracked_metadata):
+        np_type = numpy_dtype(dtype)
+        if np.issubdtype(np_type, np.integer):
+            info = np.iinfo(np_type)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) \
+                    or not info.min <= value <= info.max:
+                raise ValueError(f"request {req.request_id}: {label}={value!r} must be an int "
+                                 f"in [{info.min}, {info.max}] ({dtype})")
+        elif np_type is np.bool_:
+            if not isinstance(value, (bool, np.bool_, int, np.integer)):
+                raise ValueError(f"request {req.request_id}: {label}={value!r} must be a bool")
+        else:
+            if not isinstance(value, (int, float, np.number)) or math.isnan(value):
+                raise ValueError(f"request {req.request_id}: {label}={value!r} must be a "
+                                 "number (not NaN)")
+        values.append(np_type(value))
+    return tuple(values)
+
+
+def _prompt(request_id: int, prompt: Any, device: torch.device, vocab_size: Optional[int]):
+    """``(host int64 array, None)`` for host prompts (ids checked), ``(None, tensor)`` for
+    prompts already on the context's device."""
+    if isinstance(prompt, torch.Tensor) and prompt.device.type != "cpu":
+        if prompt.device != device:
+            raise ValueError(f"request {request_id}: prompt tokens live on {prompt.device}, the "
+                             f"context on {device}")
+        return None, prompt
+    host = whole_number_ids(prompt.numpy() if isinstance(prompt, torch.Tensor) else prompt,
+                            f"request {request_id}: prompt tokens")
+    if host.size and host.min() < 0:
+        raise ValueError(f"request {request_id}: prompt token ids must be >= 0")
+    if vocab_size is not None and host.size and host.max() >= vocab_size:
+        raise ValueError(f"request {request_id}: prompt token id {host.max()} is outside the "
+                         f"vocabulary (vocab_size={vocab_size})")
+    return host, None
+
+
+def plan_add(table, req: Any, chunk_length: Optional[int], *, max_sequence_length: int,
+             metadata_types: list, device: torch.device, vocab_size: Optional[int]) -> AddPlan:
+    """Check ``add_request(req, chunk_length)`` against the table; change nothing."""
+    request_id = check_request_id(getattr(req, "request_id", None))
+    chunk, remaining_length, finished = _request_lengths(req, chunk_length)
+    bs = table.block_size
+    P, T = table.paused, table.total
+    is_continuation = finished > 0
+    gen = _tokens_to_generate(request_id, req.sampling_params.num_tokens_to_generate)
+    total_length = finished + remaining_length + gen
+    if total_length > max_sequence_length:
+        raise MaxSequenceLengthOverflowError(
+            request_id, f"prompt ({finished + remaining_length}) + num_tokens_to_generate "
+            f"({gen}) = {total_length} exceeds max_sequence_length ({max_sequence_length})")
+    if is_continuation:
+        last_id = int(table.rows[FIELD_IDS, T - 1]) if T > P else None
+        if last_id != request_id or table.num_prefill:
+            raise ValueError(
+                f"request {request_id}: finished_chunk_token_count={finished} marks a "
+                f"continuation, but the last active row holds request {last_id}: continue "
+                "a chunked prefill first thing in the step after its previous chunk")
+        if table.partial_id != request_id:
+            raise ValueError(
+                f"request {request_id}: finished_chunk_token_count={finished} marks a "
+                "continuation, but the request is decoding, not a chunked prefill (its whole "
+                "prompt was added): a continuation would replace its sampled token")
+        cached = int(table.rows[FIELD_KV_OFFSET, T - 1])
+        if finished != cached:
+            raise ValueError(
+                f"request {request_id}: finished_chunk_token_count={finished} does not match "
+                f"the {cached} prompt tokens the context cached for it")
+        row = T - 1
+        tokens_before = table.active_tokens - 1
+    else:
+        if request_id in table.live_ids:
+            raise ValueError(f"request_id={request_id} is already in the context")
+        if T >= table.max_requests:
+            raise RequestOverflowError(request_id, f"all {table.max_requests} request rows "
+                                                   "are in use (max_requests)")
+        if table.partial_id != -1:
+            raise ValueError(f"request {request_id}: the chunked prefill request "
+                             f"{table.partial_id} must stay the last active row; add new "
+                             "requests before its next chunk, not after it")
+        if table.hybrid and table.continuation_added:
+            raise ValueError(f"request {request_id}: on a hybrid model the continuation chunk "
+                             "added in this step must stay the last row (it alone starts "
+                             "from its saved Mamba state); add new requests in the next step")
+        row = T
+        tokens_before = table.active_tokens
+    if tokens_before + chunk > table.max_tokens:
+        raise TokenOverflowError(request_id, f"{tokens_before} tokens in the step + chunk "
+                                             f"{chunk} > max_tokens ({table.max_tokens})")
+    already = math.ceil(finished / bs)
+    needed = math.ceil((finished + chunk) / bs)
+    if needed - already > table.allocator.total_avail:
+        raise BlockOverflowError(request_id, f"needs {needed - already} blocks, "
+                                             f"{table.allocator.total_avail} free")
+    host_prompt, device_prompt = _prompt(request_id, req.remaining_prompt_tokens[:chunk],
+                                         device, vocab_size)
+    metadata = () if is_continuation else metadata_values(req, metadata_types)
+    if table.hybrid and not is_continuation and table.slots.free_count == 0:
+        raise ContextOverflowError(request_id, "No Mamba slots available")
+    num_decode = table.num_decode - (1 if is_continuation else 0)
+    return AddPlan(request_id=request_id, row=row, is_continuation=is_continuation,
+                   chunk=chunk, finished=finished, gen=gen, already=already, needed=needed,
+                   tokens_before=tokens_before, prompt_offset=tokens_before - num_decode,
+                   host_prompt=host_prompt, device_prompt=device_prompt, metadata=metadata,
+                   partial=chunk < remaining_length)

@@ -1,0 +1,83 @@
+"""Checks of the tensors a caller hands the context, at its edge (once per call).
+
+Each raises ``TypeError``/``ValueError`` naming the argument, the value and the limit, and
+returns the tensor in the form the kernels take (a contiguous view or copy, detached), so
+that the context can call its launchers without their own checks.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+import torch
+
+TOKEN_DTYPES = (torch.int32, torch.int64)
+
+
+def check_new_tokens(new_tokens, count: int, device: torch.device, *, validate: bool,
+                     vocab_size: Optional[int]) -> torch.Tensor:
+    """``new_tokens``: int32/int64 ``[count]`` on ``device``. Narrower integer dtypes (uint8,
+    int8, int16) are refused: no vocabulary fits them, so they are a bug (a mask passed as
+    tokens, say), not a token list. Returns a contiguous tensor (a strided view is copied)."""
+    if not isinstance(new_tokens, torch.Tensor):
+        raise TypeError(f"new_tokens must be a torch.Tensor, got {type(new_tokens).__name__}")
+    if new_tokens.is_floating_point() or new_tokens.is_complex() or new_tokens.dtype == torch.bool:
+        raise TypeError(f"new_tokens must hold integer token ids, got dtype {new_tokens.dtype}")
+    if new_tokens.dtype not in TOKEN_DTYPES:
+        raise TypeError(f"new_tokens must be int32 or int64 token ids, got dtype "
+                        f"{new_tokens.dtype} (no vocabulary fits it)")
+    if new_tokens.dim() != 1 or new_tokens.shape[0] != count:
+        raise ValueError(f"new_tokens must have shape [{count}] (one per active request), got "
+                         f"{tuple(new_tokens.shape)}")
+    if new_tokens.device != device:
+        raise ValueError(f"new_tokens is on {new_tokens.device}, the context on {device}")
+    if validate and count:
+        low, high = int(new_tokens.min()), int(new_tokens.max())
+        if low < 0 or (vocab_size is not None and high >= vocab_size):
+            raise ValueError(f"new_tokens holds ids in [{low}, {high}], outside [0, "
+                             f"{'inf' if vocab_size is None else vocab_size}) (vocab_size)")
+    return new_tokens.detach().contiguous()
+
+
+def read_mask(mask, count: int, device: torch.device) -> np.ndarray:
+    """``active_requests_mask`` (bool or 0/1 integers, ``[count]``) read to the host: the
+    step's one device-to-host read."""
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"active_requests_mask must be a torch.Tensor, got {type(mask).__name__}")
+    if mask.dim() != 1 or mask.shape[0] != count:
+        raise ValueError(f"active_requests_mask must have shape [{count}] (one per active "
+                         f"request), got {tuple(mask.shape)}")
+    if mask.is_floating_point() or mask.is_complex():
+        raise TypeError(f"active_requests_mask must be bool or integer, got {mask.dtype}")
+    if mask.device != device:
+        raise ValueError(f"active_requests_mask is on {mask.device}, the context on {device}")
+    host = mask.cpu().numpy()
+    if host.dtype != np.bool_:
+        if host.size and (host.max() > 1 or host.min() < 0):
+            raise ValueError("active_requests_mask must hold only 0 and 1")
+        host = host.astype(np.bool_)
+    return host.copy()
+
+
+def check_step_tensor(name: str, tensor, n: int, device: torch.device, dtype: torch.dtype,
+                      rest: Optional[tuple] = None, layout: str = "") -> torch.Tensor:
+    """A per-token tensor of the step: ``[>= n, *rest]`` or ``[>= n, 1, *rest]`` of ``dtype``
+    on ``device``; returns the ``[>= n, *rest]`` view, detached (the cache never keeps an
+    autograd graph)."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.device != device:
+        raise ValueError(f"{name} is on {tensor.device}, the context on {device}")
+    if tensor.dtype != dtype:
+        raise ValueError(f"{name} has dtype {tensor.dtype}, the cache {dtype}")
+    if tensor.dim() == 0 or tensor.shape[0] < n:
+        raise ValueError(f"{name} has {tensor.shape[0] if tensor.dim() else 0} tokens, the step "
+                         f"has {n} (padded_active_token_count)")
+    if rest is not None:
+        view = tensor[:, 0] if tensor.dim() == len(rest) + 2 and tensor.shape[1] == 1 else tensor
+        if tuple(view.shape[1:]) != tuple(rest):
+            raise ValueError(f"{name} must be [n, {layout}] or [n, 1, {layout}] = "
+                             f"{list(rest)}, got shape {tuple(tensor.shape)}")
+        tensor = view
+    return tensor.detach()

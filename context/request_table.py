@@ -1,0 +1,217 @@
+"""The request table: every request's host row, the block table and the allocators.
+
+Rows are laid out ``[paused | active | free]`` as in Megatron-Core; active rows hold decode
+requests first, then prefills, a chunked prefill last. The table is host-only (numpy): its
+per-request integers and metadata are views into the host half of the device state's arena
+(``staging.HostArena``), handed over by ``bind``, so that one copy uploads them.
+
+It changes only through ``commit_add`` and ``commit_update``, which apply a plan computed
+beforehand (``admission.plan_add``, ``update_plan.plan_update``) from the unchanged table. The
+plans carry every check; a commit cannot fail on a plan made from the current table.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+from ._fields import (
+    _FIELD_RESET,
+    FIELD_BLOCKS,
+    FIELD_IDS,
+    FIELD_KV_OFFSET,
+    FIELD_LAST_BLOCK,
+    FIELD_LAST_OFFSET,
+    FIELD_MAMBA_SLOT,
+    FIELD_OUTPUT,
+    FIELD_QUERY,
+)
+from .block_allocator import BlockAllocator, SlotAllocator
+
+
+class RequestTable:
+    """Host rows of the live requests plus the block and Mamba-slot allocators.
+
+    Args:
+        allocator: the KV block allocator (it outlives ``unbind``: suspending resets it).
+        max_requests, max_kv_block_count, block_size: the table's sizes.
+        metadata_labels: request metadata labels, in the context's order.
+        hybrid: whether every request owns a Mamba state slot.
+        max_tokens: tokens of one step (the staged prompt tokens).
+    """
+
+    def __init__(self, *, allocator: BlockAllocator, max_requests: int, max_kv_block_count: int,
+                 block_size: int, metadata_labels: list, hybrid: bool, max_tokens: int):
+        self.allocator = allocator
+        self.max_requests = max_requests
+        self.max_kv_block_count = max_kv_block_count
+        self.block_size = block_size
+        self.metadata_labels = list(metadata_labels)
+        self.hybrid = hybrid
+        self.max_tokens = max_tokens
+        self.rows: Optional[np.ndarray] = None
+        self.block_table: Optional[np.ndarray] = None
+        self.metadata: dict = {}
+        self.slots: Optional[SlotAllocator] = None
+        self._zero_slots: Optional[np.ndarray] = None
+        self.prompt: Optional[np.ndarray] = None
+        self._clear_counts()
+
+    # ------------------------------------------------------------------ lifetime
+    def bind(self, rows: np.ndarray, metadata: dict, zero_slots: Optional[np.ndarray]) -> None:
+        """Take the arena's host views (int32 ``[NUM_FIELDS, R]`` rows, ``label -> [R]``
+        metadata, int64 ``[R]`` Mamba zero-slot list) and allocate the host-only arrays."""
+        self.rows, self.metadata, self._zero_slots = rows, metadata, zero_slots
+        self.block_table = np.full((self.max_requests, self.max_kv_block_count), -1,
+                                   dtype=np.int32)
+        self.prompt = np.zeros(self.max_tokens, dtype=np.int64)
+        self.slots = SlotAllocator(self.max_requests) if self.hybrid else None
+        self.reset()
+
+    def unbind(self) -> None:
+        """Drop every host array (suspend); the requests in flight are forgotten."""
+        self.rows = self.block_table = self.prompt = self._zero_slots = None
+        self.metadata, self.slots = {}, None
+        self.allocator.reset()
+        self._clear_counts()
+
+    @property
+    def bound(self) -> bool:
+        return self.rows is not None
+
+    def _clear_counts(self) -> None:
+        self.paused = 0
+        self.total = 0
+        self.active_tokens = 0
+        self.num_prefill = 0
+        self.continuation_added = False
+        # The request whose last chunk left prompt tokens behind (the only valid continuation).
+        self.partial_id = -1
+        self.live_ids: set = set()
+        self.dirty_from = self.max_requests
+        self.zero_count = 0
+        self.device_prompts: list = []
+
+    def reset(self) -> None:
+        """Every row free, every block and slot free (the KV bytes are kept)."""
+        self._clear_counts()
+        self.rows[:] = 0
+        for field, value in _FIELD_RESET.items():
+            self.rows[field] = value
+        for values in self.metadata.values():
+            values[:] = 0
+        self.block_table.fill(-1)
+        self.allocator.reset()
+        if self.slots is not None:
+            self.slots.reset()
+
+    def reset_slots(self) -> None:
+        """Every Mamba slot free (no live request may hold one)."""
+        self.slots.reset()
+        self.rows[FIELD_MAMBA_SLOT] = -1
+        self.zero_count = 0
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def active(self) -> int:
+        return self.total - self.paused
+
+    @property
+    def num_decode(self) -> int:
+        return self.total - self.paused - self.num_prefill
+
+    def active_used_blocks(self) -> int:
+        return int(self.rows[FIELD_BLOCKS, self.paused:self.total].sum())
+
+    def paused_used_blocks(self) -> int:
+        return int(self.rows[FIELD_BLOCKS, :self.paused].sum())
+
+    def ids(self, start: int = 0, stop: Optional[int] = None) -> np.ndarray:
+        return self.rows[FIELD_IDS, start:self.total if stop is None else stop]
+
+    # ------------------------------------------------------------------ commits
+    def commit_add(self, plan) -> None:
+        """Apply an ``admission.AddPlan`` made from this table: reserve and write."""
+        rows, row = self.rows, plan.row
+        new_blocks = self.allocator.allocate_memory_blocks_host(plan.needed - plan.already)
+        if plan.is_continuation:
+            self.active_tokens -= 1
+            self.continuation_added = True
+        else:
+            rows[:, row] = 0
+            rows[FIELD_IDS, row] = plan.request_id
+            rows[FIELD_MAMBA_SLOT, row] = -1
+            if self.hybrid:
+                # A new request starts from zero Mamba state; the zeroing is flushed per step.
+                slot = self.slots.allocate()
+                rows[FIELD_MAMBA_SLOT, row] = slot
+                self._zero_slots[self.zero_count] = slot
+                self.zero_count += 1
+            self.block_table[row] = -1
+            for label, value in zip(self.metadata_labels, plan.metadata):
+                self.metadata[label][row] = value
+            self.live_ids.add(plan.request_id)
+        self.block_table[row, plan.already:plan.needed] = new_blocks
+        rows[FIELD_QUERY, row] = plan.chunk
+        rows[FIELD_OUTPUT, row] = plan.finished + plan.chunk + plan.gen
+        rows[FIELD_KV_OFFSET, row] = plan.finished
+        rows[FIELD_BLOCKS, row] = plan.needed
+        rows[FIELD_LAST_BLOCK, row] = self.block_table[row, plan.needed - 1]
+        rows[FIELD_LAST_OFFSET, row] = (plan.finished + plan.chunk - 1) % self.block_size
+        self.dirty_from = min(self.dirty_from, row)
+        offset, chunk = plan.prompt_offset, plan.chunk
+        if plan.host_prompt is not None:
+            self.prompt[offset:offset + chunk] = plan.host_prompt
+        else:
+            self.device_prompts.append((plan.device_prompt, offset))
+        self.active_tokens = plan.tokens_before + chunk
+        if not plan.is_continuation:
+            self.total += 1
+        self.num_prefill += 1
+        self.partial_id = plan.request_id if plan.partial else -1
+
+    def commit_update(self, plan) -> None:
+        """Apply an ``update_plan.UpdatePlan`` made from this table."""
+        allocator = self.allocator
+        for op, arg in plan.allocator_ops:
+            if op == "release":
+                allocator.release_memory_blocks(arg)
+            else:
+                allocator.allocate_memory_blocks_host(arg)
+        if self.slots is not None and plan.released_slots.size:
+            self.slots.release(plan.released_slots)
+        old_total, total = plan.old_total, plan.total
+        origin = plan.origin
+        moved = np.flatnonzero(origin != np.arange(old_total))
+        if moved.size:
+            sources = origin[moved]
+            # Fancy indexing on the right copies first, so overlapping moves are safe.
+            self.block_table[moved] = self.block_table[sources]
+            for values in self.metadata.values():
+                values[moved] = values[sources]
+        self.rows[:, :old_total] = plan.rows
+        self.block_table[total:old_total] = -1
+        appended = np.flatnonzero(plan.append_col >= 0)
+        self.block_table[appended, plan.append_col[appended]] = plan.append_block[appended]
+        self.paused, self.total = plan.paused, total
+        self.active_tokens = plan.active_tokens
+        self.num_prefill = 0
+        self.continuation_added = False
+        self.dirty_from = self.max_requests
+        gone = plan.finished_ids.tolist() + plan.evicted_ids.tolist()
+        self.live_ids.difference_update(gone)
+        if self.partial_id in gone:
+            self.partial_id = -1
+
+    def take_staged(self) -> tuple:
+        """``(zero_count, device_prompts)`` staged by ``commit_add`` since the last step; the
+        step consumes them."""
+        staged = (self.zero_count, self.device_prompts)
+        self.zero_count, self.device_prompts = 0, []
+        return staged
+
+    def dirty_rows(self) -> tuple:
+        """``(lo, hi)``: block-table rows ``commit_add`` changed since the last upload; clears."""
+        lo, self.dirty_from = self.dirty_from, self.max_requests
+        return lo, self.total

@@ -1,0 +1,280 @@
+"""What the constructor decides before anything is allocated: the layer layout and the sizes.
+
+``layer_layout`` reads the layer types (attention, Mamba, MLP, MoE) and the Mamba state shapes;
+``memory_layout`` turns ``buffer_size_gb`` and friends into block, request, token and block-table
+counts (docs/SEMANTICS.md §2.5). Both are pure and raise ``ValueError`` naming
+the argument, the value and the limit; nothing here allocates.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from ._fields import _LAYER_SYMBOLS
+from .batch_dimensions import MambaInferenceStateConfig
+from .errors import get_mem_size_str
+
+GIB = 1024 ** 3
+# One host block table (int32 rows x columns) may take at most this many bytes; the context
+# keeps four such tables (host, two device copies, the step's attention copy).
+MAX_BLOCK_TABLE_BYTES = 1 * GIB
+
+
+def positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
+        raise ValueError(f"{name}={value!r} must be a positive integer")
+    return int(value)
+
+
+@dataclass(frozen=True)
+class LayerLayout:
+    """Layer bookkeeping: ``layer_types`` (``*`` attention, ``M`` Mamba, ``-`` MLP, ``E`` MoE),
+    ``layer_map`` (global 0-based index -> index within its type) and the Mamba state shapes."""
+
+    layer_types: tuple
+    layer_map: dict
+    num_attention_layers: int
+    num_mamba_layers: int
+    is_hybrid_model: bool
+    mamba_conv_states_shape: Optional[tuple] = None
+    mamba_ssm_states_shape: Optional[tuple] = None
+    mamba_conv_states_dtype: Optional[torch.dtype] = None
+    mamba_ssm_states_dtype: Optional[torch.dtype] = None
+    mamba_bytes_per_request: int = 0
+
+
+def layer_layout(num_layers: int, mamba: Optional[MambaInferenceStateConfig],
+                 params_dtype: torch.dtype) -> LayerLayout:
+    if mamba is None:
+        layer_types = ["*"] * num_layers
+        conv_shape = ssm_shape = conv_dtype = ssm_dtype = None
+    else:
+        layer_types = list(mamba.layer_type_list)
+        unknown = set(layer_types) - set(_LAYER_SYMBOLS)
+        if unknown:
+            raise ValueError(f"mamba_inference_state_config.layer_type_list has unknown "
+                             f"symbols {sorted(unknown)}; known: {_LAYER_SYMBOLS}")
+        shapes = []
+        for name in ("mamba_conv_states_shape", "mamba_ssm_states_shape"):
+            shape = getattr(mamba, name)
+            if shape is None or not len(shape) or not all(
+                    isinstance(d, (int, np.integer)) and d > 0 for d in shape):
+                raise ValueError(f"mamba_inference_state_config.{name}={shape!r} must be a "
+                                 "tuple of positive ints")
+            shapes.append(tuple(int(d) for d in shape))
+        conv_shape, ssm_shape = shapes
+        conv_dtype = getattr(mamba, "conv_states_dtype", None) or params_dtype
+        ssm_dtype = getattr(mamba, "ssm_states_dtype", None) or params_dtype
+    attention = [i for i, t in enumerate(layer_types) if t == "*"]
+    mamba_layers = [i for i, t in enumerate(layer_types) if t == "M"]
+    if not attention:
+        raise NotImplementedError("a model without attention layers has no KV cache: "
+                                  "layer_type_list needs at least one '*'")
+    layer_map = {g: local for local, g in enumerate(attention)}
+    layer_map.update({g: local for local, g in enumerate(mamba_layers)})
+    mamba_bytes = 0
+    if mamba is not None:
+        conv_item = torch.empty((), dtype=conv_dtype).element_size()
+        ssm_item = torch.empty((), dtype=ssm_dtype).element_size()
+        mamba_bytes = len(mamba_layers) * (conv_item * math.prod(conv_shape)
+                                           + ssm_item * math.prod(ssm_shape))
+    return LayerLayout(tuple(layer_types), layer_map, len(attention), len(mamba_layers),
+                       mamba is not None, conv_shape, ssm_shape, conv_dtype, ssm_dtype,
+                       mamba_bytes)
+
+
+@dataclass(frozen=True)
+class MemoryLayout:
+    """Counts the context is sized by."""
+
+    block_size_bytes: int
+    kv_reduced_dim: Optional[int]
+    unified_memory_level: int
+    total_blocks: int
+    paused_blocks: int
+    max_requests: int
+    max_tokens: int
+    max_kv_block_count: int
+
+
+_level1_warned = False
+
+
+def _warn_level1_once(paused_bytes: int) -> None:
+    """``unified_memory_level=1`` is Megatron-Core's default; say once per process what it means
+    here and how to choose."""
+    global _level1_warned
+    if _level1_warned:
+        return
+    _level1_warned = True
+    warnings.warn(
+        "unified_memory_level=1 (Megatron-Core's default) puts the paused region in CUDA "
+        "managed memory, which dynctx does not use: the paused region "
+        f"({get_mem_size_str(paused_bytes)}) is ordinary device memory allocated on top of "
+        "buffer_size_gb. Pass unified_memory_level=0 to keep paused requests inside "
+        "buffer_size_gb, or paused_buffer_size_gb to size the paused region yourself. "
+        "(Shown once per process.)", stacklevel=4)
+
+
+def memory_layout(*, layers: LayerLayout, params_dtype: torch.dtype, block_size_tokens: int,
+                  heads_per_partition: int, kv_channels: int, cache_mla_latent: bool,
+                  kv_lora_rank: Optional[int], qk_pos_emb_head_dim: Optional[int],
+                  unified_memory_level: Optional[int], device: torch.device,
+                  buffer_size_gb: float, paused_buffer_size_gb: Optional[float],
+                  max_requests: Optional[int], max_tokens: Optional[int], default_max_tokens: int,
+                  max_sequence_length: int, tp: int, request_rounder: int) -> MemoryLayout:
+    itemsize = torch.empty((), dtype=params_dtype).element_size()
+    kv_reduced_dim = None
+    if cache_mla_latent:
+        kv_reduced_dim = kv_lora_rank + qk_pos_emb_head_dim
+        block_size_bytes = itemsize * layers.num_attention_layers * block_size_tokens * kv_reduced_dim
+    else:
+        block_size_bytes = (itemsize * 2 * layers.num_attention_layers * block_size_tokens
+                            * heads_per_partition * kv_channels)
+    level = 0 if unified_memory_level is None else unified_memory_level
+    if level == 1 and device.type != "cuda":
+        level = 0  # CPU tensors behave as level 0.
+    buffer_bytes = int(buffer_size_gb * GIB)
+    # Hybrids budget one request's Mamba state per block (as the reference does).
+    bytes_per_block = block_size_bytes + layers.mamba_bytes_per_request
+    block_count = buffer_bytes // bytes_per_block
+    if block_count < 2:
+        warnings.warn(
+            f"buffer_size_gb={buffer_size_gb} ({get_mem_size_str(buffer_bytes)}) holds "
+            f"{block_count} block(s) of {get_mem_size_str(bytes_per_block)}; the context needs "
+            "at least 2 (one is the dummy block that padding tokens write into), so it uses 2 "
+            f"({get_mem_size_str(2 * bytes_per_block)}): raise buffer_size_gb to size it "
+            "yourself", stacklevel=4)
+        block_count = 2
+    if paused_buffer_size_gb is not None:
+        paused_count = int(paused_buffer_size_gb * GIB) // bytes_per_block
+        total_count = block_count + paused_count if level == 1 else block_count
+    else:
+        blocks = 2 * block_count if level == 1 else block_count
+        active = max(1, (blocks - 1) // 2)
+        paused_count = active
+        total_count = 2 * active + 1
+    active_count = total_count - paused_count - 1
+    if active_count < 1:
+        raise ValueError(
+            f"paused_buffer_size_gb={paused_buffer_size_gb} leaves no active blocks: "
+            f"{total_count} blocks in all, {paused_count} paused (block of "
+            f"{get_mem_size_str(block_size_bytes)})")
+    blocks_per_request = math.ceil(max_sequence_length / block_size_tokens)
+    if active_count < blocks_per_request:
+        # Refusing would break callers that size a context for short requests only; the
+        # update refuses (before any change) the step where no request can run.
+        warnings.warn(
+            f"max_sequence_length={max_sequence_length} needs {blocks_per_request} blocks of "
+            f"{block_size_tokens} tokens for one request, but the active budget holds "
+            f"{active_count} ({get_mem_size_str(active_count * block_size_bytes)} of "
+            f"buffer_size_gb={buffer_size_gb}; the paused budget is {paused_count} blocks): a "
+            "long request may pause with no way to resume, and update_requests then raises "
+            "'no request can run'. Raise buffer_size_gb (or lower paused_buffer_size_gb), or "
+            "lower max_sequence_length", stacklevel=4)
+    if level == 1:
+        _warn_level1_once(paused_count * bytes_per_block)
+
+    derived = max_requests is None
+    if derived:
+        value = total_count - 1
+        value -= value % tp
+        value -= value % request_rounder
+        max_requests = max(value, tp)
+    max_requests = positive_int("max_requests", max_requests)
+    max_tokens = positive_int("max_tokens", max_tokens or default_max_tokens)
+    if max_tokens < max_requests:
+        how = (f" (max_requests was derived from buffer_size_gb: one request per block, "
+               f"{total_count - 1} blocks; pass max_requests=<= {max_tokens} to set it)"
+               if derived else "")
+        raise ValueError(f"max_tokens={max_tokens} must be >= max_requests={max_requests} "
+                         f"(every request needs a token slot at decode){how}")
+    # No request can hold more blocks than the buffer has: the table is never wider.
+    columns = min(blocks_per_request, total_count - 1)
+    table_bytes = 4 * max_requests * columns
+    if table_bytes > MAX_BLOCK_TABLE_BYTES:
+        raise ValueError(
+            f"the block table of max_requests={max_requests} x {columns} blocks "
+            f"(max_sequence_length={max_sequence_length} / block_size_tokens="
+            f"{block_size_tokens}, at most the {total_count - 1} blocks of the buffer) needs {get_mem_size_str(table_bytes)} per copy (four copies), "
+            f"over the limit of {get_mem_size_str(MAX_BLOCK_TABLE_BYTES)}: lower max_requests or "
+            "max_sequence_length, or raise block_size_tokens")
+    return MemoryLayout(block_size_bytes, kv_reduced_dim, level, total_count, paused_count,
+                        max_requests, max_tokens, columns)
+
+
+def config_from_model(inference_config: Any, model: Any, max_batch_size: int) -> dict:
+    """The constructor arguments ``DynamicInferenceContext.from_config`` reads from configs.
+
+    Reads ``model.config`` (or ``model`` itself) for ``num_layers``, ``kv_channels``,
+    ``num_query_groups`` (else ``num_attention_heads``), ``params_dtype``,
+    ``tensor_model_parallel_size`` and, for learned absolute positions,
+    ``max_position_embeddings``; and ``inference_config`` for ``inference_max_seq_length``
+    (else ``max_sequence_length``) and optionally ``params_dtype``.
+    """
+    config = getattr(model, "config", model)
+
+    def need(obj, *names):
+        for name in names:
+            value = getattr(obj, name, None)
+            if value is not None:
+                return value
+        raise ValueError(f"from_config: {type(obj).__name__} has none of {names}")
+
+    max_seq = getattr(inference_config, "inference_max_seq_length", None) or \
+        getattr(inference_config, "max_sequence_length", None)
+    if getattr(config, "position_embedding_type", None) == "learned_absolute":
+        model_max = need(config, "max_position_embeddings")
+        max_seq = min(model_max, max_seq) if max_seq else model_max
+        if max_batch_size > model_max:
+            raise ValueError(f"max_batch_size={max_batch_size} exceeds the model's "
+                             f"max_position_embeddings={model_max}")
+    if max_seq is None:
+        max_seq = need(config, "max_sequence_length", "max_position_embeddings")
+    max_seq = max(max_seq, max_batch_size)
+    dtype = getattr(inference_config, "params_dtype", None) or need(config, "params_dtype")
+    return dict(params_dtype=dtype, num_layers=need(config, "num_layers"),
+                kv_channels=need(config, "kv_channels"),
+                num_attention_heads=need(config, "num_query_groups", "num_attention_heads"),
+                max_sequence_length=max_seq,
+                tensor_model_parallel_size=getattr(config, "tensor_model_parallel_size", None))
+
+
+def check_scalars(*, params_dtype: Any, num_layers: Any, kv_channels: Any,
+                  num_attention_heads: Any, max_sequence_length: Any, block_size_tokens: Any,
+                  buffer_size_gb: Any, paused_buffer_size_gb: Any, tensor_model_parallel_size: Any,
+                  unified_memory_level: Any, cache_mla_latent: bool, kv_lora_rank: Any,
+                  qk_pos_emb_head_dim: Any) -> dict:
+    """The constructor's scalar arguments, checked (``ValueError`` naming each); returns them
+    normalised (ints, ``tp`` for the tensor-parallel size)."""
+    if not isinstance(params_dtype, torch.dtype) or not params_dtype.is_floating_point:
+        raise ValueError(f"params_dtype={params_dtype!r} must be a floating torch.dtype")
+    out = {name: positive_int(name, value) for name, value in (
+        ("num_layers", num_layers), ("kv_channels", kv_channels),
+        ("num_attention_heads", num_attention_heads),
+        ("max_sequence_length", max_sequence_length), ("block_size_tokens", block_size_tokens))}
+    if isinstance(buffer_size_gb, bool) or not isinstance(buffer_size_gb, (int, float)) \
+            or not math.isfinite(buffer_size_gb) or buffer_size_gb <= 0:
+        raise ValueError(f"buffer_size_gb={buffer_size_gb!r} must be a positive number")
+    if paused_buffer_size_gb is not None and (
+            not isinstance(paused_buffer_size_gb, (int, float))
+            or not math.isfinite(paused_buffer_size_gb) or paused_buffer_size_gb < 0):
+        raise ValueError(f"paused_buffer_size_gb={paused_buffer_size_gb!r} must be >= 0 or None")
+    tp = 1 if tensor_model_parallel_size is None else positive_int(
+        "tensor_model_parallel_size", tensor_model_parallel_size)
+    if out["num_attention_heads"] % tp:
+        raise ValueError(f"num_attention_heads={num_attention_heads} must be divisible by "
+                         f"tensor_model_parallel_size={tp}")
+    if unified_memory_level not in (None, 0, 1):
+        raise ValueError(f"unified_memory_level={unified_memory_level!r} must be 0 or 1")
+    if cache_mla_latent:
+        kv_lora_rank = positive_int("kv_lora_rank", kv_lora_rank)
+        qk_pos_emb_head_dim = positive_int("qk_pos_emb_head_dim", qk_pos_emb_head_dim)
+    out.update(tp=tp, kv_lora_rank=kv_lora_rank, qk_pos_emb_head_dim=qk_pos_emb_head_dim)
+    return out

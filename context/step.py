@@ -1,0 +1,152 @@
+"""One step's description, built once by ``initialize_attention_state``.
+
+``build_step`` reads the request table, decides the real and padded dimensions, writes the
+attention (and Mamba) host metadata into the arena's host sections, and returns a frozen
+``Step`` that every later call of the step (the kernels' launch, rope, KV append, logits) reads
+instead of recomputing or passing twenty arguments.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from ._fields import FIELD_KV_OFFSET, FIELD_MAMBA_SLOT, FIELD_QUERY
+from .batch_dimensions import InferenceBatchDimensions
+
+TOKEN_ROUNDER = 64
+REQUEST_ROUNDER = 4
+
+
+def rounded(value: int, rounder: int, tp_size: Optional[int]) -> int:
+    """``value`` rounded up to a multiple of ``rounder`` that ``tp_size`` also divides."""
+    tp = 1 if tp_size is None else int(tp_size)
+    step = math.ceil(rounder / tp) * tp
+    return step * math.ceil(value / step)
+
+
+@dataclass(frozen=True)
+class MambaStep:
+    """The Mamba side of a step (docs/SEMANTICS.md §7): decode rows, regular prefills, then the
+    continuation chunk, which runs separately from its saved state."""
+
+    decode: int
+    regular: int
+    chunked: bool
+    padded_decode: int
+    padded_prefill: int
+    regular_tokens: int
+    chunked_tokens: int
+    zero_count: int
+
+
+@dataclass(frozen=True)
+class Step:
+    """Counts and dimensions of one forward pass (rows ``[paused, total)`` are active)."""
+
+    paused: int
+    total: int
+    active_tokens: int
+    prefill: int
+    decode: int
+    batch_dimensions: InferenceBatchDimensions
+    padded: InferenceBatchDimensions
+    max_seqlen_q: int
+    max_seqlen_k: int
+    mamba: Optional[MambaStep]
+
+    @property
+    def active(self) -> int:
+        return self.total - self.paused
+
+    @property
+    def padded_tokens(self) -> int:
+        return self.padded.token_count
+
+    @property
+    def padded_requests(self) -> int:
+        return self.padded.req_count
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.active_tokens - self.decode
+
+
+def build_step(table, arena: dict, *, max_tokens: int, max_requests: int, tp: int,
+               seq_idx: Optional[np.ndarray], zero_count: int,
+               token_rounder: int = TOKEN_ROUNDER, request_rounder: int = REQUEST_ROUNDER) -> Step:
+    """Describe the step of ``table``'s active rows and write its host metadata into
+    ``arena`` (the arena's host sections) and ``seq_idx`` (hybrids). The rounders are the
+    context class's (Megatron-Core code sets them on the class)."""
+    P, T = table.paused, table.total
+    A = T - P
+    active, prefill = table.active_tokens, table.num_prefill
+    decode = A - prefill
+    # A continuation chunk of a hybrid starts from its saved Mamba state (docs/SEMANTICS.md §0.3);
+    # the context knows it added one, whatever the engine's explicit flag says.
+    chunked = table.hybrid and table.continuation_added
+    real = InferenceBatchDimensions(active, prefill, decode, chunked)
+    if prefill == 0:
+        padded_tokens = min(max_tokens, max_requests, rounded(active, token_rounder, tp))
+        padded = InferenceBatchDimensions(padded_tokens, 0, padded_tokens, False)
+    else:
+        # Capped at max_tokens: the reference can pad past the token buffer.
+        padded_tokens = min(max_tokens, rounded(active, token_rounder, tp))
+        padded_requests = min(max_requests, rounded(A, request_rounder, tp))
+        padded = InferenceBatchDimensions(padded_tokens, padded_requests - decode, decode, chunked)
+    padded_requests = padded.req_count
+
+    # Attention metadata, on the host: padded rows get q = kv = 0, cu values carry over.
+    q = table.rows[FIELD_QUERY, P:T]
+    kv = table.rows[FIELD_KV_OFFSET, P:T] + q
+    arena["attn_query_lengths"][:A] = q
+    arena["attn_query_lengths"][A:padded_requests] = 0
+    arena["attn_kv_lengths"][:A] = kv
+    arena["attn_kv_lengths"][A:padded_requests] = 0
+    cu_q, cu_kv = arena["attn_cu_query"], arena["attn_cu_kv"]
+    cu_q[0] = cu_kv[0] = 0
+    np.cumsum(q, out=cu_q[1:A + 1])
+    np.cumsum(kv, out=cu_kv[1:A + 1])
+    cu_q[A + 1:padded_requests + 1] = cu_q[A]
+    cu_kv[A + 1:padded_requests + 1] = cu_kv[A]
+    if active != cu_q[A]:
+        raise RuntimeError(f"internal: active_token_count={active} but the query lengths sum "
+                           f"to {cu_q[A]}")
+    mamba = None
+    if table.hybrid:
+        mamba = _mamba_host(table, arena, seq_idx, P, A, decode, prefill, chunked, padded, cu_q,
+                            zero_count)
+    return Step(paused=P, total=T, active_tokens=active, prefill=prefill, decode=decode,
+                batch_dimensions=real, padded=padded,
+                max_seqlen_q=int(q.max()) if A else 1, max_seqlen_k=int(kv.max()) if A else 1,
+                mamba=mamba)
+
+
+def _mamba_host(table, arena: dict, seq_idx: np.ndarray, P: int, A: int, decode: int,
+                prefill: int, chunked: bool, padded: InferenceBatchDimensions, cu_q: np.ndarray,
+                zero_count: int) -> MambaStep:
+    """Mamba slot indices and varlen offsets of the step, on the host (docs/SEMANTICS.md §7)."""
+    slots = table.rows[FIELD_MAMBA_SLOT, P:P + A]
+    regular = prefill - 1 if chunked else prefill
+    padded_decode, padded_prefill = padded.decode_req_count, padded.prefill_req_count
+    arena["mamba_decode_slots"][:decode] = slots[:decode]
+    arena["mamba_decode_slots"][decode:padded_decode] = -1
+    arena["mamba_prefill_slots"][:regular] = slots[decode:decode + regular]
+    arena["mamba_prefill_slots"][regular:padded_prefill] = -1
+    arena["mamba_chunked_slot"][0] = slots[decode + regular] if chunked else -1
+    cu = arena["mamba_cu_seqlens"]
+    cu[:regular + 1] = cu_q[decode:decode + regular + 1] - cu_q[decode]
+    cu[regular + 1:padded_prefill + 1] = cu[regular]
+    # seq_idx: which regular prefill each prefill token belongs to; -1 elsewhere.
+    regular_tokens = int(cu[regular])
+    lengths = np.diff(cu[:regular + 1])
+    seq_idx[:regular_tokens] = np.repeat(np.arange(regular, dtype=np.int32), lengths)
+    seq_idx[regular_tokens:padded.token_count] = -1
+    return MambaStep(decode=decode, regular=regular, chunked=chunked,
+                     padded_decode=padded_decode, padded_prefill=padded_prefill,
+                     regular_tokens=regular_tokens,
+                     chunked_tokens=int(cu_q[A] - cu_q[decode + regular]) if chunked else 0,
+                     zero_count=zero_count)

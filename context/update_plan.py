@@ -1,0 +1,275 @@
+"""The step-end state machine (``update_requests``, docs/SEMANTICS.md §9, the fixed version), as a plan.
+
+``plan_update`` decides, from the unchanged ``RequestTable``, everything one update does: which
+requests finish, how rows compact, which pause, resume (LIFO, one new block each) or are evicted
+beyond the paused budget, and the chunked request's move to the last row. It works on a scratch
+copy of the per-request fields and a simulation of the block allocator's stack, so it changes
+nothing; every error it can meet (an unknown chunked id, a request kept past
+``max_sequence_length``, no request able to run) raises here. ``RequestTable.commit_update``
+then applies the plan, and the device state applies the row plan in one launch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Tuple
+
+import numpy as np
+
+from ._fields import (
+    FIELD_BLOCKS,
+    FIELD_IDS,
+    FIELD_KV_OFFSET,
+    FIELD_LAST_BLOCK,
+    FIELD_LAST_OFFSET,
+    FIELD_MAMBA_SLOT,
+    FIELD_QUERY,
+)
+
+_EMPTY = np.empty(0, dtype=np.int64)
+
+
+@dataclass(frozen=True)
+class UpdatePlan:
+    """Everything one ``update_requests`` changes, decided before anything changes.
+
+    ``origin[r]``: the old row whose data row ``r`` holds afterwards (rows ``[0, old_total)``);
+    ``rows``: the per-request fields of rows ``[0, old_total)`` afterwards; ``append_col`` /
+    ``append_block``: the block each resumed row appends (-1: none); ``allocator_ops``: the
+    block releases and allocations, in order, that ``commit`` replays on the allocator.
+    """
+
+    old_paused: int
+    old_total: int
+    paused: int
+    total: int
+    active_tokens: int
+    origin: np.ndarray
+    rows: np.ndarray
+    append_col: np.ndarray
+    append_block: np.ndarray
+    allocator_ops: Tuple[tuple, ...]
+    released_slots: np.ndarray
+    finished_ids: np.ndarray
+    evicted_ids: np.ndarray
+    newly_paused_ids: np.ndarray
+
+
+class _StackSim:
+    """The allocator's LIFO stack as it would be after this plan's releases and allocations,
+    without touching it: the untouched bottom ``bag[:avail]`` plus an overlay of pushed ids."""
+
+    def __init__(self, allocator):
+        self.allocator = allocator
+        self.base_avail = allocator.total_avail
+        self.overlay = np.empty(0, dtype=np.int32)
+        self.released = np.empty(0, dtype=np.int32)
+        self.ops: List[tuple] = []
+
+    @property
+    def total_avail(self) -> int:
+        return self.base_avail + self.overlay.size
+
+    def release(self, blocks: np.ndarray) -> None:
+        """As ``BlockAllocator.release_memory_blocks``: drop one reference per id; the ids
+        whose last reference goes are pushed once, in order of first mention."""
+        blocks = blocks[blocks >= 0].astype(np.int32)
+        if blocks.size == 0:
+            return
+        self.ops.append(("release", blocks))
+        left = self.allocator.ref_counts[blocks].astype(np.int64)
+        if self.released.size:
+            done = np.sort(self.released)
+            left -= (np.searchsorted(done, blocks, "right") - np.searchsorted(done, blocks, "left"))
+        self.released = np.concatenate([self.released, blocks])
+        _, inverse, counts = np.unique(blocks, return_inverse=True, return_counts=True)
+        freed = blocks[left - counts[inverse] == 0]
+        if freed.size > 1:
+            _, first = np.unique(freed, return_index=True)
+            freed = freed[np.sort(first)]
+        self.overlay = np.concatenate([self.overlay, freed])
+
+    def allocate(self, count: int) -> np.ndarray:
+        self.ops.append(("allocate", count))
+        if count <= self.overlay.size:
+            blocks = self.overlay[self.overlay.size - count:]
+            self.overlay = self.overlay[:self.overlay.size - count]
+            return blocks
+        below = count - self.overlay.size
+        bag = self.allocator.block_bag
+        blocks = np.concatenate([bag[self.base_avail - below:self.base_avail], self.overlay])
+        self.base_avail -= below
+        self.overlay = np.empty(0, dtype=np.int32)
+        return blocks
+
+
+class _Scratch:
+    """Scratch rows: the fields of rows ``[0, T)``, each row's origin and appended block."""
+
+    def __init__(self, table, allocator_sim: _StackSim):
+        T = table.total
+        self.table = table
+        self.h = table.rows[:, :T].copy()
+        self.origin = np.arange(T, dtype=np.int64)
+        self.append_col = np.full(T, -1, dtype=np.int32)
+        self.append_block = np.full(T, -1, dtype=np.int32)
+        self.stack = allocator_sim
+        self.slots: List[np.ndarray] = []
+
+    def move(self, dst: np.ndarray, src: np.ndarray) -> None:
+        for array in (self.origin, self.append_col, self.append_block):
+            array[dst] = array[src]
+        self.h[:, dst] = self.h[:, src]
+
+    def clear(self, rows: np.ndarray) -> None:
+        self.h[FIELD_IDS, rows] = -1
+        self.h[FIELD_MAMBA_SLOT, rows] = -1
+        self.append_col[rows] = -1
+        self.append_block[rows] = -1
+
+    def release(self, rows: np.ndarray) -> None:
+        """Release the blocks (row-major, as the reference pushes them) and slots of ``rows``."""
+        if rows.size:
+            table = self.table.block_table[self.origin[rows]]
+            table = np.concatenate([table, self.append_block[rows, None]], axis=1)
+            self.stack.release(table.reshape(-1))
+            if self.table.hybrid:
+                self.slots.append(self.h[FIELD_MAMBA_SLOT, rows].copy())
+        self.clear(rows)
+
+    def resume(self, P: int, a: int, active_budget: int) -> Tuple[int, int]:
+        """Resume paused requests, right-most first (LIFO), each with one new block."""
+        if P == 0:
+            return P, a
+        counts = self.h[FIELD_BLOCKS]
+        avail_active = active_budget - int(counts[P:P + a].sum())
+        needs = counts[:P][::-1].astype(np.int64) + 1
+        r = int(np.count_nonzero(np.cumsum(needs) <= avail_active))
+        r = min(r, self.stack.total_avail)
+        if r == 0:
+            return P, a
+        rows = np.arange(P - r, P)
+        blocks = self.stack.allocate(r)
+        self.append_col[rows] = counts[rows]
+        self.append_block[rows] = blocks
+        counts[rows] += 1
+        self.h[FIELD_LAST_BLOCK, rows] = blocks
+        return P - r, a + r
+
+    def evict(self, P: int, a: int, paused_budget: int) -> Tuple[int, np.ndarray]:
+        """Evict paused requests from the right until paused blocks fit their budget."""
+        counts = self.h[FIELD_BLOCKS, :P].astype(np.int64)
+        if P == 0 or counts.sum() <= paused_budget:
+            return P, _EMPTY
+        overflow = P - int(np.count_nonzero(np.cumsum(counts) <= paused_budget))
+        if overflow == 0:
+            return P, _EMPTY
+        tail = counts[P - overflow:][::-1]
+        net = np.cumsum(tail) - (overflow - 1 - np.arange(overflow))
+        evict = int(np.flatnonzero(net >= 0)[0]) + 1
+        rows = np.arange(P - evict, P)
+        evicted = self.h[FIELD_IDS, rows].astype(np.int64)
+        self.release(rows)
+        T = P + a
+        if evict < a:
+            left, right = rows, np.arange(T - evict, T)
+        else:
+            left, right = np.arange(P - evict, P - evict + a), np.arange(P, P + a)
+        self.move(np.concatenate([left, right]), np.concatenate([right, left]))
+        self.clear(np.arange(T - evict, T))
+        return P - evict, evicted
+
+
+def plan_update(table, mask: np.ndarray, *, chunked_id: int, max_sequence_length: int
+                ) -> UpdatePlan:
+    """The plan of one ``update_requests`` (see the module docstring); changes nothing.
+
+    ``mask``: host bool ``[active]`` (True keeps the request), already checked for shape.
+    """
+    P, T = table.paused, table.total
+    A = T - P
+    old_P, old_T = P, T
+    ids = table.rows[FIELD_IDS]
+    if chunked_id != -1:
+        last = int(ids[T - 1]) if A else None
+        if last != chunked_id:
+            raise ValueError(
+                f"chunked_prefill_request_id={chunked_id} is not the chunked prefill in the "
+                f"context: the last active row holds request {last} (a chunked prefill is "
+                "always the last active row after its chunk is added); set it to -1 or to the "
+                "id of the request whose prompt was added in part")
+        mask = mask.copy()
+        mask[-1] = True
+    # A kept request gets one more token: it must stay within max_sequence_length.
+    lengths = table.rows[FIELD_KV_OFFSET, P:T].astype(np.int64) + table.rows[FIELD_QUERY, P:T] + 1
+    if lengths.size and lengths.max() > max_sequence_length and \
+            (too_long := mask & (lengths > max_sequence_length)).any():
+        k = int(np.flatnonzero(too_long)[0])
+        raise ValueError(
+            f"active_requests_mask keeps request {int(ids[P + k])}, which would hold "
+            f"{int(lengths[k])} tokens after this step, beyond max_sequence_length="
+            f"{max_sequence_length}: finish it (mask 0) at its last token")
+
+    allocator = table.allocator
+    scratch = _Scratch(table, _StackSim(allocator))
+    h = scratch.h
+    a = int(mask.sum())
+    finished_ids = h[FIELD_IDS, P:T][~mask].astype(np.int64)
+    paused_now = _EMPTY
+    evicted = _EMPTY
+    if a + P == 0:
+        scratch.release(np.arange(P, T))
+        P = T = 0
+    else:
+        finished_rows = P + np.flatnonzero(~mask)
+        if finished_rows.size:
+            scratch.release(finished_rows)
+            if a > 0:
+                holes = P + np.flatnonzero(~mask[:a])
+                movers = P + a + np.flatnonzero(mask[a:])
+                if holes.size:
+                    scratch.move(holes, movers)
+                    scratch.clear(movers)
+        T = P + a
+        if a > 0:
+            need = h[FIELD_LAST_OFFSET, P:T] == table.block_size - 1
+            if chunked_id != -1:
+                need &= h[FIELD_IDS, P:T] != chunked_id
+            k = int(need.sum())
+            if k:
+                paused_now = h[FIELD_IDS, P:T][need].astype(np.int64)
+                if k < a:
+                    left_keep = np.flatnonzero(~need[:k])
+                    right_need = k + np.flatnonzero(need[k:])
+                    scratch.move(P + np.concatenate([left_keep, right_need]),
+                                 P + np.concatenate([right_need, left_keep]))
+                P, a = P + k, a - k
+        P, a = scratch.resume(P, a, allocator.active_count)
+        P, evicted = scratch.evict(P, a, allocator.paused_count)
+        P, a = scratch.resume(P, a, allocator.active_count)
+        T = P + a
+        if a == 0:
+            paused_blocks = int(h[FIELD_BLOCKS, :P].sum())
+            raise RuntimeError(
+                f"no request can run: {P} paused requests hold {paused_blocks} blocks and none "
+                f"can resume ({scratch.stack.total_avail} free blocks, active budget "
+                f"{allocator.active_count}); nothing was changed")
+        if chunked_id != -1:
+            row = P + int(np.flatnonzero(h[FIELD_IDS, P:T] == chunked_id)[0])
+            if row != T - 1:
+                scratch.move(np.array([row, T - 1]), np.array([T - 1, row]))
+        # The next step is a pure decode unless requests are added.
+        h[FIELD_KV_OFFSET, P:T] += h[FIELD_QUERY, P:T]
+        h[FIELD_QUERY, P:T] = 1
+        h[FIELD_LAST_OFFSET, P:T] = (h[FIELD_LAST_OFFSET, P:T] + 1) % table.block_size
+    newly_paused = _EMPTY
+    if P and paused_now.size:
+        still_paused = h[FIELD_IDS, :P].astype(np.int64)
+        newly_paused = still_paused[np.isin(still_paused, paused_now)]
+    slots = np.concatenate(scratch.slots) if scratch.slots else np.empty(0, dtype=np.int32)
+    return UpdatePlan(
+        old_paused=old_P, old_total=old_T, paused=P, total=T, active_tokens=T - P,
+        origin=scratch.origin, rows=h, append_col=scratch.append_col,
+        append_block=scratch.append_block, allocator_ops=tuple(scratch.stack.ops),
+        released_slots=slots, finished_ids=finished_ids, evicted_ids=evicted,
+        newly_paused_ids=newly_paused)

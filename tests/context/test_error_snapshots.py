@@ -1,0 +1,354 @@
+"""Every error path of ``update_requests`` and ``add_request`` leaves the context exactly as it
+was, and the next valid step works.
+
+Each case builds a state, takes a full snapshot (host rows, block table, allocator stack and
+reference counts, live ids, device block table and per-request fields, request metadata,
+pending tokens, the step's token arrays and attention metadata, every byte of the KV buffer),
+makes the bad call, compares a new snapshot with the first, and then runs one more valid step
+(its own check: blocks owned once, device mirrors host). The cases run on the torch backend and,
+under ``TRITON_INTERPRET=1``, on ``kernel_backend="triton"`` (the same plan, applied by the
+Triton kernels).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dynctx.context import (
+    BlockOverflowError,
+    DynamicInferenceRequest,
+    MambaInferenceStateConfig,
+    MaxSequenceLengthOverflowError,
+    RequestOverflowError,
+    SamplingParams,
+    TensorStateDeallocatedError,
+    TokenOverflowError,
+)
+from dynctx.kernels import _backend
+
+from helpers import BLOCK, GIB, add, assert_same, check_invariants, make_ctx, snapshot
+
+VOCAB = 500
+BACKENDS = [
+    pytest.param("torch", id="torch"),
+    pytest.param("triton", id="triton", marks=[
+        pytest.mark.interpreter,
+        pytest.mark.skipif(not (_backend.triton_interpreting() or torch.cuda.is_available()),
+                           reason="needs TRITON_INTERPRET=1 set before import or a CUDA device")]),
+]
+
+
+def req(rid, length=3, gen=8, tokens=None, **sampling):
+    if tokens is None:
+        tokens = torch.tensor([(rid * 7 + i) % VOCAB for i in range(length)])
+    return DynamicInferenceRequest(request_id=rid, prompt_tokens=tokens,
+                                   sampling_params=SamplingParams(num_tokens_to_generate=gen,
+                                                                  **sampling))
+
+
+def raw(rid=9, tokens=None, finished=0, gen=8):
+    """A request whose remaining prompt is ``tokens`` as given (the context's checks alone)."""
+    r = req(rid, gen=gen)
+    r.remaining_prompt_tokens = tokens
+    r.finished_chunk_token_count = finished
+    return r
+
+
+def _step(ctx, keep=True):
+    """initialize (unless this step is initialized) + update: every active request kept (or
+    finished) with a token in the vocabulary."""
+    if ctx._step is None:
+        ctx.initialize_attention_state()
+    n = ctx.total_request_count - ctx.paused_request_count
+    mask = torch.full((n,), keep, dtype=torch.bool)
+    return ctx.update_requests(mask, torch.arange(n, dtype=torch.int64) + 7)
+
+
+# ---------------------------------------------------------------- states
+def s_prefill(backend):
+    """Requests 1 (3 tokens) and 2 (5 tokens) added; the step initialized; K/V written."""
+    ctx = make_ctx(kernel_backend=backend, vocab_size=VOCAB, validate=True)
+    add(ctx, req(1, 3))
+    add(ctx, req(2, 5))
+    ctx.initialize_attention_state()
+    n = ctx.padded_active_token_count
+    kv = torch.arange(n * 16, dtype=torch.float32).reshape(n, 2, 8)
+    for layer in (1, 2):
+        ctx.append_key_value_cache(layer, kv, kv + 0.5)
+    return ctx
+
+
+def s_decode(backend):
+    """Two decode steps later (requests 1 and 2 decoding, metadata built)."""
+    ctx = s_prefill(backend)
+    _step(ctx)
+    _step(ctx)
+    ctx.initialize_attention_state()
+    return ctx
+
+
+def s_added(backend):
+    """A decode step of 1 and 2 with request 3 added and not yet initialized."""
+    ctx = s_decode(backend)
+    _step(ctx)
+    add(ctx, req(3, 4))
+    return ctx
+
+
+def s_chunked(backend):
+    """Request 3's first chunk (8 of 20 tokens) in, chunked id set, one step done: the next
+    step needs the continuation."""
+    ctx = make_ctx(kernel_backend=backend, vocab_size=VOCAB)
+    add(ctx, req(1, 3))
+    ctx._chunked = req(3, 20)
+    add(ctx, ctx._chunked, chunk_length=8)
+    ctx.chunked_prefill_request_id = 3
+    _step(ctx)
+    return ctx
+
+
+def s_full_rows(backend):
+    ctx = make_ctx(kernel_backend=backend, max_requests=4, max_tokens=64)
+    for rid in range(4):
+        add(ctx, req(rid + 1, 2))
+    ctx.initialize_attention_state()
+    return ctx
+
+
+def s_long(backend):
+    """Request 1 at max_sequence_length (16): its next token would be the 17th."""
+    ctx = make_ctx(kernel_backend=backend, max_sequence_length=16)
+    add(ctx, req(1, 15, gen=1))
+    _step(ctx)
+    ctx.initialize_attention_state()
+    return ctx
+
+
+def s_stuck(backend):
+    """An active budget of 3 blocks and a request about to need its 4th: no request can run."""
+    ctx = make_ctx(kernel_backend=backend, buffer_size_gb=6 * BLOCK / GIB,
+                   paused_buffer_size_gb=2 * BLOCK / GIB, max_requests=4, max_tokens=64)
+    add(ctx, req(1, 11, gen=40))
+    _step(ctx)
+    ctx.initialize_attention_state()
+    return ctx
+
+
+def s_hybrid_continued(backend):
+    """A hybrid: request 3's final continuation chunk added in this step (it must stay last)."""
+    layers, conv, ssm = ("M", "*"), (6, 4), (2, 3, 5)
+    mamba_bytes = 4 * (24 + 30)
+    block = BLOCK // 2 + mamba_bytes  # one attention layer
+    ctx = make_ctx(kernel_backend=backend, num_layers=2, buffer_size_gb=40 * block / GIB,
+                   paused_buffer_size_gb=8 * block / GIB,
+                   mamba_inference_state_config=MambaInferenceStateConfig(layers, conv, ssm))
+    add(ctx, req(1, 3))
+    r = req(3, 20)
+    add(ctx, r, chunk_length=8)
+    ctx.chunked_prefill_request_id = 3
+    _step(ctx)
+    ctx.chunked_prefill_request_id = -1
+    add(ctx, r)
+    return ctx
+
+
+def s_deallocated(backend):
+    ctx = s_prefill(backend)
+    ctx.deallocate_all_tensors()
+    return ctx
+
+
+def _tokens(*values, dtype=torch.int64, device="cpu"):
+    return torch.tensor(values, dtype=dtype, device=device)
+
+
+U = "update"
+A = "add"
+# (id, state, call, error, message pattern, recovery: keep or finish the active requests)
+CASES = [
+    # ---------------------------------------------------------------- update_requests
+    (f"{U}/deallocated", s_deallocated, lambda c: c.update_requests(_tokens(1, 1), _tokens(4, 5)),
+     TensorStateDeallocatedError, "deallocated", None),
+    (f"{U}/before-initialize-after-add", s_added,
+     lambda c: c.update_requests(_tokens(1, 1, 1, dtype=torch.bool), _tokens(4, 5, 6)),
+     RuntimeError, "initialize_attention_state", True),
+    (f"{U}/mask-list", s_prefill, lambda c: c.update_requests([1, 1], _tokens(4, 5)),
+     TypeError, "active_requests_mask", True),
+    (f"{U}/mask-shape", s_prefill, lambda c: c.update_requests(_tokens(1), _tokens(4, 5)),
+     ValueError, "active_requests_mask", True),
+    (f"{U}/mask-float", s_prefill,
+     lambda c: c.update_requests(_tokens(1, 1, dtype=torch.float32), _tokens(4, 5)),
+     TypeError, "active_requests_mask", True),
+    (f"{U}/mask-device", s_prefill,
+     lambda c: c.update_requests(_tokens(1, 1, device="meta"), _tokens(4, 5)),
+     ValueError, "active_requests_mask", True),
+    (f"{U}/mask-value-2", s_prefill, lambda c: c.update_requests(_tokens(1, 2), _tokens(4, 5)),
+     ValueError, "active_requests_mask", True),
+    (f"{U}/new_tokens-list", s_prefill, lambda c: c.update_requests(_tokens(1, 1), [4, 5]),
+     TypeError, "new_tokens", True),
+    (f"{U}/new_tokens-float", s_prefill,
+     lambda c: c.update_requests(_tokens(1, 1), _tokens(4, 5, dtype=torch.float32)),
+     TypeError, "new_tokens", True),
+    (f"{U}/new_tokens-bool", s_prefill,
+     lambda c: c.update_requests(_tokens(1, 1), _tokens(1, 0, dtype=torch.bool)),
+     TypeError, "new_tokens", True),
+    *[(f"{U}/new_tokens-{dtype}".replace("torch.", ""), s_prefill,
+       lambda c, dtype=dtype: c.update_requests(_tokens(1, 1), _tokens(4, 5, dtype=dtype)),
+       TypeError, "new_tokens.*int32 or int64", True)
+      for dtype in (torch.uint8, torch.int8, torch.int16)],
+    (f"{U}/new_tokens-shape", s_prefill,
+     lambda c: c.update_requests(_tokens(1, 1), _tokens(4, 5, 6)), ValueError, "new_tokens", True),
+    (f"{U}/new_tokens-device", s_prefill,
+     lambda c: c.update_requests(_tokens(1, 1), _tokens(4, 5, device="meta")),
+     ValueError, "new_tokens", True),
+    (f"{U}/new_tokens-outside-vocab", s_decode,
+     lambda c: c.update_requests(_tokens(1, 1), _tokens(4, VOCAB)), ValueError, "new_tokens",
+     True),
+    (f"{U}/new_tokens-negative", s_decode,
+     lambda c: c.update_requests(_tokens(1, 1), _tokens(-1, 4)), ValueError, "new_tokens", True),
+    (f"{U}/unknown-chunked-id", s_prefill,
+     lambda c: (setattr(c, "chunked_prefill_request_id", 77),
+                c.update_requests(_tokens(1, 0), _tokens(4, 5))),
+     ValueError, "chunked_prefill_request_id=77", True),
+    (f"{U}/past-max_sequence_length", s_long,
+     lambda c: c.update_requests(_tokens(1), _tokens(4)), ValueError, "max_sequence_length",
+     False),
+    (f"{U}/no-request-can-run", s_stuck,
+     lambda c: c.update_requests(_tokens(1), _tokens(4)), RuntimeError, "no request can run",
+     False),
+    # ---------------------------------------------------------------- add_request
+    (f"{A}/deallocated", s_deallocated, lambda c: c.add_request(req(9)),
+     TensorStateDeallocatedError, "deallocated", None),
+    (f"{A}/not-a-request", s_prefill, lambda c: c.add_request(42), TypeError, "req", True),
+    (f"{A}/request_id-str", s_prefill, lambda c: c.add_request(req("a", tokens=[1, 2])),
+     TypeError, "request_id", True),
+    (f"{A}/request_id-negative", s_prefill, lambda c: c.add_request(req(-1)), ValueError,
+     "request_id", True),
+    (f"{A}/request_id-huge", s_prefill, lambda c: c.add_request(req(2 ** 40)), ValueError,
+     "request_id", True),
+    (f"{A}/duplicate-id", s_prefill, lambda c: c.add_request(req(1)), ValueError,
+     "request_id=1", True),
+    (f"{A}/prompt-missing", s_prefill, lambda c: c.add_request(raw(tokens=None)), ValueError,
+     "prompt", True),
+    (f"{A}/prompt-float-tensor", s_prefill,
+     lambda c: c.add_request(raw(tokens=torch.tensor([1.0, 2.0]))), TypeError, "prompt", True),
+    (f"{A}/prompt-float-list-not-whole", s_prefill,
+     lambda c: c.add_request(raw(tokens=[1.5, 2.0])), TypeError, "prompt", True),
+    (f"{A}/prompt-bool-list", s_prefill, lambda c: c.add_request(raw(tokens=[True, False])),
+     TypeError, "prompt", True),
+    (f"{A}/prompt-2d", s_prefill, lambda c: c.add_request(raw(tokens=torch.tensor([[1, 2]]))),
+     ValueError, "prompt", True),
+    (f"{A}/prompt-empty", s_prefill,
+     lambda c: c.add_request(raw(tokens=torch.tensor([], dtype=torch.int64))), ValueError,
+     "prompt", True),
+    (f"{A}/prompt-device", s_prefill,
+     lambda c: c.add_request(raw(tokens=torch.tensor([1, 2], device="meta"))), ValueError,
+     "prompt", True),
+    (f"{A}/prompt-negative", s_prefill, lambda c: c.add_request(req(9, tokens=[3, -1])),
+     ValueError, "prompt", True),
+    (f"{A}/prompt-outside-vocab", s_decode, lambda c: c.add_request(req(9, tokens=[3, VOCAB])),
+     ValueError, "vocab", True),
+    (f"{A}/chunk_length-0", s_prefill, lambda c: c.add_request(req(9, 4), 0), ValueError,
+     "chunk_length", True),
+    (f"{A}/chunk_length-too-long", s_prefill, lambda c: c.add_request(req(9, 4), 5), ValueError,
+     "chunk_length", True),
+    (f"{A}/chunk_length-float", s_prefill, lambda c: c.add_request(req(9, 4), 1.5), ValueError,
+     "chunk_length", True),
+    (f"{A}/finished_chunk_token_count-negative", s_prefill,
+     lambda c: c.add_request(raw(tokens=torch.tensor([1, 2]), finished=-2)), ValueError,
+     "finished_chunk_token_count", True),
+    (f"{A}/num_tokens_to_generate-None", s_prefill, lambda c: c.add_request(req(9, gen=None)),
+     ValueError, "num_tokens_to_generate", True),
+    (f"{A}/num_tokens_to_generate-negative", s_prefill, lambda c: c.add_request(req(9, gen=-1)),
+     ValueError, "num_tokens_to_generate", True),
+    (f"{A}/num_tokens_to_generate-2.5", s_prefill,
+     lambda c: c.add_request(_with_gen(req(9), 2.5)), ValueError, "num_tokens_to_generate",
+     True),
+    (f"{A}/num_tokens_to_generate-str", s_prefill,
+     lambda c: c.add_request(_with_gen(req(9), "abc")), TypeError, "num_tokens_to_generate",
+     True),
+    (f"{A}/max_sequence_length", s_prefill, lambda c: c.add_request(req(9, 60, gen=10)),
+     MaxSequenceLengthOverflowError, "max_sequence_length", True),
+    (f"{A}/max_tokens", s_prefill, lambda c: c.add_request(req(9, 60, gen=1)),
+     TokenOverflowError, "max_tokens", True),
+    (f"{A}/max_requests", s_full_rows, lambda c: c.add_request(req(9)), RequestOverflowError,
+     "max_requests", True),
+    (f"{A}/blocks", s_stuck, lambda c: c.add_request(req(9, 12, gen=1)), BlockOverflowError,
+     "blocks", False),
+    (f"{A}/top_k-beyond-int32", s_prefill, lambda c: c.add_request(req(9, top_k=2 ** 40)),
+     ValueError, "top_k", True),
+    (f"{A}/termination_id-beyond-int64", s_prefill,
+     lambda c: c.add_request(req(9, termination_id=2 ** 70)), ValueError, "termination_id",
+     True),
+    (f"{A}/continuation-not-last-row", s_prefill,
+     lambda c: c.add_request(raw(tokens=torch.tensor([1, 2]), finished=4)), ValueError,
+     "continuation", True),
+    (f"{A}/continuation-of-a-decoding-request", s_decode,
+     lambda c: c.add_request(raw(rid=2, tokens=torch.tensor([1, 2]), finished=5)), ValueError,
+     "decoding", True),
+    (f"{A}/continuation-claims-more-than-cached", s_chunked,
+     lambda c: c.add_request(_continuation(c, claim=10)), ValueError, "cached", "chunk"),
+    (f"{A}/new-request-after-a-hybrid-continuation", s_hybrid_continued,
+     lambda c: c.add_request(req(9)), ValueError, "hybrid", True),
+    (f"{A}/new-request-while-chunked", s_chunked, lambda c: c.add_request(req(9)), ValueError,
+     "chunked", "chunk"),
+]
+
+
+def _with_gen(r, gen):
+    r.sampling_params.num_tokens_to_generate = gen  # past SamplingParams' own check
+    return r
+
+
+def _continuation(ctx, claim):
+    r = ctx._chunked
+    return raw(rid=3, tokens=r.prompt_tokens[claim:], finished=claim, gen=8)
+
+
+def _recover(ctx, recovery):
+    """One valid step after the error."""
+    if recovery == "chunk":
+        r = ctx._chunked
+        add(ctx, raw(rid=3, tokens=r.prompt_tokens[8:], finished=8, gen=8))
+        ctx.chunked_prefill_request_id = -1
+        recovery = True
+    _step(ctx, keep=recovery)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("state,call,error,match,recovery",
+                         [pytest.param(*case[1:], id=case[0]) for case in CASES])
+def test_error_leaves_context_unchanged_and_next_step_works(backend, state, call, error, match,
+                                                            recovery):
+    ctx = state(backend)
+    allocated = ctx.is_tensor_state_allocated
+    before = snapshot(ctx, device=allocated)
+    with pytest.raises(error, match=match):
+        call(ctx)
+    if ctx.chunked_prefill_request_id == 77:
+        ctx.chunked_prefill_request_id = -1  # the case set it; the context must not have moved
+    assert_same(before, snapshot(ctx, device=allocated))
+    if not allocated:
+        ctx.allocate_all_tensors(is_init=False)
+        add(ctx, req(1, 3))
+        recovery = True
+    _recover(ctx, recovery)
+    check_invariants(ctx)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_kv_that_requires_grad_is_written_detached(backend):
+    """K/V that require grad are written (both), and the cache keeps no autograd graph."""
+    ctx = s_prefill(backend)
+    n = ctx.padded_active_token_count
+    key = torch.randn(n, 2, 8, requires_grad=True)
+    value = torch.randn(n, 1, 2, 8, requires_grad=True)
+    ctx.append_key_value_cache(1, key * 2, value * 3)
+    k_cache, v_cache = ctx.key_value_cache(1)
+    assert not ctx.memory_buffer.requires_grad and ctx.memory_buffer.grad_fn is None
+    blocks = ctx.token_to_block_idx[:ctx.active_token_count]
+    slots = ctx.token_to_local_position_within_kv_block[:ctx.active_token_count]
+    active = ctx.active_token_count
+    assert torch.equal(k_cache[blocks, slots], (key * 2).detach()[:active])
+    assert torch.equal(v_cache[blocks, slots], (value * 3).detach()[:active, 0])
