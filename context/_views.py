@@ -23,6 +23,27 @@ from ._fields import (
 )
 
 
+def _table_count(field: str, limit: str, doc: str) -> property:
+    """A count of the request table, settable by hand as Megatron-Core code sets its attributes
+    (its tests build states that way); ``limit`` names the context attribute bounding it."""
+
+    def get(self) -> int:
+        return getattr(self._table, field)
+
+    def set(self, value: int) -> None:
+        name = doc.split(":")[0]
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise TypeError(f"{name}={value!r} must be an int")
+        high = getattr(self, limit)
+        if not 0 <= value <= high:
+            raise ValueError(f"{name}={value} must lie in [0, {limit}={high}]")
+        setattr(self._table, field, int(value))
+        # A state written by hand is the caller's: update_requests takes it as forwarded.
+        self._hand_written = True
+
+    return property(get, set, doc=doc)
+
+
 def _device_tensor(name: str) -> property:
     """A device tensor of ``DeviceState`` (None while the context is suspended)."""
     return property(lambda self: None if self._device is None else getattr(self._device, name))
@@ -40,10 +61,14 @@ class StateViewsMixin:
     memory_buffer = _device_tensor("memory_buffer")
     mamba_conv_states = _device_tensor("mamba_conv_states")
     mamba_ssm_states = _device_tensor("mamba_ssm_states")
-    total_request_count = property(lambda self: self._table.total)
-    paused_request_count = property(lambda self: self._table.paused)
-    active_token_count = property(lambda self: self._table.active_tokens)
-    num_prefill_requests = property(lambda self: self._table.num_prefill)
+    total_request_count = _table_count(
+        "total", "_request_rows", "total_request_count: rows in use (paused + active)")
+    paused_request_count = _table_count(
+        "paused", "total_request_count", "paused_request_count: rows [0, paused) are paused")
+    active_token_count = _table_count(
+        "active_tokens", "max_tokens", "active_token_count: tokens of the next forward pass")
+    num_prefill_requests = _table_count(
+        "num_prefill", "total_request_count", "num_prefill_requests: prefill rows of the step")
     num_decode_requests = property(lambda self: self._table.num_decode)
     _live_ids = property(lambda self: self._table.live_ids)
     _mamba_slots = property(lambda self: self._table.slots)

@@ -147,11 +147,19 @@ def plan_add(table, req: Any, chunk_length: Optional[int], *, max_sequence_lengt
     P, T = table.paused, table.total
     is_continuation = finished > 0
     gen = _tokens_to_generate(request_id, req.sampling_params.num_tokens_to_generate)
-    total_length = finished + remaining_length + gen
-    if total_length > max_sequence_length:
+    # As Megatron-Core's context, a generation budget beyond max_sequence_length is accepted
+    # (its engine, and ours, refuse such requests at admission); update_requests finishes a
+    # request when it reaches max_sequence_length. The prompt itself must fit: the block table
+    # holds max_sequence_length tokens per request.
+    prompt_length = finished + remaining_length
+    if prompt_length > max_sequence_length:
         raise MaxSequenceLengthOverflowError(
-            request_id, f"prompt ({finished + remaining_length}) + num_tokens_to_generate "
-            f"({gen}) = {total_length} exceeds max_sequence_length ({max_sequence_length})")
+            request_id, f"prompt ({prompt_length} tokens) exceeds max_sequence_length "
+            f"({max_sequence_length}), the tokens a request's block-table row holds")
+    if prompt_length + gen >= 2 ** 31:
+        raise ValueError(f"request {request_id}: prompt ({prompt_length}) + "
+                         f"num_tokens_to_generate ({gen}) must stay below 2**31 (the output "
+                         "length is an int32 field)")
     if is_continuation:
         last_id = int(table.rows[FIELD_IDS, T - 1]) if T > P else None
         if last_id != request_id or table.num_prefill:
@@ -174,8 +182,8 @@ def plan_add(table, req: Any, chunk_length: Optional[int], *, max_sequence_lengt
     else:
         if request_id in table.live_ids:
             raise ValueError(f"request_id={request_id} is already in the context")
-        if T >= table.max_requests:
-            raise RequestOverflowError(request_id, f"all {table.max_requests} request rows "
+        if T >= table.request_limit:
+            raise RequestOverflowError(request_id, f"all {table.request_limit} request rows "
                                                    "are in use (max_requests)")
         if table.partial_id != -1:
             raise ValueError(f"request {request_id}: the chunked prefill request "

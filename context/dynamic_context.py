@@ -22,6 +22,7 @@ import math
 import warnings
 from typing import Any, List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 
 from dynctx.kernels import _backend
@@ -88,8 +89,12 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
         kv_channels: head dimension.
         num_attention_heads: heads the cache STORES, i.e. the KV heads (GQA query groups),
             as Megatron-Core's callers pass it; divided by ``tensor_model_parallel_size``.
-        max_sequence_length: prompt + generated tokens of one request, at most; the active
-            budget must hold one such request (checked here).
+        max_sequence_length: prompt + generated tokens of one request, at most. As in
+            Megatron-Core, ``add_request`` accepts a request whose prompt +
+            ``num_tokens_to_generate`` exceeds it (the engine refuses those at admission) and
+            refuses only a prompt longer than it; ``update_requests`` finishes a request that
+            reaches it (``max_length_finished_request_ids``). A warning says when the active
+            budget cannot hold one such request.
         buffer_size_gb: GiB of KV blocks (per rank).
         paused_buffer_size_gb: GiB of the paused budget (Megatron-Core 0.16). When None:
             half of the buffer at ``unified_memory_level=0``; at level 1 a paused region as
@@ -228,7 +233,7 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
         self.block_size_bytes, self.kv_reduced_dim = memory.block_size_bytes, memory.kv_reduced_dim
         self.unified_memory_level = memory.unified_memory_level
         self.buffer_size_gb, self.paused_buffer_size_gb = buffer_size_gb, paused_buffer_size_gb
-        self.max_requests, self.max_tokens = memory.max_requests, memory.max_tokens
+        self._request_rows, self.max_tokens = memory.max_requests, memory.max_tokens
         self.max_kv_block_count = memory.max_kv_block_count
         self.block_allocator = alloc = BlockAllocator(memory.total_blocks, memory.paused_blocks)
         alloc.get_active_used = lambda: self._table.active_used_blocks() if self._table.bound else 0
@@ -236,7 +241,7 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
         alloc.get_active_avail = lambda: alloc.active_count - alloc.get_active_used()
         alloc.get_paused_avail = lambda: alloc.paused_count - alloc.get_paused_used()
         self._table = RequestTable(
-            allocator=alloc, max_requests=self.max_requests,
+            allocator=alloc, max_requests=self._request_rows,
             max_kv_block_count=self.max_kv_block_count, block_size=block_size_tokens,
             metadata_labels=[label for label, _, _ in self.request_metadata_types],
             hybrid=self.is_hybrid_model, max_tokens=self.max_tokens)
@@ -262,7 +267,7 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
             kv_shape = (2, self.num_attention_layers, total, self.block_size_tokens,
                         self.num_attention_heads_per_partition, self.kv_channels)
         self._device = DeviceState(
-            device=self.device, backend=self._backend, max_requests=self.max_requests,
+            device=self.device, backend=self._backend, max_requests=self._request_rows,
             max_tokens=self.max_tokens, max_kv_block_count=self.max_kv_block_count,
             metadata_types=self.request_metadata_types, kv_shape=kv_shape,
             params_dtype=self.params_dtype, layers=self._layers)
@@ -288,6 +293,23 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
             raise TensorStateDeallocatedError(
                 request_id, "the context's tensors are deallocated (suspended); call "
                 "allocate_all_tensors(is_init=False) first")
+
+    @property
+    def max_requests(self) -> int:
+        """Request rows ``add_request`` may fill (``RequestOverflowError`` beyond)."""
+        return self._table.request_limit
+
+    @max_requests.setter
+    def max_requests(self, value: int) -> None:
+        """Lower (or restore) the request limit, as Megatron-Core's tests do by hand; the rows
+        allocated at construction are the ceiling."""
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise TypeError(f"max_requests={value!r} must be an int")
+        if not max(1, self.total_request_count) <= value <= self._request_rows:
+            raise ValueError(
+                f"max_requests={value} must lie in [max(1, total_request_count="
+                f"{self.total_request_count}), {self._request_rows}] (the rows allocated)")
+        self._table.request_limit = int(value)
 
     # ------------------------------------------------------------------ rounding, config
     @classmethod
@@ -330,6 +352,8 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
         self._step = None
         self._set_step_counts(None)
         self.newly_paused_request_ids = self.evicted_request_ids = _EMPTY_IDS
+        self.max_length_finished_request_ids = _EMPTY_IDS
+        self._hand_written = False
         self._table.reset()
         self._device.reset()
         self.reset_attention_state()
@@ -430,12 +454,18 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
         paused requests resume (LIFO) or are evicted beyond the paused budget. Returns the ids
         (1-D int64 CPU tensor) of the requests this call paused that are still paused; the ids
         this call evicted are in ``self.evicted_request_ids`` (re-queue them for recompute).
+        A request the mask keeps whose next token would lie beyond ``max_sequence_length`` is
+        finished like a masked one (its blocks released) and its id listed in
+        ``self.max_length_finished_request_ids``: the context never writes past a request's
+        block-table row (Megatron-Core's engine, and ours, refuse such requests at admission).
+        It needs ``initialize_attention_state`` of this step first, unless the counts were
+        written by hand (``total_request_count = ...``, as Megatron-Core's tests build states).
         Every check runs before anything changes; the one device-to-host read is the mask.
         """
         self._check_allocated()
         table = self._table
         A = table.active
-        if A and self._step is None:
+        if A and self._step is None and not self._hand_written:
             raise RuntimeError("update_requests() needs initialize_attention_state() first: the "
                                "requests added since the last step (or this step's tokens) "
                                "were never forwarded")
@@ -449,8 +479,10 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
         self.has_explicit_chunked_prefill_req = False
         self.reset_attention_state()
         self._step = None
+        self._hand_written = False
         self.newly_paused_request_ids = torch.from_numpy(plan.newly_paused_ids)
         self.evicted_request_ids = torch.from_numpy(plan.evicted_ids)
+        self.max_length_finished_request_ids = torch.from_numpy(plan.max_length_ids)
         if self.metrics_writer is not None:
             self.metrics_writer.log({f"inference/{k}": v
                                      for k, v in self.get_kvcache_utilization_stats().items()})

@@ -45,6 +45,8 @@ class RequestTable:
                  block_size: int, metadata_labels: list, hybrid: bool, max_tokens: int):
         self.allocator = allocator
         self.max_requests = max_requests
+        # The rows add_request may fill: the context's ``max_requests``, which callers may lower.
+        self.request_limit = max_requests
         self.max_kv_block_count = max_kv_block_count
         self.block_size = block_size
         self.metadata_labels = list(metadata_labels)

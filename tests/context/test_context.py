@@ -198,9 +198,17 @@ def test_check_availability_and_boundaries():
     assert_same(before, snapshot(ctx2))  # the reference leaks blocks here; we must not
     ctx3 = make_ctx()
     add(ctx3, request(1, 56, gen=8))  # prompt + gen == max_sequence_length
-    with pytest.raises(MaxSequenceLengthOverflowError) as info:
-        ctx3.add_request(request(2, 57, gen=8))
+    # Beyond max_sequence_length: only the prompt is refused (the block-table row cannot hold
+    # it); a longer generation budget is accepted as in Megatron-Core (the engine refuses it at
+    # admission) and the request finished when it reaches max_sequence_length.
+    before = snapshot(ctx3)
+    with pytest.raises(MaxSequenceLengthOverflowError, match="prompt") as info:
+        ctx3.add_request(request(2, 65, gen=1))
     assert info.value.is_transient is False
+    assert_same(before, snapshot(ctx3))
+    ctx4 = make_ctx()
+    add(ctx4, request(2, 8, gen=57))  # prompt + gen == max_sequence_length + 1
+    assert ctx4.get_max_sequence_lengths().tolist() == [65]
 
 
 def test_block_overflow_leaves_state():
