@@ -44,6 +44,19 @@ def _table_count(field: str, limit: str, doc: str) -> property:
     return property(get, set, doc=doc)
 
 
+def _step_tensor(name: str) -> property:
+    """A per-token array of the step (``DeviceState``; None while suspended). Read before
+    ``initialize_attention_state`` of this step, it builds the step first (Megatron-Core fills
+    these arrays in ``add_request``/``update_requests``); after it, one check and no work."""
+
+    def get(self):
+        if self._step is None and self._device is not None:
+            self._materialize_step()
+        return None if self._device is None else getattr(self._device, name)
+
+    return property(get, doc=f"{name}: per-token array of the step, [max_tokens]")
+
+
 def _device_tensor(name: str) -> property:
     """A device tensor of ``DeviceState`` (None while the context is suspended)."""
     return property(lambda self: None if self._device is None else getattr(self._device, name))
@@ -52,12 +65,12 @@ def _device_tensor(name: str) -> property:
 class StateViewsMixin:
     """Counts, per-request device fields, host mirrors, step queries and usage stats."""
 
-    token_to_input_ids = _device_tensor("token_to_input_ids")
-    token_to_pos_ids = _device_tensor("token_to_pos_ids")
-    token_to_request_idx = _device_tensor("token_to_request_idx")
-    token_to_block_idx = _device_tensor("token_to_block_idx")
-    token_to_position_in_request = _device_tensor("token_to_position_in_request")
-    token_to_local_position_within_kv_block = _device_tensor("token_to_local_position_within_kv_block")
+    token_to_input_ids = _step_tensor("token_to_input_ids")
+    token_to_pos_ids = _step_tensor("token_to_pos_ids")
+    token_to_request_idx = _step_tensor("token_to_request_idx")
+    token_to_block_idx = _step_tensor("token_to_block_idx")
+    token_to_position_in_request = _step_tensor("token_to_position_in_request")
+    token_to_local_position_within_kv_block = _step_tensor("token_to_local_position_within_kv_block")
     memory_buffer = _device_tensor("memory_buffer")
     mamba_conv_states = _device_tensor("mamba_conv_states")
     mamba_ssm_states = _device_tensor("mamba_ssm_states")
@@ -74,6 +87,12 @@ class StateViewsMixin:
     _mamba_slots = property(lambda self: self._table.slots)
     _h_req = property(lambda self: self._table.rows)
     _arena = property(lambda self: None if self._device is None else self._device.arena)
+
+    def _materialize_step(self) -> None:
+        """Build this step's arrays now if there is a step to build: requests are active and
+        the counts were not written by hand (a hand-written state has no consistent step)."""
+        if self._table.active and not self._hand_written:
+            self.initialize_attention_state()
 
     def _device_field(self, field: int) -> torch.Tensor:
         self._check_allocated()

@@ -200,6 +200,7 @@ class RequestTable:
         self.active_tokens = plan.active_tokens
         self.num_prefill = 0
         self.continuation_added = False
+        self.device_prompts = []
         self.dirty_from = self.max_requests
         gone = plan.finished_ids.tolist() + plan.evicted_ids.tolist()
         self.live_ids.difference_update(gone)
@@ -207,10 +208,11 @@ class RequestTable:
             self.partial_id = -1
 
     def take_staged(self) -> tuple:
-        """``(zero_count, device_prompts)`` staged by ``commit_add`` since the last step; the
-        step consumes them."""
-        staged = (self.zero_count, self.device_prompts)
-        self.zero_count, self.device_prompts = 0, []
+        """``(zero_count, device_prompts)`` staged by ``commit_add``: the Mamba slots to zero
+        (consumed: zeroed once) and the prompts already on the device (kept until the update,
+        so that building the step again re-copies them over the host prompt upload)."""
+        staged = (self.zero_count, list(self.device_prompts))
+        self.zero_count = 0
         return staged
 
     def dirty_rows(self) -> tuple:

@@ -63,7 +63,8 @@ def snapshot(ctx, device: bool = False) -> dict:
 
     With ``device=True`` also the device mirrors (block table, per-request fields, metadata,
     pending tokens), the step's token arrays and attention metadata, and the KV buffer's bytes.
-    Reading the device views uploads staged host writes first, which changes nothing observable.
+    Reading the device views uploads staged host writes first, which changes nothing observable;
+    the step's token arrays are read from the device state, without building a step.
     """
     alloc = ctx.block_allocator
     counts = (ctx.paused_request_count, ctx.total_request_count, ctx.active_token_count,
@@ -81,7 +82,8 @@ def snapshot(ctx, device: bool = False) -> dict:
         state["device_metadata"] = {label: _np(value[:T])
                                     for label, value in ctx.request_metadata.items()}
         state["paused_tokens"] = None if P == 0 else _np(ctx.paused_tokens)
-        state["tokens"] = np.stack([_np(getattr(ctx, name)) for name in TOKEN_NAMES])
+        # The device buffers themselves: reading ctx.token_to_* before a step would build it.
+        state["tokens"] = np.stack([_np(getattr(ctx._device, name)) for name in TOKEN_NAMES])
         meta = ctx.active_attn_metadata
         state["attention"] = None if meta is None else (
             ctx.padded_active_token_count, ctx.padded_active_request_count,

@@ -18,8 +18,6 @@ from mcore_port import IMPLS, load_impl
 _HERE = Path(__file__).resolve().parent
 
 #: The differences (one sentence each) that make dynctx runs fail.
-_LAZY = ("the step's token arrays and calculate_log_probs are valid only after "
-         "initialize_attention_state; Megatron fills them in add_request/update_requests")
 _MAMBA_META = ("mamba_metadata is None until the first initialize_attention_state; Megatron "
                "builds it (request_to_mamba_state_idx, mamba_state_free_slot_count) in the "
                "constructor and keeps it across reset")
@@ -38,8 +36,6 @@ DYNCTX_XFAIL: dict = {
     ("test_initialize_dynamic_context", True): (AssertionError, _MAMBA_META),
     ("test_reset", False): (AttributeError, _PAUSED_TOKENS),
     ("test_reset", True): (AttributeError, _PAUSED_TOKENS + "; " + _MAMBA_META),
-    ("test_add_request", False): (AssertionError, _LAZY),
-    ("test_add_request", True): (AssertionError, _LAZY),
     ("test_add_dummy_requests_parallel_populates_state", None): (NotImplementedError, _DUMMY),
     ("test_add_dummy_requests_parallel_hybrid_allocates_mamba", None): (NotImplementedError,
                                                                         _DUMMY),
@@ -55,7 +51,6 @@ DYNCTX_XFAIL: dict = {
     ("test_mamba_states_cache", False): (RuntimeError, (
         "mamba_states_cache on a model without Mamba layers raises RuntimeError; Megatron "
         "asserts (AssertionError), which the test expects")),
-    ("test_calculate_and_store_log_probs", None): (RuntimeError, _LAZY),
     ("test_pipeline_parallel_uneven_layers", None): (RuntimeError, (
         "pipeline_model_parallel_size=2 raises NotImplementedError in both ranks (Megatron "
         "MIN-reduces the block count over the pipeline group)")),
