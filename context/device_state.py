@@ -159,8 +159,9 @@ class DeviceState:
         meta.state_data = vars(meta).copy()
         return meta
 
-    def mamba_metadata(self, step) -> SimpleNamespace:
-        """Zero the Mamba states of this step's new requests and publish its metadata."""
+    def mamba_step_fields(self, step) -> dict:
+        """Zero the Mamba states of this step's new requests; the step's Mamba metadata fields
+        (``MambaMetadata.STEP_FIELDS``) as views of the device state."""
         host, device = step.mamba, self.arena.device
         if host.zero_count:
             new_slots = device["mamba_zero_slots"][:host.zero_count]
@@ -169,8 +170,7 @@ class DeviceState:
         padded_tokens = step.padded_tokens
         if host.padded_prefill:
             self.h2d.copy(self.mamba_seq_idx[:padded_tokens], self.host_seq_idx[:padded_tokens])
-        return SimpleNamespace(
-            request_to_mamba_state_idx=device["req"][FIELD_MAMBA_SLOT],
+        return dict(
             batch_indices_decode=(device["mamba_decode_slots"][:host.padded_decode]
                                   if host.padded_decode else None),
             batch_indices_prefill=(device["mamba_prefill_slots"][:host.padded_prefill]

@@ -41,7 +41,7 @@ from ._fields import (  # noqa: F401 (re-exported: FIELD_* are imported from her
     NUM_FIELDS,
 )
 from ._logits import LogitsMixin
-from ._mamba import MambaMixin
+from ._mamba import MambaMetadata, MambaMixin
 from ._kv import KVCacheMixin
 from ._rotary import RotaryMixin
 from ._views import StateViewsMixin
@@ -248,6 +248,8 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
         self._device: Optional[DeviceState] = None
         self.chunked_prefill_request_id = -1
         self.is_tensor_state_allocated = False
+        # Megatron-Core builds it with the context; its step fields are filled per step.
+        self.mamba_metadata = MambaMetadata(self) if self.is_hybrid_model else None
         self.allocate_all_tensors(is_init=True)
         logger.info("allocated context with active buffer size %s (%d blocks)",
                     get_mem_size_str(alloc.active_count * self.block_size_bytes),
@@ -359,10 +361,12 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
         self.reset_attention_state()
 
     def reset_attention_state(self) -> None:
-        """Forget this step's attention (and Mamba) metadata: ``cu_query_lengths``,
-        ``mamba_metadata`` etc. become invalid until the next ``initialize_attention_state``."""
+        """Forget this step's attention (and Mamba) metadata: ``cu_query_lengths`` and the
+        step fields of ``mamba_metadata`` become invalid until the next
+        ``initialize_attention_state`` (``mamba_metadata`` itself stays, as in Megatron-Core)."""
         self.active_attn_metadata = None
-        self.mamba_metadata = None
+        if self.mamba_metadata is not None:
+            self.mamba_metadata.reset_varlen_metadata()
 
     def _set_step_counts(self, step) -> None:
         real = step.batch_dimensions if step else InferenceBatchDimensions()
@@ -425,7 +429,8 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
                           seq_idx=device.host_seq_idx, zero_count=zero_count,
                           token_rounder=self.TOKEN_ROUNDER, request_rounder=self.REQUEST_ROUNDER)
         device.begin_step(step, table, device_prompts)
-        self.mamba_metadata = device.mamba_metadata(step) if step.mamba else None
+        if step.mamba:
+            self.mamba_metadata.update_step(device.mamba_step_fields(step))
         device.end_step()
         self._step = step
         self._set_step_counts(step)

@@ -95,3 +95,30 @@ def test_counts_and_max_requests_set_by_hand():
     ctx.active_token_count = 3
     ctx.update_requests(torch.tensor([1, 0, 1]), torch.tensor([5, 6, 7]))
     assert ctx.host_request_ids().tolist() == [1, 3]
+
+
+def test_mamba_metadata_lives_with_the_context():
+    from dynctx.context import MambaInferenceStateConfig
+
+    config = MambaInferenceStateConfig(["M", "*"], (6, 4), (2, 4, 3))
+    ctx = make_ctx(mamba_inference_state_config=config, max_requests=4, max_tokens=32)
+    assert make_ctx().mamba_metadata is None  # not a hybrid
+    meta = ctx.mamba_metadata
+    assert meta is not None and meta.mamba_state_free_slot_count == 4
+    assert meta.request_to_mamba_state_idx.tolist() == [-1] * 4
+    assert all(getattr(meta, name) is None for name in meta.STEP_FIELDS)
+    add(ctx, request(1, 3))
+    ctx.initialize_attention_state()
+    assert ctx.mamba_metadata is meta and meta.batch_indices_prefill[:1].tolist() == [3]
+    assert meta.request_to_mamba_state_idx[:1].tolist() == [3]
+    assert meta.mamba_state_free_slot_count == 3
+    ctx.update_requests(torch.tensor([False]), torch.tensor([5]))
+    assert ctx.mamba_metadata is meta and meta.batch_indices_prefill is None
+    assert meta.mamba_state_free_slot_count == 4
+    assert meta.allocate_slot() == 3 and meta.mamba_state_free_slot_count == 3
+    meta.mamba_state_free_slot_count = 4
+    for value, error in ((5, ValueError), (-1, ValueError), (1.0, TypeError)):
+        with pytest.raises(error, match="mamba_state_free_slot_count"):
+            meta.mamba_state_free_slot_count = value
+    ctx.reset()
+    assert ctx.mamba_metadata is meta and meta.mamba_state_free_slot_count == 4
