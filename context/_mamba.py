@@ -15,6 +15,7 @@ import torch
 from dynctx.kernels.mamba_state import mamba_state_gather, mamba_state_scatter
 
 from ._fields import FIELD_MAMBA_SLOT
+from .errors import NotHybridError
 
 
 class MambaMetadata:
@@ -92,7 +93,8 @@ class MambaMixin:
     def _require_hybrid(self, method: str) -> None:
         self._check_allocated()
         if not self.is_hybrid_model:
-            raise RuntimeError(f"{method}() needs a hybrid model (mamba_inference_state_config)")
+            raise NotHybridError(f"{method}() needs a hybrid model "
+                                 "(mamba_inference_state_config)")
 
     def mamba_states_cache(self, layer_number: int) -> Tuple[torch.Tensor, torch.Tensor]:
         """``(conv [max_requests, *conv_shape], ssm [max_requests, *ssm_shape])`` views of one

@@ -76,12 +76,13 @@ class StateViewsMixin:
     mamba_ssm_states = _device_tensor("mamba_ssm_states")
     total_request_count = _table_count(
         "total", "_request_rows", "total_request_count: rows in use (paused + active)")
+    # Bounded by the rows, not by each other: Megatron's tests set them in any order.
     paused_request_count = _table_count(
-        "paused", "total_request_count", "paused_request_count: rows [0, paused) are paused")
+        "paused", "_request_rows", "paused_request_count: rows [0, paused) are paused")
     active_token_count = _table_count(
         "active_tokens", "max_tokens", "active_token_count: tokens of the next forward pass")
     num_prefill_requests = _table_count(
-        "num_prefill", "total_request_count", "num_prefill_requests: prefill rows of the step")
+        "num_prefill", "_request_rows", "num_prefill_requests: prefill rows of the step")
     num_decode_requests = property(lambda self: self._table.num_decode)
     _live_ids = property(lambda self: self._table.live_ids)
     _mamba_slots = property(lambda self: self._table.slots)
@@ -129,6 +130,22 @@ class StateViewsMixin:
         if self.paused_request_count == 0:
             return None
         return self._device.next_tokens[self._device.current][:self.paused_request_count]
+
+    @paused_tokens.setter
+    def paused_tokens(self, tokens: Optional[torch.Tensor]) -> None:
+        """Write the pending tokens of the first ``len(tokens)`` paused rows (Megatron-Core's
+        tests build paused states this way); None changes nothing (Megatron's reset value)."""
+        if tokens is None:
+            return
+        self._check_allocated()
+        if not isinstance(tokens, torch.Tensor) or tokens.dim() != 1 or \
+                tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool:
+            raise TypeError(f"paused_tokens must be a 1-D integer tensor of token ids, got "
+                            f"{tokens!r}")
+        if tokens.numel() > self.paused_request_count:
+            raise ValueError(f"paused_tokens has {tokens.numel()} tokens, more than "
+                             f"paused_request_count={self.paused_request_count}")
+        self._device.next_tokens[self._device.current][:tokens.numel()].copy_(tokens)
 
     @property
     def kv_block_counts_host(self) -> np.ndarray:

@@ -85,9 +85,9 @@ def test_counts_and_max_requests_set_by_hand():
             ctx.max_requests = value
     ctx.max_requests = 8
     add(ctx, request(3, 2))
-    with pytest.raises(ValueError, match=r"paused_request_count=4 must lie in \[0, "
-                                         r"total_request_count=3\]"):
-        ctx.paused_request_count = 4
+    with pytest.raises(ValueError, match=r"paused_request_count=9 must lie in \[0, "
+                                         r"_request_rows=8\]"):
+        ctx.paused_request_count = 9
     with pytest.raises(TypeError, match="active_token_count"):
         ctx.active_token_count = "1"
     # A state written by hand is taken as forwarded: update_requests runs without a step.
@@ -122,3 +122,37 @@ def test_mamba_metadata_lives_with_the_context():
             meta.mamba_state_free_slot_count = value
     ctx.reset()
     assert ctx.mamba_metadata is meta and meta.mamba_state_free_slot_count == 4
+
+
+def test_paused_tokens_set_by_hand():
+    ctx = make_ctx()
+    ctx.paused_tokens = None  # Megatron's reset value: nothing changes
+    for rid in range(3):
+        add(ctx, request(rid, 2))
+    ctx.paused_request_count = 2
+    ctx.paused_tokens = torch.tensor([41, 42], dtype=torch.int32)
+    assert ctx.paused_tokens.tolist() == [41, 42]
+    with pytest.raises(ValueError, match="paused_request_count=2"):
+        ctx.paused_tokens = torch.tensor([1, 2, 3])
+    with pytest.raises(TypeError, match="paused_tokens"):
+        ctx.paused_tokens = torch.tensor([1.0])
+
+
+def test_float_masks_and_assertion_compatible_errors():
+    from dynctx.context import NotHybridError, StepShapeError
+
+    ctx = make_ctx()
+    for rid in range(3):
+        add(ctx, request(rid, 2))
+    ctx.initialize_attention_state()
+    # Megatron code asserts these shapes: our errors are ValueErrors and AssertionErrors.
+    for mask, tokens in ((torch.ones(2), torch.tensor([1, 2, 3])),
+                         (torch.ones(3), torch.tensor([1, 2]))):
+        with pytest.raises(StepShapeError) as info:
+            ctx.update_requests(mask, tokens)
+        assert isinstance(info.value, ValueError) and isinstance(info.value, AssertionError)
+    ctx.update_requests(torch.Tensor([1, 0, 1]), torch.tensor([7, 8, 9]))  # float 0/1 mask
+    assert ctx.host_request_ids().tolist() == [0, 2]
+    with pytest.raises(NotHybridError, match="hybrid") as info:
+        ctx.mamba_states_cache(1)
+    assert isinstance(info.value, RuntimeError) and isinstance(info.value, AssertionError)

@@ -18,34 +18,25 @@ from mcore_port import IMPLS, load_impl
 _HERE = Path(__file__).resolve().parent
 
 #: The differences (one sentence each) that make dynctx runs fail.
-_PAUSED_TOKENS = "paused_tokens is a read-only property; the test assigns it"
 _HAND_WRITES = ("the test writes the bookkeeping tensors by hand (request ids, query lengths, "
                 "block counts, block-table rows) and calls update_requests; dynctx's host "
                 "arrays are authoritative and never see the writes, so nothing is released")
 _DUMMY = "add_dummy_requests_parallel raises NotImplementedError"
-_UPDATE = ("update_requests refuses the float mask torch.Tensor([0, 0, 0]) (TypeError) and "
-           "raises ValueError, not AssertionError, for a mask longer than the active rows; "
-           "then " + _HAND_WRITES)
 
 #: (test name, is_hybrid_model or None) -> (the exception the dynctx run fails with first,
 #: every difference that makes it fail). xfail(raises=...) turns any other failure into an error.
 DYNCTX_XFAIL: dict = {
-    ("test_reset", False): (AttributeError, _PAUSED_TOKENS),
-    ("test_reset", True): (AttributeError, _PAUSED_TOKENS),
     ("test_add_dummy_requests_parallel_populates_state", None): (NotImplementedError, _DUMMY),
     ("test_add_dummy_requests_parallel_hybrid_allocates_mamba", None): (NotImplementedError,
                                                                         _DUMMY),
     ("test_add_dummy_requests_parallel_decode_does_not_count_as_prefill", None): (
         NotImplementedError, _DUMMY),
-    ("test_update_request", False): (TypeError, _UPDATE),
-    ("test_update_request", True): (TypeError, _UPDATE),
+    ("test_update_request", False): (AssertionError, _HAND_WRITES),
+    ("test_update_request", True): (AssertionError, _HAND_WRITES),
     ("test_release_memory_blocks_for_finished_requests", False): (AssertionError, _HAND_WRITES),
     ("test_release_memory_blocks_for_finished_requests", True): (AssertionError, _HAND_WRITES),
     ("test_finished_requests_with_multiple_blocks", False): (AssertionError, _HAND_WRITES),
     ("test_finished_requests_with_multiple_blocks", True): (AssertionError, _HAND_WRITES),
-    ("test_mamba_states_cache", False): (RuntimeError, (
-        "mamba_states_cache on a model without Mamba layers raises RuntimeError; Megatron "
-        "asserts (AssertionError), which the test expects")),
     ("test_pipeline_parallel_uneven_layers", None): (RuntimeError, (
         "pipeline_model_parallel_size=2 raises NotImplementedError in both ranks (Megatron "
         "MIN-reduces the block count over the pipeline group)")),
