@@ -54,10 +54,6 @@ OPTIONS = {
 METHODS = {
     "maybe_initialize_symmetric_memory": "maybe_initialize_symmetric_memory: symmetric memory "
     "for tensor-parallel all-reduce is not supported yet",
-    "add_dummy_requests_parallel": "add_dummy_requests_parallel: CUDA graph capture is not "
-    "supported yet",
-    "add_dummy_requests_for_cudagraph_capture": "add_dummy_requests_for_cudagraph_capture: CUDA "
-    "graph capture is not supported yet",
     "construct_graph_dimensions": "construct_graph_dimensions: CUDA graph capture is not "
     "supported yet (dynctx runs eager)",
 }

@@ -139,7 +139,7 @@ class DeviceState:
             self.token_to_local_position_within_kv_block, self.attn_block_table,
             self.block_table[P:T], req[FIELD_QUERY, P:T], req[FIELD_KV_OFFSET, P:T],
             self.arena.device["attn_cu_query"], self.next_tokens[self.current][P:T],
-            self.prompt_tokens, num_requests=step.active, num_decode=step.decode,
+            self.prompt_tokens, num_requests=step.active, num_decode=step.fed_from_pending,
             active_tokens=step.active_tokens, padded_tokens=step.padded_tokens,
             padded_requests=step.padded_requests, row_offset=P, block_size=table.block_size,
             dummy_block=table.allocator.dummy_block_idx, backend=self.backend, check=False)

@@ -45,14 +45,14 @@ from ._mamba import MambaMetadata, MambaMixin
 from ._kv import KVCacheMixin
 from ._rotary import RotaryMixin
 from ._views import StateViewsMixin
-from .admission import plan_add
+from .admission import plan_add, plan_dummies
 from .batch_dimensions import InferenceBatchDimensions, MambaInferenceStateConfig
 from .block_allocator import BlockAllocator
 from .device_state import DeviceState
 from .errors import TensorStateDeallocatedError, get_mem_size_str
 from .inputs import check_new_tokens, read_mask
 from .request_table import RequestTable
-from .requests import DynamicInferenceRequest
+from .requests import DynamicInferenceRequest, SamplingParams
 from .sizing import check_scalars, config_from_model, layer_layout, memory_layout, positive_int
 from .staging import numpy_dtype
 from .step import REQUEST_ROUNDER, TOKEN_ROUNDER, build_step, rounded
@@ -498,10 +498,57 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
 
     def add_dummy_requests_parallel(self, requests: Sequence[DynamicInferenceRequest], *,
                                     count_as_prefill: bool = True) -> None:
-        raise compat.unsupported("add_dummy_requests_parallel")
+        """Add whole-prompt requests whose every block is the dummy block (no KV block is
+        allocated: ``block_allocator.total_avail`` is unchanged; their K/V writes land in the
+        dummy block), as Megatron-Core does for CUDA-graph warm-up and capture.
 
-    def add_dummy_requests_for_cudagraph_capture(self, graph_dimensions: Any) -> None:
-        raise compat.unsupported("add_dummy_requests_for_cudagraph_capture")
+        ``count_as_prefill=False`` counts them as decode rows (they must come before any
+        prefill of the step); their tokens are still their prompts. On a hybrid model each gets
+        a Mamba slot whose states are zeroed now. Every check runs first (the request and token
+        limits, ids not in the context, free Mamba slots): an error changes nothing. Finishing
+        such a request releases nothing but its row and slot.
+        """
+        self._check_allocated()
+        plan = plan_dummies(self._table, requests, count_as_prefill,
+                            max_sequence_length=self.max_sequence_length,
+                            metadata_types=self.request_metadata_types, device=self.device,
+                            vocab_size=self.vocab_size, max_tokens=self.max_tokens)
+        if plan.ids.size == 0:
+            return
+        slots = self._table.commit_dummies(plan)
+        if slots.size:
+            index = torch.from_numpy(slots).to(self.device)
+            self.mamba_conv_states.index_fill_(1, index, 0)
+            self.mamba_ssm_states.index_fill_(1, index, 0)
+        self._device.arena.dirty = True
+        self._step = None
+
+    def add_dummy_requests_for_cudagraph_capture(
+            self, graph_dimensions: InferenceBatchDimensions) -> None:
+        """Dummy requests shaped as ``graph_dimensions``: ``decode_req_count`` one-token decode
+        rows, then ``prefill_req_count`` prefills sharing the remaining tokens evenly (the first
+        ones one more), as Megatron-Core builds them for CUDA-graph capture; ids 0, 1, ..."""
+        if not isinstance(graph_dimensions, InferenceBatchDimensions):
+            raise TypeError(f"graph_dimensions must be an InferenceBatchDimensions, got "
+                            f"{type(graph_dimensions).__name__}")
+        decode, prefill = graph_dimensions.decode_req_count, graph_dimensions.prefill_req_count
+        prefill_tokens = graph_dimensions.token_count - decode
+        if prefill and prefill_tokens < prefill:
+            raise ValueError(f"graph_dimensions {graph_dimensions} leaves {prefill_tokens} "
+                             f"tokens for {prefill} prefill requests (at least one each)")
+        params = SamplingParams(num_tokens_to_generate=1, termination_id=-1)
+        zeros = torch.zeros(max(1, prefill_tokens), dtype=torch.int64)
+        self.add_dummy_requests_parallel(
+            [DynamicInferenceRequest(request_id=i, prompt_tokens=zeros[:1],
+                                     sampling_params=params) for i in range(decode)],
+            count_as_prefill=False)
+        if prefill == 0:
+            return
+        share, extra = divmod(prefill_tokens, prefill)
+        self.add_dummy_requests_parallel(
+            [DynamicInferenceRequest(request_id=decode + i,
+                                     prompt_tokens=zeros[:share + (1 if i < extra else 0)],
+                                     sampling_params=params) for i in range(prefill)])
 
     def __repr__(self) -> str:
         return (f"DynamicInferenceContext(requests {self.total_request_count}/"

@@ -87,6 +87,9 @@ class RequestTable:
         self.total = 0
         self.active_tokens = 0
         self.num_prefill = 0
+        # Dummy rows counted as decode whose tokens come from the prompt buffer (they follow
+        # the real decode rows): add_dummy_requests_parallel(count_as_prefill=False).
+        self.fed_decode = 0
         self.continuation_added = False
         # The request whose last chunk left prompt tokens behind (the only valid continuation).
         self.partial_id = -1
@@ -173,6 +176,48 @@ class RequestTable:
         self.num_prefill += 1
         self.partial_id = plan.request_id if plan.partial else -1
 
+    def commit_dummies(self, plan) -> np.ndarray:
+        """Apply an ``admission.DummyPlan``: rows whose every block is the dummy block, no block
+        allocated. Returns the Mamba slots handed out (hybrids; empty otherwise)."""
+        n = plan.ids.size
+        rows = slice(plan.row, plan.row + n)
+        dummy = self.allocator.dummy_block_idx
+        self.rows[:, rows] = 0
+        self.rows[FIELD_IDS, rows] = plan.ids
+        self.rows[FIELD_QUERY, rows] = plan.lengths
+        self.rows[FIELD_OUTPUT, rows] = plan.lengths + plan.gens
+        self.rows[FIELD_BLOCKS, rows] = plan.blocks
+        self.rows[FIELD_LAST_BLOCK, rows] = dummy if n else -1
+        self.rows[FIELD_LAST_OFFSET, rows] = (plan.lengths - 1) % self.block_size
+        self.rows[FIELD_MAMBA_SLOT, rows] = -1
+        self.block_table[rows] = -1
+        columns = np.arange(self.max_kv_block_count)
+        self.block_table[rows] = np.where(columns[None, :] < plan.blocks[:, None], dummy, -1)
+        for i, values in enumerate(plan.metadata):
+            for label, value in zip(self.metadata_labels, values):
+                self.metadata[label][plan.row + i] = value
+        slots = np.empty(0, dtype=np.int64)
+        if self.hybrid and n:
+            slots = np.array([self.slots.allocate() for _ in range(n)], dtype=np.int64)
+            self.rows[FIELD_MAMBA_SLOT, rows] = slots
+        offset = plan.prompt_offset
+        for length, host, on_device in zip(plan.lengths.tolist(), plan.host_prompts,
+                                           plan.device_prompts):
+            if host is not None:
+                self.prompt[offset:offset + length] = host
+            else:
+                self.device_prompts.append((on_device, offset))
+            offset += length
+        self.live_ids.update(plan.ids.tolist())
+        self.dirty_from = min(self.dirty_from, plan.row)
+        self.total += n
+        self.active_tokens += int(plan.lengths.sum())
+        if plan.count_as_prefill:
+            self.num_prefill += n
+        else:
+            self.fed_decode += n
+        return slots
+
     def commit_update(self, plan) -> None:
         """Apply an ``update_plan.UpdatePlan`` made from this table."""
         allocator = self.allocator
@@ -199,6 +244,7 @@ class RequestTable:
         self.paused, self.total = plan.paused, total
         self.active_tokens = plan.active_tokens
         self.num_prefill = 0
+        self.fed_decode = 0
         self.continuation_added = False
         self.device_prompts = []
         self.dirty_from = self.max_requests

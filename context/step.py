@@ -57,6 +57,7 @@ class Step:
     max_seqlen_q: int
     max_seqlen_k: int
     mamba: Optional[MambaStep]
+    fed_decode: int = 0        # dummy decode rows fed from the prompt buffer (after the decodes)
 
     @property
     def active(self) -> int:
@@ -71,8 +72,13 @@ class Step:
         return self.padded.req_count
 
     @property
+    def fed_from_pending(self) -> int:
+        """Decode rows that take their pending token (the rest read the prompt buffer)."""
+        return self.decode - self.fed_decode
+
+    @property
     def prompt_tokens(self) -> int:
-        return self.active_tokens - self.decode
+        return self.active_tokens - self.fed_from_pending
 
 
 def build_step(table, arena: dict, *, max_tokens: int, max_requests: int, tp: int,
@@ -90,7 +96,10 @@ def build_step(table, arena: dict, *, max_tokens: int, max_requests: int, tp: in
     chunked = table.hybrid and table.continuation_added
     real = InferenceBatchDimensions(active, prefill, decode, chunked)
     if prefill == 0:
-        padded_tokens = min(max_tokens, max_requests, rounded(active, token_rounder, tp))
+        # One token per decode row, unless dummy decode rows carry more (never fewer than
+        # the active tokens).
+        padded_tokens = min(max_tokens, max(active, min(max_requests, rounded(
+            active, token_rounder, tp))))
         padded = InferenceBatchDimensions(padded_tokens, 0, padded_tokens, False)
     else:
         # Capped at max_tokens: the reference can pad past the token buffer.
@@ -122,7 +131,7 @@ def build_step(table, arena: dict, *, max_tokens: int, max_requests: int, tp: in
     return Step(paused=P, total=T, active_tokens=active, prefill=prefill, decode=decode,
                 batch_dimensions=real, padded=padded,
                 max_seqlen_q=int(q.max()) if A else 1, max_seqlen_k=int(kv.max()) if A else 1,
-                mamba=mamba)
+                mamba=mamba, fed_decode=table.fed_decode)
 
 
 def _mamba_host(table, arena: dict, seq_idx: np.ndarray, P: int, A: int, decode: int,

@@ -74,7 +74,8 @@ class _StackSim:
     def release(self, blocks: np.ndarray) -> None:
         """As ``BlockAllocator.release_memory_blocks``: drop one reference per id; the ids
         whose last reference goes are pushed once, in order of first mention."""
-        blocks = blocks[blocks >= 0].astype(np.int32)
+        # The dummy block (rows of dummy requests) is never allocated: nothing to release.
+        blocks = blocks[(blocks >= 0) & (blocks != self.allocator.dummy_block_idx)].astype(np.int32)
         if blocks.size == 0:
             return
         self.ops.append(("release", blocks))

@@ -156,3 +156,79 @@ def test_float_masks_and_assertion_compatible_errors():
     with pytest.raises(NotHybridError, match="hybrid") as info:
         ctx.mamba_states_cache(1)
     assert isinstance(info.value, RuntimeError) and isinstance(info.value, AssertionError)
+
+
+def _dummy(rid, length, gen=2):
+    from dynctx.context import DynamicInferenceRequest, SamplingParams
+
+    return DynamicInferenceRequest(request_id=rid, prompt_tokens=torch.arange(length) + 10 * rid,
+                                   sampling_params=SamplingParams(num_tokens_to_generate=gen))
+
+
+@pytest.mark.parametrize("as_prefill", [True, False], ids=["prefill", "decode"])
+def test_dummy_requests_run_a_step_and_release_nothing(as_prefill):
+    from helpers import check_invariants
+
+    ctx = make_ctx()
+    dummy = ctx.block_allocator.dummy_block_idx
+    free = ctx.block_allocator.total_avail
+    ctx.add_dummy_requests_parallel([_dummy(1, 5), _dummy(2, 3)], count_as_prefill=as_prefill)
+    assert ctx.block_allocator.total_avail == free
+    assert ctx.num_prefill_requests == (2 if as_prefill else 0)
+    assert ctx.num_decode_requests == (0 if as_prefill else 2)
+    assert ctx.block_table_host[:2, :2].tolist() == [[dummy, dummy], [dummy, -1]]
+    add(ctx, request(3, 2))  # a real request after them reads its own prompt
+    ctx.initialize_attention_state()
+    assert ctx.token_to_input_ids[:10].tolist() == [10, 11, 12, 13, 14, 20, 21, 22, 103, 104]
+    assert ctx.token_to_block_idx[:8].tolist() == [dummy] * 8
+    assert ctx.token_to_pos_ids[:10].tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 0, 1]
+    ctx.update_requests(torch.tensor([0, 1, 1]), torch.tensor([7, 8, 9]))
+    # The finished dummy released no block (the dummy block is never on the free stack).
+    assert ctx.block_allocator.total_avail == free - 1
+    assert dummy not in ctx.block_allocator.block_bag[:ctx.block_allocator.total_avail]
+    assert ctx.host_request_ids().tolist() == [3, 2]  # the last row fills the hole
+    ctx.initialize_attention_state()
+    ctx.update_requests(torch.tensor([0, 0]), torch.tensor([1, 1]))
+    assert ctx.block_allocator.total_avail == free
+    check_invariants(ctx)
+
+
+def test_dummy_request_errors_change_nothing():
+    from dynctx.context import TokenOverflowError
+
+    from helpers import assert_same, snapshot
+
+    ctx = make_ctx(max_requests=4)
+    add(ctx, request(1, 2))
+    before = snapshot(ctx)
+    for requests, kwargs, error, match in (
+            ([_dummy(2, 2)] * 2, {}, ValueError, r"\[2\] are already"),
+            ([_dummy(1, 2)], {}, ValueError, r"\[1\] are already"),
+            ([_dummy(i, 1) for i in range(2, 6)], {}, RequestOverflowError, "max_requests"),
+            ([_dummy(2, 63)], {}, TokenOverflowError, "max_tokens"),
+            ([_dummy(2, 2)], dict(count_as_prefill=False), ValueError, "precede"),
+            ([_dummy(2, 2)], dict(count_as_prefill=1), TypeError, "count_as_prefill"),
+            (_dummy(2, 2), {}, TypeError, "sequence")):
+        with pytest.raises(error, match=match):
+            ctx.add_dummy_requests_parallel(requests, **kwargs)
+        assert_same(before, snapshot(ctx))
+
+
+def test_dummy_requests_for_cudagraph_capture_and_hybrid_slots():
+    from dynctx.context import InferenceBatchDimensions, MambaInferenceStateConfig
+
+    config = MambaInferenceStateConfig(["M", "*"], (6, 4), (2, 4, 3))
+    ctx = make_ctx(mamba_inference_state_config=config)
+    ctx.mamba_conv_states.fill_(5.0)
+    ctx.mamba_ssm_states.fill_(5.0)
+    ctx.add_dummy_requests_for_cudagraph_capture(InferenceBatchDimensions(9, 2, 3, False))
+    assert ctx.host_request_ids().tolist() == [0, 1, 2, 3, 4]
+    assert (ctx.num_decode_requests, ctx.num_prefill_requests) == (3, 2)
+    assert ctx._h_req[1, :5].tolist() == [1, 1, 1, 3, 3]  # query lengths: 6 prefill tokens
+    slots = ctx.mamba_metadata.request_to_mamba_state_idx[:5].tolist()
+    assert sorted(slots) == [3, 4, 5, 6, 7]
+    assert torch.all(ctx.mamba_conv_states[:, slots] == 0)
+    assert torch.all(ctx.mamba_ssm_states[:, slots] == 0)
+    assert torch.all(ctx.mamba_conv_states[:, :3] == 5)
+    ctx.initialize_attention_state()
+    assert ctx.mamba_metadata.batch_indices_decode[:3].tolist() == slots[:3]

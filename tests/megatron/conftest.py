@@ -21,16 +21,10 @@ _HERE = Path(__file__).resolve().parent
 _HAND_WRITES = ("the test writes the bookkeeping tensors by hand (request ids, query lengths, "
                 "block counts, block-table rows) and calls update_requests; dynctx's host "
                 "arrays are authoritative and never see the writes, so nothing is released")
-_DUMMY = "add_dummy_requests_parallel raises NotImplementedError"
 
 #: (test name, is_hybrid_model or None) -> (the exception the dynctx run fails with first,
 #: every difference that makes it fail). xfail(raises=...) turns any other failure into an error.
 DYNCTX_XFAIL: dict = {
-    ("test_add_dummy_requests_parallel_populates_state", None): (NotImplementedError, _DUMMY),
-    ("test_add_dummy_requests_parallel_hybrid_allocates_mamba", None): (NotImplementedError,
-                                                                        _DUMMY),
-    ("test_add_dummy_requests_parallel_decode_does_not_count_as_prefill", None): (
-        NotImplementedError, _DUMMY),
     ("test_update_request", False): (AssertionError, _HAND_WRITES),
     ("test_update_request", True): (AssertionError, _HAND_WRITES),
     ("test_release_memory_blocks_for_finished_requests", False): (AssertionError, _HAND_WRITES),
