@@ -84,8 +84,13 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
 
     Args (keyword only, Megatron-Core's names):
         params_dtype: dtype of the KV cache.
-        num_layers: attention layers on this pipeline stage (hybrids: ignored, the layer
-            type list decides).
+        num_layers: layers on this pipeline stage (hybrids: ignored, the layer type list
+            decides); layer numbers passed to the cache methods are this stage's, 1-based.
+        pipeline_model_parallel_size, pg_collection: pipeline stages and their process group
+            (``pg_collection.pp``, needed when there is more than one stage: dynctx reads no
+            global parallel state). Every stage sizes its buffer to the smallest block count of
+            the group (one MIN all-reduce at construction), so all stages pause alike.
+            ``pg_collection.tp`` gives the tensor-parallel size when it is not passed.
         kv_channels: head dimension.
         num_attention_heads: heads the cache STORES, i.e. the KV heads (GQA query groups),
             as Megatron-Core's callers pass it; divided by ``tensor_model_parallel_size``.
@@ -156,10 +161,14 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
     ):
         # Everything is validated before anything is allocated.
         compat.check_options(dict(
-            pipeline_model_parallel_size=pipeline_model_parallel_size,
             context_parallel_size=context_parallel_size,
-            expert_model_parallel_size=expert_model_parallel_size, pg_collection=pg_collection,
+            expert_model_parallel_size=expert_model_parallel_size,
             persist_cuda_graphs=persist_cuda_graphs, offload_kv_cache=offload_kv_cache))
+        pp_size, pp_group, group_tp = compat.parallel_groups(
+            pipeline_model_parallel_size=pipeline_model_parallel_size,
+            tensor_model_parallel_size=tensor_model_parallel_size, pg_collection=pg_collection)
+        if group_tp is not None:
+            tensor_model_parallel_size = group_tp
         args = check_scalars(
             params_dtype=params_dtype, num_layers=num_layers, kv_channels=kv_channels,
             num_attention_heads=num_attention_heads, max_sequence_length=max_sequence_length,
@@ -202,6 +211,7 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
         if layers.is_hybrid_model:
             self.mamba_conv_states_dtype = layers.mamba_conv_states_dtype
             self.mamba_ssm_states_dtype = layers.mamba_ssm_states_dtype
+        self.pipeline_model_parallel_size, self.pipeline_parallel_group = pp_size, pp_group
         self.kv_channels = self.hidden_size_per_attention_head = kv_channels
         self.num_attention_heads, self.tensor_model_parallel_size = num_attention_heads, tp
         self.num_attention_heads_per_partition = num_attention_heads // tp
@@ -229,7 +239,9 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
             paused_buffer_size_gb=paused_buffer_size_gb, max_requests=max_requests,
             max_tokens=max_tokens, default_max_tokens=self.DEFAULT_MAX_TOKENS,
             max_sequence_length=max_sequence_length, tp=tp,
-            request_rounder=self.REQUEST_ROUNDER)
+            request_rounder=self.REQUEST_ROUNDER,
+            reduce_block_count=(None if pp_group is None
+                                else lambda count: compat.min_over_group(count, pp_group)))
         self.block_size_bytes, self.kv_reduced_dim = memory.block_size_bytes, memory.kv_reduced_dim
         self.unified_memory_level = memory.unified_memory_level
         self.buffer_size_gb, self.paused_buffer_size_gb = buffer_size_gb, paused_buffer_size_gb

@@ -232,3 +232,45 @@ def test_dummy_requests_for_cudagraph_capture_and_hybrid_slots():
     assert torch.all(ctx.mamba_conv_states[:, :3] == 5)
     ctx.initialize_attention_state()
     assert ctx.mamba_metadata.batch_indices_decode[:3].tolist() == slots[:3]
+
+
+def _pipeline_rank(rank, world, port, result):
+    import os
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        class Groups:
+            pp = dist.new_group(list(range(world)))
+
+        # Stage 0 holds 3 layers, stage 1 one: alone, stage 1 would get 3x the blocks.
+        ctx = make_ctx(num_layers=3 if rank == 0 else 1, pipeline_model_parallel_size=world,
+                       pg_collection=Groups(), paused_buffer_size_gb=None)
+        alone = make_ctx(num_layers=3 if rank == 0 else 1, paused_buffer_size_gb=None)
+        result[rank] = (ctx.block_allocator.total_count, alone.block_allocator.total_count,
+                        ctx.pipeline_model_parallel_size, ctx.layer_map)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_pipeline_stages_share_the_smallest_block_count():
+    import multiprocessing
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    context = multiprocessing.get_context("fork")
+    result = context.Manager().dict()
+    ranks = [context.Process(target=_pipeline_rank, args=(rank, 2, port, result))
+             for rank in range(2)]
+    for process in ranks:
+        process.start()
+    for process in ranks:
+        process.join(60)
+    assert [process.exitcode for process in ranks] == [0, 0], dict(result)
+    (total0, alone0, pp0, map0), (total1, alone1, pp1, map1) = result[0], result[1]
+    assert alone1 > alone0 and total0 == total1 == alone0 and pp0 == pp1 == 2
+    assert map0 == {0: 0, 1: 1, 2: 2} and map1 == {0: 0}  # each stage's own layers

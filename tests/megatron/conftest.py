@@ -31,9 +31,6 @@ DYNCTX_XFAIL: dict = {
     ("test_release_memory_blocks_for_finished_requests", True): (AssertionError, _HAND_WRITES),
     ("test_finished_requests_with_multiple_blocks", False): (AssertionError, _HAND_WRITES),
     ("test_finished_requests_with_multiple_blocks", True): (AssertionError, _HAND_WRITES),
-    ("test_pipeline_parallel_uneven_layers", None): (RuntimeError, (
-        "pipeline_model_parallel_size=2 raises NotImplementedError in both ranks (Megatron "
-        "MIN-reduces the block count over the pipeline group)")),
 }
 
 
