@@ -70,7 +70,8 @@ class StateViewsMixin:
     token_to_request_idx = _step_tensor("token_to_request_idx")
     token_to_block_idx = _step_tensor("token_to_block_idx")
     token_to_position_in_request = _step_tensor("token_to_position_in_request")
-    token_to_local_position_within_kv_block = _step_tensor("token_to_local_position_within_kv_block")
+    token_to_local_position_within_kv_block = _step_tensor(
+        "token_to_local_position_within_kv_block")
     memory_buffer = _device_tensor("memory_buffer")
     mamba_conv_states = _device_tensor("mamba_conv_states")
     mamba_ssm_states = _device_tensor("mamba_ssm_states")
@@ -193,7 +194,8 @@ class StateViewsMixin:
         return meta.cu_query_seq_lengths, meta.max_seqlen_q
 
     def cu_kv_lengths(self) -> Tuple[torch.Tensor, torch.Tensor, int]:
-        """``(cu_kv_lengths [padded_requests + 1], kv_seq_lengths [padded_requests], max_seqlen_k)``."""
+        """``(cu_kv_lengths [padded_requests + 1], kv_seq_lengths [padded_requests],
+        max_seqlen_k)``."""
         meta = self._require_attention_state("cu_kv_lengths")
         return meta.cu_kv_seq_lengths, meta.kv_seq_lengths, meta.max_seqlen_k
 

@@ -122,5 +122,5 @@ def min_over_group(value: int, group: Any) -> int:
 
 
 def unsupported(method: str) -> NotImplementedError:
-    """The error a Megatron-Core method dynctx does not support raises (``raise unsupported(..)``)."""
+    """The error of a Megatron-Core method dynctx does not support (``raise unsupported(..)``)."""
     return NotImplementedError(METHODS[method])
