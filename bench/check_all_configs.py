@@ -25,15 +25,15 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from dynctx import cli_autotune as cli
+    from dynctx.kernels import _registry as registry
 
     if not torch.cuda.is_available():
         print("check_all_configs: needs a CUDA device", file=sys.stderr)
         return 2
-    cli.import_kernel_modules()
+    registry.import_kernel_modules()
     device = torch.device("cuda")
     started, failures = time.monotonic(), 0
-    for tuning in cli.select_tunings(args.kernel, "all"):
+    for tuning in registry.select_tunings(args.kernel, "all"):
         if time.monotonic() - started > args.max_seconds:
             print(f"{tuning.name}: skipped (--max-seconds {args.max_seconds:g} spent)", flush=True)
             continue
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as exc:  # report every config, then go on
                 bad.append(f"{config}: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
         failures += len(bad)
-        print(f"{tuning.name} {cli.key_text(key)}: {len(configs) - len(bad)}/{len(configs)} "
+        print(f"{tuning.name} {registry.key_text(key)}: {len(configs) - len(bad)}/{len(configs)} "
               "configs pass", flush=True)
         for line in bad:
             print(f"    FAILED {line}", flush=True)

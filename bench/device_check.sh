@@ -22,7 +22,10 @@
 # Environment: DYNCTX_DEVICE_TESTS (test files to run instead of tests/kernels),
 # DYNCTX_DEVICE_SANITIZER=0 (skip the sanitizer phase), DYNCTX_DEVICE_BUDGET_S (total seconds, default 380), DYNCTX_GIT_REVISION (the
 # checkout's revision: the device machine gets no .git), PYTHON (default python3),
-# DYNCTX_DEVICE_SMOKE=1 (every phase on kv_append alone, 200 s by default: a cheap first try).
+# DYNCTX_DEVICE_SMOKE=1 (every phase on kv_append alone, 200 s by default: a cheap first try),
+# DYNCTX_DEVICE_ENGINE_GRAPHS=1 (instead of the kernel phases, only the engine benchmark
+# bench/gpu_engine_graphs.py: eager / CUDA graphs / transformers at batch 1, 16, 64, 256 on a
+# random 1B Llama; 480 s by default, timeout_s=560; $OUT gets engine_graphs.{json,txt,log}).
 set -uo pipefail
 
 REPO=$(cd "$(dirname "$0")/.." && pwd)
@@ -39,7 +42,8 @@ if [ "$SMOKE" = 1 ]; then
 fi
 # DYNCTX_DEVICE_TESTS="a.py b.py": run only these test files (e.g. those not yet seen compiled).
 [ -n "${DYNCTX_DEVICE_TESTS:-}" ] && read -r -a TESTS <<<"$DYNCTX_DEVICE_TESTS"
-TOTAL=${DYNCTX_DEVICE_BUDGET_S:-$([ "$SMOKE" = 1 ] && echo 200 || echo 380)}
+ENGINE_GRAPHS=${DYNCTX_DEVICE_ENGINE_GRAPHS:-0}
+TOTAL=${DYNCTX_DEVICE_BUDGET_S:-$([ "$SMOKE" = 1 ] && echo 200 || { [ "$ENGINE_GRAPHS" = 1 ] && echo 480 || echo 380; })}
 START=$(date +%s)
 SCRATCH=$(mktemp -d /tmp/dynctx_device.XXXXXX)
 LOG=$OUT/device_check.log
@@ -83,6 +87,9 @@ finish() {
     {
         echo "== dynctx device check: $(elapsed) s of $TOTAL s budget =="
         printf '%s\n' ${PHASES[@]+"${PHASES[@]}"}
+        if [ -s "$OUT/engine_graphs.txt" ]; then
+            cat "$OUT/engine_graphs.txt"
+        fi
         if [ -s "$OUT/results.json" ]; then
             "$PY" - "$OUT/results.json" <<'PYEOF'
 import json, sys
@@ -107,7 +114,7 @@ for r in data["results"]:
 for item in data.get("skipped", []):
     print(f"skipped: {item}")
 PYEOF
-        else
+        elif [ "$ENGINE_GRAPHS" != 1 ]; then
             echo "no bench results"
         fi
     } >"$SUMMARY" 2>&1
@@ -157,6 +164,23 @@ else
         record install "FAILED (see log)" $(( $(elapsed) - t0 ))
         exit 1
     fi
+fi
+
+# The engine benchmark alone (DYNCTX_DEVICE_ENGINE_GRAPHS=1), in place of phases (a)-(d).
+if [ "$ENGINE_GRAPHS" = 1 ]; then
+    b=$(phase_budget 600 5)
+    t0=$(elapsed)
+    # DYNCTX_ENGINE_GRAPHS_ARGS: extra arguments (e.g. "--batches 1,16 --new-tokens 32").
+    read -r -a EXTRA <<<"${DYNCTX_ENGINE_GRAPHS_ARGS:-}"
+    timeout -k 10 "$b" "$PY" bench/gpu_engine_graphs.py --max-seconds $(( b * 3 / 4 )) \
+        --out "$OUT/engine_graphs.json" ${EXTRA[@]+"${EXTRA[@]}"} >"$OUT/engine_graphs.log" 2>&1
+    rc=$?
+    tail -n 12 "$OUT/engine_graphs.log" | tee -a "$LOG"
+    case $rc in
+        0) what="passed" ;; 124|137) what="TIMED OUT after $b s" ;; *) what="FAILED rc=$rc" ;;
+    esac
+    record engine-graphs "$what" $(( $(elapsed) - t0 ))
+    exit 0
 fi
 
 # Megatron-Core's kv append kernel, carried as one file or as its wheel (bench/README.md).

@@ -1,6 +1,7 @@
 """Soak: the context state machine of ``tests/context/state_machine.py`` for many steps.
 
-The same model engine and invariant checks as the hypothesis test, driven by a seeded
+The same model engine (admitting through the engine's ``Scheduler``) and invariant checks
+(``tests/context/machine_checks.py``) as the hypothesis test, driven by a seeded
 ``random.Random`` instead of hypothesis (no shrinking), over several seeds and configurations
 (block sizes 4 and 8, an explicit paused budget, the default half split at
 ``unified_memory_level=0``, no paused budget at all, the MLA latent cache, and hybrid Mamba +
@@ -30,7 +31,6 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests" / "context"))
 
 import torch  # noqa: E402
-
 from state_machine import CONFIGS, ContextDriver  # noqa: E402
 
 # Relative weights of the engine's actions per iteration (a step is the common case).

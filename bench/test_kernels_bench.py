@@ -23,14 +23,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from dynctx import cli_autotune as cli
 from dynctx.kernels import _autotune
+from dynctx.kernels import _registry as registry
 from dynctx.kernels._backend import triton_interpreting
 
 DEVICE = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 ON_GPU = DEVICE.type == "cuda" and not triton_interpreting()
 
-cli.import_kernel_modules(quiet=True)
+registry.import_kernel_modules(quiet=True)
 
 
 def _scaled_down(tuning, key: dict) -> dict:
@@ -45,7 +45,7 @@ def _key_id(key: dict) -> str:
 
 def _cases() -> list:
     params, seen = [], set()
-    for tuning in cli.select_tunings(None, "all"):
+    for tuning in registry.select_tunings(None, "all"):
         if tuning.presets is None or tuning.make_case is None:
             continue
         for key in tuning.presets():
@@ -113,7 +113,7 @@ def test_kernel(benchmark, name, key, impl):
             pytest.skip(f"Megatron-Core's kv append is not available: {why}")
         helper.check_against_ours(case, config)
     fn()  # warm up (compilation) before pytest-benchmark's own calibration
-    benchmark.group = f"{name} {cli.key_text(key)}"
+    benchmark.group = f"{name} {registry.key_text(key)}"
     benchmark.extra_info.update(kernel=name, key=key, impl=impl, device=str(DEVICE),
                                 bytes_moved=int(case.bytes_moved),
                                 config=str(config) if impl == "triton" else None,

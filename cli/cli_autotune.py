@@ -11,25 +11,24 @@
   reference and a device-to-device copy of the same bytes; writes ``bench/results/<device>.json``.
 
 The kernels are found by importing ``dynctx.kernels.<module>`` for every name of
-``KERNEL_MODULES``: each module registers its ``KernelTuning`` with ``_autotune.register``.
+``KERNEL_MODULES`` (``dynctx.kernels._registry``, shared with ``bench/``): each module registers
+its ``KernelTuning`` with ``_autotune.register``. The timing helper lives in
+``dynctx.kernels._timing``.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import importlib
 import importlib.util
 import json
 import math
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -37,67 +36,17 @@ from dynctx._cli_common import HelpFormatter, plain, program_name, run_to_closed
 from dynctx.kernels import _autotune
 from dynctx.kernels._autotune import KernelConfig, KernelTuning
 from dynctx.kernels._backend import HAS_TRITON, triton_interpreting
+# KERNEL_MODULES and module_of are re-exported: callers of this module used to find them here.
+from dynctx.kernels._registry import (KERNEL_MODULES, PRESET_MODULES,  # noqa: F401
+                                      import_kernel_modules, key_text, module_of, select_tunings)
+from dynctx.kernels._timing import time_launches
 
-# Kernel modules in tuning order. `--preset` picks groups of modules: "llama" is the attention
-# path every model shares, "mla" and "mamba" the kernels only those models add.
-KERNEL_MODULES = ("kv_append", "rope", "rope_kv_append", "step_metadata", "last_token_logits",
-                  "compaction", "mla_latent", "mamba_state")
-PRESET_MODULES = {
-    "llama": ("kv_append", "rope", "rope_kv_append", "step_metadata", "last_token_logits",
-              "compaction"),
-    "mla": ("mla_latent",),
-    "mamba": ("mamba_state",),
-}
 REPO_ROOT = _autotune.PACKAGED_DIR.parent
 EXIT_NO_GPU = 2
 
 
 def _note(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
-
-
-def import_kernel_modules(*, quiet: bool = False) -> dict[str, str]:
-    """Import every kernel module; return ``{module: "ok" | reason it was skipped}``."""
-    status = {}
-    for module in KERNEL_MODULES:
-        full_name = f"dynctx.kernels.{module}"
-        try:
-            importlib.import_module(full_name)
-            status[module] = "ok"
-        except ModuleNotFoundError as exc:
-            status[module] = (f"kernels/{module}.py does not exist yet" if exc.name == full_name
-                              else f"import failed: {type(exc).__name__}: {exc}")
-        except Exception as exc:  # a broken module must not hide the others
-            status[module] = f"import failed: {type(exc).__name__}: {exc}"
-        if status[module] != "ok" and not quiet:
-            _note(f"dynctx autotune: skipped {module}: {status[module]}")
-    return status
-
-
-def module_of(tuning: KernelTuning) -> str:
-    """The kernel module (``kv_append``) that declared ``tuning``."""
-    function = tuning.make_case or tuning.configs
-    return getattr(function, "__module__", "").rsplit(".", 1)[-1]
-
-
-def select_tunings(kernels: list[str] | None, preset: str = "all") -> list[KernelTuning]:
-    """Registered tunings in ``KERNEL_MODULES`` order, filtered by name and preset group."""
-    tunings = _autotune.registered()
-    modules = KERNEL_MODULES if preset == "all" else PRESET_MODULES[preset]
-    rank = {m: i for i, m in enumerate(KERNEL_MODULES)}
-    chosen = [t for t in tunings.values()
-              if module_of(t) in modules or (preset == "all" and module_of(t) not in rank)]
-    if kernels:
-        unknown = sorted(set(kernels) - set(tunings))
-        if unknown:
-            raise SystemExit(f"dynctx autotune: no registered kernel named {unknown}; "
-                             f"known: {sorted(tunings)}")
-        chosen = [tunings[name] for name in kernels]
-    return sorted(chosen, key=lambda t: (rank.get(module_of(t), len(rank)), t.name))
-
-
-def key_text(key: dict) -> str:
-    return ",".join(f"{k}={v}" for k, v in sorted(key.items()))
 
 
 def git_revision() -> str:
@@ -164,68 +113,6 @@ def _cuda_alive() -> bool:
         return True
     except Exception:  # a fault (illegal address) poisons the CUDA context for good
         return False
-
-
-def _capture(fn: Callable[[], object], launches: int) -> Callable[[], None]:
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(launches):
-            fn()
-    return graph.replay  # the bound method keeps the graph alive
-
-
-def _eager(fn: Callable[[], object], launches: int) -> Callable[[], None]:
-    def run() -> None:
-        for _ in range(launches):
-            fn()
-    return run
-
-
-def time_launches(fn: Callable[[], object], *, warmup: int = 10, rep: int = 20,
-                  launches: int | None = None, target_ms: float = 1.0,
-                  graph: bool = True) -> dict:
-    """Median microseconds per call of ``fn`` on the current CUDA device.
-
-    ``warmup`` eager calls (compilation, caches); a probe graph of 10 calls estimates the time
-    of one; then a CUDA graph of ``launches`` calls (by default enough for about ``target_ms``,
-    20 to 1000) is replayed ``rep`` times, each replay timed with CUDA events. When ``fn``
-    cannot be captured (it syncs with the host, say) the same calls run eagerly between the
-    events and ``method`` says ``"events"``: then launch overhead is part of the time.
-    """
-    for _ in range(max(1, warmup)):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-
-    def per_call_us(replay: Callable[[], None], calls: int) -> float:
-        start.record()
-        replay()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) * 1000.0 / calls
-
-    method, make = "cuda_graph", _capture
-    try:
-        if not graph:
-            raise RuntimeError("graph=False")
-        probe = _capture(fn, 10)
-        probe()
-        torch.cuda.synchronize()
-    except Exception:
-        torch.cuda.synchronize()
-        method, make = "events", _eager
-        probe = _eager(fn, 10)
-    estimate_us = per_call_us(probe, 10)
-    del probe
-    if launches is None:
-        launches = int(min(1000, max(20, target_ms * 1000.0 / max(estimate_us, 0.01))))
-    replay = make(fn, launches)
-    replay()
-    torch.cuda.synchronize()
-    samples = [per_call_us(replay, launches) for _ in range(max(1, rep))]
-    del replay
-    return {"us": statistics.median(samples), "method": method, "launches": launches,
-            "replays": len(samples)}
 
 
 def _read_existing(path: Path) -> list[dict]:

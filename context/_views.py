@@ -173,7 +173,8 @@ class StateViewsMixin:
         return self.num_prefill_requests == 0
 
     def using_cuda_graph_this_step(self) -> bool:
-        return False
+        """Whether this step's padded dimensions are one of the context's CUDA graphs."""
+        return self._using_cuda_graph_this_step
 
     def has_unfinished_requests(self) -> bool:
         return self.total_request_count > 0

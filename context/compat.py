@@ -40,16 +40,11 @@ OPTIONS = {
         lambda v: not v, "raise", "offload_kv_cache=True: KV offload is not supported"),
     "cuda_graph_max_tokens": Option(
         lambda v: v is None, "deprecated", "cuda_graph_max_tokens is deprecated and ignored"),
-    "num_cuda_graphs": Option(
-        lambda v: v is None, "warn",
-        "num_cuda_graphs: CUDA graphs are not supported yet; running eager"),
 }
 
 METHODS = {
     "maybe_initialize_symmetric_memory": "maybe_initialize_symmetric_memory: symmetric memory "
     "for tensor-parallel all-reduce is not supported yet",
-    "construct_graph_dimensions": "construct_graph_dimensions: CUDA graph capture is not "
-    "supported yet (dynctx runs eager)",
 }
 
 

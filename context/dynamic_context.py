@@ -8,7 +8,9 @@ The facade keeps Megatron-Core's names and composes parts that each own one thin
   ``update_requests`` as plans decided from the unchanged table, with every check;
 * ``device_state.DeviceState``: the arena, staging, double-buffered block tables, the step's
   token arrays, the KV buffer and the Mamba states, and the two launches of a step;
-* ``step.Step``: the frozen description of one step, built by ``initialize_attention_state``;
+* ``step.Step``: the frozen description of one step, built by ``initialize_attention_state``,
+  padded to the CUDA graph that fits it (``cuda_graphs``: Megatron-Core's ladder, built here);
+* ``_graph_capture.capture_requests``: the CUDA graph capture dummies, checked as a whole;
 * ``sizing`` and ``compat``: the constructor's sizes and Megatron-Core's unsupported options.
 
 Every mutating call checks its arguments, plans, commits the host, then applies the change on
@@ -28,6 +30,7 @@ import torch
 from dynctx.kernels import _backend
 
 from . import compat
+from ._graph_capture import capture_requests
 from ._fields import (  # noqa: F401 (re-exported: FIELD_* are imported from here)
     _LAYER_SYMBOLS,
     FIELD_BLOCKS,
@@ -48,6 +51,7 @@ from ._views import StateViewsMixin
 from .admission import plan_add, plan_dummies
 from .batch_dimensions import InferenceBatchDimensions, MambaInferenceStateConfig
 from .block_allocator import BlockAllocator
+from .cuda_graphs import context_cuda_graph_ladder
 from .device_state import DeviceState
 from .errors import TensorStateDeallocatedError, get_mem_size_str
 from .inputs import check_new_tokens, read_mask
@@ -75,7 +79,6 @@ def _resolve_device(device: Any) -> torch.device:
         raise RuntimeError(f"device={str(device)!r}: no CUDA device is available "
                            "(torch.cuda.is_available() is False); pass device='cpu'")
     return device
-
 
 
 class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, LogitsMixin, MambaMixin):
@@ -181,8 +184,7 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
         max_sequence_length = args["max_sequence_length"]
         block_size_tokens = args["block_size_tokens"]
         kv_lora_rank, qk_pos_emb_head_dim = args["kv_lora_rank"], args["qk_pos_emb_head_dim"]
-        compat.check_options(dict(cuda_graph_max_tokens=cuda_graph_max_tokens,
-                                  num_cuda_graphs=num_cuda_graphs))
+        compat.check_options(dict(cuda_graph_max_tokens=cuda_graph_max_tokens))
         self.device = _resolve_device(device)
         _backend.check_backend_name(kernel_backend)
         self.kernel_backend = kernel_backend
@@ -222,8 +224,6 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
         self.use_flashinfer_fused_rope = use_flashinfer_fused_rope
         self.use_cuda_graphs_for_non_decode_steps = use_cuda_graphs_for_non_decode_steps
         self.cuda_graph_mixed_prefill_count = cuda_graph_mixed_prefill_count
-        self.num_cuda_graphs = self.cuda_graph_token_counts = None
-        self.cuda_graph_batch_dimensions_list: list = []
         self.metrics_writer = metrics_writer
         self.fused_rope_kv_append = bool(fused_rope_kv_append)
         self.vocab_size = None if vocab_size is None else positive_int("vocab_size", vocab_size)
@@ -246,6 +246,17 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
         self.buffer_size_gb, self.paused_buffer_size_gb = buffer_size_gb, paused_buffer_size_gb
         self._request_rows, self.max_tokens = memory.max_requests, memory.max_tokens
         self.max_kv_block_count = memory.max_kv_block_count
+        # CUDA graph batch dimensions: Megatron's ladder (context/cuda_graphs.py).
+        ladder = context_cuda_graph_ladder(
+            num_cuda_graphs=num_cuda_graphs, max_requests=self._request_rows,
+            max_tokens=self.max_tokens, max_sequence_length=max_sequence_length, tp_size=tp,
+            use_cuda_graphs_for_non_decode_steps=use_cuda_graphs_for_non_decode_steps,
+            cuda_graph_mixed_prefill_count=cuda_graph_mixed_prefill_count)
+        self.num_cuda_graphs = num_cuda_graphs
+        self._cuda_graph_ladder = ladder
+        self.cuda_graph_batch_dimensions_list = list(ladder.cuda_graph_batch_dimensions_list)
+        self.cuda_graph_token_counts = (None if ladder.cuda_graph_token_counts is None
+                                        else list(ladder.cuda_graph_token_counts))
         self.block_allocator = alloc = BlockAllocator(memory.total_blocks, memory.paused_blocks)
         alloc.get_active_used = lambda: self._table.active_used_blocks() if self._table.bound else 0
         alloc.get_paused_used = lambda: self._table.paused_used_blocks() if self._table.bound else 0
@@ -385,6 +396,7 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
         self.batch_dimensions, self.padded_batch_dimensions = real, padded
         self.padded_active_token_count = padded.token_count
         self.padded_active_request_count = padded.req_count
+        self._using_cuda_graph_this_step = step.using_cuda_graph if step else False
         self.padding_slice = slice(step.active_tokens if step else 0, padded.token_count)
 
     # ------------------------------------------------------------------ admission
@@ -420,10 +432,13 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
     # ------------------------------------------------------------------ the step
     def initialize_attention_state(self, *, construct_graph_dimensions: Optional[
             InferenceBatchDimensions] = None) -> None:
-        """Prepare the step's token arrays and attention metadata (eager path)."""
+        """Prepare the step's token arrays and attention metadata, padded to the CUDA graph
+        that fits the step, else eagerly (``step.build_step``; the forward itself runs eager).
+        With ``construct_graph_dimensions`` (an empty context), first add that graph's capture
+        dummies (``add_dummy_requests_for_cudagraph_capture``)."""
         self._check_allocated()
         if construct_graph_dimensions is not None:
-            raise compat.unsupported("construct_graph_dimensions")
+            self.add_dummy_requests_for_cudagraph_capture(construct_graph_dimensions)
         table = self._table
         if self.chunked_prefill_request_id != -1 and table.num_prefill == 0 and table.active:
             # The chunked request's row holds a placeholder token, not a real one: forwarding it
@@ -437,7 +452,8 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
         step = build_step(table, device.arena.host, max_tokens=self.max_tokens,
                           max_requests=self.max_requests, tp=self.tensor_model_parallel_size,
                           seq_idx=device.host_seq_idx, zero_count=zero_count,
-                          token_rounder=self.TOKEN_ROUNDER, request_rounder=self.REQUEST_ROUNDER)
+                          ladder=self._cuda_graph_ladder, token_rounder=self.TOKEN_ROUNDER,
+                          request_rounder=self.REQUEST_ROUNDER)
         device.begin_step(step, table, device_prompts)
         if step.mamba:
             self.mamba_metadata.update_step(device.mamba_step_fields(step))
@@ -537,30 +553,16 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
 
     def add_dummy_requests_for_cudagraph_capture(
             self, graph_dimensions: InferenceBatchDimensions) -> None:
-        """Dummy requests shaped as ``graph_dimensions``: ``decode_req_count`` one-token decode
-        rows, then ``prefill_req_count`` prefills sharing the remaining tokens evenly (the first
-        ones one more), as Megatron-Core builds them for CUDA-graph capture; ids 0, 1, ..."""
-        if not isinstance(graph_dimensions, InferenceBatchDimensions):
-            raise TypeError(f"graph_dimensions must be an InferenceBatchDimensions, got "
-                            f"{type(graph_dimensions).__name__}")
-        decode, prefill = graph_dimensions.decode_req_count, graph_dimensions.prefill_req_count
-        prefill_tokens = graph_dimensions.token_count - decode
-        if prefill and prefill_tokens < prefill:
-            raise ValueError(f"graph_dimensions {graph_dimensions} leaves {prefill_tokens} "
-                             f"tokens for {prefill} prefill requests (at least one each)")
-        params = SamplingParams(num_tokens_to_generate=1, termination_id=-1)
-        zeros = torch.zeros(max(1, prefill_tokens), dtype=torch.int64)
-        self.add_dummy_requests_parallel(
-            [DynamicInferenceRequest(request_id=i, prompt_tokens=zeros[:1],
-                                     sampling_params=params) for i in range(decode)],
-            count_as_prefill=False)
-        if prefill == 0:
-            return
-        share, extra = divmod(prefill_tokens, prefill)
-        self.add_dummy_requests_parallel(
-            [DynamicInferenceRequest(request_id=decode + i,
-                                     prompt_tokens=zeros[:share + (1 if i < extra else 0)],
-                                     sampling_params=params) for i in range(prefill)])
+        """Fill the empty context with the requests of ``graph_dimensions`` as megatron-core
+        0.16.1 does before a capture: its decode dummies, then its prefill dummies, through
+        ``add_dummy_requests_parallel`` (``_graph_capture``: the whole graph is checked before
+        anything changes); ``reset()`` after the captured step empties the context again."""
+        self._check_allocated()
+        decode, prefill = capture_requests(self._table, graph_dimensions,
+                                           max_tokens=self.max_tokens,
+                                           max_sequence_length=self.max_sequence_length)
+        self.add_dummy_requests_parallel(decode, count_as_prefill=False)
+        self.add_dummy_requests_parallel(prefill)
 
     def __repr__(self) -> str:
         return (f"DynamicInferenceContext(requests {self.total_request_count}/"

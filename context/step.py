@@ -16,6 +16,7 @@ import numpy as np
 
 from ._fields import FIELD_KV_OFFSET, FIELD_MAMBA_SLOT, FIELD_QUERY
 from .batch_dimensions import InferenceBatchDimensions
+from .cuda_graphs import CUDAGraphLadder, select_step_dimensions
 
 TOKEN_ROUNDER = 64
 REQUEST_ROUNDER = 4
@@ -54,6 +55,7 @@ class Step:
     decode: int
     batch_dimensions: InferenceBatchDimensions
     padded: InferenceBatchDimensions
+    using_cuda_graph: bool     # ``padded`` is one of the context's CUDA graphs
     max_seqlen_q: int
     max_seqlen_k: int
     mamba: Optional[MambaStep]
@@ -82,11 +84,13 @@ class Step:
 
 
 def build_step(table, arena: dict, *, max_tokens: int, max_requests: int, tp: int,
-               seq_idx: Optional[np.ndarray], zero_count: int,
-               token_rounder: int = TOKEN_ROUNDER, request_rounder: int = REQUEST_ROUNDER) -> Step:
+               seq_idx: Optional[np.ndarray], zero_count: int, ladder: CUDAGraphLadder,
+               token_rounder: int = TOKEN_ROUNDER, request_rounder: int = REQUEST_ROUNDER
+               ) -> Step:
     """Describe the step of ``table``'s active rows and write its host metadata into
-    ``arena`` (the arena's host sections) and ``seq_idx`` (hybrids). The rounders are the
-    context class's (Megatron-Core code sets them on the class)."""
+    ``arena`` (the arena's host sections) and ``seq_idx`` (hybrids). The padded dimensions are
+    the CUDA graph of ``ladder`` that fits the step (strict matching on hybrids), else the
+    eager padding capped at ``max_tokens`` (``cuda_graphs.select_step_dimensions``)."""
     P, T = table.paused, table.total
     A = T - P
     active, prefill = table.active_tokens, table.num_prefill
@@ -95,17 +99,10 @@ def build_step(table, arena: dict, *, max_tokens: int, max_requests: int, tp: in
     # the context knows it added one, whatever the engine's explicit flag says.
     chunked = table.hybrid and table.continuation_added
     real = InferenceBatchDimensions(active, prefill, decode, chunked)
-    if prefill == 0:
-        # One token per decode row, unless dummy decode rows carry more (never fewer than
-        # the active tokens).
-        padded_tokens = min(max_tokens, max(active, min(max_requests, rounded(
-            active, token_rounder, tp))))
-        padded = InferenceBatchDimensions(padded_tokens, 0, padded_tokens, False)
-    else:
-        # Capped at max_tokens: the reference can pad past the token buffer.
-        padded_tokens = min(max_tokens, rounded(active, token_rounder, tp))
-        padded_requests = min(max_requests, rounded(A, request_rounder, tp))
-        padded = InferenceBatchDimensions(padded_tokens, padded_requests - decode, decode, chunked)
+    choice = select_step_dimensions(
+        real, ladder, strict=table.hybrid, max_requests=max_requests, max_tokens=max_tokens,
+        tp_size=tp, token_rounder=token_rounder, request_rounder=request_rounder)
+    padded = choice.padded_batch_dimensions
     padded_requests = padded.req_count
 
     # Attention metadata, on the host: padded rows get q = kv = 0, cu values carry over.
@@ -130,6 +127,7 @@ def build_step(table, arena: dict, *, max_tokens: int, max_requests: int, tp: in
                             zero_count)
     return Step(paused=P, total=T, active_tokens=active, prefill=prefill, decode=decode,
                 batch_dimensions=real, padded=padded,
+                using_cuda_graph=choice.using_cuda_graph_this_step,
                 max_seqlen_q=int(q.max()) if A else 1, max_seqlen_k=int(kv.max()) if A else 1,
                 mamba=mamba, fed_decode=table.fed_decode)
 

@@ -1,4 +1,5 @@
-"""dynctx.engine: a small reference engine (in-flight batching, chunked prefill, sampling)."""
+"""dynctx.engine: a small reference engine (in-flight batching, chunked prefill, sampling, CUDA
+graph capture and replay)."""
 
 from .engine import Engine, EngineStats, RequestResult, StepResult
 from .sampling import sample

@@ -1,37 +1,65 @@
 """A small reference engine: in-flight batching over a ``DynamicInferenceContext``.
 
-One ``step()`` does what Megatron-Core's ``DynamicInferenceEngine`` step does
-(docs/SEMANTICS.md §10, §11): release the requests whose arrival step has come into the waiting
-queue; schedule from the head of the queue (``check_availability`` / ``add_request``, chunked
-prefill when a prompt does not fit the step's token budget); ``initialize_attention_state``;
-the model's forward; per-request sampling; the finish mask; ``update_requests``; re-queue
-evicted requests at the front for recompute; return finished requests.
+One ``step()`` does what Megatron-Core's ``DynamicInferenceEngine`` step does (docs/SEMANTICS.md
+§10, §11): admit requests (arrivals, FIFO admission, chunked prefill: ``Scheduler`` in
+``engine/scheduler.py``); ``initialize_attention_state``; the model's forward; per-request
+sampling; the finish mask; ``update_requests``; re-queue evicted requests at the front for
+recompute; return the finished requests.
 
-Chunked prefill. The chunk is the last request added in its step, and its continuation is the
-first request added in the very next step (our context keeps the chunked request in the last
-active row and refuses new requests after it). Because the continuation must be scheduled in
-the next step, a prompt is chunked only when the free blocks cover its whole prompt plus what
-the other running requests can take in the meantime (one block per ``block_size`` steps each,
-plus one); so a continuation always finds its blocks.
+Requests are isolated from each other:
+
+* ``add_request``, ``generate_requests`` and ``generate`` check every argument of the call before
+  they queue anything (request ids, prompts, sampling parameters, arrival steps, against the
+  limits of the context and the model's vocabulary). A bad one raises ``TypeError`` or
+  ``ValueError`` naming the argument, the value and the limit, and the engine and the context are
+  exactly as before the call.
+* A request that passes these checks but cannot be served finishes with
+  ``finish_reason="error"`` and a message in ``RequestResult.error``, while every other request
+  goes on: one too long for the context (at the next step), one the context refuses when it is
+  added, and, when the context has ``validate=True``, one whose logits hold NaN or +inf (NaN
+  never reaches sampling). With the context's ``validate`` or ``vocab_size`` set, the model
+  computes every token's logits and the engine picks the last-token rows through the context
+  (whose checks are then made on logits; the LM head also runs on prefill tokens).
+* A ``step_callback`` or the context's ``metrics_writer`` that raises: the step completes first,
+  so that the engine and the context agree, and then the error propagates out of ``step()``.
+  No result is lost: the finished results of a step that raised stay undelivered, and the next
+  ``step()`` returns them (in its ``finished`` list, and to its callback, again). ``run``,
+  ``generate_requests`` and ``generate`` likewise hand back, to the next call, the results they
+  had collected when a step raised.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import inspect
 import math
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Sequence
 
 import numpy as np
 import torch
 
-from dynctx.context import (DynamicInferenceContext, DynamicInferenceRequest, SamplingParams)
+from dynctx.context import DynamicInferenceContext, DynamicInferenceRequest, SamplingParams
 
+from .graphs import graph_attention_backend, make_graph_runner
 from .sampling import sample
+from .scheduler import Admission, Scheduler
+from .validation import (
+    check_int,
+    check_prompts,
+    check_sampling_params,
+    checked_request,
+    prompt_tensor,
+    vocab_limit,
+)
 
 StepCallback = Callable[["StepResult"], None]
+
+# Steps kept in ``EngineStats.history`` by default: a long demo's plot, a few MB at most.
+DEFAULT_HISTORY_WINDOW = 10_000
 
 
 @dataclass
@@ -97,8 +125,9 @@ class StepResult:
 
 @dataclass
 class EngineStats:
-    """Counters over the engine's life; ``history`` has one ``StepResult`` per step (without
-    its finished list) for plots."""
+    """Counters over the engine's life. ``history`` keeps one compact ``StepResult`` per step
+    (its ``finished`` and ``new_tokens`` left out) for plots: the last ``history_window`` steps
+    (``Engine(history_window=...)``; ``None`` keeps every step, 0 none)."""
 
     forward_steps: int = 0
     idle_steps: int = 0
@@ -109,11 +138,13 @@ class EngineStats:
     chunked_prefills: int = 0
     prefill_chunks: int = 0
     suspends: int = 0
+    errors: int = 0
     peak_kv_utilization: float = 0.0
     peak_active_requests: int = 0
     peak_paused_requests: int = 0
     forward_time_s: float = 0.0
-    history: List[StepResult] = field(default_factory=list)
+    history: Deque[StepResult] = field(
+        default_factory=lambda: deque(maxlen=DEFAULT_HISTORY_WINDOW))
 
 
 @dataclass
@@ -152,57 +183,136 @@ class _Entry:
 
 
 def _transformers_adapters() -> Dict[str, Callable[..., Any]]:
-    from dynctx.models import DeepseekV2Adapter, LlamaAdapter
-
-    from dynctx.models import NemotronHAdapter
+    from dynctx.models import DeepseekV2Adapter, LlamaAdapter, NemotronHAdapter
 
     return {"NemotronHForCausalLM": NemotronHAdapter.from_transformers,
             "LlamaForCausalLM": LlamaAdapter.from_transformers,
             "DeepseekV2ForCausalLM": DeepseekV2Adapter.from_transformers}
 
 
+@dataclass
+class _Row:
+    """What one active row of a step yields, decided before ``update_requests`` and applied to
+    the engine after it: ``token`` (None: a non-final chunk's junk sample, or a failed row),
+    ``finish`` (None, ``"stop"``, ``"length"`` or ``"error"``) and the log probs to record."""
+
+    entry: _Entry
+    token: Optional[int] = None
+    finish: Optional[str] = None
+    error: Optional[str] = None
+    prompt_log_probs: List[float] = field(default_factory=list)
+    generated_log_prob: Optional[float] = None
+
+    @property
+    def keep(self) -> bool:
+        return self.finish is None
+
+
+@dataclass
+class _Batch:
+    """One forward step: the active rows in order, the sampled tokens, the rows whose logits
+    failed the check, and the log probs when asked."""
+
+    entries: List[_Entry]
+    num_decode: int
+    chunked_id: int
+    sampled: torch.Tensor
+    tokens: List[int]
+    failed: Dict[int, str]
+    want_prompt_log_probs: bool
+    log_prob_lists: Optional[List[List[float]]] = None
+    full_log_probs: Optional[torch.Tensor] = None
+
+
+class _DeferredWriter:
+    """Stands in for the context's ``metrics_writer`` during a step: forwards ``log`` and keeps
+    the first error it raises, for the engine to raise once the step is complete."""
+
+    def __init__(self, writer: Any):
+        self.writer = writer
+        self.error: Optional[BaseException] = None
+
+    def log(self, data: dict) -> None:
+        try:
+            self.writer.log(data)
+        except Exception as error:  # noqa: BLE001 - raised again by the engine after the step
+            if self.error is None:
+                self.error = error
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.writer, name)
+
+
 class Engine:
     """In-flight batching engine over one model adapter and one ``DynamicInferenceContext``.
 
     Args:
-        model: an adapter with ``forward(ctx, last_token_only=...)`` (``dynctx.models``).
+        model: an adapter with ``forward(ctx, last_token_only=...)`` (``dynctx.models``); its
+            ``vocab_size``, when it has one, bounds the prompt token ids.
         context: the context the model reads and writes.
         enable_chunked_prefill: split prompts longer than the step's free token budget.
         seed: seeds the generator of requests without ``SamplingParams.seed``.
         default_termination_id: used by ``generate`` when no ``termination_id`` is given.
         record_logits: keep every step's last-token logits per request (``step_logits``).
-        step_callback: called with each ``StepResult`` (streaming).
+        step_callback: called with each ``StepResult`` (streaming); an error it raises
+            propagates out of ``step()`` once the step is complete (module docstring).
+        history_window: steps kept in ``stats.history`` (``None``: all, 0: none).
+        cuda_graphs: when the context has a CUDA graph ladder (``num_cuda_graphs``), capture the
+            model's forward per graph batch dimension now and replay it on the steps the context
+            puts in a graph (``engine/graphs.py``: ``torch.cuda.CUDAGraph`` on CUDA, the stand-in
+            runner elsewhere); ``False`` runs every forward eagerly, padded to the graph shapes.
+            The context must be empty. ``self.graph_runner`` is the runner (None without graphs).
     """
 
     def __init__(self, model: Any, context: DynamicInferenceContext, *,
                  enable_chunked_prefill: bool = True, seed: int = 0,
                  default_termination_id: Optional[int] = None, record_logits: bool = False,
-                 step_callback: Optional[StepCallback] = None):
+                 step_callback: Optional[StepCallback] = None,
+                 history_window: Optional[int] = DEFAULT_HISTORY_WINDOW,
+                 cuda_graphs: bool = True):
+        seed = check_int("seed", seed, low=0)
+        for name, flag in (("enable_chunked_prefill", enable_chunked_prefill),
+                           ("record_logits", record_logits), ("cuda_graphs", cuda_graphs)):
+            if not isinstance(flag, (bool, np.bool_)):
+                raise TypeError(f"{name}={flag!r} must be a bool")
+        if default_termination_id is not None:
+            default_termination_id = check_int("default_termination_id", default_termination_id)
+        if history_window is not None:
+            history_window = check_int("history_window", history_window, low=0)
+        if step_callback is not None and not callable(step_callback):
+            raise TypeError(f"step_callback={step_callback!r} must be callable or None")
+        if hasattr(model, "check_context"):
+            model.check_context(context)
         self.model = model
         self.context = context
-        self.enable_chunked_prefill = enable_chunked_prefill
+        self.scheduler = Scheduler(context, enable_chunked_prefill=enable_chunked_prefill)
         self.default_termination_id = default_termination_id
         self.record_logits = record_logits
         self.step_callback = step_callback
         self.step_count = 0
-        self.stats = EngineStats()
+        self.stats = EngineStats(history=deque(maxlen=history_window))
+        self.vocab_size = vocab_limit(getattr(model, "vocab_size", None),
+                                      getattr(context, "vocab_size", None))
         self._rng = np.random.default_rng(seed)
         self._entries: Dict[int, _Entry] = {}
-        self._pending: List[_Entry] = []
-        self.waiting: deque = deque()
-        self._rejected: List[RequestResult] = []
+        self._undelivered: List[RequestResult] = []
         self._suspended = False
         self._next_request_id = 0
-        if hasattr(model, "check_context"):
-            model.check_context(context)
+        # The forward mode the graphs capture: every token's logits when the context checks
+        # logits (``_forward``), else last-token logits; steps in the other mode run eagerly.
+        self.graph_runner = make_graph_runner(model, context,
+                                        last_token_only=not self._checks_logits()) \
+            if cuda_graphs else None
+        if self.graph_runner is not None:
+            self.graph_runner.capture_all()
 
-    # ------------------------------------------------------------------ construction
     @classmethod
     def from_transformers(cls, hf_model: Any, *, rope: str = "table",
                           attention_backend: str = "auto", enable_chunked_prefill: bool = True,
                           seed: int = 0, record_logits: bool = False,
                           step_callback: Optional[StepCallback] = None,
-                          **context_kwargs: Any) -> "Engine":
+                          history_window: Optional[int] = DEFAULT_HISTORY_WINDOW,
+                          cuda_graphs: bool = True, **context_kwargs: Any) -> "Engine":
         """Build the adapter for a ``transformers`` causal LM and a context sized for it.
 
         ``context_kwargs`` go to ``DynamicInferenceContext`` (``buffer_size_gb``,
@@ -212,6 +322,10 @@ class Engine:
         head_dim, ``num_attention_heads`` = ``num_key_value_heads``, ``max_sequence_length`` =
         ``max_position_embeddings``; ``buffer_size_gb`` defaults to 1. ``max_requests`` defaults
         to the context's (about one block per request), capped at ``max_tokens``.
+        ``num_cuda_graphs`` (a context argument) with ``cuda_graphs=True``: the engine captures
+        and replays the forward per graph batch dimension (``Engine``'s ``cuda_graphs``), and
+        ``attention_backend="auto"`` picks among the backends a graph can capture
+        (``engine.graphs.graph_attention_backend``).
         """
         adapters = _transformers_adapters()
         name = type(hf_model).__name__
@@ -223,6 +337,11 @@ class Engine:
         kwargs = dict(context_kwargs)
         device = torch.device(kwargs.pop("device", None) or param.device)
         dtype = kwargs.pop("params_dtype", None) or param.dtype
+        if cuda_graphs and kwargs.get("num_cuda_graphs"):
+            block_size = kwargs.get("block_size_tokens") or inspect.signature(
+                DynamicInferenceContext).parameters["block_size_tokens"].default
+            attention_backend = graph_attention_backend(attention_backend, device, block_size,
+                                                        dtype)
         model = adapters[name](hf_model, device=device, dtype=dtype, rope=rope,
                                attention_backend=attention_backend)
         kwargs.setdefault("num_layers", model.num_layers)
@@ -255,52 +374,75 @@ class Engine:
             eos = eos[0] if eos else None
         return cls(model, context, enable_chunked_prefill=enable_chunked_prefill, seed=seed,
                    default_termination_id=eos, record_logits=record_logits,
-                   step_callback=step_callback)
+                   step_callback=step_callback, history_window=history_window,
+                   cuda_graphs=cuda_graphs)
 
     # ------------------------------------------------------------------ submission
+    @property
+    def enable_chunked_prefill(self) -> bool:
+        return self.scheduler.enable_chunked_prefill
+
+    @property
+    def waiting(self) -> Deque[int]:
+        """Ids of the requests that arrived and wait for admission (the scheduler's queue)."""
+        return self.scheduler.waiting
+
     def new_request_id(self) -> int:
-        while self._next_request_id in self._entries:
-            self._next_request_id += 1
-        self._next_request_id += 1
-        return self._next_request_id - 1
+        """A request id not in use in the engine."""
+        rid = self._free_ids(1)[0]
+        self._next_request_id = rid + 1
+        return rid
+
+    def _free_ids(self, count: int) -> List[int]:
+        ids, rid = [], self._next_request_id
+        while len(ids) < count:
+            if not self._id_in_use(rid):
+                ids.append(rid)
+            rid += 1
+        return ids
+
+    def _id_in_use(self, rid: int) -> bool:
+        """Queued or running, or finished with its result not yet returned (O(1) but for
+        the few undelivered results)."""
+        return rid in self._entries or any(r.request_id == rid for r in self._undelivered)
 
     def add_request(self, request: DynamicInferenceRequest,
                     arrival_step: Optional[int] = None) -> None:
         """Queue a request; it reaches the waiting queue at engine step ``arrival_step`` (default:
-        now). The engine keeps its own copy. Requests that can never run (too long for
+        now; an earlier step means now). The engine keeps its own copy. O(log n).
+
+        Raises ``TypeError``/``ValueError`` before anything changes when an argument is bad: the
+        request id (an int in [0, 2**31), not in use), the prompt (non-empty integer ids in
+        [0, vocabulary)), the sampling parameters (each within the context's limits) or
+        ``arrival_step`` (an int >= 0). Requests that can never run (too long for
         ``max_sequence_length``, for the active KV budget, or for ``max_tokens`` without chunked
-        prefill) finish at the next step with ``finish_reason="error"``."""
-        if not isinstance(request, DynamicInferenceRequest):
-            raise TypeError(f"request must be a DynamicInferenceRequest, got "
-                            f"{type(request).__name__}")
-        rid = request.request_id
-        if rid in self._entries:
-            raise ValueError(f"request_id={rid} is already in the engine")
-        if request.prompt_tokens is None or len(request.prompt_tokens) == 0:
-            raise ValueError(f"request {rid}: the prompt is empty")
-        params = request.sampling_params
-        if params.stop_words:
-            raise NotImplementedError("stop_words are not supported by the reference engine")
-        if params.top_n_logprobs:
-            raise NotImplementedError("top_n_logprobs is not supported by the reference engine")
-        if params.num_tokens_total is not None:
-            params = copy.deepcopy(params)
-            params.num_tokens_to_generate = params.num_tokens_total - len(request.prompt_tokens)
-        if params.num_tokens_to_generate is None or params.num_tokens_to_generate < 1:
-            raise ValueError(f"request {rid}: num_tokens_to_generate="
-                             f"{params.num_tokens_to_generate} must be >= 1")
-        own = DynamicInferenceRequest(request_id=rid, prompt_tokens=request.prompt_tokens.clone(),
-                                      sampling_params=params, prompt=request.prompt)
-        arrival = self.step_count if arrival_step is None else max(int(arrival_step),
-                                                                   self.step_count)
-        entry = _Entry(request=own, arrival_step=arrival)
-        self._entries[rid] = entry
-        error = self._never_fits(own)
+        prefill) finish at the next step with ``finish_reason="error"``.
+        """
+        own = self._check_request(request, "request")
+        self._enqueue(own, self._arrival(arrival_step, "arrival_step"))
+
+    def _check_request(self, request: Any, name: str) -> DynamicInferenceRequest:
+        metadata_types = getattr(self.context, "request_metadata_types", None) \
+            or DynamicInferenceRequest.get_metadata_types()
+        own = checked_request(request, name, vocab=self.vocab_size, metadata_types=metadata_types)
+        if self._id_in_use(own.request_id):
+            raise ValueError(f"{name}.request_id={own.request_id} is already in use in the "
+                             "engine (queued, running, or finished and not yet returned)")
+        return own
+
+    def _arrival(self, arrival_step: Any, name: str) -> int:
+        if arrival_step is None:
+            return self.step_count
+        return max(check_int(name, arrival_step, low=0), self.step_count)
+
+    def _enqueue(self, request: DynamicInferenceRequest, arrival: int) -> None:
+        entry = _Entry(request=request, arrival_step=arrival)
+        self._entries[request.request_id] = entry
+        error = self._never_fits(request)
         if error is not None:
-            self._reject(entry, error)
+            self._finish(entry, "error", time.perf_counter(), error=error)
             return
-        self._pending.append(entry)
-        self._pending.sort(key=lambda e: e.arrival_step)
+        self.scheduler.submit(request.request_id, arrival)
 
     def _never_fits(self, request: DynamicInferenceRequest) -> Optional[str]:
         ctx = self.context
@@ -319,228 +461,299 @@ class Engine:
                     "prefill is disabled")
         return None
 
-    def _reject(self, entry: _Entry, error: str) -> None:
-        self._entries.pop(entry.request_id, None)
-        self._rejected.append(RequestResult(
-            request_id=entry.request_id, prompt_tokens=entry.request.prompt_tokens.tolist(),
-            generated_tokens=[], finish_reason="error", error=error,
-            arrival_step=entry.arrival_step))
+    def unfinished_request_ids(self) -> List[int]:
+        """Ids of the requests queued (pending arrival or waiting) or running, sorted."""
+        return sorted(self._entries)
+
+    @property
+    def undelivered_results(self) -> List[RequestResult]:
+        """Finished results not yet returned by a completed ``step()`` (after a step whose
+        callback or metrics writer raised, or a batch call that raised); the next ``step()``
+        returns them."""
+        return list(self._undelivered)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._pending or self.waiting or self._rejected
+        """Requests queued or running, or finished results not yet returned by a step."""
+        return bool(self._undelivered or self.scheduler.has_work()
                     or (not self._suspended and self.context.has_unfinished_requests()))
-
-    # ------------------------------------------------------------------ scheduling
-    def _release_arrivals(self) -> None:
-        now = time.perf_counter()
-        while self._pending and self._pending[0].arrival_step <= self.step_count:
-            entry = self._pending.pop(0)
-            entry.arrival_time = now
-            self.waiting.append(entry.request_id)
-
-    def _chunking_is_safe(self, prompt_length: int, first_chunk: int) -> bool:
-        """Blocks for the whole prompt plus what the running requests may take before the
-        last chunk is added (each: one block per ``block_size`` steps, plus one)."""
-        ctx = self.context
-        bs = ctx.block_size_tokens
-        others = ctx.get_active_request_count()
-        room = max(1, ctx.max_tokens - others)
-        steps = math.ceil((prompt_length - first_chunk) / room)
-        reserve = others * (math.ceil(steps / bs) + 1)
-        return ctx.block_allocator.total_avail >= math.ceil(prompt_length / bs) + reserve
-
-    def _schedule(self) -> None:
-        ctx = self.context
-        bs = ctx.block_size_tokens
-        while self.waiting:
-            rid = self.waiting[0]
-            entry = self._entries[rid]
-            chunked_id = ctx.chunked_prefill_request_id
-            continuing = chunked_id != -1
-            if continuing and chunked_id != rid:
-                raise RuntimeError(f"internal: chunked request {chunked_id} is not at the head of "
-                                   f"the waiting queue ({rid} is)")
-            if entry.live is None:
-                entry.live = entry.request.checkpoint()
-            live = entry.live
-            remaining = live.remaining_prompt_length
-            finished = live.finished_chunk_token_count
-            request_ok, _, kv_ok = ctx.check_availability(live)
-            token_room = ctx.max_tokens - ctx.active_token_count + (1 if continuing else 0)
-            if continuing:
-                kv_room = (-finished) % bs + ctx.block_allocator.total_avail * bs
-                chunk = min(remaining, token_room, kv_room)
-                if chunk <= 0:
-                    raise RuntimeError(
-                        f"internal: the continuation of chunked request {rid} finds no room "
-                        f"({token_room} tokens, {kv_room} KV slots)")
-            else:
-                if not (request_ok and kv_ok):
-                    break
-                if remaining <= token_room:
-                    chunk = remaining
-                elif (self.enable_chunked_prefill and token_room > 0
-                      and self._chunking_is_safe(remaining, token_room)):
-                    chunk = token_room
-                else:
-                    break
-            final = chunk == remaining
-            ctx.add_request(live, None if final else chunk)
-            live.remaining_prompt_tokens = live.remaining_prompt_tokens[chunk:]
-            live.finished_chunk_token_count += chunk
-            if entry.first_scheduled_step is None:
-                entry.first_scheduled_step = self.step_count
-            if continuing or not final:
-                entry.num_prefill_chunks += 1
-                self.stats.prefill_chunks += 1
-                if not continuing:
-                    self.stats.chunked_prefills += 1
-            if final:
-                self.waiting.popleft()
-                if continuing:
-                    ctx.chunked_prefill_request_id = -1
-                    if ctx.is_hybrid_model:
-                        # A hybrid's continuation must stay the step's last row: it alone
-                        # starts from its saved Mamba state (docs/SEMANTICS.md §0.3).
-                        break
-                continue
-            ctx.chunked_prefill_request_id = rid
-            break
 
     # ------------------------------------------------------------------ the step
     def step(self) -> StepResult:
-        """Run one engine step (see the module docstring) and return what it did."""
-        if self._suspended:
-            raise RuntimeError("the engine is suspended; call resume() first")
-        ctx = self.context
-        started = time.perf_counter()
-        self._release_arrivals()
-        self._schedule()
-        result = StepResult(step=self.step_count, finished=self._rejected)
-        self._rejected = []
-        if ctx.active_token_count == 0:
-            if self.waiting:
-                raise RuntimeError(f"internal: request {self.waiting[0]} cannot be scheduled into "
-                                   "an empty context")
-            result.idle = True
-            self.stats.idle_steps += 1
-            next_step = self.step_count + 1
-            if self._pending:
-                next_step = max(next_step, self._pending[0].arrival_step)
-            self.step_count = next_step
-            return self._finish_step(result, started)
+        """Run one engine step (see the module docstring) and return what it did.
 
+        ``finished`` lists the requests that finished in this step, and those an earlier step
+        finished but could not return because its ``step_callback`` or the context's
+        ``metrics_writer`` raised: such an error propagates once the step is complete (the
+        engine and the context agree), and its results come with the next step.
+        """
+        self._refuse_while_suspended("step")
+        started = time.perf_counter()
+        result = StepResult(step=self.step_count)
+        with self._deferred_metrics() as writer:
+            self._admit()
+            if self.context.active_token_count == 0:
+                self._idle(result)
+            else:
+                batch = self._forward(result)
+                rows = self._outcomes(batch)
+                self._update(batch, rows, result)
+        return self._finish_step(result, started, writer.error if writer else None)
+
+    def _refuse_while_suspended(self, what: str) -> None:
+        if self._suspended:
+            raise RuntimeError(f"{what}: the engine is suspended; call resume() first")
+
+    @contextlib.contextmanager
+    def _deferred_metrics(self) -> Iterator[Optional[_DeferredWriter]]:
+        ctx = self.context
+        writer = getattr(ctx, "metrics_writer", None)
+        if writer is None:
+            yield None
+            return
+        deferred = _DeferredWriter(writer)
+        ctx.metrics_writer = deferred
+        try:
+            yield deferred
+        finally:
+            ctx.metrics_writer = writer
+
+    def _admit(self) -> None:
+        """Release arrivals and schedule; refused requests finish with an error."""
+        now = time.perf_counter()
+        for rid in self.scheduler.release(self.step_count):
+            self._entries[rid].arrival_time = now
+        schedule = self.scheduler.schedule(self._live_request)
+        for admission in schedule.admitted:
+            self._note_admission(admission)
+        for rid, error in schedule.refused:
+            self._finish(self._entries[rid], "error", now,
+                         error=f"the context refused the request: {error}")
+
+    def _live_request(self, rid: int) -> DynamicInferenceRequest:
+        """What the context gets for request ``rid``: a checkpoint (prompt + tokens generated
+        before an eviction or suspend), created when it is first scheduled."""
+        entry = self._entries[rid]
+        if entry.live is None:
+            entry.live = entry.request.checkpoint()
+        return entry.live
+
+    def _note_admission(self, admission: Admission) -> None:
+        entry = self._entries[admission.request_id]
+        if entry.first_scheduled_step is None:
+            entry.first_scheduled_step = self.step_count
+        if admission.continuation or not admission.final:
+            entry.num_prefill_chunks += 1
+            self.stats.prefill_chunks += 1
+            if not admission.continuation:
+                self.stats.chunked_prefills += 1
+
+    def _idle(self, result: StepResult) -> None:
+        """No request can run: skip ahead to the next arrival."""
+        if self.scheduler.waiting:
+            raise RuntimeError(f"internal: request {self.scheduler.waiting[0]} cannot be "
+                               "scheduled into an empty context")
+        result.idle = True
+        self.stats.idle_steps += 1
+        next_arrival = self.scheduler.next_arrival_step
+        self.step_count = max(self.step_count + 1, next_arrival or 0)
+
+    def _forward(self, result: StepResult) -> _Batch:
+        """``initialize_attention_state``, the model's forward, the logits check, sampling and
+        the log probs asked for."""
+        ctx = self.context
         ctx.initialize_attention_state()
         P, T = ctx.paused_request_count, ctx.total_request_count
-        ids = [int(i) for i in ctx.host_request_ids()[P:T]]
-        entries = [self._entries[i] for i in ids]
+        entries = [self._entries[int(i)] for i in ctx.host_request_ids()[P:T]]
         num_decode = ctx.num_decode_requests
-        chunked_id = ctx.chunked_prefill_request_id
-        stats = ctx.get_kvcache_utilization_stats()
         result.active_requests, result.paused_requests = T - P, P
         result.tokens = ctx.active_token_count
-        result.kv_utilization = stats["allocated_utilization"]
-
+        result.kv_utilization = ctx.get_kvcache_utilization_stats()["allocated_utilization"]
         want_prompt_lp = any(e.wants_prompt_log_probs for e in entries[num_decode:])
-        want_lp = any(e.params.return_log_probs for e in entries)
+        # Every token's logits also when the context checks logits (vocab_size, validate): the
+        # model's last-token path picks hidden-state rows through ``last_token_logits``, whose
+        # checks are meant for logits.
+        full = want_prompt_lp or self._checks_logits()
         forward_start = time.perf_counter()
-        output = self.model.forward(ctx, last_token_only=not want_prompt_lp)
-        last = ctx.last_token_logits(output) if want_prompt_lp else output
+        if self.graph_runner is not None:
+            output = self.graph_runner.run(last_token_only=not full)
+        else:
+            output = self.model.forward(ctx, last_token_only=not full)
+        failed = self._nonfinite_rows(output, full, len(entries))
+        if failed:
+            # The failed rows finish with an error; zeros keep NaN out of sampling.
+            output = torch.nan_to_num(output, nan=0.0, posinf=0.0, neginf=float("-inf"))
+        last = ctx.last_token_logits(output) if full else output
         sampled = sample(last, [e.params for e in entries],
                          [len(e.request.generated_tokens) for e in entries], self._rng)
-        log_prob_lists = full_log_probs = None
-        if want_lp:
+        batch = _Batch(entries=entries, num_decode=num_decode,
+                       chunked_id=ctx.chunked_prefill_request_id, sampled=sampled,
+                       tokens=sampled.tolist(), failed=failed,
+                       want_prompt_log_probs=want_prompt_lp)
+        if any(e.params.return_log_probs for e in entries):
             if want_prompt_lp:
-                log_prob_lists, full_log_probs = ctx.calculate_log_probs(output, sampled)
+                batch.log_prob_lists, batch.full_log_probs = ctx.calculate_log_probs(
+                    output, sampled)
             else:
-                log_prob_lists, full_log_probs = ctx.calculate_log_probs(
+                batch.log_prob_lists, batch.full_log_probs = ctx.calculate_log_probs(
                     last, sampled, only_last_token_logits=True)
         if self.record_logits:
             prefix = ctx.active_attn_metadata.kv_seq_lengths[:T - P].tolist()
             rows = last.float().cpu()
             for i, entry in enumerate(entries):
                 entry.step_logits.append((int(prefix[i]), rows[i].clone()))
-        tokens = sampled.tolist()
         self.stats.forward_time_s += time.perf_counter() - forward_start
+        return batch
 
-        now = time.perf_counter()
-        mask, done = [], []
+    @property
+    def graph_replays(self) -> int:
+        """Forward steps that replayed a captured graph (0 without graphs)."""
+        runner = self.graph_runner
+        return 0 if runner is None else sum(runner.replays.values())
+
+    def _checks_logits(self) -> bool:
+        """The context checks logits (``vocab_size`` or ``validate``): the model then gives
+        every token's logits."""
+        ctx = self.context
+        return getattr(ctx, "vocab_size", None) is not None or bool(getattr(ctx, "validate", False))
+
+    def _nonfinite_rows(self, output: torch.Tensor, full: bool, active: int) -> Dict[int, str]:
+        """With the context's ``validate``: the active rows whose logits hold NaN or +inf
+        (-inf is legal: it masks a token), every token of a prefill counted."""
+        ctx = self.context
+        if not getattr(ctx, "validate", False) or active == 0:
+            return {}
+        if full:
+            tokens = output.reshape(-1, output.shape[-1])[:ctx.active_token_count]
+            bad_tokens = (tokens.isnan() | tokens.isposinf()).any(dim=-1)
+            if not bool(bad_tokens.any()):
+                return {}
+            cu = ctx.active_attn_metadata.cu_query_seq_lengths[:active + 1].long()
+            owner = torch.repeat_interleave(torch.arange(active, device=cu.device), cu.diff())
+            rows = sorted(set(owner[bad_tokens.to(owner.device)].tolist()))
+        else:
+            rows = (output.isnan() | output.isposinf()).any(dim=-1).nonzero().flatten().tolist()
+        return {int(row): "the model's logits hold NaN or +inf (checked with validate=True)"
+                for row in rows}
+
+    def _outcomes(self, batch: _Batch) -> List[_Row]:
+        """Each active row's token, finish and log probs; changes nothing."""
+        rows: List[_Row] = []
+        log_prob_lists = batch.log_prob_lists
         cu_query = None
-        for i, (entry, token) in enumerate(zip(entries, tokens)):
-            is_chunk = entry.request_id == chunked_id
+        for i, (entry, token) in enumerate(zip(batch.entries, batch.tokens)):
+            row = _Row(entry)
+            rows.append(row)
+            if i in batch.failed:
+                row.finish, row.error = "error", batch.failed[i]
+                continue
+            is_chunk = entry.request_id == batch.chunked_id
             if log_prob_lists is not None and entry.params.return_log_probs:
                 values = log_prob_lists[i]
-                if entry.wants_prompt_log_probs and i >= num_decode and want_prompt_lp:
-                    entry.prompt_log_probs.extend(values[:-1])
+                if (entry.wants_prompt_log_probs and i >= batch.num_decode
+                        and batch.want_prompt_log_probs):
+                    row.prompt_log_probs = list(values[:-1])
                     if is_chunk:
                         # The chunk's last position predicts the next chunk's first token.
                         if cu_query is None:
-                            cu_query = ctx.active_attn_metadata.cu_query_seq_lengths.tolist()
-                        row = cu_query[i + 1] - 1
+                            cu_query = self.context.active_attn_metadata \
+                                .cu_query_seq_lengths.tolist()
                         next_token = int(entry.live.remaining_prompt_tokens[0])
-                        entry.prompt_log_probs.append(float(full_log_probs[row, next_token]))
+                        row.prompt_log_probs.append(
+                            float(batch.full_log_probs[cu_query[i + 1] - 1, next_token]))
                 if not is_chunk:
-                    entry.generated_log_probs.append(values[-1])
+                    row.generated_log_prob = values[-1]
             if is_chunk:
-                mask.append(True)
-                continue
-            generated = entry.request.generated_tokens
-            generated.append(token)
-            result.new_tokens[entry.request_id] = token
-            if entry.first_token_step is None:
-                entry.first_token_step, entry.first_token_time = self.step_count, now
+                continue  # a non-final chunk: its sample is junk, the context keeps it
+            row.token = token
             termination = entry.params.termination_id
             stop = termination is not None and termination >= 0 and token == termination
-            finish = stop or len(generated) >= entry.params.num_tokens_to_generate
-            mask.append(not finish)
-            if finish:
-                done.append((entry, "stop" if stop else "length"))
-        self.stats.generated_tokens += len(result.new_tokens)
+            generated = len(entry.request.generated_tokens) + 1
+            if stop or generated >= entry.params.num_tokens_to_generate:
+                row.finish = "stop" if stop else "length"
+        return rows
 
-        active_mask = torch.tensor(mask, dtype=torch.bool, device=ctx.device)
-        paused = ctx.update_requests(active_mask, sampled)
+    def _update(self, batch: _Batch, rows: List[_Row], result: StepResult) -> None:
+        """``update_requests`` with the rows' mask, then the rows applied to the engine."""
+        ctx = self.context
+        if batch.chunked_id != -1 and any(r.finish == "error" and r.entry.request_id ==
+                                          batch.chunked_id for r in rows):
+            # A chunked prefill that failed ends now: the mask releases it like any other.
+            ctx.chunked_prefill_request_id = -1
+            self.scheduler.discard(batch.chunked_id)
+        mask = torch.tensor([r.keep for r in rows], dtype=torch.bool, device=ctx.device)
+        paused = ctx.update_requests(mask, batch.sampled)
         result.paused_ids = [int(i) for i in paused.tolist()]
         result.evicted_ids = [int(i) for i in ctx.evicted_request_ids.tolist()]
+        now = time.perf_counter()
+        for row in rows:
+            self._apply(row, result, now)
         for rid in result.paused_ids:
             self._entries[rid].num_pauses += 1
-        for entry, reason in done:
-            result.finished.append(self._finish(entry, reason, now))
-        if result.evicted_ids:
-            # Recompute later, before everything else but a chunked prefill in flight.
-            at = 1 if ctx.chunked_prefill_request_id != -1 else 0
-            for k, rid in enumerate(result.evicted_ids):
-                entry = self._entries[rid]
-                entry.live, entry.recompute = None, True
-                entry.num_evictions += 1
-                self.waiting.insert(at + k, rid)
-        self.stats.forward_steps += 1
-        self.stats.tokens_processed += result.tokens
-        self.stats.pauses += len(result.paused_ids)
-        self.stats.evictions += len(result.evicted_ids)
-        self.stats.peak_kv_utilization = max(self.stats.peak_kv_utilization,
-                                             result.kv_utilization)
-        self.stats.peak_active_requests = max(self.stats.peak_active_requests,
-                                              result.active_requests)
-        self.stats.peak_paused_requests = max(self.stats.peak_paused_requests,
-                                              ctx.paused_request_count, result.paused_requests)
+        for rid in result.evicted_ids:
+            entry = self._entries[rid]
+            entry.live, entry.recompute = None, True
+            entry.num_evictions += 1
+        self.scheduler.after_update(result.evicted_ids)
+        self._count(result)
         self.step_count += 1
-        return self._finish_step(result, started)
 
-    def _finish_step(self, result: StepResult, started: float) -> StepResult:
+    def _apply(self, row: _Row, result: StepResult, now: float) -> None:
+        entry = row.entry
+        entry.prompt_log_probs.extend(row.prompt_log_probs)
+        if row.generated_log_prob is not None:
+            entry.generated_log_probs.append(row.generated_log_prob)
+        if row.token is not None:
+            entry.request.generated_tokens.append(row.token)
+            result.new_tokens[entry.request_id] = row.token
+            if entry.first_token_step is None:
+                entry.first_token_step, entry.first_token_time = self.step_count, now
+        if row.finish is not None:
+            self._finish(entry, row.finish, now, error=row.error)
+
+    def _count(self, result: StepResult) -> None:
+        stats = self.stats
+        stats.forward_steps += 1
+        stats.tokens_processed += result.tokens
+        stats.generated_tokens += len(result.new_tokens)
+        stats.pauses += len(result.paused_ids)
+        stats.evictions += len(result.evicted_ids)
+        stats.peak_kv_utilization = max(stats.peak_kv_utilization, result.kv_utilization)
+        stats.peak_active_requests = max(stats.peak_active_requests, result.active_requests)
+        stats.peak_paused_requests = max(stats.peak_paused_requests,
+                                         self.context.paused_request_count,
+                                         result.paused_requests)
+
+    def _finish_step(self, result: StepResult, started: float,
+                     deferred: Optional[BaseException]) -> StepResult:
+        """Hand the undelivered results over, record the step, call the callback; an error of
+        the callback or the metrics writer propagates with the results kept undelivered."""
         result.time_s = time.perf_counter() - started
-        self.stats.history.append(copy.copy(result))
-        self.stats.history[-1].finished = []
+        result.finished = list(self._undelivered)
+        if self.stats.history.maxlen != 0:
+            self.stats.history.append(replace(result, new_tokens={}, finished=[]))
         if self.step_callback is not None:
-            self.step_callback(result)
+            try:
+                self.step_callback(result)
+            except BaseException as error:
+                if deferred is not None and error.__context__ is None:
+                    error.__context__ = deferred  # the metrics writer raised first
+                raise
+        if deferred is not None:
+            raise deferred
+        self._undelivered.clear()
         return result
 
-    def _finish(self, entry: _Entry, reason: str, now: float) -> RequestResult:
+    def _finish(self, entry: _Entry, reason: str, now: float,
+                error: Optional[str] = None) -> None:
+        """The request's result joins the undelivered ones; the engine forgets the request."""
         del self._entries[entry.request_id]
         request = entry.request
         params = request.sampling_params
-        return RequestResult(
+        if reason == "error":
+            self.stats.errors += 1
+        self._undelivered.append(RequestResult(
             request_id=entry.request_id, prompt_tokens=request.prompt_tokens.tolist(),
-            generated_tokens=list(request.generated_tokens), finish_reason=reason,
+            generated_tokens=list(request.generated_tokens), finish_reason=reason, error=error,
             generated_log_probs=list(entry.generated_log_probs) if params.return_log_probs
             else None,
             prompt_log_probs=list(entry.prompt_log_probs)
@@ -550,7 +763,7 @@ class Engine:
             arrival_time=entry.arrival_time, first_token_time=entry.first_token_time,
             finish_time=now, num_pauses=entry.num_pauses, num_evictions=entry.num_evictions,
             num_prefill_chunks=entry.num_prefill_chunks,
-            step_logits=list(entry.step_logits) if self.record_logits else None)
+            step_logits=list(entry.step_logits) if self.record_logits else None))
 
     # ------------------------------------------------------------------ suspend / resume
     @property
@@ -564,9 +777,7 @@ class Engine:
             return
         ctx = self.context
         ids = [int(i) for i in ctx.host_request_ids()[:ctx.total_request_count]]
-        if ctx.chunked_prefill_request_id != -1:
-            self.waiting.popleft()  # the chunked request is in ``ids`` too
-        for rid in reversed(ids):
+        for rid in ids:
             entry = self._entries[rid]
             entry.live = None
             if entry.request.generated_tokens:
@@ -574,49 +785,97 @@ class Engine:
             else:
                 # The prompt runs again from its start: its prompt log probs too.
                 entry.prompt_log_probs.clear()
-            self.waiting.appendleft(rid)
+        self.scheduler.requeue_suspended(ids)
+        if self.graph_runner is not None:
+            self.graph_runner.release()  # they read the tensors freed now
         ctx.deallocate_all_tensors()
         self._suspended = True
         self.stats.suspends += 1
 
     def resume(self) -> None:
-        """Re-allocate the context's tensors; the next steps re-add the suspended requests."""
+        """Re-allocate the context's tensors and capture the CUDA graphs again (the tensors
+        have new addresses); the next steps re-add the suspended requests."""
         if not self._suspended:
             return
         self.context.allocate_all_tensors(is_init=False)
+        if self.graph_runner is not None:
+            self.graph_runner.capture_all()
         self._suspended = False
 
     # ------------------------------------------------------------------ batch APIs
     def run(self) -> List[RequestResult]:
-        """Step until every queued request has finished; return them in finishing order."""
+        """Step until every queued request has finished; return them in finishing order. When
+        a step raises, the results collected so far go back to the engine (the next ``step``
+        or ``run`` returns them)."""
         results: List[RequestResult] = []
-        while self.has_unfinished_requests():
-            results.extend(self.step().finished)
+        try:
+            while self.has_unfinished_requests():
+                results.extend(self.step().finished)
+        except BaseException:
+            self._undelivered[:0] = results
+            raise
         return results
 
     def generate_requests(self, requests: Sequence[DynamicInferenceRequest],
                           arrival_steps: Optional[Sequence[int]] = None) -> List[RequestResult]:
         """Run ``requests`` (request ``i`` reaches the queue ``arrival_steps[i]`` steps from
-        now) to completion; returns their results in the order given."""
-        if arrival_steps is not None and len(arrival_steps) != len(requests):
-            raise ValueError(f"arrival_steps has {len(arrival_steps)} entries for "
-                             f"{len(requests)} requests")
-        ids = [r.request_id for r in requests]
-        if len(set(ids)) != len(ids):
-            raise ValueError("request ids must be unique")
-        for i, request in enumerate(requests):
-            delay = 0 if arrival_steps is None else int(arrival_steps[i])
-            if delay < 0:
-                raise ValueError(f"arrival_steps[{i}]={delay} must be >= 0")
-            self.add_request(request, arrival_step=self.step_count + delay)
+        now) to completion; returns their results in the order given.
+
+        Every request and arrival step is checked before any is queued (``add_request``'s
+        checks, ids unique, ``arrival_steps[i]`` an int >= 0; not while suspended). Results of
+        other requests that finish meanwhile are kept for the next ``step``/``run``; when a
+        step raises, so are the results collected so far.
+        """
+        self._refuse_while_suspended("generate_requests")
+        checked = self._check_batch(requests, arrival_steps)
+        for request, arrival in checked:
+            self._enqueue(request, arrival)
+        return self._collect([request.request_id for request, _ in checked])
+
+    def _check_batch(self, requests: Any, arrival_steps: Any) -> List[tuple]:
+        """``(own copy, arrival step)`` per request, or the first error; changes nothing."""
+        if isinstance(requests, DynamicInferenceRequest):
+            raise TypeError("requests is one DynamicInferenceRequest; give a list of them "
+                            "(e.g. [request])")
+        requests = list(requests)
+        if arrival_steps is None:
+            delays = [0] * len(requests)
+        else:
+            delays = list(arrival_steps)
+            if len(delays) != len(requests):
+                raise ValueError(f"arrival_steps has {len(delays)} entries for "
+                                 f"{len(requests)} requests")
+            delays = [check_int(f"arrival_steps[{i}]", d, low=0) for i, d in enumerate(delays)]
+        first_index: Dict[int, int] = {}
+        checked = []
+        for i, (request, delay) in enumerate(zip(requests, delays)):
+            own = self._check_request(request, f"requests[{i}]")
+            if own.request_id in first_index:
+                raise ValueError(f"requests[{i}].request_id={own.request_id} repeats "
+                                 f"requests[{first_index[own.request_id]}]; ids must be unique")
+            first_index[own.request_id] = i
+            checked.append((own, self.step_count + delay))
+        return checked
+
+    def _collect(self, ids: List[int]) -> List[RequestResult]:
+        """Step until every request of ``ids`` has finished; their results in that order."""
         wanted = set(ids)
-        results: Dict[int, RequestResult] = {}
-        while wanted - results.keys():
-            if not self.has_unfinished_requests():
-                raise RuntimeError("internal: the engine ran out of work with requests unfinished")
-            for finished in self.step().finished:
-                results[finished.request_id] = finished
-        return [results[i] for i in ids]
+        seen: List[RequestResult] = []
+        got: Dict[int, RequestResult] = {}
+        try:
+            while len(got) < len(wanted):
+                if not self.has_unfinished_requests():
+                    raise RuntimeError("internal: the engine ran out of work with requests "
+                                       f"{sorted(wanted - got.keys())} unfinished")
+                for finished in self.step().finished:
+                    seen.append(finished)
+                    if finished.request_id in wanted:
+                        got[finished.request_id] = finished
+        except BaseException:
+            self._undelivered[:0] = seen
+            raise
+        self._undelivered[:0] = [r for r in seen if r.request_id not in wanted]
+        return [got[i] for i in ids]
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 16,
                  arrival_steps: Optional[Sequence[int]] = None,
@@ -626,35 +885,58 @@ class Engine:
         """Generate for token-id prompts; ``outputs[i]`` lists the ids generated for
         ``prompts[i]``.
 
-        Greedy unless ``sampling_params`` (one for all, or one per prompt) are given; their
-        ``num_tokens_to_generate`` is replaced by ``max_new_tokens``. Generation stops at
+        ``prompts`` is a list of prompts, each a list (or 1-D tensor) of token ids in
+        [0, vocabulary); every argument is checked, naming ``prompts[i]``, before anything is
+        queued. Greedy unless ``sampling_params`` (one for all, or one per prompt) are given;
+        their ``num_tokens_to_generate`` is replaced by ``max_new_tokens``. Generation stops at
         ``termination_id`` (default: the model's EOS id, as ``transformers.generate`` does;
         ``ignore_eos=True``: never) or after ``max_new_tokens`` tokens. A request that cannot
-        run raises ``RuntimeError``.
+        run raises ``RuntimeError`` once all have finished; its ``results`` attribute holds
+        every prompt's ``RequestResult``.
         """
+        self._refuse_while_suspended("generate")
+        prompts = check_prompts(prompts)
+        tensors = [prompt_tensor(p, f"prompts[{i}]", self.vocab_size)
+                   for i, p in enumerate(prompts)]
+        max_new_tokens = check_int("max_new_tokens", max_new_tokens, low=1)
+        if termination_id is not None:
+            termination_id = check_int("termination_id", termination_id,
+                                       low=-2 ** 63, high=2 ** 63 - 1)
+        if not isinstance(ignore_eos, bool):
+            raise TypeError(f"ignore_eos={ignore_eos!r} must be a bool")
+        metadata_types = getattr(self.context, "request_metadata_types", None) \
+            or DynamicInferenceRequest.get_metadata_types()
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             base = sampling_params or SamplingParams(temperature=1.0, top_k=1)
-            per_prompt = [base] * len(prompts)
+            per_prompt = [check_sampling_params(base, "sampling_params", metadata_types)] \
+                * len(prompts)
         else:
             per_prompt = list(sampling_params)
             if len(per_prompt) != len(prompts):
                 raise ValueError(f"{len(per_prompt)} sampling params for {len(prompts)} prompts")
+            per_prompt = [check_sampling_params(p, f"sampling_params[{i}]", metadata_types)
+                          for i, p in enumerate(per_prompt)]
         stop = None if ignore_eos else (
             termination_id if termination_id is not None else self.default_termination_id)
         requests = []
-        for prompt, params in zip(prompts, per_prompt):
+        for prompt, params, rid in zip(tensors, per_prompt, self._free_ids(len(prompts))):
             params = copy.deepcopy(params)
             params.num_tokens_to_generate = max_new_tokens
             params.num_tokens_total = None
             if termination_id is not None or ignore_eos or params.termination_id is None:
                 params.termination_id = stop
-            requests.append(DynamicInferenceRequest(
-                request_id=self.new_request_id(),
-                prompt_tokens=torch.as_tensor(list(prompt), dtype=torch.int64),
-                sampling_params=params))
-        results = self.generate_requests(requests, arrival_steps)
+            requests.append(DynamicInferenceRequest(request_id=rid, prompt_tokens=prompt,
+                                                    sampling_params=params))
+        checked = self._check_batch(requests, arrival_steps)
+        if requests:
+            self._next_request_id = requests[-1].request_id + 1
+        for request, arrival in checked:
+            self._enqueue(request, arrival)
+        results = self._collect([request.request_id for request, _ in checked])
         errors = [f"prompt {i}: {r.error}" for i, r in enumerate(results)
                   if r.finish_reason == "error"]
         if errors:
-            raise RuntimeError("generate: " + "; ".join(errors))
+            error = RuntimeError("generate: " + "; ".join(errors))
+            error.results = results
+            raise error
         return [r.generated_tokens for r in results]

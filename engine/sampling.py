@@ -71,14 +71,18 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], token_indices
     top_p = torch.tensor([p.top_p for p in chosen], dtype=torch.float32, device=device)
     uniforms = torch.tensor([uniform_draw(params[i].seed, token_indices[i], generator)
                              for i in rows], dtype=torch.float32, device=device)
-    scaled = logits[index] / temperature[:, None]
+    # Shifted by the row maximum first: a tiny temperature then scales to 0 and -large, never
+    # to inf - inf (NaN).
+    chosen_logits = logits[index]
+    scaled = (chosen_logits - chosen_logits.amax(dim=-1, keepdim=True)) / temperature[:, None]
     sorted_logits, order = torch.sort(scaled, dim=-1, descending=True, stable=True)
     probs = torch.softmax(filter_sorted_logits(sorted_logits, top_k, top_p), dim=-1)
     cdf = torch.cumsum(probs, dim=-1)
     target = (uniforms * cdf[:, -1])[:, None].contiguous()
     position = torch.searchsorted(cdf, target, right=True).clamp_(max=cdf.shape[-1] - 1)
-    # Never land on a masked entry through rounding at the top of the CDF.
+    # Never land on a masked entry through rounding at the top of the CDF; a row without any
+    # positive probability (NaN logits, unchecked) takes its best-ranked token, never index -1.
     kept = (probs > 0).sum(dim=-1, keepdim=True) - 1
-    position = torch.minimum(position, kept)
+    position = torch.minimum(position, kept).clamp_(min=0)
     tokens[index] = order.gather(1, position).squeeze(1)
     return tokens

@@ -83,6 +83,19 @@ def check_block_slots(block_ids: torch.Tensor, slots: torch.Tensor) -> int:
     return n
 
 
+def check_writable(*named) -> None:
+    """Each ``(name, tensor)`` written in place must give every element its own address: a dim
+    of stride 0 and size > 1 (an ``expand``ed view) would have programs race on one element
+    (the torch reference raises on such a tensor too)."""
+    for name, tensor in named:
+        shared = [d for d, (size, stride) in enumerate(zip(tensor.shape, tensor.stride()))
+                  if size > 1 and stride == 0]
+        if shared:
+            raise ValueError(f"{name} is written in place but dim {shared[0]} has stride 0 "
+                             f"(shape {tuple(tensor.shape)}, strides {tensor.stride()}): several "
+                             "elements share one address; pass a tensor that owns each element")
+
+
 def check_same_device(tensors, ref_name: str, ref: torch.Tensor) -> None:
     """Each ``(name, tensor)`` of ``tensors`` must sit on ``ref``'s device."""
     for name, tensor in tensors:

@@ -29,14 +29,223 @@ import torch
 from . import _autotune
 from ._autotune import KernelConfig, KernelTuning, TuneCase, bucket_tokens
 from ._backend import HAS_TRITON, resolve_backend
-from ._common import custom_op
+from ._common import check_writable, custom_op
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
 
+# The dtypes ``new_tokens`` may have: every integer dtype, each widened to int64 in the kernel
+# (unsigned ones by zero extension; a uint64 id above 2**63 - 1 would wrap, no vocabulary has one).
+NEW_TOKEN_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.uint16, torch.int32, torch.uint32,
+                    torch.int64, torch.uint64)
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _compact_requests_kernel(
+        dst_block_table_ptr, dst_next_tokens_ptr,
+        src_block_table_ptr, src_next_tokens_ptr, new_tokens_ptr,
+        plan_src_ptr, plan_append_col_ptr, plan_append_block_ptr,
+        num_rows, end_rows, num_src_rows, new_token_offset, num_new_tokens, max_blocks,
+        stride_dst_row, stride_dst_col, stride_src_row, stride_src_col,
+        stride_dst_tokens, stride_src_tokens, stride_new_tokens,
+        stride_plan_src, stride_plan_append_col, stride_plan_append_block,
+        BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    ):
+        """One [BLOCK_R, BLOCK_C] tile of the new block table; column tile 0 also writes the tokens."""
+        pid_col = tl.program_id(1)
+        offs_r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+        offs_c = pid_col.to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)
+        mask_r = offs_r < end_rows
+        mask_plan = offs_r < num_rows
+        mask_c = offs_c < max_blocks
+        # Rows past num_rows (cleared) read the plan as "no source, no append".
+        src = tl.load(plan_src_ptr + offs_r * stride_plan_src, mask=mask_plan, other=-1).to(tl.int64)
+        has_src = (src >= 0) & (src < num_src_rows)
+        append_col = tl.load(plan_append_col_ptr + offs_r * stride_plan_append_col, mask=mask_plan,
+                             other=-1).to(tl.int64)
+        append_block = tl.load(plan_append_block_ptr + offs_r * stride_plan_append_block,
+                               mask=mask_plan, other=-1)
+        # [BLOCK_R, BLOCK_C]
+        src_ptrs = src_block_table_ptr + src[:, None] * stride_src_row + offs_c[None, :] * stride_src_col
+        blocks = tl.load(src_ptrs, mask=has_src[:, None] & mask_c[None, :], other=-1)
+        blocks = tl.where(offs_c[None, :] == append_col[:, None], append_block[:, None], blocks)
+        dst_ptrs = dst_block_table_ptr + offs_r[:, None] * stride_dst_row + offs_c[None, :] * stride_dst_col
+        tl.store(dst_ptrs, blocks, mask=mask_r[:, None] & mask_c[None, :])
+        if pid_col == 0:
+            new_index = src - new_token_offset
+            from_new = has_src & (new_index >= 0) & (new_index < num_new_tokens)
+            from_old = has_src & (new_index < 0)
+            # Any integer dtype of new_tokens (uint8 included) widens exactly to int64.
+            new = tl.load(new_tokens_ptr + new_index * stride_new_tokens, mask=from_new,
+                          other=0).to(tl.int64)
+            old = tl.load(src_next_tokens_ptr + src * stride_src_tokens, mask=from_old, other=0)
+            tl.store(dst_next_tokens_ptr + offs_r * stride_dst_tokens, tl.where(from_new, new, old),
+                     mask=mask_r)
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the memory spans of two tensors intersect."""
+    if a.numel() == 0 or b.numel() == 0 or a.device != b.device:
+        return False
+
+    def span(t):
+        start = t.data_ptr()
+        extent = sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride()))
+        return start, start + (extent + 1) * t.element_size()
+
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1
+
+
+def _check_tensor(name: str, t, *, dims: int, dtypes: tuple, device: torch.device) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
+    if t.dim() != dims:
+        raise ValueError(f"{name} must have {dims} dims, got shape {tuple(t.shape)}")
+    if t.dtype not in dtypes:
+        raise ValueError(f"{name} must be {' or '.join(map(str, dtypes))}, got {t.dtype}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device}, dst_block_table on {device}")
+
+
+def compact_requests(dst_block_table: torch.Tensor, src_block_table: torch.Tensor,
+                     dst_next_tokens: torch.Tensor, src_next_tokens: torch.Tensor,
+                     new_tokens: torch.Tensor, plan_src: torch.Tensor, plan_append_col: torch.Tensor,
+                     plan_append_block: torch.Tensor, *, new_token_offset: int, num_rows: int,
+                     clear_rows: int, config: KernelConfig | None = None,
+                     backend: str | None = None, check: bool = True) -> None:
+    """Apply a row plan (see the module docstring) in one launch, writing ``dst_*`` in place.
+
+    ``check=False`` skips the argument checks: for a caller (the context) that allocated every
+    buffer itself and checked the inputs it was given once, at its own edge.
+
+    Args:
+        dst_block_table, src_block_table: int32 ``[max_requests, max_blocks]`` (any strides,
+            the same number of columns), distinct memory. ``dst_block_table[:max(num_rows,
+            clear_rows)]`` is written.
+        dst_next_tokens, src_next_tokens: int64 ``[max_requests]`` (any stride), distinct memory;
+            ``dst_next_tokens[:max(num_rows, clear_rows)]`` is written.
+        new_tokens: ``[A_old]`` of any integer dtype (``NEW_TOKEN_DTYPES``: signed and unsigned,
+            8 to 64 bits) and any stride or storage offset (``sampled[:, 0]`` works), the tokens
+            just sampled, one per previously active row (source rows ``new_token_offset + k``).
+            Every dtype is widened to int64 in the kernel, with no copy; bool, float and complex
+            dtypes are refused before anything is written.
+        plan_src, plan_append_col, plan_append_block: int32 ``[>= num_rows]``, any stride.
+        new_token_offset: host int, source rows below it take their token from
+            ``src_next_tokens``.
+        num_rows, clear_rows: host ints; rows ``[num_rows, clear_rows)`` are cleared.
+
+    Every tensor is read or written through its own strides and storage offset; nothing is
+    copied at the edge. Every argument is checked before anything is written: a refused call
+    leaves ``dst_*`` untouched.
+    """
+    device = dst_block_table.device if isinstance(dst_block_table, torch.Tensor) else None
+    num_rows, clear_rows, new_token_offset = int(num_rows), int(clear_rows), int(new_token_offset)
+    end_rows = max(num_rows, clear_rows)
+    if check:
+        _check_tensor("dst_block_table", dst_block_table, dims=2, dtypes=(torch.int32,),
+                      device=device)
+        _check_tensor("src_block_table", src_block_table, dims=2, dtypes=(torch.int32,),
+                      device=device)
+        _check_tensor("dst_next_tokens", dst_next_tokens, dims=1, dtypes=(torch.int64,),
+                      device=device)
+        _check_tensor("src_next_tokens", src_next_tokens, dims=1, dtypes=(torch.int64,),
+                      device=device)
+        _check_tensor("new_tokens", new_tokens, dims=1, dtypes=NEW_TOKEN_DTYPES, device=device)
+        for name, plan in (("plan_src", plan_src), ("plan_append_col", plan_append_col),
+                           ("plan_append_block", plan_append_block)):
+            _check_tensor(name, plan, dims=1, dtypes=(torch.int32,), device=device)
+            if plan.numel() < num_rows:
+                raise ValueError(f"{name} has {plan.numel()} entries, num_rows={num_rows}")
+        check_writable(("dst_block_table", dst_block_table), ("dst_next_tokens", dst_next_tokens))
+        if src_block_table.shape[1] != dst_block_table.shape[1]:
+            raise ValueError(f"src_block_table has {src_block_table.shape[1]} columns, "
+                             f"dst_block_table {dst_block_table.shape[1]}")
+        if _overlap(dst_block_table, src_block_table):
+            raise ValueError("dst_block_table and src_block_table must not share memory")
+        for name, other in (("src_next_tokens", src_next_tokens), ("new_tokens", new_tokens)):
+            if _overlap(dst_next_tokens, other):
+                raise ValueError(f"dst_next_tokens and {name} must not share memory")
+        if num_rows < 0 or clear_rows < 0:
+            raise ValueError(f"num_rows={num_rows} and clear_rows={clear_rows} must be >= 0")
+        if end_rows > dst_block_table.shape[0]:
+            raise ValueError(f"dst_block_table has {dst_block_table.shape[0]} rows, "
+                             f"num_rows/clear_rows need {end_rows}")
+        if end_rows > dst_next_tokens.shape[0]:
+            raise ValueError(f"dst_next_tokens has {dst_next_tokens.shape[0]} entries, "
+                             f"num_rows/clear_rows need {end_rows}")
+        if not 0 <= new_token_offset <= src_next_tokens.shape[0]:
+            raise ValueError(f"new_token_offset={new_token_offset} must be in [0, "
+                             f"{src_next_tokens.shape[0]}] (src_next_tokens entries)")
+    if resolve_backend(backend, device) == "torch":
+        compact_requests_ref(dst_block_table, src_block_table, dst_next_tokens, src_next_tokens,
+                             new_tokens, plan_src, plan_append_col, plan_append_block,
+                             new_token_offset=new_token_offset, num_rows=num_rows,
+                             clear_rows=clear_rows)
+        return
+    max_blocks = dst_block_table.shape[1]
+    if end_rows == 0 or max_blocks == 0:
+        return
+    if config is None:
+        key = compact_requests_tune_key(max_blocks=max_blocks, num_rows=end_rows)
+        config, _ = _autotune.resolve_config("compact_requests", key, device)
+    meta = config.kwargs
+    grid = (triton.cdiv(end_rows, meta["BLOCK_R"]), triton.cdiv(max_blocks, meta["BLOCK_C"]))
+    _compact_requests_kernel[grid](
+        dst_block_table_ptr=dst_block_table, dst_next_tokens_ptr=dst_next_tokens,
+        src_block_table_ptr=src_block_table, src_next_tokens_ptr=src_next_tokens,
+        new_tokens_ptr=new_tokens, plan_src_ptr=plan_src, plan_append_col_ptr=plan_append_col,
+        plan_append_block_ptr=plan_append_block,
+        num_rows=num_rows, end_rows=end_rows, num_src_rows=src_block_table.shape[0],
+        new_token_offset=new_token_offset, num_new_tokens=new_tokens.shape[0],
+        max_blocks=max_blocks,
+        stride_dst_row=dst_block_table.stride(0), stride_dst_col=dst_block_table.stride(1),
+        stride_src_row=src_block_table.stride(0), stride_src_col=src_block_table.stride(1),
+        stride_dst_tokens=dst_next_tokens.stride(0), stride_src_tokens=src_next_tokens.stride(0),
+        stride_new_tokens=new_tokens.stride(0), stride_plan_src=plan_src.stride(0),
+        stride_plan_append_col=plan_append_col.stride(0),
+        stride_plan_append_block=plan_append_block.stride(0),
+        **config.launch_kwargs())
+
+
+def compact_requests_ref(dst_block_table: torch.Tensor, src_block_table: torch.Tensor,
+                         dst_next_tokens: torch.Tensor, src_next_tokens: torch.Tensor,
+                         new_tokens: torch.Tensor, plan_src: torch.Tensor,
+                         plan_append_col: torch.Tensor, plan_append_block: torch.Tensor, *,
+                         new_token_offset: int, num_rows: int, clear_rows: int) -> None:
+    """Torch reference of ``compact_requests``: gather every new row, then write them all."""
+    src = plan_src[:num_rows].long()
+    has_src = src >= 0
+    # The token each source row carries into the next step: paused rows keep theirs, the rows
+    # that were active take the one just sampled (Megatron's cat(paused_tokens, new_tokens)),
+    # and one trailing 0 serves the rows without a source.
+    carried_tokens = torch.cat([src_next_tokens[:new_token_offset], new_tokens.long(),
+                                src_next_tokens.new_zeros(1)])
+    no_source = carried_tokens.numel() - 1
+
+    rows = torch.where(has_src[:, None], src_block_table[src.clamp(min=0)], -1)
+    tokens = carried_tokens[torch.where(has_src, src, no_source)]
+    append_col = plan_append_col[:num_rows].long()
+    has_append = append_col >= 0
+    safe_col = append_col.clamp(min=0)[:, None]
+    kept = rows.gather(1, safe_col)
+    rows.scatter_(1, safe_col, torch.where(has_append[:, None], plan_append_block[:num_rows, None], kept))
+
+    dst_block_table[:num_rows] = rows
+    dst_next_tokens[:num_rows] = tokens
+    dst_block_table[num_rows:clear_rows] = -1
+    dst_next_tokens[num_rows:clear_rows] = 0
+
+
 _BLOCK_ROWS = (1, 4, 16)
+
+
 _BLOCK_COLS = (64, 128, 256)
+
+
 _WARPS = (1, 4)
 
 
@@ -112,188 +321,6 @@ _autotune.register(KernelTuning(
     name="compact_requests", configs=compact_requests_configs,
     default_config=compact_requests_default_config, tune_key=compact_requests_tune_key,
     token_field="num_rows", make_case=_CompactionCase, presets=_compaction_presets))
-
-
-if HAS_TRITON:
-
-    @triton.jit
-    def _compact_requests_kernel(
-        dst_block_table_ptr, dst_next_tokens_ptr,
-        src_block_table_ptr, src_next_tokens_ptr, new_tokens_ptr,
-        plan_src_ptr, plan_append_col_ptr, plan_append_block_ptr,
-        num_rows, end_rows, num_src_rows, new_token_offset, num_new_tokens, max_blocks,
-        stride_dst_row, stride_dst_col, stride_src_row, stride_src_col,
-        BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-    ):
-        """One [BLOCK_R, BLOCK_C] tile of the new block table; column tile 0 also writes the tokens."""
-        pid_col = tl.program_id(1)
-        offs_r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-        offs_c = pid_col.to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)
-        mask_r = offs_r < end_rows
-        mask_plan = offs_r < num_rows
-        mask_c = offs_c < max_blocks
-        # Rows past num_rows (cleared) read the plan as "no source, no append".
-        src = tl.load(plan_src_ptr + offs_r, mask=mask_plan, other=-1).to(tl.int64)
-        has_src = (src >= 0) & (src < num_src_rows)
-        append_col = tl.load(plan_append_col_ptr + offs_r, mask=mask_plan, other=-1).to(tl.int64)
-        append_block = tl.load(plan_append_block_ptr + offs_r, mask=mask_plan, other=-1)
-        # [BLOCK_R, BLOCK_C]
-        src_ptrs = src_block_table_ptr + src[:, None] * stride_src_row + offs_c[None, :] * stride_src_col
-        blocks = tl.load(src_ptrs, mask=has_src[:, None] & mask_c[None, :], other=-1)
-        blocks = tl.where(offs_c[None, :] == append_col[:, None], append_block[:, None], blocks)
-        dst_ptrs = dst_block_table_ptr + offs_r[:, None] * stride_dst_row + offs_c[None, :] * stride_dst_col
-        tl.store(dst_ptrs, blocks, mask=mask_r[:, None] & mask_c[None, :])
-        if pid_col == 0:
-            new_index = src - new_token_offset
-            from_new = has_src & (new_index >= 0) & (new_index < num_new_tokens)
-            from_old = has_src & (new_index < 0)
-            new = tl.load(new_tokens_ptr + new_index, mask=from_new, other=0).to(tl.int64)
-            old = tl.load(src_next_tokens_ptr + src, mask=from_old, other=0)
-            tl.store(dst_next_tokens_ptr + offs_r, tl.where(from_new, new, old), mask=mask_r)
-
-
-def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether the memory spans of two tensors intersect."""
-    if a.numel() == 0 or b.numel() == 0 or a.device != b.device:
-        return False
-
-    def span(t):
-        start = t.data_ptr()
-        extent = sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride()))
-        return start, start + (extent + 1) * t.element_size()
-
-    (a0, a1), (b0, b1) = span(a), span(b)
-    return a0 < b1 and b0 < a1
-
-
-def _check_tensor(name: str, t, *, dims: int, dtypes: tuple, device: torch.device) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
-    if t.dim() != dims:
-        raise ValueError(f"{name} must have {dims} dims, got shape {tuple(t.shape)}")
-    if t.dtype not in dtypes:
-        raise ValueError(f"{name} must be {' or '.join(map(str, dtypes))}, got {t.dtype}")
-    if t.device != device:
-        raise ValueError(f"{name} is on {t.device}, dst_block_table on {device}")
-
-
-def compact_requests(dst_block_table: torch.Tensor, src_block_table: torch.Tensor,
-                     dst_next_tokens: torch.Tensor, src_next_tokens: torch.Tensor,
-                     new_tokens: torch.Tensor, plan_src: torch.Tensor, plan_append_col: torch.Tensor,
-                     plan_append_block: torch.Tensor, *, new_token_offset: int, num_rows: int,
-                     clear_rows: int, config: KernelConfig | None = None,
-                     backend: str | None = None, check: bool = True) -> None:
-    """Apply a row plan (see the module docstring) in one launch, writing ``dst_*`` in place.
-
-    ``check=False`` skips the argument checks: for a caller (the context) that allocated every
-    buffer itself and checked the inputs it was given once, at its own edge.
-
-    Args:
-        dst_block_table, src_block_table: int32 ``[max_requests, max_blocks]`` (any strides,
-            the same number of columns), distinct memory. ``dst_block_table[:max(num_rows,
-            clear_rows)]`` is written.
-        dst_next_tokens, src_next_tokens: int64 ``[max_requests]``, distinct memory;
-            ``dst_next_tokens[:max(num_rows, clear_rows)]`` is written.
-        new_tokens: int32/int64 ``[A_old]``, the tokens just sampled, one per previously active
-            row (source rows ``new_token_offset + k``).
-        plan_src, plan_append_col, plan_append_block: int32 ``[>= num_rows]``.
-        new_token_offset: host int, source rows below it take their token from
-            ``src_next_tokens``.
-        num_rows, clear_rows: host ints; rows ``[num_rows, clear_rows)`` are cleared.
-    """
-    device = dst_block_table.device if isinstance(dst_block_table, torch.Tensor) else None
-    if check:
-        _check_tensor("dst_block_table", dst_block_table,
-                      dims=2, dtypes=(torch.int32,), device=device)
-        _check_tensor("src_block_table", src_block_table,
-                      dims=2, dtypes=(torch.int32,), device=device)
-        _check_tensor("dst_next_tokens", dst_next_tokens,
-                      dims=1, dtypes=(torch.int64,), device=device)
-        _check_tensor("src_next_tokens", src_next_tokens,
-                      dims=1, dtypes=(torch.int64,), device=device)
-        _check_tensor("new_tokens", new_tokens,
-                      dims=1, dtypes=(torch.int32, torch.int64), device=device)
-        for name, plan in (("plan_src", plan_src), ("plan_append_col", plan_append_col),
-                           ("plan_append_block", plan_append_block)):
-            _check_tensor(name, plan, dims=1, dtypes=(torch.int32,), device=device)
-            if plan.numel() < num_rows:
-                raise ValueError(f"{name} has {plan.numel()} entries, num_rows={num_rows}")
-        if src_block_table.shape[1] != dst_block_table.shape[1]:
-            raise ValueError(f"src_block_table has {src_block_table.shape[1]} columns, "
-                             f"dst_block_table {dst_block_table.shape[1]}")
-        if _overlap(dst_block_table, src_block_table):
-            raise ValueError("dst_block_table and src_block_table must not share memory")
-        for name, other in (("src_next_tokens", src_next_tokens), ("new_tokens", new_tokens)):
-            if _overlap(dst_next_tokens, other):
-                raise ValueError(f"dst_next_tokens and {name} must not share memory")
-    num_rows, clear_rows, new_token_offset = int(num_rows), int(clear_rows), int(new_token_offset)
-    end_rows = max(num_rows, clear_rows)
-    if check:
-        if num_rows < 0 or clear_rows < 0:
-            raise ValueError(f"num_rows={num_rows} and clear_rows={clear_rows} must be >= 0")
-        if end_rows > dst_block_table.shape[0]:
-            raise ValueError(f"dst_block_table has {dst_block_table.shape[0]} rows, "
-                             f"num_rows/clear_rows need {end_rows}")
-        if end_rows > dst_next_tokens.shape[0]:
-            raise ValueError(f"dst_next_tokens has {dst_next_tokens.shape[0]} entries, "
-                             f"num_rows/clear_rows need {end_rows}")
-        if not 0 <= new_token_offset <= src_next_tokens.shape[0]:
-            raise ValueError(f"new_token_offset={new_token_offset} must be in [0, "
-                             f"{src_next_tokens.shape[0]}] (src_next_tokens entries)")
-    if resolve_backend(backend, device) == "torch":
-        compact_requests_ref(dst_block_table, src_block_table, dst_next_tokens, src_next_tokens,
-                             new_tokens, plan_src, plan_append_col, plan_append_block,
-                             new_token_offset=new_token_offset, num_rows=num_rows,
-                             clear_rows=clear_rows)
-        return
-    max_blocks = dst_block_table.shape[1]
-    if end_rows == 0 or max_blocks == 0:
-        return
-    if config is None:
-        key = compact_requests_tune_key(max_blocks=max_blocks, num_rows=end_rows)
-        config, _ = _autotune.resolve_config("compact_requests", key, device)
-    meta = config.kwargs
-    grid = (triton.cdiv(end_rows, meta["BLOCK_R"]), triton.cdiv(max_blocks, meta["BLOCK_C"]))
-    _compact_requests_kernel[grid](
-        dst_block_table_ptr=dst_block_table, dst_next_tokens_ptr=dst_next_tokens,
-        src_block_table_ptr=src_block_table, src_next_tokens_ptr=src_next_tokens,
-        new_tokens_ptr=new_tokens, plan_src_ptr=plan_src, plan_append_col_ptr=plan_append_col,
-        plan_append_block_ptr=plan_append_block,
-        num_rows=num_rows, end_rows=end_rows, num_src_rows=src_block_table.shape[0],
-        new_token_offset=new_token_offset, num_new_tokens=new_tokens.shape[0],
-        max_blocks=max_blocks,
-        stride_dst_row=dst_block_table.stride(0), stride_dst_col=dst_block_table.stride(1),
-        stride_src_row=src_block_table.stride(0), stride_src_col=src_block_table.stride(1),
-        **config.launch_kwargs())
-
-
-def compact_requests_ref(dst_block_table: torch.Tensor, src_block_table: torch.Tensor,
-                         dst_next_tokens: torch.Tensor, src_next_tokens: torch.Tensor,
-                         new_tokens: torch.Tensor, plan_src: torch.Tensor,
-                         plan_append_col: torch.Tensor, plan_append_block: torch.Tensor, *,
-                         new_token_offset: int, num_rows: int, clear_rows: int) -> None:
-    """Torch reference of ``compact_requests``: gather every new row, then write them all."""
-    src = plan_src[:num_rows].long()
-    has_src = src >= 0
-    # The token each source row carries into the next step: paused rows keep theirs, the rows
-    # that were active take the one just sampled (Megatron's cat(paused_tokens, new_tokens)),
-    # and one trailing 0 serves the rows without a source.
-    carried_tokens = torch.cat([src_next_tokens[:new_token_offset], new_tokens.long(),
-                                src_next_tokens.new_zeros(1)])
-    no_source = carried_tokens.numel() - 1
-
-    rows = torch.where(has_src[:, None], src_block_table[src.clamp(min=0)], -1)
-    tokens = carried_tokens[torch.where(has_src, src, no_source)]
-    append_col = plan_append_col[:num_rows].long()
-    has_append = append_col >= 0
-    safe_col = append_col.clamp(min=0)[:, None]
-    kept = rows.gather(1, safe_col)
-    rows.scatter_(1, safe_col, torch.where(has_append[:, None], plan_append_block[:num_rows, None], kept))
-
-    dst_block_table[:num_rows] = rows
-    dst_next_tokens[:num_rows] = tokens
-    dst_block_table[num_rows:clear_rows] = -1
-    dst_next_tokens[num_rows:clear_rows] = 0
 
 
 @custom_op("dynctx::compact_requests", mutates_args=("dst_block_table", "dst_next_tokens"))

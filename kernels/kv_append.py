@@ -12,10 +12,159 @@ import torch
 from . import _autotune
 from ._autotune import KernelConfig, KernelTuning
 from ._backend import HAS_TRITON, resolve_backend
-from ._common import (FLOAT_DTYPES, BufferWriteCase, check_block_slots, check_same_device,
-                      custom_op, next_pow2, paged_targets, squeeze_singleton)
+from ._common import (
+    FLOAT_DTYPES,
+    BufferWriteCase,
+    check_block_slots,
+    check_same_device,
+    check_writable,
+    custom_op,
+    next_pow2,
+    paged_targets,
+    squeeze_singleton,
+)
+from ._shapes import LLAMA_3_8B
 
 NAME = "kv_append"
+
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _kv_append_kernel(
+        key_cache_ptr, value_cache_ptr, key_ptr, value_ptr, block_ids_ptr, slots_ptr,
+        num_tokens, num_heads, head_dim,
+        stride_key_cache_block, stride_key_cache_slot, stride_key_cache_head, stride_key_cache_dim,
+        stride_value_cache_block, stride_value_cache_slot, stride_value_cache_head,
+        stride_value_cache_dim,
+        stride_key_token, stride_key_head, stride_key_dim,
+        stride_value_token, stride_value_head, stride_value_dim,
+        stride_block_ids, stride_slots,
+        BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    ):
+        """Copy a [BLOCK_T, BLOCK_H, head_dim] tile of K and of V to each token's (block, slot)."""
+        pid_t = tl.program_id(0).to(tl.int64)
+        pid_h = tl.program_id(1).to(tl.int64)
+        offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+        offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+        offs_d = tl.arange(0, BLOCK_D)
+        mask_t = offs_t < num_tokens
+        block = tl.load(block_ids_ptr + offs_t * stride_block_ids, mask=mask_t, other=0).to(tl.int64)
+        slot = tl.load(slots_ptr + offs_t * stride_slots, mask=mask_t, other=0).to(tl.int64)
+        # [BLOCK_T, BLOCK_H, BLOCK_D]
+        mask = (mask_t[:, None, None] & (offs_h < num_heads)[None, :, None]
+                & (offs_d < head_dim)[None, None, :])
+        key_dst = ((block * stride_key_cache_block + slot * stride_key_cache_slot)[:, None, None]
+                   + offs_h[None, :, None] * stride_key_cache_head
+                   + offs_d[None, None, :] * stride_key_cache_dim)
+        value_dst = ((block * stride_value_cache_block + slot * stride_value_cache_slot)[:, None, None]
+                     + offs_h[None, :, None] * stride_value_cache_head
+                     + offs_d[None, None, :] * stride_value_cache_dim)
+        key_src = (offs_t[:, None, None] * stride_key_token + offs_h[None, :, None] * stride_key_head
+                   + offs_d[None, None, :] * stride_key_dim)
+        value_src = (offs_t[:, None, None] * stride_value_token
+                     + offs_h[None, :, None] * stride_value_head
+                     + offs_d[None, None, :] * stride_value_dim)
+        tl.store(key_cache_ptr + key_dst, tl.load(key_ptr + key_src, mask=mask), mask=mask)
+        tl.store(value_cache_ptr + value_dst, tl.load(value_ptr + value_src, mask=mask), mask=mask)
+
+
+def _check_inputs(key_cache, value_cache, key, value, block_ids, slots):
+    """Validate the contract; return ``key``, ``value`` as [>=n, H, D] views."""
+    if key_cache.dim() != 4:
+        raise ValueError(f"key_cache must be [num_blocks, block_size, H, D], got {tuple(key_cache.shape)}")
+    if value_cache.shape != key_cache.shape:
+        raise ValueError(f"value_cache shape {tuple(value_cache.shape)} != key_cache shape "
+                         f"{tuple(key_cache.shape)}")
+    if key_cache.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"key_cache dtype {key_cache.dtype} is not one of {FLOAT_DTYPES}")
+    if value_cache.dtype != key_cache.dtype:
+        raise ValueError(f"value_cache dtype {value_cache.dtype} != key_cache dtype {key_cache.dtype}")
+    check_writable(("key_cache", key_cache), ("value_cache", value_cache))
+    key = squeeze_singleton("key", key, 3, "H, D")
+    value = squeeze_singleton("value", value, 3, "H, D")
+    num_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
+    n = block_ids.numel()
+    for name, tensor in (("key", key), ("value", value)):
+        if tuple(tensor.shape[1:]) != (num_heads, head_dim):
+            raise ValueError(f"{name} heads/dim {tuple(tensor.shape[1:])} != cache's "
+                             f"{(num_heads, head_dim)}")
+        if tensor.shape[0] < n:
+            raise ValueError(f"{name} has {tensor.shape[0]} rows, fewer than the {n} tokens")
+        if tensor.dtype != key_cache.dtype:
+            raise ValueError(f"{name} dtype {tensor.dtype} != cache dtype {key_cache.dtype}")
+    check_block_slots(block_ids, slots)
+    check_same_device((("value_cache", value_cache), ("key", key), ("value", value),
+                       ("block_ids", block_ids), ("slots", slots)), "key_cache", key_cache)
+    return key, value
+
+
+def kv_append(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor,
+              value: torch.Tensor, block_ids: torch.Tensor, slots: torch.Tensor, *,
+              config: KernelConfig | None = None, backend: str | None = None,
+              check: bool = True) -> None:
+    """Write K and V of ``n = block_ids.numel()`` tokens into the paged cache, in place.
+
+    - ``key_cache``, ``value_cache``: ``[num_blocks, block_size, H, D]`` fp32/fp16/bf16, the same
+      shape, each with its own strides (usually views ``buf[0, layer]``, ``buf[1, layer]`` of the
+      ``[2, L, num_blocks, block_size, H, D]`` buffer, last dim contiguous). Written in place.
+    - ``key``, ``value``: ``[>=n, H, D]`` or ``[>=n, 1, H, D]``, the cache's dtype, any strides;
+      rows past ``n`` are ignored.
+    - ``block_ids``, ``slots``: ``[n]`` int32/int64, any stride, in range (not checked: that
+      would sync). Tokens sharing a (block, slot), such as padding tokens, leave one of their
+      rows there.
+    - ``check=False`` skips the checks: for a caller (the context) that checked its inputs once
+      and passes ``key``, ``value`` as ``[>=n, H, D]``.
+
+    Every tensor is read or written through its own strides and storage offset; nothing is
+    copied at the edge. Every argument is checked before anything is written.
+    """
+    if check:
+        key, value = _check_inputs(key_cache, value_cache, key, value, block_ids, slots)
+    n = block_ids.numel()
+    if n == 0:
+        return
+    if resolve_backend(backend, key_cache.device) == "torch":
+        kv_append_ref(key_cache, value_cache, key, value, block_ids, slots)
+        return
+    num_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
+    if config is None:
+        tune_key = kv_append_tune_key(num_tokens=n, num_heads=num_heads, head_dim=head_dim,
+                                      dtype=key_cache.dtype)
+        config, _ = _autotune.resolve_config(NAME, tune_key, key_cache.device)
+    meta = config.kwargs
+    grid = (-(-n // meta["BLOCK_T"]), -(-num_heads // meta["BLOCK_H"]))
+    _kv_append_kernel[grid](
+        key_cache_ptr=key_cache, value_cache_ptr=value_cache, key_ptr=key, value_ptr=value,
+        block_ids_ptr=block_ids, slots_ptr=slots,
+        num_tokens=n, num_heads=num_heads, head_dim=head_dim,
+        stride_key_cache_block=key_cache.stride(0), stride_key_cache_slot=key_cache.stride(1),
+        stride_key_cache_head=key_cache.stride(2), stride_key_cache_dim=key_cache.stride(3),
+        stride_value_cache_block=value_cache.stride(0),
+        stride_value_cache_slot=value_cache.stride(1),
+        stride_value_cache_head=value_cache.stride(2),
+        stride_value_cache_dim=value_cache.stride(3),
+        stride_key_token=key.stride(0), stride_key_head=key.stride(1), stride_key_dim=key.stride(2),
+        stride_value_token=value.stride(0), stride_value_head=value.stride(1),
+        stride_value_dim=value.stride(2),
+        stride_block_ids=block_ids.stride(0), stride_slots=slots.stride(0),
+        BLOCK_D=next_pow2(head_dim), **config.launch_kwargs(),
+    )
+
+
+def kv_append_ref(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor,
+                  value: torch.Tensor, block_ids: torch.Tensor, slots: torch.Tensor) -> None:
+    """Reference: one advanced-index assignment per cache."""
+    n = block_ids.numel()
+    key = key[:, 0] if key.dim() == 4 else key
+    value = value[:, 0] if value.dim() == 4 else value
+    block_ids, slots = block_ids.long(), slots.long()
+    key_cache[block_ids, slots] = key[:n]
+    value_cache[block_ids, slots] = value[:n]
+
+
 # Largest tile (tokens x heads x padded head dim) one program moves per tensor.
 _MAX_TILE = 16384
 
@@ -56,7 +205,8 @@ def kv_append_tune_key(*, num_tokens: int, num_heads: int, head_dim: int, dtype)
 
 def kv_append_presets() -> list[dict]:
     """Llama-3-8B GQA (8 KV heads of 128, bf16) at decode and prefill token counts."""
-    return [kv_append_tune_key(num_tokens=n, num_heads=8, head_dim=128, dtype="bfloat16")
+    return [kv_append_tune_key(num_tokens=n, num_heads=LLAMA_3_8B["num_key_value_heads"],
+                               head_dim=LLAMA_3_8B["head_dim"], dtype=LLAMA_3_8B["dtype"])
             for n in (1, 16, 64, 256, 2048, 8192)]
 
 
@@ -68,130 +218,6 @@ _autotune.register(KernelTuning(
     name=NAME, configs=kv_append_configs, default_config=kv_append_default_config,
     tune_key=kv_append_tune_key, make_case=_make_case, presets=kv_append_presets,
 ))
-
-if HAS_TRITON:
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def _kv_append_kernel(
-        key_cache_ptr, value_cache_ptr, key_ptr, value_ptr, block_ids_ptr, slots_ptr,
-        num_tokens, num_heads, head_dim,
-        stride_cache_block, stride_cache_slot, stride_cache_head,
-        stride_key_token, stride_key_head, stride_key_dim,
-        stride_value_token, stride_value_head, stride_value_dim,
-        BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-    ):
-        """Copy a [BLOCK_T, BLOCK_H, head_dim] tile of K and of V to each token's (block, slot)."""
-        pid_t = tl.program_id(0).to(tl.int64)
-        pid_h = tl.program_id(1).to(tl.int64)
-        offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-        offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
-        offs_d = tl.arange(0, BLOCK_D)
-        mask_t = offs_t < num_tokens
-        block = tl.load(block_ids_ptr + offs_t, mask=mask_t, other=0).to(tl.int64)
-        slot = tl.load(slots_ptr + offs_t, mask=mask_t, other=0).to(tl.int64)
-        # [BLOCK_T, BLOCK_H, BLOCK_D]
-        mask = (mask_t[:, None, None] & (offs_h < num_heads)[None, :, None]
-                & (offs_d < head_dim)[None, None, :])
-        dst = ((block * stride_cache_block + slot * stride_cache_slot)[:, None, None]
-               + offs_h[None, :, None] * stride_cache_head + offs_d[None, None, :])
-        key_src = (offs_t[:, None, None] * stride_key_token + offs_h[None, :, None] * stride_key_head
-                   + offs_d[None, None, :] * stride_key_dim)
-        value_src = (offs_t[:, None, None] * stride_value_token
-                     + offs_h[None, :, None] * stride_value_head
-                     + offs_d[None, None, :] * stride_value_dim)
-        tl.store(key_cache_ptr + dst, tl.load(key_ptr + key_src, mask=mask), mask=mask)
-        tl.store(value_cache_ptr + dst, tl.load(value_ptr + value_src, mask=mask), mask=mask)
-
-
-def _check_inputs(key_cache, value_cache, key, value, block_ids, slots):
-    """Validate the contract; return ``key``, ``value`` as [>=n, H, D] views."""
-    if key_cache.dim() != 4:
-        raise ValueError(f"key_cache must be [num_blocks, block_size, H, D], got {tuple(key_cache.shape)}")
-    if value_cache.shape != key_cache.shape:
-        raise ValueError(f"value_cache shape {tuple(value_cache.shape)} != key_cache shape "
-                         f"{tuple(key_cache.shape)}")
-    if key_cache.dtype not in FLOAT_DTYPES:
-        raise ValueError(f"key_cache dtype {key_cache.dtype} is not one of {FLOAT_DTYPES}")
-    if value_cache.dtype != key_cache.dtype:
-        raise ValueError(f"value_cache dtype {value_cache.dtype} != key_cache dtype {key_cache.dtype}")
-    if key_cache.stride(-1) != 1:
-        raise ValueError(f"key_cache must be contiguous in its last dim, strides {key_cache.stride()}")
-    if value_cache.stride() != key_cache.stride():
-        raise ValueError(f"value_cache strides {value_cache.stride()} != key_cache strides "
-                         f"{key_cache.stride()} (both are views of one [2, L, ...] buffer)")
-    key = squeeze_singleton("key", key, 3, "H, D")
-    value = squeeze_singleton("value", value, 3, "H, D")
-    num_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
-    n = block_ids.numel()
-    for name, tensor in (("key", key), ("value", value)):
-        if tuple(tensor.shape[1:]) != (num_heads, head_dim):
-            raise ValueError(f"{name} heads/dim {tuple(tensor.shape[1:])} != cache's "
-                             f"{(num_heads, head_dim)}")
-        if tensor.shape[0] < n:
-            raise ValueError(f"{name} has {tensor.shape[0]} rows, fewer than the {n} tokens")
-        if tensor.dtype != key_cache.dtype:
-            raise ValueError(f"{name} dtype {tensor.dtype} != cache dtype {key_cache.dtype}")
-    check_block_slots(block_ids, slots)
-    check_same_device((("value_cache", value_cache), ("key", key), ("value", value),
-                       ("block_ids", block_ids), ("slots", slots)), "key_cache", key_cache)
-    return key, value
-
-
-def kv_append(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor,
-              value: torch.Tensor, block_ids: torch.Tensor, slots: torch.Tensor, *,
-              config: KernelConfig | None = None, backend: str | None = None,
-              check: bool = True) -> None:
-    """Write K and V of ``n = block_ids.numel()`` tokens into the paged cache, in place.
-
-    - ``key_cache``, ``value_cache``: ``[num_blocks, block_size, H, D]`` fp32/fp16/bf16, last dim
-      contiguous, otherwise any (equal) strides: views ``buf[0, layer]``, ``buf[1, layer]`` of the
-      ``[2, L, num_blocks, block_size, H, D]`` buffer. Written in place.
-    - ``key``, ``value``: ``[>=n, H, D]`` or ``[>=n, 1, H, D]``, the cache's dtype, any strides;
-      rows past ``n`` are ignored.
-    - ``block_ids``, ``slots``: ``[n]`` int32/int64, in range (not checked: that would sync).
-      Tokens sharing a (block, slot), such as padding tokens, leave one of their rows there.
-    - ``check=False`` skips the checks: for a caller (the context) that checked its inputs once
-      and passes ``key``, ``value`` as ``[>=n, H, D]``.
-    """
-    if check:
-        key, value = _check_inputs(key_cache, value_cache, key, value, block_ids, slots)
-    n = block_ids.numel()
-    if n == 0:
-        return
-    if resolve_backend(backend, key_cache.device) == "torch":
-        kv_append_ref(key_cache, value_cache, key, value, block_ids, slots)
-        return
-    num_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
-    if config is None:
-        tune_key = kv_append_tune_key(num_tokens=n, num_heads=num_heads, head_dim=head_dim,
-                                      dtype=key_cache.dtype)
-        config, _ = _autotune.resolve_config(NAME, tune_key, key_cache.device)
-    meta = config.kwargs
-    grid = (-(-n // meta["BLOCK_T"]), -(-num_heads // meta["BLOCK_H"]))
-    _kv_append_kernel[grid](
-        key_cache_ptr=key_cache, value_cache_ptr=value_cache, key_ptr=key, value_ptr=value,
-        block_ids_ptr=block_ids, slots_ptr=slots,
-        num_tokens=n, num_heads=num_heads, head_dim=head_dim,
-        stride_cache_block=key_cache.stride(0), stride_cache_slot=key_cache.stride(1),
-        stride_cache_head=key_cache.stride(2),
-        stride_key_token=key.stride(0), stride_key_head=key.stride(1), stride_key_dim=key.stride(2),
-        stride_value_token=value.stride(0), stride_value_head=value.stride(1),
-        stride_value_dim=value.stride(2),
-        BLOCK_D=next_pow2(head_dim), **config.launch_kwargs(),
-    )
-
-
-def kv_append_ref(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor,
-                  value: torch.Tensor, block_ids: torch.Tensor, slots: torch.Tensor) -> None:
-    """Reference: one advanced-index assignment per cache."""
-    n = block_ids.numel()
-    key = key[:, 0] if key.dim() == 4 else key
-    value = value[:, 0] if value.dim() == 4 else value
-    block_ids, slots = block_ids.long(), slots.long()
-    key_cache[block_ids, slots] = key[:n]
-    value_cache[block_ids, slots] = value[:n]
 
 
 class KvAppendCase(BufferWriteCase):

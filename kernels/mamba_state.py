@@ -16,9 +16,242 @@ import torch
 from . import _autotune
 from ._autotune import KernelConfig, KernelTuning, TuneCase
 from ._backend import HAS_TRITON, resolve_backend
-from ._common import FLOAT_DTYPES, bits, custom_op, next_pow2
+from ._common import FLOAT_DTYPES, bits, check_writable, custom_op, next_pow2
+from ._shapes import MAMBA2_CONV_STATE, MAMBA2_MIXER, MAMBA2_SSM_STATE
 
 GATHER, SCATTER = "mamba_state_gather", "mamba_state_scatter"
+
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _state_offsets(offs_r, size_1, size_2, stride_0, stride_1, stride_2, FLAT: tl.constexpr):
+        """Element offsets within one state row of flat indices ``offs_r`` (row-major order of a
+        ``[size_0, size_1, size_2]`` row with the given strides); ``offs_r`` itself when FLAT."""
+        if FLAT:
+            return offs_r
+        plane = size_1 * size_2
+        return ((offs_r // plane) * stride_0 + ((offs_r % plane) // size_2) * stride_1
+                + (offs_r % size_2) * stride_2)
+
+    @triton.jit
+    def _mamba_state_gather_kernel(
+        out_ptr, states_ptr, slot_ids_ptr,
+        row_elems, size_1, size_2,
+        stride_out_row, stride_out_0, stride_out_1, stride_out_2,
+        stride_states_slot, stride_states_0, stride_states_1, stride_states_2,
+        stride_slot_ids,
+        BLOCK_R: tl.constexpr, FLAT: tl.constexpr,
+    ):
+        """Copy BLOCK_R elements of state row ``slot_ids[i]`` to output row i (zeros for -1)."""
+        row = tl.program_id(0).to(tl.int64)
+        slot = tl.load(slot_ids_ptr + row * stride_slot_ids).to(tl.int64)
+        offs_r = tl.program_id(1).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+        # Slot -1 folds into the bound: the interpreter rejects a vector & scalar-bool mask.
+        mask_slot = offs_r < tl.where(slot >= 0, row_elems, 0)
+        offs_states = _state_offsets(offs_r, size_1, size_2, stride_states_0, stride_states_1,
+                                     stride_states_2, FLAT)
+        offs_out = _state_offsets(offs_r, size_1, size_2, stride_out_0, stride_out_1,
+                                  stride_out_2, FLAT)
+        values = tl.load(states_ptr + slot * stride_states_slot + offs_states, mask=mask_slot,
+                         other=0)
+        tl.store(out_ptr + row * stride_out_row + offs_out, values, mask=offs_r < row_elems)
+
+    @triton.jit
+    def _mamba_state_scatter_kernel(
+        states_ptr, src_ptr, slot_ids_ptr,
+        row_elems, size_1, size_2,
+        stride_states_slot, stride_states_0, stride_states_1, stride_states_2,
+        stride_src_row, stride_src_0, stride_src_1, stride_src_2,
+        stride_slot_ids,
+        BLOCK_R: tl.constexpr, FLAT: tl.constexpr,
+    ):
+        """Copy BLOCK_R elements of source row i to state row ``slot_ids[i]`` (skip -1)."""
+        row = tl.program_id(0).to(tl.int64)
+        slot = tl.load(slot_ids_ptr + row * stride_slot_ids).to(tl.int64)
+        offs_r = tl.program_id(1).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+        mask = offs_r < tl.where(slot >= 0, row_elems, 0)
+        offs_states = _state_offsets(offs_r, size_1, size_2, stride_states_0, stride_states_1,
+                                     stride_states_2, FLAT)
+        offs_src = _state_offsets(offs_r, size_1, size_2, stride_src_0, stride_src_1,
+                                  stride_src_2, FLAT)
+        values = tl.load(src_ptr + row * stride_src_row + offs_src, mask=mask)
+        tl.store(states_ptr + slot * stride_states_slot + offs_states, values, mask=mask)
+
+
+_MAX_ROW_DIMS = 3
+
+
+def row_layout(states: torch.Tensor, other: torch.Tensor) -> tuple[tuple[int, ...], list, bool]:
+    """The state row of ``states`` and ``other`` (same ``shape[1:]``) as at most three dims.
+
+    Size-1 dims are dropped and neighbouring dims merged wherever both tensors allow it, so a
+    contiguous row becomes one dim of stride 1. Returns ``(sizes, strides, flat)``: three sizes
+    (leading 1s pad), the three strides of each tensor, and whether both rows are contiguous.
+    Raises ``ValueError`` naming the tensor when more than three dims remain.
+    """
+    dims = [(size, (a, b)) for size, a, b in zip(states.shape[1:], states.stride()[1:],
+                                                  other.stride()[1:]) if size != 1]
+    merged: list = []
+    for size, strides in dims:
+        if merged:
+            prev_size, prev_strides = merged[-1]
+            if all(p == s * size for p, s in zip(prev_strides, strides)):
+                merged[-1] = (prev_size * size, strides)
+                continue
+        merged.append((size, strides))
+    if len(merged) > _MAX_ROW_DIMS:
+        raise ValueError(
+            f"states strides {states.stride()} and {other.stride()} of a row of shape "
+            f"{tuple(states.shape[1:])} leave {len(merged)} dims that cannot be merged; at most "
+            f"{_MAX_ROW_DIMS} are supported (make the rows contiguous)")
+    merged = [(1, (0, 0))] * (_MAX_ROW_DIMS - len(merged)) + merged
+    sizes = tuple(size for size, _ in merged)
+    strides = [tuple(st[i] for _, st in merged) for i in range(2)]
+    flat = sizes[:-1] == (1,) * (_MAX_ROW_DIMS - 1) and all(st[-1] == 1 for st in strides)
+    return sizes, strides, flat
+
+
+def _check_states(states: torch.Tensor, slot_ids: torch.Tensor) -> None:
+    if states.dim() < 2:
+        raise ValueError(f"states must be [num_slots, *state_shape], got {tuple(states.shape)}")
+    if states.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"states dtype {states.dtype} is not one of {FLOAT_DTYPES}")
+    if slot_ids.dim() != 1:
+        raise ValueError(f"slot_ids must be 1-D, got shape {tuple(slot_ids.shape)}")
+    if slot_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"slot_ids dtype {slot_ids.dtype} must be int32 or int64")
+    if slot_ids.device != states.device:
+        raise ValueError(f"slot_ids is on {slot_ids.device}, states on {states.device}")
+
+
+def _check_rows(name: str, tensor: torch.Tensor, states: torch.Tensor, exact_rows: int | None,
+                min_rows: int) -> None:
+    if tuple(tensor.shape[1:]) != tuple(states.shape[1:]):
+        raise ValueError(f"{name} state shape {tuple(tensor.shape[1:])} != states' "
+                         f"{tuple(states.shape[1:])}")
+    if exact_rows is not None and tensor.shape[0] != exact_rows:
+        raise ValueError(f"{name} has {tensor.shape[0]} rows, expected {exact_rows}")
+    if tensor.shape[0] < min_rows:
+        raise ValueError(f"{name} has {tensor.shape[0]} rows, fewer than the {min_rows} slot ids")
+    if tensor.dtype != states.dtype:
+        raise ValueError(f"{name} dtype {tensor.dtype} != states dtype {states.dtype}")
+    if tensor.device != states.device:
+        raise ValueError(f"{name} is on {tensor.device}, states on {states.device}")
+
+
+def _resolve(name: str, config, states: torch.Tensor, n: int) -> KernelConfig:
+    if config is not None:
+        return config
+    key = mamba_state_tune_key(num_requests=n, state_shape=states.shape[1:], dtype=states.dtype)
+    return _autotune.resolve_config(name, key, states.device)[0]
+
+
+def mamba_state_gather(states: torch.Tensor, slot_ids: torch.Tensor, out: torch.Tensor | None = None,
+                       *, config: KernelConfig | None = None, backend: str | None = None
+                       ) -> torch.Tensor:
+    """Return ``[n, *state_shape]`` rows ``states[slot_ids[i]]``, zeros where the slot is -1.
+
+    - ``states``: ``[num_slots, *state_shape]`` fp32/fp16/bf16, any strides (e.g.
+      ``conv_states[layer]``). Read only.
+    - ``slot_ids``: ``[n]`` int32/int64, any stride, ``-1`` or in range (not checked: that
+      would sync).
+    - ``out``: optional ``[n, *state_shape]`` of the states' dtype, any strides; written in
+      place and returned. Otherwise a new contiguous tensor is returned.
+
+    Every tensor is read or written through its own strides and storage offset; nothing is
+    copied. A row whose strides leave more than three unmergeable dims (``row_layout``) is
+    refused with a ``ValueError`` before anything is written.
+    """
+    _check_states(states, slot_ids)
+    n = slot_ids.numel()
+    if out is None:
+        out = torch.empty((n, *states.shape[1:]), dtype=states.dtype, device=states.device)
+    else:
+        _check_rows("out", out, states, exact_rows=n, min_rows=n)
+        check_writable(("out", out))
+    sizes, (states_strides, out_strides), flat = row_layout(states, out)
+    if n == 0:
+        return out
+    if resolve_backend(backend, states.device) == "torch":
+        out.copy_(mamba_state_gather_ref(states, slot_ids))
+        return out
+    config = _resolve(GATHER, config, states, n)
+    row_elems = math.prod(states.shape[1:])
+    grid = (n, -(-row_elems // config.kwargs["BLOCK_R"]))
+    _mamba_state_gather_kernel[grid](
+        out_ptr=out, states_ptr=states, slot_ids_ptr=slot_ids,
+        row_elems=row_elems, size_1=sizes[1], size_2=sizes[2],
+        stride_out_row=out.stride(0), stride_out_0=out_strides[0], stride_out_1=out_strides[1],
+        stride_out_2=out_strides[2],
+        stride_states_slot=states.stride(0), stride_states_0=states_strides[0],
+        stride_states_1=states_strides[1], stride_states_2=states_strides[2],
+        stride_slot_ids=slot_ids.stride(0), FLAT=flat,
+        **config.launch_kwargs(),
+    )
+    return out
+
+
+def mamba_state_scatter(states: torch.Tensor, slot_ids: torch.Tensor, src: torch.Tensor, *,
+                        config: KernelConfig | None = None, backend: str | None = None) -> None:
+    """Write ``states[slot_ids[i]] = src[i]`` for ``i < n``, skipping slot -1, in place.
+
+    - ``states``: ``[num_slots, *state_shape]`` fp32/fp16/bf16, any strides. Written in place.
+    - ``slot_ids``: ``[n]`` int32/int64, any stride, ``-1`` or in range and distinct (not
+      checked).
+    - ``src``: ``[>=n, *state_shape]`` of the states' dtype, any strides; rows past ``n``
+      ignored.
+
+    Every tensor is read or written through its own strides and storage offset; nothing is
+    copied. A row whose strides leave more than three unmergeable dims (``row_layout``) is
+    refused with a ``ValueError`` before anything is written.
+    """
+    _check_states(states, slot_ids)
+    n = slot_ids.numel()
+    _check_rows("src", src, states, exact_rows=None, min_rows=n)
+    check_writable(("states", states))
+    sizes, (states_strides, src_strides), flat = row_layout(states, src)
+    if n == 0:
+        return
+    if resolve_backend(backend, states.device) == "torch":
+        mamba_state_scatter_ref(states, slot_ids, src)
+        return
+    config = _resolve(SCATTER, config, states, n)
+    row_elems = math.prod(states.shape[1:])
+    grid = (n, -(-row_elems // config.kwargs["BLOCK_R"]))
+    _mamba_state_scatter_kernel[grid](
+        states_ptr=states, src_ptr=src, slot_ids_ptr=slot_ids,
+        row_elems=row_elems, size_1=sizes[1], size_2=sizes[2],
+        stride_states_slot=states.stride(0), stride_states_0=states_strides[0],
+        stride_states_1=states_strides[1], stride_states_2=states_strides[2],
+        stride_src_row=src.stride(0), stride_src_0=src_strides[0], stride_src_1=src_strides[1],
+        stride_src_2=src_strides[2],
+        stride_slot_ids=slot_ids.stride(0), FLAT=flat,
+        **config.launch_kwargs(),
+    )
+
+
+def mamba_state_gather_ref(states: torch.Tensor, slot_ids: torch.Tensor,
+                           out: torch.Tensor | None = None) -> torch.Tensor:
+    """Reference: index the valid slots, zeros elsewhere."""
+    valid = slot_ids >= 0
+    rows = states[slot_ids.long().clamp(min=0)]
+    rows = torch.where(valid.view(-1, *[1] * (states.dim() - 1)), rows, torch.zeros_like(rows))
+    if out is None:
+        return rows
+    out.copy_(rows)
+    return out
+
+
+def mamba_state_scatter_ref(states: torch.Tensor, slot_ids: torch.Tensor, src: torch.Tensor) -> None:
+    """Reference: one advanced-index assignment of the rows whose slot is not -1."""
+    n = slot_ids.numel()
+    valid = slot_ids >= 0
+    states[slot_ids[valid].long()] = src[:n][valid]
+
+
 _MIN_BLOCK_R = 1024
 
 
@@ -42,15 +275,10 @@ def mamba_state_tune_key(*, num_requests: int, state_shape, dtype) -> dict:
             "row_elems": int(math.prod(state_shape)), "dtype": dtype}
 
 
-# NemotronH-style Mamba2 mixer: d_inner 4096, ngroups 8, d_state 128, d_conv 4, 64 heads of 64.
-_CONV_STATE = (4096 + 2 * 8 * 128, 4)
-_SSM_STATE = (64, 64, 128)
-
-
 def mamba_state_presets() -> list[dict]:
     """Conv and SSM states of a NemotronH-style Mamba2 layer (bf16) for 1 to 256 requests."""
-    return [mamba_state_tune_key(num_requests=n, state_shape=shape, dtype="bfloat16")
-            for shape in (_CONV_STATE, _SSM_STATE) for n in (1, 16, 64, 256)]
+    return [mamba_state_tune_key(num_requests=n, state_shape=shape, dtype=MAMBA2_MIXER["dtype"])
+            for shape in (MAMBA2_CONV_STATE, MAMBA2_SSM_STATE) for n in (1, 16, 64, 256)]
 
 
 for _name in (GATHER, SCATTER):
@@ -60,169 +288,6 @@ for _name in (GATHER, SCATTER):
         make_case=lambda key, device, _name=_name: MambaStateCase(_name, key, device),
         presets=mamba_state_presets,
     ))
-
-if HAS_TRITON:
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def _mamba_state_gather_kernel(
-        out_ptr, states_ptr, slot_ids_ptr,
-        row_elems, stride_out_row, stride_states_slot,
-        BLOCK_R: tl.constexpr,
-    ):
-        """Copy BLOCK_R elements of state row ``slot_ids[i]`` to output row i (zeros for -1)."""
-        row = tl.program_id(0).to(tl.int64)
-        slot = tl.load(slot_ids_ptr + row).to(tl.int64)
-        offs_r = tl.program_id(1).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-        # Slot -1 folds into the bound: the interpreter rejects a vector & scalar-bool mask.
-        mask_slot = offs_r < tl.where(slot >= 0, row_elems, 0)
-        values = tl.load(states_ptr + slot * stride_states_slot + offs_r, mask=mask_slot, other=0)
-        tl.store(out_ptr + row * stride_out_row + offs_r, values, mask=offs_r < row_elems)
-
-    @triton.jit
-    def _mamba_state_scatter_kernel(
-        states_ptr, src_ptr, slot_ids_ptr,
-        row_elems, stride_states_slot, stride_src_row,
-        BLOCK_R: tl.constexpr,
-    ):
-        """Copy BLOCK_R elements of source row i to state row ``slot_ids[i]`` (skip -1)."""
-        row = tl.program_id(0).to(tl.int64)
-        slot = tl.load(slot_ids_ptr + row).to(tl.int64)
-        offs_r = tl.program_id(1).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-        mask = offs_r < tl.where(slot >= 0, row_elems, 0)
-        values = tl.load(src_ptr + row * stride_src_row + offs_r, mask=mask)
-        tl.store(states_ptr + slot * stride_states_slot + offs_r, values, mask=mask)
-
-
-def _rows_contiguous(tensor: torch.Tensor) -> bool:
-    """True when each ``tensor[i]`` is contiguous (the leading dim may have any stride)."""
-    expected = 1
-    for size, stride in zip(reversed(tensor.shape[1:]), reversed(tensor.stride()[1:])):
-        if size != 1 and stride != expected:
-            return False
-        expected *= size
-    return True
-
-
-def _check_states(states: torch.Tensor, slot_ids: torch.Tensor) -> None:
-    if states.dim() < 2:
-        raise ValueError(f"states must be [num_slots, *state_shape], got {tuple(states.shape)}")
-    if states.dtype not in FLOAT_DTYPES:
-        raise ValueError(f"states dtype {states.dtype} is not one of {FLOAT_DTYPES}")
-    if not _rows_contiguous(states):
-        raise ValueError(f"states rows must be contiguous (strides {states.stride()} for shape "
-                         f"{tuple(states.shape)}); only the slot dim may be strided")
-    if slot_ids.dim() != 1:
-        raise ValueError(f"slot_ids must be 1-D, got shape {tuple(slot_ids.shape)}")
-    if slot_ids.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"slot_ids dtype {slot_ids.dtype} must be int32 or int64")
-    if slot_ids.device != states.device:
-        raise ValueError(f"slot_ids is on {slot_ids.device}, states on {states.device}")
-
-
-def _check_rows(name: str, tensor: torch.Tensor, states: torch.Tensor, exact_rows: int | None,
-                min_rows: int) -> None:
-    if tuple(tensor.shape[1:]) != tuple(states.shape[1:]):
-        raise ValueError(f"{name} state shape {tuple(tensor.shape[1:])} != states' "
-                         f"{tuple(states.shape[1:])}")
-    if exact_rows is not None and tensor.shape[0] != exact_rows:
-        raise ValueError(f"{name} has {tensor.shape[0]} rows, expected {exact_rows}")
-    if tensor.shape[0] < min_rows:
-        raise ValueError(f"{name} has {tensor.shape[0]} rows, fewer than the {min_rows} slot ids")
-    if tensor.dtype != states.dtype:
-        raise ValueError(f"{name} dtype {tensor.dtype} != states dtype {states.dtype}")
-    if tensor.device != states.device:
-        raise ValueError(f"{name} is on {tensor.device}, states on {states.device}")
-    if not _rows_contiguous(tensor):
-        raise ValueError(f"{name} rows must be contiguous, strides {tensor.stride()}")
-
-
-def _resolve(name: str, config, states: torch.Tensor, n: int) -> KernelConfig:
-    if config is not None:
-        return config
-    key = mamba_state_tune_key(num_requests=n, state_shape=states.shape[1:], dtype=states.dtype)
-    return _autotune.resolve_config(name, key, states.device)[0]
-
-
-def mamba_state_gather(states: torch.Tensor, slot_ids: torch.Tensor, out: torch.Tensor | None = None,
-                       *, config: KernelConfig | None = None, backend: str | None = None
-                       ) -> torch.Tensor:
-    """Return ``[n, *state_shape]`` rows ``states[slot_ids[i]]``, zeros where the slot is -1.
-
-    - ``states``: ``[num_slots, *state_shape]`` fp32/fp16/bf16, each row contiguous, the slot
-      dim any stride (e.g. ``conv_states[layer]``). Read only.
-    - ``slot_ids``: ``[n]`` int32/int64, ``-1`` or in range (not checked: that would sync).
-    - ``out``: optional ``[n, *state_shape]`` of the states' dtype, rows contiguous; written in
-      place and returned. Otherwise a new contiguous tensor is returned.
-    """
-    _check_states(states, slot_ids)
-    n = slot_ids.numel()
-    if out is None:
-        out = torch.empty((n, *states.shape[1:]), dtype=states.dtype, device=states.device)
-    else:
-        _check_rows("out", out, states, exact_rows=n, min_rows=n)
-    if n == 0:
-        return out
-    if resolve_backend(backend, states.device) == "torch":
-        out.copy_(mamba_state_gather_ref(states, slot_ids))
-        return out
-    config = _resolve(GATHER, config, states, n)
-    row_elems = math.prod(states.shape[1:])
-    grid = (n, -(-row_elems // config.kwargs["BLOCK_R"]))
-    _mamba_state_gather_kernel[grid](
-        out_ptr=out, states_ptr=states, slot_ids_ptr=slot_ids,
-        row_elems=row_elems, stride_out_row=out.stride(0), stride_states_slot=states.stride(0),
-        **config.launch_kwargs(),
-    )
-    return out
-
-
-def mamba_state_scatter(states: torch.Tensor, slot_ids: torch.Tensor, src: torch.Tensor, *,
-                        config: KernelConfig | None = None, backend: str | None = None) -> None:
-    """Write ``states[slot_ids[i]] = src[i]`` for ``i < n``, skipping slot -1, in place.
-
-    - ``states``: ``[num_slots, *state_shape]`` fp32/fp16/bf16, each row contiguous, the slot
-      dim any stride. Written in place.
-    - ``slot_ids``: ``[n]`` int32/int64, ``-1`` or in range and distinct (not checked).
-    - ``src``: ``[>=n, *state_shape]`` of the states' dtype, rows contiguous; rows past ``n``
-      ignored.
-    """
-    _check_states(states, slot_ids)
-    n = slot_ids.numel()
-    _check_rows("src", src, states, exact_rows=None, min_rows=n)
-    if n == 0:
-        return
-    if resolve_backend(backend, states.device) == "torch":
-        mamba_state_scatter_ref(states, slot_ids, src)
-        return
-    config = _resolve(SCATTER, config, states, n)
-    row_elems = math.prod(states.shape[1:])
-    grid = (n, -(-row_elems // config.kwargs["BLOCK_R"]))
-    _mamba_state_scatter_kernel[grid](
-        states_ptr=states, src_ptr=src, slot_ids_ptr=slot_ids,
-        row_elems=row_elems, stride_states_slot=states.stride(0), stride_src_row=src.stride(0),
-        **config.launch_kwargs(),
-    )
-
-
-def mamba_state_gather_ref(states: torch.Tensor, slot_ids: torch.Tensor,
-                           out: torch.Tensor | None = None) -> torch.Tensor:
-    """Reference: index the valid slots, zeros elsewhere."""
-    valid = slot_ids >= 0
-    rows = states[slot_ids.long().clamp(min=0)]
-    rows = torch.where(valid.view(-1, *[1] * (states.dim() - 1)), rows, torch.zeros_like(rows))
-    if out is None:
-        return rows
-    out.copy_(rows)
-    return out
-
-
-def mamba_state_scatter_ref(states: torch.Tensor, slot_ids: torch.Tensor, src: torch.Tensor) -> None:
-    """Reference: one advanced-index assignment of the rows whose slot is not -1."""
-    n = slot_ids.numel()
-    valid = slot_ids >= 0
-    states[slot_ids[valid].long()] = src[:n][valid]
 
 
 class MambaStateCase(TuneCase):
@@ -288,4 +353,6 @@ def _mamba_state_scatter_fake(states, slot_ids, src) -> None:
 
 
 mamba_state_gather_op = torch.ops.dynctx.mamba_state_gather
+
+
 mamba_state_scatter_op = torch.ops.dynctx.mamba_state_scatter

@@ -11,10 +11,139 @@ import torch
 from . import _autotune
 from ._autotune import KernelConfig, KernelTuning
 from ._backend import HAS_TRITON, resolve_backend
-from ._common import (FLOAT_DTYPES, BufferWriteCase, check_block_slots, check_same_device,
-                      custom_op, next_pow2, paged_targets, squeeze_singleton)
+from ._common import (
+    FLOAT_DTYPES,
+    BufferWriteCase,
+    check_block_slots,
+    check_same_device,
+    check_writable,
+    custom_op,
+    next_pow2,
+    paged_targets,
+    squeeze_singleton,
+)
+from ._shapes import DEEPSEEK_V2_LITE
 
 NAME = "mla_latent_append"
+
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _mla_latent_append_kernel(
+        latent_cache_ptr, kv_latent_ptr, k_rope_ptr, block_ids_ptr, slots_ptr,
+        num_tokens, kv_lora_rank, rope_dim,
+        stride_cache_block, stride_cache_slot, stride_cache_col,
+        stride_latent_token, stride_latent_dim, stride_rope_token, stride_rope_dim,
+        stride_block_ids, stride_slots,
+        BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+    ):
+        """Copy a [BLOCK_T, BLOCK_C] tile of cache rows; column c < rank comes from the latent,
+        the others from the rope key."""
+        pid_t = tl.program_id(0).to(tl.int64)
+        pid_c = tl.program_id(1).to(tl.int64)
+        offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+        offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+        mask_t = offs_t < num_tokens
+        block = tl.load(block_ids_ptr + offs_t * stride_block_ids, mask=mask_t, other=0).to(tl.int64)
+        slot = tl.load(slots_ptr + offs_t * stride_slots, mask=mask_t, other=0).to(tl.int64)
+        is_latent = offs_c < kv_lora_rank
+        is_rope = (offs_c >= kv_lora_rank) & (offs_c < kv_lora_rank + rope_dim)
+        # [BLOCK_T, BLOCK_C]
+        latent = tl.load(kv_latent_ptr + offs_t[:, None] * stride_latent_token
+                         + offs_c[None, :] * stride_latent_dim,
+                         mask=mask_t[:, None] & is_latent[None, :])
+        rope = tl.load(k_rope_ptr + offs_t[:, None] * stride_rope_token
+                       + (offs_c - kv_lora_rank)[None, :] * stride_rope_dim,
+                       mask=mask_t[:, None] & is_rope[None, :])
+        dst = ((block * stride_cache_block + slot * stride_cache_slot)[:, None]
+               + offs_c[None, :] * stride_cache_col)
+        tl.store(latent_cache_ptr + dst, tl.where(is_latent[None, :], latent, rope),
+                 mask=mask_t[:, None] & (is_latent | is_rope)[None, :])
+
+
+def _check_inputs(latent_cache, kv_latent, k_rope, block_ids, slots):
+    """Validate the contract; return ``kv_latent``, ``k_rope`` as 2-D views."""
+    if latent_cache.dim() != 3:
+        raise ValueError("latent_cache must be [num_blocks, block_size, kv_lora_rank + rope_dim], "
+                         f"got {tuple(latent_cache.shape)}")
+    if latent_cache.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"latent_cache dtype {latent_cache.dtype} is not one of {FLOAT_DTYPES}")
+    check_writable(("latent_cache", latent_cache))
+    kv_latent = squeeze_singleton("kv_latent", kv_latent, 2, "dim")
+    k_rope = squeeze_singleton("k_rope", k_rope, 2, "dim")
+    n = block_ids.numel()
+    if kv_latent.shape[1] + k_rope.shape[1] != latent_cache.shape[2]:
+        raise ValueError(f"kv_latent dim {kv_latent.shape[1]} + k_rope dim {k_rope.shape[1]} != "
+                         f"latent_cache row {latent_cache.shape[2]}")
+    for name, tensor in (("kv_latent", kv_latent), ("k_rope", k_rope)):
+        if tensor.shape[0] < n:
+            raise ValueError(f"{name} has {tensor.shape[0]} rows, fewer than the {n} tokens")
+        if tensor.dtype != latent_cache.dtype:
+            raise ValueError(f"{name} dtype {tensor.dtype} != latent_cache dtype {latent_cache.dtype}")
+    check_block_slots(block_ids, slots)
+    check_same_device((("kv_latent", kv_latent), ("k_rope", k_rope), ("block_ids", block_ids),
+                       ("slots", slots)), "latent_cache", latent_cache)
+    return kv_latent, k_rope
+
+
+def mla_latent_append(latent_cache: torch.Tensor, kv_latent: torch.Tensor, k_rope: torch.Tensor,
+                      block_ids: torch.Tensor, slots: torch.Tensor, *,
+                      config: KernelConfig | None = None, backend: str | None = None,
+                      check: bool = True) -> None:
+    """Write the latent and rope key of ``n = block_ids.numel()`` tokens into the cache, in place.
+
+    - ``latent_cache``: ``[num_blocks, block_size, kv_lora_rank + rope_dim]`` fp32/fp16/bf16, any
+      strides (usually a view ``buf[layer]`` of ``[L, blocks, bs, rank + rope]``).
+      Written in place: columns ``[:rank]`` take the latent, ``[rank:]`` the rope key.
+    - ``kv_latent``: ``[>=n, rank]`` or ``[>=n, 1, rank]``; ``k_rope``: ``[>=n, rope]`` or
+      ``[>=n, 1, rope]``; the cache's dtype, each with its own strides; rows past ``n`` ignored.
+    - ``block_ids``, ``slots``: ``[n]`` int32/int64, any stride, in range (not checked: that
+      would sync).
+    - ``check=False`` skips the checks: for a caller (the context) that checked its inputs once
+      and passes ``kv_latent``, ``k_rope`` as 2-D views.
+
+    Every tensor is read or written through its own strides and storage offset; nothing is
+    copied at the edge. Every argument is checked before anything is written.
+    """
+    if check:
+        kv_latent, k_rope = _check_inputs(latent_cache, kv_latent, k_rope, block_ids, slots)
+    n = block_ids.numel()
+    if n == 0:
+        return
+    if resolve_backend(backend, latent_cache.device) == "torch":
+        mla_latent_append_ref(latent_cache, kv_latent, k_rope, block_ids, slots)
+        return
+    rank, rope_dim = kv_latent.shape[1], k_rope.shape[1]
+    if config is None:
+        tune_key = mla_latent_append_tune_key(num_tokens=n, kv_lora_rank=rank, rope_dim=rope_dim,
+                                              dtype=latent_cache.dtype)
+        config, _ = _autotune.resolve_config(NAME, tune_key, latent_cache.device)
+    meta = config.kwargs
+    grid = (-(-n // meta["BLOCK_T"]), -(-(rank + rope_dim) // meta["BLOCK_C"]))
+    _mla_latent_append_kernel[grid](
+        latent_cache_ptr=latent_cache, kv_latent_ptr=kv_latent, k_rope_ptr=k_rope,
+        block_ids_ptr=block_ids, slots_ptr=slots,
+        num_tokens=n, kv_lora_rank=rank, rope_dim=rope_dim,
+        stride_cache_block=latent_cache.stride(0), stride_cache_slot=latent_cache.stride(1),
+        stride_cache_col=latent_cache.stride(2),
+        stride_latent_token=kv_latent.stride(0), stride_latent_dim=kv_latent.stride(1),
+        stride_rope_token=k_rope.stride(0), stride_rope_dim=k_rope.stride(1),
+        stride_block_ids=block_ids.stride(0), stride_slots=slots.stride(0),
+        **config.launch_kwargs(),
+    )
+
+
+def mla_latent_append_ref(latent_cache: torch.Tensor, kv_latent: torch.Tensor, k_rope: torch.Tensor,
+                          block_ids: torch.Tensor, slots: torch.Tensor) -> None:
+    """Reference: concatenate latent and rope key, then one advanced-index assignment."""
+    n = block_ids.numel()
+    kv_latent = kv_latent[:, 0] if kv_latent.dim() == 3 else kv_latent
+    k_rope = k_rope[:, 0] if k_rope.dim() == 3 else k_rope
+    rows = torch.cat([kv_latent[:n], k_rope[:n]], dim=-1)
+    latent_cache[block_ids.long(), slots.long()] = rows
 
 
 def mla_latent_append_configs(key: dict) -> list[KernelConfig]:
@@ -52,7 +181,9 @@ def mla_latent_append_tune_key(*, num_tokens: int, kv_lora_rank: int, rope_dim: 
 
 def mla_latent_append_presets() -> list[dict]:
     """DeepSeek-V2-Lite MLA (kv_lora_rank 512, rope 64, bf16) at decode and prefill sizes."""
-    return [mla_latent_append_tune_key(num_tokens=n, kv_lora_rank=512, rope_dim=64, dtype="bfloat16")
+    return [mla_latent_append_tune_key(num_tokens=n, kv_lora_rank=DEEPSEEK_V2_LITE["kv_lora_rank"],
+                                       rope_dim=DEEPSEEK_V2_LITE["qk_rope_head_dim"],
+                                       dtype=DEEPSEEK_V2_LITE["dtype"])
             for n in (1, 16, 64, 256, 2048, 8192)]
 
 
@@ -64,118 +195,6 @@ _autotune.register(KernelTuning(
     name=NAME, configs=mla_latent_append_configs, default_config=mla_latent_append_default_config,
     tune_key=mla_latent_append_tune_key, make_case=_make_case, presets=mla_latent_append_presets,
 ))
-
-if HAS_TRITON:
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def _mla_latent_append_kernel(
-        latent_cache_ptr, kv_latent_ptr, k_rope_ptr, block_ids_ptr, slots_ptr,
-        num_tokens, kv_lora_rank, rope_dim,
-        stride_cache_block, stride_cache_slot,
-        stride_latent_token, stride_latent_dim, stride_rope_token, stride_rope_dim,
-        BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
-    ):
-        """Copy a [BLOCK_T, BLOCK_C] tile of cache rows; column c < rank comes from the latent,
-        the others from the rope key."""
-        pid_t = tl.program_id(0).to(tl.int64)
-        pid_c = tl.program_id(1).to(tl.int64)
-        offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-        offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
-        mask_t = offs_t < num_tokens
-        block = tl.load(block_ids_ptr + offs_t, mask=mask_t, other=0).to(tl.int64)
-        slot = tl.load(slots_ptr + offs_t, mask=mask_t, other=0).to(tl.int64)
-        is_latent = offs_c < kv_lora_rank
-        is_rope = (offs_c >= kv_lora_rank) & (offs_c < kv_lora_rank + rope_dim)
-        # [BLOCK_T, BLOCK_C]
-        latent = tl.load(kv_latent_ptr + offs_t[:, None] * stride_latent_token
-                         + offs_c[None, :] * stride_latent_dim,
-                         mask=mask_t[:, None] & is_latent[None, :])
-        rope = tl.load(k_rope_ptr + offs_t[:, None] * stride_rope_token
-                       + (offs_c - kv_lora_rank)[None, :] * stride_rope_dim,
-                       mask=mask_t[:, None] & is_rope[None, :])
-        dst = (block * stride_cache_block + slot * stride_cache_slot)[:, None] + offs_c[None, :]
-        tl.store(latent_cache_ptr + dst, tl.where(is_latent[None, :], latent, rope),
-                 mask=mask_t[:, None] & (is_latent | is_rope)[None, :])
-
-
-def _check_inputs(latent_cache, kv_latent, k_rope, block_ids, slots):
-    """Validate the contract; return ``kv_latent``, ``k_rope`` as 2-D views."""
-    if latent_cache.dim() != 3:
-        raise ValueError("latent_cache must be [num_blocks, block_size, kv_lora_rank + rope_dim], "
-                         f"got {tuple(latent_cache.shape)}")
-    if latent_cache.dtype not in FLOAT_DTYPES:
-        raise ValueError(f"latent_cache dtype {latent_cache.dtype} is not one of {FLOAT_DTYPES}")
-    if latent_cache.stride(-1) != 1:
-        raise ValueError(f"latent_cache must be contiguous in its last dim, strides "
-                         f"{latent_cache.stride()}")
-    kv_latent = squeeze_singleton("kv_latent", kv_latent, 2, "dim")
-    k_rope = squeeze_singleton("k_rope", k_rope, 2, "dim")
-    n = block_ids.numel()
-    if kv_latent.shape[1] + k_rope.shape[1] != latent_cache.shape[2]:
-        raise ValueError(f"kv_latent dim {kv_latent.shape[1]} + k_rope dim {k_rope.shape[1]} != "
-                         f"latent_cache row {latent_cache.shape[2]}")
-    for name, tensor in (("kv_latent", kv_latent), ("k_rope", k_rope)):
-        if tensor.shape[0] < n:
-            raise ValueError(f"{name} has {tensor.shape[0]} rows, fewer than the {n} tokens")
-        if tensor.dtype != latent_cache.dtype:
-            raise ValueError(f"{name} dtype {tensor.dtype} != latent_cache dtype {latent_cache.dtype}")
-    check_block_slots(block_ids, slots)
-    check_same_device((("kv_latent", kv_latent), ("k_rope", k_rope), ("block_ids", block_ids),
-                       ("slots", slots)), "latent_cache", latent_cache)
-    return kv_latent, k_rope
-
-
-def mla_latent_append(latent_cache: torch.Tensor, kv_latent: torch.Tensor, k_rope: torch.Tensor,
-                      block_ids: torch.Tensor, slots: torch.Tensor, *,
-                      config: KernelConfig | None = None, backend: str | None = None,
-                      check: bool = True) -> None:
-    """Write the latent and rope key of ``n = block_ids.numel()`` tokens into the cache, in place.
-
-    - ``latent_cache``: ``[num_blocks, block_size, kv_lora_rank + rope_dim]`` fp32/fp16/bf16, last
-      dim contiguous, otherwise strided (a view ``buf[layer]`` of ``[L, blocks, bs, rank + rope]``).
-      Written in place: columns ``[:rank]`` take the latent, ``[rank:]`` the rope key.
-    - ``kv_latent``: ``[>=n, rank]`` or ``[>=n, 1, rank]``; ``k_rope``: ``[>=n, rope]`` or
-      ``[>=n, 1, rope]``; the cache's dtype, each with its own strides; rows past ``n`` ignored.
-    - ``block_ids``, ``slots``: ``[n]`` int32/int64, in range (not checked: that would sync).
-    - ``check=False`` skips the checks: for a caller (the context) that checked its inputs once
-      and passes ``kv_latent``, ``k_rope`` as 2-D views.
-    """
-    if check:
-        kv_latent, k_rope = _check_inputs(latent_cache, kv_latent, k_rope, block_ids, slots)
-    n = block_ids.numel()
-    if n == 0:
-        return
-    if resolve_backend(backend, latent_cache.device) == "torch":
-        mla_latent_append_ref(latent_cache, kv_latent, k_rope, block_ids, slots)
-        return
-    rank, rope_dim = kv_latent.shape[1], k_rope.shape[1]
-    if config is None:
-        tune_key = mla_latent_append_tune_key(num_tokens=n, kv_lora_rank=rank, rope_dim=rope_dim,
-                                              dtype=latent_cache.dtype)
-        config, _ = _autotune.resolve_config(NAME, tune_key, latent_cache.device)
-    meta = config.kwargs
-    grid = (-(-n // meta["BLOCK_T"]), -(-(rank + rope_dim) // meta["BLOCK_C"]))
-    _mla_latent_append_kernel[grid](
-        latent_cache_ptr=latent_cache, kv_latent_ptr=kv_latent, k_rope_ptr=k_rope,
-        block_ids_ptr=block_ids, slots_ptr=slots,
-        num_tokens=n, kv_lora_rank=rank, rope_dim=rope_dim,
-        stride_cache_block=latent_cache.stride(0), stride_cache_slot=latent_cache.stride(1),
-        stride_latent_token=kv_latent.stride(0), stride_latent_dim=kv_latent.stride(1),
-        stride_rope_token=k_rope.stride(0), stride_rope_dim=k_rope.stride(1),
-        **config.launch_kwargs(),
-    )
-
-
-def mla_latent_append_ref(latent_cache: torch.Tensor, kv_latent: torch.Tensor, k_rope: torch.Tensor,
-                          block_ids: torch.Tensor, slots: torch.Tensor) -> None:
-    """Reference: concatenate latent and rope key, then one advanced-index assignment."""
-    n = block_ids.numel()
-    kv_latent = kv_latent[:, 0] if kv_latent.dim() == 3 else kv_latent
-    k_rope = k_rope[:, 0] if k_rope.dim() == 3 else k_rope
-    rows = torch.cat([kv_latent[:n], k_rope[:n]], dim=-1)
-    latent_cache[block_ids.long(), slots.long()] = rows
 
 
 class MlaLatentAppendCase(BufferWriteCase):

@@ -22,7 +22,8 @@ import torch
 from . import _autotune
 from ._autotune import KernelConfig, KernelTuning, TuneCase, bucket_tokens, dtype_name
 from ._backend import HAS_TRITON, resolve_backend
-from ._common import FLOAT_DTYPES, custom_op, next_pow2
+from ._common import FLOAT_DTYPES, check_writable, custom_op, next_pow2
+from ._shapes import DEEPSEEK_V2_LITE, LLAMA_3_8B
 
 if HAS_TRITON:
     import triton
@@ -30,67 +31,6 @@ if HAS_TRITON:
 
 LAYOUTS = ("neox", "gptj", "mla", "mla_gptj")
 TABLES = ("cos_sin", "freqs")
-MAX_BLOCK_ELEMENTS = 8192
-
-
-def rope_block_configs(row_block: int, num_heads: int) -> list[KernelConfig]:
-    """Tiles of ``BLOCK_T`` tokens x ``BLOCK_H`` heads x ``row_block`` dims, capped in size."""
-    head_cap = next_pow2(max(1, num_heads))
-    configs = []
-    for block_t in (1, 4, 16):
-        for block_h in (1, 4, 8):
-            elements = block_t * block_h * row_block
-            if block_h > head_cap or elements > MAX_BLOCK_ELEMENTS:
-                continue
-            warps = (1, 4) if elements <= 512 else (4, 8) if elements >= 4096 else (4,)
-            configs += [KernelConfig.make(BLOCK_T=block_t, BLOCK_H=block_h, num_warps=w)
-                        for w in warps]
-    return configs
-
-
-def rope_block_default(row_block: int, num_heads: int, num_tokens: int) -> KernelConfig:
-    """Decode: one token, four heads per program; prefill: more tokens per program."""
-    block_t = 1 if num_tokens <= 16 else 4 if num_tokens <= 256 else 16
-    block_h = min(4, next_pow2(max(1, num_heads)))
-    while block_t > 1 and block_t * block_h * row_block > MAX_BLOCK_ELEMENTS:
-        block_t //= 4
-    elements = block_t * block_h * row_block
-    return KernelConfig.make(BLOCK_T=block_t, BLOCK_H=block_h,
-                             num_warps=1 if elements <= 512 else 4)
-
-
-def fused_qk_rope_tune_key(*, num_tokens: int, num_q_heads: int, num_k_heads: int, head_dim: int,
-                           rot_dim: int, layout: str, table: str, dtype) -> dict:
-    if layout not in LAYOUTS or table not in TABLES:
-        raise ValueError(f"layout={layout!r} / table={table!r}: expected {LAYOUTS} / {TABLES}")
-    return {"num_tokens": bucket_tokens(num_tokens), "num_q_heads": int(num_q_heads),
-            "num_k_heads": int(num_k_heads), "head_dim": int(head_dim), "rot_dim": int(rot_dim),
-            "layout": layout, "table": table,
-            "dtype": dtype if isinstance(dtype, str) else dtype_name(dtype)}
-
-
-def fused_qk_rope_configs(key: dict) -> list[KernelConfig]:
-    half_block = next_pow2(key["rot_dim"] // 2)
-    return rope_block_configs(half_block, max(key["num_q_heads"], key["num_k_heads"]))
-
-
-def fused_qk_rope_default_config(key: dict) -> KernelConfig:
-    half_block = next_pow2(key["rot_dim"] // 2)
-    return rope_block_default(half_block, max(key["num_q_heads"], key["num_k_heads"]),
-                              key["num_tokens"])
-
-
-def fused_qk_rope_presets() -> list[dict]:
-    """Llama-3-8B (GQA 32/8, D 128, half-split) and DeepSeek-V2-Lite's rope part (MLA)."""
-    llama = dict(num_q_heads=32, num_k_heads=8, head_dim=128, rot_dim=128, layout="neox",
-                 dtype="bfloat16")
-    deepseek = dict(num_q_heads=16, num_k_heads=1, head_dim=64, rot_dim=64, layout="mla",
-                    table="freqs", dtype="bfloat16")
-    keys = [fused_qk_rope_tune_key(num_tokens=n, table="freqs", **llama)
-            for n in (1, 16, 64, 256, 2048, 8192)]
-    keys += [fused_qk_rope_tune_key(num_tokens=n, table="cos_sin", **llama) for n in (64, 2048)]
-    keys += [fused_qk_rope_tune_key(num_tokens=n, **deepseek) for n in (64, 2048)]
-    return keys
 
 
 if HAS_TRITON:
@@ -125,51 +65,57 @@ if HAS_TRITON:
         return offs_pair, offs_pair < HALF, in1, in2, out1, out2
 
     @triton.jit
-    def _rope_cos_sin(table_ptr, positions, mask_t, stride_table_pos, offs_pair, mask_pair,
-                      out1, out2, mscale, ROT_DIM: tl.constexpr, TABLE_IS_FREQS: tl.constexpr):
+    def _rope_cos_sin(table_ptr, positions, mask_t, stride_table_pos, stride_table_dim, offs_pair,
+                      mask_pair, out1, out2, mscale, ROT_DIM: tl.constexpr,
+                      TABLE_IS_FREQS: tl.constexpr):
         """cos/sin for the two outputs of every pair, [BLOCK_T, 1, HALF_BLOCK] each, fp32."""
         rows = table_ptr + positions[:, None] * stride_table_pos
         mask = mask_t[:, None] & mask_pair[None, :]
         if TABLE_IS_FREQS:
             # Megatron gives each output dim p its own angle freqs[pos, p]
-            angle1 = tl.load(rows + out1[None, :], mask=mask, other=0.0).to(tl.float32)
-            angle2 = tl.load(rows + out2[None, :], mask=mask, other=0.0).to(tl.float32)
+            angle1 = tl.load(rows + out1[None, :] * stride_table_dim, mask=mask,
+                             other=0.0).to(tl.float32)
+            angle2 = tl.load(rows + out2[None, :] * stride_table_dim, mask=mask,
+                             other=0.0).to(tl.float32)
             cos1 = tl.cos(angle1) * mscale
             sin1 = tl.sin(angle1) * mscale
             cos2 = tl.cos(angle2) * mscale
             sin2 = tl.sin(angle2) * mscale
         else:
-            cos1 = tl.load(rows + offs_pair[None, :], mask=mask, other=0.0).to(tl.float32) * mscale
-            sin1 = tl.load(rows + (ROT_DIM // 2) + offs_pair[None, :], mask=mask,
+            cos1 = tl.load(rows + offs_pair[None, :] * stride_table_dim, mask=mask,
                            other=0.0).to(tl.float32) * mscale
+            sin1 = tl.load(rows + ((ROT_DIM // 2) + offs_pair[None, :]) * stride_table_dim,
+                           mask=mask, other=0.0).to(tl.float32) * mscale
             cos2 = cos1
             sin2 = sin1
         return cos1[:, None, :], sin1[:, None, :], cos2[:, None, :], sin2[:, None, :]
 
     @triton.jit
     def _rope_rotate_tile(x_ptr, offs_t, mask_t, offs_h, mask_h, stride_x_token, stride_x_head,
-                          in1, in2, out1, out2, mask_pair, cos1, sin1, cos2, sin2,
+                          stride_x_dim, in1, in2, out1, out2, mask_pair, cos1, sin1, cos2, sin2,
                           PERMUTES: tl.constexpr):
         """Rotate a [BLOCK_T, BLOCK_H] tile of heads in place; returns the fp32 outputs."""
         rows = (x_ptr + offs_t[:, None, None] * stride_x_token
                 + offs_h[None, :, None] * stride_x_head)
         mask = mask_t[:, None, None] & mask_h[None, :, None] & mask_pair[None, None, :]
         # [BLOCK_T, BLOCK_H, HALF_BLOCK]
-        x1 = tl.load(rows + in1[None, None, :], mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(rows + in2[None, None, :], mask=mask, other=0.0).to(tl.float32)
+        x1 = tl.load(rows + in1[None, None, :] * stride_x_dim, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(rows + in2[None, None, :] * stride_x_dim, mask=mask, other=0.0).to(tl.float32)
         out_first = x1 * cos1 - x2 * sin1
         out_second = x2 * cos2 + x1 * sin2
         if PERMUTES:
             # MLA layouts write dims that other threads read: every load lands before any store
             tl.debug_barrier()
-        tl.store(rows + out1[None, None, :], out_first.to(x_ptr.dtype.element_ty), mask=mask)
-        tl.store(rows + out2[None, None, :], out_second.to(x_ptr.dtype.element_ty), mask=mask)
+        tl.store(rows + out1[None, None, :] * stride_x_dim, out_first.to(x_ptr.dtype.element_ty),
+                 mask=mask)
+        tl.store(rows + out2[None, None, :] * stride_x_dim, out_second.to(x_ptr.dtype.element_ty),
+                 mask=mask)
         return out_first, out_second
 
     @triton.jit
     def _rope_rotate_program(x_ptr, table_ptr, positions_ptr, head_tile, num_tokens, num_heads,
-                             mscale, stride_x_token, stride_x_head, stride_table_pos,
-                             ROT_DIM: tl.constexpr, HALF_BLOCK: tl.constexpr, LAYOUT: tl.constexpr,
+                             mscale, stride_x_token, stride_x_head, stride_x_dim, stride_table_pos,
+                             stride_table_dim, stride_positions, ROT_DIM: tl.constexpr, HALF_BLOCK: tl.constexpr, LAYOUT: tl.constexpr,
                              TABLE_IS_FREQS: tl.constexpr, BLOCK_T: tl.constexpr,
                              BLOCK_H: tl.constexpr):
         """Rotate this program's [BLOCK_T] tokens x head tile ``head_tile`` of ``x`` in place.
@@ -179,15 +125,16 @@ if HAS_TRITON:
         """
         offs_t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
         mask_t = offs_t < num_tokens
-        positions = tl.load(positions_ptr + offs_t, mask=mask_t, other=0).to(tl.int64)
+        positions = tl.load(positions_ptr + offs_t * stride_positions, mask=mask_t,
+                            other=0).to(tl.int64)
         offs_pair, mask_pair, in1, in2, out1, out2 = _rope_pair_offsets(LAYOUT, ROT_DIM, HALF_BLOCK)
         cos1, sin1, cos2, sin2 = _rope_cos_sin(table_ptr, positions, mask_t, stride_table_pos,
-                                               offs_pair, mask_pair, out1, out2, mscale,
-                                               ROT_DIM, TABLE_IS_FREQS)
+                                               stride_table_dim, offs_pair, mask_pair, out1, out2,
+                                               mscale, ROT_DIM, TABLE_IS_FREQS)
         offs_h = (head_tile * BLOCK_H + tl.arange(0, BLOCK_H)).to(tl.int64)
         mask_h = offs_h < num_heads
         out_first, out_second = _rope_rotate_tile(
-            x_ptr, offs_t, mask_t, offs_h, mask_h, stride_x_token, stride_x_head,
+            x_ptr, offs_t, mask_t, offs_h, mask_h, stride_x_token, stride_x_head, stride_x_dim,
             in1, in2, out1, out2, mask_pair, cos1, sin1, cos2, sin2, LAYOUT >= 2)
         return offs_t, mask_t, offs_h, mask_h, mask_pair, out1, out2, out_first, out_second
 
@@ -198,7 +145,9 @@ if HAS_TRITON:
         query_ptr, key_ptr,
         table_ptr, positions_ptr,
         num_tokens, num_q_heads, num_k_heads, mscale,
-        stride_query_token, stride_query_head, stride_key_token, stride_key_head, stride_table_pos,
+        stride_query_token, stride_query_head, stride_query_dim,
+        stride_key_token, stride_key_head, stride_key_dim,
+        stride_table_pos, stride_table_dim, stride_positions,
         ROT_DIM: tl.constexpr, HALF_BLOCK: tl.constexpr, LAYOUT: tl.constexpr,
         TABLE_IS_FREQS: tl.constexpr, HAS_QUERY: tl.constexpr, HAS_KEY: tl.constexpr,
         BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
@@ -210,13 +159,15 @@ if HAS_TRITON:
             if pid_h < num_q_tiles:
                 _rope_rotate_program(query_ptr, table_ptr, positions_ptr, pid_h, num_tokens,
                                      num_q_heads, mscale, stride_query_token, stride_query_head,
-                                     stride_table_pos, ROT_DIM, HALF_BLOCK, LAYOUT, TABLE_IS_FREQS,
-                                     BLOCK_T, BLOCK_H)
+                                     stride_query_dim, stride_table_pos, stride_table_dim,
+                                     stride_positions, ROT_DIM, HALF_BLOCK, LAYOUT,
+                                     TABLE_IS_FREQS, BLOCK_T, BLOCK_H)
         if HAS_KEY:
             if pid_h >= num_q_tiles:
                 _rope_rotate_program(key_ptr, table_ptr, positions_ptr, pid_h - num_q_tiles,
                                      num_tokens, num_k_heads, mscale, stride_key_token,
-                                     stride_key_head, stride_table_pos, ROT_DIM, HALF_BLOCK,
+                                     stride_key_head, stride_key_dim, stride_table_pos,
+                                     stride_table_dim, stride_positions, ROT_DIM, HALF_BLOCK,
                                      LAYOUT, TABLE_IS_FREQS, BLOCK_T, BLOCK_H)
 
 
@@ -251,7 +202,7 @@ class RopeProblem:
 
 
 def as_head_view(x: torch.Tensor, name: str, num_tokens: int) -> torch.Tensor:
-    """``[T, H, D]`` or ``[T, 1, H, D]`` -> a ``[T, H, D]`` view; last dim contiguous, T >= n."""
+    """``[T, H, D]`` or ``[T, 1, H, D]`` -> a ``[T, H, D]`` view (any strides), T >= n."""
     if not isinstance(x, torch.Tensor):
         raise ValueError(f"{name} must be a tensor, got {type(x).__name__}")
     if x.dim() == 4:
@@ -262,8 +213,6 @@ def as_head_view(x: torch.Tensor, name: str, num_tokens: int) -> torch.Tensor:
         raise ValueError(f"{name} must be [T, H, D] or [T, 1, H, D], got {tuple(x.shape)}")
     if x.shape[0] < num_tokens:
         raise ValueError(f"{name} has {x.shape[0]} rows, fewer than positions.numel()={num_tokens}")
-    if x.shape[2] > 1 and x.stride(2) != 1:
-        raise ValueError(f"{name} needs a contiguous last dim, got strides {tuple(x.stride())}")
     return x
 
 
@@ -274,8 +223,6 @@ def check_rope_args(query, key, positions, cos_sin_cache, freqs, interleaved: bo
         raise ValueError("positions must be a 1-D tensor")
     if positions.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"positions must be int32 or int64, got {positions.dtype}")
-    if positions.numel() > 1 and positions.stride(0) != 1:
-        raise ValueError("positions must be contiguous")
     num_tokens = positions.numel()
     if query is None and key is None:
         raise ValueError("query and key are both None: nothing to rotate")
@@ -294,8 +241,6 @@ def check_rope_args(query, key, positions, cos_sin_cache, freqs, interleaved: bo
                              f"got {tuple(freqs.shape)}")
     if table.dtype != torch.float32:
         raise ValueError(f"{table_name} must be float32, got {table.dtype}")
-    if table.shape[1] > 1 and table.stride(1) != 1:
-        raise ValueError(f"{table_name} needs a contiguous last dim")
     rot_dim = table.shape[1]
     if rot_dim < 2 or rot_dim % 2:
         raise ValueError(f"{table_name}: rotary dim {rot_dim} must be even and >= 2")
@@ -309,6 +254,7 @@ def check_rope_args(query, key, positions, cos_sin_cache, freqs, interleaved: bo
         if rot_dim > x.shape[2]:
             raise ValueError(f"{name} head dim {x.shape[2]} is smaller than the rotary dim "
                              f"{rot_dim}")
+        check_writable((name, x[:num_tokens]))
         views[name] = x
     first = views.get("query", views.get("key"))
     for name, x in views.items():
@@ -336,11 +282,13 @@ def fused_qk_rope(query: Optional[torch.Tensor], key: Optional[torch.Tensor],
                   config: KernelConfig | None = None, backend: str | None = None) -> None:
     """Rotate ``query[:n]`` and ``key[:n]`` IN PLACE, ``n = positions.numel()``; one launch.
 
-    query: ``[>=n, Hq, D]`` or ``[>=n, 1, Hq, D]``, fp32/fp16/bf16, any token and head strides,
-        last dim contiguous; or None. key: the same with ``Hk`` heads, same dtype and ``D``.
-    positions: ``[n]`` int32/int64, contiguous; each must be ``< max_pos`` (not checked: no sync).
+    query: ``[>=n, Hq, D]`` or ``[>=n, 1, Hq, D]``, fp32/fp16/bf16, any strides; or None.
+        key: the same with ``Hk`` heads, same dtype and ``D``. Both are rotated in place through
+        their own strides; query and key must not overlap (not checked).
+    positions: ``[n]`` int32/int64, any stride; each must be ``< max_pos`` (not checked: no sync).
     cos_sin_cache: ``[max_pos, rot]`` fp32, cos then sin (FlashInfer); or
-    freqs: ``[max_pos, 1, 1, rot]`` / ``[max_pos, rot]`` fp32 angles (Megatron). Exactly one.
+    freqs: ``[max_pos, 1, 1, rot]`` / ``[max_pos, rot]`` fp32 angles (Megatron). Exactly one;
+        any strides.
     interleaved: GPT-J pairs ``(2i, 2i+1)`` instead of half-split ``(i, i + rot/2)``.
     mla_layout: Megatron's ``multi_latent_attention`` de-interleave (read pairs, write half-split).
     mscale: multiplies cos and sin. Rows ``>= n`` and dims ``>= rot`` are never touched.
@@ -366,26 +314,14 @@ def fused_qk_rope(query: Optional[torch.Tensor], key: Optional[torch.Tensor],
         num_k_heads=problem.num_k_heads, mscale=float(mscale),
         stride_query_token=0 if q is None else q.stride(0),
         stride_query_head=0 if q is None else q.stride(1),
+        stride_query_dim=0 if q is None else q.stride(2),
         stride_key_token=0 if k is None else k.stride(0),
         stride_key_head=0 if k is None else k.stride(1),
-        stride_table_pos=problem.table.stride(0),
+        stride_key_dim=0 if k is None else k.stride(2),
+        stride_table_pos=problem.table.stride(0), stride_table_dim=problem.table.stride(1),
+        stride_positions=positions.stride(0),
         **rope_meta(problem), **config.launch_kwargs(),
     )
-
-
-@custom_op("dynctx::fused_qk_rope", mutates_args=("query", "key"))
-def _fused_qk_rope_op(query: Optional[torch.Tensor], key: Optional[torch.Tensor],
-                      positions: torch.Tensor, cos_sin_cache: Optional[torch.Tensor],
-                      freqs: Optional[torch.Tensor], interleaved: bool, mscale: float,
-                      mla_layout: bool) -> None:
-    fused_qk_rope(query, key, positions, cos_sin_cache=cos_sin_cache, freqs=freqs,
-                  interleaved=interleaved, mscale=mscale, mla_layout=mla_layout, backend=None)
-
-
-@_fused_qk_rope_op.register_fake
-def _fused_qk_rope_fake(query, key, positions, cos_sin_cache, freqs, interleaved, mscale,
-                        mla_layout) -> None:
-    return None
 
 
 def flashinfer_rope_available(device) -> bool:
@@ -467,30 +403,6 @@ def fused_qk_rope_ref(query, key, positions, *, cos_sin_cache=None, freqs=None,
         heads[:n, :, :rot] = rotated.to(x.dtype)
 
 
-def rope_tolerance(expected: torch.Tensor, dtype: torch.dtype, input_scale: float) -> torch.Tensor:
-    """Allowed |kernel - fp32 reference|: one ulp of ``dtype`` at the reference value (covers
-    round-to-nearest on a GPU and the interpreter's truncation to bf16), plus 8 fp32 eps times
-    the input scale for fp32 cos/sin and FMA differences."""
-    mantissa = {torch.float32: 23, torch.float16: 10, torch.bfloat16: 7}[dtype]
-    exponent = torch.frexp(expected.float()).exponent
-    ulp = torch.ldexp(torch.ones_like(expected, dtype=torch.float32), exponent - 1 - mantissa)
-    ulp = torch.where(expected == 0, torch.zeros_like(ulp), ulp)
-    return ulp + 8 * torch.finfo(torch.float32).eps * input_scale
-
-
-def assert_rope_close(actual: torch.Tensor, expected: torch.Tensor, input_scale: float,
-                      name: str = "output") -> None:
-    """``actual`` (any float dtype) within ``rope_tolerance`` of the fp32 ``expected``."""
-    error = (actual.float() - expected.float()).abs()
-    allowed = rope_tolerance(expected, actual.dtype, input_scale)
-    bad = ~(error <= allowed)
-    if bad.any():
-        index = tuple(int(i) for i in bad.nonzero()[0])
-        raise AssertionError(f"{name}: {int(bad.sum())} of {bad.numel()} elements differ, first at "
-                             f"{index}: {float(actual[index])} vs {float(expected[index])} "
-                             f"(allowed {float(allowed[index]):.3g})")
-
-
 def make_rope_tables(max_pos: int, rot_dim: int, interleaved: bool, *, base: float = 10000.0,
                      device=None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(freqs [max_pos, 1, 1, rot], cos_sin_cache [max_pos, rot])`` as Megatron builds them."""
@@ -499,6 +411,97 @@ def make_rope_tables(max_pos: int, rot_dim: int, interleaved: bool, *, base: flo
     angles = torch.outer(torch.arange(max_pos, dtype=torch.float32, device=device), inv_freq)
     emb = angles.repeat_interleave(2, dim=-1) if interleaved else torch.cat((angles, angles), -1)
     return emb[:, None, None, :].contiguous(), cos_sin_cache_from_freqs(emb, interleaved)
+
+
+MAX_BLOCK_ELEMENTS = 8192
+
+
+def rope_block_configs(row_block: int, num_heads: int) -> list[KernelConfig]:
+    """Tiles of ``BLOCK_T`` tokens x ``BLOCK_H`` heads x ``row_block`` dims, capped in size."""
+    head_cap = next_pow2(max(1, num_heads))
+    configs = []
+    for block_t in (1, 4, 16):
+        for block_h in (1, 4, 8):
+            elements = block_t * block_h * row_block
+            if block_h > head_cap or elements > MAX_BLOCK_ELEMENTS:
+                continue
+            warps = (1, 4) if elements <= 512 else (4, 8) if elements >= 4096 else (4,)
+            configs += [KernelConfig.make(BLOCK_T=block_t, BLOCK_H=block_h, num_warps=w)
+                        for w in warps]
+    return configs
+
+
+def rope_block_default(row_block: int, num_heads: int, num_tokens: int) -> KernelConfig:
+    """Decode: one token, four heads per program; prefill: more tokens per program."""
+    block_t = 1 if num_tokens <= 16 else 4 if num_tokens <= 256 else 16
+    block_h = min(4, next_pow2(max(1, num_heads)))
+    while block_t > 1 and block_t * block_h * row_block > MAX_BLOCK_ELEMENTS:
+        block_t //= 4
+    elements = block_t * block_h * row_block
+    return KernelConfig.make(BLOCK_T=block_t, BLOCK_H=block_h,
+                             num_warps=1 if elements <= 512 else 4)
+
+
+def fused_qk_rope_tune_key(*, num_tokens: int, num_q_heads: int, num_k_heads: int, head_dim: int,
+                           rot_dim: int, layout: str, table: str, dtype) -> dict:
+    if layout not in LAYOUTS or table not in TABLES:
+        raise ValueError(f"layout={layout!r} / table={table!r}: expected {LAYOUTS} / {TABLES}")
+    return {"num_tokens": bucket_tokens(num_tokens), "num_q_heads": int(num_q_heads),
+            "num_k_heads": int(num_k_heads), "head_dim": int(head_dim), "rot_dim": int(rot_dim),
+            "layout": layout, "table": table,
+            "dtype": dtype if isinstance(dtype, str) else dtype_name(dtype)}
+
+
+def fused_qk_rope_configs(key: dict) -> list[KernelConfig]:
+    half_block = next_pow2(key["rot_dim"] // 2)
+    return rope_block_configs(half_block, max(key["num_q_heads"], key["num_k_heads"]))
+
+
+def fused_qk_rope_default_config(key: dict) -> KernelConfig:
+    half_block = next_pow2(key["rot_dim"] // 2)
+    return rope_block_default(half_block, max(key["num_q_heads"], key["num_k_heads"]),
+                              key["num_tokens"])
+
+
+def fused_qk_rope_presets() -> list[dict]:
+    """Llama-3-8B (GQA 32/8, D 128, half-split) and DeepSeek-V2-Lite's rope part (MLA)."""
+    llama = dict(num_q_heads=LLAMA_3_8B["num_attention_heads"],
+                 num_k_heads=LLAMA_3_8B["num_key_value_heads"], head_dim=LLAMA_3_8B["head_dim"],
+                 rot_dim=LLAMA_3_8B["rotary_dim"], layout="neox", dtype=LLAMA_3_8B["dtype"])
+    # MLA ropes the shared rope key (one head) and the rope part of every query head.
+    rope_dim = DEEPSEEK_V2_LITE["qk_rope_head_dim"]
+    deepseek = dict(num_q_heads=DEEPSEEK_V2_LITE["num_attention_heads"], num_k_heads=1,
+                    head_dim=rope_dim, rot_dim=rope_dim, layout="mla", table="freqs",
+                    dtype=DEEPSEEK_V2_LITE["dtype"])
+    keys = [fused_qk_rope_tune_key(num_tokens=n, table="freqs", **llama)
+            for n in (1, 16, 64, 256, 2048, 8192)]
+    keys += [fused_qk_rope_tune_key(num_tokens=n, table="cos_sin", **llama) for n in (64, 2048)]
+    keys += [fused_qk_rope_tune_key(num_tokens=n, **deepseek) for n in (64, 2048)]
+    return keys
+
+
+def _tune_check_bound(expected: torch.Tensor, dtype: torch.dtype, input_scale: float) -> torch.Tensor:
+    """The tune-time acceptance bound of a candidate config (not a test tolerance: the tests
+    state theirs in ``tests/tolerances.py``): one ulp of ``dtype`` at the fp32 reference value,
+    plus 8 fp32 eps times the input scale for fp32 cos/sin and FMA differences."""
+    mantissa = {torch.float32: 23, torch.float16: 10, torch.bfloat16: 7}[dtype]
+    exponent = torch.frexp(expected.float()).exponent
+    ulp = torch.ldexp(torch.ones_like(expected, dtype=torch.float32), exponent - 1 - mantissa)
+    ulp = torch.where(expected == 0, torch.zeros_like(ulp), ulp)
+    return ulp + 8 * torch.finfo(torch.float32).eps * input_scale
+
+
+def tune_check_rotation(actual: torch.Tensor, expected: torch.Tensor, input_scale: float,
+                        name: str = "output") -> None:
+    """A tune case's check: ``actual`` within ``_tune_check_bound`` of the fp32 ``expected``."""
+    error = (actual.float() - expected.float()).abs()
+    allowed = _tune_check_bound(expected, actual.dtype, input_scale)
+    bad = ~(error <= allowed)
+    if bad.any():
+        index = tuple(int(i) for i in bad.nonzero()[0])
+        raise AssertionError(f"{name}: {int(bad.sum())} of {bad.numel()} elements differ, first at "
+                             f"{index}: {float(actual[index])} vs {float(expected[index])} "
+                             f"(allowed {float(allowed[index]):.3g})")
 
 
 class RopeTuneCase(TuneCase):
@@ -549,7 +552,7 @@ class _FusedQKRopeCase(RopeTuneCase):
         self._launch(*expected, None, "torch")
         for name, got, want in zip(("query", "key"), actual, expected):
             if got is not None:
-                assert_rope_close(got, want, 1.0, name)
+                tune_check_rotation(got, want, 1.0, name)
 
 
 _autotune.register(KernelTuning(
@@ -558,3 +561,18 @@ _autotune.register(KernelTuning(
     make_case=lambda key, device: _FusedQKRopeCase(key, torch.device(device)),
     presets=fused_qk_rope_presets,
 ))
+
+
+@custom_op("dynctx::fused_qk_rope", mutates_args=("query", "key"))
+def _fused_qk_rope_op(query: Optional[torch.Tensor], key: Optional[torch.Tensor],
+                      positions: torch.Tensor, cos_sin_cache: Optional[torch.Tensor],
+                      freqs: Optional[torch.Tensor], interleaved: bool, mscale: float,
+                      mla_layout: bool) -> None:
+    fused_qk_rope(query, key, positions, cos_sin_cache=cos_sin_cache, freqs=freqs,
+                  interleaved=interleaved, mscale=mscale, mla_layout=mla_layout, backend=None)
+
+
+@_fused_qk_rope_op.register_fake
+def _fused_qk_rope_fake(query, key, positions, cos_sin_cache, freqs, interleaved, mscale,
+                        mla_layout) -> None:
+    return None

@@ -16,42 +16,25 @@ import torch
 from . import _autotune
 from ._autotune import KernelConfig, KernelTuning
 from ._backend import HAS_TRITON, resolve_backend
-from ._common import custom_op, next_pow2
-from .rope import (RopeTuneCase, as_head_view, assert_rope_close, check_rope_args,
-                   fused_qk_rope_ref, fused_qk_rope_tune_key, rope_block_configs,
-                   rope_block_default, rope_meta)
+from ._common import check_writable, custom_op, next_pow2
+from ._shapes import LLAMA_3_8B
+from .rope import (
+    RopeTuneCase,
+    as_head_view,
+    check_rope_args,
+    fused_qk_rope_ref,
+    fused_qk_rope_tune_key,
+    rope_block_configs,
+    rope_block_default,
+    rope_meta,
+    tune_check_rotation,
+)
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
 
     from .rope import _rope_rotate_program
-
-
-def rope_kv_append_tune_key(**shapes) -> dict:
-    """The ``fused_qk_rope`` key: ``num_k_heads`` is also the value/cache head count."""
-    return fused_qk_rope_tune_key(**shapes)
-
-
-def rope_kv_append_configs(key: dict) -> list[KernelConfig]:
-    # key programs also copy the whole value head and the key's pass-through dims
-    return rope_block_configs(next_pow2(key["head_dim"]),
-                              max(key["num_q_heads"], key["num_k_heads"]))
-
-
-def rope_kv_append_default_config(key: dict) -> KernelConfig:
-    return rope_block_default(next_pow2(key["head_dim"]),
-                              max(key["num_q_heads"], key["num_k_heads"]), key["num_tokens"])
-
-
-def rope_kv_append_presets() -> list[dict]:
-    """Llama-3-8B (GQA 32/8, D 128, half-split, bf16) at decode and prefill sizes."""
-    llama = dict(num_q_heads=32, num_k_heads=8, head_dim=128, rot_dim=128, layout="neox",
-                 dtype="bfloat16")
-    keys = [rope_kv_append_tune_key(num_tokens=n, table="freqs", **llama)
-            for n in (1, 16, 64, 256, 2048, 8192)]
-    keys += [rope_kv_append_tune_key(num_tokens=64, table="cos_sin", **llama)]
-    return keys
 
 
 if HAS_TRITON:
@@ -63,11 +46,13 @@ if HAS_TRITON:
         value_ptr, table_ptr,
         positions_ptr, block_ids_ptr, slots_ptr,
         num_tokens, num_q_heads, num_kv_heads, mscale,
-        stride_query_token, stride_query_head, stride_key_token, stride_key_head,
-        stride_value_token, stride_value_head,
-        stride_key_cache_block, stride_key_cache_slot, stride_key_cache_head,
+        stride_query_token, stride_query_head, stride_query_dim,
+        stride_key_token, stride_key_head, stride_key_dim,
+        stride_value_token, stride_value_head, stride_value_dim,
+        stride_key_cache_block, stride_key_cache_slot, stride_key_cache_head, stride_key_cache_dim,
         stride_value_cache_block, stride_value_cache_slot, stride_value_cache_head,
-        stride_table_pos,
+        stride_value_cache_dim,
+        stride_table_pos, stride_table_dim, stride_positions, stride_block_ids, stride_slots,
         HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, HALF_BLOCK: tl.constexpr,
         DIM_BLOCK: tl.constexpr, TAIL_BLOCK: tl.constexpr, LAYOUT: tl.constexpr,
         TABLE_IS_FREQS: tl.constexpr, HAS_QUERY: tl.constexpr,
@@ -80,16 +65,19 @@ if HAS_TRITON:
             if pid_h < num_q_tiles:
                 _rope_rotate_program(query_ptr, table_ptr, positions_ptr, pid_h, num_tokens,
                                      num_q_heads, mscale, stride_query_token, stride_query_head,
-                                     stride_table_pos, ROT_DIM, HALF_BLOCK, LAYOUT, TABLE_IS_FREQS,
-                                     BLOCK_T, BLOCK_H)
+                                     stride_query_dim, stride_table_pos, stride_table_dim,
+                                     stride_positions, ROT_DIM, HALF_BLOCK, LAYOUT,
+                                     TABLE_IS_FREQS, BLOCK_T, BLOCK_H)
         if pid_h >= num_q_tiles:
             offs_t, mask_t, offs_h, mask_h, mask_pair, out1, out2, key_first, key_second = \
                 _rope_rotate_program(key_ptr, table_ptr, positions_ptr, pid_h - num_q_tiles,
                                      num_tokens, num_kv_heads, mscale, stride_key_token,
-                                     stride_key_head, stride_table_pos, ROT_DIM, HALF_BLOCK,
+                                     stride_key_head, stride_key_dim, stride_table_pos,
+                                     stride_table_dim, stride_positions, ROT_DIM, HALF_BLOCK,
                                      LAYOUT, TABLE_IS_FREQS, BLOCK_T, BLOCK_H)
-            block_ids = tl.load(block_ids_ptr + offs_t, mask=mask_t, other=-1).to(tl.int64)
-            slots = tl.load(slots_ptr + offs_t, mask=mask_t, other=-1).to(tl.int64)
+            block_ids = tl.load(block_ids_ptr + offs_t * stride_block_ids, mask=mask_t,
+                                other=-1).to(tl.int64)
+            slots = tl.load(slots_ptr + offs_t * stride_slots, mask=mask_t, other=-1).to(tl.int64)
             # padding tokens (negative block id or slot) are rotated but never appended
             mask_write = mask_t & (block_ids >= 0) & (slots >= 0)
             mask_rows = mask_write[:, None, None] & mask_h[None, :, None]
@@ -100,23 +88,26 @@ if HAS_TRITON:
                 + slots[:, None, None] * stride_key_cache_slot \
                 + offs_h[None, :, None] * stride_key_cache_head
             mask_rot = mask_rows & mask_pair[None, None, :]
-            tl.store(key_cache_rows + out1[None, None, :],
+            tl.store(key_cache_rows + out1[None, None, :] * stride_key_cache_dim,
                      key_first.to(key_cache_ptr.dtype.element_ty), mask=mask_rot)
-            tl.store(key_cache_rows + out2[None, None, :],
+            tl.store(key_cache_rows + out2[None, None, :] * stride_key_cache_dim,
                      key_second.to(key_cache_ptr.dtype.element_ty), mask=mask_rot)
             if TAIL_BLOCK > 0:
                 offs_tail = ROT_DIM + tl.arange(0, TAIL_BLOCK)
                 mask_tail = mask_rows & (offs_tail < HEAD_DIM)[None, None, :]
-                tail = tl.load(key_rows + offs_tail[None, None, :], mask=mask_tail)
-                tl.store(key_cache_rows + offs_tail[None, None, :], tail, mask=mask_tail)
+                tail = tl.load(key_rows + offs_tail[None, None, :] * stride_key_dim, mask=mask_tail)
+                tl.store(key_cache_rows + offs_tail[None, None, :] * stride_key_cache_dim, tail,
+                         mask=mask_tail)
             offs_d = tl.arange(0, DIM_BLOCK)
             mask_value = mask_rows & (offs_d < HEAD_DIM)[None, None, :]
             value = tl.load(value_ptr + offs_t[:, None, None] * stride_value_token
-                            + offs_h[None, :, None] * stride_value_head + offs_d[None, None, :],
+                            + offs_h[None, :, None] * stride_value_head
+                            + offs_d[None, None, :] * stride_value_dim,
                             mask=mask_value)
             tl.store(value_cache_ptr + block_ids[:, None, None] * stride_value_cache_block
                      + slots[:, None, None] * stride_value_cache_slot
-                     + offs_h[None, :, None] * stride_value_cache_head + offs_d[None, None, :],
+                     + offs_h[None, :, None] * stride_value_cache_head
+                     + offs_d[None, None, :] * stride_value_cache_dim,
                      value, mask=mask_value)
 
 
@@ -128,10 +119,9 @@ def _check_cache(cache, name: str, like: torch.Tensor) -> None:
                          f"{tuple(like.shape[1:])}")
     if cache.dtype != like.dtype:
         raise ValueError(f"{name} dtype {cache.dtype} != key dtype {like.dtype}")
-    if cache.shape[3] > 1 and cache.stride(3) != 1:
-        raise ValueError(f"{name} needs a contiguous last dim")
     if cache.device != like.device:
         raise ValueError(f"{name} is on {cache.device}, expected {like.device}")
+    check_writable((name, cache))
 
 
 def _check_index(index, name: str, num_tokens: int, device: torch.device) -> None:
@@ -139,8 +129,6 @@ def _check_index(index, name: str, num_tokens: int, device: torch.device) -> Non
         raise ValueError(f"{name} must be a 1-D tensor of positions.numel()={num_tokens} entries")
     if index.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"{name} must be int32 or int64, got {index.dtype}")
-    if num_tokens > 1 and index.stride(0) != 1:
-        raise ValueError(f"{name} must be contiguous")
     if index.device != device:
         raise ValueError(f"{name} is on {index.device}, expected {device}")
 
@@ -156,11 +144,14 @@ def rope_kv_append(query: Optional[torch.Tensor], key: torch.Tensor, value: torc
 
     query/key/positions/cos_sin_cache/freqs/interleaved/mscale/mla_layout: as ``fused_qk_rope``
         (``query`` may be None; ``key`` may not).
-    value: ``[>=n, Hk, D]`` or ``[>=n, 1, Hk, D]``, key's dtype, any strides, last dim contiguous.
-    key_cache, value_cache: ``[num_blocks, block_size, Hk, D]``, key's dtype, last dim
-        contiguous, otherwise strided (views of ``[2, L, blocks, bs, H, D]``); written IN PLACE
-        at ``[block_ids[t], slots[t]]`` for ``t < n`` whose block id and slot are both >= 0.
-    block_ids, slots: ``[n]`` int32/int64, contiguous; targets must be in range (not checked).
+    value: ``[>=n, Hk, D]`` or ``[>=n, 1, Hk, D]``, key's dtype, any strides.
+    key_cache, value_cache: ``[num_blocks, block_size, Hk, D]``, key's dtype, any strides
+        (usually views of ``[2, L, blocks, bs, H, D]``); written IN PLACE at
+        ``[block_ids[t], slots[t]]`` for ``t < n`` whose block id and slot are both >= 0.
+    block_ids, slots: ``[n]`` int32/int64, any stride; targets must be in range (not checked).
+
+    Every tensor is read or written through its own strides and storage offset; nothing is
+    copied at the edge. Every argument is checked before anything is written.
     """
     if key is None:
         raise ValueError("key must be a tensor (only query may be None)")
@@ -195,36 +186,23 @@ def rope_kv_append(query: Optional[torch.Tensor], key: torch.Tensor, value: torc
         mscale=float(mscale),
         stride_query_token=0 if q is None else q.stride(0),
         stride_query_head=0 if q is None else q.stride(1),
-        stride_key_token=k.stride(0), stride_key_head=k.stride(1),
+        stride_query_dim=0 if q is None else q.stride(2),
+        stride_key_token=k.stride(0), stride_key_head=k.stride(1), stride_key_dim=k.stride(2),
         stride_value_token=v.stride(0), stride_value_head=v.stride(1),
+        stride_value_dim=v.stride(2),
         stride_key_cache_block=key_cache.stride(0), stride_key_cache_slot=key_cache.stride(1),
-        stride_key_cache_head=key_cache.stride(2),
+        stride_key_cache_head=key_cache.stride(2), stride_key_cache_dim=key_cache.stride(3),
         stride_value_cache_block=value_cache.stride(0),
         stride_value_cache_slot=value_cache.stride(1),
         stride_value_cache_head=value_cache.stride(2),
-        stride_table_pos=problem.table.stride(0),
+        stride_value_cache_dim=value_cache.stride(3),
+        stride_table_pos=problem.table.stride(0), stride_table_dim=problem.table.stride(1),
+        stride_positions=positions.stride(0), stride_block_ids=block_ids.stride(0),
+        stride_slots=slots.stride(0),
         HEAD_DIM=dim, DIM_BLOCK=next_pow2(dim),
         TAIL_BLOCK=0 if rot == dim else next_pow2(dim - rot),
         **rope_meta(problem), **config.launch_kwargs(),
     )
-
-
-@custom_op("dynctx::rope_kv_append",
-                         mutates_args=("query", "key", "key_cache", "value_cache"))
-def _rope_kv_append_op(query: Optional[torch.Tensor], key: torch.Tensor, value: torch.Tensor,
-                       positions: torch.Tensor, key_cache: torch.Tensor,
-                       value_cache: torch.Tensor, block_ids: torch.Tensor, slots: torch.Tensor,
-                       cos_sin_cache: Optional[torch.Tensor], freqs: Optional[torch.Tensor],
-                       interleaved: bool, mscale: float, mla_layout: bool) -> None:
-    rope_kv_append(query, key, value, positions, key_cache, value_cache, block_ids, slots,
-                   cos_sin_cache=cos_sin_cache, freqs=freqs, interleaved=interleaved,
-                   mscale=mscale, mla_layout=mla_layout, backend=None)
-
-
-@_rope_kv_append_op.register_fake
-def _rope_kv_append_fake(query, key, value, positions, key_cache, value_cache, block_ids, slots,
-                         cos_sin_cache, freqs, interleaved, mscale, mla_layout) -> None:
-    return None
 
 
 def _kv_append_ref(key_cache, value_cache, key, value, block_ids, slots) -> None:
@@ -244,6 +222,33 @@ def rope_kv_append_ref(query, key, value, positions, key_cache, value_cache, blo
     fused_qk_rope_ref(query, key, positions, cos_sin_cache=cos_sin_cache, freqs=freqs,
                       interleaved=interleaved, mscale=mscale, mla_layout=mla_layout)
     _kv_append_ref(key_cache, value_cache, key, value, block_ids, slots)
+
+
+def rope_kv_append_tune_key(**shapes) -> dict:
+    """The ``fused_qk_rope`` key: ``num_k_heads`` is also the value/cache head count."""
+    return fused_qk_rope_tune_key(**shapes)
+
+
+def rope_kv_append_configs(key: dict) -> list[KernelConfig]:
+    # key programs also copy the whole value head and the key's pass-through dims
+    return rope_block_configs(next_pow2(key["head_dim"]),
+                              max(key["num_q_heads"], key["num_k_heads"]))
+
+
+def rope_kv_append_default_config(key: dict) -> KernelConfig:
+    return rope_block_default(next_pow2(key["head_dim"]),
+                              max(key["num_q_heads"], key["num_k_heads"]), key["num_tokens"])
+
+
+def rope_kv_append_presets() -> list[dict]:
+    """Llama-3-8B (GQA 32/8, D 128, half-split, bf16) at decode and prefill sizes."""
+    llama = dict(num_q_heads=LLAMA_3_8B["num_attention_heads"],
+                 num_k_heads=LLAMA_3_8B["num_key_value_heads"], head_dim=LLAMA_3_8B["head_dim"],
+                 rot_dim=LLAMA_3_8B["rotary_dim"], layout="neox", dtype=LLAMA_3_8B["dtype"])
+    keys = [rope_kv_append_tune_key(num_tokens=n, table="freqs", **llama)
+            for n in (1, 16, 64, 256, 2048, 8192)]
+    keys += [rope_kv_append_tune_key(num_tokens=64, table="cos_sin", **llama)]
+    return keys
 
 
 class _RopeKVAppendCase(RopeTuneCase):
@@ -289,7 +294,7 @@ class _RopeKVAppendCase(RopeTuneCase):
         for name, got, want in (("query", actual[0], expected[0]), ("key", actual[1], expected[1]),
                                 ("cache", buffer, expected_buffer)):
             if got is not None:
-                assert_rope_close(got.nan_to_num(7.0), want.nan_to_num(7.0), 1.0, name)
+                tune_check_rotation(got.nan_to_num(7.0), want.nan_to_num(7.0), 1.0, name)
         if not torch.equal(buffer[0, 0, self.block_ids, self.slots], actual[1]):
             raise AssertionError("key_cache does not hold the rotated key bit for bit")
         if not torch.equal(buffer[1, 0, self.block_ids, self.slots], self.originals[2]):
@@ -302,3 +307,21 @@ _autotune.register(KernelTuning(
     make_case=lambda key, device: _RopeKVAppendCase(key, torch.device(device)),
     presets=rope_kv_append_presets,
 ))
+
+
+@custom_op("dynctx::rope_kv_append",
+                         mutates_args=("query", "key", "key_cache", "value_cache"))
+def _rope_kv_append_op(query: Optional[torch.Tensor], key: torch.Tensor, value: torch.Tensor,
+                       positions: torch.Tensor, key_cache: torch.Tensor,
+                       value_cache: torch.Tensor, block_ids: torch.Tensor, slots: torch.Tensor,
+                       cos_sin_cache: Optional[torch.Tensor], freqs: Optional[torch.Tensor],
+                       interleaved: bool, mscale: float, mla_layout: bool) -> None:
+    rope_kv_append(query, key, value, positions, key_cache, value_cache, block_ids, slots,
+                   cos_sin_cache=cos_sin_cache, freqs=freqs, interleaved=interleaved,
+                   mscale=mscale, mla_layout=mla_layout, backend=None)
+
+
+@_rope_kv_append_op.register_fake
+def _rope_kv_append_fake(query, key, value, positions, key_cache, value_cache, block_ids, slots,
+                         cos_sin_cache, freqs, interleaved, mscale, mla_layout) -> None:
+    return None

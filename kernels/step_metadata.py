@@ -31,19 +31,330 @@ import torch
 from . import _autotune
 from ._autotune import KernelConfig, KernelTuning, TuneCase, bucket_tokens
 from ._backend import HAS_TRITON, resolve_backend
-from ._common import custom_op
+from ._common import check_writable, custom_op
+from ._shapes import BLOCK_SIZE
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
 
-_BLOCK_TOKENS = (16, 64, 256)
-_BLOCK_COLS = (64, 256)
-_WARPS = (1, 4)
-
 TOKEN_OUTPUTS = ("token_to_input_ids", "token_to_pos_ids", "token_to_request_idx",
                  "token_to_block_idx", "token_to_position_in_request",
                  "token_to_local_position_within_kv_block")
+
+# The kernel's stride argument of each TOKEN_OUTPUTS entry, in the same order.
+_OUTPUT_STRIDES = ("input_ids", "pos_ids", "request_idx", "block_idx", "position", "local_slot")
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _store_token_outputs(
+        input_ids_ptr, pos_ids_ptr, request_idx_ptr, block_idx_ptr, position_ptr, local_slot_ptr,
+        stride_input_ids, stride_pos_ids, stride_request_idx, stride_block_idx, stride_position,
+        stride_local_slot,
+        tokens, input_ids, positions, request_idx, blocks, local_slots, mask,
+    ):
+        """Store one tile of the six per-token arrays, each through its own stride."""
+        tl.store(input_ids_ptr + tokens * stride_input_ids, input_ids, mask=mask)
+        tl.store(pos_ids_ptr + tokens * stride_pos_ids, positions, mask=mask)
+        tl.store(request_idx_ptr + tokens * stride_request_idx, request_idx, mask=mask)
+        tl.store(block_idx_ptr + tokens * stride_block_idx, blocks, mask=mask)
+        tl.store(position_ptr + tokens * stride_position, positions, mask=mask)
+        tl.store(local_slot_ptr + tokens * stride_local_slot, local_slots, mask=mask)
+
+    @triton.jit
+    def _store_token_metadata(
+        input_ids_ptr, pos_ids_ptr, request_idx_ptr, block_idx_ptr, position_ptr, local_slot_ptr,
+        stride_input_ids, stride_pos_ids, stride_request_idx, stride_block_idx, stride_position,
+        stride_local_slot,
+        block_table_ptr, tokens, requests, positions, input_ids, mask,
+        row_offset, block_size, max_blocks, stride_table_row, stride_table_col,
+    ):
+        """Write the six per-token arrays for a tile of real tokens."""
+        block_cols = positions // block_size
+        # A position past the table reads nothing (the reference raises instead).
+        blocks = tl.load(block_table_ptr + requests * stride_table_row + block_cols * stride_table_col,
+                         mask=mask & (block_cols < max_blocks), other=-1).to(tl.int64)
+        _store_token_outputs(input_ids_ptr, pos_ids_ptr, request_idx_ptr, block_idx_ptr,
+                             position_ptr, local_slot_ptr, stride_input_ids, stride_pos_ids,
+                             stride_request_idx, stride_block_idx, stride_position,
+                             stride_local_slot, tokens, input_ids, positions,
+                             requests + row_offset, blocks, positions % block_size, mask)
+
+    @triton.jit
+    def _step_metadata_kernel(
+        input_ids_ptr, pos_ids_ptr, request_idx_ptr, block_idx_ptr, position_ptr, local_slot_ptr,
+        attn_block_table_ptr,
+        next_tokens_ptr, prompt_tokens_ptr,
+        block_table_ptr, kv_offsets_ptr, cu_query_lengths_ptr,
+        num_requests, num_decode, active_tokens, padded_tokens, padded_requests,
+        num_decode_programs, num_prefill_programs, num_pad_programs, num_search_steps,
+        row_offset, block_size, dummy_block, max_blocks,
+        stride_attn_row, stride_attn_col, stride_table_row, stride_table_col,
+        stride_input_ids, stride_pos_ids, stride_request_idx, stride_block_idx, stride_position,
+        stride_local_slot,
+        stride_next_tokens, stride_prompt_tokens, stride_kv_offsets, stride_cu,
+        BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+    ):
+        """Segments of the 1-D grid: decode rows, prefill tokens, padding tokens, table rows."""
+        pid = tl.program_id(0)
+        prefill_start = num_decode_programs
+        pad_start = prefill_start + num_prefill_programs
+        table_start = pad_start + num_pad_programs
+        offs_t = tl.arange(0, BLOCK_T)
+        if pid < prefill_start:
+            # [BLOCK_T] decode rows, one token each.
+            requests = pid.to(tl.int64) * BLOCK_T + offs_t
+            mask = requests < num_decode
+            tokens = tl.load(cu_query_lengths_ptr + requests * stride_cu, mask=mask,
+                             other=0).to(tl.int64)
+            positions = tl.load(kv_offsets_ptr + requests * stride_kv_offsets, mask=mask,
+                                other=0).to(tl.int64)
+            input_ids = tl.load(next_tokens_ptr + requests * stride_next_tokens, mask=mask,
+                                other=0).to(tl.int64)
+            _store_token_metadata(input_ids_ptr, pos_ids_ptr, request_idx_ptr, block_idx_ptr,
+                                  position_ptr, local_slot_ptr, stride_input_ids, stride_pos_ids,
+                                  stride_request_idx, stride_block_idx, stride_position,
+                                  stride_local_slot, block_table_ptr, tokens, requests,
+                                  positions, input_ids, mask, row_offset, block_size, max_blocks,
+                                  stride_table_row, stride_table_col)
+        elif pid < pad_start:
+            # [BLOCK_T] prefill tokens; each token's request i has cu[i] <= token < cu[i + 1].
+            tokens = num_decode + (pid - prefill_start).to(tl.int64) * BLOCK_T + offs_t
+            mask = tokens < active_tokens
+            low = tl.zeros([BLOCK_T], dtype=tl.int64) + num_decode
+            high = tl.zeros([BLOCK_T], dtype=tl.int64) + num_requests
+            first_token = (tl.zeros([BLOCK_T], dtype=tl.int64)
+                           + tl.load(cu_query_lengths_ptr + num_decode * stride_cu))
+            for _ in range(num_search_steps):
+                middle = (low + high) // 2
+                middle_first = tl.load(cu_query_lengths_ptr + middle * stride_cu, mask=mask,
+                                       other=0).to(tl.int64)
+                right = middle_first <= tokens
+                low = tl.where(right, middle, low)
+                first_token = tl.where(right, middle_first, first_token)
+                high = tl.where(right, high, middle)
+            kv_offset = tl.load(kv_offsets_ptr + low * stride_kv_offsets, mask=mask,
+                                other=0).to(tl.int64)
+            positions = kv_offset + tokens - first_token
+            input_ids = tl.load(prompt_tokens_ptr + (tokens - num_decode) * stride_prompt_tokens,
+                                mask=mask, other=0).to(tl.int64)
+            _store_token_metadata(input_ids_ptr, pos_ids_ptr, request_idx_ptr, block_idx_ptr,
+                                  position_ptr, local_slot_ptr, stride_input_ids, stride_pos_ids,
+                                  stride_request_idx, stride_block_idx, stride_position,
+                                  stride_local_slot, block_table_ptr, tokens, low,
+                                  positions, input_ids, mask, row_offset, block_size, max_blocks,
+                                  stride_table_row, stride_table_col)
+        elif pid < table_start:
+            # [BLOCK_T] padding tokens.
+            tokens = active_tokens + (pid - pad_start).to(tl.int64) * BLOCK_T + offs_t
+            mask = tokens < padded_tokens
+            zeros = tl.zeros([BLOCK_T], dtype=tl.int64)
+            _store_token_outputs(input_ids_ptr, pos_ids_ptr, request_idx_ptr, block_idx_ptr,
+                                 position_ptr, local_slot_ptr, stride_input_ids, stride_pos_ids,
+                                 stride_request_idx, stride_block_idx, stride_position,
+                                 stride_local_slot, tokens, zeros, zeros, zeros - 1,
+                                 zeros + dummy_block, zeros, mask)
+        else:
+            # One attention block-table row: a copy of an active row, or -1 past them.
+            row = (pid - table_start).to(tl.int64)
+            is_active = row < num_requests
+            offs_c = tl.arange(0, BLOCK_C)
+            for start in range(0, max_blocks, BLOCK_C):
+                cols = start + offs_c
+                mask_c = cols < max_blocks
+                # tl.where, not `&`: a scalar & vector mask loses its bool dtype under the interpreter.
+                blocks = tl.load(block_table_ptr + row * stride_table_row + cols * stride_table_col,
+                                 mask=tl.where(is_active, mask_c, False), other=-1)
+                tl.store(attn_block_table_ptr + row * stride_attn_row + cols * stride_attn_col, blocks,
+                         mask=mask_c)
+
+
+def _check_tensor(name: str, t, *, dims: int, dtypes: tuple, device, min_rows: int) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
+    if t.dim() != dims:
+        raise ValueError(f"{name} must have {dims} dims, got shape {tuple(t.shape)}")
+    if t.dtype not in dtypes:
+        raise ValueError(f"{name} must be {' or '.join(map(str, dtypes))}, got {t.dtype}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device}, block_table on {device}")
+    if t.shape[0] < min_rows:
+        raise ValueError(f"{name} has {t.shape[0]} rows, needs at least {min_rows}")
+
+
+def step_metadata(token_to_input_ids: torch.Tensor, token_to_pos_ids: torch.Tensor,
+                  token_to_request_idx: torch.Tensor, token_to_block_idx: torch.Tensor,
+                  token_to_position_in_request: torch.Tensor,
+                  token_to_local_position_within_kv_block: torch.Tensor,
+                  attn_block_table: torch.Tensor, block_table: torch.Tensor,
+                  query_lengths: torch.Tensor, kv_offsets: torch.Tensor,
+                  cu_query_lengths: torch.Tensor, next_tokens: torch.Tensor,
+                  prompt_tokens: torch.Tensor, *, num_requests: int, num_decode: int,
+                  active_tokens: int, padded_tokens: int, padded_requests: int, row_offset: int,
+                  block_size: int, dummy_block: int, config: KernelConfig | None = None,
+                  backend: str | None = None, check: bool = True) -> None:
+    """Write the step's per-token metadata and attention block table (module docstring), in place.
+
+    ``check=False`` skips the argument checks: for a caller (the context) that allocated every
+    buffer itself and checks its host counts once, where it computes them.
+
+    Args:
+        token_to_*: six int64 ``[>= padded_tokens]`` outputs, any stride, distinct memory.
+        attn_block_table: int32 ``[>= padded_requests, max_blocks]`` output, any strides.
+        block_table: int32 ``[>= num_requests, max_blocks]``, the active rows (any strides).
+        query_lengths, kv_offsets: int32 ``[>= num_requests]``, any stride (the kernel needs
+            only ``cu_query_lengths``; decode rows have one token each).
+        cu_query_lengths: int32 ``[>= num_requests + 1]``, ``cu[0] = 0`` and
+            ``cu[num_requests] == active_tokens`` (the caller guarantees it; not checked).
+        next_tokens: int64 (or int32) ``[>= num_requests]``, the input token of each decode row.
+        prompt_tokens: int64 (or int32) ``[>= active_tokens - num_decode]``, the tokens of rows
+            ``[num_decode, num_requests)`` in order.
+        num_requests, num_decode, active_tokens, padded_tokens, padded_requests, row_offset,
+        block_size, dummy_block: host ints.
+
+    ``cu_query_lengths``, ``next_tokens`` and ``prompt_tokens`` may have any stride too: every
+    tensor is read or written through its own strides and storage offset, and nothing is copied
+    at the edge. Every argument is checked before anything is written.
+    """
+    device = block_table.device if isinstance(block_table, torch.Tensor) else None
+    num_requests, num_decode = int(num_requests), int(num_decode)
+    active_tokens, padded_tokens = int(active_tokens), int(padded_tokens)
+    padded_requests, block_size = int(padded_requests), int(block_size)
+    token_outputs = (token_to_input_ids, token_to_pos_ids, token_to_request_idx, token_to_block_idx,
+                     token_to_position_in_request, token_to_local_position_within_kv_block)
+    outputs = dict(zip(TOKEN_OUTPUTS, token_outputs), attn_block_table=attn_block_table)
+    if check:
+        if not 0 <= num_decode <= num_requests:
+            raise ValueError(f"num_decode={num_decode} must be in [0, num_requests={num_requests}]")
+        if not 0 <= active_tokens <= padded_tokens:
+            raise ValueError(f"active_tokens={active_tokens} and padded_tokens={padded_tokens} "
+                             "must satisfy 0 <= active_tokens <= padded_tokens")
+        if padded_requests < num_requests:
+            raise ValueError(f"padded_requests={padded_requests} < num_requests={num_requests}")
+        if block_size <= 0:
+            raise ValueError(f"block_size={block_size} must be positive")
+        _check_tensor("block_table", block_table, dims=2, dtypes=(torch.int32,), device=device,
+                      min_rows=num_requests)
+        for name, out in zip(TOKEN_OUTPUTS, token_outputs):
+            _check_tensor(name, out, dims=1, dtypes=(torch.int64,), device=device,
+                          min_rows=padded_tokens)
+        _check_tensor("attn_block_table", attn_block_table, dims=2, dtypes=(torch.int32,),
+                      device=device, min_rows=padded_requests)
+        if attn_block_table.shape[1] != block_table.shape[1]:
+            raise ValueError(f"attn_block_table has {attn_block_table.shape[1]} columns, "
+                             f"block_table {block_table.shape[1]}")
+        _check_tensor("query_lengths", query_lengths, dims=1, dtypes=(torch.int32,), device=device,
+                      min_rows=num_requests)
+        _check_tensor("kv_offsets", kv_offsets, dims=1, dtypes=(torch.int32,), device=device,
+                      min_rows=num_requests)
+        _check_tensor("cu_query_lengths", cu_query_lengths, dims=1, dtypes=(torch.int32,),
+                      device=device, min_rows=num_requests + 1)
+        _check_tensor("next_tokens", next_tokens, dims=1, dtypes=(torch.int64, torch.int32),
+                      device=device, min_rows=num_requests)
+        _check_tensor("prompt_tokens", prompt_tokens, dims=1, dtypes=(torch.int64, torch.int32),
+                      device=device, min_rows=max(active_tokens - num_decode, 0))
+        check_writable(*((name, out[:padded_tokens])
+                         for name, out in zip(TOKEN_OUTPUTS, token_outputs)),
+                       ("attn_block_table", attn_block_table[:padded_requests]))
+    if resolve_backend(backend, device) == "torch":
+        step_metadata_ref(**outputs, block_table=block_table, query_lengths=query_lengths,
+                          kv_offsets=kv_offsets, cu_query_lengths=cu_query_lengths,
+                          next_tokens=next_tokens, prompt_tokens=prompt_tokens,
+                          num_requests=num_requests, num_decode=num_decode,
+                          active_tokens=active_tokens, padded_tokens=padded_tokens,
+                          padded_requests=padded_requests, row_offset=row_offset,
+                          block_size=block_size, dummy_block=dummy_block)
+        return
+    max_blocks = block_table.shape[1]
+    num_prefill = num_requests - num_decode
+    if padded_tokens == 0 and padded_requests == 0:
+        return
+    if config is None:
+        key = step_metadata_tune_key(max_blocks=max_blocks, block_size=block_size,
+                                     num_tokens=padded_tokens, num_requests=num_requests,
+                                     prefill=num_prefill > 0)
+        config, _ = _autotune.resolve_config("step_metadata", key, device)
+    block_t = config.kwargs["BLOCK_T"]
+    num_decode_programs = triton.cdiv(num_decode, block_t)
+    num_prefill_programs = triton.cdiv(active_tokens - num_decode, block_t) if num_prefill else 0
+    num_pad_programs = triton.cdiv(padded_tokens - active_tokens, block_t)
+    grid = (num_decode_programs + num_prefill_programs + num_pad_programs + padded_requests,)
+    _step_metadata_kernel[grid](
+        input_ids_ptr=token_to_input_ids, pos_ids_ptr=token_to_pos_ids,
+        request_idx_ptr=token_to_request_idx, block_idx_ptr=token_to_block_idx,
+        position_ptr=token_to_position_in_request,
+        local_slot_ptr=token_to_local_position_within_kv_block,
+        attn_block_table_ptr=attn_block_table,
+        next_tokens_ptr=next_tokens, prompt_tokens_ptr=prompt_tokens,
+        block_table_ptr=block_table, kv_offsets_ptr=kv_offsets,
+        cu_query_lengths_ptr=cu_query_lengths,
+        num_requests=num_requests, num_decode=num_decode, active_tokens=active_tokens,
+        padded_tokens=padded_tokens, padded_requests=padded_requests,
+        num_decode_programs=num_decode_programs, num_prefill_programs=num_prefill_programs,
+        num_pad_programs=num_pad_programs,
+        num_search_steps=(num_prefill - 1).bit_length() if num_prefill else 0,
+        row_offset=int(row_offset), block_size=block_size, dummy_block=int(dummy_block),
+        max_blocks=max_blocks,
+        stride_attn_row=attn_block_table.stride(0), stride_attn_col=attn_block_table.stride(1),
+        stride_table_row=block_table.stride(0), stride_table_col=block_table.stride(1),
+        **{"stride_" + short: out.stride(0) for short, out in zip(_OUTPUT_STRIDES, token_outputs)},
+        stride_next_tokens=next_tokens.stride(0), stride_prompt_tokens=prompt_tokens.stride(0),
+        stride_kv_offsets=kv_offsets.stride(0), stride_cu=cu_query_lengths.stride(0),
+        **config.launch_kwargs())
+
+
+def step_metadata_ref(token_to_input_ids: torch.Tensor, token_to_pos_ids: torch.Tensor,
+                      token_to_request_idx: torch.Tensor, token_to_block_idx: torch.Tensor,
+                      token_to_position_in_request: torch.Tensor,
+                      token_to_local_position_within_kv_block: torch.Tensor,
+                      attn_block_table: torch.Tensor, block_table: torch.Tensor,
+                      query_lengths: torch.Tensor, kv_offsets: torch.Tensor,
+                      cu_query_lengths: torch.Tensor, next_tokens: torch.Tensor,
+                      prompt_tokens: torch.Tensor, *, num_requests: int, num_decode: int,
+                      active_tokens: int, padded_tokens: int, padded_requests: int,
+                      row_offset: int, block_size: int, dummy_block: int) -> None:
+    """Torch reference of ``step_metadata`` (same outputs, written in place)."""
+    device = block_table.device
+    n = active_tokens
+    token = torch.arange(n, device=device)
+    # Each token's request; output_size keeps repeat_interleave from syncing.
+    request = torch.repeat_interleave(torch.arange(num_requests, device=device),
+                                      query_lengths[:num_requests].long(), output_size=n)
+    position = kv_offsets.long()[request] + token - cu_query_lengths.long()[request]
+    # Decode rows feed their pending token; prefill rows their prompt, in order after the decode
+    # tokens (index -1 picks the trailing 0 for decode tokens).
+    is_decode = request < num_decode
+    prompt = torch.cat([prompt_tokens[:max(n - num_decode, 0)].long(), prompt_tokens.new_zeros(1).long()])
+    input_ids = torch.where(is_decode, next_tokens.long()[request],
+                            prompt[torch.where(is_decode, -1, token - num_decode)])
+
+    token_to_input_ids[:n] = input_ids
+    token_to_pos_ids[:n] = position
+    token_to_request_idx[:n] = row_offset + request
+    token_to_block_idx[:n] = block_table[request, position // block_size].long()
+    token_to_position_in_request[:n] = position
+    token_to_local_position_within_kv_block[:n] = position % block_size
+
+    token_to_input_ids[n:padded_tokens] = 0
+    token_to_pos_ids[n:padded_tokens] = 0
+    token_to_request_idx[n:padded_tokens] = -1
+    token_to_block_idx[n:padded_tokens] = dummy_block
+    token_to_position_in_request[n:padded_tokens] = 0
+    token_to_local_position_within_kv_block[n:padded_tokens] = 0
+
+    attn_block_table[:num_requests] = block_table[:num_requests]
+    attn_block_table[num_requests:padded_requests] = -1
+
+
+_BLOCK_TOKENS = (16, 64, 256)
+
+
+_BLOCK_COLS = (64, 256)
+
+
+_WARPS = (1, 4)
 
 
 def step_metadata_configs(key: dict) -> list[KernelConfig]:
@@ -135,11 +446,11 @@ class _StepMetadataCase(TuneCase):
 
 
 def _step_metadata_presets() -> list[dict]:
-    keys = [step_metadata_tune_key(max_blocks=b, block_size=256, num_tokens=r, num_requests=r,
-                                   prefill=False)
+    keys = [step_metadata_tune_key(max_blocks=b, block_size=BLOCK_SIZE, num_tokens=r,
+                                   num_requests=r, prefill=False)
             for b in (128, 256) for r in (64, 256, 1024)]
-    keys += [step_metadata_tune_key(max_blocks=256, block_size=256, num_tokens=n, num_requests=r,
-                                    prefill=True)
+    keys += [step_metadata_tune_key(max_blocks=256, block_size=BLOCK_SIZE, num_tokens=n,
+                                    num_requests=r, prefill=True)
              for r, n in ((64, 2048), (256, 4096), (1024, 8192))]
     return keys
 
@@ -148,273 +459,6 @@ _autotune.register(KernelTuning(
     name="step_metadata", configs=step_metadata_configs,
     default_config=step_metadata_default_config, tune_key=step_metadata_tune_key,
     token_field="num_tokens", make_case=_StepMetadataCase, presets=_step_metadata_presets))
-
-
-if HAS_TRITON:
-
-    @triton.jit
-    def _store_token_metadata(
-        input_ids_ptr, pos_ids_ptr, request_idx_ptr, block_idx_ptr, position_ptr, local_slot_ptr,
-        block_table_ptr, tokens, requests, positions, input_ids, mask,
-        row_offset, block_size, max_blocks, stride_table_row, stride_table_col,
-    ):
-        """Write the six per-token arrays for a tile of real tokens."""
-        block_cols = positions // block_size
-        # A position past the table reads nothing (the reference raises instead).
-        blocks = tl.load(block_table_ptr + requests * stride_table_row + block_cols * stride_table_col,
-                         mask=mask & (block_cols < max_blocks), other=-1).to(tl.int64)
-        tl.store(input_ids_ptr + tokens, input_ids, mask=mask)
-        tl.store(pos_ids_ptr + tokens, positions, mask=mask)
-        tl.store(request_idx_ptr + tokens, requests + row_offset, mask=mask)
-        tl.store(block_idx_ptr + tokens, blocks, mask=mask)
-        tl.store(position_ptr + tokens, positions, mask=mask)
-        tl.store(local_slot_ptr + tokens, positions % block_size, mask=mask)
-
-    @triton.jit
-    def _step_metadata_kernel(
-        input_ids_ptr, pos_ids_ptr, request_idx_ptr, block_idx_ptr, position_ptr, local_slot_ptr,
-        attn_block_table_ptr,
-        next_tokens_ptr, prompt_tokens_ptr,
-        block_table_ptr, kv_offsets_ptr, cu_query_lengths_ptr,
-        num_requests, num_decode, active_tokens, padded_tokens, padded_requests,
-        num_decode_programs, num_prefill_programs, num_pad_programs, num_search_steps,
-        row_offset, block_size, dummy_block, max_blocks,
-        stride_attn_row, stride_attn_col, stride_table_row, stride_table_col,
-        BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
-    ):
-        """Segments of the 1-D grid: decode rows, prefill tokens, padding tokens, table rows."""
-        pid = tl.program_id(0)
-        prefill_start = num_decode_programs
-        pad_start = prefill_start + num_prefill_programs
-        table_start = pad_start + num_pad_programs
-        offs_t = tl.arange(0, BLOCK_T)
-        if pid < prefill_start:
-            # [BLOCK_T] decode rows, one token each.
-            requests = pid.to(tl.int64) * BLOCK_T + offs_t
-            mask = requests < num_decode
-            tokens = tl.load(cu_query_lengths_ptr + requests, mask=mask, other=0).to(tl.int64)
-            positions = tl.load(kv_offsets_ptr + requests, mask=mask, other=0).to(tl.int64)
-            input_ids = tl.load(next_tokens_ptr + requests, mask=mask, other=0).to(tl.int64)
-            _store_token_metadata(input_ids_ptr, pos_ids_ptr, request_idx_ptr, block_idx_ptr,
-                                  position_ptr, local_slot_ptr, block_table_ptr, tokens, requests,
-                                  positions, input_ids, mask, row_offset, block_size, max_blocks,
-                                  stride_table_row, stride_table_col)
-        elif pid < pad_start:
-            # [BLOCK_T] prefill tokens; each token's request i has cu[i] <= token < cu[i + 1].
-            tokens = num_decode + (pid - prefill_start).to(tl.int64) * BLOCK_T + offs_t
-            mask = tokens < active_tokens
-            low = tl.zeros([BLOCK_T], dtype=tl.int64) + num_decode
-            high = tl.zeros([BLOCK_T], dtype=tl.int64) + num_requests
-            first_token = tl.zeros([BLOCK_T], dtype=tl.int64) + tl.load(cu_query_lengths_ptr + num_decode)
-            for _ in range(num_search_steps):
-                middle = (low + high) // 2
-                middle_first = tl.load(cu_query_lengths_ptr + middle, mask=mask, other=0).to(tl.int64)
-                right = middle_first <= tokens
-                low = tl.where(right, middle, low)
-                first_token = tl.where(right, middle_first, first_token)
-                high = tl.where(right, high, middle)
-            kv_offset = tl.load(kv_offsets_ptr + low, mask=mask, other=0).to(tl.int64)
-            positions = kv_offset + tokens - first_token
-            input_ids = tl.load(prompt_tokens_ptr + (tokens - num_decode), mask=mask, other=0).to(tl.int64)
-            _store_token_metadata(input_ids_ptr, pos_ids_ptr, request_idx_ptr, block_idx_ptr,
-                                  position_ptr, local_slot_ptr, block_table_ptr, tokens, low,
-                                  positions, input_ids, mask, row_offset, block_size, max_blocks,
-                                  stride_table_row, stride_table_col)
-        elif pid < table_start:
-            # [BLOCK_T] padding tokens.
-            tokens = active_tokens + (pid - pad_start).to(tl.int64) * BLOCK_T + offs_t
-            mask = tokens < padded_tokens
-            zeros = tl.zeros([BLOCK_T], dtype=tl.int64)
-            tl.store(input_ids_ptr + tokens, zeros, mask=mask)
-            tl.store(pos_ids_ptr + tokens, zeros, mask=mask)
-            tl.store(request_idx_ptr + tokens, zeros - 1, mask=mask)
-            tl.store(block_idx_ptr + tokens, zeros + dummy_block, mask=mask)
-            tl.store(position_ptr + tokens, zeros, mask=mask)
-            tl.store(local_slot_ptr + tokens, zeros, mask=mask)
-        else:
-            # One attention block-table row: a copy of an active row, or -1 past them.
-            row = (pid - table_start).to(tl.int64)
-            is_active = row < num_requests
-            offs_c = tl.arange(0, BLOCK_C)
-            for start in range(0, max_blocks, BLOCK_C):
-                cols = start + offs_c
-                mask_c = cols < max_blocks
-                # tl.where, not `&`: a scalar & vector mask loses its bool dtype under the interpreter.
-                blocks = tl.load(block_table_ptr + row * stride_table_row + cols * stride_table_col,
-                                 mask=tl.where(is_active, mask_c, False), other=-1)
-                tl.store(attn_block_table_ptr + row * stride_attn_row + cols * stride_attn_col, blocks,
-                         mask=mask_c)
-
-
-def _check_tensor(name: str, t, *, dims: int, dtypes: tuple, device, min_rows: int) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
-    if t.dim() != dims:
-        raise ValueError(f"{name} must have {dims} dims, got shape {tuple(t.shape)}")
-    if t.dtype not in dtypes:
-        raise ValueError(f"{name} must be {' or '.join(map(str, dtypes))}, got {t.dtype}")
-    if t.device != device:
-        raise ValueError(f"{name} is on {t.device}, block_table on {device}")
-    if t.shape[0] < min_rows:
-        raise ValueError(f"{name} has {t.shape[0]} rows, needs at least {min_rows}")
-    if dims == 1 and t.shape[0] > 1 and t.stride(0) != 1:
-        raise ValueError(f"{name} must be contiguous, got stride {t.stride()}")
-
-
-def step_metadata(token_to_input_ids: torch.Tensor, token_to_pos_ids: torch.Tensor,
-                  token_to_request_idx: torch.Tensor, token_to_block_idx: torch.Tensor,
-                  token_to_position_in_request: torch.Tensor,
-                  token_to_local_position_within_kv_block: torch.Tensor,
-                  attn_block_table: torch.Tensor, block_table: torch.Tensor,
-                  query_lengths: torch.Tensor, kv_offsets: torch.Tensor,
-                  cu_query_lengths: torch.Tensor, next_tokens: torch.Tensor,
-                  prompt_tokens: torch.Tensor, *, num_requests: int, num_decode: int,
-                  active_tokens: int, padded_tokens: int, padded_requests: int, row_offset: int,
-                  block_size: int, dummy_block: int, config: KernelConfig | None = None,
-                  backend: str | None = None, check: bool = True) -> None:
-    """Write the step's per-token metadata and attention block table (module docstring), in place.
-
-    ``check=False`` skips the argument checks: for a caller (the context) that allocated every
-    buffer itself and checks its host counts once, where it computes them.
-
-    Args:
-        token_to_*: six contiguous int64 ``[>= padded_tokens]`` outputs.
-        attn_block_table: int32 ``[>= padded_requests, max_blocks]`` output, any strides.
-        block_table: int32 ``[>= num_requests, max_blocks]``, the active rows (any strides).
-        query_lengths, kv_offsets: int32 ``[>= num_requests]`` (the kernel needs only
-            ``cu_query_lengths``; decode rows have one token each).
-        cu_query_lengths: int32 ``[>= num_requests + 1]``, ``cu[0] = 0`` and
-            ``cu[num_requests] == active_tokens`` (the caller guarantees it; not checked).
-        next_tokens: int64 (or int32) ``[>= num_requests]``, the input token of each decode row.
-        prompt_tokens: int64 (or int32) ``[>= active_tokens - num_decode]``, the tokens of rows
-            ``[num_decode, num_requests)`` in order.
-        num_requests, num_decode, active_tokens, padded_tokens, padded_requests, row_offset,
-        block_size, dummy_block: host ints.
-    """
-    device = block_table.device if isinstance(block_table, torch.Tensor) else None
-    num_requests, num_decode = int(num_requests), int(num_decode)
-    active_tokens, padded_tokens = int(active_tokens), int(padded_tokens)
-    padded_requests, block_size = int(padded_requests), int(block_size)
-    token_outputs = (token_to_input_ids, token_to_pos_ids, token_to_request_idx, token_to_block_idx,
-                     token_to_position_in_request, token_to_local_position_within_kv_block)
-    if check:
-        if not 0 <= num_decode <= num_requests:
-            raise ValueError(f"num_decode={num_decode} must be in [0, num_requests={num_requests}]")
-        if not 0 <= active_tokens <= padded_tokens:
-            raise ValueError(f"active_tokens={active_tokens} and padded_tokens={padded_tokens} must "
-                             "satisfy 0 <= active_tokens <= padded_tokens")
-        if padded_requests < num_requests:
-            raise ValueError(f"padded_requests={padded_requests} < num_requests={num_requests}")
-        if block_size <= 0:
-            raise ValueError(f"block_size={block_size} must be positive")
-        _check_tensor("block_table", block_table, dims=2, dtypes=(torch.int32,), device=device,
-                      min_rows=num_requests)
-        for name, out in zip(TOKEN_OUTPUTS, token_outputs):
-            _check_tensor(name, out,
-                          dims=1, dtypes=(torch.int64,), device=device, min_rows=padded_tokens)
-        _check_tensor("attn_block_table", attn_block_table,
-                      dims=2, dtypes=(torch.int32,), device=device,
-                      min_rows=padded_requests)
-        if attn_block_table.shape[1] != block_table.shape[1]:
-            raise ValueError(f"attn_block_table has {attn_block_table.shape[1]} columns, "
-                             f"block_table {block_table.shape[1]}")
-        _check_tensor("query_lengths", query_lengths, dims=1, dtypes=(torch.int32,), device=device,
-                      min_rows=num_requests)
-        _check_tensor("kv_offsets", kv_offsets, dims=1, dtypes=(torch.int32,), device=device,
-                      min_rows=num_requests)
-        _check_tensor("cu_query_lengths", cu_query_lengths,
-                      dims=1, dtypes=(torch.int32,), device=device,
-                      min_rows=num_requests + 1)
-        _check_tensor("next_tokens", next_tokens, dims=1, dtypes=(torch.int64, torch.int32),
-                      device=device, min_rows=num_requests)
-        _check_tensor("prompt_tokens", prompt_tokens, dims=1, dtypes=(torch.int64, torch.int32),
-                      device=device, min_rows=max(active_tokens - num_decode, 0))
-    outputs = dict(zip(TOKEN_OUTPUTS, token_outputs), attn_block_table=attn_block_table)
-    if resolve_backend(backend, device) == "torch":
-        step_metadata_ref(**outputs, block_table=block_table, query_lengths=query_lengths,
-                          kv_offsets=kv_offsets, cu_query_lengths=cu_query_lengths,
-                          next_tokens=next_tokens, prompt_tokens=prompt_tokens,
-                          num_requests=num_requests, num_decode=num_decode,
-                          active_tokens=active_tokens, padded_tokens=padded_tokens,
-                          padded_requests=padded_requests, row_offset=row_offset,
-                          block_size=block_size, dummy_block=dummy_block)
-        return
-    max_blocks = block_table.shape[1]
-    num_prefill = num_requests - num_decode
-    if padded_tokens == 0 and padded_requests == 0:
-        return
-    if config is None:
-        key = step_metadata_tune_key(max_blocks=max_blocks, block_size=block_size,
-                                     num_tokens=padded_tokens, num_requests=num_requests,
-                                     prefill=num_prefill > 0)
-        config, _ = _autotune.resolve_config("step_metadata", key, device)
-    block_t = config.kwargs["BLOCK_T"]
-    num_decode_programs = triton.cdiv(num_decode, block_t)
-    num_prefill_programs = triton.cdiv(active_tokens - num_decode, block_t) if num_prefill else 0
-    num_pad_programs = triton.cdiv(padded_tokens - active_tokens, block_t)
-    grid = (num_decode_programs + num_prefill_programs + num_pad_programs + padded_requests,)
-    _step_metadata_kernel[grid](
-        input_ids_ptr=token_to_input_ids, pos_ids_ptr=token_to_pos_ids,
-        request_idx_ptr=token_to_request_idx, block_idx_ptr=token_to_block_idx,
-        position_ptr=token_to_position_in_request,
-        local_slot_ptr=token_to_local_position_within_kv_block,
-        attn_block_table_ptr=attn_block_table,
-        next_tokens_ptr=next_tokens, prompt_tokens_ptr=prompt_tokens,
-        block_table_ptr=block_table, kv_offsets_ptr=kv_offsets,
-        cu_query_lengths_ptr=cu_query_lengths,
-        num_requests=num_requests, num_decode=num_decode, active_tokens=active_tokens,
-        padded_tokens=padded_tokens, padded_requests=padded_requests,
-        num_decode_programs=num_decode_programs, num_prefill_programs=num_prefill_programs,
-        num_pad_programs=num_pad_programs,
-        num_search_steps=(num_prefill - 1).bit_length() if num_prefill else 0,
-        row_offset=int(row_offset), block_size=block_size, dummy_block=int(dummy_block),
-        max_blocks=max_blocks,
-        stride_attn_row=attn_block_table.stride(0), stride_attn_col=attn_block_table.stride(1),
-        stride_table_row=block_table.stride(0), stride_table_col=block_table.stride(1),
-        **config.launch_kwargs())
-
-
-def step_metadata_ref(token_to_input_ids: torch.Tensor, token_to_pos_ids: torch.Tensor,
-                      token_to_request_idx: torch.Tensor, token_to_block_idx: torch.Tensor,
-                      token_to_position_in_request: torch.Tensor,
-                      token_to_local_position_within_kv_block: torch.Tensor,
-                      attn_block_table: torch.Tensor, block_table: torch.Tensor,
-                      query_lengths: torch.Tensor, kv_offsets: torch.Tensor,
-                      cu_query_lengths: torch.Tensor, next_tokens: torch.Tensor,
-                      prompt_tokens: torch.Tensor, *, num_requests: int, num_decode: int,
-                      active_tokens: int, padded_tokens: int, padded_requests: int,
-                      row_offset: int, block_size: int, dummy_block: int) -> None:
-    """Torch reference of ``step_metadata`` (same outputs, written in place)."""
-    device = block_table.device
-    n = active_tokens
-    token = torch.arange(n, device=device)
-    # Each token's request; output_size keeps repeat_interleave from syncing.
-    request = torch.repeat_interleave(torch.arange(num_requests, device=device),
-                                      query_lengths[:num_requests].long(), output_size=n)
-    position = kv_offsets.long()[request] + token - cu_query_lengths.long()[request]
-    # Decode rows feed their pending token; prefill rows their prompt, in order after the decode
-    # tokens (index -1 picks the trailing 0 for decode tokens).
-    is_decode = request < num_decode
-    prompt = torch.cat([prompt_tokens[:max(n - num_decode, 0)].long(), prompt_tokens.new_zeros(1).long()])
-    input_ids = torch.where(is_decode, next_tokens.long()[request],
-                            prompt[torch.where(is_decode, -1, token - num_decode)])
-
-    token_to_input_ids[:n] = input_ids
-    token_to_pos_ids[:n] = position
-    token_to_request_idx[:n] = row_offset + request
-    token_to_block_idx[:n] = block_table[request, position // block_size].long()
-    token_to_position_in_request[:n] = position
-    token_to_local_position_within_kv_block[:n] = position % block_size
-
-    token_to_input_ids[n:padded_tokens] = 0
-    token_to_pos_ids[n:padded_tokens] = 0
-    token_to_request_idx[n:padded_tokens] = -1
-    token_to_block_idx[n:padded_tokens] = dummy_block
-    token_to_position_in_request[n:padded_tokens] = 0
-    token_to_local_position_within_kv_block[n:padded_tokens] = 0
-
-    attn_block_table[:num_requests] = block_table[:num_requests]
-    attn_block_table[num_requests:padded_requests] = -1
 
 
 @custom_op("dynctx::step_metadata", mutates_args=(*TOKEN_OUTPUTS, "attn_block_table"))

@@ -1,5 +1,12 @@
 """Megatron-Core 0.16.1's ``DynamicInferenceContext`` as a CPU oracle, and a workload driver.
 
+The driver's scheduling loop below is, on purpose, NOT dynctx's scheduler
+(``engine/scheduler.py``, shared by ``Engine`` and the state-machine driver): it is a
+deliberate replica of Megatron-Core's own engine loop (``DynamicInferenceEngine.
+schedule_chunked_prefill`` and ``post_process_requests``, with their re-queue order), so that
+the differential tests drive both contexts exactly as Megatron's engine would. Keep it a replica
+of Megatron's code; do not replace it with the shared scheduler.
+
 Two things live here, both used by the differential tests and by ``bench/step_overhead.py``:
 
 1. **Megatron on a CPU.** ``megatron_on_cpu()`` is a re-entrant context manager that, while

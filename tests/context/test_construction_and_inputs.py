@@ -99,6 +99,14 @@ def test_whole_number_prompts_are_accepted(prompt):
     pytest.param([1.7, 2.2], "1.7 is not a whole number", id="float-list"),
     pytest.param(np.array([1.0, 2.5]), "2.5 is not a whole number", id="numpy-float"),
     pytest.param([1.0, float("nan")], "nan", id="nan"),
+    pytest.param(torch.tensor([1.0, 2.5]), r"float32.*whole numbers.*2\.5", id="tensor-float"),
+])
+def test_fractional_prompts_are_refused_naming_the_value(prompt, match):
+    with pytest.raises(ValueError, match=f"prompt_tokens.*{match}"):
+        DynamicInferenceRequest(request_id=1, prompt_tokens=prompt)
+
+
+@pytest.mark.parametrize("prompt,match", [
     pytest.param([True, False], "bool", id="bool-list"),
     pytest.param(np.array([True]), "bool", id="numpy-bool"),
     pytest.param(torch.tensor([True]), "bool", id="tensor-bool"),

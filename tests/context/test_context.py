@@ -14,7 +14,6 @@ from dynctx.context import (
     ContextOverflowError,
     DynamicInferenceContext,
     DynamicInferenceRequest,
-    InferenceBatchDimensions,
     MaxSequenceLengthOverflowError,
     RequestOverflowError,
     TensorStateDeallocatedError,
@@ -507,10 +506,10 @@ def test_not_yet_supported_methods_say_what_is_missing():
         ctx.mamba_states_cache(1)
     with pytest.raises(NotImplementedError, match="symmetric"):
         ctx.maybe_initialize_symmetric_memory()
-    with pytest.raises(NotImplementedError, match="CUDA graph"):
-        ctx.initialize_attention_state(
-            construct_graph_dimensions=InferenceBatchDimensions(4, 0, 4, False))
-    ctx.add_dummy_requests_parallel([])  # supported now (test_megatron_compat.py): no-op
+    # Supported now: add_dummy_requests_parallel (test_megatron_compat.py; [] adds nothing)
+    # and construct_graph_dimensions (test_cuda_graphs_megatron.py).
+    ctx.add_dummy_requests_parallel([])
+    assert ctx.total_request_count == 0
     assert ctx.is_static_batching() is False and ctx.using_cuda_graph_this_step() is False
 
 

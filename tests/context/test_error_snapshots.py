@@ -233,7 +233,7 @@ CASES = [
     (f"{A}/prompt-float-tensor", s_prefill,
      lambda c: c.add_request(raw(tokens=torch.tensor([1.0, 2.0]))), TypeError, "prompt", True),
     (f"{A}/prompt-float-list-not-whole", s_prefill,
-     lambda c: c.add_request(raw(tokens=[1.5, 2.0])), TypeError, "prompt", True),
+     lambda c: c.add_request(raw(tokens=[1.5, 2.0])), ValueError, "prompt", True),
     (f"{A}/prompt-bool-list", s_prefill, lambda c: c.add_request(raw(tokens=[True, False])),
      TypeError, "prompt", True),
     (f"{A}/prompt-2d", s_prefill, lambda c: c.add_request(raw(tokens=torch.tensor([[1, 2]]))),

@@ -1,12 +1,14 @@
 """Property test: a hypothesis state machine drives the context through random sequences of
 add / step / finish / pause / evict / chunk / suspend / resume / reset and checks every invariant
-after every rule, for plain, MLA and hybrid (Mamba + attention) contexts (the machine and its
-checks: ``state_machine.py``; the long run without shrinking: ``bench/soak.py``)."""
+after every rule, for plain, MLA and hybrid (Mamba + attention) contexts (the driver:
+``state_machine.py``, which admits through the engine's ``Scheduler``; its invariants:
+``machine_checks.py``; the long run without shrinking: ``bench/soak.py``)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from helpers import add, assert_same, make_ctx, request, snapshot
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -16,8 +18,6 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
-
-from helpers import add, assert_same, make_ctx, request, snapshot
 from state_machine import CI_CONFIGS, ContextDriver, MachineConfig
 
 # Deterministic and sized for CI (the six configurations, two of them hybrids, together take

@@ -14,7 +14,7 @@ import torch
 
 from dynctx.kernels import _autotune
 from dynctx.kernels._common import bits
-from dynctx.kernels.rope import assert_rope_close
+from tolerances import assert_rope_close
 
 __all__ = ["DEVICE", "DTYPES", "POISONS", "assert_only_views_written", "assert_raises_naming",
            "assert_rotated_heads", "bits", "byte_view", "check_presets_share_space",

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from dynctx import cli_autotune as cli
-from dynctx.kernels import _autotune
+from dynctx.kernels import _autotune, _registry
 from dynctx.kernels._autotune import KernelConfig
 from dynctx.kernels._backend import triton_interpreting
 
@@ -34,7 +34,7 @@ NO_FILES = ("no committed autotune configs under autotune_cache/*/ yet: nothing 
 PARAMS = [pytest.param(p, id=f"{p.parent.name}/{p.stem}") for p in FILES] or [
     pytest.param(None, id="no-committed-files")]
 
-cli.import_kernel_modules(quiet=True)
+_registry.import_kernel_modules(quiet=True)
 
 
 def _load(path):
@@ -125,6 +125,6 @@ def test_committed_configs_match_the_reference(path):
         key = entry["key"] if device.type == "cuda" else scaled_down_key(tuning, entry["key"])
         assert config in tuning.configs(key), (
             f"{tuning.name}: {config} is in the space of {entry['key']} but not of the scaled-down "
-            f"key {key}; give kernels/{cli.module_of(tuning)}.py a scaled_down_key(key) that keeps "
+            f"key {key}; give kernels/{_registry.module_of(tuning)}.py a scaled_down_key(key) that keeps "
             "the dimensions its search space depends on")
         tuning.make_case(key, device).check(config)

@@ -1,0 +1,346 @@
+"""Engine decode throughput on a GPU, with and without CUDA graphs, against transformers.
+
+A random Llama of about 1.1B parameters (bf16; 16 layers, hidden 2048, 32 query / 8 KV heads,
+head dim 64, MLP 8192, vocabulary 32000) decodes ``--new-tokens`` tokens for each of B
+requests with ``--prompt-len``-token prompts, at each batch size B of ``--batches`` (default
+1, 16, 64, 256), greedily and ignoring EOS, in three modes:
+
+* ``eager``: ``Engine.from_transformers(...)`` without ``num_cuda_graphs``;
+* ``graphs``: the same with ``num_cuda_graphs=--num-cuda-graphs``. The context then picks
+  Megatron's graph batch dimensions each step (context/cuda_graphs.py). Whether the forward
+  is really captured and replayed depends on the engine: the script records what the engine
+  reports (``graph_info`` in the results) and the share of steps the context ran in a graph
+  shape. An engine without capture runs these steps eagerly, padded to the graph's shape;
+* ``hf``: ``transformers``' ``generate`` on the same prompts as one padded batch, greedy,
+  with ``cache_implementation="static"``. Its decode time is ``t(generate N tokens) -
+  t(generate 1 token)`` over ``N - 1`` steps (the prefill and the first token cancel).
+
+For the engine modes, only pure decode steps count (every active request contributes one
+token); the prefill and chunked-prefill steps are left out. Per mode and batch it reports
+decode tokens/s, the median and p90 time of a decode step, and the number of steps timed.
+Each (mode, batch) runs once untimed first (Triton compilation, allocator warm-up), then timed.
+
+Results go to ``--out`` (JSON: device, versions, model, per-run numbers) and a table to
+stdout and ``<out>.txt``. ``--max-seconds`` stops starting new runs when the budget is spent
+(what ran is kept).
+
+On the lent GPU machine: ``bash bench/device_check.sh`` with ``DYNCTX_DEVICE_ENGINE_GRAPHS=1``
+runs this alone after installing the checkout (about 8 minutes at most). On a CPU,
+``--tiny`` runs the same pipeline on a 2-layer fp32 model in a few seconds (the check that the
+script works; its numbers mean nothing). Status: the CUDA path has not been run yet (no GPU
+when it was written).
+
+Usage::
+
+    python bench/gpu_engine_graphs.py --out $OUT/engine_graphs.json
+    python bench/gpu_engine_graphs.py --tiny --device cpu --batches 1,4 --new-tokens 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import torch
+
+MODES = ("eager", "graphs", "hf")
+
+#: About 1.1B parameters: 16 x (attention 10.5M + MLP 50.3M) + embeddings and head 2 x 65.5M.
+MODEL_1B = dict(vocab_size=32000, hidden_size=2048, intermediate_size=8192,
+                num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                max_position_embeddings=4096)
+#: The --tiny stand-in (CPU check of the script).
+MODEL_TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batches", default="1,16,64,256",
+                        help="comma-separated batch sizes (default 1,16,64,256)")
+    parser.add_argument("--modes", default=",".join(MODES),
+                        help=f"comma-separated subset of {','.join(MODES)}")
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=64,
+                        help="tokens generated per request (the decode steps timed)")
+    parser.add_argument("--num-cuda-graphs", type=int, default=16,
+                        help="num_cuda_graphs of the 'graphs' mode")
+    parser.add_argument("--block-size", type=int, default=256)
+    parser.add_argument("--max-tokens", type=int, default=8192,
+                        help="the context's token budget per step (prefills are chunked to it)")
+    parser.add_argument("--buffer-gb", type=float, default=8.0,
+                        help="KV buffer (GiB); 256 x 192 tokens of the 1B model need 1.5 GiB")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32"),
+                        help="default bfloat16 (float32 with --tiny)")
+    parser.add_argument("--tiny", action="store_true",
+                        help="a 2-layer model (a CPU check of the script, not a measurement)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-seconds", type=float, default=420.0,
+                        help="stop starting new runs after this many seconds")
+    parser.add_argument("--out", default="engine_graphs.json", help="JSON results path")
+    args = parser.parse_args(argv)
+    try:
+        args.batches = [int(b) for b in args.batches.split(",") if b]
+    except ValueError:
+        parser.error(f"--batches={args.batches!r} must be comma-separated integers")
+    if not args.batches or min(args.batches) < 1:
+        parser.error(f"--batches={args.batches} must be positive integers")
+    args.modes = [m for m in args.modes.split(",") if m]
+    unknown = sorted(set(args.modes) - set(MODES))
+    if unknown or not args.modes:
+        parser.error(f"--modes: unknown {unknown}; choose from {', '.join(MODES)}")
+    for name in ("prompt_len", "new_tokens", "block_size", "max_tokens"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
+    if args.new_tokens < 2 and "hf" in args.modes:
+        parser.error("--new-tokens must be >= 2 for the hf mode (t(N) - t(1) over N - 1 steps)")
+    if args.max_tokens < max(args.batches):
+        parser.error(f"--max-tokens={args.max_tokens} must be >= the largest batch "
+                     f"{max(args.batches)} (every decode request needs a token slot)")
+    args.dtype = getattr(torch, args.dtype or ("float32" if args.tiny else "bfloat16"))
+    return args
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def build_model(args, device: torch.device):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(args.seed)
+    shape = MODEL_TINY if args.tiny else MODEL_1B
+    config = LlamaConfig(**shape, bos_token_id=None, eos_token_id=None, pad_token_id=0)
+    with torch.device(device):
+        model = LlamaForCausalLM(config)
+    model = model.to(dtype=args.dtype).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def make_prompts(batch: int, length: int, vocab: int, seed: int) -> List[List[int]]:
+    gen = torch.Generator().manual_seed(seed + batch)
+    return torch.randint(1, vocab, (batch, length), generator=gen).tolist()
+
+
+def _graph_info(engine) -> Dict[str, object]:
+    """What the engine says about CUDA graphs (capture lives in the engine, not the context)."""
+    info: Dict[str, object] = {}
+    for name in ("num_captured_graphs", "captured_graph_count", "graph_replays",
+                 "cuda_graph_replays", "uses_cuda_graphs"):
+        value = getattr(engine, name, None)
+        if value is not None and not callable(value):
+            info[name] = value
+    runner = getattr(engine, "graph_runner", None)
+    if runner is not None:
+        info["graph_runner"] = type(runner).__name__
+    if not info:
+        info["engine"] = "reports no CUDA graph capture: the forward runs eagerly"
+    return info
+
+
+def run_engine(model, prompts, args, device, *, num_cuda_graphs: Optional[int]) -> dict:
+    """One engine run over ``prompts``; times the pure decode steps."""
+    from dynctx.engine import Engine
+    from dynctx.context import DynamicInferenceRequest, SamplingParams
+
+    batch = len(prompts)
+    engine = Engine.from_transformers(
+        model, device=device, params_dtype=args.dtype, block_size_tokens=args.block_size,
+        buffer_size_gb=args.buffer_gb, paused_buffer_size_gb=args.buffer_gb / 8,
+        max_tokens=args.max_tokens, max_requests=max(batch, 4), unified_memory_level=0,
+        num_cuda_graphs=num_cuda_graphs)
+    ctx = engine.context
+    decode_times: List[float] = []
+    graph_steps = steps = 0
+    for i, prompt in enumerate(prompts):
+        engine.add_request(DynamicInferenceRequest(
+            request_id=i, prompt_tokens=torch.tensor(prompt, dtype=torch.int64),
+            sampling_params=SamplingParams(temperature=1.0, top_k=1,
+                                           num_tokens_to_generate=args.new_tokens,
+                                           termination_id=None)))
+    _sync(device)
+    start = time.perf_counter()
+    generated = 0
+    results = []
+    while engine.has_unfinished_requests():
+        result = engine.step()
+        if result.idle:
+            continue
+        steps += 1
+        graph_steps += bool(ctx.using_cuda_graph_this_step())
+        # A pure decode step: one token per active request (the sampled .tolist() syncs).
+        if result.tokens == result.active_requests and result.active_requests:
+            decode_times.append(result.time_s)
+            generated += len(result.new_tokens)
+        results.extend(result.finished)
+    _sync(device)
+    wall = time.perf_counter() - start
+    if len(results) != batch or any(r.finish_reason != "length" for r in results):
+        raise RuntimeError(f"engine run at batch {batch}: {len(results)} results, reasons "
+                           f"{sorted({r.finish_reason for r in results})}")
+    outputs = {r.request_id: r.generated_tokens for r in results}
+    return dict(
+        decode_steps=len(decode_times), steps=steps, graph_shape_steps=graph_steps,
+        decode_tokens=generated,
+        tokens_per_s=generated / sum(decode_times) if decode_times else None,
+        step_ms_median=1e3 * statistics.median(decode_times) if decode_times else None,
+        step_ms_p90=1e3 * _quantile(decode_times, 0.9) if decode_times else None,
+        wall_s=wall, graph_info=_graph_info(engine),
+        ladder=[str(d) for d in ctx.cuda_graph_batch_dimensions_list][:8],
+        outputs=[outputs[i] for i in range(batch)])
+
+
+def run_hf(model, prompts, args, device) -> dict:
+    """transformers' generate, static cache, greedy; decode time = t(N) - t(1)."""
+    ids = torch.tensor(prompts, dtype=torch.int64, device=device)
+    mask = torch.ones_like(ids)
+
+    def generate(n: int):
+        _sync(device)
+        start = time.perf_counter()
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n,
+                                 min_new_tokens=n, do_sample=False,
+                                 cache_implementation="static", eos_token_id=None,
+                                 pad_token_id=0)
+        _sync(device)
+        return time.perf_counter() - start, out
+
+    t_one, _ = generate(1)
+    t_all, out = generate(args.new_tokens)
+    steps = args.new_tokens - 1
+    decode_s = max(t_all - t_one, 1e-9)
+    return dict(decode_steps=steps, decode_tokens=steps * len(prompts),
+                tokens_per_s=steps * len(prompts) / decode_s, step_ms_median=1e3 * decode_s / steps,
+                step_ms_p90=None, wall_s=t_all + t_one,
+                outputs=out[:, ids.shape[1]:].tolist())
+
+
+def _quantile(values: List[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def _versions() -> dict:
+    import transformers
+
+    versions = dict(python=platform.python_version(), torch=torch.__version__,
+                    transformers=transformers.__version__)
+    try:
+        import triton
+
+        versions["triton"] = triton.__version__
+    except ImportError:
+        versions["triton"] = None
+    import os
+
+    revision = os.environ.get("DYNCTX_GIT_REVISION")
+    if not revision:
+        try:
+            revision = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
+                                      text=True, cwd=Path(__file__).parent, timeout=5
+                                      ).stdout.strip() or None
+        except (OSError, subprocess.SubprocessError):
+            revision = None
+    versions["git_revision"] = revision
+    return versions
+
+
+def _table(data: dict) -> str:
+    lines = [f"device {data['device']}  dtype {data['dtype']}  params {data['params'] / 1e9:.2f}B  "
+             f"prompt {data['prompt_len']}  new tokens {data['new_tokens']}",
+             f"{'mode':<7} {'batch':>5} {'tok/s':>10} {'step ms':>8} {'p90 ms':>8} "
+             f"{'steps':>6} {'graph%':>6} {'same':>5}"]
+    fmt = lambda v, spec: "-" if v is None else format(v, spec)
+    for run in data["runs"]:
+        if "error" in run:
+            lines.append(f"{run['mode']:<7} {run['batch']:>5}  ERROR {run['error'][:60]}")
+            continue
+        share = None
+        if run.get("steps"):
+            share = 100 * run["graph_shape_steps"] / run["steps"]
+        lines.append(f"{run['mode']:<7} {run['batch']:>5} {fmt(run['tokens_per_s'], '.0f'):>10} "
+                     f"{fmt(run['step_ms_median'], '.2f'):>8} {fmt(run['step_ms_p90'], '.2f'):>8} "
+                     f"{run['decode_steps']:>6} {fmt(share, '.0f'):>6} "
+                     f"{fmt(run.get('same_tokens_as_eager'), '.2f'):>5}")
+    for note in data["notes"]:
+        lines.append(f"note: {note}")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print(f"--device {args.device}: CUDA is not available here (use --tiny --device cpu "
+              "to check the script on a CPU)", file=sys.stderr)
+        return 2
+    started = time.perf_counter()
+    model = build_model(args, device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
+    data = dict(device=name or device.type, dtype=str(args.dtype).replace("torch.", ""),
+                params=sum(p.numel() for p in model.parameters()),
+                model=dict(MODEL_TINY if args.tiny else MODEL_1B),
+                prompt_len=args.prompt_len, new_tokens=args.new_tokens,
+                num_cuda_graphs=args.num_cuda_graphs, versions=_versions(), runs=[],
+                notes=["engine modes time pure decode steps only; hf: (t(N) - t(1)) / (N - 1)",
+                       "graph%: steps the context ran in a CUDA graph shape; see graph_info for "
+                       "whether the engine captured and replayed"])
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save():
+        out.write_text(json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
+        out.with_suffix(".txt").write_text(_table(data) + "\n")
+
+    for batch in args.batches:
+        prompts = make_prompts(batch, args.prompt_len, model.config.vocab_size, args.seed)
+        eager_outputs = None
+        for mode in args.modes:
+            if time.perf_counter() - started > args.max_seconds:
+                data["notes"].append(f"stopped at batch {batch} mode {mode}: --max-seconds "
+                                     f"{args.max_seconds} spent")
+                save()
+                print(_table(data))
+                return 0
+            run = dict(mode=mode, batch=batch)
+            try:
+                # Twice: the first run warms up (Triton compilation, the allocator).
+                for _ in range(2):
+                    if mode == "hf":
+                        numbers = run_hf(model, prompts, args, device)
+                    else:
+                        numbers = run_engine(model, prompts, args, device,
+                                             num_cuda_graphs=args.num_cuda_graphs
+                                             if mode == "graphs" else None)
+                run.update(numbers)
+                outputs = run.pop("outputs")
+                if mode == "eager":
+                    eager_outputs = outputs
+                elif eager_outputs is not None:
+                    same = sum(a == b for a, b in zip(outputs, eager_outputs))
+                    run["same_tokens_as_eager"] = same / len(outputs)
+            except Exception as exc:  # keep the other runs' results
+                run["error"] = f"{type(exc).__name__}: {exc}"
+            data["runs"].append(run)
+            save()
+            print(_table(data).splitlines()[-1 - len(data["notes"])], flush=True)
+    data["total_s"] = time.perf_counter() - started
+    save()
+    print(_table(data))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,82 @@
+"""Exact fp32 value patterns the driver writes into the caches and reads back.
+
+A K/V value encodes (incarnation, position, attention layer, element) and a Mamba state value
+(incarnation, write count, Mamba layer, conv | ssm, element), all below 2**24 so that fp32
+holds them exactly; ``_decode``/``_decode_mamba`` turn a wrong value back into words for the
+failure message.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Tuple
+
+import numpy as np
+from machine_model import _EXACT
+
+
+class Patterns:
+    """Pattern values of a driver's ``cfg`` (a ``MachineConfig``); mixed into the driver."""
+
+    def _inner(self) -> int:
+        cfg = self.cfg
+        return cfg.latent_dim if cfg.mla else 2 * cfg.num_heads * cfg.head_dim
+
+    def pattern(self, uids: np.ndarray, positions: np.ndarray, layer: int) -> np.ndarray:
+        """Exact fp32 values of (incarnation, position, attention layer (0-based index among the
+        ``*`` layers), [K/V, head, dim] | latent dim): MHA ``[n, 2, H, D]``, MLA ``[n, latent]``."""
+        cfg = self.cfg
+        inner = self._inner()
+        layers = len(cfg.attention_layers)
+        per_uid = cfg.max_sequence_length * layers * inner
+        base = ((uids % (_EXACT // per_uid)) * cfg.max_sequence_length + positions) \
+            * layers + layer
+        values = base[:, None] * inner + np.arange(inner)[None, :]
+        values = values.astype(np.float32)
+        if cfg.mla:
+            return values
+        return values.reshape(-1, 2, cfg.num_heads, cfg.head_dim)
+
+    def _decode(self, value: float) -> str:
+        cfg = self.cfg
+        v = int(value)
+        if value != v or v < 0:
+            return f"{value} (not written by the pattern)"
+        v //= self._inner()
+        layers = len(cfg.attention_layers)
+        layer, v = v % layers, v // layers
+        pos, uid = v % cfg.max_sequence_length, v // cfg.max_sequence_length
+        return f"{value} (uid {uid}, position {pos}, layer {cfg.attention_layers[layer]})"
+
+
+    def mamba_pattern(self, uids: np.ndarray, writes: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+        """Exact fp32 values of (incarnation, write count, Mamba layer (0-based index among the
+        ``M`` layers), conv | ssm, element): conv ``[n, layers, *conv_shape]`` and ssm
+        ``[n, layers, *ssm_shape]``."""
+        cfg = self.cfg
+        inner = max(math.prod(cfg.conv_shape), math.prod(cfg.ssm_shape))
+        layers, span = len(cfg.mamba_layers), cfg.max_sequence_length + 1
+        per_uid = span * layers * 2 * inner
+        base = ((uids % (_EXACT // per_uid - 1)) * span + writes % span)[:, None] * layers \
+            + np.arange(layers)[None, :]                                     # [n, layers]
+        out = []
+        for ssm, shape in enumerate((cfg.conv_shape, cfg.ssm_shape)):
+            values = (base * 2 + ssm)[..., None] * inner + np.arange(math.prod(shape)) + 1
+            out.append(values.astype(np.float32).reshape(len(uids), layers, *shape))
+        return out[0], out[1]
+
+    def _decode_mamba(self, value: float) -> str:
+        cfg = self.cfg
+        v = int(value)
+        if value != v or v <= 0:
+            return f"{value} (not written by the pattern)"
+        v -= 1
+        inner = max(math.prod(cfg.conv_shape), math.prod(cfg.ssm_shape))
+        layers, span = len(cfg.mamba_layers), cfg.max_sequence_length + 1
+        v //= inner
+        kind, v = ("ssm", "conv")[v % 2 == 0], v // 2
+        layer, v = v % layers, v // layers
+        writes, uid = v % span, v // span
+        return (f"{value} (uid {uid}, write {writes}, {kind} of layer "
+                f"{cfg.mamba_layers[layer]})")
+

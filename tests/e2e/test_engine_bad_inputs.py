@@ -1,0 +1,458 @@
+"""The engine isolates requests (a tiny random Llama, fp32, torch backends).
+
+* A call with a bad argument raises ``TypeError``/``ValueError`` naming the argument, the value
+  and the limit, and leaves the engine's queue and results and the context exactly as they were;
+  the good requests then run on and give transformers' greedy tokens.
+* A request that can only fail later (the context refuses it, its logits hold NaN with
+  ``validate=True``) finishes with ``finish_reason="error"``; every other request gets its
+  result.
+* A step callback or metrics writer that raises once loses no result and leaves the engine and
+  the context agreeing; ``generate_requests`` and ``run`` hand back what they had collected.
+* ``vocab_size`` as a context keyword works; ``stats.history`` is bounded.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from e2e_helpers import build_engine, greedy_requests, hf_greedy, make_prompts, tiny_llama
+
+from dynctx.context import DynamicInferenceRequest, SamplingParams
+from dynctx.engine import Engine
+from dynctx.engine.engine import DEFAULT_HISTORY_WINDOW
+from dynctx.engine.sampling import sample
+
+VOCAB = 256
+PROMPT_LENGTHS = [5, 23, 9, 40]
+GENS = [8, 6, 10, 5]
+
+
+@pytest.fixture(scope="module")
+def hf():
+    return tiny_llama(seed=21, vocab=VOCAB)
+
+
+@pytest.fixture(scope="module")
+def prompts(hf):
+    return make_prompts(PROMPT_LENGTHS, VOCAB, seed=22)
+
+
+@pytest.fixture(scope="module")
+def greedy(hf, prompts):
+    """transformers' greedy tokens for each prompt alone."""
+    return [hf_greedy(hf, p, g) for p, g in zip(prompts, GENS)]
+
+
+def small_engine(hf, **kwargs) -> Engine:
+    """10 blocks of 16 tokens (2 paused), 24 tokens a step: the 40-token prompt is chunked;
+    requests up to 96 tokens (6 blocks: one request alone always fits the active budget)."""
+    kwargs.setdefault("max_sequence_length", 96)
+    return build_engine(hf, block_size=16, blocks=10, paused_blocks=2, max_tokens=24,
+                        kernel_backend="torch", **kwargs)
+
+
+def state(engine: Engine) -> dict:
+    """The engine's queue, requests and undelivered results, and the context's rows and
+    allocator: what a refused call must leave unchanged."""
+    ctx = engine.context
+    engine_side = dict(queued=engine.scheduler.queued_ids(),
+                       unfinished=engine.unfinished_request_ids(),
+                       undelivered=[r.request_id for r in engine.undelivered_results],
+                       step=engine.step_count, suspended=engine.suspended)
+    if not ctx.is_tensor_state_allocated:
+        return engine_side
+    T = ctx.total_request_count
+    return dict(engine_side, rows=ctx.host_request_ids()[:T].tolist(),
+                counts=(T, ctx.paused_request_count, ctx.active_token_count,
+                        ctx.chunked_prefill_request_id),
+                free_blocks=ctx.block_allocator.total_avail,
+                block_table=ctx.block_table_host[:T].tolist())
+
+
+def request(rid, prompt, gen=4, **params) -> DynamicInferenceRequest:
+    params.setdefault("top_k", 1)
+    return DynamicInferenceRequest(request_id=rid, prompt_tokens=list(prompt),
+                                   sampling_params=SamplingParams(num_tokens_to_generate=gen,
+                                                                  **params))
+
+
+def with_params(rid, prompt, **fields) -> DynamicInferenceRequest:
+    """A request whose sampling fields are set after construction (past SamplingParams'
+    own checks), as a caller mutating a request would."""
+    req = request(rid, prompt)
+    for name, value in fields.items():
+        setattr(req.sampling_params, name, value)
+    return req
+
+
+def assert_greedy(results, greedy, ids=None):
+    ids = range(len(greedy)) if ids is None else ids
+    by_id = {r.request_id: r for r in results}
+    assert sorted(by_id) == sorted(ids), f"results for {sorted(by_id)}, wanted {sorted(ids)}"
+    for rid in ids:
+        assert by_id[rid].finish_reason == "length", (rid, by_id[rid].error)
+        assert by_id[rid].generated_tokens == greedy[rid], f"request {rid}"
+
+
+# ------------------------------------------------------------------ refused at add_request
+BAD_REQUESTS = [
+    pytest.param(lambda p: request(-1, p), ValueError,
+                 r"request_id=-1 must lie in \[0, 2147483647\]", id="id_negative"),
+    pytest.param(lambda p: request(2 ** 40, p), ValueError,
+                 r"request_id=1099511627776 .*2147483647", id="id_2_40"),
+    pytest.param(lambda p: request(True, p), TypeError, r"request_id=True must be an int",
+                 id="id_bool"),
+    pytest.param(lambda p: request(0, p), ValueError, r"request_id=0 is already in use",
+                 id="id_duplicate"),
+    pytest.param(lambda p: request(50, p, top_k=2 ** 40), ValueError,
+                 r"top_k=1099511627776 must lie in \[-2147483648, 2147483647\].*int32",
+                 id="top_k_2_40"),
+    pytest.param(lambda p: request(50, p, termination_id=2 ** 70), ValueError,
+                 r"termination_id=1180591620717411303424 must lie in .*9223372036854775807",
+                 id="termination_2_70"),
+    pytest.param(lambda p: request(50, [3, -1, 4]), ValueError,
+                 r"prompt_tokens\[1\]=-1 is outside the vocabulary \[0, 256\)",
+                 id="token_negative"),
+    pytest.param(lambda p: request(50, [3, VOCAB, 4]), ValueError,
+                 r"prompt_tokens\[1\]=256 is outside the vocabulary \[0, 256\)",
+                 id="token_vocab"),
+    pytest.param(lambda p: request(50, p, seed="abc"), TypeError, r"seed='abc' must be an int",
+                 id="seed_str"),
+    pytest.param(lambda p: request(50, []), ValueError, r"prompt_tokens is empty",
+                 id="empty_prompt"),
+    pytest.param(lambda p: request(50, p, gen=0), ValueError,
+                 r"num_tokens_to_generate=0 must lie in \[1, inf\]", id="gen_zero"),
+    pytest.param(lambda p: with_params(50, p, num_tokens_to_generate=2.5), TypeError,
+                 r"num_tokens_to_generate=2.5 must be an int", id="gen_float"),
+    pytest.param(lambda p: with_params(50, p, num_tokens_to_generate="abc"), TypeError,
+                 r"num_tokens_to_generate='abc' must be an int", id="gen_str"),
+    pytest.param(lambda p: with_params(50, p, temperature=float("nan")), ValueError,
+                 r"temperature=nan must be a finite number >= 0", id="temperature_nan"),
+    pytest.param(lambda p: with_params(50, p, top_p=1.5), ValueError,
+                 r"top_p=1.5 must lie in \[0, 1\]", id="top_p"),
+    pytest.param(lambda p: {"request_id": 50}, TypeError,
+                 r"request must be a DynamicInferenceRequest, got dict", id="not_a_request"),
+]
+
+
+@pytest.mark.parametrize("make, error, message", BAD_REQUESTS)
+def test_bad_request_is_refused_before_anything_changes(hf, prompts, greedy, make, error,
+                                                        message):
+    engine = small_engine(hf)
+    for req in greedy_requests(prompts, GENS):
+        engine.add_request(req)
+    finished = engine.step().finished + engine.step().finished
+    before = state(engine)
+    assert before["rows"], "requests must be running when the bad one comes"
+    with pytest.raises(error, match=message):
+        engine.add_request(make(prompts[0]))
+    assert state(engine) == before
+    assert_greedy(finished + engine.run(), greedy)
+
+
+def test_bad_arrival_step_is_refused(hf, prompts, greedy):
+    engine = small_engine(hf)
+    before = state(engine)
+    with pytest.raises(ValueError, match=r"arrival_step=-3 must lie in \[0, inf\]"):
+        engine.add_request(request(0, prompts[0], GENS[0]), arrival_step=-3)
+    with pytest.raises(TypeError, match=r"arrival_step='1' must be an int"):
+        engine.add_request(request(0, prompts[0], GENS[0]), arrival_step="1")
+    assert state(engine) == before
+    assert_greedy(engine.generate_requests(greedy_requests(prompts, GENS)), greedy)
+
+
+# ------------------------------------------------------------------ generate_requests / generate
+def test_generate_requests_checks_every_request_before_queueing_any(hf, prompts, greedy):
+    engine = small_engine(hf)
+    good = greedy_requests(prompts, GENS)
+    before = state(engine)
+    with pytest.raises(ValueError, match=r"requests\[2\]\.prompt_tokens is empty"):
+        engine.generate_requests(good[:2] + [request(9, [])])
+    with pytest.raises(ValueError, match=r"arrival_steps\[1\]=-1 must lie in \[0, inf\]"):
+        engine.generate_requests(good, arrival_steps=[0, -1, 0, 0])
+    with pytest.raises(ValueError, match=r"requests\[1\]\.request_id=0 repeats requests\[0\]"):
+        engine.generate_requests([good[0], request(0, prompts[1])])
+    with pytest.raises(ValueError, match="arrival_steps has 2 entries for 4 requests"):
+        engine.generate_requests(good, arrival_steps=[0, 1])
+    with pytest.raises(TypeError, match=r"requests is one DynamicInferenceRequest"):
+        engine.generate_requests(good[0])
+    assert state(engine) == before
+    # Nothing of the refused calls runs later, and the next call gets all of its results.
+    assert_greedy(engine.generate_requests(good), greedy)
+    assert not engine.has_unfinished_requests()
+
+
+def test_generate_requests_refused_while_suspended(hf, prompts, greedy):
+    engine = small_engine(hf)
+    engine.add_request(request(10, prompts[1], GENS[1]))
+    engine.step()
+    engine.suspend()
+    before = state(engine)
+    with pytest.raises(RuntimeError, match="generate_requests: the engine is suspended"):
+        engine.generate_requests(greedy_requests(prompts, GENS))
+    with pytest.raises(RuntimeError, match="generate: the engine is suspended"):
+        engine.generate(prompts)
+    assert state(engine) == before
+    engine.resume()
+    results = engine.generate_requests(greedy_requests(prompts, GENS))
+    assert_greedy(results, greedy)
+    # The request queued before the suspend is not dropped: the next run returns it.
+    (other,) = engine.run()
+    assert other.request_id == 10 and other.generated_tokens == greedy[1]
+
+
+BAD_GENERATE = [
+    pytest.param(dict(prompts="hello"), TypeError, r"prompts is a str", id="prompts_str"),
+    pytest.param(dict(prompts=["hello"]), TypeError, r"prompts\[0\] is a str: give token ids",
+                 id="prompt_str"),
+    pytest.param(dict(prompts=[3, 4, 5]), TypeError,
+                 r"prompts is a flat list of 3 numbers.*\[prompt\]", id="flat_list"),
+    pytest.param(dict(prompts=[[3, 4], [5, VOCAB + 4]]), ValueError,
+                 r"prompts\[1\]\[1\]=260 is outside the vocabulary \[0, 256\)", id="token_vocab"),
+    pytest.param(dict(prompts=[[3, 4], [5, -2]]), ValueError,
+                 r"prompts\[1\]\[1\]=-2 is outside the vocabulary", id="token_negative"),
+    pytest.param(dict(prompts=[[3, 4], []]), ValueError, r"prompts\[1\] is empty",
+                 id="empty_prompt"),
+    pytest.param(dict(prompts=[[1.7, 2.2]]), ValueError,
+                 r"prompts\[0\]\[0\]=1.7 is not a whole number", id="float_prompt"),
+    pytest.param(dict(prompts=[np.array([1.5, 2.0])]), ValueError,
+                 r"prompts\[0\]\[0\]=1.5 is not a whole number", id="numpy_float_prompt"),
+    pytest.param(dict(prompts=[[True, False]]), TypeError,
+                 r"prompts\[0\]\[0\]=True must be an int token id", id="bool_prompt"),
+    pytest.param(dict(prompts=[[3, [4]]]), TypeError, r"prompts\[0\]\[1\]=\[4\]", id="nested"),
+    pytest.param(dict(prompts=[[3, 4]], max_new_tokens=2.5), TypeError,
+                 r"max_new_tokens=2.5 must be an int", id="max_new_float"),
+    pytest.param(dict(prompts=[[3, 4]], max_new_tokens="abc"), TypeError,
+                 r"max_new_tokens='abc' must be an int", id="max_new_str"),
+    pytest.param(dict(prompts=[[3, 4]], max_new_tokens=0), ValueError,
+                 r"max_new_tokens=0 must lie in \[1, inf\]", id="max_new_zero"),
+    pytest.param(dict(prompts=[[3, 4]], termination_id=2 ** 70), ValueError,
+                 r"termination_id=1180591620717411303424 must lie in", id="termination_2_70"),
+    pytest.param(dict(prompts=[[3, 4], [5]], sampling_params=[SamplingParams(),
+                                                              SamplingParams(seed="abc")]),
+                 TypeError, r"sampling_params\[1\]\.seed='abc' must be an int", id="seed"),
+    pytest.param(dict(prompts=[[3, 4]], sampling_params=SamplingParams(top_k=2 ** 40)),
+                 ValueError, r"sampling_params\.top_k=1099511627776 must lie in", id="top_k"),
+    pytest.param(dict(prompts=[[3, 4], [5]], arrival_steps=[0, -1]), ValueError,
+                 r"arrival_steps\[1\]=-1 must lie in \[0, inf\]", id="arrival_negative"),
+]
+
+
+@pytest.mark.parametrize("kwargs, error, message", BAD_GENERATE)
+def test_generate_refuses_bad_arguments_naming_the_prompt(hf, prompts, greedy, kwargs, error,
+                                                          message):
+    engine = small_engine(hf)
+    engine.add_request(request(10, prompts[1], GENS[1]))
+    engine.step()
+    before = state(engine)
+    with pytest.raises(error, match=message):
+        engine.generate(**kwargs)
+    assert state(engine) == before
+    outputs = engine.generate(prompts, max_new_tokens=5, ignore_eos=True)
+    assert outputs == [g[:5] for g in greedy]
+
+
+def test_generate_accepts_whole_floats_and_tensors(hf, prompts, greedy):
+    engine = small_engine(hf)
+    as_floats = [float(t) for t in prompts[0]]
+    outputs = engine.generate([as_floats, torch.tensor(prompts[2]), np.array(prompts[3])],
+                              max_new_tokens=5, ignore_eos=True)
+    assert outputs == [greedy[0][:5], greedy[2][:5], greedy[3][:5]]
+
+
+# ------------------------------------------------------------------ failing later, isolated
+def test_a_request_the_context_refuses_finishes_with_an_error(hf, prompts, greedy, monkeypatch):
+    """The context's ``add_request`` refuses request 2 when it is scheduled (it checks
+    before it changes anything): request 2 finishes with the error, the others run on."""
+    engine = small_engine(hf)
+    real_add = engine.context.add_request
+
+    def add(req, chunk_length=None):
+        if req.request_id == 2:
+            raise ValueError("request 2: refused by the test")
+        real_add(req, chunk_length)
+
+    monkeypatch.setattr(engine.context, "add_request", add)
+    results = engine.generate_requests(greedy_requests(prompts, GENS))
+    assert results[2].finish_reason == "error" and "refused by the test" in results[2].error
+    assert results[2].generated_tokens == []
+    assert_greedy([r for r in results if r.request_id != 2], greedy, ids=[0, 1, 3])
+    assert engine.stats.errors == 1
+
+
+class NaNLogits:
+    """The model, with the logits of request ``bad_id`` replaced by NaN from ``from_step``
+    on (every token row of it when all rows are computed)."""
+
+    def __init__(self, model, bad_id: int, from_step: int):
+        self.model, self.bad_id, self.from_step, self.steps = model, bad_id, from_step, 0
+
+    def forward(self, ctx, last_token_only=False):
+        output = self.model.forward(ctx, last_token_only=last_token_only)
+        self.steps += 1
+        P, T = ctx.paused_request_count, ctx.total_request_count
+        ids = ctx.host_request_ids()[P:T].tolist()
+        if self.steps <= self.from_step or self.bad_id not in ids:
+            return output
+        row = ids.index(self.bad_id)
+        output = output.clone()
+        if last_token_only:
+            output[row] = float("nan")
+        else:
+            cu = ctx.active_attn_metadata.cu_query_seq_lengths.tolist()
+            output[0, cu[row]:cu[row + 1]] = float("nan")
+        return output
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+
+@pytest.mark.parametrize("bad_id, from_step", [(0, 2), (3, 0)], ids=["decoding", "chunked"])
+def test_nan_logits_finish_that_request_with_an_error(hf, prompts, greedy, bad_id, from_step):
+    """With ``validate=True`` the engine checks the logits (not the hidden states): the request
+    whose logits hold NaN finishes with an error (request 3 while its 40-token prompt is
+    chunked), the others give transformers' tokens, and nothing is left in the context."""
+    engine = small_engine(hf, validate=True)
+    engine.model = NaNLogits(engine.model, bad_id, from_step)
+    results = engine.generate_requests(greedy_requests(prompts, GENS))
+    bad = results[bad_id]
+    assert bad.finish_reason == "error" and "NaN" in bad.error
+    assert_greedy([r for r in results if r.request_id != bad_id], greedy,
+                  ids=[i for i in range(len(prompts)) if i != bad_id])
+    if bad_id == 3:
+        assert engine.stats.chunked_prefills >= 1 and bad.generated_tokens == []
+    ctx = engine.context
+    assert not engine.has_unfinished_requests() and ctx.total_request_count == 0
+    assert ctx.chunked_prefill_request_id == -1
+    assert ctx.block_allocator.total_avail == ctx.block_allocator.total_count - 1
+
+
+def test_sampling_never_indexes_minus_one_on_nan_logits():
+    """Without ``validate`` NaN logits reach sampling: every row still gets a token id in
+    range, and a tiny temperature does not turn finite logits into NaN."""
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(3))
+    logits[1] = float("nan")
+    params = [SamplingParams(temperature=1.0, seed=1), SamplingParams(temperature=0.7, seed=2),
+              SamplingParams(temperature=1e-30, seed=3)]
+    tokens = sample(logits, params, [0, 0, 0], np.random.default_rng(0))
+    assert tokens.min() >= 0 and tokens.max() < 50
+    assert int(tokens[2]) == int(logits[2].argmax())
+
+
+def test_vocab_size_as_a_context_keyword(hf, prompts, greedy):
+    engine = small_engine(hf, vocab_size=VOCAB)
+    assert engine.context.vocab_size == VOCAB
+    assert_greedy(engine.generate_requests(greedy_requests(prompts, GENS)), greedy)
+    with pytest.raises(ValueError, match=r"prompts\[0\]\[0\]=256 is outside the vocabulary"):
+        engine.generate([[VOCAB]])
+
+
+# ------------------------------------------------------------------ raising callbacks
+def test_a_raising_step_callback_loses_no_result(hf, prompts, greedy):
+    """The callback raises once, on the first step where a request finishes: the error
+    propagates after the step, the engine and the context agree, and the next step returns
+    the finished results again."""
+    seen = []
+    raised = []
+
+    def callback(step):
+        seen.append([r.request_id for r in step.finished])
+        if step.finished and not raised:
+            raised.append(step.step)
+            raise KeyError("callback failed")
+
+    engine = small_engine(hf, step_callback=callback)
+    for req in greedy_requests(prompts, GENS):
+        engine.add_request(req)
+    results = []
+    with pytest.raises(KeyError, match="callback failed"):
+        while engine.has_unfinished_requests():
+            results += engine.step().finished
+    lost = seen[-1]
+    assert lost and not any(r.request_id in lost for r in results)
+    ctx = engine.context
+    running = set(ctx.host_request_ids()[:ctx.total_request_count].tolist())
+    assert running <= set(engine.unfinished_request_ids()) and not running & set(lost)
+    retry = engine.step()
+    assert [r.request_id for r in retry.finished][:len(lost)] == lost
+    assert_greedy(results + retry.finished + engine.run(), greedy)
+
+
+class FlakyWriter:
+    """A metrics writer that raises once: at the first update where the context holds fewer
+    requests than at the previous one (a request finished)."""
+
+    def __init__(self):
+        self.previous, self.raised = 0, False
+
+    def log(self, data):
+        count = data["inference/total_request_count"]
+        fewer, self.previous = count < self.previous, count
+        if fewer and not self.raised:
+            self.raised = True
+            raise OSError("metrics backend unreachable")
+
+
+def test_a_raising_metrics_writer_leaves_engine_and_context_agreeing(hf, prompts, greedy):
+    writer = FlakyWriter()
+    engine = small_engine(hf, metrics_writer=writer)
+    for req in greedy_requests(prompts, GENS):
+        engine.add_request(req)
+    results = []
+    with pytest.raises(OSError, match="metrics backend unreachable"):
+        while engine.has_unfinished_requests():
+            results += engine.step().finished
+    ctx = engine.context
+    assert ctx.metrics_writer is writer
+    running = ctx.host_request_ids()[:ctx.total_request_count].tolist()
+    # Every request the context holds is one the engine tracks, and every finished one left both.
+    assert set(running) <= set(engine.unfinished_request_ids())
+    finished_now = [r.request_id for r in engine.undelivered_results]
+    tracked = set(engine.unfinished_request_ids())
+    assert finished_now and not set(finished_now) & (set(running) | tracked)
+    assert_greedy(results + engine.run(), greedy)
+
+
+def test_generate_requests_keeps_collected_results_when_a_step_raises(hf, prompts, greedy):
+    steps = []
+
+    def callback(step):
+        steps.append(step.step)
+        if len(steps) == 12:  # after requests 0 and 1 have finished
+            raise RuntimeError("stream closed")
+
+    engine = small_engine(hf, step_callback=callback)
+    with pytest.raises(RuntimeError, match="stream closed"):
+        engine.generate_requests(greedy_requests(prompts, GENS))
+    assert len(engine.undelivered_results) >= 2, "requests 0 and 1 had finished before the error"
+    assert_greedy(engine.run(), greedy)
+
+
+# ------------------------------------------------------------------ bounded history
+def test_history_is_a_bounded_window(hf, prompts):
+    engine = small_engine(hf, history_window=3)
+    engine.generate_requests(greedy_requests(prompts, GENS))
+    history = engine.stats.history
+    assert engine.stats.forward_steps > 3 and len(history) == 3
+    assert history[-1].step == engine.step_count - 1
+    assert all(h.new_tokens == {} and h.finished == [] for h in history)
+    off = small_engine(hf, history_window=0)
+    off.generate_requests(greedy_requests(prompts[:1], GENS[:1]))
+    assert len(off.stats.history) == 0
+    assert small_engine(hf).stats.history.maxlen == DEFAULT_HISTORY_WINDOW
+    with pytest.raises(ValueError, match=r"history_window=-1 must lie in \[0, inf\]"):
+        small_engine(hf, history_window=-1)
+
+
+def test_engine_arguments_are_checked(hf):
+    engine = small_engine(hf)
+    for kwargs, error, message in [
+            (dict(seed=-1), ValueError, r"seed=-1 must lie in \[0, inf\]"),
+            (dict(seed="abc"), TypeError, r"seed='abc' must be an int"),
+            (dict(record_logits="yes"), TypeError, r"record_logits='yes' must be a bool"),
+            (dict(step_callback=3), TypeError, r"step_callback=3 must be callable"),
+            (dict(default_termination_id=1.5), TypeError,
+             r"default_termination_id=1.5 must be an int")]:
+        with pytest.raises(error, match=message):
+            Engine(engine.model, engine.context, **kwargs)
