@@ -170,8 +170,11 @@ def graph_attention_backend(requested: str, device: torch.device, block_size: in
 def static_plan_values(ctx: Any, dims: InferenceBatchDimensions) -> Tuple[int, int, int]:
     """``(max_seqlen_q, max_seqlen_k, num_decode_requests)`` of graph ``dims``: bounds that hold
     for every step the context puts in this graph, and depend on nothing else. The maxima are
-    Megatron's graphed metadata values (``graph_attention_maxima``)."""
+    Megatron's graphed metadata values (``graph_attention_maxima``), with the key bound capped
+    at what a block-table row can hold (the context sizes its rows by the blocks that can exist,
+    which may be fewer than ``max_sequence_length`` needs)."""
     max_q, max_k = graph_attention_maxima(dims, int(ctx.max_sequence_length))
+    max_k = min(max_k, int(ctx.max_kv_block_count) * int(ctx.block_size_tokens))
     return max_q, max_k, (dims.decode_req_count if dims.prefill_req_count == 0 else 0)
 
 

@@ -117,13 +117,15 @@ def test_replay_writes_one_static_buffer_per_graph():
         {runner.graphs[d].output.data_ptr() for d in outputs}
 
 
-def test_a_moved_input_is_refused_before_the_replay():
+def test_a_moved_input_is_refused_before_the_replay(monkeypatch):
     hf = tiny_llama()
     engine = graph_engine(hf)
     prompts = make_prompts([4, 6], hf.config.vocab_size)
     engine.generate(prompts, max_new_tokens=3, ignore_eos=True)
     ctx = engine.context
-    ctx.token_to_pos_ids = ctx.token_to_pos_ids.clone()  # what a re-allocation would do
+    # What a re-allocation would do: the step's position ids now live at another address.
+    moved = ctx.token_to_pos_ids.clone()
+    monkeypatch.setattr(type(ctx), "token_to_pos_ids", property(lambda self: moved))
     with pytest.raises(RuntimeError, match="token_to_pos_ids"):
         engine.generate(prompts, max_new_tokens=3, ignore_eos=True)
 
@@ -153,9 +155,13 @@ def test_graph_step_context_reports_static_plan_values():
     hf = tiny_llama()
     engine = graph_engine(hf)
     ctx = engine.context
+    # Megatron's graphed key bound, capped at what a block-table row holds (here the context's
+    # rows hold 13 blocks of 16 tokens, fewer than max_sequence_length=256 needs).
+    key_bound = min(ctx.max_sequence_length, ctx.max_kv_block_count * ctx.block_size_tokens)
+    assert key_bound < ctx.max_sequence_length
     for dims in ctx.cuda_graph_batch_dimensions_list:
         max_q, max_k, decode = static_plan_values(ctx, dims)
-        assert max_k == ctx.max_sequence_length
+        assert max_k == key_bound
         if dims.prefill_req_count == 0:
             assert (max_q, decode) == (1, dims.decode_req_count)
         else:
@@ -164,7 +170,7 @@ def test_graph_step_context_reports_static_plan_values():
     ctx.initialize_attention_state(construct_graph_dimensions=dims)
     view = GraphStepContext(ctx, dims)
     assert view.active_attn_metadata.block_table is ctx.active_attn_metadata.block_table
-    assert view.active_attn_metadata.max_seqlen_k == ctx.max_sequence_length
+    assert view.active_attn_metadata.max_seqlen_k == key_bound
     assert view.padded_active_token_count == dims.token_count
     with pytest.raises(AttributeError, match="read-only"):
         view.chunked_prefill_request_id = 3
