@@ -253,6 +253,16 @@ class RequestTable:
         if self.partial_id in gone:
             self.partial_id = -1
 
+    def permute_rows(self, dst: np.ndarray, src: np.ndarray) -> None:
+        """Rows ``dst`` take the fields, metadata and block-table rows of rows ``src`` (read
+        before any write, so that a swap passes ``dst + src, src + dst``)."""
+        self.rows[:, dst] = self.rows[:, src]
+        for values in self.metadata.values():
+            values[dst] = values[src]
+        self.block_table[dst] = self.block_table[src]
+        if dst.size:
+            self.dirty_from = min(self.dirty_from, int(dst.min()))
+
     def take_staged(self) -> tuple:
         """``(zero_count, device_prompts)`` staged by ``commit_add``: the Mamba slots to zero
         (consumed: zeroed once) and the prompts already on the device (kept until the update,
