@@ -262,6 +262,7 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
             hybrid=self.is_hybrid_model, max_tokens=self.max_tokens)
         self._device: Optional[DeviceState] = None
         self.chunked_prefill_request_id = -1
+        self.is_symmetric_memory_initialized = False
         self.is_tensor_state_allocated = False
         # Megatron-Core builds it with the context; its step fields are filled per step.
         self.mamba_metadata = MambaMetadata(self) if self.is_hybrid_model else None
@@ -425,10 +426,14 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
     # ------------------------------------------------------------------ the step
     def initialize_attention_state(self, *, construct_graph_dimensions: Optional[
             InferenceBatchDimensions] = None) -> None:
-        """Prepare the step's token arrays and attention metadata (eager path)."""
+        """Prepare the step's token arrays and attention metadata (eager path).
+
+        ``construct_graph_dimensions``: first fill the context with the dummy requests of that
+        graph (``add_dummy_requests_for_cudagraph_capture``), as Megatron-Core does before a
+        capture; the step is then built eagerly, padded by the context's own rounding."""
         self._check_allocated()
         if construct_graph_dimensions is not None:
-            raise compat.unsupported("construct_graph_dimensions")
+            self.add_dummy_requests_for_cudagraph_capture(construct_graph_dimensions)
         table = self._table
         if self.chunked_prefill_request_id != -1 and table.num_prefill == 0 and table.active:
             # The chunked request's row holds a placeholder token, not a real one: forwarding it
@@ -570,7 +575,12 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
         self._rows_op(src_idxs, dst_idxs, next_tokens, swap=True)
 
     def maybe_initialize_symmetric_memory(self) -> None:
-        raise compat.unsupported("maybe_initialize_symmetric_memory")
+        """Megatron-Core sets up a global symmetric-memory buffer here for the model's
+        tensor-parallel all-reduce. dynctx keeps no global state and leaves tensor-parallel
+        communication to the model: there is nothing to set up; the call is recorded in
+        ``is_symmetric_memory_initialized``, as Megatron-Core records it."""
+        self._check_allocated()
+        self.is_symmetric_memory_initialized = True
 
     def add_dummy_requests_parallel(self, requests: Sequence[DynamicInferenceRequest], *,
                                     count_as_prefill: bool = True) -> None:
