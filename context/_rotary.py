@@ -19,7 +19,8 @@ class RotaryMixin:
                         table_name: str = "") -> int:
         """Check a rope call against the step; returns the step's padded token count."""
         self._check_allocated()
-        self._require_attention_state(f"rotary embedding of {name}")
+        meta = self._require_attention_state(f"rotary embedding of {name}")
+        max_position = meta.max_seqlen_k - 1
         n = self.padded_active_token_count
         for arg, tensor_ in ((name, tensor), (table_name, table)):
             if tensor_ is None:
@@ -30,9 +31,9 @@ class RotaryMixin:
                 raise ValueError(f"{arg} is on {tensor_.device}, the context on {self.device}")
         if tensor.shape[0] < n:
             raise ValueError(f"{name} has {tensor.shape[0]} tokens, the step has {n}")
-        if table is not None and table.shape[0] <= self._max_position:
+        if table is not None and table.shape[0] <= max_position:
             raise ValueError(f"{table_name} has {table.shape[0]} positions, the step reaches "
-                             f"position {self._max_position}")
+                             f"position {max_position}")
         return n
 
     @staticmethod
@@ -85,7 +86,8 @@ class RotaryMixin:
         layout = self._rope_layout(config)
         use_flashinfer = self.use_flashinfer_fused_rope
         if use_flashinfer is None:
-            use_flashinfer = rope.flashinfer_rope_available(self.device) and not layout["mla_layout"]
+            use_flashinfer = (rope.flashinfer_rope_available(self.device)
+                              and not layout["mla_layout"])
         if use_flashinfer:
             if layout["mla_layout"]:
                 raise ValueError("use_flashinfer_fused_rope: FlashInfer has no MLA rope layout "

@@ -232,7 +232,8 @@ class StateViewsMixin:
         return meta.cu_query_seq_lengths, meta.max_seqlen_q
 
     def cu_kv_lengths(self) -> Tuple[torch.Tensor, torch.Tensor, int]:
-        """``(cu_kv_lengths [padded_requests + 1], kv_seq_lengths [padded_requests], max_seqlen_k)``."""
+        """``(cu_kv_lengths [padded_requests + 1], kv_seq_lengths [padded_requests],
+        max_seqlen_k)``."""
         meta = self._require_attention_state("cu_kv_lengths")
         return meta.cu_kv_seq_lengths, meta.kv_seq_lengths, meta.max_seqlen_k
 

@@ -45,7 +45,7 @@ from ._mamba import MambaMetadata, MambaMixin
 from ._kv import KVCacheMixin
 from ._rotary import RotaryMixin
 from ._views import StateViewsMixin
-from .admission import plan_add, plan_dummies
+from .admission import plan_dummies
 from .batch_dimensions import InferenceBatchDimensions, MambaInferenceStateConfig
 from .block_allocator import BlockAllocator
 from .device_state import DeviceState
@@ -56,7 +56,6 @@ from .requests import DynamicInferenceRequest, SamplingParams
 from .sizing import check_scalars, config_from_model, layer_layout, memory_layout, positive_int
 from .staging import numpy_dtype
 from .step import REQUEST_ROUNDER, TOKEN_ROUNDER, build_step, rounded
-from .update_plan import plan_update
 
 logger = logging.getLogger("dynctx.context")
 _EMPTY_IDS = torch.empty(0, dtype=torch.int64)
@@ -391,7 +390,6 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
         self.padded_active_token_count = padded.token_count
         self.padded_active_request_count = padded.req_count
         self.padding_slice = slice(step.active_tokens if step else 0, padded.token_count)
-        self._max_position = step.max_seqlen_k - 1 if step else -1
 
     # ------------------------------------------------------------------ admission
     def check_availability(self, req: DynamicInferenceRequest) -> Tuple[bool, bool, bool]:
@@ -415,10 +413,10 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
         ``req.remaining_prompt_tokens`` and ``req.finished_chunk_token_count``.
         """
         self._check_allocated(getattr(req, "request_id", None))
-        plan = plan_add(self._table, req, chunk_length,
-                        max_sequence_length=self.max_sequence_length,
-                        metadata_types=self.request_metadata_types, device=self.device,
-                        vocab_size=self.vocab_size)
+        plan = self._table.plan_add(req, chunk_length,
+                                    max_sequence_length=self.max_sequence_length,
+                                    metadata_types=self.request_metadata_types,
+                                    device=self.device, vocab_size=self.vocab_size)
         self._table.commit_add(plan)
         self._device.arena.dirty = True
         self._step = None
@@ -485,7 +483,9 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
         block-table row (Megatron-Core's engine, and ours, refuse such requests at admission).
         It needs ``initialize_attention_state`` of this step first, unless the counts were
         written by hand (``total_request_count = ...``, as Megatron-Core's tests build states).
-        Every check runs before anything changes; the one device-to-host read is the mask.
+        Every check runs before anything changes (an error leaves the context as it was); the
+        one device-to-host read is the mask. ``metrics_writer.log`` runs last, on the updated
+        context: if it raises, the update is complete and the error propagates.
         """
         self._check_allocated()
         table = self._table
@@ -497,8 +497,8 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
         new_tokens = check_new_tokens(new_tokens, A, self.device, validate=self.validate,
                                       vocab_size=self.vocab_size)
         mask = read_mask(active_requests_mask, A, self.device)
-        plan = plan_update(table, mask, chunked_id=self.chunked_prefill_request_id,
-                           max_sequence_length=self.max_sequence_length)
+        plan = table.plan_update(mask, chunked_id=self.chunked_prefill_request_id,
+                                 max_sequence_length=self.max_sequence_length)
         table.commit_update(plan)
         self._device.apply_update(plan, table, new_tokens)
         self.has_explicit_chunked_prefill_req = False

@@ -27,7 +27,9 @@ from ._fields import (
     FIELD_OUTPUT,
     FIELD_QUERY,
 )
+from .admission import AddPlan, plan_add
 from .block_allocator import BlockAllocator, SlotAllocator
+from .update_plan import UpdatePlan, plan_update
 
 
 class RequestTable:
@@ -135,8 +137,19 @@ class RequestTable:
     def ids(self, start: int = 0, stop: Optional[int] = None) -> np.ndarray:
         return self.rows[FIELD_IDS, start:self.total if stop is None else stop]
 
+    # ------------------------------------------------------------------ plans (pure)
+    def plan_add(self, req, chunk_length, **limits) -> AddPlan:
+        """``admission.plan_add`` against this table: every check, nothing changed."""
+        return plan_add(self, req, chunk_length, **limits)
+
+    def plan_update(self, mask: np.ndarray, *, chunked_id: int,
+                    max_sequence_length: int) -> UpdatePlan:
+        """``update_plan.plan_update`` against this table: every check, nothing changed."""
+        return plan_update(self, mask, chunked_id=chunked_id,
+                           max_sequence_length=max_sequence_length)
+
     # ------------------------------------------------------------------ commits
-    def commit_add(self, plan) -> None:
+    def commit_add(self, plan: AddPlan) -> None:
         """Apply an ``admission.AddPlan`` made from this table: reserve and write."""
         rows, row = self.rows, plan.row
         new_blocks = self.allocator.allocate_memory_blocks_host(plan.needed - plan.already)
@@ -218,7 +231,7 @@ class RequestTable:
             self.fed_decode += n
         return slots
 
-    def commit_update(self, plan) -> None:
+    def commit_update(self, plan: UpdatePlan) -> None:
         """Apply an ``update_plan.UpdatePlan`` made from this table."""
         allocator = self.allocator
         for op, arg in plan.allocator_ops:
@@ -239,8 +252,9 @@ class RequestTable:
                 values[moved] = values[sources]
         self.rows[:, :old_total] = plan.rows
         self.block_table[total:old_total] = -1
-        appended = np.flatnonzero(plan.append_col >= 0)
-        self.block_table[appended, plan.append_col[appended]] = plan.append_block[appended]
+        if plan.allocator_ops:
+            appended = np.flatnonzero(plan.append_col >= 0)
+            self.block_table[appended, plan.append_col[appended]] = plan.append_block[appended]
         self.paused, self.total = plan.paused, total
         self.active_tokens = plan.active_tokens
         self.num_prefill = 0

@@ -2,8 +2,8 @@
 
 ``layer_layout`` reads the layer types (attention, Mamba, MLP, MoE) and the Mamba state shapes;
 ``memory_layout`` turns ``buffer_size_gb`` and friends into block, request, token and block-table
-counts (docs/SEMANTICS.md §2.5). Both are pure and raise ``ValueError`` naming
-the argument, the value and the limit; nothing here allocates.
+counts (docs/DESIGN.md, the memory model's one rule). Both are pure and raise ``ValueError``
+naming the argument, the value and the limit; nothing here allocates.
 """
 
 from __future__ import annotations
@@ -139,7 +139,8 @@ def memory_layout(*, layers: LayerLayout, params_dtype: torch.dtype, block_size_
     kv_reduced_dim = None
     if cache_mla_latent:
         kv_reduced_dim = kv_lora_rank + qk_pos_emb_head_dim
-        block_size_bytes = itemsize * layers.num_attention_layers * block_size_tokens * kv_reduced_dim
+        block_size_bytes = (itemsize * layers.num_attention_layers * block_size_tokens
+                            * kv_reduced_dim)
     else:
         block_size_bytes = (itemsize * 2 * layers.num_attention_layers * block_size_tokens
                             * heads_per_partition * kv_channels)
@@ -210,7 +211,8 @@ def memory_layout(*, layers: LayerLayout, params_dtype: torch.dtype, block_size_
         raise ValueError(
             f"the block table of max_requests={max_requests} x {columns} blocks "
             f"(max_sequence_length={max_sequence_length} / block_size_tokens="
-            f"{block_size_tokens}, at most the {total_count - 1} blocks of the buffer) needs {get_mem_size_str(table_bytes)} per copy (four copies), "
+            f"{block_size_tokens}, at most the {total_count - 1} blocks of the buffer) needs "
+            f"{get_mem_size_str(table_bytes)} per copy (four copies), "
             f"over the limit of {get_mem_size_str(MAX_BLOCK_TABLE_BYTES)}: lower max_requests or "
             "max_sequence_length, or raise block_size_tokens")
     return MemoryLayout(block_size_bytes, kv_reduced_dim, level, total_count, paused_count,

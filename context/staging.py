@@ -99,7 +99,8 @@ class HostArena:
         self.host: dict[str, np.ndarray] = {}
         self.device: dict[str, torch.Tensor] = {}
         for name, dtype, shape, start, nbytes in layout:
-            self.host[name] = self.host_bytes[start:start + nbytes].view(numpy_dtype(dtype)).reshape(shape)
+            host = self.host_bytes[start:start + nbytes].view(numpy_dtype(dtype))
+            self.host[name] = host.reshape(shape)
             self.device[name] = self.device_bytes[start:start + nbytes].view(dtype).view(shape)
         self.dirty = False
 

@@ -1,4 +1,4 @@
-"""The step-end state machine (``update_requests``, docs/SEMANTICS.md §9, the fixed version), as a plan.
+"""The step-end state machine (``update_requests``, docs/SEMANTICS.md §9, fixed), as a plan.
 
 ``plan_update`` decides, from the unchanged ``RequestTable``, everything one update does: which
 requests finish, how rows compact, which pause, resume (LIFO, one new block each) or are evicted
@@ -182,6 +182,23 @@ class _Scratch:
         return P - evict, evicted
 
 
+def _steady_plan(table, T: int):
+    """The plan of the common decode step (nothing paused, finished, chunked, and no request
+    filling its last block), without the scratch machinery; None when it does not apply."""
+    h = table.rows[:, :T].copy()
+    if (h[FIELD_LAST_OFFSET] == table.block_size - 1).any():
+        return None
+    h[FIELD_KV_OFFSET] += h[FIELD_QUERY]
+    h[FIELD_QUERY] = 1
+    h[FIELD_LAST_OFFSET] += 1
+    none = np.full(T, -1, dtype=np.int32)
+    return UpdatePlan(
+        old_paused=0, old_total=T, paused=0, total=T, active_tokens=T,
+        origin=np.arange(T, dtype=np.int64), rows=h, append_col=none, append_block=none,
+        allocator_ops=(), released_slots=np.empty(0, dtype=np.int32), finished_ids=_EMPTY,
+        evicted_ids=_EMPTY, newly_paused_ids=_EMPTY, max_length_ids=_EMPTY)
+
+
 def plan_update(table, mask: np.ndarray, *, chunked_id: int, max_sequence_length: int
                 ) -> UpdatePlan:
     """The plan of one ``update_requests`` (see the module docstring); changes nothing.
@@ -212,6 +229,10 @@ def plan_update(table, mask: np.ndarray, *, chunked_id: int, max_sequence_length
         max_length_ids = ids[P:T][too_long].astype(np.int64)
         mask = mask & ~too_long
 
+    if P == 0 and chunked_id == -1 and A and mask.all():
+        steady = _steady_plan(table, T)
+        if steady is not None:
+            return steady
     allocator = table.allocator
     scratch = _Scratch(table, _StackSim(allocator))
     h = scratch.h

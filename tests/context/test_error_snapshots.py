@@ -370,3 +370,37 @@ def test_request_kept_past_max_sequence_length_is_finished_and_reported(backend)
     assert ctx.max_length_finished_request_ids.tolist() == []
     assert ctx.host_request_ids().tolist() == [2]
     check_invariants(ctx)
+
+
+def test_plans_are_pure_under_memory_pressure():
+    """``plan_update`` and ``plan_add`` change nothing, whatever they decide (finish, pause,
+    resume, evict); the update that follows applies exactly one plan."""
+    ctx = make_ctx(buffer_size_gb=16 * BLOCK / GIB, paused_buffer_size_gb=2 * BLOCK / GIB,
+                   max_requests=8, max_tokens=64)
+    gen = torch.Generator().manual_seed(3)
+    rid, paused_steps, evicted = 0, 0, 0
+    for step_index in range(30):
+        while ctx.total_request_count < 8 and ctx.paused_request_count == 0:
+            rid += 1
+            r = req(rid, int(torch.randint(1, 12, (1,), generator=gen)), gen=20)
+            if not all(ctx.check_availability(r)):
+                break
+            before = snapshot(ctx, device=True)
+            ctx._table.plan_add(r, None, max_sequence_length=ctx.max_sequence_length,
+                                metadata_types=ctx.request_metadata_types, device=ctx.device,
+                                vocab_size=None)
+            assert_same(before, snapshot(ctx, device=True))
+            add(ctx, r)
+        ctx.initialize_attention_state()
+        active = ctx.total_request_count - ctx.paused_request_count
+        mask = torch.rand(active, generator=gen) > 0.15
+        before = snapshot(ctx, device=True)
+        for _ in range(2):
+            ctx._table.plan_update(mask.numpy(), chunked_id=-1,
+                                   max_sequence_length=ctx.max_sequence_length)
+        assert_same(before, snapshot(ctx, device=True))
+        ctx.update_requests(mask, torch.arange(active) + step_index)
+        check_invariants(ctx)
+        paused_steps += ctx.paused_request_count > 0
+        evicted += len(ctx.evicted_request_ids)
+    assert paused_steps >= 5 and evicted >= 3  # the workload really pauses and evicts
