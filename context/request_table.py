@@ -203,7 +203,6 @@ class RequestTable:
         self.rows[FIELD_LAST_BLOCK, rows] = dummy if n else -1
         self.rows[FIELD_LAST_OFFSET, rows] = (plan.lengths - 1) % self.block_size
         self.rows[FIELD_MAMBA_SLOT, rows] = -1
-        self.block_table[rows] = -1
         columns = np.arange(self.max_kv_block_count)
         self.block_table[rows] = np.where(columns[None, :] < plan.blocks[:, None], dummy, -1)
         for i, values in enumerate(plan.metadata):
