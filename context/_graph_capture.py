@@ -10,15 +10,18 @@ token id 0, every block the dummy block (no block is allocated). The step that f
 ``graph``; ``reset()`` afterwards returns the context to empty.
 
 ``capture_requests`` builds both lists from the unchanged request table after checking the
-whole graph at once, so that neither of the two adds can fail half-way.
+whole graph at once, so that neither of the two adds can fail half-way. ``DummyRequestsMixin``
+holds both methods of the facade: one path (``admission.plan_dummies``, then
+``RequestTable.commit_dummies``) adds every dummy row.
 """
 
 from __future__ import annotations
 
-from typing import List, Tuple
+from typing import List, Sequence, Tuple
 
 import torch
 
+from .admission import plan_dummies
 from .batch_dimensions import InferenceBatchDimensions
 from .cuda_graphs import dummy_request_plan
 from .errors import (
@@ -74,3 +77,47 @@ def capture_requests(table, graph_dimensions: InferenceBatchDimensions, *,
                                                 sampling_params=params)
                         for i, length in enumerate(prefill_lengths)]
     return decode_requests, prefill_requests
+
+
+class DummyRequestsMixin:
+    """``add_dummy_requests_parallel`` and ``add_dummy_requests_for_cudagraph_capture``."""
+
+    def add_dummy_requests_parallel(self, requests: Sequence[DynamicInferenceRequest], *,
+                                    count_as_prefill: bool = True) -> None:
+        """Add whole-prompt requests whose every block is the dummy block (no KV block is
+        allocated: ``block_allocator.total_avail`` is unchanged; their K/V writes land in the
+        dummy block), as Megatron-Core does for CUDA-graph warm-up and capture.
+
+        ``count_as_prefill=False`` counts them as decode rows (they must come before any
+        prefill of the step); their tokens are still their prompts. On a hybrid model each gets
+        a Mamba slot whose states are zeroed now. Every check runs first (the request and token
+        limits, ids not in the context, free Mamba slots): an error changes nothing. Finishing
+        such a request releases nothing but its row and slot.
+        """
+        self._check_allocated()
+        plan = plan_dummies(self._table, requests, count_as_prefill,
+                            max_sequence_length=self.max_sequence_length,
+                            metadata_types=self.request_metadata_types, device=self.device,
+                            vocab_size=self.vocab_size, max_tokens=self.max_tokens)
+        if plan.ids.size == 0:
+            return
+        slots = self._table.commit_dummies(plan)
+        if slots.size:
+            index = torch.from_numpy(slots).to(self.device)
+            self.mamba_conv_states.index_fill_(1, index, 0)
+            self.mamba_ssm_states.index_fill_(1, index, 0)
+        self._device.arena.dirty = True
+        self._step = None
+
+    def add_dummy_requests_for_cudagraph_capture(
+            self, graph_dimensions: InferenceBatchDimensions) -> None:
+        """Fill the empty context with the requests of ``graph_dimensions`` as megatron-core
+        0.16.1 does before a capture: its decode dummies, then its prefill dummies, through
+        ``add_dummy_requests_parallel`` (``_graph_capture``: the whole graph is checked before
+        anything changes); ``reset()`` after the captured step empties the context again."""
+        self._check_allocated()
+        decode, prefill = capture_requests(self._table, graph_dimensions,
+                                           max_tokens=self.max_tokens,
+                                           max_sequence_length=self.max_sequence_length)
+        self.add_dummy_requests_parallel(decode, count_as_prefill=False)
+        self.add_dummy_requests_parallel(prefill)

@@ -97,7 +97,12 @@ class StateViewsMixin:
             self.initialize_attention_state()
 
     def _device_field(self, field: int) -> torch.Tensor:
+        """One per-request field, int32 ``[max_requests]``: on a CPU device a view of the host
+        row (writes reach the host, which is authoritative, at once); on CUDA the device mirror
+        (writes need ``pull_bookkeeping_from_device()``)."""
         self._check_allocated()
+        if self._host_views:
+            return torch.from_numpy(self._table.rows[field])
         self._device.sync()
         return self._device.arena.device["req"][field]
 
@@ -112,18 +117,52 @@ class StateViewsMixin:
 
     @property
     def request_to_kv_block_ids(self) -> torch.Tensor:
-        """int32 ``[max_requests, max_kv_block_count]`` block table (-1 unused)."""
+        """int32 ``[max_requests, max_kv_block_count]`` block table (-1 unused). On a CPU
+        device a view of the host table: writes reach the host at once and the device mirror
+        at the next step or update; on CUDA the device table (see
+        ``pull_bookkeeping_from_device``)."""
         self._check_allocated()
+        if self._host_views:
+            self._device.host_table_written = True
+            return torch.from_numpy(self._table.block_table)
         self._device.flush_block_rows(self._table)
         return self._device.block_table
 
     @property
     def request_metadata(self) -> dict[str, torch.Tensor]:
-        """Per-label device tensors ``[max_requests]`` of the request metadata."""
+        """Per-label tensors ``[max_requests]`` of the request metadata (host views on a CPU
+        device, as the per-request fields)."""
         self._check_allocated()
+        if self._host_views:
+            return {label: torch.from_numpy(self._table.metadata[label])
+                    for label, _, _ in self.request_metadata_types}
         self._device.sync()
         return {label: self._device.arena.device[f"meta:{label}"]
                 for label, _, _ in self.request_metadata_types}
+
+    def pull_bookkeeping_from_device(self) -> None:
+        """Copy the per-request bookkeeping tensors (``request_*`` fields, the Mamba slot map,
+        ``request_metadata``, ``request_to_kv_block_ids``) from the device back to the host.
+
+        The host holds the authoritative copy. Code that writes these tensors by hand on a CUDA
+        device (as Megatron-Core's tests do) calls this after its writes and before the next
+        ``add_request``/``update_requests``/step, which then see them. One device-to-host copy
+        of each (a sync). On a CPU device the tensors are views of the host arrays and this
+        does nothing."""
+        self._check_allocated()
+        if self._host_views:
+            return
+        device, table = self._device, self._table
+        if device.arena.dirty:
+            raise RuntimeError(
+                "pull_bookkeeping_from_device(): the host changed after the device tensors were "
+                "last handed out (an add_request or update in between); write them by hand "
+                "after the host's last change, then pull")
+        device.flush_block_rows(table)
+        table.rows[:] = device.arena.device["req"].cpu().numpy()
+        for label in table.metadata_labels:
+            table.metadata[label][:] = device.arena.device[f"meta:{label}"].cpu().numpy()
+        table.block_table[:] = device.block_table.cpu().numpy()
 
     @property
     def paused_tokens(self) -> Optional[torch.Tensor]:

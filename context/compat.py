@@ -1,9 +1,10 @@
-"""Megatron-Core's constructor options and methods that dynctx accepts but does not support.
+"""Megatron-Core's constructor options that dynctx accepts but does not support, and its
+parallel groups.
 
-One table, one message each: the constructor hands every such option to ``check_options``, and
-the methods that only exist for Megatron-Core's CUDA-graph and multi-GPU paths raise through
-``unsupported``. Options not listed here are supported (or stored for the model, as Megatron-Core
-stores them).
+One table, one message each: the constructor hands every such option to ``check_options``.
+Options not listed here are supported (or stored for the model, as Megatron-Core stores them).
+``parallel_groups`` reads the pipeline (and tensor-parallel) group of ``pg_collection`` and
+``min_over_group`` reduces the block count over the pipeline.
 """
 
 from __future__ import annotations
@@ -41,12 +42,6 @@ OPTIONS = {
     "cuda_graph_max_tokens": Option(
         lambda v: v is None, "deprecated", "cuda_graph_max_tokens is deprecated and ignored"),
 }
-
-METHODS = {
-    "maybe_initialize_symmetric_memory": "maybe_initialize_symmetric_memory: symmetric memory "
-    "for tensor-parallel all-reduce is not supported yet",
-}
-
 
 def check_options(values: dict, *, stacklevel: int = 3) -> None:
     """Raise ``NotImplementedError`` or warn for each option of ``values`` the table lists."""
@@ -114,8 +109,3 @@ def min_over_group(value: int, group: Any) -> int:
     tensor = torch.tensor([int(value)], dtype=torch.int64, device=device)
     dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=group)
     return int(tensor.item())
-
-
-def unsupported(method: str) -> NotImplementedError:
-    """The error of a Megatron-Core method dynctx does not support (``raise unsupported(..)``)."""
-    return NotImplementedError(METHODS[method])

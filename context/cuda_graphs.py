@@ -292,11 +292,11 @@ def eager_padded_dimensions(step: InferenceBatchDimensions, *, max_requests: int
 
     Decode-only: tokens rounded up to ``token_rounder``, capped at ``max_requests`` (never
     below the step's tokens: dummy decode rows of ``add_dummy_requests_parallel`` may carry
-    several) and at ``max_tokens``, all of them decode slots. With prefills: tokens rounded up and capped at
-    ``max_tokens``, requests rounded up to ``request_rounder`` and capped at ``max_requests``,
-    the extra request slots counted as prefills. Megatron does not cap the prefill step's
-    tokens and can pad past its token buffer (docs/SEMANTICS.md §8); this is the one place
-    where the two differ.
+    several) and at ``max_tokens``, all of them decode slots. With prefills: tokens rounded up
+    and capped at ``max_tokens``, requests rounded up to ``request_rounder`` and capped at
+    ``max_requests``, the extra request slots counted as prefills. Megatron does not cap the
+    prefill step's tokens and can pad past its token buffer (docs/SEMANTICS.md §8); this is the
+    one place where the two differ.
     """
     tokens = _round_up(step.token_count, token_rounder, tp_size)
     if step.prefill_req_count == 0:

@@ -19,7 +19,7 @@ import torch
 from dynctx.kernels.compaction import compact_requests
 from dynctx.kernels.step_metadata import step_metadata
 
-from ._fields import FIELD_KV_OFFSET, FIELD_MAMBA_SLOT, FIELD_QUERY, NUM_FIELDS
+from ._fields import FIELD_KV_OFFSET, FIELD_QUERY, NUM_FIELDS
 from .staging import HostArena, HostToDevice
 
 TOKEN_ARRAYS = ("token_to_input_ids", "token_to_pos_ids", "token_to_request_idx",
@@ -68,6 +68,9 @@ class DeviceState:
         self.next_tokens = [torch.zeros(R, dtype=torch.int64, device=device) for _ in range(2)]
         self.current = 0
         self.rows_used = [0, 0]
+        # A CPU context hands out host views of the block table: once one was handed out, the
+        # next step (or update) refreshes the device table from the host, then clears this.
+        self.host_table_written = False
         self.attn_block_table = torch.full((R, C), -1, dtype=torch.int32, device=device)
         for name in TOKEN_ARRAYS:
             setattr(self, name, torch.zeros(T, dtype=torch.int64, device=device))
@@ -99,6 +102,7 @@ class DeviceState:
         for tokens in self.next_tokens:
             tokens.zero_()
         self.rows_used = [0, 0]
+        self.host_table_written = False
         self.attn_block_table.fill_(-1)
         self.token_to_request_idx.fill_(-1)
         self.token_to_block_idx.fill_(-1)
@@ -122,10 +126,36 @@ class DeviceState:
             self.h2d.copy(self.block_tables[self.current][lo:hi], table.block_table[lo:hi])
             self.rows_used[self.current] = max(self.rows_used[self.current], hi)
 
+    def upload_block_table(self, table, rows: int) -> None:
+        """Copy host block-table rows ``[0, rows)`` (and any stale rows past them) to the
+        current device table, after writes through a host view."""
+        hi = max(rows, self.rows_used[self.current])
+        if hi:
+            self.h2d.copy(self.block_tables[self.current][:hi], table.block_table[:hi])
+        self.rows_used[self.current] = max(self.rows_used[self.current], rows)
+        table.dirty_rows()
+        self.host_table_written = False
+
+    def mirrors(self, table) -> dict:
+        """The device copies of the request table, brought up to date first: ``req`` (int32
+        ``[NUM_FIELDS, R]``), ``metadata`` (label -> ``[R]``) and ``block_table``. For checks
+        that the device mirrors the host (the public views are host views on a CPU device)."""
+        self.sync()
+        if self.host_table_written:
+            self.upload_block_table(table, table.total)
+        else:
+            self.flush_block_rows(table)
+        device = self.arena.device
+        return dict(req=device["req"], block_table=self.block_table,
+                    metadata={label: device[f"meta:{label}"] for label in self.metadata_labels})
+
     def begin_step(self, step, table, device_prompts: list) -> None:
         """Upload the step's host state and build its per-token arrays (one launch)."""
         self.arena.flush(self.h2d)
-        self.flush_block_rows(table)
+        if self.host_table_written:
+            self.upload_block_table(table, table.total)
+        else:
+            self.flush_block_rows(table)
         num_prompt = step.prompt_tokens
         if num_prompt > 0:
             self.h2d.copy(self.prompt_tokens[:num_prompt], table.prompt[:num_prompt])
@@ -207,3 +237,7 @@ class DeviceState:
             check=False)
         self.rows_used[dst] = rows
         self.current = dst
+        if self.host_table_written:
+            # The host table (written through a view) was compacted by the commit; the kernel
+            # compacted a stale device copy: take the host's rows.
+            self.upload_block_table(table, max(rows, plan.old_total))

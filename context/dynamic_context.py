@@ -10,7 +10,9 @@ The facade keeps Megatron-Core's names and composes parts that each own one thin
   token arrays, the KV buffer and the Mamba states, and the two launches of a step;
 * ``step.Step``: the frozen description of one step, built by ``initialize_attention_state``,
   padded to the CUDA graph that fits it (``cuda_graphs``: Megatron-Core's ladder, built here);
-* ``_graph_capture.capture_requests``: the CUDA graph capture dummies, checked as a whole;
+* ``_graph_capture``: the dummy requests (``add_dummy_requests_parallel``) and the CUDA graph
+  capture dummies, checked as a whole; ``_rows``: ``max_requests`` and the row moves;
+  ``_class_api``: the rounding helpers and ``from_config``;
 * ``sizing`` and ``compat``: the constructor's sizes and Megatron-Core's unsupported options.
 
 Every mutating call checks its arguments, plans, commits the host, then applies the change on
@@ -21,16 +23,15 @@ from __future__ import annotations
 
 import logging
 import math
-import warnings
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Tuple
 
-import numpy as np
 import torch
 
 from dynctx.kernels import _backend
 
 from . import compat
-from ._graph_capture import capture_requests
+from ._class_api import ClassAPIMixin
+from ._graph_capture import DummyRequestsMixin
 from ._fields import (  # noqa: F401 (re-exported: FIELD_* are imported from here)
     _LAYER_SYMBOLS,
     FIELD_BLOCKS,
@@ -47,8 +48,8 @@ from ._logits import LogitsMixin
 from ._mamba import MambaMetadata, MambaMixin
 from ._kv import KVCacheMixin
 from ._rotary import RotaryMixin
+from ._rows import RowsMixin
 from ._views import StateViewsMixin
-from .admission import plan_add, plan_dummies
 from .batch_dimensions import InferenceBatchDimensions, MambaInferenceStateConfig
 from .block_allocator import BlockAllocator
 from .cuda_graphs import context_cuda_graph_ladder
@@ -56,10 +57,10 @@ from .device_state import DeviceState
 from .errors import TensorStateDeallocatedError, get_mem_size_str
 from .inputs import check_new_tokens, read_mask
 from .request_table import RequestTable
-from .requests import DynamicInferenceRequest, SamplingParams
-from .sizing import check_scalars, config_from_model, layer_layout, memory_layout, positive_int
+from .requests import DynamicInferenceRequest
+from .sizing import check_scalars, layer_layout, memory_layout, positive_int
 from .staging import numpy_dtype
-from .step import REQUEST_ROUNDER, TOKEN_ROUNDER, build_step, rounded
+from .step import REQUEST_ROUNDER, TOKEN_ROUNDER, build_step
 
 logger = logging.getLogger("dynctx.context")
 _EMPTY_IDS = torch.empty(0, dtype=torch.int64)
@@ -81,7 +82,8 @@ def _resolve_device(device: Any) -> torch.device:
     return device
 
 
-class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, LogitsMixin, MambaMixin):
+class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, LogitsMixin, MambaMixin,
+                              RowsMixin, DummyRequestsMixin, ClassAPIMixin):
     """Paged KV cache plus in-flight batching bookkeeping (Megatron-Core's API).
 
     Args (keyword only, Megatron-Core's names):
@@ -186,6 +188,9 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
         kv_lora_rank, qk_pos_emb_head_dim = args["kv_lora_rank"], args["qk_pos_emb_head_dim"]
         compat.check_options(dict(cuda_graph_max_tokens=cuda_graph_max_tokens))
         self.device = _resolve_device(device)
+        # On a CPU device the bookkeeping tensors handed out are views of the host arrays
+        # (write-through); on CUDA they are the device mirrors.
+        self._host_views = self.device.type == "cpu"
         _backend.check_backend_name(kernel_backend)
         self.kernel_backend = kernel_backend
         self._backend = _backend.resolve_backend(kernel_backend, self.device)
@@ -269,6 +274,7 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
             hybrid=self.is_hybrid_model, max_tokens=self.max_tokens)
         self._device: Optional[DeviceState] = None
         self.chunked_prefill_request_id = -1
+        self.is_symmetric_memory_initialized = False
         self.is_tensor_state_allocated = False
         # Megatron-Core builds it with the context; its step fields are filled per step.
         self.mamba_metadata = MambaMetadata(self) if self.is_hybrid_model else None
@@ -317,55 +323,6 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
             raise TensorStateDeallocatedError(
                 request_id, "the context's tensors are deallocated (suspended); call "
                 "allocate_all_tensors(is_init=False) first")
-
-    @property
-    def max_requests(self) -> int:
-        """Request rows ``add_request`` may fill (``RequestOverflowError`` beyond)."""
-        return self._table.request_limit
-
-    @max_requests.setter
-    def max_requests(self, value: int) -> None:
-        """Lower (or restore) the request limit, as Megatron-Core's tests do by hand; the rows
-        allocated at construction are the ceiling."""
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-            raise TypeError(f"max_requests={value!r} must be an int")
-        if not max(1, self.total_request_count) <= value <= self._request_rows:
-            raise ValueError(
-                f"max_requests={value} must lie in [max(1, total_request_count="
-                f"{self.total_request_count}), {self._request_rows}] (the rows allocated)")
-        self._table.request_limit = int(value)
-
-    # ------------------------------------------------------------------ rounding, config
-    @classmethod
-    def round_up_tokens(cls, value: int, tp_size: Optional[int] = None) -> int:
-        """Round up to a multiple of ``TOKEN_ROUNDER`` that is also divisible by ``tp_size``."""
-        return rounded(value, cls.TOKEN_ROUNDER, tp_size)
-
-    @classmethod
-    def round_up_requests(cls, value: int, tp_size: Optional[int] = None) -> int:
-        """Round up to a multiple of ``REQUEST_ROUNDER`` that is also divisible by ``tp_size``."""
-        return rounded(value, cls.REQUEST_ROUNDER, tp_size)
-
-    @classmethod
-    def round_up(cls, value: int) -> int:
-        """Deprecated: ``round_up_tokens``."""
-        warnings.warn("round_up is deprecated; use round_up_tokens or round_up_requests",
-                      DeprecationWarning, stacklevel=2)
-        return cls.round_up_tokens(value)
-
-    @classmethod
-    def from_config(cls, inference_config: Any, model: Any, max_batch_size: int,
-                    buffer_size_gb: float = 40, num_cuda_graphs: Optional[int] = None,
-                    mamba_inference_state_config: Optional[MambaInferenceStateConfig] = None,
-                    unified_memory_level: int = 0, **kwargs: Any) -> "DynamicInferenceContext":
-        """Build a context from plain configs (``sizing.config_from_model`` says what it
-        reads); extra keyword arguments go to the constructor."""
-        return cls(**config_from_model(inference_config, model, max_batch_size),
-                   buffer_size_gb=buffer_size_gb, num_cuda_graphs=num_cuda_graphs,
-                   materialize_only_last_token_logits=False,
-                   mamba_inference_state_config=mamba_inference_state_config,
-                   use_flashinfer_fused_rope=None, unified_memory_level=unified_memory_level,
-                   **kwargs)
 
     # ------------------------------------------------------------------ reset
     def reset(self) -> None:
@@ -435,7 +392,8 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
         """Prepare the step's token arrays and attention metadata, padded to the CUDA graph
         that fits the step, else eagerly (``step.build_step``; the forward itself runs eager).
         With ``construct_graph_dimensions`` (an empty context), first add that graph's capture
-        dummies (``add_dummy_requests_for_cudagraph_capture``)."""
+        dummies (``add_dummy_requests_for_cudagraph_capture``), as Megatron-Core does before a
+        capture."""
         self._check_allocated()
         if construct_graph_dimensions is not None:
             self.add_dummy_requests_for_cudagraph_capture(construct_graph_dimensions)
@@ -522,47 +480,12 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
         return self.newly_paused_request_ids
 
     def maybe_initialize_symmetric_memory(self) -> None:
-        raise compat.unsupported("maybe_initialize_symmetric_memory")
-
-    def add_dummy_requests_parallel(self, requests: Sequence[DynamicInferenceRequest], *,
-                                    count_as_prefill: bool = True) -> None:
-        """Add whole-prompt requests whose every block is the dummy block (no KV block is
-        allocated: ``block_allocator.total_avail`` is unchanged; their K/V writes land in the
-        dummy block), as Megatron-Core does for CUDA-graph warm-up and capture.
-
-        ``count_as_prefill=False`` counts them as decode rows (they must come before any
-        prefill of the step); their tokens are still their prompts. On a hybrid model each gets
-        a Mamba slot whose states are zeroed now. Every check runs first (the request and token
-        limits, ids not in the context, free Mamba slots): an error changes nothing. Finishing
-        such a request releases nothing but its row and slot.
-        """
+        """Megatron-Core sets up a global symmetric-memory buffer here for the model's
+        tensor-parallel all-reduce. dynctx keeps no global state and leaves tensor-parallel
+        communication to the model: there is nothing to set up; the call is recorded in
+        ``is_symmetric_memory_initialized``, as Megatron-Core records it."""
         self._check_allocated()
-        plan = plan_dummies(self._table, requests, count_as_prefill,
-                            max_sequence_length=self.max_sequence_length,
-                            metadata_types=self.request_metadata_types, device=self.device,
-                            vocab_size=self.vocab_size, max_tokens=self.max_tokens)
-        if plan.ids.size == 0:
-            return
-        slots = self._table.commit_dummies(plan)
-        if slots.size:
-            index = torch.from_numpy(slots).to(self.device)
-            self.mamba_conv_states.index_fill_(1, index, 0)
-            self.mamba_ssm_states.index_fill_(1, index, 0)
-        self._device.arena.dirty = True
-        self._step = None
-
-    def add_dummy_requests_for_cudagraph_capture(
-            self, graph_dimensions: InferenceBatchDimensions) -> None:
-        """Fill the empty context with the requests of ``graph_dimensions`` as megatron-core
-        0.16.1 does before a capture: its decode dummies, then its prefill dummies, through
-        ``add_dummy_requests_parallel`` (``_graph_capture``: the whole graph is checked before
-        anything changes); ``reset()`` after the captured step empties the context again."""
-        self._check_allocated()
-        decode, prefill = capture_requests(self._table, graph_dimensions,
-                                           max_tokens=self.max_tokens,
-                                           max_sequence_length=self.max_sequence_length)
-        self.add_dummy_requests_parallel(decode, count_as_prefill=False)
-        self.add_dummy_requests_parallel(prefill)
+        self.is_symmetric_memory_initialized = True
 
     def __repr__(self) -> str:
         return (f"DynamicInferenceContext(requests {self.total_request_count}/"

@@ -203,7 +203,6 @@ class RequestTable:
         self.rows[FIELD_LAST_BLOCK, rows] = dummy if n else -1
         self.rows[FIELD_LAST_OFFSET, rows] = (plan.lengths - 1) % self.block_size
         self.rows[FIELD_MAMBA_SLOT, rows] = -1
-        self.block_table[rows] = -1
         columns = np.arange(self.max_kv_block_count)
         self.block_table[rows] = np.where(columns[None, :] < plan.blocks[:, None], dummy, -1)
         for i, values in enumerate(plan.metadata):
@@ -266,6 +265,16 @@ class RequestTable:
         self.live_ids.difference_update(gone)
         if self.partial_id in gone:
             self.partial_id = -1
+
+    def permute_rows(self, dst: np.ndarray, src: np.ndarray) -> None:
+        """Rows ``dst`` take the fields, metadata and block-table rows of rows ``src`` (read
+        before any write, so that a swap passes ``dst + src, src + dst``)."""
+        self.rows[:, dst] = self.rows[:, src]
+        for values in self.metadata.values():
+            values[dst] = values[src]
+        self.block_table[dst] = self.block_table[src]
+        if dst.size:
+            self.dirty_from = min(self.dirty_from, int(dst.min()))
 
     def take_staged(self) -> tuple:
         """``(zero_count, device_prompts)`` staged by ``commit_add``: the Mamba slots to zero

@@ -14,6 +14,7 @@ from dynctx.context import (
     ContextOverflowError,
     DynamicInferenceContext,
     DynamicInferenceRequest,
+    InferenceBatchDimensions,
     MaxSequenceLengthOverflowError,
     RequestOverflowError,
     TensorStateDeallocatedError,
@@ -500,16 +501,19 @@ def test_reset_and_stats_and_metrics_writer():
     check_invariants(ctx)
 
 
-def test_not_yet_supported_methods_say_what_is_missing():
+def test_megatron_only_methods_work():
     ctx = make_ctx()
     with pytest.raises(RuntimeError, match="hybrid"):
         ctx.mamba_states_cache(1)
-    with pytest.raises(NotImplementedError, match="symmetric"):
-        ctx.maybe_initialize_symmetric_memory()
-    # Supported now: add_dummy_requests_parallel (test_megatron_compat.py; [] adds nothing)
-    # and construct_graph_dimensions (test_cuda_graphs_megatron.py).
-    ctx.add_dummy_requests_parallel([])
+    # Supported now (test_megatron_compat.py has the dummy requests).
+    assert ctx.is_symmetric_memory_initialized is False
+    ctx.maybe_initialize_symmetric_memory()  # nothing to set up: recorded only
+    assert ctx.is_symmetric_memory_initialized is True
+    ctx.add_dummy_requests_parallel([])  # no requests: nothing changes
     assert ctx.total_request_count == 0
+    ctx.initialize_attention_state(
+        construct_graph_dimensions=InferenceBatchDimensions(4, 0, 4, False))
+    assert (ctx.num_decode_requests, ctx.active_token_count) == (4, 4)
     assert ctx.is_static_batching() is False and ctx.using_cuda_graph_this_step() is False
 
 

@@ -3,6 +3,7 @@ lazy step arrays, counts and limits set by hand."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -274,3 +275,81 @@ def test_pipeline_stages_share_the_smallest_block_count():
     (total0, alone0, pp0, map0), (total1, alone1, pp1, map1) = result[0], result[1]
     assert alone1 > alone0 and total0 == total1 == alone0 and pp0 == pp1 == 2
     assert map0 == {0: 0, 1: 1, 2: 2} and map1 == {0: 0}  # each stage's own layers
+
+
+def test_bookkeeping_written_by_hand_reaches_the_host_on_a_cpu_device():
+    """Megatron's tests write the bookkeeping tensors by hand: on a CPU device they are views of
+    the host arrays, so the next update sees the writes, and the device mirror follows."""
+    from helpers import check_invariants
+
+    ctx = make_ctx()
+    blocks = ctx.block_allocator.allocate_memory_blocks(3)
+    ctx.total_request_count, ctx.paused_request_count, ctx.active_token_count = 3, 0, 3
+    for row in range(3):
+        ctx.request_ids[row] = 10 + row
+        ctx.request_query_lengths[row] = 1
+        ctx.request_kv_block_counts[row] = 1
+        ctx.request_last_kv_block_id[row] = blocks[row]
+        ctx.request_to_kv_block_ids[row, 0] = blocks[row]
+    ctx.request_metadata["temperature"][:3] = 0.5
+    assert ctx.host_request_ids().tolist() == [10, 11, 12]
+    assert ctx.block_table_host[:3, 0].tolist() == blocks.tolist()
+    free = ctx.block_allocator.total_avail
+    ctx.update_requests(torch.tensor([1, 0, 1]), torch.tensor([5, 6, 7]))
+    assert ctx.host_request_ids().tolist() == [10, 12]
+    assert ctx.block_allocator.total_avail == free + 1
+    mirrors = ctx._device.mirrors(ctx._table)
+    assert mirrors["block_table"][:2, 0].tolist() == [int(blocks[0]), int(blocks[2])]
+    assert mirrors["metadata"]["temperature"][:2].tolist() == [0.5, 0.5]
+    assert ctx.token_to_input_ids[:2].tolist() == [5, 7]
+    check_invariants(ctx)
+
+
+def test_pull_bookkeeping_from_device_when_views_are_device_mirrors():
+    """The CUDA path (device mirrors handed out, then pulled back), run on the CPU by handing
+    out the device mirrors instead of host views."""
+    ctx = make_ctx()
+    ctx._host_views = False
+    add(ctx, request(1, 4))
+    add(ctx, request(2, 4))
+    ctx.initialize_attention_state()
+    ctx.update_requests(torch.tensor([1, 1]), torch.tensor([5, 6]))
+    ids = ctx.request_ids
+    assert ids.data_ptr() != torch.from_numpy(ctx._table.rows).data_ptr()
+    ids[0] = 77  # a device write: the host does not see it yet
+    ctx.request_metadata["temperature"][1] = 0.25
+    assert ctx.host_request_ids().tolist() == [1, 2]
+    ctx.pull_bookkeeping_from_device()
+    assert ctx.host_request_ids().tolist() == [77, 2]
+    assert ctx._table.metadata["temperature"][1] == 0.25
+    add(ctx, request(3, 2))
+    with pytest.raises(RuntimeError, match="host changed"):
+        ctx.pull_bookkeeping_from_device()
+
+
+@pytest.mark.parametrize("swap", [False, True], ids=["move", "swap"])
+def test_move_and_swap_book_keeping_tensors(swap):
+    ctx = make_ctx()
+    for rid in (1, 2, 3):
+        add(ctx, request(rid, 5, gen=3 + rid))
+    ctx.initialize_attention_state()
+    ctx.update_requests(torch.ones(3, dtype=torch.bool), torch.tensor([11, 12, 13]))
+    table = ctx.block_table_host[:3].copy()
+    fields = ctx._h_req[:, :3].copy()
+    tokens = torch.tensor([21, 22, 23])
+    op = ctx._swap_book_keeping_tensors if swap else ctx._move_book_keeping_tensors
+    op(torch.tensor([2]), torch.tensor([0]), tokens)
+    order = [2, 1, 0] if swap else [2, 1, 2]
+    assert np.array_equal(ctx._h_req[:, :3], fields[:, order])
+    assert np.array_equal(ctx.block_table_host[:3], table[order])
+    assert tokens.tolist() == [[21, 22, 23][i] for i in order]
+    pending = ctx._device.next_tokens[ctx._device.current][:3].tolist()
+    assert pending == [[11, 12, 13][i] for i in order]
+    mirrors = ctx._device.mirrors(ctx._table)
+    assert np.array_equal(mirrors["block_table"][:3].numpy(), table[order])
+    for src, dst, error, match in (([0], [0, 1], ValueError, "src_idxs has 1"),
+                                   ([0, 1], [2, 2], ValueError, "distinct"),
+                                   ([9], [0], ValueError, r"\[9\] outside"),
+                                   ([0.5], [0], TypeError, "src_idxs")):
+        with pytest.raises(error, match=match):
+            op(src, dst, None)
