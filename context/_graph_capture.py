@@ -113,7 +113,7 @@ class DummyRequestsMixin:
             self, graph_dimensions: InferenceBatchDimensions) -> None:
         """Fill the empty context with the requests of ``graph_dimensions`` as megatron-core
         0.16.1 does before a capture: its decode dummies, then its prefill dummies, through
-        ``add_dummy_requests_parallel`` (``_graph_capture``: the whole graph is checked before
+        ``add_dummy_requests_parallel`` (``capture_requests``: the whole graph is checked before
         anything changes); ``reset()`` after the captured step empties the context again."""
         self._check_allocated()
         decode, prefill = capture_requests(self._table, graph_dimensions,

@@ -235,6 +235,32 @@ def test_dummy_requests_for_cudagraph_capture_and_hybrid_slots():
     assert ctx.mamba_metadata.batch_indices_decode[:3].tolist() == slots[:3]
 
 
+def test_capture_dummies_are_checked_as_a_whole_before_any_add():
+    """The decode dummies and the prefill dummies are two adds: a graph whose prefill dummy
+    would be refused (longer than max_sequence_length, or too many Mamba slots) changes nothing,
+    not even the decode rows that would come first."""
+    from dynctx.context import (
+        ContextOverflowError,
+        InferenceBatchDimensions,
+        MambaInferenceStateConfig,
+        MaxSequenceLengthOverflowError,
+    )
+    from helpers import assert_same, snapshot
+
+    ctx = make_ctx(max_sequence_length=16)
+    before = snapshot(ctx)
+    with pytest.raises(MaxSequenceLengthOverflowError, match="17-token prefill"):
+        ctx.add_dummy_requests_for_cudagraph_capture(InferenceBatchDimensions(19, 1, 2, False))
+    assert_same(before, snapshot(ctx))
+    config = MambaInferenceStateConfig(["M", "*"], (6, 4), (2, 4, 3))
+    ctx = make_ctx(mamba_inference_state_config=config)
+    ctx.mamba_metadata.mamba_state_free_slot_count = 3
+    before = snapshot(ctx)
+    with pytest.raises(ContextOverflowError, match="needs 4 Mamba slots"):
+        ctx.add_dummy_requests_for_cudagraph_capture(InferenceBatchDimensions(6, 2, 2, False))
+    assert_same(before, snapshot(ctx))
+
+
 def _pipeline_rank(rank, world, port, result):
     import os
 
