@@ -70,7 +70,8 @@ class StateViewsMixin:
     token_to_request_idx = _step_tensor("token_to_request_idx")
     token_to_block_idx = _step_tensor("token_to_block_idx")
     token_to_position_in_request = _step_tensor("token_to_position_in_request")
-    token_to_local_position_within_kv_block = _step_tensor("token_to_local_position_within_kv_block")
+    token_to_local_position_within_kv_block = _step_tensor(
+        "token_to_local_position_within_kv_block")
     memory_buffer = _device_tensor("memory_buffer")
     mamba_conv_states = _device_tensor("mamba_conv_states")
     mamba_ssm_states = _device_tensor("mamba_ssm_states")

@@ -49,7 +49,12 @@ from .admission import plan_dummies
 from .batch_dimensions import InferenceBatchDimensions, MambaInferenceStateConfig
 from .block_allocator import BlockAllocator
 from .device_state import DeviceState
-from .errors import TensorStateDeallocatedError, get_mem_size_str
+from .errors import (
+    RequestOverflowError,
+    TensorStateDeallocatedError,
+    TokenOverflowError,
+    get_mem_size_str,
+)
 from .inputs import check_new_tokens, read_mask
 from .request_table import RequestTable
 from .requests import DynamicInferenceRequest, SamplingParams
@@ -541,10 +546,13 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
         if np.unique(touched).size != touched.size:
             raise ValueError(f"{'src_idxs and dst_idxs' if swap else 'dst_idxs'} must be "
                              f"distinct rows, got src {src.tolist()}, dst {dst.tolist()}")
-        if next_tokens is not None and (not isinstance(next_tokens, torch.Tensor)
-                                        or next_tokens.dim() != 1
-                                        or (touched.size and next_tokens.shape[0] <= touched.max())):
-            raise ValueError("next_tokens must be a 1-D tensor covering every row moved")
+        if next_tokens is not None:
+            if not isinstance(next_tokens, torch.Tensor) or next_tokens.dim() != 1:
+                raise TypeError(f"next_tokens must be a 1-D tensor or None, got "
+                                f"{type(next_tokens).__name__}")
+            if touched.size and next_tokens.shape[0] <= touched.max():
+                raise ValueError(f"next_tokens has {next_tokens.shape[0]} rows; the rows moved "
+                                 f"reach {int(touched.max())}")
         dst_rows, src_rows = (np.concatenate([dst, src]), np.concatenate([src, dst])) if swap \
             else (dst, src)
         self._table.permute_rows(dst_rows, src_rows)
@@ -611,17 +619,31 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
 
     def add_dummy_requests_for_cudagraph_capture(
             self, graph_dimensions: InferenceBatchDimensions) -> None:
-        """Dummy requests shaped as ``graph_dimensions``: ``decode_req_count`` one-token decode
-        rows, then ``prefill_req_count`` prefills sharing the remaining tokens evenly (the first
-        ones one more), as Megatron-Core builds them for CUDA-graph capture; ids 0, 1, ..."""
+        """Fill the empty context with requests shaped as ``graph_dimensions``:
+        ``decode_req_count`` one-token decode rows, then ``prefill_req_count`` prefills sharing
+        the remaining tokens evenly (the first ones one more), as Megatron-Core builds them for
+        CUDA-graph capture; ids 0, 1, ... Every check runs before anything is added."""
+        self._check_allocated()
         if not isinstance(graph_dimensions, InferenceBatchDimensions):
             raise TypeError(f"graph_dimensions must be an InferenceBatchDimensions, got "
                             f"{type(graph_dimensions).__name__}")
+        if self.total_request_count:
+            raise RuntimeError(f"add_dummy_requests_for_cudagraph_capture needs an empty "
+                               f"context; it holds {self.total_request_count} requests (call "
+                               "reset() first)")
         decode, prefill = graph_dimensions.decode_req_count, graph_dimensions.prefill_req_count
         prefill_tokens = graph_dimensions.token_count - decode
         if prefill and prefill_tokens < prefill:
             raise ValueError(f"graph_dimensions {graph_dimensions} leaves {prefill_tokens} "
                              f"tokens for {prefill} prefill requests (at least one each)")
+        if decode + prefill > self.max_requests:
+            raise RequestOverflowError(decode + prefill - 1, f"graph {graph_dimensions} needs "
+                                       f"{decode + prefill} requests > max_requests "
+                                       f"({self.max_requests})")
+        if graph_dimensions.token_count > self.max_tokens:
+            raise TokenOverflowError(decode + prefill - 1, f"graph {graph_dimensions} needs "
+                                     f"{graph_dimensions.token_count} tokens > max_tokens "
+                                     f"({self.max_tokens})")
         params = SamplingParams(num_tokens_to_generate=1, termination_id=-1)
         zeros = torch.zeros(max(1, prefill_tokens), dtype=torch.int64)
         self.add_dummy_requests_parallel(
