@@ -63,10 +63,13 @@ class RowsMixin:
         if np.unique(touched).size != touched.size:
             raise ValueError(f"{'src_idxs and dst_idxs' if swap else 'dst_idxs'} must be "
                              f"distinct rows, got src {src.tolist()}, dst {dst.tolist()}")
-        if next_tokens is not None and (
-                not isinstance(next_tokens, torch.Tensor) or next_tokens.dim() != 1
-                or (touched.size and next_tokens.shape[0] <= touched.max())):
-            raise ValueError("next_tokens must be a 1-D tensor covering every row moved")
+        if next_tokens is not None:
+            if not isinstance(next_tokens, torch.Tensor) or next_tokens.dim() != 1:
+                raise TypeError(f"next_tokens must be a 1-D tensor or None, got "
+                                f"{type(next_tokens).__name__}")
+            if touched.size and next_tokens.shape[0] <= touched.max():
+                raise ValueError(f"next_tokens has {next_tokens.shape[0]} rows; the rows moved "
+                                 f"reach {int(touched.max())}")
         dst_rows, src_rows = (np.concatenate([dst, src]), np.concatenate([src, dst])) if swap \
             else (dst, src)
         self._table.permute_rows(dst_rows, src_rows)

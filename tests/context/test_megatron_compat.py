@@ -379,3 +379,24 @@ def test_move_and_swap_book_keeping_tensors(swap):
                                    ([0.5], [0], TypeError, "src_idxs")):
         with pytest.raises(error, match=match):
             op(src, dst, None)
+
+
+def test_capture_dummies_need_an_empty_context_and_check_first():
+    from dynctx.context import InferenceBatchDimensions, TokenOverflowError
+
+    from helpers import assert_same, snapshot
+
+    ctx = make_ctx(max_requests=4)
+    for dims, error, match in ((InferenceBatchDimensions(6, 2, 3, False), RequestOverflowError,
+                                "max_requests"),
+                               (InferenceBatchDimensions(70, 1, 1, False), TokenOverflowError,
+                                "max_tokens"),
+                               (InferenceBatchDimensions(3, 2, 2, False), ValueError,
+                                "1 prefill tokens for 2 prefill")):
+        before = snapshot(ctx)
+        with pytest.raises(error, match=match):
+            ctx.add_dummy_requests_for_cudagraph_capture(dims)
+        assert_same(before, snapshot(ctx))
+    add(ctx, request(1, 2))
+    with pytest.raises(RuntimeError, match="empty context"):
+        ctx.add_dummy_requests_for_cudagraph_capture(InferenceBatchDimensions(2, 0, 2, False))
