@@ -9,7 +9,9 @@ from .errors import (
     ContextErrorFactory,
     ContextOverflowError,
     MaxSequenceLengthOverflowError,
+    NotHybridError,
     RequestOverflowError,
+    StepShapeError,
     TensorStateDeallocatedError,
     TokenOverflowError,
     get_mem_size_str,
@@ -20,6 +22,7 @@ __all__ = [
     "ActiveRequestCountOverflowError", "BlockAllocator", "BlockOverflowError",
     "ContextErrorFactory", "ContextOverflowError", "DEFAULT_METADATA_TYPES",
     "DynamicInferenceContext", "DynamicInferenceRequest", "InferenceBatchDimensions",
-    "MambaInferenceStateConfig", "MaxSequenceLengthOverflowError", "RequestOverflowError",
+    "MambaInferenceStateConfig", "MaxSequenceLengthOverflowError", "NotHybridError",
+    "RequestOverflowError", "StepShapeError",
     "SamplingParams", "TensorStateDeallocatedError", "TokenOverflowError", "get_mem_size_str",
 ]

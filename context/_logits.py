@@ -60,8 +60,12 @@ class LogitsMixin:
                             only_last_token_logits: Optional[bool] = False
                             ) -> Tuple[List[List[float]], torch.Tensor]:
         """Log probs of the sampled tokens (decode) and of the prompt tokens (prefill), one list
-        per active request; also returns the fp32 log-softmax of the rows used."""
+        per active request; also returns the fp32 log-softmax of the rows used. Called before
+        ``initialize_attention_state`` of this step, it builds the step first (Megatron-Core's
+        order: the step's arrays exist after ``add_request``/``update_requests``)."""
         self._check_allocated()
+        if self._step is None:
+            self._materialize_step()
         meta = self._require_attention_state("calculate_log_probs")
         logits = self._logits_2d(logits)
         A = self.get_active_request_count()

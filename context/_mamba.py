@@ -7,11 +7,73 @@ The step's Mamba metadata is described by ``step.MambaStep`` and published by
 
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
+import numpy as np
 import torch
 
 from dynctx.kernels.mamba_state import mamba_state_gather, mamba_state_scatter
+
+from ._fields import FIELD_MAMBA_SLOT
+from .errors import NotHybridError
+
+
+class MambaMetadata:
+    """The Mamba side of the context, with Megatron-Core's names (``ctx.mamba_metadata`` of a
+    hybrid model; None otherwise). Built with the context and kept across ``reset``:
+
+    * ``request_to_mamba_state_idx``: int32 ``[max_requests]``, each row's state slot (-1
+      none), the context's slot field (a view: ``request_ids`` says how writes reach it);
+    * ``mamba_state_free_slot_count``: free slots; settable by hand like
+      ``block_allocator.total_avail`` (lowering it takes the top of the free stack);
+    * ``allocate_slot()``: pop a free slot (None when none is free), as Megatron-Core's;
+    * the step's fields (``STEP_FIELDS``: batch indices of the decode, prefill and chunked rows,
+      ``cu_seqlens``, ``seq_idx``, the decode/prefill split), set by
+      ``initialize_attention_state`` and None again after ``reset_attention_state``.
+    """
+
+    STEP_FIELDS = ("batch_indices_decode", "batch_indices_prefill",
+                   "batch_indices_chunked_prefill", "cu_seqlens", "seq_idx",
+                   "device_decode_prefill", "device_chunked_prefill")
+
+    def __init__(self, context):
+        self._context = context
+        self.reset_varlen_metadata()
+
+    def reset_varlen_metadata(self) -> None:
+        """Forget the step's fields (the slot map and the free slots stay)."""
+        for name in self.STEP_FIELDS:
+            setattr(self, name, None)
+
+    def update_step(self, fields: dict) -> None:
+        for name in self.STEP_FIELDS:
+            setattr(self, name, fields[name])
+
+    @property
+    def request_to_mamba_state_idx(self) -> torch.Tensor:
+        return self._context._device_field(FIELD_MAMBA_SLOT)
+
+    def _slots(self):
+        self._context._check_allocated()
+        return self._context._table.slots
+
+    @property
+    def mamba_state_free_slot_count(self) -> int:
+        return self._slots().free_count
+
+    @mamba_state_free_slot_count.setter
+    def mamba_state_free_slot_count(self, value: int) -> None:
+        slots = self._slots()
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise TypeError(f"mamba_state_free_slot_count={value!r} must be an int")
+        if not 0 <= value <= slots.count:
+            raise ValueError(f"mamba_state_free_slot_count={value} must lie in [0, "
+                             f"{slots.count}] (the slots, one per request row)")
+        slots.free_count = int(value)
+
+    def allocate_slot(self) -> Optional[int]:
+        """Pop a free slot for a request the caller places by hand (None when none is free)."""
+        return self._slots().allocate()
 
 
 class MambaMixin:
@@ -31,7 +93,8 @@ class MambaMixin:
     def _require_hybrid(self, method: str) -> None:
         self._check_allocated()
         if not self.is_hybrid_model:
-            raise RuntimeError(f"{method}() needs a hybrid model (mamba_inference_state_config)")
+            raise NotHybridError(f"{method}() needs a hybrid model "
+                                 "(mamba_inference_state_config)")
 
     def mamba_states_cache(self, layer_number: int) -> Tuple[torch.Tensor, torch.Tensor]:
         """``(conv [max_requests, *conv_shape], ssm [max_requests, *ssm_shape])`` views of one

@@ -23,10 +23,38 @@ from ._fields import (
 )
 
 
-def _table_count(name: str) -> property:
-    """A request-table count under Megatron-Core's name, readable and assignable."""
-    return property(lambda self: getattr(self._table, name),
-                    lambda self, value: setattr(self._table, name, int(value)))
+def _table_count(field: str, limit: str, doc: str) -> property:
+    """A count of the request table, settable by hand as Megatron-Core code sets its attributes
+    (its tests build states that way); ``limit`` names the context attribute bounding it."""
+
+    def get(self) -> int:
+        return getattr(self._table, field)
+
+    def set(self, value: int) -> None:
+        name = doc.split(":")[0]
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise TypeError(f"{name}={value!r} must be an int")
+        high = getattr(self, limit)
+        if not 0 <= value <= high:
+            raise ValueError(f"{name}={value} must lie in [0, {limit}={high}]")
+        setattr(self._table, field, int(value))
+        # A state written by hand is the caller's: update_requests takes it as forwarded.
+        self._hand_written = True
+
+    return property(get, set, doc=doc)
+
+
+def _step_tensor(name: str) -> property:
+    """A per-token array of the step (``DeviceState``; None while suspended). Read before
+    ``initialize_attention_state`` of this step, it builds the step first (Megatron-Core fills
+    these arrays in ``add_request``/``update_requests``); after it, one check and no work."""
+
+    def get(self):
+        if self._step is None and self._device is not None:
+            self._materialize_step()
+        return None if self._device is None else getattr(self._device, name)
+
+    return property(get, doc=f"{name}: per-token array of the step, [max_tokens]")
 
 
 def _device_tensor(name: str) -> property:
@@ -37,30 +65,44 @@ def _device_tensor(name: str) -> property:
 class StateViewsMixin:
     """Counts, per-request device fields, host mirrors, step queries and usage stats."""
 
-    token_to_input_ids = _device_tensor("token_to_input_ids")
-    token_to_pos_ids = _device_tensor("token_to_pos_ids")
-    token_to_request_idx = _device_tensor("token_to_request_idx")
-    token_to_block_idx = _device_tensor("token_to_block_idx")
-    token_to_position_in_request = _device_tensor("token_to_position_in_request")
-    token_to_local_position_within_kv_block = _device_tensor(
+    token_to_input_ids = _step_tensor("token_to_input_ids")
+    token_to_pos_ids = _step_tensor("token_to_pos_ids")
+    token_to_request_idx = _step_tensor("token_to_request_idx")
+    token_to_block_idx = _step_tensor("token_to_block_idx")
+    token_to_position_in_request = _step_tensor("token_to_position_in_request")
+    token_to_local_position_within_kv_block = _step_tensor(
         "token_to_local_position_within_kv_block")
     memory_buffer = _device_tensor("memory_buffer")
     mamba_conv_states = _device_tensor("mamba_conv_states")
     mamba_ssm_states = _device_tensor("mamba_ssm_states")
-    # Megatron-Core's counts are plain attributes that its code and tests assign: an
-    # assignment sets the host table's count as given (the caller keeps the rows consistent).
-    total_request_count = _table_count("total")
-    paused_request_count = _table_count("paused")
-    active_token_count = _table_count("active_tokens")
-    num_prefill_requests = _table_count("num_prefill")
+    total_request_count = _table_count(
+        "total", "_request_rows", "total_request_count: rows in use (paused + active)")
+    # Bounded by the rows, not by each other: Megatron's tests set them in any order.
+    paused_request_count = _table_count(
+        "paused", "_request_rows", "paused_request_count: rows [0, paused) are paused")
+    active_token_count = _table_count(
+        "active_tokens", "max_tokens", "active_token_count: tokens of the next forward pass")
+    num_prefill_requests = _table_count(
+        "num_prefill", "_request_rows", "num_prefill_requests: prefill rows of the step")
     num_decode_requests = property(lambda self: self._table.num_decode)
     _live_ids = property(lambda self: self._table.live_ids)
     _mamba_slots = property(lambda self: self._table.slots)
     _h_req = property(lambda self: self._table.rows)
     _arena = property(lambda self: None if self._device is None else self._device.arena)
 
+    def _materialize_step(self) -> None:
+        """Build this step's arrays now if there is a step to build: requests are active and
+        the counts were not written by hand (a hand-written state has no consistent step)."""
+        if self._table.active and not self._hand_written:
+            self.initialize_attention_state()
+
     def _device_field(self, field: int) -> torch.Tensor:
+        """One per-request field, int32 ``[max_requests]``: on a CPU device a view of the host
+        row (writes reach the host, which is authoritative, at once); on CUDA the device mirror
+        (writes need ``pull_bookkeeping_from_device()``)."""
         self._check_allocated()
+        if self._host_views:
+            return torch.from_numpy(self._table.rows[field])
         self._device.sync()
         return self._device.arena.device["req"][field]
 
@@ -75,18 +117,52 @@ class StateViewsMixin:
 
     @property
     def request_to_kv_block_ids(self) -> torch.Tensor:
-        """int32 ``[max_requests, max_kv_block_count]`` block table (-1 unused)."""
+        """int32 ``[max_requests, max_kv_block_count]`` block table (-1 unused). On a CPU
+        device a view of the host table: writes reach the host at once and the device mirror
+        at the next step or update; on CUDA the device table (see
+        ``pull_bookkeeping_from_device``)."""
         self._check_allocated()
+        if self._host_views:
+            self._device.host_table_written = True
+            return torch.from_numpy(self._table.block_table)
         self._device.flush_block_rows(self._table)
         return self._device.block_table
 
     @property
     def request_metadata(self) -> dict[str, torch.Tensor]:
-        """Per-label device tensors ``[max_requests]`` of the request metadata."""
+        """Per-label tensors ``[max_requests]`` of the request metadata (host views on a CPU
+        device, as the per-request fields)."""
         self._check_allocated()
+        if self._host_views:
+            return {label: torch.from_numpy(self._table.metadata[label])
+                    for label, _, _ in self.request_metadata_types}
         self._device.sync()
         return {label: self._device.arena.device[f"meta:{label}"]
                 for label, _, _ in self.request_metadata_types}
+
+    def pull_bookkeeping_from_device(self) -> None:
+        """Copy the per-request bookkeeping tensors (``request_*`` fields, the Mamba slot map,
+        ``request_metadata``, ``request_to_kv_block_ids``) from the device back to the host.
+
+        The host holds the authoritative copy. Code that writes these tensors by hand on a CUDA
+        device (as Megatron-Core's tests do) calls this after its writes and before the next
+        ``add_request``/``update_requests``/step, which then see them. One device-to-host copy
+        of each (a sync). On a CPU device the tensors are views of the host arrays and this
+        does nothing."""
+        self._check_allocated()
+        if self._host_views:
+            return
+        device, table = self._device, self._table
+        if device.arena.dirty:
+            raise RuntimeError(
+                "pull_bookkeeping_from_device(): the host changed after the device tensors were "
+                "last handed out (an add_request or update in between); write them by hand "
+                "after the host's last change, then pull")
+        device.flush_block_rows(table)
+        table.rows[:] = device.arena.device["req"].cpu().numpy()
+        for label in table.metadata_labels:
+            table.metadata[label][:] = device.arena.device[f"meta:{label}"].cpu().numpy()
+        table.block_table[:] = device.block_table.cpu().numpy()
 
     @property
     def paused_tokens(self) -> Optional[torch.Tensor]:
@@ -94,6 +170,22 @@ class StateViewsMixin:
         if self.paused_request_count == 0:
             return None
         return self._device.next_tokens[self._device.current][:self.paused_request_count]
+
+    @paused_tokens.setter
+    def paused_tokens(self, tokens: Optional[torch.Tensor]) -> None:
+        """Write the pending tokens of the first ``len(tokens)`` paused rows (Megatron-Core's
+        tests build paused states this way); None changes nothing (Megatron's reset value)."""
+        if tokens is None:
+            return
+        self._check_allocated()
+        if not isinstance(tokens, torch.Tensor) or tokens.dim() != 1 or \
+                tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool:
+            raise TypeError(f"paused_tokens must be a 1-D integer tensor of token ids, got "
+                            f"{tokens!r}")
+        if tokens.numel() > self.paused_request_count:
+            raise ValueError(f"paused_tokens has {tokens.numel()} tokens, more than "
+                             f"paused_request_count={self.paused_request_count}")
+        self._device.next_tokens[self._device.current][:tokens.numel()].copy_(tokens)
 
     @property
     def kv_block_counts_host(self) -> np.ndarray:

@@ -44,9 +44,6 @@ class AddPlan:
     device_prompt: Optional[torch.Tensor]
     metadata: Tuple[Any, ...]
     partial: bool              # the chunk leaves prompt tokens for a later continuation
-    # CUDA graph capture dummies (``_graph_capture.plan_dummy_requests``) only:
-    dummy_block: Optional[int] = None  # every block is this one; nothing is allocated
-    decode: bool = False       # a decode row: its token is the pending next token
 
 
 def check_request_id(request_id: Any) -> int:
@@ -150,11 +147,19 @@ def plan_add(table, req: Any, chunk_length: Optional[int], *, max_sequence_lengt
     P, T = table.paused, table.total
     is_continuation = finished > 0
     gen = _tokens_to_generate(request_id, req.sampling_params.num_tokens_to_generate)
-    total_length = finished + remaining_length + gen
-    if total_length > max_sequence_length:
+    # As Megatron-Core's context, a generation budget beyond max_sequence_length is accepted
+    # (its engine, and ours, refuse such requests at admission); update_requests finishes a
+    # request when it reaches max_sequence_length. The prompt itself must fit: the block table
+    # holds max_sequence_length tokens per request.
+    prompt_length = finished + remaining_length
+    if prompt_length > max_sequence_length:
         raise MaxSequenceLengthOverflowError(
-            request_id, f"prompt ({finished + remaining_length}) + num_tokens_to_generate "
-            f"({gen}) = {total_length} exceeds max_sequence_length ({max_sequence_length})")
+            request_id, f"prompt ({prompt_length} tokens) exceeds max_sequence_length "
+            f"({max_sequence_length}), the tokens a request's block-table row holds")
+    if prompt_length + gen >= 2 ** 31:
+        raise ValueError(f"request {request_id}: prompt ({prompt_length}) + "
+                         f"num_tokens_to_generate ({gen}) must stay below 2**31 (the output "
+                         "length is an int32 field)")
     if is_continuation:
         last_id = int(table.rows[FIELD_IDS, T - 1]) if T > P else None
         if last_id != request_id or table.num_prefill:
@@ -177,8 +182,8 @@ def plan_add(table, req: Any, chunk_length: Optional[int], *, max_sequence_lengt
     else:
         if request_id in table.live_ids:
             raise ValueError(f"request_id={request_id} is already in the context")
-        if T >= table.max_requests:
-            raise RequestOverflowError(request_id, f"all {table.max_requests} request rows "
+        if T >= table.request_limit:
+            raise RequestOverflowError(request_id, f"all {table.request_limit} request rows "
                                                    "are in use (max_requests)")
         if table.partial_id != -1:
             raise ValueError(f"request {request_id}: the chunked prefill request "
@@ -203,9 +208,98 @@ def plan_add(table, req: Any, chunk_length: Optional[int], *, max_sequence_lengt
     metadata = () if is_continuation else metadata_values(req, metadata_types)
     if table.hybrid and not is_continuation and table.slots.free_count == 0:
         raise ContextOverflowError(request_id, "No Mamba slots available")
-    num_decode = table.num_decode - (1 if is_continuation else 0)
+    # Decode rows take their pending token; dummy decode rows (fed_decode) read the prompt
+    # buffer like prefills, ahead of them.
+    num_decode = table.num_decode - table.fed_decode - (1 if is_continuation else 0)
     return AddPlan(request_id=request_id, row=row, is_continuation=is_continuation,
                    chunk=chunk, finished=finished, gen=gen, already=already, needed=needed,
                    tokens_before=tokens_before, prompt_offset=tokens_before - num_decode,
                    host_prompt=host_prompt, device_prompt=device_prompt, metadata=metadata,
                    partial=chunk < remaining_length)
+
+
+@dataclass(frozen=True)
+class DummyPlan:
+    """What ``commit_dummies`` writes for ``add_dummy_requests_parallel``: rows ``[row, row +
+    len(ids))`` whose blocks are all the dummy block (no block is allocated)."""
+
+    row: int
+    ids: np.ndarray            # int64 [n]
+    lengths: np.ndarray        # int64 [n] prompt tokens
+    gens: np.ndarray           # int64 [n] num_tokens_to_generate
+    blocks: np.ndarray         # int64 [n] blocks each row spans (all the dummy block)
+    metadata: Tuple[Tuple[Any, ...], ...]
+    host_prompts: Tuple[Optional[np.ndarray], ...]
+    device_prompts: Tuple[Optional[torch.Tensor], ...]
+    prompt_offset: int         # where the first row's tokens go among the step's prompt tokens
+    count_as_prefill: bool
+
+
+def plan_dummies(table, requests: Any, count_as_prefill: bool, *, max_sequence_length: int,
+                 metadata_types: list, device: torch.device, vocab_size: Optional[int],
+                 max_tokens: int) -> DummyPlan:
+    """Check ``add_dummy_requests_parallel(requests, count_as_prefill)``; change nothing."""
+    if isinstance(requests, (DynamicInferenceRequest, str)) or not hasattr(requests, "__len__"):
+        raise TypeError("requests must be a sequence of DynamicInferenceRequest, got "
+                        f"{type(requests).__name__}")
+    requests = list(requests)
+    if not isinstance(count_as_prefill, (bool, np.bool_)):
+        raise TypeError(f"count_as_prefill={count_as_prefill!r} must be a bool")
+    n = len(requests)
+    ids, lengths, gens, metadata, host_prompts, device_prompts = [], [], [], [], [], []
+    for req in requests:
+        if not isinstance(req, DynamicInferenceRequest):
+            raise TypeError(f"add_dummy_requests_parallel takes DynamicInferenceRequest "
+                            f"objects, got {type(req).__name__}")
+        request_id = check_request_id(req.request_id)
+        if req.finished_chunk_token_count:
+            raise ValueError(f"request {request_id}: finished_chunk_token_count="
+                             f"{req.finished_chunk_token_count}: dummy requests are whole "
+                             "prompts (no chunked continuation)")
+        length, _, _ = _request_lengths(req, None)
+        if length > max_sequence_length:
+            raise MaxSequenceLengthOverflowError(
+                request_id, f"prompt ({length} tokens) exceeds max_sequence_length "
+                f"({max_sequence_length})")
+        gen = _tokens_to_generate(request_id, req.sampling_params.num_tokens_to_generate)
+        if length + gen >= 2 ** 31:
+            raise ValueError(f"request {request_id}: prompt ({length}) + num_tokens_to_generate "
+                             f"({gen}) must stay below 2**31")
+        host, on_device = _prompt(request_id, req.remaining_prompt_tokens, device, vocab_size)
+        ids.append(request_id)
+        lengths.append(length)
+        gens.append(gen)
+        metadata.append(metadata_values(req, metadata_types))
+        host_prompts.append(host)
+        device_prompts.append(on_device)
+    if len(set(ids)) != n or table.live_ids.intersection(ids):
+        taken = sorted(set(i for i in ids if ids.count(i) > 1) | table.live_ids.intersection(ids))
+        raise ValueError(f"request ids {taken} are already in the context or listed twice")
+    last = ids[-1] if ids else None
+    if table.total + n > table.request_limit:
+        raise RequestOverflowError(last, f"{table.total} rows in use + {n} dummy requests > "
+                                         f"max_requests ({table.request_limit})")
+    tokens = int(sum(lengths))
+    if table.active_tokens + tokens > max_tokens:
+        raise TokenOverflowError(last, f"{table.active_tokens} tokens in the step + {tokens} "
+                                       f"dummy tokens > max_tokens ({max_tokens})")
+    if n and table.partial_id != -1:
+        raise ValueError(f"the chunked prefill request {table.partial_id} must stay the last "
+                         "active row; add dummy requests before its next chunk")
+    if n and table.hybrid and table.continuation_added:
+        raise ValueError("on a hybrid model the continuation chunk added in this step must stay "
+                         "the last row; add dummy requests in the next step")
+    if n and not count_as_prefill and table.num_prefill:
+        raise ValueError(f"count_as_prefill=False adds decode rows, which must precede the "
+                         f"{table.num_prefill} prefill rows of the step; add them first")
+    if n and table.hybrid and table.slots.free_count < n:
+        raise ContextOverflowError(last, f"No Mamba slots available ({table.slots.free_count} "
+                                         f"free for {n} dummy requests)")
+    lengths = np.asarray(lengths, dtype=np.int64)
+    real_decode = table.num_decode - table.fed_decode
+    return DummyPlan(
+        row=table.total, ids=np.asarray(ids, dtype=np.int64), lengths=lengths,
+        gens=np.asarray(gens, dtype=np.int64), blocks=-(-lengths // table.block_size),
+        metadata=tuple(metadata), host_prompts=tuple(host_prompts),
+        device_prompts=tuple(device_prompts),
+        prompt_offset=table.active_tokens - real_decode, count_as_prefill=bool(count_as_prefill))

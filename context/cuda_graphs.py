@@ -290,16 +290,17 @@ def eager_padded_dimensions(step: InferenceBatchDimensions, *, max_requests: int
                             request_rounder: int = 4) -> InferenceBatchDimensions:
     """A step's padded dimensions when it runs eager.
 
-    Decode-only: tokens rounded up to ``token_rounder``, capped at ``max_requests`` and
-    ``max_tokens``, all of them decode slots. With prefills: tokens rounded up and capped at
-    ``max_tokens``, requests rounded up to ``request_rounder`` and capped at ``max_requests``,
-    the extra request slots counted as prefills. Megatron does not cap the prefill step's
-    tokens and can pad past its token buffer (docs/SEMANTICS.md §8); this is the one place
-    where the two differ.
+    Decode-only: tokens rounded up to ``token_rounder``, capped at ``max_requests`` (never
+    below the step's tokens: dummy decode rows of ``add_dummy_requests_parallel`` may carry
+    several) and at ``max_tokens``, all of them decode slots. With prefills: tokens rounded up
+    and capped at ``max_tokens``, requests rounded up to ``request_rounder`` and capped at
+    ``max_requests``, the extra request slots counted as prefills. Megatron does not cap the
+    prefill step's tokens and can pad past its token buffer (docs/SEMANTICS.md §8); this is the
+    one place where the two differ.
     """
     tokens = _round_up(step.token_count, token_rounder, tp_size)
     if step.prefill_req_count == 0:
-        tokens = min(max_tokens, max_requests, tokens)
+        tokens = min(max_tokens, max(step.token_count, min(max_requests, tokens)))
         return InferenceBatchDimensions(tokens, 0, tokens, False)
     requests = min(max_requests, _round_up(step.req_count, request_rounder, tp_size))
     return InferenceBatchDimensions(min(max_tokens, tokens), requests - step.decode_req_count,

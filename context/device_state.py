@@ -19,7 +19,7 @@ import torch
 from dynctx.kernels.compaction import compact_requests
 from dynctx.kernels.step_metadata import step_metadata
 
-from ._fields import FIELD_KV_OFFSET, FIELD_MAMBA_SLOT, FIELD_QUERY, NUM_FIELDS
+from ._fields import FIELD_KV_OFFSET, FIELD_QUERY, NUM_FIELDS
 from .staging import HostArena, HostToDevice
 
 TOKEN_ARRAYS = ("token_to_input_ids", "token_to_pos_ids", "token_to_request_idx",
@@ -68,6 +68,9 @@ class DeviceState:
         self.next_tokens = [torch.zeros(R, dtype=torch.int64, device=device) for _ in range(2)]
         self.current = 0
         self.rows_used = [0, 0]
+        # A CPU context hands out host views of the block table: once one was handed out, the
+        # next step (or update) refreshes the device table from the host, then clears this.
+        self.host_table_written = False
         self.attn_block_table = torch.full((R, C), -1, dtype=torch.int32, device=device)
         for name in TOKEN_ARRAYS:
             setattr(self, name, torch.zeros(T, dtype=torch.int64, device=device))
@@ -99,17 +102,13 @@ class DeviceState:
         for tokens in self.next_tokens:
             tokens.zero_()
         self.rows_used = [0, 0]
+        self.host_table_written = False
         self.attn_block_table.fill_(-1)
         self.token_to_request_idx.fill_(-1)
         self.token_to_block_idx.fill_(-1)
         for name in ("token_to_input_ids", "token_to_pos_ids", "token_to_position_in_request",
                      "token_to_local_position_within_kv_block"):
             getattr(self, name).zero_()
-
-    def zero_next_tokens(self, count: int) -> None:
-        """The pending next token of rows ``[0, count)`` becomes 0 (CUDA graph capture
-        dummies: their decode rows read it as their token)."""
-        self.next_tokens[self.current][:count].zero_()
 
     @property
     def block_table(self) -> torch.Tensor:
@@ -127,10 +126,36 @@ class DeviceState:
             self.h2d.copy(self.block_tables[self.current][lo:hi], table.block_table[lo:hi])
             self.rows_used[self.current] = max(self.rows_used[self.current], hi)
 
+    def upload_block_table(self, table, rows: int) -> None:
+        """Copy host block-table rows ``[0, rows)`` (and any stale rows past them) to the
+        current device table, after writes through a host view."""
+        hi = max(rows, self.rows_used[self.current])
+        if hi:
+            self.h2d.copy(self.block_tables[self.current][:hi], table.block_table[:hi])
+        self.rows_used[self.current] = max(self.rows_used[self.current], rows)
+        table.dirty_rows()
+        self.host_table_written = False
+
+    def mirrors(self, table) -> dict:
+        """The device copies of the request table, brought up to date first: ``req`` (int32
+        ``[NUM_FIELDS, R]``), ``metadata`` (label -> ``[R]``) and ``block_table``. For checks
+        that the device mirrors the host (the public views are host views on a CPU device)."""
+        self.sync()
+        if self.host_table_written:
+            self.upload_block_table(table, table.total)
+        else:
+            self.flush_block_rows(table)
+        device = self.arena.device
+        return dict(req=device["req"], block_table=self.block_table,
+                    metadata={label: device[f"meta:{label}"] for label in self.metadata_labels})
+
     def begin_step(self, step, table, device_prompts: list) -> None:
         """Upload the step's host state and build its per-token arrays (one launch)."""
         self.arena.flush(self.h2d)
-        self.flush_block_rows(table)
+        if self.host_table_written:
+            self.upload_block_table(table, table.total)
+        else:
+            self.flush_block_rows(table)
         num_prompt = step.prompt_tokens
         if num_prompt > 0:
             self.h2d.copy(self.prompt_tokens[:num_prompt], table.prompt[:num_prompt])
@@ -144,7 +169,7 @@ class DeviceState:
             self.token_to_local_position_within_kv_block, self.attn_block_table,
             self.block_table[P:T], req[FIELD_QUERY, P:T], req[FIELD_KV_OFFSET, P:T],
             self.arena.device["attn_cu_query"], self.next_tokens[self.current][P:T],
-            self.prompt_tokens, num_requests=step.active, num_decode=step.decode,
+            self.prompt_tokens, num_requests=step.active, num_decode=step.fed_from_pending,
             active_tokens=step.active_tokens, padded_tokens=step.padded_tokens,
             padded_requests=step.padded_requests, row_offset=P, block_size=table.block_size,
             dummy_block=table.allocator.dummy_block_idx, backend=self.backend, check=False)
@@ -164,8 +189,9 @@ class DeviceState:
         meta.state_data = vars(meta).copy()
         return meta
 
-    def mamba_metadata(self, step) -> SimpleNamespace:
-        """Zero the Mamba states of this step's new requests and publish its metadata."""
+    def mamba_step_fields(self, step) -> dict:
+        """Zero the Mamba states of this step's new requests; the step's Mamba metadata fields
+        (``MambaMetadata.STEP_FIELDS``) as views of the device state."""
         host, device = step.mamba, self.arena.device
         if host.zero_count:
             new_slots = device["mamba_zero_slots"][:host.zero_count]
@@ -174,8 +200,7 @@ class DeviceState:
         padded_tokens = step.padded_tokens
         if host.padded_prefill:
             self.h2d.copy(self.mamba_seq_idx[:padded_tokens], self.host_seq_idx[:padded_tokens])
-        return SimpleNamespace(
-            request_to_mamba_state_idx=device["req"][FIELD_MAMBA_SLOT],
+        return dict(
             batch_indices_decode=(device["mamba_decode_slots"][:host.padded_decode]
                                   if host.padded_decode else None),
             batch_indices_prefill=(device["mamba_prefill_slots"][:host.padded_prefill]
@@ -212,3 +237,7 @@ class DeviceState:
             check=False)
         self.rows_used[dst] = rows
         self.current = dst
+        if self.host_table_written:
+            # The host table (written through a view) was compacted by the commit; the kernel
+            # compacted a stale device copy: take the host's rows.
+            self.upload_block_table(table, max(rows, plan.old_total))

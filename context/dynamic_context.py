@@ -10,7 +10,9 @@ The facade keeps Megatron-Core's names and composes parts that each own one thin
   token arrays, the KV buffer and the Mamba states, and the two launches of a step;
 * ``step.Step``: the frozen description of one step, built by ``initialize_attention_state``,
   padded to the CUDA graph that fits it (``cuda_graphs``: Megatron-Core's ladder, built here);
-* ``_graph_capture.plan_dummy_requests``: the CUDA graph capture dummies as add plans;
+* ``_graph_capture``: the dummy requests (``add_dummy_requests_parallel``) and the CUDA graph
+  capture dummies, checked as a whole; ``_rows``: ``max_requests`` and the row moves;
+  ``_class_api``: the rounding helpers and ``from_config``;
 * ``sizing`` and ``compat``: the constructor's sizes and Megatron-Core's unsupported options.
 
 Every mutating call checks its arguments, plans, commits the host, then applies the change on
@@ -21,15 +23,15 @@ from __future__ import annotations
 
 import logging
 import math
-import warnings
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Tuple
 
 import torch
 
 from dynctx.kernels import _backend
 
 from . import compat
-from ._graph_capture import plan_dummy_requests
+from ._class_api import ClassAPIMixin
+from ._graph_capture import DummyRequestsMixin
 from ._fields import (  # noqa: F401 (re-exported: FIELD_* are imported from here)
     _LAYER_SYMBOLS,
     FIELD_BLOCKS,
@@ -43,9 +45,10 @@ from ._fields import (  # noqa: F401 (re-exported: FIELD_* are imported from her
     NUM_FIELDS,
 )
 from ._logits import LogitsMixin
-from ._mamba import MambaMixin
+from ._mamba import MambaMetadata, MambaMixin
 from ._kv import KVCacheMixin
 from ._rotary import RotaryMixin
+from ._rows import RowsMixin
 from ._views import StateViewsMixin
 from .batch_dimensions import InferenceBatchDimensions, MambaInferenceStateConfig
 from .block_allocator import BlockAllocator
@@ -55,9 +58,9 @@ from .errors import TensorStateDeallocatedError, get_mem_size_str
 from .inputs import check_new_tokens, read_mask
 from .request_table import RequestTable
 from .requests import DynamicInferenceRequest
-from .sizing import check_scalars, config_from_model, layer_layout, memory_layout, positive_int
+from .sizing import check_scalars, layer_layout, memory_layout, positive_int
 from .staging import numpy_dtype
-from .step import REQUEST_ROUNDER, TOKEN_ROUNDER, build_step, rounded
+from .step import REQUEST_ROUNDER, TOKEN_ROUNDER, build_step
 
 logger = logging.getLogger("dynctx.context")
 _EMPTY_IDS = torch.empty(0, dtype=torch.int64)
@@ -79,18 +82,28 @@ def _resolve_device(device: Any) -> torch.device:
     return device
 
 
-class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, LogitsMixin, MambaMixin):
+class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, LogitsMixin, MambaMixin,
+                              RowsMixin, DummyRequestsMixin, ClassAPIMixin):
     """Paged KV cache plus in-flight batching bookkeeping (Megatron-Core's API).
 
     Args (keyword only, Megatron-Core's names):
         params_dtype: dtype of the KV cache.
-        num_layers: attention layers on this pipeline stage (hybrids: ignored, the layer
-            type list decides).
+        num_layers: layers on this pipeline stage (hybrids: ignored, the layer type list
+            decides); layer numbers passed to the cache methods are this stage's, 1-based.
+        pipeline_model_parallel_size, pg_collection: pipeline stages and their process group
+            (``pg_collection.pp``, needed when there is more than one stage: dynctx reads no
+            global parallel state). Every stage sizes its buffer to the smallest block count of
+            the group (one MIN all-reduce at construction), so all stages pause alike.
+            ``pg_collection.tp`` gives the tensor-parallel size when it is not passed.
         kv_channels: head dimension.
         num_attention_heads: heads the cache STORES, i.e. the KV heads (GQA query groups),
             as Megatron-Core's callers pass it; divided by ``tensor_model_parallel_size``.
-        max_sequence_length: prompt + generated tokens of one request, at most; the active
-            budget must hold one such request (checked here).
+        max_sequence_length: prompt + generated tokens of one request, at most. As in
+            Megatron-Core, ``add_request`` accepts a request whose prompt +
+            ``num_tokens_to_generate`` exceeds it (the engine refuses those at admission) and
+            refuses only a prompt longer than it; ``update_requests`` finishes a request that
+            reaches it (``max_length_finished_request_ids``). A warning says when the active
+            budget cannot hold one such request.
         buffer_size_gb: GiB of KV blocks (per rank).
         paused_buffer_size_gb: GiB of the paused budget (Megatron-Core 0.16). When None:
             half of the buffer at ``unified_memory_level=0``; at level 1 a paused region as
@@ -152,10 +165,14 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
     ):
         # Everything is validated before anything is allocated.
         compat.check_options(dict(
-            pipeline_model_parallel_size=pipeline_model_parallel_size,
             context_parallel_size=context_parallel_size,
-            expert_model_parallel_size=expert_model_parallel_size, pg_collection=pg_collection,
+            expert_model_parallel_size=expert_model_parallel_size,
             persist_cuda_graphs=persist_cuda_graphs, offload_kv_cache=offload_kv_cache))
+        pp_size, pp_group, group_tp = compat.parallel_groups(
+            pipeline_model_parallel_size=pipeline_model_parallel_size,
+            tensor_model_parallel_size=tensor_model_parallel_size, pg_collection=pg_collection)
+        if group_tp is not None:
+            tensor_model_parallel_size = group_tp
         args = check_scalars(
             params_dtype=params_dtype, num_layers=num_layers, kv_channels=kv_channels,
             num_attention_heads=num_attention_heads, max_sequence_length=max_sequence_length,
@@ -171,6 +188,9 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
         kv_lora_rank, qk_pos_emb_head_dim = args["kv_lora_rank"], args["qk_pos_emb_head_dim"]
         compat.check_options(dict(cuda_graph_max_tokens=cuda_graph_max_tokens))
         self.device = _resolve_device(device)
+        # On a CPU device the bookkeeping tensors handed out are views of the host arrays
+        # (write-through); on CUDA they are the device mirrors.
+        self._host_views = self.device.type == "cpu"
         _backend.check_backend_name(kernel_backend)
         self.kernel_backend = kernel_backend
         self._backend = _backend.resolve_backend(kernel_backend, self.device)
@@ -197,6 +217,7 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
         if layers.is_hybrid_model:
             self.mamba_conv_states_dtype = layers.mamba_conv_states_dtype
             self.mamba_ssm_states_dtype = layers.mamba_ssm_states_dtype
+        self.pipeline_model_parallel_size, self.pipeline_parallel_group = pp_size, pp_group
         self.kv_channels = self.hidden_size_per_attention_head = kv_channels
         self.num_attention_heads, self.tensor_model_parallel_size = num_attention_heads, tp
         self.num_attention_heads_per_partition = num_attention_heads // tp
@@ -222,15 +243,17 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
             paused_buffer_size_gb=paused_buffer_size_gb, max_requests=max_requests,
             max_tokens=max_tokens, default_max_tokens=self.DEFAULT_MAX_TOKENS,
             max_sequence_length=max_sequence_length, tp=tp,
-            request_rounder=self.REQUEST_ROUNDER)
+            request_rounder=self.REQUEST_ROUNDER,
+            reduce_block_count=(None if pp_group is None
+                                else lambda count: compat.min_over_group(count, pp_group)))
         self.block_size_bytes, self.kv_reduced_dim = memory.block_size_bytes, memory.kv_reduced_dim
         self.unified_memory_level = memory.unified_memory_level
         self.buffer_size_gb, self.paused_buffer_size_gb = buffer_size_gb, paused_buffer_size_gb
-        self.max_requests, self.max_tokens = memory.max_requests, memory.max_tokens
+        self._request_rows, self.max_tokens = memory.max_requests, memory.max_tokens
         self.max_kv_block_count = memory.max_kv_block_count
         # CUDA graph batch dimensions: Megatron's ladder (context/cuda_graphs.py).
         ladder = context_cuda_graph_ladder(
-            num_cuda_graphs=num_cuda_graphs, max_requests=self.max_requests,
+            num_cuda_graphs=num_cuda_graphs, max_requests=self._request_rows,
             max_tokens=self.max_tokens, max_sequence_length=max_sequence_length, tp_size=tp,
             use_cuda_graphs_for_non_decode_steps=use_cuda_graphs_for_non_decode_steps,
             cuda_graph_mixed_prefill_count=cuda_graph_mixed_prefill_count)
@@ -245,13 +268,16 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
         alloc.get_active_avail = lambda: alloc.active_count - alloc.get_active_used()
         alloc.get_paused_avail = lambda: alloc.paused_count - alloc.get_paused_used()
         self._table = RequestTable(
-            allocator=alloc, max_requests=self.max_requests,
+            allocator=alloc, max_requests=self._request_rows,
             max_kv_block_count=self.max_kv_block_count, block_size=block_size_tokens,
             metadata_labels=[label for label, _, _ in self.request_metadata_types],
             hybrid=self.is_hybrid_model, max_tokens=self.max_tokens)
         self._device: Optional[DeviceState] = None
         self.chunked_prefill_request_id = -1
+        self.is_symmetric_memory_initialized = False
         self.is_tensor_state_allocated = False
+        # Megatron-Core builds it with the context; its step fields are filled per step.
+        self.mamba_metadata = MambaMetadata(self) if self.is_hybrid_model else None
         self.allocate_all_tensors(is_init=True)
         logger.info("allocated context with active buffer size %s (%d blocks)",
                     get_mem_size_str(alloc.active_count * self.block_size_bytes),
@@ -271,7 +297,7 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
             kv_shape = (2, self.num_attention_layers, total, self.block_size_tokens,
                         self.num_attention_heads_per_partition, self.kv_channels)
         self._device = DeviceState(
-            device=self.device, backend=self._backend, max_requests=self.max_requests,
+            device=self.device, backend=self._backend, max_requests=self._request_rows,
             max_tokens=self.max_tokens, max_kv_block_count=self.max_kv_block_count,
             metadata_types=self.request_metadata_types, kv_shape=kv_shape,
             params_dtype=self.params_dtype, layers=self._layers)
@@ -298,38 +324,6 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
                 request_id, "the context's tensors are deallocated (suspended); call "
                 "allocate_all_tensors(is_init=False) first")
 
-    # ------------------------------------------------------------------ rounding, config
-    @classmethod
-    def round_up_tokens(cls, value: int, tp_size: Optional[int] = None) -> int:
-        """Round up to a multiple of ``TOKEN_ROUNDER`` that is also divisible by ``tp_size``."""
-        return rounded(value, cls.TOKEN_ROUNDER, tp_size)
-
-    @classmethod
-    def round_up_requests(cls, value: int, tp_size: Optional[int] = None) -> int:
-        """Round up to a multiple of ``REQUEST_ROUNDER`` that is also divisible by ``tp_size``."""
-        return rounded(value, cls.REQUEST_ROUNDER, tp_size)
-
-    @classmethod
-    def round_up(cls, value: int) -> int:
-        """Deprecated: ``round_up_tokens``."""
-        warnings.warn("round_up is deprecated; use round_up_tokens or round_up_requests",
-                      DeprecationWarning, stacklevel=2)
-        return cls.round_up_tokens(value)
-
-    @classmethod
-    def from_config(cls, inference_config: Any, model: Any, max_batch_size: int,
-                    buffer_size_gb: float = 40, num_cuda_graphs: Optional[int] = None,
-                    mamba_inference_state_config: Optional[MambaInferenceStateConfig] = None,
-                    unified_memory_level: int = 0, **kwargs: Any) -> "DynamicInferenceContext":
-        """Build a context from plain configs (``sizing.config_from_model`` says what it
-        reads); extra keyword arguments go to the constructor."""
-        return cls(**config_from_model(inference_config, model, max_batch_size),
-                   buffer_size_gb=buffer_size_gb, num_cuda_graphs=num_cuda_graphs,
-                   materialize_only_last_token_logits=False,
-                   mamba_inference_state_config=mamba_inference_state_config,
-                   use_flashinfer_fused_rope=None, unified_memory_level=unified_memory_level,
-                   **kwargs)
-
     # ------------------------------------------------------------------ reset
     def reset(self) -> None:
         """Empty the context: counters, bookkeeping and blocks (the KV buffer keeps its bytes)."""
@@ -339,15 +333,19 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
         self._step = None
         self._set_step_counts(None)
         self.newly_paused_request_ids = self.evicted_request_ids = _EMPTY_IDS
+        self.max_length_finished_request_ids = _EMPTY_IDS
+        self._hand_written = False
         self._table.reset()
         self._device.reset()
         self.reset_attention_state()
 
     def reset_attention_state(self) -> None:
-        """Forget this step's attention (and Mamba) metadata: ``cu_query_lengths``,
-        ``mamba_metadata`` etc. become invalid until the next ``initialize_attention_state``."""
+        """Forget this step's attention (and Mamba) metadata: ``cu_query_lengths`` and the
+        step fields of ``mamba_metadata`` become invalid until the next
+        ``initialize_attention_state`` (``mamba_metadata`` itself stays, as in Megatron-Core)."""
         self.active_attn_metadata = None
-        self.mamba_metadata = None
+        if self.mamba_metadata is not None:
+            self.mamba_metadata.reset_varlen_metadata()
 
     def _set_step_counts(self, step) -> None:
         real = step.batch_dimensions if step else InferenceBatchDimensions()
@@ -394,7 +392,8 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
         """Prepare the step's token arrays and attention metadata, padded to the CUDA graph
         that fits the step, else eagerly (``step.build_step``; the forward itself runs eager).
         With ``construct_graph_dimensions`` (an empty context), first add that graph's capture
-        dummies (``add_dummy_requests_for_cudagraph_capture``)."""
+        dummies (``add_dummy_requests_for_cudagraph_capture``), as Megatron-Core does before a
+        capture."""
         self._check_allocated()
         if construct_graph_dimensions is not None:
             self.add_dummy_requests_for_cudagraph_capture(construct_graph_dimensions)
@@ -414,7 +413,8 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
                           ladder=self._cuda_graph_ladder, token_rounder=self.TOKEN_ROUNDER,
                           request_rounder=self.REQUEST_ROUNDER)
         device.begin_step(step, table, device_prompts)
-        self.mamba_metadata = device.mamba_metadata(step) if step.mamba else None
+        if step.mamba:
+            self.mamba_metadata.update_step(device.mamba_step_fields(step))
         device.end_step()
         self._step = step
         self._set_step_counts(step)
@@ -443,6 +443,12 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
         paused requests resume (LIFO) or are evicted beyond the paused budget. Returns the ids
         (1-D int64 CPU tensor) of the requests this call paused that are still paused; the ids
         this call evicted are in ``self.evicted_request_ids`` (re-queue them for recompute).
+        A request the mask keeps whose next token would lie beyond ``max_sequence_length`` is
+        finished like a masked one (its blocks released) and its id listed in
+        ``self.max_length_finished_request_ids``: the context never writes past a request's
+        block-table row (Megatron-Core's engine, and ours, refuse such requests at admission).
+        It needs ``initialize_attention_state`` of this step first, unless the counts were
+        written by hand (``total_request_count = ...``, as Megatron-Core's tests build states).
         Every check runs before anything changes (an error leaves the context as it was); the
         one device-to-host read is the mask. ``metrics_writer.log`` runs last, on the updated
         context: if it raises, the update is complete and the error propagates.
@@ -450,7 +456,7 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
         self._check_allocated()
         table = self._table
         A = table.active
-        if A and self._step is None:
+        if A and self._step is None and not self._hand_written:
             raise RuntimeError("update_requests() needs initialize_attention_state() first: the "
                                "requests added since the last step (or this step's tokens) "
                                "were never forwarded")
@@ -464,33 +470,22 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
         self.has_explicit_chunked_prefill_req = False
         self.reset_attention_state()
         self._step = None
+        self._hand_written = False
         self.newly_paused_request_ids = torch.from_numpy(plan.newly_paused_ids)
         self.evicted_request_ids = torch.from_numpy(plan.evicted_ids)
+        self.max_length_finished_request_ids = torch.from_numpy(plan.max_length_ids)
         if self.metrics_writer is not None:
             self.metrics_writer.log({f"inference/{k}": v
                                      for k, v in self.get_kvcache_utilization_stats().items()})
         return self.newly_paused_request_ids
 
     def maybe_initialize_symmetric_memory(self) -> None:
-        raise compat.unsupported("maybe_initialize_symmetric_memory")
-
-    def add_dummy_requests_parallel(self, requests: Sequence[DynamicInferenceRequest], *,
-                                    count_as_prefill: bool = True) -> None:
-        raise compat.unsupported("add_dummy_requests_parallel")
-
-    def add_dummy_requests_for_cudagraph_capture(
-            self, graph_dimensions: InferenceBatchDimensions) -> None:
-        """Fill the empty context with the requests of ``graph_dimensions`` as megatron-core
-        0.16.1 does before a capture (``_graph_capture``: its errors, raised before anything
-        changes); ``reset()`` after the captured step empties the context again."""
+        """Megatron-Core sets up a global symmetric-memory buffer here for the model's
+        tensor-parallel all-reduce. dynctx keeps no global state and leaves tensor-parallel
+        communication to the model: there is nothing to set up; the call is recorded in
+        ``is_symmetric_memory_initialized``, as Megatron-Core records it."""
         self._check_allocated()
-        plans = plan_dummy_requests(self._table, graph_dimensions,
-                                    metadata_types=self.request_metadata_types)
-        for plan in plans:
-            self._table.commit_add(plan)
-        self._device.zero_next_tokens(graph_dimensions.decode_req_count)
-        self._device.arena.dirty = True
-        self._step = None
+        self.is_symmetric_memory_initialized = True
 
     def __repr__(self) -> str:
         return (f"DynamicInferenceContext(requests {self.total_request_count}/"

@@ -42,6 +42,17 @@ def _rebuild_error(error_type: type, request_id: Optional[int], message: Optiona
     return error
 
 
+class StepShapeError(ValueError, AssertionError):
+    """A per-request tensor handed to the context (``active_requests_mask``, ``new_tokens``)
+    does not match the active requests. A ``ValueError``, and an ``AssertionError`` too: where
+    Megatron-Core asserts these shapes, code written for it catches ``AssertionError``."""
+
+
+class NotHybridError(RuntimeError, AssertionError):
+    """A Mamba method called on a context without Mamba layers. A ``RuntimeError``, and an
+    ``AssertionError`` as Megatron-Core asserts it."""
+
+
 class RequestOverflowError(ContextOverflowError):
     """Adding the request would overflow the maximum request count."""
 

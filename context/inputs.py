@@ -12,6 +12,8 @@ from typing import Optional
 import numpy as np
 import torch
 
+from .errors import StepShapeError
+
 TOKEN_DTYPES = (torch.int32, torch.int64)
 
 
@@ -28,7 +30,7 @@ def check_new_tokens(new_tokens, count: int, device: torch.device, *, validate: 
         raise TypeError(f"new_tokens must be int32 or int64 token ids, got dtype "
                         f"{new_tokens.dtype} (no vocabulary fits it)")
     if new_tokens.dim() != 1 or new_tokens.shape[0] != count:
-        raise ValueError(f"new_tokens must have shape [{count}] (one per active request), got "
+        raise StepShapeError(f"new_tokens must have shape [{count}] (one per active request), got "
                          f"{tuple(new_tokens.shape)}")
     if new_tokens.device != device:
         raise ValueError(f"new_tokens is on {new_tokens.device}, the context on {device}")
@@ -41,21 +43,27 @@ def check_new_tokens(new_tokens, count: int, device: torch.device, *, validate: 
 
 
 def read_mask(mask, count: int, device: torch.device) -> np.ndarray:
-    """``active_requests_mask`` (bool or 0/1 integers, ``[count]``) read to the host: the
-    step's one device-to-host read."""
+    """``active_requests_mask`` (bool, or integers or floats of exactly 0 and 1, ``[count]``)
+    read to the host: the step's one device-to-host read. A wrong length raises
+    ``StepShapeError`` (a ``ValueError`` and an ``AssertionError``, as Megatron-Core asserts)."""
     if not isinstance(mask, torch.Tensor):
         raise TypeError(f"active_requests_mask must be a torch.Tensor, got {type(mask).__name__}")
     if mask.dim() != 1 or mask.shape[0] != count:
-        raise ValueError(f"active_requests_mask must have shape [{count}] (one per active "
+        raise StepShapeError(f"active_requests_mask must have shape [{count}] (one per active "
                          f"request), got {tuple(mask.shape)}")
-    if mask.is_floating_point() or mask.is_complex():
-        raise TypeError(f"active_requests_mask must be bool or integer, got {mask.dtype}")
+    if mask.is_complex():
+        raise TypeError(f"active_requests_mask must be bool, integer or 0/1 floats, got "
+                        f"{mask.dtype}")
     if mask.device != device:
         raise ValueError(f"active_requests_mask is on {mask.device}, the context on {device}")
     host = mask.cpu().numpy()
     if host.dtype != np.bool_:
-        if host.size and (host.max() > 1 or host.min() < 0):
-            raise ValueError("active_requests_mask must hold only 0 and 1")
+        # Megatron-Core's tests pass float masks (torch.Tensor([0, 1])); only 0 and 1 mean
+        # anything, NaN and fractions are refused.
+        bad = (host != 0) & (host != 1)
+        if bad.any():
+            raise ValueError(f"active_requests_mask must hold only 0 and 1, got "
+                             f"{host[bad][:4].tolist()}")
         host = host.astype(np.bool_)
     return host.copy()
 

@@ -47,6 +47,8 @@ class RequestTable:
                  block_size: int, metadata_labels: list, hybrid: bool, max_tokens: int):
         self.allocator = allocator
         self.max_requests = max_requests
+        # The rows add_request may fill: the context's ``max_requests``, which callers may lower.
+        self.request_limit = max_requests
         self.max_kv_block_count = max_kv_block_count
         self.block_size = block_size
         self.metadata_labels = list(metadata_labels)
@@ -87,6 +89,9 @@ class RequestTable:
         self.total = 0
         self.active_tokens = 0
         self.num_prefill = 0
+        # Dummy rows counted as decode whose tokens come from the prompt buffer (they follow
+        # the real decode rows): add_dummy_requests_parallel(count_as_prefill=False).
+        self.fed_decode = 0
         self.continuation_added = False
         # The request whose last chunk left prompt tokens behind (the only valid continuation).
         self.partial_id = -1
@@ -147,10 +152,7 @@ class RequestTable:
     def commit_add(self, plan: AddPlan) -> None:
         """Apply an ``admission.AddPlan`` made from this table: reserve and write."""
         rows, row = self.rows, plan.row
-        if plan.dummy_block is None:
-            new_blocks = self.allocator.allocate_memory_blocks_host(plan.needed - plan.already)
-        else:  # a CUDA graph capture dummy: every block is the dummy block, none allocated
-            new_blocks = plan.dummy_block
+        new_blocks = self.allocator.allocate_memory_blocks_host(plan.needed - plan.already)
         if plan.is_continuation:
             self.active_tokens -= 1
             self.continuation_added = True
@@ -177,18 +179,56 @@ class RequestTable:
         rows[FIELD_LAST_OFFSET, row] = (plan.finished + plan.chunk - 1) % self.block_size
         self.dirty_from = min(self.dirty_from, row)
         offset, chunk = plan.prompt_offset, plan.chunk
-        if plan.decode:
-            pass  # its token is the row's pending next token (DeviceState.next_tokens)
-        elif plan.host_prompt is not None:
+        if plan.host_prompt is not None:
             self.prompt[offset:offset + chunk] = plan.host_prompt
         else:
             self.device_prompts.append((plan.device_prompt, offset))
         self.active_tokens = plan.tokens_before + chunk
         if not plan.is_continuation:
             self.total += 1
-        if not plan.decode:
-            self.num_prefill += 1
+        self.num_prefill += 1
         self.partial_id = plan.request_id if plan.partial else -1
+
+    def commit_dummies(self, plan) -> np.ndarray:
+        """Apply an ``admission.DummyPlan``: rows whose every block is the dummy block, no block
+        allocated. Returns the Mamba slots handed out (hybrids; empty otherwise)."""
+        n = plan.ids.size
+        rows = slice(plan.row, plan.row + n)
+        dummy = self.allocator.dummy_block_idx
+        self.rows[:, rows] = 0
+        self.rows[FIELD_IDS, rows] = plan.ids
+        self.rows[FIELD_QUERY, rows] = plan.lengths
+        self.rows[FIELD_OUTPUT, rows] = plan.lengths + plan.gens
+        self.rows[FIELD_BLOCKS, rows] = plan.blocks
+        self.rows[FIELD_LAST_BLOCK, rows] = dummy if n else -1
+        self.rows[FIELD_LAST_OFFSET, rows] = (plan.lengths - 1) % self.block_size
+        self.rows[FIELD_MAMBA_SLOT, rows] = -1
+        columns = np.arange(self.max_kv_block_count)
+        self.block_table[rows] = np.where(columns[None, :] < plan.blocks[:, None], dummy, -1)
+        for i, values in enumerate(plan.metadata):
+            for label, value in zip(self.metadata_labels, values):
+                self.metadata[label][plan.row + i] = value
+        slots = np.empty(0, dtype=np.int64)
+        if self.hybrid and n:
+            slots = np.array([self.slots.allocate() for _ in range(n)], dtype=np.int64)
+            self.rows[FIELD_MAMBA_SLOT, rows] = slots
+        offset = plan.prompt_offset
+        for length, host, on_device in zip(plan.lengths.tolist(), plan.host_prompts,
+                                           plan.device_prompts):
+            if host is not None:
+                self.prompt[offset:offset + length] = host
+            else:
+                self.device_prompts.append((on_device, offset))
+            offset += length
+        self.live_ids.update(plan.ids.tolist())
+        self.dirty_from = min(self.dirty_from, plan.row)
+        self.total += n
+        self.active_tokens += int(plan.lengths.sum())
+        if plan.count_as_prefill:
+            self.num_prefill += n
+        else:
+            self.fed_decode += n
+        return slots
 
     def commit_update(self, plan: UpdatePlan) -> None:
         """Apply an ``update_plan.UpdatePlan`` made from this table."""
@@ -217,18 +257,31 @@ class RequestTable:
         self.paused, self.total = plan.paused, total
         self.active_tokens = plan.active_tokens
         self.num_prefill = 0
+        self.fed_decode = 0
         self.continuation_added = False
+        self.device_prompts = []
         self.dirty_from = self.max_requests
         gone = plan.finished_ids.tolist() + plan.evicted_ids.tolist()
         self.live_ids.difference_update(gone)
         if self.partial_id in gone:
             self.partial_id = -1
 
+    def permute_rows(self, dst: np.ndarray, src: np.ndarray) -> None:
+        """Rows ``dst`` take the fields, metadata and block-table rows of rows ``src`` (read
+        before any write, so that a swap passes ``dst + src, src + dst``)."""
+        self.rows[:, dst] = self.rows[:, src]
+        for values in self.metadata.values():
+            values[dst] = values[src]
+        self.block_table[dst] = self.block_table[src]
+        if dst.size:
+            self.dirty_from = min(self.dirty_from, int(dst.min()))
+
     def take_staged(self) -> tuple:
-        """``(zero_count, device_prompts)`` staged by ``commit_add`` since the last step; the
-        step consumes them."""
-        staged = (self.zero_count, self.device_prompts)
-        self.zero_count, self.device_prompts = 0, []
+        """``(zero_count, device_prompts)`` staged by ``commit_add``: the Mamba slots to zero
+        (consumed: zeroed once) and the prompts already on the device (kept until the update,
+        so that building the step again re-copies them over the host prompt upload)."""
+        staged = (self.zero_count, list(self.device_prompts))
+        self.zero_count = 0
         return staged
 
     def dirty_rows(self) -> tuple:

@@ -69,12 +69,17 @@ DEFAULT_METADATA_TYPES: MetadataTypes = [
 ]
 
 
+class TokenIdError(TypeError, ValueError):
+    """Token ids that are not whole numbers (``[1.7]``, NaN): a wrong value given where ids of
+    an integer type belong, so both ``except TypeError`` and ``except ValueError`` catch it."""
+
+
 def whole_number_ids(values: Any, name: str) -> np.ndarray:
     """``values`` (a sequence, numpy array or CPU tensor) as a 1-D int64 array of token ids.
 
     Integer values pass; floating values pass only when every one is a whole number (a prompt
-    read from a float array: ``[1.0, 2.0]``): a fraction, NaN or inf raises ``ValueError``,
-    anything not numeric (bools, strings) ``TypeError``, each naming ``name``.
+    read from a float array: ``[1.0, 2.0]``); fractions, NaN and infinities raise
+    ``TokenIdError`` and anything else (bools, strings) ``TypeError``, naming ``name``.
     """
     if isinstance(values, torch.Tensor):
         values = values.detach().cpu().numpy()
@@ -89,8 +94,8 @@ def whole_number_ids(values: Any, name: str) -> np.ndarray:
         whole = np.isfinite(array) & (array == np.round(array))
         if not whole.all():
             bad = array[~whole].reshape(-1)[0]
-            raise ValueError(f"{name} of dtype {array.dtype} must hold whole numbers (token "
-                             f"ids); {float(bad)!r} is not a whole number")
+            raise TokenIdError(f"{name} must hold whole numbers (token ids); {float(bad)!r} is "
+                               "not a whole number")
         if array.size and (array.max() >= 2 ** 63 or array.min() < -2 ** 63):
             raise ValueError(f"{name} holds ids outside int64")
     return array.astype(np.int64)
@@ -102,9 +107,8 @@ def _as_token_tensor(tokens: Any, name: str) -> torch.Tensor:
     Integer tensors are kept as they are (dtype and device). Floating-point tokens are accepted
     when every value is a whole number (Megatron-Core's tests build prompts with
     ``torch.zeros(n)``) and become int64 on the same device; a float tensor on a GPU costs one
-    read-back for that check. Fractions, NaN/inf (``ValueError``), booleans, complex numbers and
-    strings (``TypeError``) are refused. Sequences and numpy arrays go through
-    ``whole_number_ids``.
+    read-back for that check. Sequences and numpy arrays go through ``whole_number_ids``.
+    Fractions, NaN/inf (``TokenIdError``), booleans, complex numbers and strings are refused.
     """
     if isinstance(tokens, torch.Tensor):
         if tokens.is_complex() or tokens.dtype == torch.bool:
@@ -121,9 +125,9 @@ def _as_token_tensor(tokens: Any, name: str) -> torch.Tensor:
     if tensor.is_floating_point():
         whole = torch.isfinite(tensor) & (tensor == torch.trunc(tensor))
         if not bool(whole.all()):
-            bad = tensor[~whole][:4].tolist()
-            raise ValueError(f"{name} of dtype {tensor.dtype} must hold whole numbers (token "
-                             f"ids); got {bad}")
+            bad = tensor[~whole][0].item()
+            raise TokenIdError(f"{name} of dtype {tensor.dtype} must hold whole numbers (token "
+                               f"ids); {bad!r} is not a whole number")
         if tensor.numel() and not bool((tensor.abs() < 2.0 ** 63).all()):
             raise ValueError(f"{name} holds values beyond the int64 range: "
                              f"{tensor[tensor.abs() >= 2.0 ** 63][:4].tolist()}")

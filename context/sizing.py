@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -21,7 +21,6 @@ from .batch_dimensions import MambaInferenceStateConfig
 from .errors import get_mem_size_str
 
 GIB = 1024 ** 3
-REQUEST_ROUNDER = 4
 # One host block table (int32 rows x columns) may take at most this many bytes; the context
 # keeps four such tables (host, two device copies, the step's attention copy).
 MAX_BLOCK_TABLE_BYTES = 1 * GIB
@@ -129,11 +128,13 @@ def memory_layout(*, layers: LayerLayout, params_dtype: torch.dtype, block_size_
                   unified_memory_level: Optional[int], device: torch.device,
                   buffer_size_gb: float, paused_buffer_size_gb: Optional[float],
                   max_requests: Optional[int], max_tokens: Optional[int], default_max_tokens: int,
-                  max_sequence_length: int, tp: int,
-                  request_rounder: int = REQUEST_ROUNDER) -> MemoryLayout:
-    """The constructor's sizes. ``request_rounder``: the context class's ``REQUEST_ROUNDER``
-    (Megatron-Core's tests change it on the class), which a derived ``max_requests`` is a
-    multiple of."""
+                  max_sequence_length: int, tp: int, request_rounder: int,
+                  reduce_block_count: Optional[Callable[[int], int]] = None) -> MemoryLayout:
+    """The block, request, token and block-table counts of the constructor's arguments.
+
+    ``reduce_block_count`` (pipeline parallelism) maps this rank's block count of
+    ``buffer_size_gb`` to the one every stage uses (the minimum over the pipeline group, as
+    Megatron-Core does), so that all stages pause and evict alike."""
     itemsize = torch.empty((), dtype=params_dtype).element_size()
     kv_reduced_dim = None
     if cache_mla_latent:
@@ -150,6 +151,8 @@ def memory_layout(*, layers: LayerLayout, params_dtype: torch.dtype, block_size_
     # Hybrids budget one request's Mamba state per block (as the reference does).
     bytes_per_block = block_size_bytes + layers.mamba_bytes_per_request
     block_count = buffer_bytes // bytes_per_block
+    if reduce_block_count is not None:
+        block_count = int(reduce_block_count(block_count))
     if block_count < 2:
         warnings.warn(
             f"buffer_size_gb={buffer_size_gb} ({get_mem_size_str(buffer_bytes)}) holds "

@@ -59,6 +59,7 @@ class Step:
     max_seqlen_q: int
     max_seqlen_k: int
     mamba: Optional[MambaStep]
+    fed_decode: int = 0        # dummy decode rows fed from the prompt buffer (after the decodes)
 
     @property
     def active(self) -> int:
@@ -73,8 +74,13 @@ class Step:
         return self.padded.req_count
 
     @property
+    def fed_from_pending(self) -> int:
+        """Decode rows that take their pending token (the rest read the prompt buffer)."""
+        return self.decode - self.fed_decode
+
+    @property
     def prompt_tokens(self) -> int:
-        return self.active_tokens - self.decode
+        return self.active_tokens - self.fed_from_pending
 
 
 def build_step(table, arena: dict, *, max_tokens: int, max_requests: int, tp: int,
@@ -123,7 +129,7 @@ def build_step(table, arena: dict, *, max_tokens: int, max_requests: int, tp: in
                 batch_dimensions=real, padded=padded,
                 using_cuda_graph=choice.using_cuda_graph_this_step,
                 max_seqlen_q=int(q.max()) if A else 1, max_seqlen_k=int(kv.max()) if A else 1,
-                mamba=mamba)
+                mamba=mamba, fed_decode=table.fed_decode)
 
 
 def _mamba_host(table, arena: dict, seq_idx: np.ndarray, P: int, A: int, decode: int,

@@ -4,8 +4,8 @@
 requests finish, how rows compact, which pause, resume (LIFO, one new block each) or are evicted
 beyond the paused budget, and the chunked request's move to the last row. It works on a scratch
 copy of the per-request fields and a simulation of the block allocator's stack, so it changes
-nothing; every error it can meet (an unknown chunked id, a request kept past
-``max_sequence_length``, no request able to run) raises here. ``RequestTable.commit_update``
+nothing; every error it can meet (an unknown chunked id, no request able to run) raises here,
+and a request kept past ``max_sequence_length`` is finished here. ``RequestTable.commit_update``
 then applies the plan, and the device state applies the row plan in one launch.
 """
 
@@ -53,6 +53,7 @@ class UpdatePlan:
     finished_ids: np.ndarray
     evicted_ids: np.ndarray
     newly_paused_ids: np.ndarray
+    max_length_ids: np.ndarray
 
 
 class _StackSim:
@@ -73,7 +74,8 @@ class _StackSim:
     def release(self, blocks: np.ndarray) -> None:
         """As ``BlockAllocator.release_memory_blocks``: drop one reference per id; the ids
         whose last reference goes are pushed once, in order of first mention."""
-        blocks = blocks[blocks >= 0].astype(np.int32)
+        # The dummy block (rows of dummy requests) is never allocated: nothing to release.
+        blocks = blocks[(blocks >= 0) & (blocks != self.allocator.dummy_block_idx)].astype(np.int32)
         if blocks.size == 0:
             return
         self.ops.append(("release", blocks))
@@ -194,7 +196,7 @@ def _steady_plan(table, T: int):
         old_paused=0, old_total=T, paused=0, total=T, active_tokens=T,
         origin=np.arange(T, dtype=np.int64), rows=h, append_col=none, append_block=none,
         allocator_ops=(), released_slots=np.empty(0, dtype=np.int32), finished_ids=_EMPTY,
-        evicted_ids=_EMPTY, newly_paused_ids=_EMPTY)
+        evicted_ids=_EMPTY, newly_paused_ids=_EMPTY, max_length_ids=_EMPTY)
 
 
 def plan_update(table, mask: np.ndarray, *, chunked_id: int, max_sequence_length: int
@@ -217,15 +219,15 @@ def plan_update(table, mask: np.ndarray, *, chunked_id: int, max_sequence_length
                 "id of the request whose prompt was added in part")
         mask = mask.copy()
         mask[-1] = True
-    # A kept request gets one more token: it must stay within max_sequence_length.
+    # A kept request gets one more token: a request whose next token would lie beyond
+    # max_sequence_length (its block-table row holds no more) is finished here, before anything
+    # changes, and reported in ``max_length_ids`` (docs/SEMANTICS.md §9).
+    max_length_ids = _EMPTY
     lengths = table.rows[FIELD_KV_OFFSET, P:T].astype(np.int64) + table.rows[FIELD_QUERY, P:T] + 1
     if lengths.size and lengths.max() > max_sequence_length and \
             (too_long := mask & (lengths > max_sequence_length)).any():
-        k = int(np.flatnonzero(too_long)[0])
-        raise ValueError(
-            f"active_requests_mask keeps request {int(ids[P + k])}, which would hold "
-            f"{int(lengths[k])} tokens after this step, beyond max_sequence_length="
-            f"{max_sequence_length}: finish it (mask 0) at its last token")
+        max_length_ids = ids[P:T][too_long].astype(np.int64)
+        mask = mask & ~too_long
 
     if P == 0 and chunked_id == -1 and A and mask.all():
         steady = _steady_plan(table, T)
@@ -293,4 +295,4 @@ def plan_update(table, mask: np.ndarray, *, chunked_id: int, max_sequence_length
         origin=scratch.origin, rows=h, append_col=scratch.append_col,
         append_block=scratch.append_block, allocator_ops=tuple(scratch.stack.ops),
         released_slots=slots, finished_ids=finished_ids, evicted_ids=evicted,
-        newly_paused_ids=newly_paused)
+        newly_paused_ids=newly_paused, max_length_ids=max_length_ids)

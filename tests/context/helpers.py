@@ -7,11 +7,13 @@ import numpy as np
 import torch
 
 from dynctx.context import DynamicInferenceContext, DynamicInferenceRequest, SamplingParams
+from dynctx.context.dynamic_context import FIELD_BLOCKS
 
 GIB = 1024 ** 3
 BLOCK = 4 * 2 * 2 * 4 * 2 * 8  # fp32, K and V, 2 layers, 4 tokens, 2 heads, dim 8
 
-# The per-request fields the context exposes as device views ``[max_requests]``.
+# The per-request fields the context exposes as views ``[max_requests]``, in field order (rows
+# 0..6 of the packed table).
 FIELD_NAMES = ("request_ids", "request_query_lengths", "request_output_lengths",
                "request_kv_length_offsets", "request_kv_block_counts",
                "request_last_kv_block_id", "request_last_kv_block_offset")
@@ -63,7 +65,8 @@ def snapshot(ctx, device: bool = False) -> dict:
 
     With ``device=True`` also the device mirrors (block table, per-request fields, metadata,
     pending tokens), the step's token arrays and attention metadata, and the KV buffer's bytes.
-    Reading the device views uploads staged host writes first, which changes nothing observable.
+    Reading the device views uploads staged host writes first, which changes nothing observable;
+    the step's token arrays are read from the device state, without building a step.
     """
     alloc = ctx.block_allocator
     counts = (ctx.paused_request_count, ctx.total_request_count, ctx.active_token_count,
@@ -76,12 +79,15 @@ def snapshot(ctx, device: bool = False) -> dict:
     state.update(fields=ctx._h_req[:, :T].copy(), table=ctx.block_table_host[:T].copy())
     if device:
         P = ctx.paused_request_count
-        state["device_table"] = _np(ctx.request_to_kv_block_ids)
-        state["device_fields"] = np.stack([_np(getattr(ctx, name)[:T]) for name in FIELD_NAMES])
+        # The device mirrors themselves (on a CPU device the public views are host arrays).
+        mirrors = ctx._device.mirrors(ctx._table)
+        state["device_table"] = _np(mirrors["block_table"])
+        state["device_fields"] = _np(mirrors["req"][:len(FIELD_NAMES), :T])
         state["device_metadata"] = {label: _np(value[:T])
-                                    for label, value in ctx.request_metadata.items()}
+                                    for label, value in mirrors["metadata"].items()}
         state["paused_tokens"] = None if P == 0 else _np(ctx.paused_tokens)
-        state["tokens"] = np.stack([_np(getattr(ctx, name)) for name in TOKEN_NAMES])
+        # The device buffers themselves: reading ctx.token_to_* before a step would build it.
+        state["tokens"] = np.stack([_np(getattr(ctx._device, name)) for name in TOKEN_NAMES])
         meta = ctx.active_attn_metadata
         state["attention"] = None if meta is None else (
             ctx.padded_active_token_count, ctx.padded_active_request_count,
@@ -123,5 +129,7 @@ def check_invariants(ctx) -> None:
     assert owned.size + alloc.total_avail == alloc.total_count - 1, "blocks leaked"
     counts = ctx.kv_block_counts_host[:T]
     assert np.array_equal((table[:T] >= 0).sum(axis=1), counts)
-    assert np.array_equal(ctx.request_to_kv_block_ids.cpu().numpy(), table)
-    assert np.array_equal(ctx.request_kv_block_counts[:T].cpu().numpy(), counts)
+    # The device mirrors themselves (on a CPU device the public views are the host arrays).
+    mirrors = ctx._device.mirrors(ctx._table)
+    assert np.array_equal(mirrors["block_table"].cpu().numpy(), table)
+    assert np.array_equal(mirrors["req"][FIELD_BLOCKS, :T].cpu().numpy(), counts)

@@ -194,7 +194,7 @@ class InvariantChecks(Patterns):
                 f"!= {cfg.max_requests}: free {free.tolist()}")
         self._check_mamba_states(rows, "check", False)
         if device:
-            got = ctx._device_field(FIELD_MAMBA_SLOT).numpy()
+            got = ctx._device.mirrors(ctx._table)["req"][FIELD_MAMBA_SLOT].numpy()
             require(np.array_equal(got, h[FIELD_MAMBA_SLOT]), lambda: f"device Mamba slot map "
                     f"{got.tolist()} != host {h[FIELD_MAMBA_SLOT].tolist()}")
             index = torch.tensor(slots.tolist() + [-1], dtype=torch.int32)
@@ -399,13 +399,15 @@ class InvariantChecks(Patterns):
                 and stats["total_request_count"] == T, lambda: f"utilization stats {stats}")
 
         if device:
-            require(np.array_equal(ctx.request_to_kv_block_ids.numpy(), table),
+            # The device mirrors themselves: on a CPU device the public views are host arrays.
+            mirrors = ctx._device.mirrors(ctx._table)
+            require(np.array_equal(mirrors["block_table"].numpy(), table),
                     "the device block table differs from the host")
             for name, index in zip(FIELD_NAMES, range(len(FIELD_NAMES))):
-                got = getattr(ctx, name)[:T].numpy()
+                got = mirrors["req"][index, :T].numpy()
                 require(np.array_equal(got, h[index, :T]), lambda: f"device {name} "
                         f"{got.tolist()} != host {h[index, :T].tolist()}")
-            for label, values in ctx.request_metadata.items():
+            for label, values in mirrors["metadata"].items():
                 require(np.array_equal(values[:T].numpy(), ctx._arena.host[f"meta:{label}"][:T]),
                         f"device metadata {label} differs from the host")
             pending = ctx.paused_tokens

@@ -134,7 +134,9 @@ class ContextDriver(InvariantChecks):
         cfg, ctx = self.cfg, self.ctx
         errors = set()
         fin = t.req.finished_chunk_token_count
-        if fin + t.req.remaining_prompt_length + t.gen > cfg.max_sequence_length:
+        # Only a prompt longer than max_sequence_length is refused; a longer generation budget
+        # is accepted and the request finished when it reaches max_sequence_length.
+        if fin + t.req.remaining_prompt_length > cfg.max_sequence_length:
             errors.add(MaxSequenceLengthOverflowError)
         tokens = self._model_active_tokens() - (1 if continuation else 0)
         if not continuation:
@@ -215,7 +217,8 @@ class ContextDriver(InvariantChecks):
 
     def add_new(self, kind: str, prompt_len: int, gen: int, choice: int = 0) -> bool:
         """Add a fresh request. ``kind``: ``fit`` (prompt + gen fits), ``too_long`` (prompt +
-        gen > max_sequence_length), ``too_many_tokens`` (a prompt longer than max_tokens,
+        gen > max_sequence_length: accepted, and finished by the context at max_sequence_length),
+        ``too_many_tokens`` (a prompt longer than max_tokens,
         unchunked), ``duplicate`` (a live id), ``chunked`` (a first chunk of
         ``1 + choice % (prompt - 1)`` tokens; the engine then sets the chunked id)."""
         cfg = self.cfg
@@ -382,6 +385,10 @@ class ContextDriver(InvariantChecks):
                 mask.append(i not in finish)  # the context keeps it whatever the mask says
             else:
                 mask.append(len(t.generated) + 1 < t.gen and i not in finish)
+        # A kept request whose next token would lie beyond max_sequence_length is finished by
+        # the context (a request admitted with prompt + gen > max_sequence_length).
+        at_max_length = {t.rid for t, keep in zip(active, mask) if keep and not t.chunking
+                         and t.cached + 1 > cfg.max_sequence_length}
         counts, table = ctx.kv_block_counts_host, ctx.block_table_host
         old_blocks = {t.rid: table[row, :counts[row]].tolist() for row, t in enumerate(rows)}
         old_paused = {t.rid for t in rows[:P]}
@@ -390,6 +397,11 @@ class ContextDriver(InvariantChecks):
         self.stats["steps"] += 1
 
         finished = {t.rid for t, keep in zip(active, mask) if not keep and not t.chunking}
+        reported = ctx.max_length_finished_request_ids.tolist()
+        require(sorted(reported) == sorted(at_max_length), lambda: f"update_requests finished "
+                f"{sorted(reported)} at max_sequence_length, expected {sorted(at_max_length)}")
+        finished |= at_max_length
+        self.stats["max_length_finished"] += len(at_max_length)
         eligible = set()
         for t, token in zip(active, samples):
             t.continued = False

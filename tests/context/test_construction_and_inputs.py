@@ -110,6 +110,7 @@ def test_fractional_prompts_are_refused_naming_the_value(prompt, match):
     pytest.param([True, False], "bool", id="bool-list"),
     pytest.param(np.array([True]), "bool", id="numpy-bool"),
     pytest.param(torch.tensor([True]), "bool", id="tensor-bool"),
+    pytest.param(torch.tensor([1.0, 0.5]), "0.5 is not a whole number", id="tensor-float"),
     pytest.param("abc", "tokenize", id="string"),
 ])
 def test_other_prompts_are_refused_naming_the_argument(prompt, match):

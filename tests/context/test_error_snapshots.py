@@ -117,9 +117,11 @@ def s_full_rows(backend):
 
 
 def s_long(backend):
-    """Request 1 at max_sequence_length (16): its next token would be the 17th."""
+    """Request 1 at max_sequence_length (16): its next token would be the 17th; it was admitted
+    with prompt + gen = 20 > 16, as Megatron-Core's context allows. Request 2 is short."""
     ctx = make_ctx(kernel_backend=backend, max_sequence_length=16)
-    add(ctx, req(1, 15, gen=1))
+    add(ctx, req(1, 15, gen=5))
+    add(ctx, req(2, 3, gen=5))
     _step(ctx)
     ctx.initialize_attention_state()
     return ctx
@@ -177,9 +179,9 @@ CASES = [
      TypeError, "active_requests_mask", True),
     (f"{U}/mask-shape", s_prefill, lambda c: c.update_requests(_tokens(1), _tokens(4, 5)),
      ValueError, "active_requests_mask", True),
-    (f"{U}/mask-float", s_prefill,
-     lambda c: c.update_requests(_tokens(1, 1, dtype=torch.float32), _tokens(4, 5)),
-     TypeError, "active_requests_mask", True),
+    (f"{U}/mask-float-nan", s_prefill,
+     lambda c: c.update_requests(_tokens(1, float("nan"), dtype=torch.float32), _tokens(4, 5)),
+     ValueError, "active_requests_mask", True),
     (f"{U}/mask-device", s_prefill,
      lambda c: c.update_requests(_tokens(1, 1, device="meta"), _tokens(4, 5)),
      ValueError, "active_requests_mask", True),
@@ -211,9 +213,6 @@ CASES = [
      lambda c: (setattr(c, "chunked_prefill_request_id", 77),
                 c.update_requests(_tokens(1, 0), _tokens(4, 5))),
      ValueError, "chunked_prefill_request_id=77", True),
-    (f"{U}/past-max_sequence_length", s_long,
-     lambda c: c.update_requests(_tokens(1), _tokens(4)), ValueError, "max_sequence_length",
-     False),
     (f"{U}/no-request-can-run", s_stuck,
      lambda c: c.update_requests(_tokens(1), _tokens(4)), RuntimeError, "no request can run",
      False),
@@ -268,7 +267,7 @@ CASES = [
     (f"{A}/num_tokens_to_generate-str", s_prefill,
      lambda c: c.add_request(_with_gen(req(9), "abc")), TypeError, "num_tokens_to_generate",
      True),
-    (f"{A}/max_sequence_length", s_prefill, lambda c: c.add_request(req(9, 60, gen=10)),
+    (f"{A}/max_sequence_length", s_prefill, lambda c: c.add_request(req(9, 65, gen=0)),
      MaxSequenceLengthOverflowError, "max_sequence_length", True),
     (f"{A}/max_tokens", s_prefill, lambda c: c.add_request(req(9, 60, gen=1)),
      TokenOverflowError, "max_tokens", True),
@@ -352,6 +351,25 @@ def test_kv_that_requires_grad_is_written_detached(backend):
     active = ctx.active_token_count
     assert torch.equal(k_cache[blocks, slots], (key * 2).detach()[:active])
     assert torch.equal(v_cache[blocks, slots], (value * 3).detach()[:active, 0])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_request_kept_past_max_sequence_length_is_finished_and_reported(backend):
+    """The update that would give a kept request a token beyond max_sequence_length finishes it
+    instead (its blocks freed, its id in max_length_finished_request_ids), decided before
+    anything changes; the other request runs on, and the next step is valid."""
+    ctx = s_long(backend)
+    assert ctx.host_request_ids().tolist() == [1, 2] and ctx.kv_block_counts_host[0] == 4
+    _step(ctx)
+    assert ctx.max_length_finished_request_ids.tolist() == [1]
+    assert ctx.host_request_ids().tolist() == [2]
+    # Request 1's 4 blocks are free again: only request 2's are in use.
+    assert ctx.block_allocator.get_total_used() == ctx.kv_block_counts_host[0] == 2
+    check_invariants(ctx)
+    _step(ctx)
+    assert ctx.max_length_finished_request_ids.tolist() == []
+    assert ctx.host_request_ids().tolist() == [2]
+    check_invariants(ctx)
 
 
 def test_plans_are_pure_under_memory_pressure():

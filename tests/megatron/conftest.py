@@ -13,66 +13,15 @@ from pathlib import Path
 
 import pytest
 
-from dynctx.context import MaxSequenceLengthOverflowError
 from mcore_port import IMPLS, load_impl
 
 _HERE = Path(__file__).resolve().parent
 
-#: The differences (one sentence each) that make dynctx runs fail.
-_MAX_SEQ = ("add_request raises MaxSequenceLengthOverflowError when prompt + "
-            "num_tokens_to_generate exceeds max_sequence_length (the test asks max_tokens - "
-            "prompt tokens); Megatron's context accepts it, its engine checks at admission")
-_LAZY = ("the step's token arrays and calculate_log_probs are valid only after "
-         "initialize_attention_state; Megatron fills them in add_request/update_requests")
-_MAMBA_META = ("mamba_metadata is None until the first initialize_attention_state; Megatron "
-               "builds it (request_to_mamba_state_idx, mamba_state_free_slot_count) in the "
-               "constructor and keeps it across reset")
-_PAUSED_TOKENS = "paused_tokens is a read-only property; the test assigns it"
-_HAND_WRITES = ("the test writes the bookkeeping tensors by hand (request ids, query lengths, "
-                "block counts, block-table rows) and calls update_requests; dynctx's host "
-                "arrays are authoritative and never see the writes, so nothing is released")
-_ORDER = ("update_requests() without initialize_attention_state() raises RuntimeError (the "
-          "rows the test wrote were never forwarded); Megatron does not check the order")
-_DUMMY = "add_dummy_requests_parallel raises NotImplementedError"
-_UPDATE = ("update_requests refuses the float mask torch.Tensor([0, 0, 0]) (TypeError) and "
-           "raises ValueError, not AssertionError, for a mask longer than the active rows; "
-           "then " + _HAND_WRITES)
-
 #: (test name, is_hybrid_model or None) -> (the exception the dynctx run fails with first,
-#: every difference that makes it fail). xfail(raises=...) turns any other failure into an error.
-DYNCTX_XFAIL: dict = {
-    ("test_initialize_dynamic_context", True): (AssertionError, _MAMBA_META),
-    ("test_request_overflow", False): (MaxSequenceLengthOverflowError, _MAX_SEQ),
-    ("test_request_overflow", True): (MaxSequenceLengthOverflowError, _MAX_SEQ),
-    ("test_reset", False): (AttributeError, _PAUSED_TOKENS),
-    ("test_reset", True): (AttributeError, _PAUSED_TOKENS + "; " + _MAMBA_META),
-    ("test_add_request", False): (MaxSequenceLengthOverflowError, _MAX_SEQ + "; " + _LAZY),
-    ("test_add_request", True): (MaxSequenceLengthOverflowError, _MAX_SEQ + "; " + _LAZY),
-    ("test_add_dummy_requests_parallel_populates_state", None): (NotImplementedError, _DUMMY),
-    ("test_add_dummy_requests_parallel_hybrid_allocates_mamba", None): (NotImplementedError,
-                                                                        _DUMMY),
-    ("test_add_dummy_requests_parallel_decode_does_not_count_as_prefill", None): (
-        NotImplementedError, _DUMMY),
-    ("test_update_request", False): (RuntimeError, _ORDER + "; " + _UPDATE),
-    ("test_update_request", True): (RuntimeError, _ORDER + "; " + _UPDATE + "; " + _MAMBA_META),
-    ("test_release_memory_blocks_for_finished_requests", False): (
-        RuntimeError, _ORDER + "; " + _HAND_WRITES),
-    ("test_release_memory_blocks_for_finished_requests", True): (
-        AttributeError, _MAMBA_META + "; " + _HAND_WRITES),
-    ("test_finished_requests_with_multiple_blocks", False): (
-        RuntimeError, _ORDER + "; " + _HAND_WRITES),
-    ("test_finished_requests_with_multiple_blocks", True): (
-        RuntimeError, _ORDER + "; " + _HAND_WRITES),
-    ("test_mamba_states_cache", False): (RuntimeError, (
-        "mamba_states_cache on a model without Mamba layers raises RuntimeError; Megatron "
-        "asserts (AssertionError), which the test expects")),
-    ("test_mamba_states_cache", True): (MaxSequenceLengthOverflowError, _MAX_SEQ),
-    ("test_calculate_and_store_log_probs", None): (MaxSequenceLengthOverflowError,
-                                                   _MAX_SEQ + "; " + _LAZY),
-    ("test_pipeline_parallel_uneven_layers", None): (RuntimeError, (
-        "pipeline_model_parallel_size=2 raises NotImplementedError in both ranks (Megatron "
-        "MIN-reduces the block count over the pipeline group)")),
-}
+#: one sentence per difference that makes it fail). xfail(raises=...) turns any other failure
+#: into an error. Empty: every dynctx run passes (docs/SEMANTICS.md §16 lists how dynctx meets
+#: the tests: lazy step arrays, write-through bookkeeping views on a CPU device, ...).
+DYNCTX_XFAIL: dict = {}
 
 
 def pytest_configure(config):
