@@ -5,11 +5,14 @@ helpers, which read the rounders from the class (Megatron-Core code sets them th
 from __future__ import annotations
 
 import warnings
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from .batch_dimensions import MambaInferenceStateConfig
 from .sizing import config_from_model
 from .step import rounded
+
+if TYPE_CHECKING:
+    from .dynamic_context import DynamicInferenceContext
 
 
 class ClassAPIMixin:

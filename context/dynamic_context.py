@@ -31,7 +31,6 @@ from dynctx.kernels import _backend
 
 from . import compat
 from ._class_api import ClassAPIMixin
-from ._graph_capture import DummyRequestsMixin
 from ._fields import (  # noqa: F401 (re-exported: FIELD_* are imported from here)
     _LAYER_SYMBOLS,
     FIELD_BLOCKS,
@@ -44,9 +43,10 @@ from ._fields import (  # noqa: F401 (re-exported: FIELD_* are imported from her
     FIELD_QUERY,
     NUM_FIELDS,
 )
+from ._graph_capture import DummyRequestsMixin
+from ._kv import KVCacheMixin
 from ._logits import LogitsMixin
 from ._mamba import MambaMetadata, MambaMixin
-from ._kv import KVCacheMixin
 from ._rotary import RotaryMixin
 from ._rows import RowsMixin
 from ._views import StateViewsMixin

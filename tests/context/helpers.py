@@ -32,7 +32,8 @@ def make_ctx(**overrides) -> DynamicInferenceContext:
     return DynamicInferenceContext(**args)
 
 
-def request(rid: int, length: int, gen: int = 8, termination_id: int = -1) -> DynamicInferenceRequest:
+def request(rid: int, length: int, gen: int = 8,
+            termination_id: int = -1) -> DynamicInferenceRequest:
     return DynamicInferenceRequest(
         request_id=rid, prompt_tokens=torch.arange(100 + rid, 100 + rid + length),
         sampling_params=SamplingParams(num_tokens_to_generate=gen, termination_id=termination_id))

@@ -20,6 +20,7 @@ import math
 
 import pytest
 import torch
+from helpers import add, assert_same, make_ctx, snapshot
 
 from dynctx.context import (
     DynamicInferenceContext,
@@ -29,8 +30,6 @@ from dynctx.context import (
     TensorStateDeallocatedError,
     TokenOverflowError,
 )
-
-from helpers import add, assert_same, make_ctx, snapshot
 
 VOCAB = 50                      # the vocabulary of these tests: logits are [.., VOCAB]
 NAN, INF = float("nan"), float("inf")

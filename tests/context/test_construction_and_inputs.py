@@ -8,12 +8,10 @@ import warnings
 import numpy as np
 import pytest
 import torch
-
-from dynctx.context import DynamicInferenceRequest, SamplingParams
-from dynctx.context import sizing
-from dynctx.kernels import _backend
-
 from helpers import BLOCK, GIB, add, make_ctx, request
+
+from dynctx.context import DynamicInferenceRequest, SamplingParams, sizing
+from dynctx.kernels import _backend
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without a GPU")

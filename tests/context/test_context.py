@@ -6,6 +6,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from helpers import (  # tests/context is on sys.path under pytest (rootdir conftest)
+    BLOCK,
+    GIB,
+    add,
+    assert_same,
+    check_invariants,
+    make_ctx,
+    request,
+    snapshot,
+    step,
+)
 
 from dynctx.context import (
     ActiveRequestCountOverflowError,
@@ -20,10 +31,6 @@ from dynctx.context import (
     TensorStateDeallocatedError,
     TokenOverflowError,
     get_mem_size_str,
-)
-
-from helpers import (  # tests/context is on sys.path under pytest (rootdir conftest)
-    BLOCK, GIB, add, assert_same, check_invariants, make_ctx, request, snapshot, step,
 )
 
 
@@ -55,7 +62,8 @@ def test_default_paused_split_is_half_of_the_buffer_and_cpu_level1_is_level0():
     active = (blocks - 1) // 2
     for ctx in (level0, level1):
         alloc = ctx.block_allocator
-        assert (alloc.active_count, alloc.paused_count, alloc.total_count) == (active, active, 2 * active + 1)
+        assert (alloc.active_count, alloc.paused_count, alloc.total_count) == (
+            active, active, 2 * active + 1)
     assert level1.unified_memory_level == 0
 
 
@@ -74,7 +82,8 @@ def test_tensor_parallel_divides_heads_and_rounders():
 
 
 def test_mla_buffer_shape_and_bytes():
-    ctx = make_ctx(cache_mla_latent=True, kv_lora_rank=16, qk_pos_emb_head_dim=8, block_size_tokens=8)
+    ctx = make_ctx(cache_mla_latent=True, kv_lora_rank=16, qk_pos_emb_head_dim=8,
+                   block_size_tokens=8)
     assert ctx.block_size_bytes == 4 * 2 * 8 * 24
     assert ctx.memory_buffer.shape == (2, ctx.block_allocator.total_count, 8, 24)
     with pytest.raises(ValueError, match="kv_lora_rank"):
@@ -174,7 +183,8 @@ def test_add_request_writes_rows_tokens_and_blocks():
     table = ctx.block_table_host
     blocks = ctx.token_to_block_idx[:10].tolist()
     assert blocks == [table[0, 0]] * 4 + [table[1, 0]] * 4 + [table[1, 1]] * 2
-    assert ctx.token_to_local_position_within_kv_block[:10].tolist() == [0, 1, 2, 3, 0, 1, 2, 3, 0, 1]
+    assert ctx.token_to_local_position_within_kv_block[:10].tolist() == [
+        0, 1, 2, 3, 0, 1, 2, 3, 0, 1]
     dummy = ctx.block_allocator.dummy_block_idx
     assert set(ctx.token_to_block_idx[10:64].tolist()) == {dummy}
     assert ctx.token_to_request_idx[:10].tolist() == [0] * 4 + [1] * 6
@@ -373,7 +383,8 @@ def test_bad_update_inputs_leave_state():
 
 @pytest.mark.parametrize("make,error,match", [
     pytest.param(lambda: request(1, 3), ValueError, "already", id="duplicate-id"),
-    pytest.param(lambda: DynamicInferenceRequest(request_id=9, prompt_tokens=torch.tensor([], dtype=torch.long)),
+    pytest.param(lambda: DynamicInferenceRequest(request_id=9,
+                                                 prompt_tokens=torch.tensor([], dtype=torch.long)),
                  ValueError, "empty", id="empty-prompt"),
     pytest.param(lambda: request(9, 70), MaxSequenceLengthOverflowError, "max_sequence_length",
                  id="too-long"),
@@ -427,7 +438,8 @@ def test_last_token_logits_and_log_probs():
     assert [len(v) for v in values] == [3, 2]
     expected_targets = [102, 103, 3, 103, 7]
     flat = [x for v in values for x in v]
-    assert np.allclose(flat, [reference[t, expected_targets[t]].item() for t in range(5)], atol=1e-6)
+    assert np.allclose(flat, [reference[t, expected_targets[t]].item() for t in range(5)],
+                       atol=1e-6)
     ctx.update_requests(torch.tensor([1, 1]), new_tokens)
     ctx.initialize_attention_state()
     logits = torch.randn(1, ctx.padded_active_token_count, vocab)
@@ -555,13 +567,16 @@ def test_rotary_methods_match_megatron(interleaved):
     n = ctx.padded_active_token_count
     inv = 1.0 / (10000 ** (torch.arange(0, 8, 2).float() / 8))
     angles = torch.outer(torch.arange(64).float(), inv)
-    emb = torch.stack([angles, angles], -1).flatten(1) if interleaved else torch.cat([angles, angles], -1)
+    emb = (torch.stack([angles, angles], -1).flatten(1) if interleaved
+           else torch.cat([angles, angles], -1))
     freqs = emb[:, None, None, :]
     config = SimpleNamespace(rotary_interleaved=interleaved, multi_latent_attention=False)
     query, key = torch.randn(n, 1, 4, 8), torch.randn(n, 1, 2, 8)
     positions = ctx.token_to_pos_ids[:n]
-    expected_q = _apply_rotary_pos_emb_bshd(query.clone(), freqs[positions], rotary_interleaved=interleaved)
-    expected_k = _apply_rotary_pos_emb_bshd(key.clone(), freqs[positions], rotary_interleaved=interleaved)
+    expected_q = _apply_rotary_pos_emb_bshd(query.clone(), freqs[positions],
+                                            rotary_interleaved=interleaved)
+    expected_k = _apply_rotary_pos_emb_bshd(key.clone(), freqs[positions],
+                                            rotary_interleaved=interleaved)
     q_out = ctx.apply_rotary_emb_query(query.clone(), freqs, config, None, None)
     k_out = ctx.apply_rotary_emb_key(key.clone(), freqs, config, None)
     torch.testing.assert_close(q_out[:8], expected_q[:8], rtol=1e-6, atol=1e-6)

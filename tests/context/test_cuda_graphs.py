@@ -279,8 +279,9 @@ def _small_context(**overrides):
 
 
 def _small_hybrid(**overrides):
-    from dynctx.context import DynamicInferenceContext, MambaInferenceStateConfig
     from helpers import GIB
+
+    from dynctx.context import DynamicInferenceContext, MambaInferenceStateConfig
 
     block_bytes = 4 * 2 * 1 * 4 * 2 * 8 + 4 * (24 + 30)  # one KV block + one Mamba state
     args = dict(params_dtype=torch.float32, num_layers=4, kv_channels=8, num_attention_heads=2,

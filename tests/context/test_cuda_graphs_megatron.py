@@ -25,6 +25,7 @@ import pytest
 pytest.importorskip("megatron.core", reason="megatron-core==0.16.1 is a test dependency")
 
 import megatron_oracle as mo  # noqa: E402
+
 from dynctx.context import (  # noqa: E402
     DynamicInferenceContext,
     DynamicInferenceRequest,

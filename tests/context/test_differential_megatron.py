@@ -42,6 +42,7 @@ import torch
 pytest.importorskip("megatron.core", reason="megatron-core==0.16.1 is a test dependency")
 
 import megatron_oracle as mo  # noqa: E402
+
 from dynctx.context import (  # noqa: E402
     BlockOverflowError,
     DynamicInferenceContext,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import BLOCK, GIB, add, assert_same, check_invariants, make_ctx, snapshot
 
 from dynctx.context import (
     BlockOverflowError,
@@ -26,8 +27,6 @@ from dynctx.context import (
     TokenOverflowError,
 )
 from dynctx.kernels import _backend
-
-from helpers import BLOCK, GIB, add, assert_same, check_invariants, make_ctx, snapshot
 
 VOCAB = 500
 BACKENDS = [

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from helpers import GIB, add, request, step
+
 from dynctx.context import DynamicInferenceContext, MambaInferenceStateConfig
 
 LAYERS = ("M", "-", "*", "-")  # global layer 1 is Mamba, layer 3 attention
@@ -84,7 +84,8 @@ def test_layer_types_are_checked():
     conv, ssm = ctx.mamba_states_cache(1)
     assert conv.shape == (8, *CONV) and ssm.shape == (8, *SSM)
     with pytest.raises(ValueError, match="unknown symbols"):
-        make_hybrid(mamba_inference_state_config=MambaInferenceStateConfig(("M", "X", "*"), CONV, SSM))
+        make_hybrid(mamba_inference_state_config=MambaInferenceStateConfig(("M", "X", "*"), CONV,
+                                                                           SSM))
     with pytest.raises(NotImplementedError, match="attention"):
         make_hybrid(mamba_inference_state_config=MambaInferenceStateConfig(("M", "-"), CONV, SSM))
     with pytest.raises(ValueError, match="mamba_ssm_states_shape"):

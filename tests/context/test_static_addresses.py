@@ -26,11 +26,11 @@ from typing import Dict, List
 
 import pytest
 import torch
+from helpers import BLOCK, GIB, make_ctx
+from test_hybrid import BYTES_PER_BLOCK, make_hybrid
 
 from dynctx.context import DynamicInferenceRequest, SamplingParams
 from dynctx.engine import Engine
-from helpers import BLOCK, GIB, make_ctx
-from test_hybrid import BYTES_PER_BLOCK, make_hybrid
 
 VOCAB = 16
 TOKEN_ARRAYS = ("token_to_input_ids", "token_to_pos_ids", "token_to_request_idx",

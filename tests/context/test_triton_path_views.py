@@ -20,12 +20,12 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from helpers import BLOCK, GIB, add, make_ctx, request
+from tolerances import LOG_SOFTMAX_TOLERANCE, assert_rope_close
 
 from dynctx.context import DynamicInferenceContext, MambaInferenceStateConfig
 from dynctx.kernels import _backend
 from dynctx.kernels.rope import make_rope_tables
-from helpers import BLOCK, GIB, add, make_ctx, request
-from tolerances import LOG_SOFTMAX_TOLERANCE, assert_rope_close
 
 pytestmark = [
     pytest.mark.interpreter,

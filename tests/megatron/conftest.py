@@ -12,7 +12,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from mcore_port import IMPLS, load_impl
 
 _HERE = Path(__file__).resolve().parent

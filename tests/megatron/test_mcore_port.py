@@ -39,7 +39,8 @@ def test_run_ranks_runs_every_rank_in_one_gloo_group(tmp_path):
 
 
 def test_run_ranks_raises_with_the_failing_ranks_traceback():
-    with pytest.raises(RuntimeError, match=r"(?s)'rank1': 1.*rank 1 ---.*ValueError: rank 1 refuses"):
+    pattern = r"(?s)'rank1': 1.*rank 1 ---.*ValueError: rank 1 refuses"
+    with pytest.raises(RuntimeError, match=pattern):
         run_ranks(_fail_on_rank_1, world_size=2, timeout_s=60)
 
 
