@@ -239,7 +239,11 @@ def main(argv: Optional[List[str]] = None, prog: Optional[str] = None) -> int:
     buffer_gb = args.buffer_size_gb or args.buffer_blocks * block_bytes / 1024 ** 3
     paused_gb = (args.paused_buffer_size_gb if args.paused_buffer_size_gb is not None
                  else args.paused_blocks * block_bytes / 1024 ** 3)
+    # The longest request the workload makes (make_workload: a prompt of at most 3 blocks):
+    # the context needs no more, and its budget check then holds for every request.
+    max_sequence_length = min(args.max_seq, 3 * args.block_size + args.max_new_tokens)
     context_kwargs = dict(block_size_tokens=args.block_size, buffer_size_gb=buffer_gb,
+                          max_sequence_length=max_sequence_length,
                           paused_buffer_size_gb=paused_gb, max_tokens=args.max_tokens,
                           max_requests=args.max_requests, kernel_backend=args.kernel_backend,
                           fused_rope_kv_append=args.fused_rope_kv_append)
