@@ -19,7 +19,7 @@ import torch
 from dynctx.kernels.compaction import compact_requests
 from dynctx.kernels.step_metadata import step_metadata
 
-from ._fields import FIELD_KV_OFFSET, FIELD_MAMBA_SLOT, FIELD_QUERY, NUM_FIELDS
+from ._fields import FIELD_KV_OFFSET, FIELD_QUERY, NUM_FIELDS
 from .staging import HostArena, HostToDevice
 
 TOKEN_ARRAYS = ("token_to_input_ids", "token_to_pos_ids", "token_to_request_idx",

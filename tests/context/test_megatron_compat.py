@@ -6,10 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from helpers import add, make_ctx, request
 
 from dynctx.context import RequestOverflowError
-
-from helpers import add, make_ctx, request
 
 STEP_ARRAYS = ("token_to_input_ids", "token_to_pos_ids", "token_to_request_idx",
                "token_to_block_idx", "token_to_position_in_request",
@@ -195,9 +194,9 @@ def test_dummy_requests_run_a_step_and_release_nothing(as_prefill):
 
 
 def test_dummy_request_errors_change_nothing():
-    from dynctx.context import TokenOverflowError
-
     from helpers import assert_same, snapshot
+
+    from dynctx.context import TokenOverflowError
 
     ctx = make_ctx(max_requests=4)
     add(ctx, request(1, 2))
@@ -356,9 +355,9 @@ def test_move_and_swap_book_keeping_tensors(swap):
 
 
 def test_capture_dummies_need_an_empty_context_and_check_first():
-    from dynctx.context import InferenceBatchDimensions, TokenOverflowError
-
     from helpers import assert_same, snapshot
+
+    from dynctx.context import InferenceBatchDimensions, TokenOverflowError
 
     ctx = make_ctx(max_requests=4)
     for dims, error, match in ((InferenceBatchDimensions(6, 2, 3, False), RequestOverflowError,
