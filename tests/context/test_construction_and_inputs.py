@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 from helpers import BLOCK, GIB, add, make_ctx, request
+from triton_marks import needs_triton
 
 from dynctx.context import DynamicInferenceRequest, SamplingParams, sizing
-from dynctx.kernels import _backend
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without a GPU")
@@ -127,8 +127,7 @@ def test_num_tokens_to_generate_must_be_whole(gen):
     pytest.param("torch", id="torch"),
     pytest.param("triton", id="triton", marks=[
         pytest.mark.interpreter,
-        pytest.mark.skipif(not (_backend.triton_interpreting() or torch.cuda.is_available()),
-                           reason="needs TRITON_INTERPRET=1 set before import or a CUDA device")]),
+        needs_triton]),
 ])
 def test_strided_and_offset_new_tokens_reach_the_next_step(backend):
     """``sampled[:, 0]`` (a strided view) and an offset view are read by value."""

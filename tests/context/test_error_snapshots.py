@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import BLOCK, GIB, add, assert_same, check_invariants, make_ctx, snapshot
+from triton_marks import needs_triton
 
 from dynctx.context import (
     BlockOverflowError,
@@ -26,15 +27,13 @@ from dynctx.context import (
     TensorStateDeallocatedError,
     TokenOverflowError,
 )
-from dynctx.kernels import _backend
 
 VOCAB = 500
 BACKENDS = [
     pytest.param("torch", id="torch"),
     pytest.param("triton", id="triton", marks=[
         pytest.mark.interpreter,
-        pytest.mark.skipif(not (_backend.triton_interpreting() or torch.cuda.is_available()),
-                           reason="needs TRITON_INTERPRET=1 set before import or a CUDA device")]),
+        needs_triton]),
 ]
 
 

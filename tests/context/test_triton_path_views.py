@@ -22,6 +22,7 @@ import pytest
 import torch
 from helpers import BLOCK, GIB, add, make_ctx, request
 from tolerances import LOG_SOFTMAX_TOLERANCE, assert_rope_close
+from triton_marks import needs_triton
 
 from dynctx.context import DynamicInferenceContext, MambaInferenceStateConfig
 from dynctx.kernels import _backend
@@ -29,9 +30,7 @@ from dynctx.kernels.rope import make_rope_tables
 
 pytestmark = [
     pytest.mark.interpreter,
-    pytest.mark.skipif(not (_backend.triton_interpreting() or torch.cuda.is_available()),
-                       reason="needs TRITON_INTERPRET=1 set before import (tests/run_tests.sh) "
-                              "or a CUDA device"),
+    needs_triton,
 ]
 
 # Compiled Triton on a GPU, the interpreter on a CPU (the Triton backend needs one of them).

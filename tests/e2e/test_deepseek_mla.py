@@ -34,9 +34,9 @@ from e2e_helpers import (
 from e2e_helpers import build_engine as build_engine_in_blocks
 from e2e_helpers import gib_for_blocks as gib_for_blocks_of
 from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+from triton_marks import needs_triton
 
 from dynctx.engine import Engine
-from dynctx.kernels import _backend
 from dynctx.models import DeepseekV2Adapter
 from dynctx.models.deepseek import mla_block_bytes
 
@@ -172,9 +172,7 @@ REFERENCES = [
 
 
 @pytest.mark.interpreter
-@pytest.mark.skipif(not (_backend.triton_interpreting() or torch.cuda.is_available()),
-                    reason="needs TRITON_INTERPRET=1 set before import (tests/run_tests.sh) "
-                           "or a CUDA device")
+@needs_triton
 def test_mla_triton_kernels_through_the_engine(monkeypatch):
     """kernel_backend="triton": the MLA latent append, the MLA-layout rope and the step
     kernels run as Triton (their torch references are made to raise)."""

@@ -28,6 +28,7 @@ from e2e_helpers import (
     worst_logit_error,
 )
 from test_llama_engine import BASE_GENS, BASE_LENGTHS
+from triton_marks import needs_triton
 
 from dynctx.context import SamplingParams
 from dynctx.engine import Engine
@@ -37,7 +38,6 @@ from dynctx.engine.graphs import (
     StandInGraphRunner,
     static_plan_values,
 )
-from dynctx.kernels import _backend
 
 CASE = dict(block_size=16, blocks=14, paused_blocks=3, max_tokens=32, max_requests=8, scale=1)
 
@@ -283,9 +283,7 @@ def test_with_validate_the_graphs_capture_every_token_logits_and_match_transform
 
 
 @pytest.mark.interpreter
-@pytest.mark.skipif(not (_backend.triton_interpreting() or torch.cuda.is_available()),
-                    reason="needs TRITON_INTERPRET=1 set before import (tests/run_tests.sh) or a "
-                           "CUDA device")
+@needs_triton
 def test_graphs_replay_the_triton_kernels(monkeypatch):
     """The context's Triton kernels inside the graphed forward (the interpreter on a CPU, the
     CUDA graph runner on a GPU); the torch references refuse to run."""

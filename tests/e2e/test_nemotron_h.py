@@ -27,9 +27,9 @@ from e2e_helpers import (
 from e2e_helpers import build_engine as build_engine_in_blocks
 from e2e_helpers import gib_for_blocks as gib_for_blocks_of
 from transformers import NemotronHConfig, NemotronHForCausalLM
+from triton_marks import needs_triton
 
 from dynctx.engine import Engine
-from dynctx.kernels import _backend
 from dynctx.models import NemotronHAdapter
 
 
@@ -171,9 +171,7 @@ def test_unsupported_nemotron_h_variants_raise():
 
 
 @pytest.mark.interpreter
-@pytest.mark.skipif(not (_backend.triton_interpreting() or torch.cuda.is_available()),
-                    reason="needs TRITON_INTERPRET=1 set before import (tests/run_tests.sh) or a "
-                           "CUDA device")
+@needs_triton
 def test_triton_state_kernels_through_the_engine(monkeypatch):
     """``kernel_backend="triton"``: the Mamba state gather/scatter (and every other context
     kernel) run as Triton; their torch references are made to raise."""

@@ -18,15 +18,13 @@ from e2e_helpers import (
     refuse_torch_references,
     tiny_llama,
 )
+from triton_marks import needs_triton
 
 from dynctx.engine import Engine
-from dynctx.kernels import _backend
 
 pytestmark = [
     pytest.mark.interpreter,
-    pytest.mark.skipif(not (_backend.triton_interpreting() or torch.cuda.is_available()),
-                       reason="needs TRITON_INTERPRET=1 set before import (tests/run_tests.sh) "
-                              "or a CUDA device"),
+    needs_triton,
 ]
 
 TORCH_ATTENTION = [

@@ -10,15 +10,13 @@ import pytest
 import torch
 from e2e_helpers import gib_for_blocks, greedy_requests, make_prompts, tiny_llama
 from tolerances import LOG_SOFTMAX_TOLERANCE
+from triton_marks import needs_triton
 
 from dynctx.engine import Engine
-from dynctx.kernels import _backend
 
 pytestmark = [
     pytest.mark.interpreter,
-    pytest.mark.skipif(not (_backend.triton_interpreting() or torch.cuda.is_available()),
-                       reason="needs TRITON_INTERPRET=1 set before import (tests/run_tests.sh) "
-                              "or a CUDA device"),
+    needs_triton,
 ]
 
 
