@@ -22,6 +22,7 @@ from .errors import (
     RequestOverflowError,
     TokenOverflowError,
 )
+from .prefix_cache import PrefixHit, wants_every_prompt_logit
 from .requests import DynamicInferenceRequest, whole_number_ids
 from .staging import numpy_dtype
 
@@ -44,6 +45,9 @@ class AddPlan:
     device_prompt: Optional[torch.Tensor]
     metadata: Tuple[Any, ...]
     partial: bool              # the chunk leaves prompt tokens for a later continuation
+    # Prefix caching (a new request): the matched blocks (``finished`` counts their tokens,
+    # ``already`` the blocks) and the chain to publish; None without caching.
+    prefix: Optional[PrefixHit] = None
 
 
 def check_request_id(request_id: Any) -> int:
@@ -195,16 +199,34 @@ def plan_add(table, req: Any, chunk_length: Optional[int], *, max_sequence_lengt
                              "from its saved Mamba state); add new requests in the next step")
         row = T
         tokens_before = table.active_tokens
-    if tokens_before + chunk > table.max_tokens:
-        raise TokenOverflowError(request_id, f"{tokens_before} tokens in the step + chunk "
-                                             f"{chunk} > max_tokens ({table.max_tokens})")
-    already = math.ceil(finished / bs)
-    needed = math.ceil((finished + chunk) / bs)
-    if needed - already > table.allocator.total_avail:
-        raise BlockOverflowError(request_id, f"needs {needed - already} blocks, "
-                                             f"{table.allocator.total_avail} free")
+    partial = chunk < remaining_length
     host_prompt, device_prompt = _prompt(request_id, req.remaining_prompt_tokens[:chunk],
                                          device, vocab_size)
+    prefix, skip = None, 0
+    if table.prefix_cache is not None and not is_continuation:
+        # The matched blocks' tokens are not computed: the chunk's queries start after them.
+        prefix = table.prefix_cache.plan_match(
+            req, request_id, chunk, allow_hit=not wants_every_prompt_logit(req)
+            and table.prefix_hits_allowed)
+        skip = prefix.tokens
+        finished, chunk = skip, chunk - skip
+        if skip:
+            if host_prompt is not None:
+                host_prompt = host_prompt[skip:]
+            else:
+                device_prompt = device_prompt[skip:]
+    if tokens_before + chunk > table.max_tokens:
+        raise TokenOverflowError(request_id, f"{tokens_before} tokens in the step + chunk "
+                                             f"{chunk} > max_tokens ({table.max_tokens})"
+                                 + (f" ({skip} prompt tokens cached)" if skip else ""))
+    already = math.ceil(finished / bs)
+    needed = math.ceil((finished + chunk) / bs)
+    revived = 0 if prefix is None else int(prefix.idle.size)
+    if needed - already + revived > table.allocator.total_avail:
+        raise BlockOverflowError(request_id, f"needs {needed - already + revived} blocks, "
+                                             f"{table.allocator.total_avail} free"
+                                 + (f" ({revived} of them idle cached blocks it reuses)"
+                                    if revived else ""))
     metadata = () if is_continuation else metadata_values(req, metadata_types)
     if table.hybrid and not is_continuation and table.slots.free_count == 0:
         raise ContextOverflowError(request_id, "No Mamba slots available")
@@ -215,7 +237,7 @@ def plan_add(table, req: Any, chunk_length: Optional[int], *, max_sequence_lengt
                    chunk=chunk, finished=finished, gen=gen, already=already, needed=needed,
                    tokens_before=tokens_before, prompt_offset=tokens_before - num_decode,
                    host_prompt=host_prompt, device_prompt=device_prompt, metadata=metadata,
-                   partial=chunk < remaining_length)
+                   partial=partial, prefix=prefix)
 
 
 @dataclass(frozen=True)

@@ -5,9 +5,18 @@ and release are numpy operations on the host. The Megatron-Core names take and g
 tensors (``allocate_memory_blocks`` returns a CPU int32 tensor, ``release_memory_blocks`` takes
 a tensor on any device, a numpy array or a list); the context itself uses the numpy form,
 ``allocate_memory_blocks_host``. Block ``dummy_block_idx`` (the last id) is never
-handed out; padding tokens write into it. Reference counts (one per block) are there so that a
-block can later be shared by several requests (prefix caching): ``share`` adds a reference and
-``release`` returns a block to the stack only when its last reference goes.
+handed out; padding tokens write into it. Reference counts (one per block) let several
+requests share a block (prefix caching): ``share`` adds a reference and ``release`` returns a
+block to the stack only when its last reference goes.
+
+Prefix caching (``context/prefix_cache.py``) marks blocks ``cached``. Under the "lru" policy a
+cached block whose last reference goes stays cached but free: it joins the *idle* section at the
+bottom of the stack (``block_bag[:idle_count]``, least recently released first), below the
+uncached free blocks, so that allocation takes uncached blocks first and evicts idle cached
+blocks last, least recently used first. ``revive`` takes idle blocks back out of the stack for a
+cache hit. Under "ref_zero" (and without caching) a freed block is uncached at once and the
+stack is the plain LIFO stack. Every eviction (a cached block handed out again, or uncached at
+its last release) is reported to ``on_evict``.
 """
 
 from __future__ import annotations
@@ -51,6 +60,9 @@ class BlockAllocator:
         self.paused_count = int(paused_count)
         self.active_count = self.total_count - self.paused_count - 1
         self.dummy_block_idx = self.total_count - 1
+        # Prefix caching (prefix_cache.PrefixCache.attach): "lru" keeps idle cached blocks.
+        self.keeps_idle_blocks = False
+        self.on_evict = None
         self.reset()
 
     def reset(self) -> None:
@@ -58,6 +70,16 @@ class BlockAllocator:
         self.block_bag = np.arange(self.total_count, dtype=np.int32)
         self.ref_counts = np.zeros(self.total_count, dtype=np.int32)
         self._total_avail = self.total_count - 1
+        self.cached = np.zeros(self.total_count, dtype=bool)
+        self.idle_count = 0
+
+    def _evict(self, blocks: np.ndarray) -> None:
+        """Uncache ``blocks`` (those cached) and tell ``on_evict``."""
+        blocks = blocks[self.cached[blocks]]
+        if blocks.size:
+            self.cached[blocks] = False
+            if self.on_evict is not None:
+                self.on_evict(blocks)
 
     @property
     def total_avail(self) -> int:
@@ -78,9 +100,15 @@ class BlockAllocator:
                              f"{self.total_count - 1}] (the dummy block is never free)")
         old = self._total_avail
         if value < old:
-            self.ref_counts[self.block_bag[value:old]] = 1
+            taken = self.block_bag[value:old]
+            self.ref_counts[taken] = 1
+            if value < self.idle_count:
+                self.idle_count = int(value)
+            self._evict(taken)
         else:
-            self.ref_counts[self.block_bag[old:value]] = 0
+            freed = self.block_bag[old:value]
+            self.ref_counts[freed] = 0
+            self._evict(freed)  # freed by hand: their bytes are no longer vouched for
         self._total_avail = int(value)
 
     def is_memory_available(self, num_blocks: int) -> bool:
@@ -104,7 +132,31 @@ class BlockAllocator:
         self._total_avail -= num_blocks
         blocks = self.block_bag[self._total_avail:self._total_avail + num_blocks].copy()
         self.ref_counts[blocks] = 1
+        if self._total_avail < self.idle_count:
+            # The uncached free blocks ran out: the least recently used idle blocks go.
+            self.idle_count = self._total_avail
+            self._evict(blocks)
         return blocks
+
+    def revive(self, blocks: np.ndarray) -> None:
+        """Take idle cached blocks (free, reference count 0) out of the stack with one
+        reference each: a cache hit on them. The other free blocks keep their order."""
+        blocks = np.asarray(blocks, dtype=np.int32).reshape(-1)
+        if blocks.size == 0:
+            return
+        idle = self.block_bag[:self.idle_count]
+        hit = np.isin(idle, blocks)
+        if int(hit.sum()) != blocks.size or np.unique(blocks).size != blocks.size:
+            raise RuntimeError(f"revive() of blocks that are not idle cached blocks: "
+                               f"{blocks.tolist()}")
+        avail, r = self._total_avail, blocks.size
+        free = self.block_bag[:avail]
+        keep = np.concatenate([idle[~hit], free[self.idle_count:]])
+        self.block_bag[:avail - r] = keep
+        self.block_bag[avail - r:avail] = blocks
+        self.idle_count -= r
+        self._total_avail -= r
+        self.ref_counts[blocks] = 1
 
     def share(self, blocks: Any) -> None:
         """Add a reference to blocks already owned (for shared prefixes)."""
@@ -136,8 +188,31 @@ class BlockAllocator:
         if freed.size > 1:
             _, first = np.unique(freed, return_index=True)
             freed = freed[np.sort(first)]
-        self.block_bag[self._total_avail:self._total_avail + freed.size] = freed
-        self._total_avail += int(freed.size)
+        avail = self._total_avail
+        if self.keeps_idle_blocks:
+            idle = freed[self.cached[freed]]
+            freed = freed[~self.cached[freed]]
+            if idle.size:
+                # Idle cached blocks join the idle section's top (most recently used), below
+                # the uncached free blocks.
+                top, k = self.idle_count, idle.size
+                self.block_bag[top + k:avail + k] = self.block_bag[top:avail].copy()
+                self.block_bag[top:top + k] = idle
+                self.idle_count += k
+                avail += k
+        else:
+            self._evict(freed)
+        self.block_bag[avail:avail + freed.size] = freed
+        self._total_avail = avail + int(freed.size)
+
+    def clone(self) -> "BlockAllocator":
+        """A copy of the stack, the reference counts and the cached marks, detached from
+        ``on_evict`` (a plan simulates its releases and allocations on it)."""
+        copy = object.__new__(BlockAllocator)
+        copy.__dict__.update(self.__dict__)
+        copy.block_bag, copy.ref_counts = self.block_bag.copy(), self.ref_counts.copy()
+        copy.cached, copy.on_evict = self.cached.copy(), None
+        return copy
 
     def get_total_used(self) -> int:
         return self.total_count - 1 - self._total_avail
@@ -177,3 +252,29 @@ class SlotAllocator:
                                f"({self.free_count} of {self.count} free)")
         self.free_slots[self.free_count:self.free_count + slots.size] = slots
         self.free_count += int(slots.size)
+
+
+class AllocatorSimulation:
+    """The allocator's releases and allocations replayed on a ``clone`` (the plan of an
+    ``update_requests`` under the "lru" prefix caching policy, whose idle section the plain
+    stack simulation does not model); ``ops`` lists them for the commit to replay."""
+
+    def __init__(self, allocator: BlockAllocator):
+        self.allocator = allocator
+        self._clone = allocator.clone()
+        self.ops: list = []
+
+    @property
+    def total_avail(self) -> int:
+        return self._clone.total_avail
+
+    def release(self, blocks: np.ndarray) -> None:
+        blocks = blocks[(blocks >= 0) & (blocks != self.allocator.dummy_block_idx)].astype(np.int32)
+        if blocks.size == 0:
+            return
+        self.ops.append(("release", blocks))
+        self._clone.release_memory_blocks(blocks)
+
+    def allocate(self, count: int) -> np.ndarray:
+        self.ops.append(("allocate", count))
+        return self._clone.allocate_memory_blocks_host(count)

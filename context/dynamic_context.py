@@ -22,7 +22,6 @@ the device: an error leaves the context exactly as it was.
 from __future__ import annotations
 
 import logging
-import math
 from typing import Any, List, Optional, Tuple
 
 import torch
@@ -56,6 +55,7 @@ from .cuda_graphs import context_cuda_graph_ladder
 from .device_state import DeviceState
 from .errors import TensorStateDeallocatedError, get_mem_size_str
 from .inputs import check_new_tokens, read_mask
+from .prefix_cache import PrefixCachingMixin, check_prefix_caching_args
 from .request_table import RequestTable
 from .requests import DynamicInferenceRequest
 from .sizing import check_scalars, layer_layout, memory_layout, positive_int
@@ -83,7 +83,7 @@ def _resolve_device(device: Any) -> torch.device:
 
 
 class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, LogitsMixin, MambaMixin,
-                              RowsMixin, DummyRequestsMixin, ClassAPIMixin):
+                              RowsMixin, DummyRequestsMixin, ClassAPIMixin, PrefixCachingMixin):
     """Paged KV cache plus in-flight batching bookkeeping (Megatron-Core's API).
 
     Args (keyword only, Megatron-Core's names):
@@ -133,6 +133,8 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
             are on the host), sampled tokens when ``validate`` is on.
         validate: turn on the checks that need a device read-back (sampled token ids in range,
             NaN/inf logits); off by default so that a decode step keeps its one sync.
+        enable_prefix_caching, prefix_caching_eviction_policy ("ref_zero" or "lru"),
+            prefix_caching_mamba_gb: prefix caching, off by default (docs/SEMANTICS.md §17).
         The options of ``compat.OPTIONS`` are Megatron-Core's and raise or warn as listed there.
     """
 
@@ -161,7 +163,9 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
         expert_model_parallel_size: Optional[int] = None,
         device: Optional[torch.device | str] = None, kernel_backend: Optional[str] = None,
         fused_rope_kv_append: bool = False, vocab_size: Optional[int] = None,
-        validate: bool = False,
+        validate: bool = False, enable_prefix_caching: bool = False,
+        prefix_caching_eviction_policy: str = "ref_zero",
+        prefix_caching_mamba_gb: Optional[float] = None,
     ):
         # Everything is validated before anything is allocated.
         compat.check_options(dict(
@@ -187,6 +191,8 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
         block_size_tokens = args["block_size_tokens"]
         kv_lora_rank, qk_pos_emb_head_dim = args["kv_lora_rank"], args["qk_pos_emb_head_dim"]
         compat.check_options(dict(cuda_graph_max_tokens=cuda_graph_max_tokens))
+        prefix_caching = check_prefix_caching_args(
+            enable_prefix_caching, prefix_caching_eviction_policy, prefix_caching_mamba_gb)
         self.device = _resolve_device(device)
         # On a CPU device the bookkeeping tensors handed out are views of the host arrays
         # (write-through); on CUDA they are the device mirrors.
@@ -272,6 +278,7 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
             max_kv_block_count=self.max_kv_block_count, block_size=block_size_tokens,
             metadata_labels=[label for label, _, _ in self.request_metadata_types],
             hybrid=self.is_hybrid_model, max_tokens=self.max_tokens)
+        self._setup_prefix_caching(*prefix_caching)
         self._device: Optional[DeviceState] = None
         self.chunked_prefill_request_id = -1
         self.is_symmetric_memory_initialized = False
@@ -357,19 +364,6 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
         self.padding_slice = slice(step.active_tokens if step else 0, padded.token_count)
 
     # ------------------------------------------------------------------ admission
-    def check_availability(self, req: DynamicInferenceRequest) -> Tuple[bool, bool, bool]:
-        """``(request slot free, tokens fit, KV blocks available)`` for the whole remaining
-        prompt; host only."""
-        self._check_allocated(getattr(req, "request_id", None))
-        remaining = req.remaining_prompt_length
-        finished = req.finished_chunk_token_count
-        bs = self.block_size_tokens
-        request_ok = (self.total_request_count < self.max_requests
-                      and self.paused_request_count == 0)
-        token_ok = self.active_token_count + remaining <= self.max_tokens
-        blocks = math.ceil((remaining + finished) / bs) - math.ceil(finished / bs)
-        return request_ok, token_ok, self.block_allocator.total_avail >= blocks
-
     def add_request(self, req: DynamicInferenceRequest, chunk_length: Optional[int] = None) -> None:
         """Add a request (or the next chunk of the chunked prefill request).
 
@@ -463,9 +457,9 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
         new_tokens = check_new_tokens(new_tokens, A, self.device, validate=self.validate,
                                       vocab_size=self.vocab_size)
         mask = read_mask(active_requests_mask, A, self.device)
-        plan = table.plan_update(mask, chunked_id=self.chunked_prefill_request_id,
-                                 max_sequence_length=self.max_sequence_length)
+        plan = self._plan_update_publishing(mask)
         table.commit_update(plan)
+        self._after_update_publishing()
         self._device.apply_update(plan, table, new_tokens)
         self.has_explicit_chunked_prefill_req = False
         self.reset_attention_state()

@@ -60,6 +60,9 @@ class RequestTable:
         self.slots: Optional[SlotAllocator] = None
         self._zero_slots: Optional[np.ndarray] = None
         self.prompt: Optional[np.ndarray] = None
+        # Prefix caching (context/prefix_cache.py), set by the context when enabled.
+        self.prefix_cache = None
+        self.prefix_hits_allowed = True
         self._clear_counts()
 
     # ------------------------------------------------------------------ lifetime
@@ -78,6 +81,8 @@ class RequestTable:
         self.rows = self.block_table = self.prompt = self._zero_slots = None
         self.metadata, self.slots = {}, None
         self.allocator.reset()
+        if self.prefix_cache is not None:
+            self.prefix_cache.reset()
         self._clear_counts()
 
     @property
@@ -110,6 +115,8 @@ class RequestTable:
             values[:] = 0
         self.block_table.fill(-1)
         self.allocator.reset()
+        if self.prefix_cache is not None:
+            self.prefix_cache.reset()
         if self.slots is not None:
             self.slots.reset()
 
@@ -152,6 +159,9 @@ class RequestTable:
     def commit_add(self, plan: AddPlan) -> None:
         """Apply an ``admission.AddPlan`` made from this table: reserve and write."""
         rows, row = self.rows, plan.row
+        if self.prefix_cache is not None:
+            # The matched blocks get their references before any allocation can evict them.
+            self.prefix_cache.commit_add(plan.request_id, plan.prefix, plan.chunk)
         new_blocks = self.allocator.allocate_memory_blocks_host(plan.needed - plan.already)
         if plan.is_continuation:
             self.active_tokens -= 1
@@ -167,6 +177,8 @@ class RequestTable:
                 self._zero_slots[self.zero_count] = slot
                 self.zero_count += 1
             self.block_table[row] = -1
+            if plan.prefix is not None and plan.already:
+                self.block_table[row, :plan.already] = plan.prefix.blocks
             for label, value in zip(self.metadata_labels, plan.metadata):
                 self.metadata[label][row] = value
             self.live_ids.add(plan.request_id)

@@ -141,6 +141,8 @@ class DynamicInferenceRequest:
 
     ``remaining_prompt_tokens`` and ``finished_chunk_token_count`` track chunked prefill; the
     caller (the engine), not the context, advances them after each ``add_request``.
+    ``prefix_caching_salt`` (None, str, bytes or int): requests share cached prompt blocks only
+    with requests of the same salt (prefix caching, docs/SEMANTICS.md §17).
     """
 
     request_id: int
@@ -155,6 +157,7 @@ class DynamicInferenceRequest:
     arrival_time: Optional[float] = None
     status: Optional[str] = None
     events: List[Any] = field(default_factory=list)
+    prefix_caching_salt: Optional[Any] = None
 
     def __post_init__(self):
         self.sampling_params = copy.deepcopy(self.sampling_params) or SamplingParams()
@@ -196,5 +199,5 @@ class DynamicInferenceRequest:
         return DynamicInferenceRequest(
             request_id=self.request_id,
             prompt_tokens=torch.cat([self.prompt_tokens.cpu(), generated]),
-            sampling_params=params,
+            sampling_params=params, prefix_caching_salt=self.prefix_caching_salt,
         )

@@ -25,6 +25,7 @@ from ._fields import (
     FIELD_MAMBA_SLOT,
     FIELD_QUERY,
 )
+from .block_allocator import AllocatorSimulation
 
 _EMPTY = np.empty(0, dtype=np.int64)
 
@@ -234,7 +235,8 @@ def plan_update(table, mask: np.ndarray, *, chunked_id: int, max_sequence_length
         if steady is not None:
             return steady
     allocator = table.allocator
-    scratch = _Scratch(table, _StackSim(allocator))
+    scratch = _Scratch(table, AllocatorSimulation(allocator) if allocator.keeps_idle_blocks
+                       else _StackSim(allocator))
     h = scratch.h
     a = int(mask.sum())
     finished_ids = h[FIELD_IDS, P:T][~mask].astype(np.int64)

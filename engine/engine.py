@@ -143,6 +143,9 @@ class EngineStats:
     peak_active_requests: int = 0
     peak_paused_requests: int = 0
     forward_time_s: float = 0.0
+    # The context's prefix caching counters (``get_prefix_cache_stats``), refreshed each step;
+    # empty without caching. ``prefix_cache_hit_rate``: hits per new request added.
+    prefix_cache: Dict[str, float] = field(default_factory=dict)
     history: Deque[StepResult] = field(
         default_factory=lambda: deque(maxlen=DEFAULT_HISTORY_WINDOW))
 
@@ -312,7 +315,9 @@ class Engine:
                           seed: int = 0, record_logits: bool = False,
                           step_callback: Optional[StepCallback] = None,
                           history_window: Optional[int] = DEFAULT_HISTORY_WINDOW,
-                          cuda_graphs: bool = True, **context_kwargs: Any) -> "Engine":
+                          cuda_graphs: bool = True, enable_prefix_caching: bool = False,
+                          prefix_caching_eviction_policy: str = "ref_zero",
+                          **context_kwargs: Any) -> "Engine":
         """Build the adapter for a ``transformers`` causal LM and a context sized for it.
 
         ``context_kwargs`` go to ``DynamicInferenceContext`` (``buffer_size_gb``,
@@ -325,7 +330,10 @@ class Engine:
         ``num_cuda_graphs`` (a context argument) with ``cuda_graphs=True``: the engine captures
         and replays the forward per graph batch dimension (``Engine``'s ``cuda_graphs``), and
         ``attention_backend="auto"`` picks among the backends a graph can capture
-        (``engine.graphs.graph_attention_backend``).
+        (``engine.graphs.graph_attention_backend``). ``enable_prefix_caching`` and
+        ``prefix_caching_eviction_policy`` (and ``prefix_caching_mamba_gb``, a context
+        argument) turn prefix caching on (docs/SEMANTICS.md §17); ``stats.prefix_cache`` then
+        gives its counters and hit rates.
         """
         adapters = _transformers_adapters()
         name = type(hf_model).__name__
@@ -334,7 +342,8 @@ class Engine:
                                       f"{', '.join(sorted(adapters))}")
         config = hf_model.config
         param = next(hf_model.parameters())
-        kwargs = dict(context_kwargs)
+        kwargs = dict(context_kwargs, enable_prefix_caching=enable_prefix_caching,
+                      prefix_caching_eviction_policy=prefix_caching_eviction_policy)
         device = torch.device(kwargs.pop("device", None) or param.device)
         dtype = kwargs.pop("params_dtype", None) or param.dtype
         if cuda_graphs and kwargs.get("num_cuda_graphs"):
@@ -718,6 +727,8 @@ class Engine:
         stats.pauses += len(result.paused_ids)
         stats.evictions += len(result.evicted_ids)
         stats.peak_kv_utilization = max(stats.peak_kv_utilization, result.kv_utilization)
+        if getattr(self.context, "prefix_cache", None) is not None:
+            stats.prefix_cache = self.context.get_prefix_cache_stats()
         stats.peak_active_requests = max(stats.peak_active_requests, result.active_requests)
         stats.peak_paused_requests = max(stats.peak_paused_requests,
                                          self.context.paused_request_count,

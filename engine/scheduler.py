@@ -12,7 +12,8 @@ Per step, the caller:
 
    * the chunked prefill in flight, if any, is at the head; its next chunk goes first, as large
      as the step's token budget and the free KV slots allow (``continuation_room``);
-   * then each request whose whole remaining prompt fits the step's free token budget, while
+   * then each request whose whole remaining prompt (less what the prefix cache holds of it)
+     fits the step's free token budget, while
      ``check_availability`` gives a request row and KV blocks for the whole prompt;
    * the first request whose prompt does not fit the token budget is chunked (when chunked
      prefill is on and the step has room): its first chunk fills the budget and ends the step's
@@ -164,13 +165,17 @@ class Scheduler:
             return None
         remaining = request.remaining_prompt_length
         token_room = ctx.max_tokens - ctx.active_token_count
-        if remaining <= token_room:
+        # Prefix caching: the cached tokens of the prompt cost no step tokens; a first chunk
+        # covers them and fills the budget after them.
+        skip = ctx.prefix_cache_lookup(request) \
+            if getattr(ctx, "prefix_cache", None) is not None else 0
+        if remaining - skip <= token_room:
             return remaining
         if not self.enable_chunked_prefill or token_room <= 0:
             return None
-        if self.reserve_for_chunks and not self._chunking_is_safe(remaining, token_room):
+        if self.reserve_for_chunks and not self._chunking_is_safe(remaining, skip + token_room):
             return None
-        return token_room
+        return skip + token_room
 
     def schedule(self, request_for: Callable[[int], DynamicInferenceRequest], *,
                  add: Optional[AddFn] = None, continuation_chunk: Optional[ChunkFn] = None,

@@ -180,7 +180,12 @@ def checked_request(request: Any, name: str, *, vocab: Optional[int],
                                    metadata_types)
     params.num_tokens_to_generate = generation_budget(params, len(prompt),
                                                       f"{name}.sampling_params")
-    own = DynamicInferenceRequest(request_id=rid, prompt_tokens=prompt, prompt=request.prompt)
+    salt = request.prefix_caching_salt
+    if salt is not None and (isinstance(salt, bool) or not isinstance(salt, (str, bytes, int))):
+        raise TypeError(f"{name}.prefix_caching_salt={salt!r} must be None, a str, bytes or "
+                        "an int")
+    own = DynamicInferenceRequest(request_id=rid, prompt_tokens=prompt, prompt=request.prompt,
+                                  prefix_caching_salt=salt)
     own.sampling_params = params  # already a copy: no second deep copy
     return own
 

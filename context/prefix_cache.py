@@ -1,0 +1,377 @@
+"""Prefix caching: full prompt blocks computed once and shared (docs/SEMANTICS.md §17).
+
+A request's prompt is cut into blocks of ``block_size`` tokens; each FULL block gets a digest
+chained from its parent's (BLAKE2b-128 over the parent digest and the block's int64 token ids;
+the first block's parent is the digest of the request's salt, so that requests of different
+salts never share). The cache maps a digest to ``(block id, parent digest, token bytes)`` and
+every lookup compares the parent digest and the token bytes too: a digest collision can cost a
+miss, never a wrong block.
+
+* ``plan_match`` (pure, from ``admission.plan_add``): the longest run of cached blocks that
+  starts the prompt, capped so that the chunk computes at least one token (its last prompt
+  token's logits must exist) and never more than the chunk covers. The step's queries start
+  after the matched tokens.
+* ``commit_add`` (from ``RequestTable.commit_add``): the matched blocks get a reference each
+  (idle cached blocks are revived out of the free stack); the request's digest chain waits in
+  ``pending`` until its blocks are computed.
+* ``plan_publish``/``commit_publish`` (from ``update_requests``, after the forward that wrote
+  them): every pending block whose tokens are all computed enters the cache. A block already
+  cached under the same digest (two requests computed it in the same step) is left private.
+* The allocator (``block_allocator``) evicts: under "ref_zero" a cached block leaves the cache
+  when its last reference goes; under "lru" it stays cached, idle, until allocation needs it
+  (least recently released first). ``on_evict`` drops the digest.
+
+Only full prompt blocks whose every token was computed are shared, and a request's queries
+start after its matched blocks: nothing is ever written into a shared or cached block.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+import numpy as np
+import torch
+
+from ._fields import FIELD_IDS, FIELD_KV_OFFSET, FIELD_QUERY
+from .requests import whole_number_ids
+
+POLICIES = ("ref_zero", "lru")
+_DIGEST = 16
+
+# (digest, parent digest, token bytes) of one full block.
+Link = Tuple[bytes, bytes, bytes]
+
+
+def check_prefix_caching_args(enable_prefix_caching: Any, prefix_caching_eviction_policy: Any,
+                              prefix_caching_mamba_gb: Any) -> Tuple[bool, str, Optional[float]]:
+    """The constructor's prefix caching arguments, checked (naming the argument and value)."""
+    if not isinstance(enable_prefix_caching, (bool, np.bool_)):
+        raise TypeError(f"enable_prefix_caching={enable_prefix_caching!r} must be a bool")
+    policy = prefix_caching_eviction_policy
+    if not isinstance(policy, str) or policy.lower() not in POLICIES:
+        raise ValueError(f"prefix_caching_eviction_policy={policy!r} must be one of "
+                         f"{', '.join(repr(p) for p in POLICIES)}")
+    gb = prefix_caching_mamba_gb
+    if gb is not None:
+        if isinstance(gb, bool) or not isinstance(gb, (int, float, np.integer, np.floating)) \
+                or not math.isfinite(gb) or gb < 0:
+            raise ValueError(f"prefix_caching_mamba_gb={gb!r} must be a finite number of GiB "
+                             ">= 0 (or None)")
+        gb = float(gb)
+    return bool(enable_prefix_caching), policy.lower(), gb
+
+
+def salt_digest(salt: Any) -> bytes:
+    """The root parent digest of a request's chain: its salt (None, str, bytes or int)."""
+    if salt is None:
+        data = b""
+    elif isinstance(salt, bytes):
+        data = b"b" + salt
+    elif isinstance(salt, str):
+        data = b"s" + salt.encode()
+    elif isinstance(salt, (int, np.integer)) and not isinstance(salt, bool):
+        data = b"i" + str(int(salt)).encode()
+    else:
+        raise TypeError(f"prefix_caching_salt={salt!r} must be None, a str, bytes or an int")
+    return hashlib.blake2b(data, digest_size=_DIGEST, person=b"dynctx-salt").digest()
+
+
+def chain_links(tokens: np.ndarray, block_size: int, salt: Any = None) -> Tuple[Link, ...]:
+    """The chained links of every full block of ``tokens`` (int64 host ids)."""
+    parent = salt_digest(salt)
+    data = np.ascontiguousarray(tokens, dtype="<i8")
+    links = []
+    for start in range(0, (data.size // block_size) * block_size, block_size):
+        chunk = data[start:start + block_size].tobytes()
+        digest = hashlib.blake2b(parent + chunk, digest_size=_DIGEST).digest()
+        links.append((digest, parent, chunk))
+        parent = digest
+    return tuple(links)
+
+
+def wants_every_prompt_logit(req: Any) -> bool:
+    """A request that asks for prompt log probs needs every prompt position computed."""
+    params = getattr(req, "sampling_params", None)
+    return bool(getattr(params, "return_log_probs", False)
+                and not getattr(params, "skip_prompt_log_probs", False))
+
+
+@dataclass(frozen=True)
+class PrefixHit:
+    """What ``plan_match`` found for a new request: its chain, the matched blocks (in order)
+    and which of them are idle (reference count 0) and must be revived."""
+
+    links: Tuple[Link, ...]
+    blocks: np.ndarray
+    idle: np.ndarray
+    block_size: int
+
+    @property
+    def tokens(self) -> int:
+        return int(self.blocks.size) * self.block_size
+
+
+@dataclass
+class _Pending:
+    links: Tuple[Link, ...]
+    published: int
+
+
+@dataclass(frozen=True)
+class PublishPlan:
+    """Blocks to publish: ``(request_id, index, link, block)``; ``done``: requests whose chain
+    is then complete."""
+
+    items: Tuple[Tuple[int, int, Link, int], ...] = ()
+    progress: Tuple[Tuple[int, int], ...] = ()
+
+
+@dataclass
+class PrefixCacheStats:
+    """Megatron-Core 0.19's names. ``hits``: added requests that matched at least one block."""
+
+    prefix_cache_hits: int = 0
+    prefix_cache_blocks_matched: int = 0
+    prefix_cache_prefill_skipped_tokens: int = 0
+    prefix_cache_prefill_computed_tokens: int = 0
+    prefix_cache_lookups: int = field(default=0)
+
+    def as_dict(self) -> Dict[str, float]:
+        total = self.prefix_cache_prefill_skipped_tokens + \
+            self.prefix_cache_prefill_computed_tokens
+        return {
+            "prefix_cache_hits": self.prefix_cache_hits,
+            "prefix_cache_lookups": self.prefix_cache_lookups,
+            "prefix_cache_blocks_matched": self.prefix_cache_blocks_matched,
+            "prefix_cache_prefill_skipped_tokens": self.prefix_cache_prefill_skipped_tokens,
+            "prefix_cache_prefill_computed_tokens": self.prefix_cache_prefill_computed_tokens,
+            "prefix_cache_hit_rate": (self.prefix_cache_hits / self.prefix_cache_lookups
+                                      if self.prefix_cache_lookups else 0.0),
+            "prefix_cache_token_hit_rate": (self.prefix_cache_prefill_skipped_tokens / total
+                                            if total else 0.0),
+        }
+
+
+class PrefixCache:
+    """The digest table of the cached blocks and the chains of requests still computing.
+
+    Args:
+        allocator: the ``BlockAllocator`` (its ``cached`` marks, idle section and
+            ``on_evict`` are set up here).
+        block_size: tokens per block.
+        policy: "ref_zero" or "lru".
+    """
+
+    def __init__(self, allocator, block_size: int, policy: str):
+        self.allocator = allocator
+        self.block_size = int(block_size)
+        self.policy = policy
+        allocator.keeps_idle_blocks = policy == "lru"
+        allocator.on_evict = self._forget
+        self.entries: Dict[bytes, Tuple[int, bytes, bytes]] = {}
+        self.block_digest: Dict[int, bytes] = {}
+        self.pending: Dict[int, _Pending] = {}
+        self.stats = PrefixCacheStats()
+
+    def reset(self) -> None:
+        """Forget every cached block and chain (the allocator is reset alongside; the
+        statistics are kept)."""
+        self.entries.clear()
+        self.block_digest.clear()
+        self.pending.clear()
+
+    # ------------------------------------------------------------------ eviction
+    def _forget(self, blocks: np.ndarray) -> None:
+        for block in blocks.tolist():
+            digest = self.block_digest.pop(block, None)
+            if digest is not None:
+                del self.entries[digest]
+
+    # ------------------------------------------------------------------ lookup (pure)
+    def _links(self, req: Any, request_id: int) -> Tuple[Link, ...]:
+        prompt = req.remaining_prompt_tokens
+        if isinstance(prompt, torch.Tensor):
+            prompt = prompt.detach().to("cpu").numpy()  # a device prompt: one copy (a sync)
+        tokens = whole_number_ids(prompt, f"request {request_id}: prompt tokens")
+        return chain_links(tokens, self.block_size, getattr(req, "prefix_caching_salt", None))
+
+    def _matched(self, links: Tuple[Link, ...], limit: int) -> List[int]:
+        blocks = []
+        for digest, parent, data in links[:limit]:
+            entry = self.entries.get(digest)
+            if entry is None or entry[1] != parent or entry[2] != data:
+                break
+            blocks.append(entry[0])
+        return blocks
+
+    def plan_match(self, req: Any, request_id: int, chunk: int,
+                   allow_hit: bool = True) -> PrefixHit:
+        """The hit of a new request whose first add covers ``chunk`` prompt tokens; pure.
+        At most ``(chunk - 1) // block_size`` blocks match, so the chunk computes at least
+        its last token. ``allow_hit=False`` (hybrids without a state snapshot, requests
+        asking for prompt log probs) matches nothing but still plans the publishing."""
+        links = self._links(req, request_id)
+        limit = (chunk - 1) // self.block_size if allow_hit else 0
+        blocks = np.asarray(self._matched(links, limit), dtype=np.int32)
+        idle = blocks[self.allocator.ref_counts[blocks] == 0] if blocks.size else blocks
+        return PrefixHit(links=links, blocks=blocks, idle=idle, block_size=self.block_size)
+
+    def lookup(self, req: Any) -> Tuple[int, int]:
+        """``(tokens, idle blocks)``: the prompt tokens the next ``add_request`` of ``req`` (a
+        new request, with a chunk that covers them) would take from the cache, and how many of
+        their blocks are idle (they leave the free stack); pure."""
+        if wants_every_prompt_logit(req) or req.finished_chunk_token_count:
+            return 0, 0
+        links = self._links(req, getattr(req, "request_id", -1))
+        limit = (req.remaining_prompt_length - 1) // self.block_size
+        blocks = np.asarray(self._matched(links, limit), dtype=np.int64)
+        idle = int((self.allocator.ref_counts[blocks] == 0).sum()) if blocks.size else 0
+        return int(blocks.size) * self.block_size, idle
+
+    # ------------------------------------------------------------------ add (commit)
+    def commit_add(self, request_id: int, hit: Optional[PrefixHit], computed: int) -> None:
+        """References for the matched blocks, the request's chain pending, the statistics."""
+        stats = self.stats
+        stats.prefix_cache_prefill_computed_tokens += int(computed)
+        if hit is None:
+            return
+        stats.prefix_cache_lookups += 1
+        if hit.blocks.size:
+            stats.prefix_cache_hits += 1
+            stats.prefix_cache_blocks_matched += int(hit.blocks.size)
+            stats.prefix_cache_prefill_skipped_tokens += hit.tokens
+            self.allocator.revive(hit.idle)
+            shared = hit.blocks[~np.isin(hit.blocks, hit.idle)]
+            if shared.size:
+                self.allocator.share(shared)
+        if len(hit.links) > hit.blocks.size:
+            self.pending[request_id] = _Pending(hit.links, int(hit.blocks.size))
+
+    # ------------------------------------------------------------------ publish
+    def plan_publish(self, table) -> PublishPlan:
+        """The pending blocks the step just computed (active rows only); pure."""
+        if not self.pending:
+            return PublishPlan()
+        P, T = table.paused, table.total
+        ids = table.rows[FIELD_IDS, P:T]
+        items, progress = [], []
+        for rid, pending in self.pending.items():
+            where = np.flatnonzero(ids == rid)
+            if where.size == 0:
+                continue
+            row = P + int(where[0])
+            computed = int(table.rows[FIELD_KV_OFFSET, row]) + int(table.rows[FIELD_QUERY, row])
+            full = min(computed // self.block_size, len(pending.links))
+            for index in range(pending.published, full):
+                items.append((rid, index, pending.links[index],
+                              int(table.block_table[row, index])))
+            if full > pending.published:
+                progress.append((rid, full))
+        return PublishPlan(tuple(items), tuple(progress))
+
+    def commit_publish(self, plan: PublishPlan) -> list:
+        """Publish; returns what ``undo_publish`` needs to take it back."""
+        added, old = [], []
+        cached = self.allocator.cached
+        for _, _, (digest, parent, data), block in plan.items:
+            if digest in self.entries or cached[block]:
+                continue
+            self.entries[digest] = (block, parent, data)
+            self.block_digest[block] = digest
+            cached[block] = True
+            added.append((digest, block))
+        for rid, full in plan.progress:
+            pending = self.pending[rid]
+            old.append((rid, pending.published))
+            pending.published = full
+        return [added, old]
+
+    def undo_publish(self, undo: list) -> None:
+        added, old = undo
+        for digest, block in added:
+            del self.entries[digest]
+            del self.block_digest[block]
+            self.allocator.cached[block] = False
+        for rid, published in old:
+            self.pending[rid].published = published
+
+    def drop_done(self, live_ids: set) -> None:
+        """Forget the chains of requests that left, or whose every block is published."""
+        for rid in [rid for rid, p in self.pending.items()
+                    if rid not in live_ids or p.published >= len(p.links)]:
+            del self.pending[rid]
+
+
+class PrefixCachingMixin:
+    """The prefix caching side of ``DynamicInferenceContext`` (``prefix_cache`` is None when
+    ``enable_prefix_caching`` is off)."""
+
+    def _setup_prefix_caching(self, enable: bool, policy: str, mamba_gb: Optional[float]) -> None:
+        self.enable_prefix_caching, self.prefix_caching_eviction_policy = enable, policy
+        self.prefix_caching_mamba_gb = mamba_gb
+        self.prefix_cache = (PrefixCache(self.block_allocator, self.block_size_tokens, policy)
+                             if enable else None)
+        self._table.prefix_cache = self.prefix_cache
+        # A hybrid's hit needs the Mamba state at the matched boundary (not kept yet).
+        self._table.prefix_hits_allowed = not self.is_hybrid_model
+
+    def prefix_cache_lookup(self, req: Any) -> int:
+        """Prompt tokens the next ``add_request`` of the new request ``req`` would take from
+        the prefix cache (when its chunk covers them and one token more); 0 without caching.
+        Host only (a prompt on the device is copied once)."""
+        self._check_allocated(getattr(req, "request_id", None))
+        if self.prefix_cache is None or not self._table.prefix_hits_allowed:
+            return 0
+        return self.prefix_cache.lookup(req)[0]
+
+    def check_availability(self, req: Any) -> Tuple[bool, bool, bool]:
+        """``(request slot free, tokens fit, KV blocks available)`` for the whole remaining
+        prompt, less what the prefix cache holds of it; host only."""
+        self._check_allocated(getattr(req, "request_id", None))
+        remaining = req.remaining_prompt_length
+        finished = req.finished_chunk_token_count
+        bs = self.block_size_tokens
+        request_ok = (self.total_request_count < self.max_requests
+                      and self.paused_request_count == 0)
+        skip, idle = 0, 0
+        if self.prefix_cache is not None and self._table.prefix_hits_allowed:
+            skip, idle = self.prefix_cache.lookup(req)
+        token_ok = self.active_token_count + remaining - skip <= self.max_tokens
+        blocks = math.ceil((remaining + finished) / bs) - math.ceil(finished / bs) - skip // bs
+        return request_ok, token_ok, self.block_allocator.total_avail >= blocks + idle
+
+    def _plan_update_publishing(self, mask: np.ndarray):
+        """Publish the blocks this step computed, then plan the update (so that the plan sees
+        them cached); an error of the plan takes the publishing back."""
+        table, cache = self._table, self.prefix_cache
+        kwargs = dict(chunked_id=self.chunked_prefill_request_id,
+                      max_sequence_length=self.max_sequence_length)
+        if cache is None:
+            return table.plan_update(mask, **kwargs)
+        undo = cache.commit_publish(cache.plan_publish(table))
+        try:
+            return table.plan_update(mask, **kwargs)
+        except BaseException:
+            cache.undo_publish(undo)
+            raise
+
+    def _after_update_publishing(self) -> None:
+        if self.prefix_cache is not None:
+            self.prefix_cache.drop_done(self._table.live_ids)
+
+    def get_prefix_cache_stats(self) -> Dict[str, float]:
+        """Megatron-Core 0.19's counters (``prefix_cache_hits``, ``..._blocks_matched``,
+        ``..._prefill_skipped_tokens``, ``..._prefill_computed_tokens``) plus lookups, the hit
+        rates and the cached blocks now (``prefix_cache_blocks``, of which ``..._idle``);
+        empty without caching."""
+        cache = self.prefix_cache
+        if cache is None:
+            return {}
+        stats = cache.stats.as_dict()
+        alloc = self.block_allocator
+        stats["prefix_cache_blocks"] = len(cache.entries)
+        stats["prefix_cache_blocks_idle"] = alloc.idle_count
+        return stats

@@ -1,0 +1,117 @@
+"""Prefix caching through the engine, against transformers (docs/SEMANTICS.md §17).
+
+Requests share prompt prefixes (a common "system prompt", some whole prompts repeated, one
+request with a salt of its own), arrive over time into a KV buffer small enough that requests
+pause, get evicted and get chunked (asserted), with caching on under both eviction policies.
+Every request's greedy tokens equal transformers' ``generate`` for that prompt alone and every
+step's last-token logits equal transformers' full forward over the same prefix (fp32: max abs
+diff <= 1e-4), while the cache served prompt blocks (asserted from the engine's stats).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from e2e_helpers import (
+    assert_matches_transformers,
+    assert_pressure_stats,
+    build_engine,
+    greedy_requests,
+    make_prompts,
+    tiny_llama,
+)
+from test_deepseek_mla import build_engine as build_mla_engine
+from test_deepseek_mla import tiny_deepseek
+
+POLICIES = ["ref_zero", "lru"]
+
+
+def shared_prefix_workload(vocab: int):
+    """A 40-token shared prefix + suffixes of 1..20 tokens, two prompts repeated whole, two
+    short unrelated prompts; arrivals spread over the first steps."""
+    prefix = make_prompts([40], vocab, seed=11)[0]
+    suffixes = make_prompts([9, 1, 20, 3, 14, 6, 17, 2], vocab, seed=12)
+    others = make_prompts([5, 26], vocab, seed=13)
+    prompts = [prefix + s for s in suffixes]
+    prompts += [list(prompts[0]), list(prompts[2])] + others
+    gens = [30, 24, 30, 16, 30, 28, 20, 30, 26, 30, 22, 30]
+    arrivals = [0, 1, 2, 2, 3, 4, 5, 6, 7, 8, 9, 10]
+    return prompts, gens, arrivals
+
+
+def run(engine, prompts, gens, arrivals, salted=None):
+    requests = greedy_requests(prompts, gens)
+    if salted is not None:
+        requests[salted].prefix_caching_salt = "tenant-b"
+    return engine.generate_requests(requests, arrival_steps=arrivals)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_llama_prefix_caching_under_pressure_matches_transformers(policy):
+    hf = tiny_llama(seed=5)
+    prompts, gens, arrivals = shared_prefix_workload(hf.config.vocab_size)
+    engine = build_engine(hf, block_size=16, blocks=16, paused_blocks=3, max_tokens=32,
+                          kernel_backend="torch", record_logits=True,
+                          enable_prefix_caching=True, prefix_caching_eviction_policy=policy)
+    results = run(engine, prompts, gens, arrivals, salted=9)
+    stats = engine.stats.prefix_cache
+    assert_pressure_stats(engine.stats, results)
+    assert stats["prefix_cache_hits"] >= 3, stats
+    assert stats["prefix_cache_prefill_skipped_tokens"] >= 3 * 32, stats
+    assert stats["prefix_cache_hit_rate"] > 0
+    ctx = engine.context
+    assert not ctx.has_unfinished_requests()
+    assert ctx.block_allocator.total_avail == ctx.block_allocator.total_count - 1
+    assert (ctx.block_allocator.ref_counts == 0).all()
+    if policy == "lru":
+        assert stats["prefix_cache_blocks_idle"] == stats["prefix_cache_blocks"] > 0
+    else:
+        assert stats["prefix_cache_blocks"] == 0
+    assert_matches_transformers(hf, prompts, gens, results)
+
+
+def test_llama_prefix_caching_computes_fewer_tokens_and_same_outputs():
+    """The same workload with and without caching: identical tokens, fewer prefill tokens."""
+    hf = tiny_llama(seed=6)
+    prompts, gens, arrivals = shared_prefix_workload(hf.config.vocab_size)
+    outputs, processed = [], []
+    for enable in (False, True):
+        engine = build_engine(hf, block_size=16, blocks=80, paused_blocks=4, max_tokens=64,
+                              kernel_backend="torch", enable_prefix_caching=enable,
+                              prefix_caching_eviction_policy="lru")
+        results = run(engine, prompts, gens, arrivals)
+        assert engine.stats.evictions == 0  # no recompute: the token counts compare exactly
+        outputs.append([r.generated_tokens for r in results])
+        processed.append(engine.stats.tokens_processed)
+    assert outputs[0] == outputs[1]
+    saved = processed[0] - processed[1]
+    assert saved == engine.stats.prefix_cache["prefix_cache_prefill_skipped_tokens"] > 0
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_deepseek_prefix_caching_under_pressure_matches_transformers(policy):
+    hf = tiny_deepseek(seed=2)
+    prompts, gens, arrivals = shared_prefix_workload(hf.config.vocab_size)
+    engine = build_mla_engine(hf, block_size=16, blocks=16, paused_blocks=3, max_tokens=32,
+                              kernel_backend="torch", record_logits=True,
+                              enable_prefix_caching=True,
+                              prefix_caching_eviction_policy=policy)
+    results = run(engine, prompts, gens, arrivals)
+    stats = engine.stats.prefix_cache
+    assert_pressure_stats(engine.stats, results)
+    assert stats["prefix_cache_hits"] >= 3, stats
+    assert_matches_transformers(hf, prompts, gens, results)
+
+
+def test_salted_requests_do_not_share():
+    hf = tiny_llama(seed=5)
+    prompt = make_prompts([40], hf.config.vocab_size, seed=3)[0]
+    engine = build_engine(hf, block_size=16, blocks=20, paused_blocks=2, max_tokens=64,
+                          kernel_backend="torch", enable_prefix_caching=True)
+    requests = greedy_requests([prompt] * 3, [4] * 3)
+    requests[1].prefix_caching_salt = b"other"
+    results = engine.generate_requests(requests, arrival_steps=[0, 1, 2])
+    assert engine.stats.prefix_cache["prefix_cache_hits"] == 1  # only request 2 (same salt as 0)
+    assert results[0].generated_tokens == results[1].generated_tokens == \
+        results[2].generated_tokens
+    assert torch.equal(torch.tensor(results[0].prompt_tokens), torch.tensor(prompt))
