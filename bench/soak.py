@@ -38,7 +38,8 @@ ACTIONS = {"step": 60, "admit": 12, "add": 16, "add_bad": 3, "chunked": 5, "susp
            "reset": 0.2}
 ADD_KINDS = {"too_long": 1, "too_many_tokens": 1, "duplicate": 1}
 COLUMNS = ("steps", "finished", "pauses", "resumes", "evictions", "chunks", "suspends", "resets",
-           "stalls", "adds", "rejected_adds", "adds_while_paused", "deferred_adds")
+           "stalls", "adds", "rejected_adds", "adds_while_paused", "deferred_adds",
+           "prefix_hits")
 
 
 def one_action(driver: ContextDriver, rng: random.Random) -> None:

@@ -11,9 +11,9 @@ block to the stack only when its last reference goes.
 
 Prefix caching (``context/prefix_cache.py``) marks blocks ``cached``. Under the "lru" policy a
 cached block whose last reference goes stays cached but free: it joins the *idle* section at the
-bottom of the stack (``block_bag[:idle_count]``, least recently released first), below the
-uncached free blocks, so that allocation takes uncached blocks first and evicts idle cached
-blocks last, least recently used first. ``revive`` takes idle blocks back out of the stack for a
+bottom of the stack (``block_bag[:idle_count]``, the most recently released lowest), below the
+uncached free blocks, so that allocation takes uncached blocks first and then evicts idle
+cached blocks least recently released first (a request's tail blocks before its head). ``revive`` takes idle blocks back out of the stack for a
 cache hit. Under "ref_zero" (and without caching) a freed block is uncached at once and the
 stack is the plain LIFO stack. Every eviction (a cached block handed out again, or uncached at
 its last release) is reported to ``on_evict``.
@@ -193,11 +193,11 @@ class BlockAllocator:
             idle = freed[self.cached[freed]]
             freed = freed[~self.cached[freed]]
             if idle.size:
-                # Idle cached blocks join the idle section's top (most recently used), below
-                # the uncached free blocks.
-                top, k = self.idle_count, idle.size
-                self.block_bag[top + k:avail + k] = self.block_bag[top:avail].copy()
-                self.block_bag[top:top + k] = idle
+                # Idle cached blocks go to the bottom of the stack (most recently released:
+                # evicted last), a request's blocks in chain order (its tail evicted first).
+                k = idle.size
+                self.block_bag[k:avail + k] = self.block_bag[:avail].copy()
+                self.block_bag[:k] = idle
                 self.idle_count += k
                 avail += k
         else:

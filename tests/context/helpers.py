@@ -74,6 +74,15 @@ def snapshot(ctx, device: bool = False) -> dict:
               ctx.num_prefill_requests, ctx.chunked_prefill_request_id, alloc.total_avail)
     state = dict(counts=counts, bag=alloc.block_bag.copy(), refs=alloc.ref_counts.copy(),
                  live=set(ctx._live_ids), allocated=ctx.is_tensor_state_allocated)
+    cache = getattr(ctx, "prefix_cache", None)
+    if cache is not None:
+        # Prefix caching: the digest table, the pending chains, the cached marks, the idle
+        # section and the counters.
+        state.update(prefix_entries=dict(cache.entries),
+                     prefix_pending={rid: (p.links, p.published)
+                                     for rid, p in cache.pending.items()},
+                     prefix_cached=alloc.cached.copy(), prefix_idle=alloc.idle_count,
+                     prefix_stats=cache.stats.as_dict())
     if not ctx.is_tensor_state_allocated:
         return state
     T = ctx.total_request_count
@@ -122,9 +131,14 @@ def check_invariants(ctx) -> None:
     T = ctx.total_request_count
     table = ctx.block_table_host
     owned = table[:T][table[:T] >= 0]
+    alloc = ctx.block_allocator
+    if getattr(ctx, "prefix_cache", None) is not None:
+        # Shared prefix blocks: one reference per block-table entry holding the block.
+        holders = np.bincount(owned, minlength=alloc.total_count)
+        assert np.array_equal(alloc.ref_counts, holders), "reference counts != holdings"
+        owned = np.unique(owned)
     assert owned.size == np.unique(owned).size, "a block is owned twice"
     assert np.all(table[T:] == -1)
-    alloc = ctx.block_allocator
     free = alloc.block_bag[:alloc.total_avail]
     assert np.intersect1d(free, owned).size == 0
     assert owned.size + alloc.total_avail == alloc.total_count - 1, "blocks leaked"

@@ -49,16 +49,17 @@ class InvariantChecks(Patterns):
         bs = cfg.block_size
         ids = ctx.host_request_ids().tolist()
         table = ctx.block_table_host
-        uids, positions, blocks = [], [], []
+        uids, positions, blocks, owners = [], [], [], []
         for row, rid in enumerate(ids):
             t = self.live[rid]
             pos = np.arange(t.cached)
-            uids.append(np.full(t.cached, t.uid))
+            uids.append(self.kv_uids(t, pos))
             positions.append(pos)
             blocks.append(table[row, pos // bs])
+            owners.append(np.full(t.cached, rid))
         if not ids:
             return
-        uids, positions, blocks = map(np.concatenate, (uids, positions, blocks))
+        uids, positions, blocks, owners = map(np.concatenate, (uids, positions, blocks, owners))
         if positions.size == 0:
             return
         require(np.all(blocks >= 0), "a cached position has no block")
@@ -75,12 +76,59 @@ class InvariantChecks(Patterns):
             bad = np.flatnonzero((got != expected).reshape(len(positions), -1).any(axis=1))
             if bad.size:
                 i = bad[0]
-                rid = next(t.rid for t in self.live.values() if t.uid == uids[i])
+                rid = owners[i]
                 raise Violation(
                     f"cached K/V of request {rid} (uid {uids[i]}) at position {positions[i]}, "
                     f"layer {number}, block {blocks[i]} slot {slots[i]} is "
                     f"{self._decode(got[i].reshape(-1)[0])}, expected "
                     f"{self._decode(expected[i].reshape(-1)[0])} ({bad.size} positions differ)")
+
+    def check_prefix_cache(self, holdings: np.ndarray, free: np.ndarray) -> None:
+        """Prefix caching: a block's reference count is the number of block-table entries
+        holding it; the cached blocks are exactly the digest table's, distinct; the idle
+        section (the bottom of the free stack) holds exactly the cached blocks nobody
+        references; free (uncached) + idle cached + owned == every block but the dummy; and a
+        cached block's bytes never change while it stays cached (read back here, compared with
+        the bytes it had when first seen cached)."""
+        ctx = self.ctx
+        alloc, cache = ctx.block_allocator, ctx.prefix_cache
+        total = alloc.total_count
+        holders = np.bincount(holdings, minlength=total)
+        require(np.array_equal(alloc.ref_counts[:total - 1], holders[:total - 1]),
+                lambda: "reference counts != block-table holdings at blocks "
+                f"{np.flatnonzero(alloc.ref_counts[:total - 1] != holders[:total - 1]).tolist()}")
+        cached_ids = np.array(sorted(block for block, _, _ in cache.entries.values()),
+                              dtype=np.int64)
+        require(np.unique(cached_ids).size == cached_ids.size
+                and np.array_equal(np.flatnonzero(alloc.cached), cached_ids)
+                and all(cache.block_digest[b] == d for d, (b, _, _) in cache.entries.items())
+                and len(cache.block_digest) == len(cache.entries),
+                "the cached marks disagree with the digest table")
+        idle = alloc.block_bag[:alloc.idle_count].astype(np.int64)
+        want_idle = cached_ids[alloc.ref_counts[cached_ids] == 0]
+        require(np.array_equal(np.sort(idle), want_idle), lambda: f"idle section "
+                f"{idle.tolist()} != cached blocks without references {want_idle.tolist()}")
+        require(self.cfg.prefix_caching == "lru" or idle.size == 0,
+                "ref_zero keeps a cached block nobody references")
+        uncached_free = free[alloc.idle_count:]
+        require(not alloc.cached[uncached_free].any(), "a cached block sits among the free "
+                "uncached blocks (allocation would hand it out first)")
+        owned = np.unique(holdings)
+        require(uncached_free.size + idle.size + owned.size == total - 1,
+                lambda: f"{uncached_free.size} free + {idle.size} idle cached + {owned.size} "
+                f"owned != {total - 1} blocks")
+        buffer = ctx.memory_buffer
+        axis = 1 if self.cfg.mla else 2
+        seen = self.__dict__.setdefault("_cached_bytes", {})
+        for block in [b for b in seen if not alloc.cached[b]]:
+            del seen[block]
+        for digest, (block, _, _) in cache.entries.items():
+            now = buffer.select(axis, block).clone()
+            if block in seen and seen[block][0] == digest:
+                require(torch.equal(seen[block][1], now), lambda: f"cached block {block} "
+                        "changed while cached")
+            else:
+                seen[block] = (digest, now)
 
     # ------------------------------------------------------------------ Mamba (hybrids)
     def _slot_stack(self) -> Optional[List[int]]:
@@ -385,14 +433,18 @@ class InvariantChecks(Patterns):
         alloc = ctx.block_allocator
         owned = np.array(owned, dtype=np.int64)
         free = alloc.block_bag[:alloc.total_avail].astype(np.int64)
-        require(np.unique(owned).size == owned.size, "a block is owned by two requests")
         require(np.unique(free).size == free.size, "the free stack holds a block twice")
+        if cfg.prefix_caching is not None:
+            self.check_prefix_cache(owned, free)
+            owned = np.unique(owned)
+        require(np.unique(owned).size == owned.size, "a block is owned by two requests")
         require(np.intersect1d(owned, free).size == 0, "a block is both owned and free")
         require(owned.size + free.size == alloc.total_count - 1, lambda: f"blocks leaked: "
                 f"{owned.size} owned + {free.size} free != {alloc.total_count - 1}")
         dummy = alloc.dummy_block_idx
         require(dummy not in owned and dummy not in free, "the dummy block is in use")
-        require(np.all(alloc.ref_counts[owned] == 1) and np.all(alloc.ref_counts[free] == 0),
+        require((cfg.prefix_caching is not None or np.all(alloc.ref_counts[owned] == 1))
+                and np.all(alloc.ref_counts[free] == 0),
                 "reference counts disagree with ownership")
         stats = ctx.get_kvcache_utilization_stats()
         require(stats["allocated_blocks"] == owned.size and stats["paused_request_count"] == P

@@ -65,6 +65,9 @@ class MachineConfig:
     layer_types: Optional[Tuple[str, ...]] = None
     conv_shape: Tuple[int, ...] = (3, 2)
     ssm_shape: Tuple[int, ...] = (2, 2, 3)
+    # Prefix caching: the eviction policy ("ref_zero" or "lru"), None: off. Prompts then come
+    # from two token families, so that they share prefixes.
+    prefix_caching: Optional[str] = None
 
     @property
     def hybrid(self) -> bool:
@@ -121,6 +124,9 @@ class MachineConfig:
         if self.hybrid:
             args["mamba_inference_state_config"] = MambaInferenceStateConfig(
                 self.layer_types, self.conv_shape, self.ssm_shape)
+        if self.prefix_caching is not None:
+            args.update(enable_prefix_caching=True,
+                        prefix_caching_eviction_policy=self.prefix_caching)
         ctx = DynamicInferenceContext(**args)
         # A request that pauses alone must be able to resume, or no request could ever run.
         max_blocks = math.ceil(self.max_sequence_length / self.block_size)
@@ -143,9 +149,16 @@ CONFIGS = {c.name: c for c in [
                   layer_types=HYBRID_LAYERS, conv_shape=(4, 3), ssm_shape=(2, 3, 2)),
     MachineConfig("hyb-bs4-paused0", block_size=4, buffer_blocks=14, paused_blocks=0,
                   layer_types=("*", "M", "-"), conv_shape=(2, 2), ssm_shape=(1, 2, 2)),
+    MachineConfig("pc-lru-bs4-paused4", block_size=4, buffer_blocks=16, paused_blocks=4,
+                  prefix_caching="lru"),
+    MachineConfig("pc-refzero-bs4-half", block_size=4, buffer_blocks=24, paused_blocks=None,
+                  prefix_caching="ref_zero"),
+    MachineConfig("pc-lru-mla-bs8-half", block_size=8, buffer_blocks=24, paused_blocks=None,
+                  mla=True, prefix_caching="lru"),
 ]}
 CI_CONFIGS = [CONFIGS[n] for n in ("bs4-paused4", "bs8-half", "bs4-paused0", "mla-bs8-paused3",
-                                   "hyb-bs4-paused4", "hyb-bs8-half")]
+                                   "hyb-bs4-paused4", "hyb-bs8-half", "pc-lru-bs4-paused4",
+                                   "pc-refzero-bs4-half")]
 
 
 def sample_token(rid: int, position: int) -> int:

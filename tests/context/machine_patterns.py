@@ -18,6 +18,18 @@ from machine_model import _EXACT
 class Patterns:
     """Pattern values of a driver's ``cfg`` (a ``MachineConfig``); mixed into the driver."""
 
+    def kv_uids(self, t, positions: np.ndarray) -> np.ndarray:
+        """The pattern's first key for request ``t``'s tokens at ``positions``: its incarnation
+        (a recompute writes new values); with prefix caching, the content of the sequence up
+        to and including the position, so that requests of equal prefixes write equal values
+        and a block shared from the cache must hold exactly what the request would write."""
+        if self.cfg.prefix_caching is None:
+            return np.full(len(positions), t.uid)
+        sequence = tuple(t.prompt + t.generated)
+        ids = self.__dict__.setdefault("_content_ids", {})
+        return np.array([ids.setdefault(sequence[:p + 1], len(ids)) for p in positions.tolist()],
+                        dtype=np.int64)
+
     def _inner(self) -> int:
         cfg = self.cfg
         return cfg.latent_dim if cfg.mla else 2 * cfg.num_heads * cfg.head_dim

@@ -115,7 +115,19 @@ class ContextDriver(InvariantChecks):
         return self._new(t.prompt + t.generated, t.gen - len(t.generated), rid=t.rid)
 
     def _prompt(self, length: int, salt: int) -> List[int]:
+        if self.cfg.prefix_caching is not None:
+            salt %= 2  # two prompt families: prompts share prefixes
         return [(salt * 7919 + i * 104729 + 13) % VOCAB for i in range(length)]
+
+    def _cached_prefix(self, t: Tracked, chunk: int) -> int:
+        """Prompt tokens a new request's add of ``chunk`` tokens takes from the prefix cache
+        (the context's lookup, capped as add_request caps it; check_kv verifies the blocks'
+        content)."""
+        ctx = self.ctx
+        if self.cfg.prefix_caching is None or t.req.finished_chunk_token_count:
+            return 0
+        bs = self.cfg.block_size
+        return min(ctx.prefix_cache_lookup(t.req), (chunk - 1) // bs * bs)
 
     def _active(self) -> List[Tracked]:
         return [t for t in self.live.values() if not t.paused]
@@ -124,6 +136,9 @@ class ContextDriver(InvariantChecks):
         return sum(len(t.query) for t in self._active())
 
     def _model_free_blocks(self) -> int:
+        if self.cfg.prefix_caching is not None:
+            # Shared blocks: check() verifies the allocator against the block tables.
+            return self.ctx.block_allocator.total_avail
         bs = self.cfg.block_size
         owned = sum(t.expected_blocks(bs) for t in self.live.values())
         return self.ctx.block_allocator.total_count - 1 - owned
@@ -139,6 +154,13 @@ class ContextDriver(InvariantChecks):
         if fin + t.req.remaining_prompt_length > cfg.max_sequence_length:
             errors.add(MaxSequenceLengthOverflowError)
         tokens = self._model_active_tokens() - (1 if continuation else 0)
+        skip, idle = 0, 0
+        if not continuation and self.cfg.prefix_caching is not None \
+                and fin + t.req.remaining_prompt_length <= cfg.max_sequence_length:
+            skip = self._cached_prefix(t, chunk)
+            if skip:
+                hit = ctx.prefix_cache.plan_match(t.req, t.rid, chunk)
+                idle = int(hit.idle.size)
         if not continuation:
             if duplicate:
                 errors.add(ValueError)
@@ -148,10 +170,11 @@ class ContextDriver(InvariantChecks):
                 errors.add(ValueError)
             if self._continuation_pending():
                 errors.add(ValueError)  # a hybrid's continuation must stay the last row
-        if tokens + chunk > cfg.max_tokens:
+        if tokens + chunk - skip > cfg.max_tokens:
             errors.add(TokenOverflowError)
         bs = cfg.block_size
-        if math.ceil((fin + chunk) / bs) - math.ceil(fin / bs) > self._model_free_blocks():
+        if math.ceil((fin + chunk) / bs) - math.ceil(fin / bs) - skip // bs + idle \
+                > self._model_free_blocks():
             errors.add(BlockOverflowError)
         return errors
 
@@ -161,6 +184,7 @@ class ContextDriver(InvariantChecks):
         ``advance=False``: the caller (the scheduler) advances ``t.req`` past the chunk."""
         ctx = self.ctx
         expected = self._expected_add_errors(t, chunk, continuation, duplicate)
+        skip = 0 if expected or continuation else self._cached_prefix(t, chunk)
         before = snapshot(ctx)
         remaining = t.req.remaining_prompt_length
         arg = None if pass_none and chunk == remaining else chunk
@@ -190,8 +214,11 @@ class ContextDriver(InvariantChecks):
         if advance:
             t.req.remaining_prompt_tokens = t.req.remaining_prompt_tokens[chunk:]
             t.req.finished_chunk_token_count = fin + chunk
-        t.query_start, t.query = fin, t.prompt[fin:fin + chunk]
-        t.cached = fin
+        t.query_start, t.query = fin + skip, t.prompt[fin + skip:fin + chunk]
+        t.cached = fin + skip
+        if skip:
+            self.stats["prefix_hits"] += 1
+            self.stats["prefix_skipped_tokens"] += skip
         t.prefill, t.placeholder, t.paused = True, False, False
         t.continued = continuation
         if self.cfg.hybrid:
@@ -293,9 +320,13 @@ class ContextDriver(InvariantChecks):
         got = self.ctx.check_availability(t.req)
         remaining = t.req.remaining_prompt_length
         paused = any(x.paused for x in self.live.values())
+        skip, idle = self._cached_prefix(t, remaining), 0
+        if skip:
+            idle = int(self.ctx.prefix_cache.plan_match(t.req, t.rid, remaining).idle.size)
         want = (len(self.live) < self.cfg.max_requests and not paused,
-                self._model_active_tokens() + remaining <= self.cfg.max_tokens,
-                self._model_free_blocks() >= math.ceil(remaining / self.cfg.block_size))
+                self._model_active_tokens() + remaining - skip <= self.cfg.max_tokens,
+                self._model_free_blocks() >= math.ceil(remaining / self.cfg.block_size)
+                - skip // self.cfg.block_size + idle)
         require(tuple(got) == want, lambda: f"check_availability(id={t.rid}, remaining="
                 f"{remaining}) = {got}, expected {want}")
         return t.req
@@ -518,8 +549,9 @@ class ContextDriver(InvariantChecks):
     def _write_kv(self, active: List[Tracked], layout: int) -> None:
         ctx, cfg = self.ctx, self.cfg
         n = ctx.padded_active_token_count
-        uids = np.concatenate([np.full(len(t.query), t.uid) for t in active])
         positions = np.concatenate([t.query_start + np.arange(len(t.query)) for t in active])
+        uids = np.concatenate([self.kv_uids(t, t.query_start + np.arange(len(t.query)))
+                               for t in active])
         extra = 3 if layout == 2 else 0
         for layer, number in enumerate(cfg.attention_layers):
             real = torch.from_numpy(self.pattern(uids, positions, layer))

@@ -153,6 +153,40 @@ def s_hybrid_continued(backend):
     return ctx
 
 
+T9 = [5, 9, 13, 17, 21, 25, 29, 33, 37]  # two full blocks of 4 and one token
+
+
+def s_cache_pending(backend, **overrides):
+    """Prefix caching ("lru"): request 1 (9 tokens) computed, its two full blocks published;
+    request 2 (the same 9 tokens + 3) added with a hit on them, the step initialized: its third
+    block is published at the next update."""
+    ctx = make_ctx(kernel_backend=backend, vocab_size=VOCAB, enable_prefix_caching=True,
+                   prefix_caching_eviction_policy="lru", **overrides)
+    add(ctx, req(1, tokens=T9))
+    _step(ctx)
+    add(ctx, req(2, tokens=T9 + [41, 45, 49]))
+    assert ctx.get_prefix_cache_stats()["prefix_cache_blocks_matched"] == 2
+    ctx.initialize_attention_state()
+    return ctx
+
+
+def s_cache_stuck(backend):
+    """``s_stuck`` with prefix caching ("ref_zero"): the update would publish request 1's two
+    full prompt blocks, and finds no request able to run."""
+    ctx = make_ctx(kernel_backend=backend, buffer_size_gb=6 * BLOCK / GIB,
+                   paused_buffer_size_gb=2 * BLOCK / GIB, max_requests=4, max_tokens=64,
+                   enable_prefix_caching=True)
+    add(ctx, req(1, 11, gen=40))
+    _step(ctx)
+    ctx.initialize_attention_state()
+    return ctx
+
+
+def _salted(r, salt):
+    r.prefix_caching_salt = salt
+    return r
+
+
 def s_deallocated(backend):
     ctx = s_prefill(backend)
     ctx.deallocate_all_tensors()
@@ -214,6 +248,18 @@ CASES = [
     (f"{U}/no-request-can-run", s_stuck,
      lambda c: c.update_requests(_tokens(1), _tokens(4)), RuntimeError, "no request can run",
      False),
+    # Prefix caching: the blocks the step computed are published before the plan and taken
+    # back when it raises.
+    (f"{U}/prefix-caching-unknown-chunked-id", s_cache_pending,
+     lambda c: (setattr(c, "chunked_prefill_request_id", 77),
+                c.update_requests(_tokens(1, 1), _tokens(4, 5))),
+     ValueError, "chunked_prefill_request_id=77", True),
+    (f"{U}/prefix-caching-no-request-can-run", s_cache_stuck,
+     lambda c: c.update_requests(_tokens(1), _tokens(4)), RuntimeError, "no request can run",
+     False),
+    (f"{U}/prefix-caching-mask-shape", s_cache_pending,
+     lambda c: c.update_requests(_tokens(1), _tokens(4, 5)), ValueError,
+     "active_requests_mask", True),
     # ---------------------------------------------------------------- add_request
     (f"{A}/deallocated", s_deallocated, lambda c: c.add_request(req(9)),
      TensorStateDeallocatedError, "deallocated", None),
@@ -290,6 +336,17 @@ CASES = [
      lambda c: c.add_request(req(9)), ValueError, "hybrid", True),
     (f"{A}/new-request-while-chunked", s_chunked, lambda c: c.add_request(req(9)), ValueError,
      "chunked", "chunk"),
+    # Prefix caching: a hit's checks (the computed part against max_tokens, the salt).
+    (f"{A}/prefix-caching-hit-max_tokens", lambda b: s_cache_pending(b, max_tokens=16),
+     lambda c: c.add_request(req(9, tokens=T9 + list(range(50, 66)), gen=1)),
+     TokenOverflowError, "8 prompt tokens cached", True),
+    (f"{A}/prefix-caching-salt-type", s_cache_pending,
+     lambda c: c.add_request(_salted(req(9, tokens=T9), [1])), TypeError,
+     "prefix_caching_salt", True),
+    (f"{A}/prefix-caching-duplicate-id", s_cache_pending,
+     lambda c: c.add_request(req(2, tokens=T9)), ValueError, "request_id=2", True),
+    (f"{A}/prefix-caching-prompt-outside-vocab", s_cache_pending,
+     lambda c: c.add_request(req(9, tokens=T9 + [VOCAB])), ValueError, "vocab", True),
 ]
 
 

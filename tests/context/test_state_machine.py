@@ -139,6 +139,8 @@ def test_driver_reaches_pause_evict_chunk_and_suspend(config, one_thread):
     stats = driver.stats
     assert stats["steps"] >= 20 and stats["chunks"] >= 2 and stats["suspends"] == 1
     assert stats["pauses"] + stats["evictions"] > 0, dict(stats)
+    if config.prefix_caching is not None:
+        assert stats["prefix_hits"] > 0, dict(stats)
 
 
 def test_step_without_the_chunked_continuation_is_refused():

@@ -1,0 +1,287 @@
+"""Prefix caching in the context (docs/SEMANTICS.md §17): construction checks, matching and its
+caps, publishing, the two eviction policies and the allocator's idle section, collision
+safety, salts, requests that need every prompt logit, hybrids, and the Triton path (under the
+interpreter) of a step whose queries start after the matched blocks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from helpers import add, check_invariants, make_ctx, snapshot
+from triton_marks import needs_triton
+
+from dynctx.context import (
+    BlockAllocator,
+    DynamicInferenceRequest,
+    MambaInferenceStateConfig,
+    SamplingParams,
+)
+from dynctx.context import prefix_cache as pc
+
+BS = 4
+
+
+def req(rid, tokens, gen=4, **sampling):
+    return DynamicInferenceRequest(request_id=rid, prompt_tokens=torch.tensor(tokens),
+                                   sampling_params=SamplingParams(num_tokens_to_generate=gen,
+                                                                  **sampling))
+
+
+def cached_ctx(policy="lru", **overrides):
+    return make_ctx(enable_prefix_caching=True, prefix_caching_eviction_policy=policy,
+                    **overrides)
+
+
+def step(ctx, keep=None):
+    """One step; ``keep``: the ids kept (default all)."""
+    ctx.initialize_attention_state()
+    P, T = ctx.paused_request_count, ctx.total_request_count
+    ids = ctx.host_request_ids()[P:T].tolist()
+    mask = torch.tensor([keep is None or i in keep for i in ids], dtype=torch.bool)
+    ctx.update_requests(mask, torch.tensor([7] * len(ids)))
+
+
+PROMPT = list(range(10, 23))  # 13 tokens: 3 full blocks of 4 and one token
+
+
+# ---------------------------------------------------------------- construction
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(enable_prefix_caching="yes"), TypeError, "enable_prefix_caching='yes'"),
+    (dict(enable_prefix_caching=True, prefix_caching_eviction_policy="fifo"), ValueError,
+     "prefix_caching_eviction_policy='fifo' must be one of 'ref_zero', 'lru'"),
+    (dict(prefix_caching_eviction_policy=None), ValueError, "prefix_caching_eviction_policy"),
+    (dict(prefix_caching_mamba_gb=-1.0), ValueError, "prefix_caching_mamba_gb=-1.0"),
+    (dict(prefix_caching_mamba_gb=float("nan")), ValueError, "prefix_caching_mamba_gb"),
+    (dict(prefix_caching_mamba_gb="1"), ValueError, "prefix_caching_mamba_gb='1'"),
+])
+def test_constructor_checks_the_prefix_caching_arguments(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        make_ctx(**kwargs)
+
+
+def test_off_by_default_and_policy_names_are_case_insensitive():
+    ctx = make_ctx()
+    assert ctx.enable_prefix_caching is False and ctx.prefix_cache is None
+    assert ctx.get_prefix_cache_stats() == {} and ctx.prefix_cache_lookup(req(1, PROMPT)) == 0
+    ctx = make_ctx(enable_prefix_caching=True, prefix_caching_eviction_policy="LRU")
+    assert ctx.prefix_caching_eviction_policy == "lru"
+    assert ctx.block_allocator.keeps_idle_blocks
+
+
+# ---------------------------------------------------------------- matching
+@pytest.mark.parametrize("policy", ["ref_zero", "lru"])
+def test_hit_maps_cached_blocks_and_queries_start_after_them(policy):
+    ctx = cached_ctx(policy)
+    add(ctx, req(1, PROMPT))
+    step(ctx)
+    assert ctx.get_prefix_cache_stats()["prefix_cache_blocks"] == 3
+    assert ctx.prefix_cache_lookup(req(2, PROMPT)) == 12
+    add(ctx, req(2, PROMPT + [40, 41]))
+    table = ctx.block_table_host
+    assert table[1, :3].tolist() == table[0, :3].tolist()      # shared
+    assert table[1, 3] not in table[0, :4]                      # its own last block
+    assert ctx.block_allocator.ref_counts[table[0, :3]].tolist() == [2, 2, 2]
+    ctx.initialize_attention_state()
+    n = ctx.active_token_count
+    assert n == 1 + 3                                          # decode of 1, tokens 12..14 of 2
+    assert ctx.token_to_pos_ids[:n].tolist() == [13, 12, 13, 14]
+    assert ctx.token_to_input_ids[1:n].tolist() == [22, 40, 41]
+    assert ctx.request_kv_length_offsets[:2].tolist() == [13, 12]
+    stats = ctx.get_prefix_cache_stats()
+    assert (stats["prefix_cache_hits"], stats["prefix_cache_blocks_matched"],
+            stats["prefix_cache_prefill_skipped_tokens"],
+            stats["prefix_cache_prefill_computed_tokens"]) == (1, 3, 12, 13 + 3)
+    check_invariants(ctx)
+
+
+def test_last_prompt_token_and_the_chunk_are_always_computed():
+    ctx = cached_ctx()
+    add(ctx, req(1, PROMPT[:8]))   # exactly two blocks
+    step(ctx)
+    # The whole prompt is cached, but its last token must be computed (its logits): 1 block.
+    assert ctx.prefix_cache_lookup(req(2, PROMPT[:8])) == 4
+    add(ctx, req(2, PROMPT[:12]), chunk_length=6)   # a first chunk of 6: at most 1 block
+    assert ctx.request_kv_length_offsets[1] == 4 and ctx.request_query_lengths[1] == 2
+    ctx.chunked_prefill_request_id = 2
+    step(ctx)
+    r = req(2, PROMPT[:12])
+    r.remaining_prompt_tokens, r.finished_chunk_token_count = r.prompt_tokens[6:], 6
+    add(ctx, r)                    # the continuation matches nothing more
+    ctx.chunked_prefill_request_id = -1
+    assert ctx.request_kv_length_offsets[1] == 6 and ctx.request_query_lengths[1] == 6
+    step(ctx)
+    check_invariants(ctx)
+
+
+def test_requests_needing_prompt_log_probs_compute_every_token_but_publish():
+    ctx = cached_ctx()
+    add(ctx, req(1, PROMPT))
+    step(ctx)
+    wants = req(2, PROMPT, return_log_probs=True)
+    assert ctx.prefix_cache_lookup(wants) == 0
+    add(ctx, wants)
+    assert ctx.request_query_lengths[1] == 13
+    skip = req(3, PROMPT, return_log_probs=True, skip_prompt_log_probs=True)
+    assert ctx.prefix_cache_lookup(skip) == 12
+
+
+def test_salts_separate_requests():
+    ctx = cached_ctx()
+    add(ctx, req(1, PROMPT))
+    step(ctx)
+    salted = req(2, PROMPT)
+    salted.prefix_caching_salt = "tenant"
+    assert ctx.prefix_cache_lookup(salted) == 0
+    add(ctx, salted)
+    step(ctx)
+    again = req(3, PROMPT)
+    again.prefix_caching_salt = "tenant"
+    assert ctx.prefix_cache_lookup(again) == 12
+    assert ctx.prefix_cache_lookup(req(4, PROMPT)) == 12
+    with pytest.raises(TypeError, match="prefix_caching_salt"):
+        pc.salt_digest(1.5)
+
+
+def test_a_digest_collision_costs_a_miss_never_a_wrong_block(monkeypatch):
+    class Constant:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def digest(self):
+            return b"\0" * 16
+
+    monkeypatch.setattr(pc.hashlib, "blake2b", Constant)
+    ctx = cached_ctx()
+    add(ctx, req(1, PROMPT))
+    step(ctx)
+    assert ctx.get_prefix_cache_stats()["prefix_cache_blocks"] == 1  # one digest, one entry
+    other = [t + 1 for t in PROMPT]
+    assert ctx.prefix_cache_lookup(req(2, other)) == 0           # same digest, other tokens
+    assert ctx.prefix_cache_lookup(req(3, PROMPT)) == 4
+
+
+# ---------------------------------------------------------------- eviction
+def test_ref_zero_drops_a_block_at_its_last_reference():
+    ctx = cached_ctx("ref_zero")
+    add(ctx, req(1, PROMPT))
+    step(ctx)
+    add(ctx, req(2, PROMPT))
+    step(ctx, keep={2})                         # 1 finishes: the blocks stay (2 holds them)
+    assert ctx.get_prefix_cache_stats()["prefix_cache_blocks"] == 3
+    step(ctx, keep=set())                       # 2 finishes: last references gone
+    assert ctx.get_prefix_cache_stats()["prefix_cache_blocks"] == 0
+    assert ctx.block_allocator.idle_count == 0
+    assert ctx.prefix_cache_lookup(req(3, PROMPT)) == 0
+
+
+def test_lru_keeps_idle_blocks_until_allocation_needs_them():
+    ctx = cached_ctx("lru", buffer_size_gb=ctx_blocks(12), paused_buffer_size_gb=ctx_blocks(2))
+    alloc = ctx.block_allocator
+    free = alloc.total_avail
+    add(ctx, req(1, PROMPT))
+    step(ctx, keep=set())
+    assert alloc.idle_count == 3 and alloc.total_avail == free       # idle blocks count as free
+    idle = alloc.block_bag[:3].tolist()
+    # Uncached free blocks are handed out first: a 4-block request keeps the cache whole.
+    add(ctx, req(2, [99] * 16))
+    assert alloc.idle_count == 3 and ctx.prefix_cache_lookup(req(3, PROMPT)) == 12
+    # A hit revives idle blocks out of the stack.
+    add(ctx, req(3, PROMPT))
+    assert alloc.idle_count == 0 and ctx.block_table_host[1, :3].tolist() == idle
+    step(ctx)
+    check_invariants(ctx)
+    step(ctx, keep=set())
+    # Both finish: request 3's 3 matched blocks and request 2's 4 published blocks are idle.
+    assert alloc.idle_count == 7 == ctx.get_prefix_cache_stats()["prefix_cache_blocks"]
+    check_invariants(ctx)
+
+
+def ctx_blocks(n):
+    from helpers import BLOCK, GIB
+    return n * BLOCK / GIB
+
+
+def test_lru_allocator_evicts_least_recently_released_first():
+    alloc = BlockAllocator(total_count=8, paused_count=1)
+    evicted = []
+    alloc.keeps_idle_blocks, alloc.on_evict = True, lambda b: evicted.extend(b.tolist())
+    a = alloc.allocate_memory_blocks_host(3)
+    b = alloc.allocate_memory_blocks_host(2)
+    alloc.cached[np.concatenate([a, b])] = True
+    alloc.release_memory_blocks(a)        # released first: least recently used
+    alloc.release_memory_blocks(b)
+    assert alloc.idle_count == 5 and alloc.total_avail == 7
+    assert alloc.block_bag[:5].tolist() == b.tolist() + a.tolist()
+    assert set(alloc.allocate_memory_blocks_host(2).tolist()).isdisjoint(np.r_[a, b])
+    assert evicted == []                  # two uncached free blocks were left
+    got = alloc.allocate_memory_blocks_host(2)
+    # The least recently released request (a) goes first, its tail blocks first.
+    assert got.tolist() == a[1:].tolist() and sorted(evicted) == sorted(got.tolist())
+    assert not alloc.cached[got].any() and alloc.idle_count == 3
+    with pytest.raises(RuntimeError, match="not idle cached"):
+        alloc.revive(np.array([got[0]]))
+    alloc.revive(b[:1])
+    assert alloc.ref_counts[b[0]] == 1 and alloc.idle_count == 2 and alloc.total_avail == 2
+
+
+def test_total_avail_by_hand_uncaches_what_it_frees_or_takes():
+    ctx = cached_ctx("lru")
+    add(ctx, req(1, PROMPT))
+    step(ctx, keep=set())
+    alloc = ctx.block_allocator
+    assert alloc.idle_count == 3
+    alloc.total_avail = 1          # takes all but one free block, the idle ones among them
+    assert alloc.idle_count == 1 and ctx.get_prefix_cache_stats()["prefix_cache_blocks"] == 1
+
+
+def test_reset_and_suspend_forget_the_cache():
+    ctx = cached_ctx("lru")
+    add(ctx, req(1, PROMPT))
+    step(ctx)
+    ctx.reset()
+    assert ctx.prefix_cache_lookup(req(2, PROMPT)) == 0 and not ctx.block_allocator.cached.any()
+    add(ctx, req(1, PROMPT))
+    step(ctx)
+    ctx.deallocate_all_tensors()
+    ctx.allocate_all_tensors(is_init=False)
+    assert ctx.prefix_cache_lookup(req(2, PROMPT)) == 0
+    assert ctx.get_prefix_cache_stats()["prefix_cache_blocks"] == 0
+
+
+def test_hybrid_without_a_state_snapshot_never_hits():
+    layers, conv, ssm = ("M", "*"), (6, 4), (2, 3, 5)
+    ctx = make_ctx(num_layers=2, enable_prefix_caching=True,
+                   mamba_inference_state_config=MambaInferenceStateConfig(layers, conv, ssm))
+    add(ctx, req(1, PROMPT))
+    step(ctx)
+    assert ctx.prefix_cache_lookup(req(2, PROMPT)) == 0
+    add(ctx, req(2, PROMPT))
+    assert ctx.request_query_lengths[1] == 13
+
+
+# ---------------------------------------------------------------- the Triton path
+@pytest.mark.interpreter
+@needs_triton
+def test_triton_step_of_a_hit_writes_only_its_own_blocks():
+    """kernel_backend="triton" (interpreter): the step metadata of a hit and the K/V append
+    leave the shared blocks' bytes as they were."""
+    ctx = cached_ctx(kernel_backend="triton")
+    add(ctx, req(1, PROMPT))
+    ctx.initialize_attention_state()
+    for layer in (1, 2):
+        kv = torch.arange(ctx.padded_active_token_count * 16, dtype=torch.float32)
+        ctx.append_key_value_cache(layer, kv.reshape(-1, 2, 8), kv.reshape(-1, 2, 8) + 0.5)
+    ctx.update_requests(torch.tensor([True]), torch.tensor([7]))
+    shared = ctx.block_table_host[0, :3].tolist()
+    before = ctx.memory_buffer[:, :, shared].clone()
+    add(ctx, req(2, PROMPT + [30]))
+    ctx.initialize_attention_state()
+    n = ctx.padded_active_token_count
+    assert ctx.token_to_pos_ids[:3].tolist() == [13, 12, 13]
+    assert ctx.token_to_block_idx[1] == ctx.block_table_host[1, 3]
+    for layer in (1, 2):
+        kv = torch.full((n, 2, 8), -3.0)
+        ctx.append_key_value_cache(layer, kv, kv)
+    assert torch.equal(ctx.memory_buffer[:, :, shared], before)
+    assert snapshot(ctx)["counts"][1] == 2
