@@ -13,10 +13,11 @@ Prefix caching (``context/prefix_cache.py``) marks blocks ``cached``. Under the 
 cached block whose last reference goes stays cached but free: it joins the *idle* section at the
 bottom of the stack (``block_bag[:idle_count]``, the most recently released lowest), below the
 uncached free blocks, so that allocation takes uncached blocks first and then evicts idle
-cached blocks least recently released first (a request's tail blocks before its head). ``revive`` takes idle blocks back out of the stack for a
-cache hit. Under "ref_zero" (and without caching) a freed block is uncached at once and the
-stack is the plain LIFO stack. Every eviction (a cached block handed out again, or uncached at
-its last release) is reported to ``on_evict``.
+cached blocks least recently released first (a request's tail blocks before its head).
+``revive`` takes idle blocks back out of the stack for a cache hit. Under "ref_zero" (and
+without caching) a freed block is uncached at once and the stack is the plain LIFO stack.
+Every eviction (a cached block handed out again, or uncached at its last release) is reported
+to ``on_evict``.
 """
 
 from __future__ import annotations
