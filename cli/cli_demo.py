@@ -43,6 +43,9 @@ def build_parser(prog: str = "python -m dynctx demo") -> argparse.ArgumentParser
     work.add_argument("--requests", type=int, default=24, help="number of requests")
     work.add_argument("--max-new-tokens", type=int, default=32,
                       help="longest generation; each request asks for 1/4 to all of it")
+    work.add_argument("--shared-prefix", type=int, default=0,
+                      help="tokens every prompt starts with (a shared system prompt; prompts "
+                           "stay within 3 blocks)")
     work.add_argument("--arrival-every", type=float, default=1.5,
                       help="mean engine steps between arrivals (exponential gaps)")
     ctx = parser.add_argument_group("context")
@@ -71,6 +74,9 @@ def build_parser(prog: str = "python -m dynctx demo") -> argparse.ArgumentParser
                      help="rotary embedding through Megatron's angle table "
                           "(apply_rotary_emb_query/key) or a cos/sin cache "
                           "(apply_fused_qk_rotary_emb)")
+    ctx.add_argument("--prefix-caching", choices=["off", "ref_zero", "lru"], default="off",
+                     help="prefix caching and its eviction policy; the summary then shows the "
+                          "cache's hit rate")
     ctx.add_argument("--fused-rope-kv-append", action="store_true",
                      help="rotate K and append K/V to the cache in one launch")
     run = parser.add_argument_group("run")
@@ -95,6 +101,11 @@ def make_workload(args, vocab: int) -> tuple[List[List[int]], List[int], List[in
     lengths = [1, 2, longest] + rng.integers(1, longest + 1, size=args.requests).tolist()
     lengths = lengths[:args.requests]
     prompts = [rng.integers(3, vocab, size=n).tolist() for n in lengths]
+    if args.shared_prefix > 0:
+        # Its own generator, so that the rest of the workload stays the seed's.
+        shared = np.random.default_rng(args.seed + 1).integers(3, vocab, size=min(
+            args.shared_prefix, longest - 1)).tolist()
+        prompts = [shared + p[:longest - len(shared)] for p in prompts]
     low = max(1, args.max_new_tokens // 4)
     gens = rng.integers(low, args.max_new_tokens + 1, size=args.requests).tolist()
     gaps = rng.exponential(args.arrival_every, size=args.requests)
@@ -209,7 +220,10 @@ def _progress_bar(enabled: bool, **kwargs):
 
 
 def main(argv: Optional[List[str]] = None, prog: Optional[str] = None) -> int:
-    args = build_parser(prog or f"{program_name()} demo").parse_args(argv)
+    parser = build_parser(prog or f"{program_name()} demo")
+    args = parser.parse_args(argv)
+    if args.shared_prefix < 0:
+        parser.error(f"argument --shared-prefix: {args.shared_prefix} must be >= 0")
     import torch
 
     try:
@@ -246,7 +260,11 @@ def main(argv: Optional[List[str]] = None, prog: Optional[str] = None) -> int:
                           max_sequence_length=max_sequence_length,
                           paused_buffer_size_gb=paused_gb, max_tokens=args.max_tokens,
                           max_requests=args.max_requests, kernel_backend=args.kernel_backend,
-                          fused_rope_kv_append=args.fused_rope_kv_append)
+                          fused_rope_kv_append=args.fused_rope_kv_append,
+                          enable_prefix_caching=args.prefix_caching != "off",
+                          prefix_caching_eviction_policy=(
+                              "ref_zero" if args.prefix_caching == "off"
+                              else args.prefix_caching))
     engine = Engine.from_transformers(hf_model, rope=args.rope,
                                       attention_backend=args.attention_backend,
                                       seed=args.seed, record_logits=args.dtype != "fp32",
@@ -338,6 +356,13 @@ def main(argv: Optional[List[str]] = None, prog: Optional[str] = None) -> int:
     print(f"pauses            {stats.pauses}")
     print(f"evictions         {stats.evictions}")
     print(f"chunked prefills  {stats.chunked_prefills} prompts in {stats.prefill_chunks} chunks")
+    if stats.prefix_cache:
+        cache = stats.prefix_cache
+        print(f"prefix cache      {args.prefix_caching}: {cache['prefix_cache_hits']} hits of "
+              f"{cache['prefix_cache_lookups']} requests "
+              f"({100 * cache['prefix_cache_hit_rate']:.0f}%), "
+              f"{cache['prefix_cache_prefill_skipped_tokens']} prompt tokens served from "
+              f"the cache ({100 * cache['prefix_cache_token_hit_rate']:.0f}% of prefill)")
     print(f"attention         {engine.model.attention_backend} paged attention; kernels: "
           f"{_kernel_backend_name(ctx)}")
     if args.plot:

@@ -46,3 +46,12 @@ def test_python_m_dynctx_demo_help():
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0
     assert "--buffer-blocks" in result.stdout and "--block-size" in result.stdout
+
+
+def test_demo_with_prefix_caching_shows_the_hit_rate_and_matches(capsys):
+    assert cli_demo.main(["--requests", "8", "--max-new-tokens", "8", "--shared-prefix", "20",
+                          "--prefix-caching", "lru", "--plot", "", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "check             OK: 8/8 outputs match" in out
+    hits = re.search(r"^prefix cache\s+lru: (\d+) hits of (\d+) requests \((\d+)%\)", out, re.M)
+    assert hits and int(hits.group(1)) > 0, out
