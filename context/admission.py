@@ -206,8 +206,7 @@ def plan_add(table, req: Any, chunk_length: Optional[int], *, max_sequence_lengt
     if table.prefix_cache is not None and not is_continuation:
         # The matched blocks' tokens are not computed: the chunk's queries start after them.
         prefix = table.prefix_cache.plan_match(
-            req, request_id, chunk, allow_hit=not wants_every_prompt_logit(req)
-            and table.prefix_hits_allowed)
+            req, request_id, chunk, allow_hit=not wants_every_prompt_logit(req))
         skip = prefix.tokens
         finished, chunk = skip, chunk - skip
         if skip:

@@ -409,6 +409,7 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
         device.begin_step(step, table, device_prompts)
         if step.mamba:
             self.mamba_metadata.update_step(device.mamba_step_fields(step))
+            self._restore_mamba_snapshots()
         device.end_step()
         self._step = step
         self._set_step_counts(step)

@@ -23,21 +23,35 @@ miss, never a wrong block.
 
 Only full prompt blocks whose every token was computed are shared, and a request's queries
 start after its matched blocks: nothing is ever written into a shared or cached block.
+
+Hybrids (Mamba layers): a hit must also resume the request's Mamba state at the matched
+boundary. ``prefix_caching_mamba_gb`` buys ``MambaSnapshots``: copies of a request's conv and
+SSM states taken at ``update_requests`` when its computed tokens end exactly on a full prompt
+block (keyed by that block's digest, least recently used replaced first). A hybrid hit is the
+longest matched run whose last block has a snapshot; none, no hit (never a wrong state). The hit
+row starts from the snapshot copied into its slot and runs as the step's continuation (the
+last row, from its saved state; nothing is added after it in the step). To make snapshots
+exist where requests share a prefix, ``first_chunk_boundary`` tells the scheduler to end a
+hybrid's first chunk at the end of its cached blocks when the state there is missing (vLLM's
+"align" idea): that request recomputes the prefix once, and later ones resume from it.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
 
-from ._fields import FIELD_IDS, FIELD_KV_OFFSET, FIELD_QUERY
+from ._fields import FIELD_IDS, FIELD_KV_OFFSET, FIELD_MAMBA_SLOT, FIELD_QUERY
 from .requests import whole_number_ids
 
+logger = logging.getLogger("dynctx.context")
 POLICIES = ("ref_zero", "lru")
 _DIGEST = 16
 
@@ -99,6 +113,68 @@ def wants_every_prompt_logit(req: Any) -> bool:
                 and not getattr(params, "skip_prompt_log_probs", False))
 
 
+class MambaSnapshots:
+    """Conv and SSM state copies at block boundaries (hybrids), keyed by block digest.
+
+    Args:
+        count: snapshots (``prefix_caching_mamba_gb`` // bytes of one request's states).
+        conv_shape, ssm_shape: ``[mamba layers, *state shape]`` of one request.
+        conv_dtype, ssm_dtype, device: as the context's Mamba states.
+    """
+
+    def __init__(self, count: int, conv_shape: tuple, ssm_shape: tuple, conv_dtype, ssm_dtype,
+                 device):
+        self.count = int(count)
+        self._spec = (tuple(conv_shape), tuple(ssm_shape), conv_dtype, ssm_dtype, device)
+        self.conv: Optional[torch.Tensor] = None
+        self.ssm: Optional[torch.Tensor] = None
+        self.index: "OrderedDict[bytes, int]" = OrderedDict()
+
+    def allocate(self) -> None:
+        conv_shape, ssm_shape, conv_dtype, ssm_dtype, device = self._spec
+        layers = conv_shape[0]
+        self.conv = torch.zeros((layers, self.count, *conv_shape[1:]), dtype=conv_dtype,
+                                device=device)
+        self.ssm = torch.zeros((layers, self.count, *ssm_shape[1:]), dtype=ssm_dtype,
+                               device=device)
+        self.index.clear()
+
+    def release(self) -> None:
+        self.conv = self.ssm = None
+        self.index.clear()
+
+    def save(self, items: List[Tuple[int, bytes]], conv_states: torch.Tensor,
+             ssm_states: torch.Tensor) -> None:
+        """Copy the states of slots into snapshots under ``(slot, digest)`` items (a digest
+        already held is kept; when full, the least recently used snapshot is replaced)."""
+        slots, targets = [], []
+        for slot, digest in items:
+            if digest in self.index or self.count == 0:
+                continue
+            if len(self.index) < self.count:
+                target = len(self.index)
+            else:
+                _, target = self.index.popitem(last=False)
+            self.index[digest] = target
+            slots.append(slot)
+            targets.append(target)
+        if slots:
+            src = torch.tensor(slots, dtype=torch.int64, device=conv_states.device)
+            dst = torch.tensor(targets, dtype=torch.int64, device=conv_states.device)
+            self.conv.index_copy_(1, dst, conv_states.index_select(1, src))
+            self.ssm.index_copy_(1, dst, ssm_states.index_select(1, src))
+
+    def restore(self, items: List[Tuple[int, int]], conv_states: torch.Tensor,
+                ssm_states: torch.Tensor) -> None:
+        """Copy snapshots into slots: ``(slot, snapshot index)`` items."""
+        if items:
+            device = conv_states.device
+            dst = torch.tensor([slot for slot, _ in items], dtype=torch.int64, device=device)
+            src = torch.tensor([index for _, index in items], dtype=torch.int64, device=device)
+            conv_states.index_copy_(1, dst, self.conv.index_select(1, src))
+            ssm_states.index_copy_(1, dst, self.ssm.index_select(1, src))
+
+
 @dataclass(frozen=True)
 class PrefixHit:
     """What ``plan_match`` found for a new request: its chain, the matched blocks (in order)
@@ -108,6 +184,7 @@ class PrefixHit:
     blocks: np.ndarray
     idle: np.ndarray
     block_size: int
+    snapshot: int = -1         # hybrids: the Mamba snapshot the hit resumes from
 
     @property
     def tokens(self) -> int:
@@ -127,6 +204,7 @@ class PublishPlan:
 
     items: Tuple[Tuple[int, int, Link, int], ...] = ()
     progress: Tuple[Tuple[int, int], ...] = ()
+    snapshots: Tuple[Tuple[int, bytes], ...] = ()   # hybrids: (Mamba slot, block digest)
 
 
 @dataclass
@@ -163,10 +241,13 @@ class PrefixCache:
             ``on_evict`` are set up here).
         block_size: tokens per block.
         policy: "ref_zero" or "lru".
+        mamba: a hybrid's state snapshots (None: not a hybrid).
     """
 
-    def __init__(self, allocator, block_size: int, policy: str):
+    def __init__(self, allocator, block_size: int, policy: str,
+                 mamba: Optional[MambaSnapshots] = None):
         self.allocator = allocator
+        self.mamba = mamba
         self.block_size = int(block_size)
         self.policy = policy
         allocator.keeps_idle_blocks = policy == "lru"
@@ -182,6 +263,8 @@ class PrefixCache:
         self.entries.clear()
         self.block_digest.clear()
         self.pending.clear()
+        if self.mamba is not None and self.mamba.conv is not None:
+            self.mamba.index.clear()
 
     # ------------------------------------------------------------------ eviction
     def _forget(self, blocks: np.ndarray) -> None:
@@ -207,17 +290,32 @@ class PrefixCache:
             blocks.append(entry[0])
         return blocks
 
+    def _resumable(self, links: Tuple[Link, ...], blocks: List[int]) -> Tuple[int, int]:
+        """``(blocks, snapshot)``: on a hybrid, the longest matched run whose boundary has a
+        Mamba snapshot (0, -1: none); otherwise every matched block."""
+        if self.mamba is None:
+            return len(blocks), -1
+        index = self.mamba.index
+        for count in range(len(blocks), 0, -1):
+            snapshot = index.get(links[count - 1][0])
+            if snapshot is not None:
+                return count, snapshot
+        return 0, -1
+
     def plan_match(self, req: Any, request_id: int, chunk: int,
                    allow_hit: bool = True) -> PrefixHit:
         """The hit of a new request whose first add covers ``chunk`` prompt tokens; pure.
         At most ``(chunk - 1) // block_size`` blocks match, so the chunk computes at least
-        its last token. ``allow_hit=False`` (hybrids without a state snapshot, requests
-        asking for prompt log probs) matches nothing but still plans the publishing."""
+        its last token. ``allow_hit=False`` (requests asking for prompt log probs, a hybrid's
+        second state resume in a step) matches nothing but still plans the publishing."""
         links = self._links(req, request_id)
         limit = (chunk - 1) // self.block_size if allow_hit else 0
-        blocks = np.asarray(self._matched(links, limit), dtype=np.int32)
+        matched = self._matched(links, limit)
+        count, snapshot = self._resumable(links, matched)
+        blocks = np.asarray(matched[:count], dtype=np.int32)
         idle = blocks[self.allocator.ref_counts[blocks] == 0] if blocks.size else blocks
-        return PrefixHit(links=links, blocks=blocks, idle=idle, block_size=self.block_size)
+        return PrefixHit(links=links, blocks=blocks, idle=idle, block_size=self.block_size,
+                         snapshot=snapshot)
 
     def lookup(self, req: Any) -> Tuple[int, int]:
         """``(tokens, idle blocks)``: the prompt tokens the next ``add_request`` of ``req`` (a
@@ -227,9 +325,23 @@ class PrefixCache:
             return 0, 0
         links = self._links(req, getattr(req, "request_id", -1))
         limit = (req.remaining_prompt_length - 1) // self.block_size
-        blocks = np.asarray(self._matched(links, limit), dtype=np.int64)
+        matched = self._matched(links, limit)
+        blocks = np.asarray(matched[:self._resumable(links, matched)[0]], dtype=np.int64)
         idle = int((self.allocator.ref_counts[blocks] == 0).sum()) if blocks.size else 0
         return int(blocks.size) * self.block_size, idle
+
+    def first_chunk_boundary(self, req: Any) -> int:
+        """Hybrids: where the first chunk of the new request ``req`` should end so that its
+        Mamba state at the end of its cached blocks exists afterwards (the blocks are cached
+        beyond the last snapshot); 0 when there is no such boundary. Pure."""
+        if self.mamba is None or self.mamba.count == 0 or wants_every_prompt_logit(req) \
+                or req.finished_chunk_token_count:
+            return 0
+        links = self._links(req, getattr(req, "request_id", -1))
+        limit = (req.remaining_prompt_length - 1) // self.block_size
+        matched = self._matched(links, limit)
+        count, _ = self._resumable(links, matched)
+        return len(matched) * self.block_size if len(matched) > count else 0
 
     # ------------------------------------------------------------------ add (commit)
     def commit_add(self, request_id: int, hit: Optional[PrefixHit], computed: int) -> None:
@@ -247,6 +359,8 @@ class PrefixCache:
             shared = hit.blocks[~np.isin(hit.blocks, hit.idle)]
             if shared.size:
                 self.allocator.share(shared)
+            if hit.snapshot >= 0:
+                self.mamba.index.move_to_end(hit.links[hit.blocks.size - 1][0])
         if len(hit.links) > hit.blocks.size:
             self.pending[request_id] = _Pending(hit.links, int(hit.blocks.size))
 
@@ -257,7 +371,8 @@ class PrefixCache:
             return PublishPlan()
         P, T = table.paused, table.total
         ids = table.rows[FIELD_IDS, P:T]
-        items, progress = [], []
+        items, progress, snapshots = [], [], []
+        snapshotting = self.mamba is not None and self.mamba.count > 0
         for rid, pending in self.pending.items():
             where = np.flatnonzero(ids == rid)
             if where.size == 0:
@@ -265,15 +380,20 @@ class PrefixCache:
             row = P + int(where[0])
             computed = int(table.rows[FIELD_KV_OFFSET, row]) + int(table.rows[FIELD_QUERY, row])
             full = min(computed // self.block_size, len(pending.links))
+            if snapshotting and full and computed == full * self.block_size:
+                # Its Mamba state is the state at the end of block ``full``.
+                snapshots.append((int(table.rows[FIELD_MAMBA_SLOT, row]),
+                                  pending.links[full - 1][0]))
             for index in range(pending.published, full):
                 items.append((rid, index, pending.links[index],
                               int(table.block_table[row, index])))
             if full > pending.published:
                 progress.append((rid, full))
-        return PublishPlan(tuple(items), tuple(progress))
+        return PublishPlan(tuple(items), tuple(progress), tuple(snapshots))
 
     def commit_publish(self, plan: PublishPlan) -> list:
-        """Publish; returns what ``undo_publish`` needs to take it back."""
+        """Publish the blocks (not the snapshots: ``MambaSnapshots.save`` once the update is
+        sure); returns what ``undo_publish`` needs to take it back."""
         added, old = [], []
         cached = self.allocator.cached
         for _, _, (digest, parent, data), block in plan.items:
@@ -312,20 +432,50 @@ class PrefixCachingMixin:
     def _setup_prefix_caching(self, enable: bool, policy: str, mamba_gb: Optional[float]) -> None:
         self.enable_prefix_caching, self.prefix_caching_eviction_policy = enable, policy
         self.prefix_caching_mamba_gb = mamba_gb
-        self.prefix_cache = (PrefixCache(self.block_allocator, self.block_size_tokens, policy)
-                             if enable else None)
-        self._table.prefix_cache = self.prefix_cache
-        # A hybrid's hit needs the Mamba state at the matched boundary (not kept yet).
-        self._table.prefix_hits_allowed = not self.is_hybrid_model
+        self.prefix_cache = self._table.prefix_cache = None
+        if not enable:
+            return
+        mamba = None
+        if self.is_hybrid_model:
+            # A hybrid's hit resumes from a Mamba state snapshot; without a budget, no hits.
+            count = int((mamba_gb or 0.0) * 1024 ** 3 // self.mamba_bytes_per_request)
+            if count == 0:
+                logger.warning(
+                    "enable_prefix_caching on a hybrid model with prefix_caching_mamba_gb=%s: "
+                    "no Mamba state snapshot fits (%d bytes each), so no request can resume "
+                    "from the cache", mamba_gb, self.mamba_bytes_per_request)
+            layers = self.num_mamba_layers
+            mamba = MambaSnapshots(
+                count, (layers, *self.mamba_conv_states_shape),
+                (layers, *self.mamba_ssm_states_shape), self.mamba_conv_states_dtype,
+                self.mamba_ssm_states_dtype, self.device)
+        self.prefix_cache = self._table.prefix_cache = PrefixCache(
+            self.block_allocator, self.block_size_tokens, policy, mamba)
+
+    def _restore_mamba_snapshots(self) -> None:
+        """Hybrid hits: their slots take their snapshots (at every build of the step)."""
+        restores = self._table.mamba_restores
+        if restores:
+            self.prefix_cache.mamba.restore(restores, self._device.mamba_conv_states,
+                                            self._device.mamba_ssm_states)
 
     def prefix_cache_lookup(self, req: Any) -> int:
         """Prompt tokens the next ``add_request`` of the new request ``req`` would take from
         the prefix cache (when its chunk covers them and one token more); 0 without caching.
         Host only (a prompt on the device is copied once)."""
         self._check_allocated(getattr(req, "request_id", None))
-        if self.prefix_cache is None or not self._table.prefix_hits_allowed:
+        if self.prefix_cache is None:
             return 0
         return self.prefix_cache.lookup(req)[0]
+
+    def prefix_cache_first_chunk_boundary(self, req: Any) -> int:
+        """Hybrids with prefix caching: the prompt position the first chunk of the new
+        request ``req`` should end at, so that its Mamba state at the end of its cached blocks
+        is snapshotted for later requests (0: no such boundary; always 0 for other models)."""
+        self._check_allocated(getattr(req, "request_id", None))
+        if self.prefix_cache is None:
+            return 0
+        return self.prefix_cache.first_chunk_boundary(req)
 
     def check_availability(self, req: Any) -> Tuple[bool, bool, bool]:
         """``(request slot free, tokens fit, KV blocks available)`` for the whole remaining
@@ -337,7 +487,7 @@ class PrefixCachingMixin:
         request_ok = (self.total_request_count < self.max_requests
                       and self.paused_request_count == 0)
         skip, idle = 0, 0
-        if self.prefix_cache is not None and self._table.prefix_hits_allowed:
+        if self.prefix_cache is not None:
             skip, idle = self.prefix_cache.lookup(req)
         token_ok = self.active_token_count + remaining - skip <= self.max_tokens
         blocks = math.ceil((remaining + finished) / bs) - math.ceil(finished / bs) - skip // bs
@@ -351,16 +501,23 @@ class PrefixCachingMixin:
                       max_sequence_length=self.max_sequence_length)
         if cache is None:
             return table.plan_update(mask, **kwargs)
-        undo = cache.commit_publish(cache.plan_publish(table))
+        publish = cache.plan_publish(table)
+        undo = cache.commit_publish(publish)
         try:
-            return table.plan_update(mask, **kwargs)
+            plan = table.plan_update(mask, **kwargs)
         except BaseException:
             cache.undo_publish(undo)
             raise
+        if publish.snapshots:
+            # The slots still hold the states the forward left (the update moves no state).
+            cache.mamba.save(list(publish.snapshots), self._device.mamba_conv_states,
+                             self._device.mamba_ssm_states)
+        return plan
 
     def _after_update_publishing(self) -> None:
         if self.prefix_cache is not None:
             self.prefix_cache.drop_done(self._table.live_ids)
+            self._table.mamba_restores = []
 
     def get_prefix_cache_stats(self) -> Dict[str, float]:
         """Megatron-Core 0.19's counters (``prefix_cache_hits``, ``..._blocks_matched``,

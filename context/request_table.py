@@ -62,7 +62,6 @@ class RequestTable:
         self.prompt: Optional[np.ndarray] = None
         # Prefix caching (context/prefix_cache.py), set by the context when enabled.
         self.prefix_cache = None
-        self.prefix_hits_allowed = True
         self._clear_counts()
 
     # ------------------------------------------------------------------ lifetime
@@ -70,6 +69,8 @@ class RequestTable:
         """Take the arena's host views (int32 ``[NUM_FIELDS, R]`` rows, ``label -> [R]``
         metadata, int64 ``[R]`` Mamba zero-slot list) and allocate the host-only arrays."""
         self.rows, self.metadata, self._zero_slots = rows, metadata, zero_slots
+        if self.prefix_cache is not None and self.prefix_cache.mamba is not None:
+            self.prefix_cache.mamba.allocate()
         self.block_table = np.full((self.max_requests, self.max_kv_block_count), -1,
                                    dtype=np.int32)
         self.prompt = np.zeros(self.max_tokens, dtype=np.int64)
@@ -83,6 +84,8 @@ class RequestTable:
         self.allocator.reset()
         if self.prefix_cache is not None:
             self.prefix_cache.reset()
+            if self.prefix_cache.mamba is not None:
+                self.prefix_cache.mamba.release()
         self._clear_counts()
 
     @property
@@ -104,6 +107,8 @@ class RequestTable:
         self.dirty_from = self.max_requests
         self.zero_count = 0
         self.device_prompts: list = []
+        # Prefix caching on hybrids: (slot, snapshot) copies before each build of the step.
+        self.mamba_restores: list = []
 
     def reset(self) -> None:
         """Every row free, every block and slot free (the KV bytes are kept)."""
@@ -172,10 +177,16 @@ class RequestTable:
             rows[FIELD_MAMBA_SLOT, row] = -1
             if self.hybrid:
                 # A new request starts from zero Mamba state; the zeroing is flushed per step.
+                # A prefix cache hit starts from its snapshot instead, as the step's
+                # continuation (the last row, from its saved state).
                 slot = self.slots.allocate()
                 rows[FIELD_MAMBA_SLOT, row] = slot
-                self._zero_slots[self.zero_count] = slot
-                self.zero_count += 1
+                if plan.prefix is not None and plan.prefix.snapshot >= 0:
+                    self.mamba_restores.append((slot, plan.prefix.snapshot))
+                    self.continuation_added = True
+                else:
+                    self._zero_slots[self.zero_count] = slot
+                    self.zero_count += 1
             self.block_table[row] = -1
             if plan.prefix is not None and plan.already:
                 self.block_table[row, :plan.already] = plan.prefix.blocks

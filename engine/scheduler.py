@@ -23,7 +23,9 @@ Per step, the caller:
      its blocks; without it (the test driver) a continuation may stall (``ChunkStalled``);
    * on a hybrid (Mamba) model nothing is added after a continuation's final chunk: it alone
      starts from its saved Mamba state and must stay the step's last row (docs/SEMANTICS.md
-     §0.3);
+     §0.3); the same holds for a prefix cache hit, which resumes from a Mamba state snapshot,
+     and a hybrid's first chunk ends where its cached blocks end when no snapshot exists there
+     yet (docs/SEMANTICS.md §17);
 3. runs the step and ``update_requests``; then ``after_update(evicted_ids)`` re-queues evicted
    requests at the front (behind the chunked prefill in flight) for recompute.
 
@@ -167,8 +169,15 @@ class Scheduler:
         token_room = ctx.max_tokens - ctx.active_token_count
         # Prefix caching: the cached tokens of the prompt cost no step tokens; a first chunk
         # covers them and fills the budget after them.
-        skip = ctx.prefix_cache_lookup(request) \
-            if getattr(ctx, "prefix_cache", None) is not None else 0
+        caching = getattr(ctx, "prefix_cache", None) is not None
+        skip = ctx.prefix_cache_lookup(request) if caching else 0
+        if caching and ctx.is_hybrid_model and self.enable_chunked_prefill:
+            # A hybrid's first chunk ends where its cached blocks end when the Mamba state
+            # there is not snapshotted yet: the snapshot taken then serves later requests.
+            boundary = ctx.prefix_cache_first_chunk_boundary(request)
+            if boundary and 0 < boundary - skip <= token_room and (
+                    not self.reserve_for_chunks or self._chunking_is_safe(remaining, boundary)):
+                return boundary
         if remaining - skip <= token_room:
             return remaining
         if not self.enable_chunked_prefill or token_room <= 0:
@@ -196,6 +205,7 @@ class Scheduler:
                 and (limit is None or len(done.admitted) < limit):
             rid = self.waiting[0]
             request = request_for(rid)
+            resumes = False
             chunked_id = ctx.chunked_prefill_request_id
             continuing = chunked_id != -1
             remaining = request.remaining_prompt_length
@@ -217,6 +227,10 @@ class Scheduler:
                 chunk = self._first_chunk(request)
                 if chunk is None:
                     break
+                # A hybrid's prefix cache hit resumes from a Mamba snapshot as the step's
+                # continuation: nothing may be added after it.
+                resumes = ctx.is_hybrid_model and getattr(ctx, "prefix_cache", None) \
+                    is not None and ctx.prefix_cache_lookup(request) > 0
             final = chunk == remaining
             try:
                 add(request, None if final else chunk)
@@ -239,6 +253,8 @@ class Scheduler:
                 ctx.chunked_prefill_request_id = -1
                 if ctx.is_hybrid_model:
                     self._step_closed = True
+            elif resumes:
+                self._step_closed = True
         return done
 
     def note_chunked_prefill(self, request_id: int) -> None:

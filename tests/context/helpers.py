@@ -82,7 +82,8 @@ def snapshot(ctx, device: bool = False) -> dict:
                      prefix_pending={rid: (p.links, p.published)
                                      for rid, p in cache.pending.items()},
                      prefix_cached=alloc.cached.copy(), prefix_idle=alloc.idle_count,
-                     prefix_stats=cache.stats.as_dict())
+                     prefix_stats=cache.stats.as_dict(),
+                     prefix_snapshots=None if cache.mamba is None else dict(cache.mamba.index))
     if not ctx.is_tensor_state_allocated:
         return state
     T = ctx.total_request_count

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers import add, check_invariants, make_ctx, snapshot
+from helpers import add, assert_same, check_invariants, make_ctx, snapshot
 from triton_marks import needs_triton
 
 from dynctx.context import (
@@ -249,15 +249,81 @@ def test_reset_and_suspend_forget_the_cache():
     assert ctx.get_prefix_cache_stats()["prefix_cache_blocks"] == 0
 
 
-def test_hybrid_without_a_state_snapshot_never_hits():
+def hybrid_ctx(**overrides):
     layers, conv, ssm = ("M", "*"), (6, 4), (2, 3, 5)
-    ctx = make_ctx(num_layers=2, enable_prefix_caching=True,
-                   mamba_inference_state_config=MambaInferenceStateConfig(layers, conv, ssm))
+    return make_ctx(num_layers=2, enable_prefix_caching=True,
+                    mamba_inference_state_config=MambaInferenceStateConfig(layers, conv, ssm),
+                    **overrides)
+
+
+def test_hybrid_without_a_state_snapshot_never_hits(caplog):
+    with caplog.at_level("WARNING", logger="dynctx.context"):
+        ctx = hybrid_ctx()
+    assert "no Mamba state snapshot fits" in caplog.text
     add(ctx, req(1, PROMPT))
     step(ctx)
     assert ctx.prefix_cache_lookup(req(2, PROMPT)) == 0
+    assert ctx.prefix_cache_first_chunk_boundary(req(2, PROMPT)) == 0
     add(ctx, req(2, PROMPT))
     assert ctx.request_query_lengths[1] == 13
+
+
+def test_hybrid_hit_resumes_from_the_snapshot_at_its_boundary():
+    per_request = 4 * (6 * 4 + 2 * 3 * 5)
+    ctx = hybrid_ctx(prefix_caching_mamba_gb=2 * per_request / 1024 ** 3)
+    snaps = ctx.prefix_cache.mamba
+    assert snaps.count == 2
+    add(ctx, req(1, PROMPT))
+    step(ctx)                        # ends at 13: not a block boundary, no snapshot
+    assert len(snaps.index) == 0
+    # The blocks are cached, the state at their end is not: the first chunk ends there.
+    assert ctx.prefix_cache_lookup(req(2, PROMPT)) == 0
+    assert ctx.prefix_cache_first_chunk_boundary(req(2, PROMPT)) == 12
+    r2 = req(2, PROMPT)
+    add(ctx, r2, chunk_length=12)
+    ctx.chunked_prefill_request_id = 2
+    conv, ssm = ctx.mamba_states_cache(1)
+    ctx.initialize_attention_state()
+    slot = int(ctx.mamba_metadata.request_to_mamba_state_idx[1])
+    conv[slot].fill_(3.0)            # "the forward": the state after 12 tokens
+    ssm[slot].fill_(4.0)
+    ctx.update_requests(torch.tensor([True, True]), torch.tensor([7, 7]))
+    assert len(snaps.index) == 1     # the state at 12 tokens, under block 3's digest
+    add(ctx, _continued(PROMPT, 2, 12))
+    ctx.chunked_prefill_request_id = -1
+    step(ctx)
+    # A third request resumes from the snapshot: 12 tokens skipped, its row the continuation.
+    assert ctx.prefix_cache_lookup(req(3, PROMPT)) == 12
+    add(ctx, req(3, PROMPT))
+    before = snapshot(ctx)
+    with pytest.raises(ValueError, match="hybrid"):
+        ctx.add_request(req(4, [1, 2, 3]))
+    assert_same(before, snapshot(ctx))
+    ctx.initialize_attention_state()
+    meta = ctx.mamba_metadata
+    slot = int(meta.request_to_mamba_state_idx[ctx.total_request_count - 1])
+    assert meta.batch_indices_chunked_prefill.tolist() == [slot]
+    assert bool((conv[slot] == 3.0).all()) and bool((ssm[slot] == 4.0).all())
+
+
+def _continued(prompt, rid, done):
+    r = req(rid, prompt)
+    r.remaining_prompt_tokens, r.finished_chunk_token_count = r.prompt_tokens[done:], done
+    return r
+
+
+def test_mamba_snapshots_replace_the_least_recently_used():
+    snaps = pc.MambaSnapshots(2, (1, 2), (1, 3), torch.float32, torch.float32, "cpu")
+    snaps.allocate()
+    conv = torch.arange(4 * 2, dtype=torch.float32).reshape(1, 4, 2)
+    ssm = torch.arange(4 * 3, dtype=torch.float32).reshape(1, 4, 3)
+    snaps.save([(0, b"a"), (1, b"b")], conv, ssm)
+    snaps.index.move_to_end(b"a")    # a hit on "a"
+    snaps.save([(2, b"c"), (3, b"a")], conv, ssm)
+    assert list(snaps.index) == [b"a", b"c"]          # "b" went; "a" kept its state
+    out_conv, out_ssm = torch.zeros_like(conv), torch.zeros_like(ssm)
+    snaps.restore([(3, snaps.index[b"a"]), (1, snaps.index[b"c"])], out_conv, out_ssm)
+    assert torch.equal(out_conv[0, 3], conv[0, 0]) and torch.equal(out_ssm[0, 1], ssm[0, 2])
 
 
 # ---------------------------------------------------------------- the Triton path

@@ -1,4 +1,5 @@
-"""Prefix caching through the engine, against transformers (docs/SEMANTICS.md §17).
+"""Prefix caching through the engine, against transformers (docs/SEMANTICS.md §17): Llama,
+DeepSeek-V2 (MLA) and NemotronH (Mamba hybrid, resuming from state snapshots).
 
 Requests share prompt prefixes (a common "system prompt", some whole prompts repeated, one
 request with a salt of its own), arrive over time into a KV buffer small enough that requests
@@ -17,11 +18,14 @@ from e2e_helpers import (
     assert_pressure_stats,
     build_engine,
     greedy_requests,
+    hf_greedy,
     make_prompts,
     tiny_llama,
 )
 from test_deepseek_mla import build_engine as build_mla_engine
 from test_deepseek_mla import tiny_deepseek
+from test_nemotron_h import build_engine as build_hybrid_engine
+from test_nemotron_h import record_mamba_steps, tiny_nemotron_h
 
 POLICIES = ["ref_zero", "lru"]
 
@@ -115,3 +119,39 @@ def test_salted_requests_do_not_share():
     assert results[0].generated_tokens == results[1].generated_tokens == \
         results[2].generated_tokens
     assert torch.equal(torch.tensor(results[0].prompt_tokens), torch.tensor(prompt))
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_nemotron_h_prefix_caching_resumes_from_mamba_snapshots(policy):
+    """A hybrid: hits resume from Mamba state snapshots (asserted: hits happen, and the hit
+    rows run as the step's continuation from their slots), under pausing, eviction and
+    chunking; tokens and per-step logits equal transformers'."""
+    hf = tiny_nemotron_h(seed=3)
+    prompts, gens, arrivals = shared_prefix_workload(hf.config.vocab_size)
+    engine = build_hybrid_engine(hf, block_size=16, blocks=16, paused_blocks=3, max_tokens=32,
+                                 kernel_backend="torch", attention_backend="torch",
+                                 record_logits=True, enable_prefix_caching=True,
+                                 prefix_caching_eviction_policy=policy,
+                                 prefix_caching_mamba_gb=64 * 1024 / 1024 ** 3)
+    ctx = engine.context
+    assert ctx.prefix_cache.mamba.count > 8
+    steps = record_mamba_steps(engine)
+    results = run(engine, prompts, gens, arrivals)
+    stats = engine.stats.prefix_cache
+    assert_pressure_stats(engine.stats, results)
+    assert stats["prefix_cache_hits"] >= 3, stats
+    assert sum(s[2] is not None for s in steps) >= stats["prefix_cache_hits"]
+    assert not ctx.has_unfinished_requests()
+    assert_matches_transformers(hf, prompts, gens, results)
+
+
+def test_nemotron_h_without_a_snapshot_budget_never_hits():
+    hf = tiny_nemotron_h(seed=3)
+    prompts, gens, arrivals = shared_prefix_workload(hf.config.vocab_size)
+    engine = build_hybrid_engine(hf, block_size=16, blocks=40, paused_blocks=3, max_tokens=64,
+                                 kernel_backend="torch", attention_backend="torch",
+                                 enable_prefix_caching=True)
+    results = run(engine, prompts[:4], gens[:4], arrivals[:4])
+    assert engine.stats.prefix_cache["prefix_cache_hits"] == 0
+    for prompt, gen, result in zip(prompts, gens, results):
+        assert result.generated_tokens == hf_greedy(hf, prompt, gen)
