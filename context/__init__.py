@@ -16,6 +16,7 @@ from .errors import (
     TokenOverflowError,
     get_mem_size_str,
 )
+from .prefix_cache import PrefixCachingEvictionPolicy
 from .requests import DEFAULT_METADATA_TYPES, DynamicInferenceRequest, SamplingParams
 
 __all__ = [
@@ -23,6 +24,7 @@ __all__ = [
     "ContextErrorFactory", "ContextOverflowError", "DEFAULT_METADATA_TYPES",
     "DynamicInferenceContext", "DynamicInferenceRequest", "InferenceBatchDimensions",
     "MambaInferenceStateConfig", "MaxSequenceLengthOverflowError", "NotHybridError",
+    "PrefixCachingEvictionPolicy",
     "RequestOverflowError", "StepShapeError",
     "SamplingParams", "TensorStateDeallocatedError", "TokenOverflowError", "get_mem_size_str",
 ]

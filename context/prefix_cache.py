@@ -43,6 +43,7 @@ import logging
 import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
@@ -53,6 +54,13 @@ from .requests import whole_number_ids
 
 logger = logging.getLogger("dynctx.context")
 POLICIES = ("ref_zero", "lru")
+
+
+class PrefixCachingEvictionPolicy(str, Enum):
+    """Megatron-Core 0.19's enum of the eviction policies (a plain string works as well)."""
+
+    REF_ZERO = "ref_zero"
+    LRU = "lru"
 _DIGEST = 16
 
 # (digest, parent digest, token bytes) of one full block.
@@ -65,6 +73,8 @@ def check_prefix_caching_args(enable_prefix_caching: Any, prefix_caching_evictio
     if not isinstance(enable_prefix_caching, (bool, np.bool_)):
         raise TypeError(f"enable_prefix_caching={enable_prefix_caching!r} must be a bool")
     policy = prefix_caching_eviction_policy
+    if isinstance(policy, Enum):
+        policy = policy.name
     if not isinstance(policy, str) or policy.lower() not in POLICIES:
         raise ValueError(f"prefix_caching_eviction_policy={policy!r} must be one of "
                          f"{', '.join(repr(p) for p in POLICIES)}")

@@ -15,6 +15,7 @@ from dynctx.context import (
     BlockAllocator,
     DynamicInferenceRequest,
     MambaInferenceStateConfig,
+    PrefixCachingEvictionPolicy,
     SamplingParams,
 )
 from dynctx.context import prefix_cache as pc
@@ -67,6 +68,11 @@ def test_off_by_default_and_policy_names_are_case_insensitive():
     ctx = make_ctx(enable_prefix_caching=True, prefix_caching_eviction_policy="LRU")
     assert ctx.prefix_caching_eviction_policy == "lru"
     assert ctx.block_allocator.keeps_idle_blocks
+    # Megatron-Core 0.19's enum works too.
+    ctx = make_ctx(enable_prefix_caching=True,
+                   prefix_caching_eviction_policy=PrefixCachingEvictionPolicy.REF_ZERO)
+    assert ctx.prefix_caching_eviction_policy == "ref_zero"
+    assert not ctx.block_allocator.keeps_idle_blocks
 
 
 # ---------------------------------------------------------------- matching
