@@ -145,7 +145,7 @@ def main(argv=None) -> int:
            "threads": args.threads, "torch": torch.__version__,
            "python": platform.python_version(),
            "cpu": platform.processor() or platform.machine(), "git": git_sha(),
-           "command": "python bench/prefix_caching.py " + " ".join(argv or sys.argv[1:]),
+           "command": " ".join(["python bench/prefix_caching.py", *(argv or sys.argv[1:])]),
            "models": {}}
     ok = True
     print(f"{'model':<11} {'caching':<8} {'computed':>9} {'cached':>8} {'shared skipped':>15} "

@@ -42,7 +42,7 @@ import hashlib
 import logging
 import math
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -209,8 +209,8 @@ class _Pending:
 
 @dataclass(frozen=True)
 class PublishPlan:
-    """Blocks to publish: ``(request_id, index, link, block)``; ``done``: requests whose chain
-    is then complete."""
+    """What one update publishes: blocks ``(request_id, index, link, block)``, each request's
+    published count afterwards ``(request_id, count)``, and the Mamba snapshots to take."""
 
     items: Tuple[Tuple[int, int, Link, int], ...] = ()
     progress: Tuple[Tuple[int, int], ...] = ()
@@ -225,7 +225,7 @@ class PrefixCacheStats:
     prefix_cache_blocks_matched: int = 0
     prefix_cache_prefill_skipped_tokens: int = 0
     prefix_cache_prefill_computed_tokens: int = 0
-    prefix_cache_lookups: int = field(default=0)
+    prefix_cache_lookups: int = 0
 
     def as_dict(self) -> Dict[str, float]:
         total = self.prefix_cache_prefill_skipped_tokens + \
@@ -273,7 +273,7 @@ class PrefixCache:
         self.entries.clear()
         self.block_digest.clear()
         self.pending.clear()
-        if self.mamba is not None and self.mamba.conv is not None:
+        if self.mamba is not None:
             self.mamba.index.clear()
 
     # ------------------------------------------------------------------ eviction
@@ -316,10 +316,10 @@ class PrefixCache:
                    allow_hit: bool = True) -> PrefixHit:
         """The hit of a new request whose first add covers ``chunk`` prompt tokens; pure.
         At most ``(chunk - 1) // block_size`` blocks match, so the chunk computes at least
-        its last token. ``allow_hit=False`` (requests asking for prompt log probs, a hybrid's
-        second state resume in a step) matches nothing but still plans the publishing."""
+        its last token. ``allow_hit=False`` (requests asking for prompt log probs) matches
+        nothing but still plans the publishing."""
         links = self._links(req, request_id)
-        limit = (chunk - 1) // self.block_size if allow_hit else 0
+        limit = max(0, (chunk - 1) // self.block_size) if allow_hit else 0
         matched = self._matched(links, limit)
         count, snapshot = self._resumable(links, matched)
         blocks = np.asarray(matched[:count], dtype=np.int32)
@@ -334,7 +334,7 @@ class PrefixCache:
         if wants_every_prompt_logit(req) or req.finished_chunk_token_count:
             return 0, 0
         links = self._links(req, getattr(req, "request_id", -1))
-        limit = (req.remaining_prompt_length - 1) // self.block_size
+        limit = max(0, (req.remaining_prompt_length - 1) // self.block_size)
         matched = self._matched(links, limit)
         blocks = np.asarray(matched[:self._resumable(links, matched)[0]], dtype=np.int64)
         idle = int((self.allocator.ref_counts[blocks] == 0).sum()) if blocks.size else 0
@@ -348,7 +348,7 @@ class PrefixCache:
                 or req.finished_chunk_token_count:
             return 0
         links = self._links(req, getattr(req, "request_id", -1))
-        limit = (req.remaining_prompt_length - 1) // self.block_size
+        limit = max(0, (req.remaining_prompt_length - 1) // self.block_size)
         matched = self._matched(links, limit)
         count, _ = self._resumable(links, matched)
         return len(matched) * self.block_size if len(matched) > count else 0
