@@ -46,6 +46,7 @@ from ._graph_capture import DummyRequestsMixin
 from ._kv import KVCacheMixin
 from ._logits import LogitsMixin
 from ._mamba import MambaMetadata, MambaMixin
+from ._prefix_caching import PrefixCachingMixin
 from ._rotary import RotaryMixin
 from ._rows import RowsMixin
 from ._views import StateViewsMixin
@@ -55,7 +56,7 @@ from .cuda_graphs import context_cuda_graph_ladder
 from .device_state import DeviceState
 from .errors import TensorStateDeallocatedError, get_mem_size_str
 from .inputs import check_new_tokens, read_mask
-from .prefix_cache import PrefixCachingMixin, check_prefix_caching_args
+from .prefix_cache import check_prefix_caching_args
 from .request_table import RequestTable
 from .requests import DynamicInferenceRequest
 from .sizing import check_scalars, layer_layout, memory_layout, positive_int
