@@ -257,6 +257,12 @@ class Scheduler:
                 self._step_closed = True
         return done
 
+    def close_step(self) -> None:
+        """Add nothing more in this step (until ``after_update``): a caller that added a
+        request outside ``schedule`` that must stay the step's last row (a hybrid's prefix
+        cache hit) says so."""
+        self._step_closed = True
+
     def note_chunked_prefill(self, request_id: int) -> None:
         """A first chunk of ``request_id`` was added outside ``schedule`` (the test driver's
         direct adds; the caller set ``chunked_prefill_request_id``): it continues first."""

@@ -149,9 +149,8 @@ class InvariantChecks(Patterns):
             return
         cfg, ctx = self.cfg, self.ctx
         slots = torch.tensor([t.slot for t in live], dtype=torch.int64)
-        writes = np.array([t.mamba_writes for t in live])
-        fresh = writes == 0
-        wants = self.mamba_pattern(np.array([t.uid for t in live]), writes)
+        uids, writes, fresh = self.mamba_keys(live)
+        wants = self.mamba_pattern(uids, writes)
         caches = [ctx.mamba_states_cache(number) for number in cfg.mamba_layers]
         for ssm, want in enumerate(wants):
             got = torch.stack([c[ssm][slots] for c in caches], dim=1).numpy()  # [n, layers, ...]

@@ -31,6 +31,7 @@ _EXACT = 2 ** 24             # integers below this are exact in fp32
 
 HYBRID_LAYERS = ("M", "*", "-", "M", "*")  # Mamba layers 1 and 4, attention layers 2 and 5
 _POISON = 0.5                # never a pattern value: states of free slots and padded scatter rows
+PREFIX_SNAPSHOTS = 6         # hybrids with prefix caching: Mamba state snapshots
 
 
 class Violation(AssertionError):
@@ -127,6 +128,9 @@ class MachineConfig:
         if self.prefix_caching is not None:
             args.update(enable_prefix_caching=True,
                         prefix_caching_eviction_policy=self.prefix_caching)
+            if self.hybrid:
+                # Room for PREFIX_SNAPSHOTS Mamba state snapshots.
+                args["prefix_caching_mamba_gb"] = PREFIX_SNAPSHOTS * self.mamba_bytes / GIB
         ctx = DynamicInferenceContext(**args)
         # A request that pauses alone must be able to resume, or no request could ever run.
         max_blocks = math.ceil(self.max_sequence_length / self.block_size)
@@ -155,10 +159,14 @@ CONFIGS = {c.name: c for c in [
                   prefix_caching="ref_zero"),
     MachineConfig("pc-lru-mla-bs8-half", block_size=8, buffer_blocks=24, paused_blocks=None,
                   mla=True, prefix_caching="lru"),
+    MachineConfig("pc-hyb-lru-bs4-half", block_size=4, buffer_blocks=24, paused_blocks=None,
+                  layer_types=HYBRID_LAYERS, prefix_caching="lru"),
+    MachineConfig("pc-hyb-refzero-bs4-paused4", block_size=4, buffer_blocks=16,
+                  paused_blocks=4, layer_types=HYBRID_LAYERS, prefix_caching="ref_zero"),
 ]}
 CI_CONFIGS = [CONFIGS[n] for n in ("bs4-paused4", "bs8-half", "bs4-paused0", "mla-bs8-paused3",
                                    "hyb-bs4-paused4", "hyb-bs8-half", "pc-lru-bs4-paused4",
-                                   "pc-refzero-bs4-half")]
+                                   "pc-refzero-bs4-half", "pc-hyb-lru-bs4-half")]
 
 
 def sample_token(rid: int, position: int) -> int:
@@ -194,6 +202,7 @@ class Tracked:
     blocks: List[int] = field(default_factory=list)  # block ids seen at the last check
     slot: int = -1                # hybrids: the Mamba slot it got when added (never changes)
     mamba_writes: int = 0         # hybrids: steps whose Mamba state pattern it holds
+    mamba_len: int = 0            # hybrids with prefix caching: tokens its state absorbed
     continued: bool = False       # the pending query is a continuation chunk (added this step)
 
     def expected_blocks(self, block_size: int) -> int:

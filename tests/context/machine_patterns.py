@@ -30,6 +30,19 @@ class Patterns:
         return np.array([ids.setdefault(sequence[:p + 1], len(ids)) for p in positions.tolist()],
                         dtype=np.int64)
 
+    def mamba_keys(self, requests) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(uids, writes, fresh)`` of the Mamba pattern each request's state holds: its
+        incarnation and write count, zero while fresh; with prefix caching the content of the
+        tokens its state has absorbed (``mamba_len``), so that a state restored from another
+        request's snapshot must equal what this request would have computed."""
+        if self.cfg.prefix_caching is None:
+            writes = np.array([t.mamba_writes for t in requests])
+            return np.array([t.uid for t in requests]), writes, writes == 0
+        lengths = np.array([t.mamba_len for t in requests])
+        uids = np.array([self.kv_uids(t, np.array([n - 1]))[0] if n else 0
+                         for t, n in zip(requests, lengths.tolist())], dtype=np.int64)
+        return uids, np.ones(len(requests), dtype=np.int64), lengths == 0
+
     def _inner(self) -> int:
         cfg = self.cfg
         return cfg.latent_dim if cfg.mla else 2 * cfg.num_heads * cfg.head_dim

@@ -32,6 +32,13 @@ count, layer) into its slot through ``scatter_mamba_states`` at the step's batch
 request's state back, and a new request's state must read zero after its first
 ``initialize_attention_state``. Nothing is added after a hybrid's continuation chunk in the
 same step (the scheduler stops there).
+
+Prefix caching configurations (``MachineConfig.prefix_caching``, names ``pc-*``) draw prompts
+from two token families so that they share prefixes, and key the K/V and Mamba patterns by
+content (the tokens up to the position, or those a state absorbed) instead of by incarnation:
+a block or a state taken from the cache must hold exactly what the request would have written.
+``check()`` adds the caching invariants (``InvariantChecks.check_prefix_cache``); a hybrid's
+hit is the step's continuation, resuming from a snapshot that must hold its prefix's state.
 """
 
 from __future__ import annotations
@@ -69,6 +76,7 @@ from dynctx.context import (
     TokenOverflowError,
 )
 from dynctx.context.dynamic_context import FIELD_MAMBA_SLOT
+from dynctx.context.prefix_cache import wants_every_prompt_logit
 from dynctx.engine.scheduler import Admission, Scheduler
 
 
@@ -121,13 +129,12 @@ class ContextDriver(InvariantChecks):
 
     def _cached_prefix(self, t: Tracked, chunk: int) -> int:
         """Prompt tokens a new request's add of ``chunk`` tokens takes from the prefix cache
-        (the context's lookup, capped as add_request caps it; check_kv verifies the blocks'
-        content)."""
+        (the context's own plan; check_kv and the Mamba checks verify the content)."""
         ctx = self.ctx
         if self.cfg.prefix_caching is None or t.req.finished_chunk_token_count:
             return 0
-        bs = self.cfg.block_size
-        return min(ctx.prefix_cache_lookup(t.req), (chunk - 1) // bs * bs)
+        return ctx.prefix_cache.plan_match(
+            t.req, t.rid, chunk, allow_hit=not wants_every_prompt_logit(t.req)).tokens
 
     def _active(self) -> List[Tracked]:
         return [t for t in self.live.values() if not t.paused]
@@ -220,7 +227,8 @@ class ContextDriver(InvariantChecks):
             self.stats["prefix_hits"] += 1
             self.stats["prefix_skipped_tokens"] += skip
         t.prefill, t.placeholder, t.paused = True, False, False
-        t.continued = continuation
+        # A hybrid's prefix cache hit resumes from a Mamba snapshot as the continuation.
+        t.continued = continuation or (skip > 0 and self.cfg.hybrid)
         if self.cfg.hybrid:
             row = ctx.host_request_ids().tolist().index(t.rid)
             slot = int(ctx._h_req[FIELD_MAMBA_SLOT, row])
@@ -233,7 +241,7 @@ class ContextDriver(InvariantChecks):
                         and slots_before[-1] == slot, lambda: f"add_request(id={t.rid}) got "
                         f"Mamba slot {slot}; the free stack was {slots_before}, is {free} (the "
                         "top of the stack must be handed out)")
-                t.slot, t.mamba_writes = slot, 0
+                t.slot, t.mamba_writes, t.mamba_len = slot, 0, skip
         self.live[t.rid] = t
         self.stats["adds"] += 1
         if chunk < remaining or continuation:
@@ -278,6 +286,8 @@ class ContextDriver(InvariantChecks):
             self._enqueue(t)
             return False
         added = self._try_add(t, chunk, duplicate=kind == "duplicate", pass_none=choice % 2 == 0)
+        if added and t.continued:
+            self.scheduler.close_step()  # a hybrid's cache hit must stay the step's last row
         if added and kind == "chunked":
             self.ctx.chunked_prefill_request_id = t.rid
             self.chunked, t.chunking = t, True
@@ -594,8 +604,8 @@ class ContextDriver(InvariantChecks):
         require(int(valid.sum()) == len(active), "the batch indices do not cover the active rows")
         for t in active:
             t.mamba_writes += 1
-        patterns = self.mamba_pattern(np.array([t.uid for t in active]),
-                                      np.array([t.mamba_writes for t in active]))
+            t.mamba_len = t.query_start + len(t.query)
+        patterns = self.mamba_pattern(*self.mamba_keys(active)[:2])
         src = []
         for shape, pattern in zip((cfg.conv_shape, cfg.ssm_shape), patterns):
             data = torch.full((len(index), len(cfg.mamba_layers), *shape), _POISON)
