@@ -166,7 +166,7 @@ CONFIGS = {c.name: c for c in [
 ]}
 CI_CONFIGS = [CONFIGS[n] for n in ("bs4-paused4", "bs8-half", "bs4-paused0", "mla-bs8-paused3",
                                    "hyb-bs4-paused4", "hyb-bs8-half", "pc-lru-bs4-paused4",
-                                   "pc-refzero-bs4-half", "pc-hyb-lru-bs4-half")]
+                                   "pc-hyb-lru-bs4-half")]
 
 
 def sample_token(rid: int, position: int) -> int:
