@@ -198,3 +198,21 @@ def test_prefix_caching_bench_smoke(tmp_path):
         assert model["off"]["prefill_tokens_from_cache"] == 0
         assert model["on"]["prefill_tokens_from_cache"] == want
         assert model["on"]["prefill_tokens_computed"] == 3 * 36 - want
+
+
+def test_engine_refuses_a_bad_salt_and_keeps_a_good_one():
+    hf = tiny_llama(seed=5)
+    engine = build_engine(hf, block_size=16, blocks=8, paused_blocks=1, max_tokens=32,
+                          kernel_backend="torch", enable_prefix_caching=True)
+    bad = greedy_requests([[5, 6, 7]], [2])[0]
+    bad.prefix_caching_salt = [1]
+    with pytest.raises(TypeError, match="prefix_caching_salt"):
+        engine.add_request(bad)
+    assert not engine.has_unfinished_requests()
+    good = greedy_requests([[5, 6, 7]], [2])[0]
+    good.prefix_caching_salt = "tenant"
+    engine.add_request(good)
+    assert engine._entries[0].request.prefix_caching_salt == "tenant"
+    with pytest.raises(TypeError, match="enable_prefix_caching"):
+        build_engine(hf, block_size=16, blocks=8, paused_blocks=1, max_tokens=32,
+                     enable_prefix_caching="yes")
