@@ -1,0 +1,79 @@
+"""Tensor parallelism over torch.distributed on two CPU ranks (gloo), against transformers.
+
+One spawn of two ranks (``distributed_ranks.run_spawned``; the ranks run ``tp_checks.all_checks``)
+runs every check, so that the ranks import torch and transformers once:
+
+* Llama (2 KV heads, one per rank; and 1 KV head, replicated on both ranks), DeepSeek-V2 (MLA:
+  heads sharded, the latent replicated; a MoE layer) and NemotronH (Mamba heads and groups
+  sharded) through ``Engine.from_transformers(..., tensor_model_parallel_size=2)``, rank 0's
+  requests broadcast: every rank returns the same tokens, equal to transformers' greedy
+  ``generate``, and every step's last-token logits lie within 1e-4 (fp32) of transformers' full
+  forward; the Llama, DeepSeek and NemotronH workloads pause, evict and chunk;
+* every rank's context has the same sizes; ranks given different memory budgets end with the
+  same (smallest) block counts, and different explicit ``max_requests`` are refused on every
+  rank; a context step makes no collective call.
+
+Megatron-Core's own uneven-pipeline test runs in tests/megatron/test_dynamic_context.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+from distributed_ranks import run_spawned
+from e2e_helpers import FP32_LOGITS_ATOL
+
+# Both ranks together, on a loaded 2-core machine: about 30 s (docs/DESIGN.md).
+TIMEOUT_S = 240.0
+
+
+@pytest.fixture(scope="module")
+def ranks() -> dict:
+    import tp_checks
+
+    return run_spawned(tp_checks.all_checks, world_size=2, timeout_s=TIMEOUT_S)
+
+
+@pytest.mark.parametrize("model", ["llama", "llama_replicated_kv", "deepseek", "nemotron_h"])
+def test_every_rank_matches_transformers(ranks, model):
+    first, second = ranks[0][model], ranks[1][model]
+    # Lockstep: the same tokens, sizes and pressure on both ranks.
+    for key in ("tokens", "finish", "sizes", "pressure", "local_heads", "kv_shape"):
+        assert first[key] == second[key], key
+    assert all(reason == "length" for reason in first["finish"])
+    # Each rank checked its half of the requests against transformers.
+    assert first["checked"] + second["checked"] == len(first["tokens"])
+    for out in (first, second):
+        assert out["mismatches"] == [], f"requests differing from transformers: {out}"
+        assert out["steps_checked"] > 0
+        assert out["worst_logit_error"] <= FP32_LOGITS_ATOL, out["worst_logit_error"]
+    if model != "llama_replicated_kv":
+        pauses, evictions, chunked = first["pressure"]
+        assert pauses > 0 and evictions > 0 and chunked > 0, first["pressure"]
+
+
+def test_shards(ranks):
+    # (query heads, KV heads) per rank: 4/2 -> 2/1; 4/1 -> 2/1 (the KV head replicated).
+    heads = {model: ranks[0][model]["local_heads"] for model in ranks[0] if model != "sizing"}
+    assert heads["llama"] == dict(num_q_heads=2, num_kv_heads=1)
+    assert heads["llama_replicated_kv"] == dict(num_q_heads=2, num_kv_heads=1)
+    assert ranks[0]["llama"]["kv_shape"][-2:] == (1, 16)
+    # DeepSeek: 2 of 4 heads; the latent row (32 + 16) whole.
+    assert heads["deepseek"]["num_heads"] == 2
+    assert ranks[0]["deepseek"]["kv_shape"][-1] == 48
+    # NemotronH: attention 2 of 4 query heads, 1 of 2 KV heads; Mamba 2 of 4 heads and 1 of 2
+    # groups: conv state (16 + 2 * 8, 4), SSM state (2, 8, 8).
+    assert heads["nemotron_h"] == dict(num_q_heads=2, num_kv_heads=1, mamba_heads=2, n_groups=1)
+    assert ranks[0]["nemotron_h"]["mamba_shapes"] == ((32, 4), (2, 8, 8))
+
+
+def test_sizes_agree_over_the_group(ranks):
+    first, second = ranks[0]["sizing"], ranks[1]["sizing"]
+    # Alone, the ranks' budgets (40 and 30 blocks, 8 and 5 paused) give different allocators.
+    assert first["alone"][:2] == (40, 8) and second["alone"][:2] == (30, 5)
+    # In one tensor-parallel group both take the smallest counts (level 0: total = buffer).
+    assert first["shared"] == second["shared"]
+    assert first["shared"][:2] == (30, 5)
+    assert first["group"] and second["group"] and first["heads"] == 1
+    for out in (first, second):
+        assert out["refused"] is not None and "max_requests (from 8 to 16)" in out["refused"]
+        assert out["steps"] > 3 and out["collectives_in_steps"] == []
