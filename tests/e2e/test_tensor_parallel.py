@@ -11,12 +11,19 @@ runs every check, so that the ranks import torch and transformers once:
   forward; the Llama, DeepSeek and NemotronH workloads pause, evict and chunk;
 * every rank's context has the same sizes; ranks given different memory budgets end with the
   same (smallest) block counts, and different explicit ``max_requests`` are refused on every
-  rank; a context step makes no collective call.
+  rank; a context step makes no collective call;
+* two pipeline stages of a hybrid with uneven layers (local layer maps) share one block count.
 
+and ``python -P -m torch.distributed.run --nproc-per-node 2 -m dynctx demo
+--tensor-parallel-size 2`` (the README's launch) runs and checks against transformers.
 Megatron-Core's own uneven-pipeline test runs in tests/megatron/test_dynamic_context.py.
 """
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 import pytest
 from distributed_ranks import run_spawned
@@ -77,3 +84,40 @@ def test_sizes_agree_over_the_group(ranks):
     for out in (first, second):
         assert out["refused"] is not None and "max_requests (from 8 to 16)" in out["refused"]
         assert out["steps"] > 3 and out["collectives_in_steps"] == []
+
+
+def test_uneven_hybrid_pipeline_stages_share_the_block_count(ranks):
+    first, second = ranks[0]["sizing"]["pipeline"], ranks[1]["sizing"]["pipeline"]
+    # Local layer maps: global index on the stage -> index within its type.
+    assert first["layer_map"] == {0: 0, 1: 0, 2: 1, 3: 1, 4: 2}
+    assert second["layer_map"] == {0: 0, 1: 0}
+    assert (first["attention_layers"], first["mamba_layers"]) == (3, 2)
+    assert (second["attention_layers"], second["mamba_layers"]) == (1, 1)
+    # Alone, the smaller stage fits more blocks; in the pipeline both take stage 0's count.
+    assert first["alone"][0] < second["alone"][0]
+    assert first["shared"] == second["shared"] and first["shared"][0] == first["alone"][0]
+
+
+def test_demo_runs_under_torchrun_with_two_ranks(tmp_path):
+    """The README's launch (``--standalone``: a free rendezvous port), a shorter workload."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONSAFEPATH="1")
+    command = [sys.executable, "-P", "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", "2", "-m", "dynctx", "demo", "--tensor-parallel-size", "2",
+               "--requests", "8", "--max-new-tokens", "12", "--no-progress",
+               "--plot", str(tmp_path / "demo.png")]
+    result = subprocess.run(command, capture_output=True, text=True, env=env, cwd=tmp_path,
+                            timeout=TIMEOUT_S)
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    assert "check             OK: 8/8 outputs match transformers' greedy generate" in out
+    assert "tensor parallel   2 ranks: 2 query heads and 1 KV head(s) per rank" in out
+    assert out.count("dynctx demo: random Llama") == 1          # rank 0 alone prints
+
+
+def test_demo_tensor_parallel_without_torchrun_says_how_to_launch(monkeypatch):
+    from dynctx import cli_demo
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(SystemExit, match="python -P -m torch.distributed.run --nproc-per-node 2 "
+                                         "-m dynctx demo --tensor-parallel-size 2"):
+        cli_demo.main(["--tensor-parallel-size", "2", "--plot", ""])

@@ -132,9 +132,10 @@ def nemotron_h_pressure() -> Dict[str, Any]:
 
 
 def sizing() -> Dict[str, Any]:
-    """Contexts whose ranks are given different memory budgets: MIN over the group makes their
-    allocators equal; different explicit sizes are refused on every rank; and a context step
-    makes no collective call."""
+    """Contexts whose ranks are given different memory budgets (tensor parallelism) or hold
+    different layers (pipeline stages of a hybrid): MIN over the group makes their allocators
+    equal; different explicit sizes are refused on every rank; a context step makes no
+    collective call."""
     rank = dist.get_rank()
     block = 4 * 2 * 2 * 4 * 1 * 8            # fp32, K+V, 2 layers, 4 tokens, 1 head per rank, 8
     gib = 1024 ** 3
@@ -155,6 +156,24 @@ def sizing() -> Dict[str, Any]:
         refused = None
     except ValueError as error:
         refused = str(error)
+
+    # Two pipeline stages with uneven hybrid layers (stage 0: 3 attention + 2 Mamba layers,
+    # stage 1: 1 + 1): each stage's layer map is local; both take the smaller block count.
+    from types import SimpleNamespace
+
+    from dynctx.context import MambaInferenceStateConfig
+
+    types = ["*", "M", "*", "M", "*"] if rank == 0 else ["M", "*"]
+    stage_args = dict(num_layers=len(types), max_requests=8, paused_buffer_size_gb=None,
+                      buffer_size_gb=100 * block / gib,
+                      mamba_inference_state_config=MambaInferenceStateConfig(
+                          types, (6, 4), (2, 4, 3)))
+    stage_alone = make(num_attention_heads=1, **stage_args)
+    stage = make(num_attention_heads=1, pipeline_model_parallel_size=2,
+                 pg_collection=SimpleNamespace(pp=dist.group.WORLD), **stage_args)
+    pipeline = dict(alone=_sizes(stage_alone), shared=_sizes(stage),
+                    layer_map=dict(stage.layer_map), attention_layers=stage.num_attention_layers,
+                    mamba_layers=stage.num_mamba_layers)
 
     # A few context steps with every torch.distributed collective counted.
     calls = []
@@ -179,6 +198,7 @@ def sizing() -> Dict[str, Any]:
         for name, fn in saved.items():
             setattr(dist, name, fn)
     return dict(alone=_sizes(alone), shared=_sizes(shared), refused=refused, steps=steps,
+                pipeline=pipeline,
                 collectives_in_steps=calls, heads=shared.num_attention_heads_per_partition,
                 group=shared.tensor_parallel_group is not None)
 
