@@ -29,7 +29,7 @@ import pytest
 from distributed_ranks import run_spawned
 from e2e_helpers import FP32_LOGITS_ATOL
 
-# Both ranks together, on a loaded 2-core machine: about 30 s (docs/DESIGN.md).
+# Generous: both ranks together take about 15-20 s on a loaded 2-core machine (docs/DESIGN.md §9).
 TIMEOUT_S = 240.0
 
 
