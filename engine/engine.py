@@ -326,6 +326,12 @@ class Engine:
         and replays the forward per graph batch dimension (``Engine``'s ``cuda_graphs``), and
         ``attention_backend="auto"`` picks among the backends a graph can capture
         (``engine.graphs.graph_attention_backend``).
+        ``tensor_model_parallel_size=N`` (a context argument; the group is ``pg_collection.tp``
+        or the default ``torch.distributed`` group of N ranks): run one process per rank, as
+        under ``torchrun``; each takes its shard of the weights (``models._common
+        .TensorParallel``) and a context of its shard, and every rank must then call the
+        engine's methods in the same order: rank 0's requests are broadcast and every rank
+        returns the same outputs (docs/SEMANTICS.md §17).
         """
         from dynctx.models import TensorParallel
 

@@ -121,3 +121,38 @@ def test_demo_tensor_parallel_without_torchrun_says_how_to_launch(monkeypatch):
     with pytest.raises(SystemExit, match="python -P -m torch.distributed.run --nproc-per-node 2 "
                                          "-m dynctx demo --tensor-parallel-size 2"):
         cli_demo.main(["--tensor-parallel-size", "2", "--plot", ""])
+
+
+# ---------------------------------------------------------------------- in one process
+def test_engine_tensor_parallel_needs_torch_distributed():
+    from e2e_helpers import tiny_llama
+
+    from dynctx.engine import Engine
+
+    with pytest.raises(RuntimeError, match="tensor_model_parallel_size=2 needs torch.distributed "
+                                           "initialised.*torchrun"):
+        Engine.from_transformers(tiny_llama(), buffer_size_gb=0.001,
+                                 tensor_model_parallel_size=2)
+
+
+def test_shards_that_do_not_divide_are_refused_naming_the_sizes():
+    from e2e_helpers import tiny_llama
+    from test_deepseek_mla import tiny_deepseek
+    from test_nemotron_h import tiny_nemotron_h
+
+    from dynctx.models import DeepseekV2Adapter, LlamaAdapter, NemotronHAdapter, TensorParallel
+
+    three = TensorParallel(3, 0)
+    with pytest.raises(ValueError, match="num_attention_heads=4 must be divisible by "
+                                         "tensor_model_parallel_size=3"):
+        LlamaAdapter.from_transformers(tiny_llama(), tensor_parallel=three)
+    with pytest.raises(ValueError, match="num_key_value_heads=2 must divide "
+                                         "tensor_model_parallel_size=3 when it is smaller"):
+        LlamaAdapter.from_transformers(tiny_llama(hidden=48, heads=6, kv_heads=2),
+                                       tensor_parallel=three)
+    with pytest.raises(ValueError, match="num_attention_heads=4 must be divisible"):
+        DeepseekV2Adapter.from_transformers(tiny_deepseek(), tensor_parallel=three)
+    with pytest.raises(ValueError, match="n_groups=1 must be divisible by "
+                                         "tensor_model_parallel_size=2"):
+        NemotronHAdapter.from_transformers(tiny_nemotron_h(groups=1),
+                                           tensor_parallel=TensorParallel(2, 0))
