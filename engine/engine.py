@@ -333,6 +333,7 @@ class Engine:
         engine's methods in the same order: rank 0's requests are broadcast and every rank
         returns the same outputs (docs/SEMANTICS.md §17).
         """
+        from dynctx.context.parallel import parallel_groups
         from dynctx.models import TensorParallel
 
         adapters = _transformers_adapters()
@@ -343,10 +344,18 @@ class Engine:
         config = hf_model.config
         param = next(hf_model.parameters())
         kwargs = dict(context_kwargs)
-        # Tensor parallelism: this rank's shard of the weights, the context's group alike.
-        pg_collection = kwargs.get("pg_collection")
-        tp = TensorParallel.from_group(kwargs.get("tensor_model_parallel_size"),
-                                       getattr(pg_collection, "tp", None))
+        # Tensor parallelism: this rank's shard of the weights, over the group the context
+        # resolves (pg_collection.tp, Megatron-Core's parallel_state, or the default group).
+        groups = parallel_groups(
+            tensor_model_parallel_size=kwargs.get("tensor_model_parallel_size"),
+            pipeline_model_parallel_size=kwargs.get("pipeline_model_parallel_size"),
+            pg_collection=kwargs.get("pg_collection"))
+        if groups.pp > 1:
+            raise NotImplementedError(
+                f"pipeline_model_parallel_size={groups.pp}: the engine runs every layer of the "
+                "model on every rank; pipeline stages are supported by the context (model code "
+                "that owns its stage's layers builds one context per stage), not by the engine")
+        tp = TensorParallel.from_group(groups.tp, groups.tp_group)
         if tp.size > 1:
             kwargs["tensor_model_parallel_size"] = tp.size
         device = torch.device(kwargs.pop("device", None) or param.device)

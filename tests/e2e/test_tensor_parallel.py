@@ -96,6 +96,10 @@ def test_uneven_hybrid_pipeline_stages_share_the_block_count(ranks):
     # Alone, the smaller stage fits more blocks; in the pipeline both take stage 0's count.
     assert first["alone"][0] < second["alone"][0]
     assert first["shared"] == second["shared"] and first["shared"][0] == first["alone"][0]
+    # The engine runs every layer on every rank: it refuses pipeline stages.
+    for out in (ranks[0]["sizing"], ranks[1]["sizing"]):
+        assert "pipeline_model_parallel_size=2: the engine runs every layer" in \
+            out["engine_pp_refused"]
 
 
 def test_demo_runs_under_torchrun_with_two_ranks(tmp_path):
@@ -133,6 +137,20 @@ def test_engine_tensor_parallel_needs_torch_distributed():
                                            "initialised.*torchrun"):
         Engine.from_transformers(tiny_llama(), buffer_size_gb=0.001,
                                  tensor_model_parallel_size=2)
+
+
+def test_engine_refuses_pipeline_stages():
+    from e2e_helpers import tiny_llama
+
+    from dynctx.engine import Engine
+
+    class Stages:
+        pp = None
+
+    with pytest.raises(ValueError, match="pipeline_model_parallel_size=2 needs the pipeline's "
+                                         "process group"):
+        Engine.from_transformers(tiny_llama(), buffer_size_gb=0.001,
+                                 pipeline_model_parallel_size=2, pg_collection=Stages())
 
 
 def test_shards_that_do_not_divide_are_refused_naming_the_sizes():

@@ -175,6 +175,14 @@ def sizing() -> Dict[str, Any]:
                     layer_map=dict(stage.layer_map), attention_layers=stage.num_attention_layers,
                     mamba_layers=stage.num_mamba_layers)
 
+    try:
+        Engine.from_transformers(tiny_llama(), buffer_size_gb=0.001,
+                                 pipeline_model_parallel_size=2,
+                                 pg_collection=SimpleNamespace(pp=dist.group.WORLD))
+        engine_pp_refused = None
+    except NotImplementedError as error:
+        engine_pp_refused = str(error)
+
     # A few context steps with every torch.distributed collective counted.
     calls = []
     names = ("all_reduce", "broadcast", "all_gather", "barrier", "broadcast_object_list",
@@ -198,7 +206,7 @@ def sizing() -> Dict[str, Any]:
         for name, fn in saved.items():
             setattr(dist, name, fn)
     return dict(alone=_sizes(alone), shared=_sizes(shared), refused=refused, steps=steps,
-                pipeline=pipeline,
+                pipeline=pipeline, engine_pp_refused=engine_pp_refused,
                 collectives_in_steps=calls, heads=shared.num_attention_heads_per_partition,
                 group=shared.tensor_parallel_group is not None)
 
