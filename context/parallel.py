@@ -12,7 +12,8 @@ Where the groups come from, first match wins:
 1. ``pg_collection`` (Megatron-Core's ``ProcessGroupCollection``, or any object with ``tp`` /
    ``pp`` process groups);
 2. Megatron-Core's ``parallel_state`` when the caller has imported and initialised it (read
-   only then: dynctx never imports megatron-core itself);
+   only then: dynctx never imports megatron-core itself); a group whose size disagrees with an
+   explicit ``tensor_model_parallel_size`` / ``pipeline_model_parallel_size`` is not used;
 3. the default ``torch.distributed`` group, for tensor parallelism only, when it has exactly
    ``tensor_model_parallel_size`` ranks.
 
@@ -99,6 +100,13 @@ def parallel_groups(*, tensor_model_parallel_size: Any, pipeline_model_parallel_
     else:
         source = "Megatron-Core's parallel_state"
         tp_group, pp_group = _megatron_groups()
+    if pg_collection is None:
+        # Megatron-Core's global groups are a fallback: an explicit size that disagrees wins
+        # (as in Megatron-Core, which reads the explicit sizes first), and its group is unused.
+        if tp is not None and tp_group is not None and _group_size(tp_group, "tp") != tp:
+            tp_group = None
+        if pp is not None and pp_group is not None and _group_size(pp_group, "pp") != pp:
+            pp_group = None
     if tp_group is not None:
         size = _group_size(tp_group, f"{source}.tp")
         _check_size("tensor_model_parallel_size", tp, f"{source}.tp", size)
