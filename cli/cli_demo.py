@@ -85,8 +85,9 @@ def build_parser(prog: str = "python -m dynctx demo") -> argparse.ArgumentParser
                      help="no progress bars (they need tqdm and go to stderr)")
     run.add_argument("--tensor-parallel-size", type=int, default=1,
                      help="tensor-parallel ranks: run under torchrun with as many processes "
-                          "(python -P -m torch.distributed.run --nproc-per-node N -m dynctx demo "
-                          "--tensor-parallel-size N; gloo on a CPU, NCCL on CUDA); rank 0 "
+                          "(PYTHONSAFEPATH=1 python -P -m torch.distributed.run "
+                          "--nproc-per-node N -m dynctx demo --tensor-parallel-size N; gloo on "
+                          "a CPU, NCCL on CUDA); rank 0 "
                           "prints, plots and checks, every rank must return the same outputs")
     return parser
 
@@ -107,8 +108,8 @@ def _start_distributed(args) -> tuple:
         if "WORLD_SIZE" not in os.environ:
             raise SystemExit(
                 f"--tensor-parallel-size={tp} needs one process per rank: launch with "
-                f"python -P -m torch.distributed.run --nproc-per-node {tp} -m dynctx demo "
-                f"--tensor-parallel-size {tp}")
+                f"PYTHONSAFEPATH=1 python -P -m torch.distributed.run --nproc-per-node {tp} "
+                f"-m dynctx demo --tensor-parallel-size {tp}")
         backend = "nccl" if args.device.startswith("cuda") else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))

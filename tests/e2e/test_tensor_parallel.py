@@ -122,8 +122,9 @@ def test_demo_tensor_parallel_without_torchrun_says_how_to_launch(monkeypatch):
     from dynctx import cli_demo
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    with pytest.raises(SystemExit, match="python -P -m torch.distributed.run --nproc-per-node 2 "
-                                         "-m dynctx demo --tensor-parallel-size 2"):
+    with pytest.raises(SystemExit, match="PYTHONSAFEPATH=1 python -P -m torch.distributed.run "
+                                         "--nproc-per-node 2 -m dynctx demo "
+                                         "--tensor-parallel-size 2"):
         cli_demo.main(["--tensor-parallel-size", "2", "--plot", ""])
 
 
