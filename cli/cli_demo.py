@@ -11,6 +11,7 @@ Exit code 1 when an output does not match.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 import time
@@ -249,13 +250,18 @@ def _progress_bar(enabled: bool, **kwargs):
 def main(argv: Optional[List[str]] = None, prog: Optional[str] = None) -> int:
     args = build_parser(prog or f"{program_name()} demo").parse_args(argv)
     rank, world, created = _start_distributed(args)
-    try:
+    if not created:
         return _main(args, rank, world)
-    finally:
-        if created:
-            import torch.distributed as dist
+    import torch.distributed as dist
 
-            dist.destroy_process_group()
+    code = _main(args, rank, world)
+    # Free the engine now (its context and model hold the process group, in reference cycles):
+    # a group left for the interpreter's exit to destroy sometimes aborted a rank there
+    # ("terminate called without an active exception"). Then the ranks leave together.
+    gc.collect()
+    dist.barrier()
+    dist.destroy_process_group()
+    return code
 
 
 def _main(args, rank: int, world: int) -> int:

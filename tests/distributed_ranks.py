@@ -14,6 +14,9 @@ may wait in a collective the failed rank never joins). A rank still running afte
 ``timeout_s`` seconds is killed and ``TimeoutError`` names it: a hung collective cannot hang
 the test run.
 
+Success is every rank's result: a rank that sent its result and then crashed in the
+interpreter's teardown (a torch/gloo exit problem, not the target's) does not fail the run.
+
 ``target`` must be importable by the child (a module-level function of a module on the
 parent's ``sys.path``, which spawn hands to the child).
 """
@@ -21,6 +24,7 @@ parent's ``sys.path``, which spawn hands to the child).
 from __future__ import annotations
 
 import datetime
+import gc
 import multiprocessing
 import os
 import sys
@@ -47,6 +51,11 @@ def _child(target: Callable, rank: int, world_size: int, init_method: str, queue
                                 timeout=datetime.timedelta(seconds=timeout_s))
         try:
             result = target(*args)
+            # Free what the target left in reference cycles (engines hold the process group)
+            # before the group goes, then leave together. (A failed rank skips this; its peers
+            # are stopped.)
+            gc.collect()
+            dist.barrier()
         finally:
             dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - the parent raises it with the traceback
