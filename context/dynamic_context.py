@@ -13,7 +13,9 @@ The facade keeps Megatron-Core's names and composes parts that each own one thin
 * ``_graph_capture``: the dummy requests (``add_dummy_requests_parallel``) and the CUDA graph
   capture dummies, checked as a whole; ``_rows``: ``max_requests`` and the row moves;
   ``_class_api``: the rounding helpers and ``from_config``;
-* ``sizing`` and ``compat``: the constructor's sizes and Megatron-Core's unsupported options.
+* ``sizing`` and ``compat``: the constructor's sizes and Megatron-Core's unsupported options;
+  ``parallel``: the tensor-parallel and pipeline groups and the one construction-time MIN
+  all-reduce that makes every rank's allocator identical.
 
 Every mutating call checks its arguments, plans, commits the host, then applies the change on
 the device: an error leaves the context exactly as it was.
