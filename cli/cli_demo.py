@@ -11,6 +11,7 @@ Exit code 1 when an output does not match.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 import time
@@ -89,7 +90,45 @@ def build_parser(prog: str = "python -m dynctx demo") -> argparse.ArgumentParser
     run.add_argument("--plot", default="demo.png", help="PNG path ('' skips the plot)")
     run.add_argument("--no-progress", action="store_true",
                      help="no progress bars (they need tqdm and go to stderr)")
+    run.add_argument("--tensor-parallel-size", type=int, default=1,
+                     help="tensor-parallel ranks: run under torchrun with as many processes "
+                          "(PYTHONSAFEPATH=1 python -P -m torch.distributed.run "
+                          "--nproc-per-node N -m dynctx demo --tensor-parallel-size N; gloo on "
+                          "a CPU, NCCL on CUDA); rank 0 "
+                          "prints, plots and checks, every rank must return the same outputs")
     return parser
+
+
+def _start_distributed(args) -> tuple:
+    """``(rank, world, created)`` of the tensor-parallel run (``(0, 1, False)`` without one).
+    Initialises torch.distributed from torchrun's environment when nobody has yet."""
+    import torch
+    import torch.distributed as dist
+
+    tp = args.tensor_parallel_size
+    if tp < 1:
+        raise SystemExit(f"--tensor-parallel-size={tp} must be >= 1")
+    if tp == 1:
+        return 0, 1, False
+    created = False
+    if not dist.is_initialized():
+        if "WORLD_SIZE" not in os.environ:
+            raise SystemExit(
+                f"--tensor-parallel-size={tp} needs one process per rank: launch with "
+                f"PYTHONSAFEPATH=1 python -P -m torch.distributed.run --nproc-per-node {tp} "
+                f"-m dynctx demo --tensor-parallel-size {tp}")
+        backend = "nccl" if args.device.startswith("cuda") else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend)
+        created = True
+    world = dist.get_world_size()
+    if world != tp:
+        raise SystemExit(f"--tensor-parallel-size={tp} but torch.distributed has {world} "
+                         f"ranks (--nproc-per-node {tp})")
+    if args.device == "cuda":
+        args.device = f"cuda:{torch.cuda.current_device()}"
+    return dist.get_rank(), world, created
 
 
 def make_workload(args, vocab: int) -> tuple[List[List[int]], List[int], List[int]]:
@@ -224,7 +263,27 @@ def main(argv: Optional[List[str]] = None, prog: Optional[str] = None) -> int:
     args = parser.parse_args(argv)
     if args.shared_prefix < 0:
         parser.error(f"argument --shared-prefix: {args.shared_prefix} must be >= 0")
+    rank, world, created = _start_distributed(args)
+    if not created:
+        return _main(args, rank, world)
+    import torch.distributed as dist
+
+    code = _main(args, rank, world)
+    # Free the engine now (its context and model hold the process group, in reference cycles):
+    # a group left for the interpreter's exit to destroy sometimes aborted a rank there
+    # ("terminate called without an active exception"). Then the ranks leave together.
+    gc.collect()
+    dist.barrier()
+    dist.destroy_process_group()
+    return code
+
+
+def _main(args, rank: int, world: int) -> int:
     import torch
+
+    def say(*parts, **kwargs) -> None:
+        if rank == 0:
+            print(*parts, **kwargs)
 
     try:
         from transformers import LlamaConfig, LlamaForCausalLM
@@ -249,7 +308,9 @@ def main(argv: Optional[List[str]] = None, prog: Optional[str] = None) -> int:
 
     head_dim = args.hidden // args.heads
     itemsize = torch.empty((), dtype=dtype).element_size()
-    block_bytes = itemsize * 2 * args.layers * args.block_size * args.kv_heads * head_dim
+    # One rank's block: its share of the KV heads (one, replicated, past their count).
+    kv_heads_per_rank = max(1, args.kv_heads // world)
+    block_bytes = itemsize * 2 * args.layers * args.block_size * kv_heads_per_rank * head_dim
     buffer_gb = args.buffer_size_gb or args.buffer_blocks * block_bytes / 1024 ** 3
     paused_gb = (args.paused_buffer_size_gb if args.paused_buffer_size_gb is not None
                  else args.paused_blocks * block_bytes / 1024 ** 3)
@@ -265,6 +326,8 @@ def main(argv: Optional[List[str]] = None, prog: Optional[str] = None) -> int:
                           prefix_caching_eviction_policy=(
                               "ref_zero" if args.prefix_caching == "off"
                               else args.prefix_caching))
+    if world > 1:
+        context_kwargs["tensor_model_parallel_size"] = world
     engine = Engine.from_transformers(hf_model, rope=args.rope,
                                       attention_backend=args.attention_backend,
                                       seed=args.seed, record_logits=args.dtype != "fp32",
@@ -277,18 +340,18 @@ def main(argv: Optional[List[str]] = None, prog: Optional[str] = None) -> int:
         sampling_params=SamplingParams(temperature=1.0, top_k=1, num_tokens_to_generate=gen,
                                        termination_id=eos))
         for i, (prompt, gen) in enumerate(zip(prompts, gens))]
-    print(f"dynctx demo: random Llama ({args.layers} layers, hidden {args.hidden}, "
-          f"{args.heads} heads / {args.kv_heads} KV heads, vocab {args.vocab}), {args.dtype} on "
-          f"{device}; {args.requests} requests, prompts {min(map(len, prompts))}-"
-          f"{max(map(len, prompts))} tokens, arrivals over steps 0-{arrivals[-1]}")
+    say(f"dynctx demo: random Llama ({args.layers} layers, hidden {args.hidden}, "
+        f"{args.heads} heads / {args.kv_heads} KV heads, vocab {args.vocab}), {args.dtype} on "
+        f"{device}; {args.requests} requests, prompts {min(map(len, prompts))}-"
+        f"{max(map(len, prompts))} tokens, arrivals over steps 0-{arrivals[-1]}")
     alloc = ctx.block_allocator
-    print(f"context: {alloc.total_count - 1} KV blocks of {args.block_size} tokens "
-          f"(active budget {alloc.active_count}, paused budget {alloc.paused_count}), "
-          f"max_tokens {ctx.max_tokens}, max_requests {ctx.max_requests}", flush=True)
+    say(f"context: {alloc.total_count - 1} KV blocks of {args.block_size} tokens "
+        f"(active budget {alloc.active_count}, paused budget {alloc.paused_count}), "
+        f"max_tokens {ctx.max_tokens}, max_requests {ctx.max_requests}", flush=True)
 
     # The bar counts each request's generation budget: tokens as they come, and the unused rest
     # of the budget when a request stops early, so it ends at 100 %.
-    progress = _progress_bar(not args.no_progress, total=sum(gens), unit="tok",
+    progress = _progress_bar(not args.no_progress and rank == 0, total=sum(gens), unit="tok",
                              desc="generating")
     counted = [0] * len(requests)
     history: List[StepRecord] = []
@@ -313,12 +376,20 @@ def main(argv: Optional[List[str]] = None, prog: Optional[str] = None) -> int:
 
     engine.step_callback = on_step
     started = time.perf_counter()
-    results = engine.generate_requests(requests, arrival_steps=arrivals)
+    # Under tensor parallelism rank 0's requests are broadcast to the others (the engine does).
+    results = engine.generate_requests(requests if rank == 0 else None,
+                                       arrival_steps=arrivals if rank == 0 else None)
     elapsed = time.perf_counter() - started
     if progress is not None:
         progress.update(progress.total - progress.n)
         progress.close()
 
+    if world > 1:
+        code = _check_ranks_agree(results, rank, world)
+        if code:
+            return code
+        if rank != 0:
+            return 0
     # Check every output against transformers' greedy generate for that prompt alone.
     exact = near_tie = 0
     mismatched = []
@@ -343,47 +414,64 @@ def main(argv: Optional[List[str]] = None, prog: Optional[str] = None) -> int:
     generated = sum(len(r.generated_tokens) for r in results)
     finished = {reason: sum(r.finish_reason == reason for r in results)
                 for reason in ("length", "stop", "error")}
-    print(f"requests          {len(results)} ({finished['length']} length, {finished['stop']} "
-          f"stop, {finished['error']} error)")
-    print(f"tokens            {generated} generated, {stats.tokens_processed} processed "
-          f"(prompts, recomputes and decodes)")
-    print(f"steps             {stats.forward_steps} forward + {stats.idle_steps} idle")
-    print(f"time              {elapsed:.2f} s: {generated / elapsed:.0f} generated tokens/s, "
-          f"{stats.tokens_processed / elapsed:.0f} processed tokens/s")
-    print(f"peak KV use       {100 * stats.peak_kv_utilization:.0f}% of "
-          f"{alloc.total_count - 1} blocks; peak {stats.peak_active_requests} active, "
-          f"{stats.peak_paused_requests} paused requests")
-    print(f"pauses            {stats.pauses}")
-    print(f"evictions         {stats.evictions}")
-    print(f"chunked prefills  {stats.chunked_prefills} prompts in {stats.prefill_chunks} chunks")
+    say(f"requests          {len(results)} ({finished['length']} length, {finished['stop']} "
+        f"stop, {finished['error']} error)")
+    say(f"tokens            {generated} generated, {stats.tokens_processed} processed "
+        f"(prompts, recomputes and decodes)")
+    say(f"steps             {stats.forward_steps} forward + {stats.idle_steps} idle")
+    say(f"time              {elapsed:.2f} s: {generated / elapsed:.0f} generated tokens/s, "
+        f"{stats.tokens_processed / elapsed:.0f} processed tokens/s")
+    say(f"peak KV use       {100 * stats.peak_kv_utilization:.0f}% of "
+        f"{alloc.total_count - 1} blocks; peak {stats.peak_active_requests} active, "
+        f"{stats.peak_paused_requests} paused requests")
+    say(f"pauses            {stats.pauses}")
+    say(f"evictions         {stats.evictions}")
+    say(f"chunked prefills  {stats.chunked_prefills} prompts in {stats.prefill_chunks} chunks")
     if stats.prefix_cache:
         cache = stats.prefix_cache
-        print(f"prefix cache      {args.prefix_caching}: {cache['prefix_cache_hits']} hits of "
-              f"{cache['prefix_cache_lookups']} requests "
-              f"({100 * cache['prefix_cache_hit_rate']:.0f}%), "
-              f"{cache['prefix_cache_prefill_skipped_tokens']} prompt tokens served from "
-              f"the cache ({100 * cache['prefix_cache_token_hit_rate']:.0f}% of prefill)")
-    print(f"attention         {engine.model.attention_backend} paged attention; kernels: "
-          f"{_kernel_backend_name(ctx)}")
+        say(f"prefix cache      {args.prefix_caching}: {cache['prefix_cache_hits']} hits of "
+            f"{cache['prefix_cache_lookups']} requests "
+            f"({100 * cache['prefix_cache_hit_rate']:.0f}%), "
+            f"{cache['prefix_cache_prefill_skipped_tokens']} prompt tokens served from "
+            f"the cache ({100 * cache['prefix_cache_token_hit_rate']:.0f}% of prefill)")
+    say(f"attention         {engine.model.attention_backend} paged attention; kernels: "
+        f"{_kernel_backend_name(ctx)}")
+    if world > 1:
+        say(f"tensor parallel   {world} ranks: {engine.model.num_q_heads} query heads and "
+            f"{engine.model.num_kv_heads} KV head(s) per rank; every rank returned the same "
+            "outputs")
     if args.plot:
         path = os.path.abspath(args.plot)
         try:
             plot_history(history, path, f"dynctx demo: {len(results)} requests, "
                          f"{alloc.total_count - 1} KV blocks of {args.block_size}")
         except ImportError:
-            print("plot              skipped: matplotlib is not installed "
-                  "(pip install 'dynctx[demo]')")
+            say("plot              skipped: matplotlib is not installed "
+                "(pip install 'dynctx[demo]')")
         else:
-            print(f"plot              {path}")
+            say(f"plot              {path}")
     checked = f"{exact}/{len(results)} outputs match transformers' greedy generate exactly"
     if near_tie:
         checked += f", {near_tie} diverge at a near-tie ({args.dtype}, accepted)"
     if mismatched:
-        print(f"MISMATCH: {checked}; {len(mismatched)} differ (request, first differing "
-              f"token): {mismatched}")
+        say(f"MISMATCH: {checked}; {len(mismatched)} differ (request, first differing "
+            f"token): {mismatched}")
         return 1
-    print(f"check             OK: {checked}")
+    say(f"check             OK: {checked}")
     return 0
+
+
+def _check_ranks_agree(results, rank: int, world: int) -> int:
+    """0 when every rank generated rank 0's tokens; else 1 on every rank (rank 0 says which)."""
+    import torch.distributed as dist
+
+    mine = [r.generated_tokens for r in results]
+    gathered = [None] * world
+    dist.all_gather_object(gathered, mine)
+    differ = [r for r in range(1, world) if gathered[r] != gathered[0]]
+    if differ and rank == 0:
+        print(f"MISMATCH: ranks {differ} generated other tokens than rank 0")
+    return 1 if differ else 0
 
 
 def _check_against_transformers(hf_model, request, result, eos, device, *, half: bool):

@@ -13,7 +13,9 @@ The facade keeps Megatron-Core's names and composes parts that each own one thin
 * ``_graph_capture``: the dummy requests (``add_dummy_requests_parallel``) and the CUDA graph
   capture dummies, checked as a whole; ``_rows``: ``max_requests`` and the row moves;
   ``_class_api``: the rounding helpers and ``from_config``;
-* ``sizing`` and ``compat``: the constructor's sizes and Megatron-Core's unsupported options.
+* ``sizing`` and ``compat``: the constructor's sizes and Megatron-Core's unsupported options;
+  ``parallel``: the tensor-parallel and pipeline groups and the one construction-time MIN
+  all-reduce that makes every rank's allocator identical.
 
 Every mutating call checks its arguments, plans, commits the host, then applies the change on
 the device: an error leaves the context exactly as it was.
@@ -56,6 +58,7 @@ from .cuda_graphs import context_cuda_graph_ladder
 from .device_state import DeviceState
 from .errors import TensorStateDeallocatedError, get_mem_size_str
 from .inputs import check_new_tokens, read_mask
+from .parallel import agree_counts, parallel_groups
 from .prefix_cache import check_prefix_caching_args
 from .request_table import RequestTable
 from .requests import DynamicInferenceRequest
@@ -91,14 +94,22 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
         params_dtype: dtype of the KV cache.
         num_layers: layers on this pipeline stage (hybrids: ignored, the layer type list
             decides); layer numbers passed to the cache methods are this stage's, 1-based.
-        pipeline_model_parallel_size, pg_collection: pipeline stages and their process group
-            (``pg_collection.pp``, needed when there is more than one stage: dynctx reads no
-            global parallel state). Every stage sizes its buffer to the smallest block count of
-            the group (one MIN all-reduce at construction), so all stages pause alike.
-            ``pg_collection.tp`` gives the tensor-parallel size when it is not passed.
+        tensor_model_parallel_size, pipeline_model_parallel_size, pg_collection: the
+            tensor-parallel and pipeline groups: ``pg_collection.tp`` / ``.pp``, else
+            Megatron-Core's ``parallel_state`` when the caller initialised it, else (tensor
+            parallelism only) the default ``torch.distributed`` group of exactly
+            ``tensor_model_parallel_size`` ranks (``context/parallel.py``). Every rank sizes its
+            buffer to the smallest block count of its tensor and pipeline groups (one MIN
+            all-reduce per group at construction, none per step), so all ranks allocate, pause
+            and evict alike. ``tensor_model_parallel_size > 1`` without ``torch.distributed``
+            sizes one rank's shard in one process.
         kv_channels: head dimension.
         num_attention_heads: heads the cache STORES, i.e. the KV heads (GQA query groups),
-            as Megatron-Core's callers pass it; divided by ``tensor_model_parallel_size``.
+            as Megatron-Core's callers pass it; each tensor-parallel rank stores
+            ``max(1, num_attention_heads // tensor_model_parallel_size)`` of them (a head is
+            replicated when the ranks outnumber the KV heads; one count must divide the other).
+            The MLA latent is not divided (every rank caches all of it); Mamba state shapes
+            are per rank (``mamba_inference_state_config`` gives this rank's head shard).
         max_sequence_length: prompt + generated tokens of one request, at most. As in
             Megatron-Core, ``add_request`` accepts a request whose prompt +
             ``num_tokens_to_generate`` exceeds it (the engine refuses those at admission) and
@@ -113,7 +124,6 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
         max_requests: request rows; default: about one block per request.
         max_tokens: tokens of one forward pass (default ``DEFAULT_MAX_TOKENS``).
         block_size_tokens: tokens per KV block.
-        tensor_model_parallel_size: TP size (default 1).
         cache_mla_latent, kv_lora_rank, qk_pos_emb_head_dim: MLA latent cache.
         materialize_only_last_token_logits: stored for the model (as in Megatron-Core).
         use_flashinfer_fused_rope: True: FlashInfer (error where it cannot run); None:
@@ -173,17 +183,15 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
             context_parallel_size=context_parallel_size,
             expert_model_parallel_size=expert_model_parallel_size,
             persist_cuda_graphs=persist_cuda_graphs, offload_kv_cache=offload_kv_cache))
-        pp_size, pp_group, group_tp = compat.parallel_groups(
+        groups = parallel_groups(
             pipeline_model_parallel_size=pipeline_model_parallel_size,
             tensor_model_parallel_size=tensor_model_parallel_size, pg_collection=pg_collection)
-        if group_tp is not None:
-            tensor_model_parallel_size = group_tp
         args = check_scalars(
             params_dtype=params_dtype, num_layers=num_layers, kv_channels=kv_channels,
             num_attention_heads=num_attention_heads, max_sequence_length=max_sequence_length,
             block_size_tokens=block_size_tokens, buffer_size_gb=buffer_size_gb,
             paused_buffer_size_gb=paused_buffer_size_gb,
-            tensor_model_parallel_size=tensor_model_parallel_size,
+            tensor_model_parallel_size=groups.tp,
             unified_memory_level=unified_memory_level, cache_mla_latent=cache_mla_latent,
             kv_lora_rank=kv_lora_rank, qk_pos_emb_head_dim=qk_pos_emb_head_dim)
         num_layers, kv_channels = args["num_layers"], args["kv_channels"]
@@ -224,10 +232,12 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
         if layers.is_hybrid_model:
             self.mamba_conv_states_dtype = layers.mamba_conv_states_dtype
             self.mamba_ssm_states_dtype = layers.mamba_ssm_states_dtype
-        self.pipeline_model_parallel_size, self.pipeline_parallel_group = pp_size, pp_group
+        self.pipeline_model_parallel_size = groups.pp
+        self.pipeline_parallel_group, self.tensor_parallel_group = groups.pp_group, groups.tp_group
         self.kv_channels = self.hidden_size_per_attention_head = kv_channels
         self.num_attention_heads, self.tensor_model_parallel_size = num_attention_heads, tp
-        self.num_attention_heads_per_partition = num_attention_heads // tp
+        # KV heads per rank; a rank holds one (replicated) head when tp exceeds them.
+        self.num_attention_heads_per_partition = max(1, num_attention_heads // tp)
         self.max_sequence_length = max_sequence_length
         self.block_size_tokens = block_size_tokens
         self.cache_mla_latent = bool(cache_mla_latent)
@@ -251,8 +261,8 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
             max_tokens=max_tokens, default_max_tokens=self.DEFAULT_MAX_TOKENS,
             max_sequence_length=max_sequence_length, tp=tp,
             request_rounder=self.REQUEST_ROUNDER,
-            reduce_block_count=(None if pp_group is None
-                                else lambda count: compat.min_over_group(count, pp_group)))
+            reduce_counts=(None if not groups.groups else
+                           lambda counts, same: agree_counts(counts, same, groups.groups)))
         self.block_size_bytes, self.kv_reduced_dim = memory.block_size_bytes, memory.kv_reduced_dim
         self.unified_memory_level = memory.unified_memory_level
         self.buffer_size_gb, self.paused_buffer_size_gb = buffer_size_gb, paused_buffer_size_gb

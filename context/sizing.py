@@ -129,12 +129,15 @@ def memory_layout(*, layers: LayerLayout, params_dtype: torch.dtype, block_size_
                   buffer_size_gb: float, paused_buffer_size_gb: Optional[float],
                   max_requests: Optional[int], max_tokens: Optional[int], default_max_tokens: int,
                   max_sequence_length: int, tp: int, request_rounder: int,
-                  reduce_block_count: Optional[Callable[[int], int]] = None) -> MemoryLayout:
+                  reduce_counts: Optional[Callable[[list, dict], list]] = None
+                  ) -> MemoryLayout:
     """The block, request, token and block-table counts of the constructor's arguments.
 
-    ``reduce_block_count`` (pipeline parallelism) maps this rank's block count of
-    ``buffer_size_gb`` to the one every stage uses (the minimum over the pipeline group, as
-    Megatron-Core does), so that all stages pause and evict alike."""
+    ``reduce_counts(counts, same)`` (tensor or pipeline parallelism) maps this rank's
+    ``[block count, paused block count]`` to the ones every rank uses (the minimum over the
+    tensor and pipeline groups; Megatron-Core reduces the block count over the pipeline), and
+    checks that the values of ``same`` (the explicit ``max_requests``, ``max_tokens``, ...) are
+    equal on every rank, so that all ranks allocate, pause and evict alike."""
     itemsize = torch.empty((), dtype=params_dtype).element_size()
     kv_reduced_dim = None
     if cache_mla_latent:
@@ -151,8 +154,17 @@ def memory_layout(*, layers: LayerLayout, params_dtype: torch.dtype, block_size_
     # Hybrids budget one request's Mamba state per block (as the reference does).
     bytes_per_block = block_size_bytes + layers.mamba_bytes_per_request
     block_count = buffer_bytes // bytes_per_block
-    if reduce_block_count is not None:
-        block_count = int(reduce_block_count(block_count))
+    paused_count = (None if paused_buffer_size_gb is None
+                    else int(paused_buffer_size_gb * GIB) // bytes_per_block)
+    if reduce_counts is not None:
+        same = dict(max_requests=-1 if max_requests is None else max_requests,
+                    max_tokens=max_tokens or default_max_tokens,
+                    block_size_tokens=block_size_tokens,
+                    max_sequence_length=max_sequence_length, unified_memory_level=level,
+                    paused_buffer_size_gb_given=int(paused_buffer_size_gb is not None))
+        block_count, reduced_paused = reduce_counts(
+            [block_count, -1 if paused_count is None else paused_count], same)
+        paused_count = None if paused_count is None else reduced_paused
     if block_count < 2:
         warnings.warn(
             f"buffer_size_gb={buffer_size_gb} ({get_mem_size_str(buffer_bytes)}) holds "
@@ -161,8 +173,7 @@ def memory_layout(*, layers: LayerLayout, params_dtype: torch.dtype, block_size_
             f"({get_mem_size_str(2 * bytes_per_block)}): raise buffer_size_gb to size it "
             "yourself", stacklevel=4)
         block_count = 2
-    if paused_buffer_size_gb is not None:
-        paused_count = int(paused_buffer_size_gb * GIB) // bytes_per_block
+    if paused_count is not None:
         total_count = block_count + paused_count if level == 1 else block_count
     else:
         blocks = 2 * block_count if level == 1 else block_count
@@ -197,6 +208,11 @@ def memory_layout(*, layers: LayerLayout, params_dtype: torch.dtype, block_size_
         value -= value % request_rounder
         max_requests = max(value, tp)
     max_requests = positive_int("max_requests", max_requests)
+    if max_requests % tp:
+        raise ValueError(f"max_requests={max_requests} must be divisible by "
+                         f"tensor_model_parallel_size={tp} (each rank holds an equal share of "
+                         "the decode requests, as Megatron-Core's sequence-parallel layers "
+                         "need)")
     max_tokens = positive_int("max_tokens", max_tokens or default_max_tokens)
     if max_tokens < max_requests:
         how = (f" (max_requests was derived from buffer_size_gb: one request per block, "
@@ -278,9 +294,11 @@ def check_scalars(*, params_dtype: Any, num_layers: Any, kv_channels: Any,
         raise ValueError(f"paused_buffer_size_gb={paused_buffer_size_gb!r} must be >= 0 or None")
     tp = 1 if tensor_model_parallel_size is None else positive_int(
         "tensor_model_parallel_size", tensor_model_parallel_size)
-    if out["num_attention_heads"] % tp:
-        raise ValueError(f"num_attention_heads={num_attention_heads} must be divisible by "
-                         f"tensor_model_parallel_size={tp}")
+    heads = out["num_attention_heads"]
+    if (heads % tp if heads >= tp else tp % heads):
+        raise ValueError(f"num_attention_heads={num_attention_heads} (the KV heads) must be "
+                         f"divisible by tensor_model_parallel_size={tp}, or divide it (then "
+                         "each rank holds one replicated KV head)")
     if unified_memory_level not in (None, 0, 1):
         raise ValueError(f"unified_memory_level={unified_memory_level!r} must be 0 or 1")
     if cache_mla_latent:

@@ -334,7 +334,16 @@ class Engine:
         ``prefix_caching_eviction_policy`` (and ``prefix_caching_mamba_gb``, a context
         argument) turn prefix caching on (docs/SEMANTICS.md §17); ``stats.prefix_cache`` then
         gives its counters and hit rates.
+        ``tensor_model_parallel_size=N`` (a context argument; the group is ``pg_collection.tp``
+        or the default ``torch.distributed`` group of N ranks): run one process per rank, as
+        under ``torchrun``; each takes its shard of the weights (``models._common
+        .TensorParallel``) and a context of its shard, and every rank must then call the
+        engine's methods in the same order: rank 0's requests are broadcast and every rank
+        returns the same outputs (docs/SEMANTICS.md §18).
         """
+        from dynctx.context.parallel import parallel_groups
+        from dynctx.models import TensorParallel
+
         adapters = _transformers_adapters()
         name = type(hf_model).__name__
         if name not in adapters:
@@ -344,6 +353,20 @@ class Engine:
         param = next(hf_model.parameters())
         kwargs = dict(context_kwargs, enable_prefix_caching=enable_prefix_caching,
                       prefix_caching_eviction_policy=prefix_caching_eviction_policy)
+        # Tensor parallelism: this rank's shard of the weights, over the group the context
+        # resolves (pg_collection.tp, Megatron-Core's parallel_state, or the default group).
+        groups = parallel_groups(
+            tensor_model_parallel_size=kwargs.get("tensor_model_parallel_size"),
+            pipeline_model_parallel_size=kwargs.get("pipeline_model_parallel_size"),
+            pg_collection=kwargs.get("pg_collection"))
+        if groups.pp > 1:
+            raise NotImplementedError(
+                f"pipeline_model_parallel_size={groups.pp}: the engine runs every layer of the "
+                "model on every rank; pipeline stages are supported by the context (model code "
+                "that owns its stage's layers builds one context per stage), not by the engine")
+        tp = TensorParallel.from_group(groups.tp, groups.tp_group)
+        if tp.size > 1:
+            kwargs["tensor_model_parallel_size"] = tp.size
         device = torch.device(kwargs.pop("device", None) or param.device)
         dtype = kwargs.pop("params_dtype", None) or param.dtype
         if cuda_graphs and kwargs.get("num_cuda_graphs"):
@@ -352,10 +375,12 @@ class Engine:
             attention_backend = graph_attention_backend(attention_backend, device, block_size,
                                                         dtype)
         model = adapters[name](hf_model, device=device, dtype=dtype, rope=rope,
-                               attention_backend=attention_backend)
+                               attention_backend=attention_backend,
+                               **({"tensor_parallel": tp} if tp.size > 1 else {}))
         kwargs.setdefault("num_layers", model.num_layers)
         kwargs.setdefault("kv_channels", model.head_dim)
-        kwargs.setdefault("num_attention_heads", model.num_kv_heads)
+        kwargs.setdefault("num_attention_heads",
+                          getattr(model, "context_kv_heads", model.num_kv_heads))
         for key, value in getattr(model, "context_kwargs", {}).items():  # e.g. the MLA cache
             kwargs.setdefault(key, value)
         if getattr(model, "mamba_inference_state_config", None) is not None:
@@ -371,7 +396,7 @@ class Engine:
                 if "max_requests" not in str(exc):
                     raise
                 # The derived max_requests (about one per block) exceeds max_tokens: cap it.
-                rounder = DynamicInferenceContext.REQUEST_ROUNDER
+                rounder = math.lcm(DynamicInferenceContext.REQUEST_ROUNDER, tp.size)
                 kwargs["max_requests"] = max(rounder, max_tokens - max_tokens % rounder)
                 context = DynamicInferenceContext(**kwargs)
         else:
@@ -427,8 +452,25 @@ class Engine:
         ``max_sequence_length``, for the active KV budget, or for ``max_tokens`` without chunked
         prefill) finish at the next step with ``finish_reason="error"``.
         """
+        request, arrival_step = self._from_first_rank(request, arrival_step)
         own = self._check_request(request, "request")
         self._enqueue(own, self._arrival(arrival_step, "arrival_step"))
+
+    def _from_first_rank(self, *values: Any) -> tuple:
+        """``values`` as the tensor-parallel group's first rank passed them (one
+        ``broadcast_object_list``); unchanged without tensor parallelism. Every rank calls the
+        same engine methods in the same order (lockstep, as under ``torchrun``); the requests
+        are rank 0's, and since every rank then runs the same deterministic scheduling,
+        bookkeeping and sampling on the same logits (the model all-reduces), every rank
+        returns the same outputs."""
+        tp = getattr(self.model, "tp", None)
+        if tp is None or tp.size == 1:
+            return values
+        import torch.distributed as dist
+
+        box = [values]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(tp.group, 0), group=tp.group)
+        return box[0]
 
     def _check_request(self, request: Any, name: str) -> DynamicInferenceRequest:
         metadata_types = getattr(self.context, "request_metadata_types", None) \
@@ -838,6 +880,7 @@ class Engine:
         step raises, so are the results collected so far.
         """
         self._refuse_while_suspended("generate_requests")
+        requests, arrival_steps = self._from_first_rank(requests, arrival_steps)
         checked = self._check_batch(requests, arrival_steps)
         for request, arrival in checked:
             self._enqueue(request, arrival)
@@ -906,6 +949,9 @@ class Engine:
         every prompt's ``RequestResult``.
         """
         self._refuse_while_suspended("generate")
+        (prompts, max_new_tokens, arrival_steps, sampling_params, termination_id,
+         ignore_eos) = self._from_first_rank(prompts, max_new_tokens, arrival_steps,
+                                             sampling_params, termination_id, ignore_eos)
         prompts = check_prompts(prompts)
         tensors = [prompt_tensor(p, f"prompts[{i}]", self.vocab_size)
                    for i, p in enumerate(prompts)]

@@ -1,9 +1,10 @@
 """dynctx.models: model adapters that run a step's packed tokens through the context."""
 
+from ._common import TensorParallel
 from .deepseek import DeepseekV2Adapter
 from .llama import LlamaAdapter
 from .nemotron_h import NemotronHAdapter
 from .paged_attention import PagedAttention, paged_attention_torch, resolve_attention_backend
 
 __all__ = ["DeepseekV2Adapter", "LlamaAdapter", "NemotronHAdapter", "PagedAttention",
-           "paged_attention_torch", "resolve_attention_backend"]
+           "TensorParallel", "paged_attention_torch", "resolve_attention_backend"]

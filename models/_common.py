@@ -19,6 +19,98 @@ ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu,
                "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
 
+class TensorParallel:
+    """This rank's place in a tensor-parallel group, and the shard and reduce operations of
+    Megatron's column- and row-parallel linear layers, over ``torch.distributed``.
+
+    ``size == 1`` (the default, ``TensorParallel()``): one process holds the whole model and
+    every method is the identity. Weights are sharded from the full ``transformers`` tensors:
+    ``shard(w, dim, parts)`` keeps this rank's part (column-parallel layers shard their output
+    rows, row-parallel ones their input columns); ``row_linear`` runs a row-parallel layer
+    (local matmul, one ``all_reduce`` sum over the group, then the bias once)."""
+
+    def __init__(self, size: int = 1, rank: int = 0, group: Any = None):
+        self.size, self.rank, self.group = int(size), int(rank), group
+
+    @classmethod
+    def from_group(cls, size: Optional[int], group: Any = None) -> "TensorParallel":
+        """This rank's ``TensorParallel`` of ``size`` ranks: ``group`` (a process group), or
+        the default ``torch.distributed`` group, which must then have ``size`` ranks. ``size``
+        None or 1 (and no group of more ranks): ``TensorParallel()``."""
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int)
+                                 or size < 1):
+            raise ValueError(f"tensor_model_parallel_size={size!r} must be an int >= 1 or None")
+        if group is None and (size or 1) == 1:
+            return cls()
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(
+                f"tensor_model_parallel_size={size} needs torch.distributed initialised, one "
+                "process per rank: launch with torchrun (python -m torch.distributed.run "
+                f"--nproc-per-node {size} ...) and call "
+                "torch.distributed.init_process_group() first")
+        group = group if group is not None else dist.group.WORLD
+        world = dist.get_world_size(group)
+        if size is not None and world != size:
+            raise ValueError(f"tensor_model_parallel_size={size} but the tensor-parallel group "
+                             f"has {world} ranks (pass the group of exactly {size} ranks as "
+                             "pg_collection.tp)")
+        if world == 1:
+            return cls()
+        return cls(world, dist.get_rank(group), group)
+
+    def part(self, total: int, name: str) -> int:
+        """``total // size``; ``ValueError`` naming ``name`` when ``size`` does not divide it."""
+        if total % self.size:
+            raise ValueError(f"{name}={total} must be divisible by "
+                             f"tensor_model_parallel_size={self.size}")
+        return total // self.size
+
+    def shard(self, tensor: Optional[torch.Tensor], dim: int, parts: int,
+              index: Optional[int] = None) -> Optional[torch.Tensor]:
+        """Part ``index`` (default: this rank) of ``tensor`` cut into ``parts`` equal parts
+        along ``dim``, contiguous (``None`` stays ``None``; identity for one rank)."""
+        if tensor is None or parts == 1:
+            return tensor
+        index = self.rank if index is None else index
+        step = tensor.shape[dim] // parts
+        return tensor.narrow(dim, index * step, step).contiguous()
+
+    def reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum ``tensor`` over the group in place (one ``all_reduce``); returns it."""
+        if self.size > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(tensor, group=self.group)
+        return tensor
+
+    def row_linear(self, x: torch.Tensor, weight: torch.Tensor,
+                   bias: Optional[torch.Tensor]) -> torch.Tensor:
+        """A row-parallel linear layer: ``x`` and ``weight`` hold this rank's input columns;
+        the partial products are summed over the group, then ``bias`` is added once."""
+        if self.size == 1:
+            return F.linear(x, weight, bias)
+        out = self.reduce(F.linear(x, weight))
+        return out if bias is None else out + bias
+
+
+SINGLE = TensorParallel()
+
+
+def kv_head_shard(tp: TensorParallel, num_q_heads: int, num_kv_heads: int) -> tuple:
+    """``(local query heads, local KV heads, index of the local KV part, KV parts)`` of this
+    rank: query heads are divided; KV heads are divided too, or, when the ranks outnumber them,
+    each rank holds the one KV head its query heads use (replicated, as Megatron allows)."""
+    local_q = tp.part(num_q_heads, "num_attention_heads")
+    if num_kv_heads >= tp.size:
+        return local_q, tp.part(num_kv_heads, "num_key_value_heads"), tp.rank, tp.size
+    if tp.size % num_kv_heads:
+        raise ValueError(f"num_key_value_heads={num_kv_heads} must divide "
+                         f"tensor_model_parallel_size={tp.size} when it is smaller")
+    return local_q, 1, tp.rank // (tp.size // num_kv_heads), num_kv_heads
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' LlamaRMSNorm: normalise in fp32, cast back, then scale."""
     dtype = x.dtype
@@ -27,11 +119,27 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * hidden.to(dtype)
 
 
-def gated_mlp(act: Callable, x: torch.Tensor, w: Any) -> torch.Tensor:
+def gated_mlp(act: Callable, x: torch.Tensor, w: Any,
+              tp: TensorParallel = SINGLE) -> torch.Tensor:
     """SwiGLU-style MLP ``down(act(gate(x)) * up(x))`` over ``w``'s ``gate``/``up``/``down``
-    weights and biases."""
+    weights and biases (under tensor parallelism: this rank's ``gate``/``up`` rows and
+    ``down`` columns, ``down`` row-parallel)."""
     hidden = act(F.linear(x, w.gate, w.gate_bias)) * F.linear(x, w.up, w.up_bias)
-    return F.linear(hidden, w.down, w.down_bias)
+    return tp.row_linear(hidden, w.down, w.down_bias)
+
+
+def shard_gated_mlp(tp: TensorParallel, w: Any, intermediate: int, name: str) -> Any:
+    """``w`` (``gate``/``up``/``down`` weights and biases) with this rank's part of the
+    ``intermediate`` channels: ``gate``/``up`` column-parallel, ``down`` row-parallel (its
+    bias whole, added once)."""
+    if tp.size == 1:
+        return w
+    parts = tp.size
+    tp.part(intermediate, name)
+    for key in ("gate", "gate_bias", "up", "up_bias"):
+        setattr(w, key, tp.shard(getattr(w, key), 0, parts))
+    w.down = tp.shard(w.down, 1, parts)
+    return w
 
 
 def activation(table: dict, name: str, value: str) -> Callable:
@@ -103,13 +211,34 @@ def mha_cache_problems(ctx: Any, *, head_dim: int, num_kv_heads: int,
     return problems
 
 
+def shard_attention(tp: TensorParallel, w: Any, *, num_q_heads: int, num_kv_heads: int) -> Any:
+    """``w``'s ``q``/``k``/``v`` (column-parallel: this rank's heads' rows, biases alike) and
+    ``o`` (row-parallel: the columns of this rank's query heads; ``o_bias`` whole, added once)
+    for this rank (``kv_head_shard``)."""
+    if tp.size == 1:
+        return w
+    _, _, kv_index, kv_parts = kv_head_shard(tp, num_q_heads, num_kv_heads)
+    for key in ("q", "q_bias"):
+        setattr(w, key, tp.shard(getattr(w, key), 0, tp.size))
+    for key in ("k", "k_bias", "v", "v_bias"):
+        setattr(w, key, tp.shard(getattr(w, key), 0, kv_parts, kv_index))
+    w.o = tp.shard(w.o, 1, tp.size)
+    return w
+
+
 class PagedAdapter:
     """Base of the adapters. A subclass calls ``_init_weights`` (and ``_init_rope`` when it has
     rotary embeddings), defines ``_cache_problems(ctx)`` and ``_new_attention(ctx)``, and runs
-    its layers between ``_start_step`` and ``_logits``."""
+    its layers between ``_start_step`` and ``_logits``.
+
+    Under tensor parallelism (``tp``, a ``TensorParallel`` of more than one rank) the adapter
+    holds this rank's shard of the attention heads and MLP channels and all-reduces after
+    every row-parallel layer; the embedding, the norms and the LM head are whole on every
+    rank, so every rank computes the same logits."""
 
     # Whether the attention's ``plan`` takes the model dtype.
     _plan_with_dtype = True
+    tp: TensorParallel = SINGLE
 
     def _init_weights(self, *, config: Any, embed: torch.Tensor, layers: list,
                       final_norm: torch.Tensor, lm_head: torch.Tensor, eps: float,
@@ -212,9 +341,14 @@ class PagedMhaAdapter(PagedAdapter):
     ``num_q_heads``, ``num_kv_heads`` and ``head_dim``)."""
 
     def _init_heads(self, config: Any) -> None:
-        self.num_q_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_q_heads
-        self.head_dim = getattr(config, "head_dim", None) or self.hidden_size // self.num_q_heads
+        """Heads of this rank: ``num_q_heads``/``num_kv_heads`` are the local ones (all of
+        them without tensor parallelism); ``context_kv_heads`` is the model's KV head count,
+        what the context is built with (it divides it by the ranks itself)."""
+        q_heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or q_heads
+        self.head_dim = getattr(config, "head_dim", None) or self.hidden_size // q_heads
+        self.context_kv_heads = kv_heads
+        self.num_q_heads, self.num_kv_heads, _, _ = kv_head_shard(self.tp, q_heads, kv_heads)
 
     def _new_attention(self, ctx: Any) -> PagedAttention:
         return PagedAttention(
@@ -233,6 +367,7 @@ class PagedMhaAdapter(PagedAdapter):
         return attn.reshape(n, Hq * D)
 
 
-__all__ = ["ACTIVATIONS", "ROPE_MODES", "STATIC_ROPE_TYPES", "PagedAdapter", "PagedMhaAdapter",
-           "activation", "check_model_class", "gated_mlp", "mha_cache_problems", "placement",
-           "rms_norm", "static_rotary", "weight_taker"]
+__all__ = ["ACTIVATIONS", "ROPE_MODES", "SINGLE", "STATIC_ROPE_TYPES", "PagedAdapter",
+           "PagedMhaAdapter", "TensorParallel", "activation", "check_model_class", "gated_mlp",
+           "kv_head_shard", "mha_cache_problems", "placement", "rms_norm", "shard_attention",
+           "shard_gated_mlp", "static_rotary", "weight_taker"]

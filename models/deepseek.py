@@ -53,12 +53,15 @@ import torch.nn.functional as F
 from ._common import (
     ACTIVATIONS,
     ROPE_MODES,
+    SINGLE,
     PagedAdapter,
+    TensorParallel,
     activation,
     check_model_class,
     gated_mlp,
     placement,
     rms_norm,
+    shard_gated_mlp,
     static_rotary,
     weight_taker,
 )
@@ -168,7 +171,9 @@ class DeepseekV2Adapter(PagedAdapter):
     def __init__(self, *, config: Any, embed: torch.Tensor, layers: list,
                  final_norm: torch.Tensor, lm_head: torch.Tensor, inv_freq: torch.Tensor,
                  rope_mscale: float, softmax_scale: float, rope: str = "table",
-                 attention_backend: str = "auto", attention_form: str = "decompress"):
+                 attention_backend: str = "auto", attention_form: str = "decompress",
+                 tensor_parallel: TensorParallel = SINGLE):
+        self.tp = tensor_parallel
         if rope not in ROPE_MODES:
             raise ValueError(f"rope={rope!r} must be one of {ROPE_MODES}")
         if attention_backend not in ("auto", "torch", "torch_static"):
@@ -181,7 +186,8 @@ class DeepseekV2Adapter(PagedAdapter):
                            lm_head=lm_head, eps=config.rms_norm_eps,
                            attention_backend=attention_backend)
         self.num_layers = config.num_hidden_layers
-        self.num_heads = config.num_attention_heads
+        # This rank's heads (all of them without tensor parallelism).
+        self.num_heads = self.tp.part(config.num_attention_heads, "num_attention_heads")
         self.q_lora_rank = config.q_lora_rank
         self.kv_lora_rank = config.kv_lora_rank
         self.qk_nope_head_dim = config.qk_nope_head_dim
@@ -204,22 +210,34 @@ class DeepseekV2Adapter(PagedAdapter):
     def from_transformers(cls, hf_model: Any, *, device: Optional[torch.device | str] = None,
                           dtype: Optional[torch.dtype] = None, rope: str = "table",
                           attention_backend: str = "auto",
-                          attention_form: str = "decompress") -> "DeepseekV2Adapter":
+                          attention_form: str = "decompress",
+                          tensor_parallel: TensorParallel = SINGLE) -> "DeepseekV2Adapter":
         """Take the weights of a ``transformers`` ``DeepseekV2ForCausalLM`` (moved to
         ``device`` and cast to ``dtype`` when given; shared with the model otherwise). The MoE
-        router weight stays fp32, as transformers keeps it."""
+        router weight stays fp32, as transformers keeps it.
+
+        With ``tensor_parallel`` of more than one rank, this rank's shard: the query heads
+        (``q_proj``/``q_b_proj`` rows, ``kv_b_proj`` rows, ``o_proj`` columns), the MLP channels
+        and each expert's channels (the router, the latent projection ``kv_a_proj_with_mqa``
+        and ``q_a_proj`` are whole: the latent cache is the same on every rank)."""
         check_model_class(hf_model, "DeepseekV2ForCausalLM", "DeepseekV2Adapter")
         config = hf_model.config
+        tp = tensor_parallel
+        tp.part(config.num_attention_heads, "num_attention_heads")  # checked before any copy
         rotary = static_rotary(hf_model)
         take = weight_taker(*placement(hf_model, device, dtype))
 
         def bias(linear: Any) -> Optional[torch.Tensor]:
             return take(getattr(linear, "bias", None))
 
-        def dense(mlp: Any) -> SimpleNamespace:
-            return SimpleNamespace(gate=take(mlp.gate_proj.weight), gate_bias=bias(mlp.gate_proj),
-                                   up=take(mlp.up_proj.weight), up_bias=bias(mlp.up_proj),
-                                   down=take(mlp.down_proj.weight), down_bias=bias(mlp.down_proj))
+        def dense(mlp: Any, name: str) -> SimpleNamespace:
+            w = SimpleNamespace(gate=take(mlp.gate_proj.weight), gate_bias=bias(mlp.gate_proj),
+                                up=take(mlp.up_proj.weight), up_bias=bias(mlp.up_proj),
+                                down=take(mlp.down_proj.weight), down_bias=bias(mlp.down_proj))
+            return shard_gated_mlp(tp, w, w.gate.shape[0], name)
+
+        def by_head(weight: torch.Tensor, dim: int) -> torch.Tensor:
+            return tp.shard(weight, dim, tp.size)
 
         layers = []
         for layer in hf_model.model.layers:
@@ -230,17 +248,17 @@ class DeepseekV2Adapter(PagedAdapter):
                 kv_a=take(attn.kv_a_proj_with_mqa.weight), kv_a_bias=bias(attn.kv_a_proj_with_mqa),
                 kv_a_norm=take(attn.kv_a_layernorm.weight),
                 kv_a_eps=attn.kv_a_layernorm.variance_epsilon,
-                kv_b=take(attn.kv_b_proj.weight),
-                o=take(attn.o_proj.weight), o_bias=bias(attn.o_proj),
+                kv_b=by_head(take(attn.kv_b_proj.weight), 0),
+                o=by_head(take(attn.o_proj.weight), 1), o_bias=bias(attn.o_proj),
                 q=None, q_a=None, q_a_bias=None, q_a_norm=None, q_a_eps=None, q_b=None,
                 mlp=None, moe=None)
             if attn.q_lora_rank is None:
-                w.q = take(attn.q_proj.weight)
+                w.q = by_head(take(attn.q_proj.weight), 0)
             else:
                 w.q_a, w.q_a_bias = take(attn.q_a_proj.weight), bias(attn.q_a_proj)
                 w.q_a_norm = take(attn.q_a_layernorm.weight)
                 w.q_a_eps = attn.q_a_layernorm.variance_epsilon
-                w.q_b = take(attn.q_b_proj.weight)
+                w.q_b = by_head(take(attn.q_b_proj.weight), 0)
             if hasattr(mlp, "experts"):
                 gate = mlp.gate
                 if gate.topk_method not in _TOPK_METHODS:
@@ -252,9 +270,17 @@ class DeepseekV2Adapter(PagedAdapter):
                     num_group=gate.num_group, topk_group=gate.topk_group,
                     scaling=float(gate.routed_scaling_factor),
                     gate_up=take(mlp.experts.gate_up_proj), down=take(mlp.experts.down_proj),
-                    shared=dense(mlp.shared_experts))
+                    shared=dense(mlp.shared_experts, "the shared experts' intermediate size"))
+                if tp.size > 1:
+                    # Each expert's channels: gate and up rows of gate_up_proj, down columns.
+                    channels = w.moe.gate_up.shape[1] // 2
+                    tp.part(channels, "moe_intermediate_size")
+                    gate, up = w.moe.gate_up.split(channels, dim=1)
+                    w.moe.gate_up = torch.cat((tp.shard(gate, 1, tp.size),
+                                               tp.shard(up, 1, tp.size)), dim=1)
+                    w.moe.down = tp.shard(w.moe.down, 2, tp.size)
             else:
-                w.mlp = dense(mlp)
+                w.mlp = dense(mlp, "intermediate_size")
             layers.append(w)
         softmax_scale = hf_model.model.layers[0].self_attn.scaling
         return cls(config=config, embed=take(hf_model.model.embed_tokens.weight), layers=layers,
@@ -262,7 +288,7 @@ class DeepseekV2Adapter(PagedAdapter):
                    lm_head=take(hf_model.lm_head.weight), inv_freq=rotary.inv_freq,
                    rope_mscale=getattr(rotary, "attention_scaling", 1.0),
                    softmax_scale=softmax_scale, rope=rope, attention_backend=attention_backend,
-                   attention_form=attention_form)
+                   attention_form=attention_form, tensor_parallel=tp)
 
     # ------------------------------------------------------------------ attention
     _plan_with_dtype = False
@@ -295,7 +321,7 @@ class DeepseekV2Adapter(PagedAdapter):
 
     # ------------------------------------------------------------------ MLP
     def _dense_mlp(self, x: torch.Tensor, m: SimpleNamespace) -> torch.Tensor:
-        return gated_mlp(self.act, x, m)
+        return gated_mlp(self.act, x, m, self.tp)
 
     def _moe(self, x: torch.Tensor, m: SimpleNamespace) -> torch.Tensor:
         """DeepSeek-V2's MoE as transformers runs it: fp32 softmax router, greedy or
@@ -318,7 +344,14 @@ class DeepseekV2Adapter(PagedAdapter):
             gate, up = F.linear(x[token], m.gate_up[expert]).chunk(2, dim=-1)
             y = F.linear(self.act(gate) * up, m.down[expert])
             out.index_add_(0, token, (y * weights[token, slot, None]).to(out.dtype))
-        return out + self._dense_mlp(x, m.shared)
+        if self.tp.size == 1:
+            return out + self._dense_mlp(x, m.shared)
+        # This rank's channels of the routed and the shared experts: one all-reduce for both.
+        s = m.shared
+        shared = F.linear(self.act(F.linear(x, s.gate, s.gate_bias)) * F.linear(x, s.up, s.up_bias),
+                          s.down)
+        out = self.tp.reduce(out + shared)
+        return out if s.down_bias is None else out + s.down_bias
 
     # ------------------------------------------------------------------ forward
     @torch.no_grad()
@@ -356,7 +389,8 @@ class DeepseekV2Adapter(PagedAdapter):
             ctx.append_key_value_cache(layer_number, row, None)
             latent_cache, _ = ctx.key_value_cache(layer_number)
             attn = attention(q_nope, q_pe, latent_cache, w.kv_b)                # [n, H, v]
-            hidden = hidden + F.linear(attn.reshape(n, H * self.v_head_dim), w.o, w.o_bias)
+            hidden = hidden + self.tp.row_linear(attn.reshape(n, H * self.v_head_dim), w.o,
+                                                 w.o_bias)
             x = rms_norm(hidden, w.post_norm, self.eps)
             hidden = hidden + (self._moe(x, w.moe) if w.moe is not None
                                else self._dense_mlp(x, w.mlp))

@@ -32,13 +32,17 @@ import torch.nn.functional as F
 from ._common import (
     ACTIVATIONS,
     ROPE_MODES,
+    SINGLE,
     PagedMhaAdapter,
+    TensorParallel,
     activation,
     check_model_class,
     gated_mlp,
     mha_cache_problems,
     placement,
     rms_norm,
+    shard_attention,
+    shard_gated_mlp,
     static_rotary,
     weight_taker,
 )
@@ -57,9 +61,11 @@ class LlamaAdapter(PagedMhaAdapter):
 
     def __init__(self, *, config: Any, embed: torch.Tensor, layers: list, final_norm: torch.Tensor,
                  lm_head: torch.Tensor, inv_freq: torch.Tensor, rope_mscale: float,
-                 rope: str = "table", attention_backend: str = "auto"):
+                 rope: str = "table", attention_backend: str = "auto",
+                 tensor_parallel: TensorParallel = SINGLE):
         if rope not in ROPE_MODES:
             raise ValueError(f"rope={rope!r} must be one of {ROPE_MODES}")
+        self.tp = tensor_parallel
         self._init_weights(config=config, embed=embed, layers=layers, final_norm=final_norm,
                            lm_head=lm_head, eps=config.rms_norm_eps,
                            attention_backend=attention_backend)
@@ -73,11 +79,17 @@ class LlamaAdapter(PagedMhaAdapter):
     @classmethod
     def from_transformers(cls, hf_model: Any, *, device: Optional[torch.device | str] = None,
                           dtype: Optional[torch.dtype] = None, rope: str = "table",
-                          attention_backend: str = "auto") -> "LlamaAdapter":
+                          attention_backend: str = "auto",
+                          tensor_parallel: TensorParallel = SINGLE) -> "LlamaAdapter":
         """Take the weights of a ``transformers`` ``LlamaForCausalLM`` (moved to ``device`` and
-        cast to ``dtype`` when given; shared with the model otherwise)."""
+        cast to ``dtype`` when given; shared with the model otherwise). With
+        ``tensor_parallel`` of more than one rank, this rank's shard: query heads, KV heads
+        (replicated when the ranks outnumber them) and MLP channels (``TensorParallel``)."""
         check_model_class(hf_model, "LlamaForCausalLM", "LlamaAdapter")
         config = hf_model.config
+        tp = tensor_parallel
+        q_heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or q_heads
         rotary = static_rotary(hf_model)
         take = weight_taker(*placement(hf_model, device, dtype))
 
@@ -95,11 +107,13 @@ class LlamaAdapter(PagedMhaAdapter):
                 up=take(mlp.up_proj.weight), up_bias=take(mlp.up_proj.bias),
                 down=take(mlp.down_proj.weight), down_bias=take(mlp.down_proj.bias),
             ))
+            shard_attention(tp, layers[-1], num_q_heads=q_heads, num_kv_heads=kv_heads)
+            shard_gated_mlp(tp, layers[-1], config.intermediate_size, "intermediate_size")
         return cls(config=config, embed=take(hf_model.model.embed_tokens.weight), layers=layers,
                    final_norm=take(hf_model.model.norm.weight),
                    lm_head=take(hf_model.lm_head.weight), inv_freq=rotary.inv_freq,
                    rope_mscale=getattr(rotary, "attention_scaling", 1.0), rope=rope,
-                   attention_backend=attention_backend)
+                   attention_backend=attention_backend, tensor_parallel=tp)
 
     # ------------------------------------------------------------------ context checks
     def _cache_problems(self, ctx: Any) -> list:
@@ -145,9 +159,9 @@ class LlamaAdapter(PagedMhaAdapter):
                 query, key = ctx.apply_fused_qk_rotary_emb(query, key, cos_sin, self.rope_config)
                 ctx.append_key_value_cache(layer_number, key, value)
             attn = self._attend_mha(ctx, attention, layer_number, query, n)      # [n, Hq * D]
-            hidden = hidden + F.linear(attn, w.o, w.o_bias)
+            hidden = hidden + self.tp.row_linear(attn, w.o, w.o_bias)
             x = rms_norm(hidden, w.post_norm, self.eps)
-            hidden = hidden + gated_mlp(self.act, x, w)
+            hidden = hidden + gated_mlp(self.act, x, w, self.tp)
         return self._logits(ctx, hidden, last_token_only)
 
     __call__ = forward

@@ -44,11 +44,14 @@ import torch.nn.functional as F
 
 from ._common import (
     ACTIVATIONS,
+    SINGLE,
     PagedMhaAdapter,
+    TensorParallel,
     activation,
     check_model_class,
     mha_cache_problems,
     placement,
+    shard_attention,
     weight_taker,
 )
 
@@ -75,6 +78,40 @@ def _gated_group_rms_norm(y: torch.Tensor, gate: torch.Tensor, weight: torch.Ten
     return weight * grouped.view(shape).to(dtype)
 
 
+def _mamba_shard(tp: TensorParallel, w: SimpleNamespace, config: Any) -> None:
+    """This rank's Mamba heads (and their groups) of a Mamba layer's weights ``w``, in place.
+
+    ``in_proj``'s rows are ``[gate (d_inner), x (d_inner), B (G*N), C (G*N), dt (H)]`` and the
+    conv's channels ``[x, B, C]``: each part keeps this rank's heads (``head_dim`` channels
+    each) or groups (``d_state`` channels each); ``dt_bias``, ``A``, ``D`` and the gated norm
+    keep this rank's heads; ``out_proj`` is row-parallel (its columns of this rank's heads)."""
+    if tp.size == 1:
+        return
+    H, P, G, N = (config.mamba_num_heads, config.mamba_head_dim, config.n_groups,
+                  config.ssm_state_size)
+    d_inner = H * P
+    local_inner, local_groups = d_inner // tp.size, G * N // tp.size
+
+    def span(offset: int, width: int) -> torch.Tensor:
+        return torch.arange(offset + tp.rank * width, offset + (tp.rank + 1) * width)
+
+    x, b, c = span(0, local_inner), span(d_inner, local_groups), \
+        span(d_inner + G * N, local_groups)
+    conv_rows = torch.cat((x, b, c))
+    proj_rows = torch.cat((span(0, local_inner), d_inner + conv_rows,
+                           span(2 * d_inner + 2 * G * N, H // tp.size)))
+
+    def pick(tensor: Optional[torch.Tensor], rows: torch.Tensor) -> Optional[torch.Tensor]:
+        return None if tensor is None else tensor.index_select(0, rows.to(tensor.device))
+
+    w.in_proj, w.in_proj_bias = pick(w.in_proj, proj_rows), pick(w.in_proj_bias, proj_rows)
+    w.conv_weight, w.conv_bias = pick(w.conv_weight, conv_rows), pick(w.conv_bias, conv_rows)
+    for key in ("dt_bias", "A", "D"):
+        setattr(w, key, tp.shard(getattr(w, key), 0, tp.size))
+    w.norm_weight = tp.shard(w.norm_weight, 0, tp.size)
+    w.out_proj = tp.shard(w.out_proj, 1, tp.size)
+
+
 class NemotronHLayerWeights(SimpleNamespace):
     """One block's tensors; ``kind`` is ``M``, ``*`` or ``-``."""
 
@@ -90,7 +127,8 @@ class NemotronHAdapter(PagedMhaAdapter):
 
     def __init__(self, *, config: Any, layer_types: List[str], embed: torch.Tensor,
                  layers: list, final_norm: torch.Tensor, lm_head: torch.Tensor,
-                 attention_backend: str = "auto"):
+                 attention_backend: str = "auto", tensor_parallel: TensorParallel = SINGLE):
+        self.tp = tp = tensor_parallel
         self._init_weights(config=config, embed=embed, layers=layers, final_norm=final_norm,
                            lm_head=lm_head, eps=config.layer_norm_epsilon,
                            attention_backend=attention_backend)
@@ -100,11 +138,12 @@ class NemotronHAdapter(PagedMhaAdapter):
         self._init_heads(config)
         self.mlp_act = activation(_ACTIVATIONS, "mlp_hidden_act", config.mlp_hidden_act)
         self.mamba_act = activation(_ACTIVATIONS, "mamba_hidden_act", config.mamba_hidden_act)
-        # Mamba2 dimensions (as NemotronHMamba2Mixer derives them).
-        self.mamba_heads = config.mamba_num_heads
+        # Mamba2 dimensions (as NemotronHMamba2Mixer derives them), of this rank's heads and
+        # groups under tensor parallelism (_mamba_shard).
+        self.mamba_heads = tp.part(config.mamba_num_heads, "mamba_num_heads")
         self.mamba_head_dim = config.mamba_head_dim
         self.d_state = config.ssm_state_size
-        self.n_groups = config.n_groups
+        self.n_groups = tp.part(config.n_groups, "n_groups")
         self.d_conv = config.conv_kernel
         self.d_inner = self.mamba_heads * self.mamba_head_dim
         self.conv_dim = self.d_inner + 2 * self.n_groups * self.d_state
@@ -114,12 +153,22 @@ class NemotronHAdapter(PagedMhaAdapter):
     @classmethod
     def from_transformers(cls, hf_model: Any, *, device: Optional[torch.device | str] = None,
                           dtype: Optional[torch.dtype] = None, rope: Optional[str] = None,
-                          attention_backend: str = "auto") -> "NemotronHAdapter":
+                          attention_backend: str = "auto",
+                          tensor_parallel: TensorParallel = SINGLE) -> "NemotronHAdapter":
         """Take the weights of a ``transformers`` ``NemotronHForCausalLM`` (moved to ``device`` and
         cast to ``dtype`` when given). ``rope`` is accepted for the engine's uniform call and
-        ignored: NemotronH attention has no rotary embedding."""
+        ignored: NemotronH attention has no rotary embedding.
+
+        With ``tensor_parallel`` of more than one rank, this rank's shard: the Mamba heads and
+        their groups (``n_groups`` must be divisible by the ranks, as in Megatron: the gated
+        norm works per group), the attention heads and the MLP channels; the Mamba states in
+        the context are then this rank's heads' (``mamba_inference_state_config``)."""
         check_model_class(hf_model, "NemotronHForCausalLM", "NemotronHAdapter")
         config = hf_model.config
+        tp = tensor_parallel
+        if tp.size > 1:
+            tp.part(config.mamba_num_heads, "mamba_num_heads")
+            tp.part(config.n_groups, "n_groups")
         block_types = list(config.layers_block_type)
         unknown = sorted(set(block_types) - set(_LAYER_SYMBOLS))
         if unknown:
@@ -146,9 +195,15 @@ class NemotronHAdapter(PagedMhaAdapter):
                          k=take(m.k_proj.weight), k_bias=take(m.k_proj.bias),
                          v=take(m.v_proj.weight), v_bias=take(m.v_proj.bias),
                          o=take(m.o_proj.weight), o_bias=take(m.o_proj.bias))
+                shard_attention(tp, w, num_q_heads=config.num_attention_heads,
+                                num_kv_heads=config.num_key_value_heads)
             elif kind == "-":
                 vars(w).update(up=take(m.up_proj.weight), up_bias=take(m.up_proj.bias),
                          down=take(m.down_proj.weight), down_bias=take(m.down_proj.bias))
+                if tp.size > 1:
+                    tp.part(w.up.shape[0], "intermediate_size")
+                    w.up, w.up_bias = tp.shard(w.up, 0, tp.size), tp.shard(w.up_bias, 0, tp.size)
+                    w.down = tp.shard(w.down, 1, tp.size)
             else:
                 vars(w).update(in_proj=take(m.in_proj.weight), in_proj_bias=take(m.in_proj.bias),
                          conv_weight=take(m.conv1d.weight[:, 0]),             # [conv_dim, K]
@@ -159,11 +214,13 @@ class NemotronHAdapter(PagedMhaAdapter):
                          D=take(m.D), norm_weight=take(m.norm.weight),
                          norm_group=m.norm.group_size, norm_eps=m.norm.variance_epsilon,
                          out_proj=take(m.out_proj.weight), out_proj_bias=take(m.out_proj.bias))
+                _mamba_shard(tp, w, config)
             layers.append(w)
         return cls(config=config, layer_types=[w.kind for w in layers],
                    embed=take(hf_model.model.embeddings.weight), layers=layers,
                    final_norm=take(hf_model.model.norm_f.weight),
-                   lm_head=take(hf_model.lm_head.weight), attention_backend=attention_backend)
+                   lm_head=take(hf_model.lm_head.weight), attention_backend=attention_backend,
+                   tensor_parallel=tp)
 
     @property
     def conv_shape(self) -> Tuple[int, int]:
@@ -288,7 +345,7 @@ class NemotronHAdapter(PagedMhaAdapter):
         out = x.new_zeros(n, self.d_inner)         # padding tokens stay zero
         for slots, starts, lengths in groups:
             self._mamba_group(ctx, layer_number, w, proj, out, slots, starts, lengths)
-        return F.linear(out, w.out_proj, w.out_proj_bias)
+        return self.tp.row_linear(out, w.out_proj, w.out_proj_bias)
 
     # ------------------------------------------------------------------ forward
     @torch.no_grad()
@@ -310,9 +367,10 @@ class NemotronHAdapter(PagedMhaAdapter):
                 value = F.linear(x, w.v, w.v_bias).view(n, 1, Hkv, D)
                 ctx.append_key_value_cache(layer_number, key, value)
                 attn = self._attend_mha(ctx, attention, layer_number, query, n)  # [n, Hq * D]
-                out = F.linear(attn, w.o, w.o_bias)
+                out = self.tp.row_linear(attn, w.o, w.o_bias)
             else:
-                out = F.linear(self.mlp_act(F.linear(x, w.up, w.up_bias)), w.down, w.down_bias)
+                out = self.tp.row_linear(self.mlp_act(F.linear(x, w.up, w.up_bias)), w.down,
+                                         w.down_bias)
             hidden = hidden + out
         return self._logits(ctx, hidden, last_token_only)
 

@@ -120,7 +120,7 @@ def load_impl(name: str) -> Impl:
 
         return Impl(
             name=name,
-            DynamicInferenceContext=_dynctx_context_factory(dc.DynamicInferenceContext),
+            DynamicInferenceContext=dc.DynamicInferenceContext,
             RequestOverflowError=dc.RequestOverflowError,
             TokenOverflowError=dc.TokenOverflowError,
             DynamicInferenceRequest=dc.DynamicInferenceRequest,
@@ -129,43 +129,6 @@ def load_impl(name: str) -> Impl:
             context_class=dc.DynamicInferenceContext,
         )
     raise ValueError(f"impl={name!r} must be one of {IMPLS}")
-
-
-class _PipelineGroups:
-    """The one field of Megatron's ``ProcessGroupCollection`` a context reads for PP."""
-
-    def __init__(self, pp):
-        self.pp = pp
-
-
-def _dynctx_context_factory(cls):
-    """dynctx's context class, as the tests call it.
-
-    dynctx reads no global ``parallel_state``: a pipeline-parallel context gets its group
-    through ``pg_collection.pp`` (Megatron's other way to pass it). When a test builds a
-    context with ``pipeline_model_parallel_size > 1`` and no ``pg_collection``, this passes
-    Megatron's initialised pipeline group that way, which is what Megatron's own context reads
-    from ``parallel_state``. Every other call goes to the class unchanged; class attributes
-    (the rounders) are read and written on the class itself.
-    """
-
-    class _Factory:
-        def __call__(self, **kwargs):
-            pp = kwargs.get("pipeline_model_parallel_size")
-            if pp is not None and pp > 1 and kwargs.get("pg_collection") is None:
-                from megatron.core import parallel_state
-
-                kwargs["pg_collection"] = _PipelineGroups(
-                    parallel_state.get_pipeline_model_parallel_group())
-            return cls(**kwargs)
-
-        def __getattr__(self, name):
-            return getattr(cls, name)
-
-        def __setattr__(self, name, value):
-            setattr(cls, name, value)
-
-    return _Factory()
 
 
 class Utils:

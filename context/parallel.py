@@ -1,0 +1,167 @@
+"""Tensor- and pipeline-parallel groups of a context, and the one construction-time agreement.
+
+A context on a tensor-parallel rank stores its shard of the KV heads (or the whole MLA latent,
+or its shard of the Mamba heads); a context on a pipeline stage stores its own layers. Every
+rank runs the same host bookkeeping on the same requests, so their block allocators must be
+identical: ``agree_counts`` reduces the block counts with MIN over the tensor and the pipeline
+group, once, at construction (docs/DESIGN.md, "Tensor and pipeline parallelism"). No step
+communicates.
+
+Where the groups come from, first match wins:
+
+1. ``pg_collection`` (Megatron-Core's ``ProcessGroupCollection``, or any object with ``tp`` /
+   ``pp`` process groups);
+2. Megatron-Core's ``parallel_state`` when the caller has imported and initialised it (read
+   only then: dynctx never imports megatron-core itself); a group whose size disagrees with an
+   explicit ``tensor_model_parallel_size`` / ``pipeline_model_parallel_size`` is not used;
+3. the default ``torch.distributed`` group, for tensor parallelism only, when it has exactly
+   ``tensor_model_parallel_size`` ranks.
+
+``tensor_model_parallel_size > 1`` without ``torch.distributed`` is a single process that holds
+one rank's shard (sizing only: nothing is reduced).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+
+@dataclass(frozen=True)
+class ParallelGroups:
+    """``tp``/``pp``: sizes; ``tp_group``/``pp_group``: process groups (None for one rank, or
+    for tensor parallelism without ``torch.distributed``)."""
+
+    tp: int
+    pp: int
+    tp_group: Any = None
+    pp_group: Any = None
+
+    @property
+    def groups(self) -> tuple:
+        """The groups the block counts are reduced over (tensor first, then pipeline)."""
+        return tuple(g for g in (self.tp_group, self.pp_group) if g is not None)
+
+
+def _distributed_ready() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+def _group_size(group: Any, name: str) -> int:
+    import torch.distributed as dist
+
+    if not _distributed_ready():
+        raise ValueError(f"{name} is given but torch.distributed is not initialized")
+    try:
+        return dist.get_world_size(group)
+    except (RuntimeError, ValueError, TypeError) as error:
+        raise ValueError(f"{name}={group!r} is not a process group of this process: "
+                         f"{error}") from None
+
+
+def _size_arg(name: str, value: Any) -> Optional[int]:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"{name}={value!r} must be an int >= 1 or None")
+    return value
+
+
+def _megatron_groups() -> tuple:
+    """``(tp group, pp group)`` of Megatron-Core's ``parallel_state`` when the process has
+    imported and initialised it, else ``(None, None)``."""
+    ps = sys.modules.get("megatron.core.parallel_state")
+    if ps is None or not _distributed_ready():
+        return None, None
+    try:
+        if not ps.model_parallel_is_initialized():
+            return None, None
+        return ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group()
+    except (AssertionError, AttributeError, RuntimeError):
+        return None, None
+
+
+def _check_size(name: str, given: Optional[int], group_name: str, size: int) -> None:
+    if given is not None and given != size:
+        raise ValueError(f"{name}={given} but {group_name} has {size} ranks")
+
+
+def parallel_groups(*, tensor_model_parallel_size: Any, pipeline_model_parallel_size: Any,
+                    pg_collection: Any) -> ParallelGroups:
+    """The context's ``ParallelGroups`` from its constructor arguments (module docstring)."""
+    tp = _size_arg("tensor_model_parallel_size", tensor_model_parallel_size)
+    pp = _size_arg("pipeline_model_parallel_size", pipeline_model_parallel_size)
+    tp_group = pp_group = None
+    if pg_collection is not None:
+        source = "pg_collection"
+        tp_group = getattr(pg_collection, "tp", None)
+        pp_group = getattr(pg_collection, "pp", None)
+    else:
+        source = "Megatron-Core's parallel_state"
+        tp_group, pp_group = _megatron_groups()
+    if pg_collection is None:
+        # Megatron-Core's global groups are a fallback: an explicit size that disagrees wins
+        # (as in Megatron-Core, which reads the explicit sizes first), and its group is unused.
+        if tp is not None and tp_group is not None and _group_size(tp_group, "tp") != tp:
+            tp_group = None
+        if pp is not None and pp_group is not None and _group_size(pp_group, "pp") != pp:
+            pp_group = None
+    if tp_group is not None:
+        size = _group_size(tp_group, f"{source}.tp")
+        _check_size("tensor_model_parallel_size", tp, f"{source}.tp", size)
+        tp, tp_group = size, (tp_group if size > 1 else None)
+    if pp_group is not None:
+        size = _group_size(pp_group, f"{source}.pp")
+        _check_size("pipeline_model_parallel_size", pp, f"{source}.pp", size)
+        pp, pp_group = size, (pp_group if size > 1 else None)
+    tp, pp = tp or 1, pp or 1
+    if pp > 1 and pp_group is None:
+        raise ValueError(
+            f"pipeline_model_parallel_size={pp} needs the pipeline's process group as "
+            "pg_collection.pp (pg_collection=ProcessGroupCollection(pp=group, ...) or any "
+            "object with .pp), or Megatron-Core's parallel_state initialised")
+    if tp > 1 and tp_group is None and _distributed_ready():
+        import torch.distributed as dist
+
+        world = dist.get_world_size()
+        if world != tp:
+            raise ValueError(
+                f"tensor_model_parallel_size={tp} but the default torch.distributed group has "
+                f"{world} ranks: pass the tensor-parallel group as pg_collection.tp (or "
+                "initialise Megatron-Core's parallel_state)")
+        tp_group = dist.group.WORLD
+    return ParallelGroups(tp=tp, pp=pp, tp_group=tp_group, pp_group=pp_group)
+
+
+def min_over_groups(values: Sequence[int], groups: Sequence[Any]) -> list:
+    """``values``' element-wise minimum over the ranks of every group in ``groups`` (one
+    all-reduce per group; a gloo group reduces on the CPU, an NCCL group on the current CUDA
+    device). Over a tensor group then a pipeline group this is the minimum over the whole
+    grid."""
+    import torch
+    import torch.distributed as dist
+
+    out = [int(v) for v in values]
+    for group in groups:
+        device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
+        tensor = torch.tensor(out, dtype=torch.int64, device=device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=group)
+        out = [int(v) for v in tensor.tolist()]
+    return out
+
+
+def agree_counts(counts: Sequence[int], same: dict, groups: Sequence[Any]) -> list:
+    """``counts`` reduced with MIN over ``groups``; in the same all-reduce, check that every
+    value of ``same`` (name -> int, e.g. an explicit ``max_requests``) is equal on every rank
+    (min == max), else ``ValueError`` naming it, on every rank alike."""
+    names = list(same)
+    values = [int(same[n]) for n in names]
+    reduced = min_over_groups(list(counts) + values + [-v for v in values], groups)
+    k, m = len(counts), len(names)
+    lows, highs = reduced[k:k + m], [-v for v in reduced[k + m:]]
+    differ = [f"{n} (from {lo} to {hi})" for n, lo, hi in zip(names, lows, highs) if lo != hi]
+    if differ:
+        raise ValueError("the tensor/pipeline-parallel ranks must build their contexts with the "
+                         "same " + ", ".join(differ) + ": every rank runs the same bookkeeping")
+    return reduced[:k]

@@ -1,0 +1,177 @@
+"""Tensor parallelism over torch.distributed on two CPU ranks (gloo), against transformers.
+
+One spawn of two ranks (``distributed_ranks.run_spawned``; the ranks run ``tp_checks.all_checks``)
+runs every check, so that the ranks import torch and transformers once:
+
+* Llama (2 KV heads, one per rank; and 1 KV head, replicated on both ranks), DeepSeek-V2 (MLA:
+  heads sharded, the latent replicated; a MoE layer) and NemotronH (Mamba heads and groups
+  sharded) through ``Engine.from_transformers(..., tensor_model_parallel_size=2)``, rank 0's
+  requests broadcast: every rank returns the same tokens, equal to transformers' greedy
+  ``generate``, and every step's last-token logits lie within 1e-4 (fp32) of transformers' full
+  forward; the Llama, DeepSeek and NemotronH workloads pause, evict and chunk;
+* every rank's context has the same sizes; ranks given different memory budgets end with the
+  same (smallest) block counts, and different explicit ``max_requests`` are refused on every
+  rank; a context step makes no collective call;
+* two pipeline stages of a hybrid with uneven layers (local layer maps) share one block count.
+
+and ``python -P -m torch.distributed.run --nproc-per-node 2 -m dynctx demo
+--tensor-parallel-size 2`` (the README's launch) runs and checks against transformers.
+Megatron-Core's own uneven-pipeline test runs in tests/megatron/test_dynamic_context.py.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+from distributed_ranks import run_spawned
+from e2e_helpers import FP32_LOGITS_ATOL
+
+# Generous: both ranks together take about 15-20 s on a loaded 2-core machine (docs/DESIGN.md §10).
+TIMEOUT_S = 240.0
+
+
+@pytest.fixture(scope="module")
+def ranks() -> dict:
+    import tp_checks
+
+    return run_spawned(tp_checks.all_checks, world_size=2, timeout_s=TIMEOUT_S)
+
+
+@pytest.mark.parametrize("model", ["llama", "llama_replicated_kv", "deepseek", "nemotron_h"])
+def test_every_rank_matches_transformers(ranks, model):
+    first, second = ranks[0][model], ranks[1][model]
+    # Lockstep: the same tokens, sizes and pressure on both ranks.
+    for key in ("tokens", "finish", "sizes", "pressure", "local_heads", "kv_shape"):
+        assert first[key] == second[key], key
+    assert all(reason == "length" for reason in first["finish"])
+    # Each rank checked its half of the requests against transformers.
+    assert first["checked"] + second["checked"] == len(first["tokens"])
+    for out in (first, second):
+        assert out["mismatches"] == [], f"requests differing from transformers: {out}"
+        assert out["steps_checked"] > 0
+        assert out["worst_logit_error"] <= FP32_LOGITS_ATOL, out["worst_logit_error"]
+    if model != "llama_replicated_kv":
+        pauses, evictions, chunked = first["pressure"]
+        assert pauses > 0 and evictions > 0 and chunked > 0, first["pressure"]
+
+
+def test_shards(ranks):
+    # (query heads, KV heads) per rank: 4/2 -> 2/1; 4/1 -> 2/1 (the KV head replicated).
+    heads = {model: ranks[0][model]["local_heads"] for model in ranks[0] if model != "sizing"}
+    assert heads["llama"] == dict(num_q_heads=2, num_kv_heads=1)
+    assert heads["llama_replicated_kv"] == dict(num_q_heads=2, num_kv_heads=1)
+    assert ranks[0]["llama"]["kv_shape"][-2:] == (1, 16)
+    # DeepSeek: 2 of 4 heads; the latent row (32 + 16) whole.
+    assert heads["deepseek"]["num_heads"] == 2
+    assert ranks[0]["deepseek"]["kv_shape"][-1] == 48
+    # NemotronH: attention 2 of 4 query heads, 1 of 2 KV heads; Mamba 2 of 4 heads and 1 of 2
+    # groups: conv state (16 + 2 * 8, 4), SSM state (2, 8, 8).
+    assert heads["nemotron_h"] == dict(num_q_heads=2, num_kv_heads=1, mamba_heads=2, n_groups=1)
+    assert ranks[0]["nemotron_h"]["mamba_shapes"] == ((32, 4), (2, 8, 8))
+
+
+def test_sizes_agree_over_the_group(ranks):
+    first, second = ranks[0]["sizing"], ranks[1]["sizing"]
+    # Alone, the ranks' budgets (40 and 30 blocks, 8 and 5 paused) give different allocators.
+    assert first["alone"][:2] == (40, 8) and second["alone"][:2] == (30, 5)
+    # In one tensor-parallel group both take the smallest counts (level 0: total = buffer).
+    assert first["shared"] == second["shared"]
+    assert first["shared"][:2] == (30, 5)
+    assert first["group"] and second["group"] and first["heads"] == 1
+    for out in (first, second):
+        assert out["refused"] is not None and "max_requests (from 8 to 16)" in out["refused"]
+        assert out["steps"] > 3 and out["collectives_in_steps"] == []
+
+
+def test_uneven_hybrid_pipeline_stages_share_the_block_count(ranks):
+    first, second = ranks[0]["sizing"]["pipeline"], ranks[1]["sizing"]["pipeline"]
+    # Local layer maps: global index on the stage -> index within its type.
+    assert first["layer_map"] == {0: 0, 1: 0, 2: 1, 3: 1, 4: 2}
+    assert second["layer_map"] == {0: 0, 1: 0}
+    assert (first["attention_layers"], first["mamba_layers"]) == (3, 2)
+    assert (second["attention_layers"], second["mamba_layers"]) == (1, 1)
+    # Alone, the smaller stage fits more blocks; in the pipeline both take stage 0's count.
+    assert first["alone"][0] < second["alone"][0]
+    assert first["shared"] == second["shared"] and first["shared"][0] == first["alone"][0]
+    # The engine runs every layer on every rank: it refuses pipeline stages.
+    for out in (ranks[0]["sizing"], ranks[1]["sizing"]):
+        assert "pipeline_model_parallel_size=2: the engine runs every layer" in \
+            out["engine_pp_refused"]
+
+
+def test_demo_runs_under_torchrun_with_two_ranks(tmp_path):
+    """The README's launch (``--standalone``: a free rendezvous port), a shorter workload."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONSAFEPATH="1")
+    command = [sys.executable, "-P", "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", "2", "-m", "dynctx", "demo", "--tensor-parallel-size", "2",
+               "--requests", "8", "--max-new-tokens", "12", "--no-progress",
+               "--plot", str(tmp_path / "demo.png")]
+    result = subprocess.run(command, capture_output=True, text=True, env=env, cwd=tmp_path,
+                            timeout=TIMEOUT_S)
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    assert "check             OK: 8/8 outputs match transformers' greedy generate" in out
+    assert "tensor parallel   2 ranks: 2 query heads and 1 KV head(s) per rank" in out
+    assert out.count("dynctx demo: random Llama") == 1          # rank 0 alone prints
+
+
+def test_demo_tensor_parallel_without_torchrun_says_how_to_launch(monkeypatch):
+    from dynctx import cli_demo
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(SystemExit, match="PYTHONSAFEPATH=1 python -P -m torch.distributed.run "
+                                         "--nproc-per-node 2 -m dynctx demo "
+                                         "--tensor-parallel-size 2"):
+        cli_demo.main(["--tensor-parallel-size", "2", "--plot", ""])
+
+
+# ---------------------------------------------------------------------- in one process
+def test_engine_tensor_parallel_needs_torch_distributed():
+    from e2e_helpers import tiny_llama
+
+    from dynctx.engine import Engine
+
+    with pytest.raises(RuntimeError, match="tensor_model_parallel_size=2 needs torch.distributed "
+                                           "initialised.*torchrun"):
+        Engine.from_transformers(tiny_llama(), buffer_size_gb=0.001,
+                                 tensor_model_parallel_size=2)
+
+
+def test_engine_refuses_pipeline_stages():
+    from e2e_helpers import tiny_llama
+
+    from dynctx.engine import Engine
+
+    class Stages:
+        pp = None
+
+    with pytest.raises(ValueError, match="pipeline_model_parallel_size=2 needs the pipeline's "
+                                         "process group"):
+        Engine.from_transformers(tiny_llama(), buffer_size_gb=0.001,
+                                 pipeline_model_parallel_size=2, pg_collection=Stages())
+
+
+def test_shards_that_do_not_divide_are_refused_naming_the_sizes():
+    from e2e_helpers import tiny_llama
+    from test_deepseek_mla import tiny_deepseek
+    from test_nemotron_h import tiny_nemotron_h
+
+    from dynctx.models import DeepseekV2Adapter, LlamaAdapter, NemotronHAdapter, TensorParallel
+
+    three = TensorParallel(3, 0)
+    with pytest.raises(ValueError, match="num_attention_heads=4 must be divisible by "
+                                         "tensor_model_parallel_size=3"):
+        LlamaAdapter.from_transformers(tiny_llama(), tensor_parallel=three)
+    with pytest.raises(ValueError, match="num_key_value_heads=2 must divide "
+                                         "tensor_model_parallel_size=3 when it is smaller"):
+        LlamaAdapter.from_transformers(tiny_llama(hidden=48, heads=6, kv_heads=2),
+                                       tensor_parallel=three)
+    with pytest.raises(ValueError, match="num_attention_heads=4 must be divisible"):
+        DeepseekV2Adapter.from_transformers(tiny_deepseek(), tensor_parallel=three)
+    with pytest.raises(ValueError, match="n_groups=1 must be divisible by "
+                                         "tensor_model_parallel_size=2"):
+        NemotronHAdapter.from_transformers(tiny_nemotron_h(groups=1),
+                                           tensor_parallel=TensorParallel(2, 0))

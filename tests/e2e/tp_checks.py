@@ -1,0 +1,219 @@
+"""What each rank of the 2-rank tensor-parallel test runs (``test_tensor_parallel.py`` spawns
+the ranks with ``distributed_ranks.run_spawned``; this module is imported by the children).
+
+``all_checks()`` runs, on every rank, one workload per model through
+``Engine.from_transformers(..., tensor_model_parallel_size=2)`` and the context checks, and
+returns plain data for the parent to assert on: every rank's generated tokens and sizes (they
+must be equal), and this rank's share of the comparison with transformers (rank ``r`` checks the
+requests ``i`` with ``i % world == r``, so the two ranks split the reference work).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List
+
+import torch
+import torch.distributed as dist
+from e2e_helpers import (
+    block_bytes,
+    gib_for_blocks,
+    greedy_requests,
+    hf_greedy,
+    make_prompts,
+    pressure_workload,
+    step_logit_errors,
+    tiny_llama,
+)
+from test_deepseek_mla import tiny_deepseek
+from test_nemotron_h import GENS as NEMOTRON_GENS
+from test_nemotron_h import LENGTHS as NEMOTRON_LENGTHS
+from test_nemotron_h import block_bytes as nemotron_block_bytes
+from test_nemotron_h import tiny_nemotron_h
+
+from dynctx.context import DynamicInferenceContext, DynamicInferenceRequest, SamplingParams
+from dynctx.engine import Engine
+from dynctx.models.deepseek import mla_block_bytes
+
+TP = 2
+# The pressure workload of the single-process tests (test_deepseek_mla.py's).
+LENGTHS = [1, 5, 17, 40, 3, 33, 16, 48, 2, 9]
+GENS = [36, 24, 36, 16, 36, 28, 36, 24, 36, 12]
+# The longest request (48 + 40 tokens) in blocks of 16: the context needs no more.
+MAX_SEQUENCE_LENGTH = 96
+
+
+def _sizes(ctx: DynamicInferenceContext) -> tuple:
+    alloc = ctx.block_allocator
+    return (alloc.total_count, alloc.paused_count, alloc.active_count, ctx.max_requests,
+            ctx.max_tokens)
+
+
+def _run(hf: Any, engine: Engine, prompts: List[List[int]], requests: list,
+         arrivals: List[int]) -> Dict[str, Any]:
+    """Run the workload (rank 0's requests: the others pass None) and check this rank's share
+    of the requests against transformers (greedy tokens; every step's logits)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    results = engine.generate_requests(requests if rank == 0 else None,
+                                       arrival_steps=arrivals if rank == 0 else None)
+    mine = [i for i in range(len(results)) if i % world == rank]
+    mismatches = [i for i in mine if results[i].generated_tokens != hf_greedy(
+        hf, prompts[i], len(results[i].generated_tokens))]
+    errors = step_logit_errors(hf, [results[i] for i in mine])
+    worst = max(float((ours.cpu() - theirs).abs().max()) for _, _, ours, theirs in errors)
+    stats = engine.stats
+    return dict(tokens=[r.generated_tokens for r in results],
+                finish=[r.finish_reason for r in results], sizes=_sizes(engine.context),
+                pressure=(stats.pauses, stats.evictions, stats.chunked_prefills),
+                checked=len(mine), mismatches=mismatches, worst_logit_error=worst,
+                steps_checked=len(errors), local_heads=_local_heads(engine.model),
+                kv_shape=tuple(engine.context.memory_buffer.shape))
+
+
+def _local_heads(model: Any) -> dict:
+    return {name: getattr(model, name) for name in ("num_q_heads", "num_kv_heads", "num_heads",
+                                                    "mamba_heads", "n_groups")
+            if hasattr(model, name)}
+
+
+def _engine(hf: Any, per_rank_block_bytes: Callable[[Any, int], float], *, block_size: int,
+            blocks: int, paused_blocks: int, max_tokens: int, **kwargs: Any) -> Engine:
+    """An engine of ``blocks`` (``paused_blocks``) blocks per rank."""
+    return Engine.from_transformers(
+        hf, block_size_tokens=block_size, max_tokens=max_tokens, kernel_backend="torch",
+        buffer_size_gb=gib_for_blocks(hf, block_size, blocks, per_rank_block_bytes),
+        paused_buffer_size_gb=gib_for_blocks(hf, block_size, paused_blocks,
+                                             per_rank_block_bytes),
+        record_logits=True, tensor_model_parallel_size=TP,
+        max_sequence_length=MAX_SEQUENCE_LENGTH, **kwargs)
+
+
+def llama_pressure() -> Dict[str, Any]:
+    """2 KV heads, one per rank; 14 blocks of 16 (3 paused): pauses, evictions, chunks."""
+    hf = tiny_llama()
+    case = dict(scale=1)
+    prompts, requests, arrivals = pressure_workload(hf, case, LENGTHS, GENS)
+    engine = _engine(hf, lambda hf, bs: block_bytes(hf, bs) / TP, block_size=16, blocks=14,
+                     paused_blocks=3, max_tokens=32)
+    return _run(hf, engine, prompts, requests, arrivals)
+
+
+def llama_replicated_kv() -> Dict[str, Any]:
+    """One KV head for two ranks: each rank holds it (replicated), and half the query heads."""
+    hf = tiny_llama(kv_heads=1, seed=3)
+    prompts = make_prompts([7, 20, 3], hf.config.vocab_size, seed=5)
+    requests = greedy_requests(prompts, [8, 8, 8])
+    engine = _engine(hf, block_bytes, block_size=16, blocks=12, paused_blocks=2, max_tokens=64,
+                     rope="cos_sin")
+    return _run(hf, engine, prompts, requests, [0, 0, 1])
+
+
+def deepseek_pressure() -> Dict[str, Any]:
+    """MLA (the latent replicated: per-rank blocks as large as one process's) with a MoE
+    layer; 14 blocks of 16 (3 paused)."""
+    hf = tiny_deepseek()
+    prompts, requests, arrivals = pressure_workload(hf, dict(scale=1), LENGTHS, GENS)
+    engine = _engine(hf, lambda hf, bs: mla_block_bytes(hf.config, bs), block_size=16,
+                     blocks=14, paused_blocks=3, max_tokens=32)
+    return _run(hf, engine, prompts, requests, arrivals)
+
+
+def nemotron_h_pressure() -> Dict[str, Any]:
+    """Mamba heads and groups, attention heads and MLP channels split in two; 12 blocks of 16
+    (2 paused), test_nemotron_h.py's workload."""
+    hf = tiny_nemotron_h()
+    prompts = make_prompts(NEMOTRON_LENGTHS, hf.config.vocab_size)
+    requests = greedy_requests(prompts, NEMOTRON_GENS)
+    engine = _engine(hf, lambda hf, bs: nemotron_block_bytes(hf, bs) / TP, block_size=16,
+                     blocks=12, paused_blocks=2, max_tokens=32, attention_backend="torch")
+    out = _run(hf, engine, prompts, requests, [i // 2 for i in range(len(prompts))])
+    ctx = engine.context
+    out["mamba_shapes"] = (tuple(ctx.mamba_conv_states_shape), tuple(ctx.mamba_ssm_states_shape))
+    return out
+
+
+def sizing() -> Dict[str, Any]:
+    """Contexts whose ranks are given different memory budgets (tensor parallelism) or hold
+    different layers (pipeline stages of a hybrid): MIN over the group makes their allocators
+    equal; different explicit sizes are refused on every rank; a context step makes no
+    collective call."""
+    rank = dist.get_rank()
+    block = 4 * 2 * 2 * 4 * 1 * 8            # fp32, K+V, 2 layers, 4 tokens, 1 head per rank, 8
+    gib = 1024 ** 3
+
+    def make(**overrides: Any) -> DynamicInferenceContext:
+        args = dict(params_dtype=torch.float32, num_layers=2, kv_channels=8,
+                    num_attention_heads=2, max_sequence_length=64, block_size_tokens=4,
+                    buffer_size_gb=(40 if rank == 0 else 30) * block / gib,
+                    paused_buffer_size_gb=(8 if rank == 0 else 5) * block / gib,
+                    max_tokens=64, max_requests=8, unified_memory_level=0, device="cpu")
+        args.update(overrides)
+        return DynamicInferenceContext(**args)
+
+    alone = make(num_attention_heads=1)           # tp 1 (same block bytes): its own budget
+    shared = make(tensor_model_parallel_size=TP)         # the default group of 2 ranks
+    try:
+        make(tensor_model_parallel_size=TP, max_requests=8 if rank == 0 else 16)
+        refused = None
+    except ValueError as error:
+        refused = str(error)
+
+    # Two pipeline stages with uneven hybrid layers (stage 0: 3 attention + 2 Mamba layers,
+    # stage 1: 1 + 1): each stage's layer map is local; both take the smaller block count.
+    from types import SimpleNamespace
+
+    from dynctx.context import MambaInferenceStateConfig
+
+    types = ["*", "M", "*", "M", "*"] if rank == 0 else ["M", "*"]
+    stage_args = dict(num_layers=len(types), max_requests=8, paused_buffer_size_gb=None,
+                      buffer_size_gb=100 * block / gib,
+                      mamba_inference_state_config=MambaInferenceStateConfig(
+                          types, (6, 4), (2, 4, 3)))
+    stage_alone = make(num_attention_heads=1, **stage_args)
+    stage = make(num_attention_heads=1, pipeline_model_parallel_size=2,
+                 pg_collection=SimpleNamespace(pp=dist.group.WORLD), **stage_args)
+    pipeline = dict(alone=_sizes(stage_alone), shared=_sizes(stage),
+                    layer_map=dict(stage.layer_map), attention_layers=stage.num_attention_layers,
+                    mamba_layers=stage.num_mamba_layers)
+
+    try:
+        Engine.from_transformers(tiny_llama(), buffer_size_gb=0.001,
+                                 pipeline_model_parallel_size=2,
+                                 pg_collection=SimpleNamespace(pp=dist.group.WORLD))
+        engine_pp_refused = None
+    except NotImplementedError as error:
+        engine_pp_refused = str(error)
+
+    # A few context steps with every torch.distributed collective counted.
+    calls = []
+    names = ("all_reduce", "broadcast", "all_gather", "barrier", "broadcast_object_list",
+             "all_gather_object", "reduce", "send", "recv")
+    saved = {name: getattr(dist, name) for name in names}
+    for name in names:
+        setattr(dist, name, lambda *a, _n=name, **k: calls.append(_n) or saved[_n](*a, **k))
+    try:
+        for rid, length in enumerate((3, 9, 17)):
+            shared.add_request(DynamicInferenceRequest(
+                request_id=rid, prompt_tokens=torch.arange(1, length + 1),
+                sampling_params=SamplingParams(num_tokens_to_generate=4)))
+        steps = 0
+        while shared.has_unfinished_requests():
+            shared.initialize_attention_state()
+            active = shared.total_request_count - shared.paused_request_count
+            mask = shared.get_active_sequence_lengths() + 1 < shared.get_max_sequence_lengths()
+            shared.update_requests(mask, torch.ones(active, dtype=torch.int64))
+            steps += 1
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
+    return dict(alone=_sizes(alone), shared=_sizes(shared), refused=refused, steps=steps,
+                pipeline=pipeline, engine_pp_refused=engine_pp_refused,
+                collectives_in_steps=calls, heads=shared.num_attention_heads_per_partition,
+                group=shared.tensor_parallel_group is not None)
+
+
+def all_checks() -> Dict[str, Any]:
+    """Every check above, in one spawn (the ranks pay for importing torch and transformers
+    once)."""
+    return {name: fn() for name, fn in (
+        ("sizing", sizing), ("llama", llama_pressure), ("llama_replicated_kv", llama_replicated_kv),
+        ("deepseek", deepseek_pressure), ("nemotron_h", nemotron_h_pressure))}
