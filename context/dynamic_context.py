@@ -25,6 +25,7 @@ import logging
 import math
 from typing import Any, List, Optional, Tuple
 
+import numpy as np
 import torch
 
 from dynctx.kernels import _backend
@@ -60,7 +61,7 @@ from .request_table import RequestTable
 from .requests import DynamicInferenceRequest
 from .sizing import check_scalars, layer_layout, memory_layout, positive_int
 from .staging import numpy_dtype
-from .step import REQUEST_ROUNDER, TOKEN_ROUNDER, build_step
+from .step import REQUEST_ROUNDER, TOKEN_ROUNDER, StepBuilder
 
 logger = logging.getLogger("dynctx.context")
 _EMPTY_IDS = torch.empty(0, dtype=torch.int64)
@@ -189,8 +190,9 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
         compat.check_options(dict(cuda_graph_max_tokens=cuda_graph_max_tokens))
         self.device = _resolve_device(device)
         # On a CPU device the bookkeeping tensors handed out are views of the host arrays
-        # (write-through); on CUDA they are the device mirrors.
-        self._host_views = self.device.type == "cpu"
+        # (write-through), and the arena's device side is its host buffer; on CUDA they are
+        # the device mirrors.
+        self._host_views_flag = self.device.type == "cpu"
         _backend.check_backend_name(kernel_backend)
         self.kernel_backend = kernel_backend
         self._backend = _backend.resolve_backend(kernel_backend, self.device)
@@ -273,6 +275,10 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
             metadata_labels=[label for label, _, _ in self.request_metadata_types],
             hybrid=self.is_hybrid_model, max_tokens=self.max_tokens)
         self._device: Optional[DeviceState] = None
+        self._steps = StepBuilder(self._request_rows, ladder)
+        # The steady decode update's shortcut (update_plan.plan_decode); False makes every
+        # update take plan_update (tests compare the two).
+        self._decode_shortcut = True
         self.chunked_prefill_request_id = -1
         self.is_symmetric_memory_initialized = False
         self.is_tensor_state_allocated = False
@@ -282,6 +288,19 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
         logger.info("allocated context with active buffer size %s (%d blocks)",
                     get_mem_size_str(alloc.active_count * self.block_size_bytes),
                     alloc.active_count)
+
+    @property
+    def _host_views(self) -> bool:
+        """Whether the bookkeeping tensors handed out are host views (a CPU device). Set to
+        False on a CPU device, the context hands out device mirrors, as on CUDA, and its arena
+        stops sharing the host buffer (tests run the CUDA path on a CPU this way)."""
+        return self._host_views_flag
+
+    @_host_views.setter
+    def _host_views(self, value: bool) -> None:
+        self._host_views_flag = bool(value)
+        if self._device is not None and self.device.type == "cpu":
+            self._device.share_arena(self._host_views_flag)
 
     # ------------------------------------------------------------------ allocation
     def allocate_all_tensors(self, *, is_init: bool) -> None:
@@ -301,6 +320,8 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
             max_tokens=self.max_tokens, max_kv_block_count=self.max_kv_block_count,
             metadata_types=self.request_metadata_types, kv_shape=kv_shape,
             params_dtype=self.params_dtype, layers=self._layers)
+        if not self._host_views:
+            self._device.share_arena(False)
         self._table.bind(*self._device.table_views())
         self.is_tensor_state_allocated = True
         self.reset()
@@ -407,11 +428,11 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
                 "placeholder token")
         device = self._device
         zero_count, device_prompts = table.take_staged()
-        step = build_step(table, device.arena.host, max_tokens=self.max_tokens,
-                          max_requests=self.max_requests, tp=self.tensor_model_parallel_size,
-                          seq_idx=device.host_seq_idx, zero_count=zero_count,
-                          ladder=self._cuda_graph_ladder, token_rounder=self.TOKEN_ROUNDER,
-                          request_rounder=self.REQUEST_ROUNDER)
+        step = self._steps.build(table, device.arena.host, max_tokens=self.max_tokens,
+                                 max_requests=self.max_requests,
+                                 tp=self.tensor_model_parallel_size, seq_idx=device.host_seq_idx,
+                                 zero_count=zero_count, token_rounder=self.TOKEN_ROUNDER,
+                                 request_rounder=self.REQUEST_ROUNDER)
         device.begin_step(step, table, device_prompts)
         if step.mamba:
             self.mamba_metadata.update_step(device.mamba_step_fields(step))
@@ -462,18 +483,29 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
                                "were never forwarded")
         new_tokens = check_new_tokens(new_tokens, A, self.device, validate=self.validate,
                                       vocab_size=self.vocab_size)
-        mask = read_mask(active_requests_mask, A, self.device)
-        plan = table.plan_update(mask, chunked_id=self.chunked_prefill_request_id,
-                                 max_sequence_length=self.max_sequence_length)
-        table.commit_update(plan)
-        self._device.apply_update(plan, table, new_tokens)
+        mask = read_mask(active_requests_mask, A, self.device)  # None: every request kept
+        chunked_id, max_length = self.chunked_prefill_request_id, self.max_sequence_length
+        decode = None
+        if mask is None and self._decode_shortcut:
+            decode = table.plan_decode(chunked_id=chunked_id, max_sequence_length=max_length)
+        if decode is not None:
+            # The steady decode step: nothing finishes, stays paused or is evicted.
+            self._device.apply_decode(decode, table.commit_decode(decode), table, new_tokens)
+            self.newly_paused_request_ids = self.evicted_request_ids = _EMPTY_IDS
+            self.max_length_finished_request_ids = _EMPTY_IDS
+        else:
+            if mask is None:
+                mask = np.ones(A, dtype=np.bool_)
+            plan = table.plan_update(mask, chunked_id=chunked_id, max_sequence_length=max_length)
+            table.commit_update(plan)
+            self._device.apply_update(plan, table, new_tokens)
+            self.newly_paused_request_ids = torch.from_numpy(plan.newly_paused_ids)
+            self.evicted_request_ids = torch.from_numpy(plan.evicted_ids)
+            self.max_length_finished_request_ids = torch.from_numpy(plan.max_length_ids)
         self.has_explicit_chunked_prefill_req = False
         self.reset_attention_state()
         self._step = None
         self._hand_written = False
-        self.newly_paused_request_ids = torch.from_numpy(plan.newly_paused_ids)
-        self.evicted_request_ids = torch.from_numpy(plan.evicted_ids)
-        self.max_length_finished_request_ids = torch.from_numpy(plan.max_length_ids)
         if self.metrics_writer is not None:
             self.metrics_writer.log({f"inference/{k}": v
                                      for k, v in self.get_kvcache_utilization_stats().items()})

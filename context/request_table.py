@@ -5,9 +5,10 @@ requests first, then prefills, a chunked prefill last. The table is host-only (n
 per-request integers and metadata are views into the host half of the device state's arena
 (``staging.HostArena``), handed over by ``bind``, so that one copy uploads them.
 
-It changes only through ``commit_add`` and ``commit_update``, which apply a plan computed
-beforehand (``admission.plan_add``, ``update_plan.plan_update``) from the unchanged table. The
-plans carry every check; a commit cannot fail on a plan made from the current table.
+It changes only through ``commit_add``, ``commit_update`` and ``commit_decode``, which apply a
+plan computed beforehand (``admission.plan_add``, ``update_plan.plan_update``,
+``update_plan.plan_decode``) from the unchanged table. The plans carry every check; a commit
+cannot fail on a plan made from the current table.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from ._fields import (
 )
 from .admission import AddPlan, plan_add
 from .block_allocator import BlockAllocator, SlotAllocator
-from .update_plan import UpdatePlan, plan_update
+from .update_plan import DecodePlan, UpdatePlan, plan_decode, plan_update
 
 
 class RequestTable:
@@ -148,6 +149,11 @@ class RequestTable:
         return plan_update(self, mask, chunked_id=chunked_id,
                            max_sequence_length=max_sequence_length)
 
+    def plan_decode(self, *, chunked_id: int, max_sequence_length: int) -> Optional[DecodePlan]:
+        """``update_plan.plan_decode`` against this table: the plan of the steady decode update
+        of a mask that keeps every request, or None (then ``plan_update``); nothing changed."""
+        return plan_decode(self, chunked_id=chunked_id, max_sequence_length=max_sequence_length)
+
     # ------------------------------------------------------------------ commits
     def commit_add(self, plan: AddPlan) -> None:
         """Apply an ``admission.AddPlan`` made from this table: reserve and write."""
@@ -265,6 +271,42 @@ class RequestTable:
         self.live_ids.difference_update(gone)
         if self.partial_id in gone:
             self.partial_id = -1
+
+    def commit_decode(self, plan: DecodePlan) -> Optional[tuple]:
+        """Apply an ``update_plan.DecodePlan`` made from this table (as ``commit_update`` would
+        apply ``plan_update``'s plan of the same update). Returns None, or for the rows that
+        start a block, now rows ``[0, k)``: ``(columns, blocks)``, where each appended its block
+        in the block table."""
+        rows, T = self.rows, self.total
+        rows[FIELD_KV_OFFSET, :T] = plan.kv_offsets
+        rows[FIELD_QUERY, :T] = 1
+        last_offsets = rows[FIELD_LAST_OFFSET, :T]
+        last_offsets += 1
+        appended = None
+        if plan.full is not None:
+            last_offsets[plan.full] = 0
+            grow = plan.append_rows
+            blocks = self.allocator.allocate_memory_blocks_host(grow.size)
+            columns = rows[FIELD_BLOCKS, grow]
+            self.block_table[grow, columns] = blocks
+            rows[FIELD_BLOCKS, grow] = columns + 1
+            rows[FIELD_LAST_BLOCK, grow] = blocks
+            dst, src = plan.dst, plan.src
+            if dst.size:
+                # Fancy indexing on the right copies first: the swaps are safe.
+                rows[:, dst] = rows[:, src]
+                self.block_table[dst] = self.block_table[src]
+                for values in self.metadata.values():
+                    values[dst] = values[src]
+            appended = (columns, blocks)
+        self.active_tokens = T
+        self.num_prefill = 0
+        self.fed_decode = 0
+        self.continuation_added = False
+        if self.device_prompts:
+            self.device_prompts = []
+        self.dirty_from = self.max_requests
+        return appended
 
     def permute_rows(self, dst: np.ndarray, src: np.ndarray) -> None:
         """Rows ``dst`` take the fields, metadata and block-table rows of rows ``src`` (read

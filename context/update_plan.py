@@ -7,12 +7,16 @@ copy of the per-request fields and a simulation of the block allocator's stack, 
 nothing; every error it can meet (an unknown chunked id, no request able to run) raises here,
 and a request kept past ``max_sequence_length`` is finished here. ``RequestTable.commit_update``
 then applies the plan, and the device state applies the row plan in one launch.
+
+``plan_decode`` is the steady decode step's shortcut: when nothing finishes, pauses for good or
+is evicted, it says in a few vectorised operations what ``plan_update`` would decide, and
+``RequestTable.commit_decode`` applies it; everything else takes ``plan_update``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Tuple
+from typing import List, NamedTuple, Optional, Tuple
 
 import numpy as np
 
@@ -182,21 +186,62 @@ class _Scratch:
         return P - evict, evicted
 
 
-def _steady_plan(table, T: int):
-    """The plan of the common decode step (nothing paused, finished, chunked, and no request
-    filling its last block), without the scratch machinery; None when it does not apply."""
-    h = table.rows[:, :T].copy()
-    if (h[FIELD_LAST_OFFSET] == table.block_size - 1).any():
+class DecodePlan(NamedTuple):
+    """The plan of a decode update (``plan_decode``): nothing finishes, pauses for good or is
+    evicted, and the rows whose last block is full start a new one at once.
+
+    ``kv_offsets``: the new ``FIELD_KV_OFFSET`` of rows ``[0, total)``, in the current row
+    order (``FIELD_QUERY`` becomes 1 and ``FIELD_LAST_OFFSET`` advances by one, modulo the
+    block size). ``full``: None when no row starts a block; else which rows do. Then
+    ``append_rows``: those rows in the order of the rows ``[0, k)`` they move to (the general
+    path pauses them to the front and resumes them, LIFO, each with one new block), and
+    ``dst``/``src``: the row swaps that move them there (rows ``dst`` take rows ``src``).
+    """
+
+    kv_offsets: np.ndarray
+    full: Optional[np.ndarray]
+    append_rows: Optional[np.ndarray]
+    dst: Optional[np.ndarray]
+    src: Optional[np.ndarray]
+
+
+def plan_decode(table, *, chunked_id: int, max_sequence_length: int) -> Optional[DecodePlan]:
+    """The plan of the steady decode update of a mask that keeps every request, or None where
+    ``plan_update`` must decide.
+
+    It applies when nothing is paused, no chunked prefill is in flight, no request reaches
+    ``max_sequence_length``, and the requests whose last block
+    is full can all resume at once (free blocks and the active budget allow one more block
+    each). Then ``plan_update`` would pause those requests to the front rows and resume them
+    in the same update, each with one new block, and change nothing else: this plan says the
+    same with a few vectorised operations over the rows (``tests/context/test_decode_path.py``
+    checks the two paths equal, state after state). Changes nothing.
+    """
+    T = table.total
+    if table.paused or chunked_id != -1 or not T:
         return None
-    h[FIELD_KV_OFFSET] += h[FIELD_QUERY]
-    h[FIELD_QUERY] = 1
-    h[FIELD_LAST_OFFSET] += 1
-    none = np.full(T, -1, dtype=np.int32)
-    return UpdatePlan(
-        old_paused=0, old_total=T, paused=0, total=T, active_tokens=T,
-        origin=np.arange(T, dtype=np.int64), rows=h, append_col=none, append_block=none,
-        allocator_ops=(), released_slots=np.empty(0, dtype=np.int32), finished_ids=_EMPTY,
-        evicted_ids=_EMPTY, newly_paused_ids=_EMPTY, max_length_ids=_EMPTY)
+    rows = table.rows
+    # The next token's position; a request whose next token would lie at max_sequence_length
+    # or beyond is finished, which plan_update decides.
+    kv_offsets = rows[FIELD_KV_OFFSET, :T] + rows[FIELD_QUERY, :T]
+    if np.maximum.reduce(kv_offsets) >= max_sequence_length:
+        return None
+    full = rows[FIELD_LAST_OFFSET, :T] == table.block_size - 1
+    k = np.count_nonzero(full)
+    if not k:
+        return DecodePlan(kv_offsets, None, None, None, None)
+    allocator = table.allocator
+    if k > allocator.total_avail or \
+            int(rows[FIELD_BLOCKS, :T].sum()) + k > allocator.active_count:
+        return None
+    # plan_update's pause: the full rows among the first k stay, the others swap, in order,
+    # with the full rows past k.
+    left_keep = np.flatnonzero(~full[:k])
+    right_full = k + np.flatnonzero(full[k:])
+    append_rows = np.arange(k)
+    append_rows[left_keep] = right_full
+    return DecodePlan(kv_offsets, full, append_rows, np.concatenate([left_keep, right_full]),
+                      np.concatenate([right_full, left_keep]))
 
 
 def plan_update(table, mask: np.ndarray, *, chunked_id: int, max_sequence_length: int
@@ -229,10 +274,6 @@ def plan_update(table, mask: np.ndarray, *, chunked_id: int, max_sequence_length
         max_length_ids = ids[P:T][too_long].astype(np.int64)
         mask = mask & ~too_long
 
-    if P == 0 and chunked_id == -1 and A and mask.all():
-        steady = _steady_plan(table, T)
-        if steady is not None:
-            return steady
     allocator = table.allocator
     scratch = _Scratch(table, _StackSim(allocator))
     h = scratch.h
