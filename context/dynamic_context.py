@@ -276,6 +276,10 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
             hybrid=self.is_hybrid_model, max_tokens=self.max_tokens)
         self._device: Optional[DeviceState] = None
         self._steps = StepBuilder(self._request_rows, ladder)
+        # (signature, Step) built by update_requests for the next step (_prepare_next_step),
+        # and the signature of the current step when it is known.
+        self._next_step: Optional[tuple] = None
+        self._step_sig: Optional[tuple] = None
         # The steady decode update's shortcut (update_plan.plan_decode); False makes every
         # update take plan_update (tests compare the two).
         self._decode_shortcut = True
@@ -336,7 +340,7 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
         self._device = None
         self._table.unbind()
         self.reset_attention_state()
-        self._step = None
+        self._step = self._next_step = None
         self.chunked_prefill_request_id = -1
 
     def _check_allocated(self, request_id: Optional[int] = None) -> None:
@@ -351,7 +355,7 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
         self._check_allocated()
         self.chunked_prefill_request_id = -1
         self.has_explicit_chunked_prefill_req = False
-        self._step = None
+        self._step = self._next_step = None
         self._set_step_counts(None)
         self.newly_paused_request_ids = self.evicted_request_ids = _EMPTY_IDS
         self.max_length_finished_request_ids = _EMPTY_IDS
@@ -428,11 +432,13 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
                 "placeholder token")
         device = self._device
         zero_count, device_prompts = table.take_staged()
-        step = self._steps.build(table, device.arena.host, max_tokens=self.max_tokens,
-                                 max_requests=self.max_requests,
-                                 tp=self.tensor_model_parallel_size, seq_idx=device.host_seq_idx,
-                                 zero_count=zero_count, token_rounder=self.TOKEN_ROUNDER,
-                                 request_rounder=self.REQUEST_ROUNDER)
+        prepared, self._next_step = self._next_step, None
+        if prepared is not None and not zero_count and not device_prompts and \
+                prepared[0] == self._step_signature():
+            # update_requests built this step already, and nothing it reads changed since.
+            self._step_sig, step = prepared
+        else:
+            self._step_sig, step = None, self._build_step(zero_count)
         device.begin_step(step, table, device_prompts)
         if step.mamba:
             self.mamba_metadata.update_step(device.mamba_step_fields(step))
@@ -440,6 +446,41 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
         self._step = step
         self._set_step_counts(step)
         self.active_attn_metadata = device.attention_metadata(step)
+
+    def _build_step(self, zero_count: int, max_kv_offset: Optional[int] = None):
+        """``StepBuilder.build`` of the table as it is: the step's ``Step``, its host
+        attention (and Mamba) metadata written into the arena."""
+        device = self._device
+        return self._steps.build(self._table, device.arena.host, max_tokens=self.max_tokens,
+                                 max_requests=self.max_requests,
+                                 tp=self.tensor_model_parallel_size, seq_idx=device.host_seq_idx,
+                                 zero_count=zero_count, token_rounder=self.TOKEN_ROUNDER,
+                                 request_rounder=self.REQUEST_ROUNDER,
+                                 max_kv_offset=max_kv_offset)
+
+    def _step_signature(self) -> tuple:
+        """Everything ``StepBuilder.build`` reads on a model without Mamba layers: the counts,
+        the limits, and the query lengths and KV offsets of the active rows (as bytes)."""
+        table = self._table
+        P, T = table.paused, table.total
+        rows = table.rows
+        return (P, T, table.active_tokens, table.num_prefill, table.fed_decode,
+                table.continuation_added, self.max_requests, self.max_tokens,
+                self.tensor_model_parallel_size, self.TOKEN_ROUNDER, self.REQUEST_ROUNDER,
+                rows[FIELD_QUERY, P:T].tobytes(), rows[FIELD_KV_OFFSET, P:T].tobytes())
+
+    def _prepare_next_step(self, max_kv_offset: Optional[int] = None) -> None:
+        """Build the next step at the end of ``update_requests``, while the host's bookkeeping
+        is at hand, with the signature of what it read; ``initialize_attention_state`` takes it
+        when the signature still holds (an ``add_request`` in between changes the counts, a
+        write by hand the rows), else builds anew. Models with Mamba layers build at the step
+        (their step also reads the slots and consumes the staged zeroing).
+        ``max_kv_offset``: the active rows' largest KV offset, when the update knows it."""
+        table = self._table
+        if self.is_hybrid_model or not table.active:
+            self._next_step = None
+            return
+        self._next_step = (self._step_signature(), self._build_step(0, max_kv_offset))
 
     def current_input_and_position_ids(self, *, num_warmup_tokens: Optional[int] = None
                                        ) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -487,10 +528,21 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
         chunked_id, max_length = self.chunked_prefill_request_id, self.max_sequence_length
         decode = None
         if mask is None and self._decode_shortcut:
-            decode = table.plan_decode(chunked_id=chunked_id, max_sequence_length=max_length)
+            # A step built from rows that are still as they were says what a decode update
+            # would otherwise compute: every row one token, and the largest KV offset.
+            step, known = self._step, None
+            if step is not None and step.one_token_rows and self._step_sig is not None and \
+                    self._step_sig == self._step_signature():
+                known = step.max_seqlen_k
+            decode = table.plan_decode(chunked_id=chunked_id, max_sequence_length=max_length,
+                                       max_kv_offset=known)
+        # The host commits, the next step is prepared on the host, then the device applies
+        # the plan (one launch): the host's work runs back to back.
         if decode is not None:
             # The steady decode step: nothing finishes, stays paused or is evicted.
-            self._device.apply_decode(decode, table.commit_decode(decode), table, new_tokens)
+            appended = table.commit_decode(decode)
+            self._prepare_next_step(decode.max_kv_offset)
+            self._device.apply_decode(decode, appended, table, new_tokens)
             self.newly_paused_request_ids = self.evicted_request_ids = _EMPTY_IDS
             self.max_length_finished_request_ids = _EMPTY_IDS
         else:
@@ -498,6 +550,7 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
                 mask = np.ones(A, dtype=np.bool_)
             plan = table.plan_update(mask, chunked_id=chunked_id, max_sequence_length=max_length)
             table.commit_update(plan)
+            self._prepare_next_step()
             self._device.apply_update(plan, table, new_tokens)
             self.newly_paused_request_ids = torch.from_numpy(plan.newly_paused_ids)
             self.evicted_request_ids = torch.from_numpy(plan.evicted_ids)

@@ -71,6 +71,11 @@ class RequestTable:
         self.block_table = np.full((self.max_requests, self.max_kv_block_count), -1,
                                    dtype=np.int32)
         self.prompt = np.zeros(self.max_tokens, dtype=np.int64)
+        # The bytes of int32 ones (a decode step's query lengths, compared in one memcmp) and
+        # the first byte of an int32 block_size - 1 (the offset of a full block's last token):
+        # the last-block offsets hold no block_size - 1 where their bytes hold no such byte.
+        self.one_bytes = np.ones(self.max_requests, dtype=np.int32).tobytes()
+        self.full_block_byte = np.int32(self.block_size - 1).tobytes()[:1]
         self.slots = SlotAllocator(self.max_requests) if self.hybrid else None
         self.reset()
 
@@ -149,10 +154,12 @@ class RequestTable:
         return plan_update(self, mask, chunked_id=chunked_id,
                            max_sequence_length=max_sequence_length)
 
-    def plan_decode(self, *, chunked_id: int, max_sequence_length: int) -> Optional[DecodePlan]:
+    def plan_decode(self, *, chunked_id: int, max_sequence_length: int,
+                    max_kv_offset: Optional[int] = None) -> Optional[DecodePlan]:
         """``update_plan.plan_decode`` against this table: the plan of the steady decode update
         of a mask that keeps every request, or None (then ``plan_update``); nothing changed."""
-        return plan_decode(self, chunked_id=chunked_id, max_sequence_length=max_sequence_length)
+        return plan_decode(self, chunked_id=chunked_id, max_sequence_length=max_sequence_length,
+                           max_kv_offset=max_kv_offset)
 
     # ------------------------------------------------------------------ commits
     def commit_add(self, plan: AddPlan) -> None:
@@ -278,13 +285,19 @@ class RequestTable:
         start a block, now rows ``[0, k)``: ``(columns, blocks)``, where each appended its block
         in the block table."""
         rows, T = self.rows, self.total
-        rows[FIELD_KV_OFFSET, :T] = plan.kv_offsets
-        rows[FIELD_QUERY, :T] = 1
-        last_offsets = rows[FIELD_LAST_OFFSET, :T]
-        last_offsets += 1
+        kv_offsets, last_offsets = rows[FIELD_KV_OFFSET, :T], rows[FIELD_LAST_OFFSET, :T]
+        if plan.kv_offsets is None:
+            # Every row held one token: the KV offsets advance by one.
+            np.add(kv_offsets, 1, out=kv_offsets)
+        else:
+            kv_offsets[:] = plan.kv_offsets
+            rows[FIELD_QUERY, :T] = 1
+        np.add(last_offsets, 1, out=last_offsets)
         appended = None
         if plan.full is not None:
-            last_offsets[plan.full] = 0
+            # The rows that filled their last block start a new one, allocated in the order of
+            # the rows they move to.
+            rows[FIELD_LAST_OFFSET, plan.full] = 0
             grow = plan.append_rows
             blocks = self.allocator.allocate_memory_blocks_host(grow.size)
             columns = rows[FIELD_BLOCKS, grow]

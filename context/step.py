@@ -62,6 +62,7 @@ class Step(NamedTuple):
     max_seqlen_k: int
     mamba: Optional[MambaStep]
     fed_decode: int = 0        # dummy decode rows fed from the prompt buffer (after the decodes)
+    one_token_rows: bool = False  # every active row holds one token (a decode step)
 
     @property
     def active(self) -> int:
@@ -97,8 +98,10 @@ class StepBuilder:
     def __init__(self, max_request_rows: int, ladder: CUDAGraphLadder):
         self.ladder = ladder
         self.row_numbers = np.arange(max_request_rows + 1, dtype=np.int32)
-        # The bytes of int32 ones: a decode step's query lengths, compared in one memcmp.
+        # The bytes of int32 ones (a decode step's query lengths) and of the row numbers (their
+        # sums), compared in one memcmp each.
         self.one_bytes = np.ones(max_request_rows, dtype=np.int32).tobytes()
+        self.row_number_bytes = self.row_numbers.tobytes()
         self._choices: dict = {}
 
     def choose(self, active: int, prefill: int, decode: int, chunked: bool, *, strict: bool,
@@ -121,12 +124,15 @@ class StepBuilder:
 
     def build(self, table, arena: dict, *, max_tokens: int, max_requests: int, tp: int,
               seq_idx: Optional[np.ndarray], zero_count: int,
-              token_rounder: int = TOKEN_ROUNDER, request_rounder: int = REQUEST_ROUNDER
-              ) -> Step:
+              token_rounder: int = TOKEN_ROUNDER, request_rounder: int = REQUEST_ROUNDER,
+              max_kv_offset: Optional[int] = None) -> Step:
         """Describe the step of ``table``'s active rows and write its host metadata into
         ``arena`` (the arena's host sections) and ``seq_idx`` (hybrids). The padded dimensions
         are the CUDA graph of the ladder that fits the step (strict matching on hybrids), else
-        the eager padding capped at ``max_tokens`` (``cuda_graphs.select_step_dimensions``)."""
+        the eager padding capped at ``max_tokens`` (``cuda_graphs.select_step_dimensions``).
+        ``max_kv_offset``: the largest KV offset of the active rows when the caller knows it
+        (a decode update just computed it), which a decode step's ``max_seqlen_k`` is one more
+        than."""
         P, T = table.paused, table.total
         A = T - P
         active, prefill = table.active_tokens, table.num_prefill
@@ -144,27 +150,37 @@ class StepBuilder:
         padded_requests = padded.req_count
 
         # Attention metadata, on the host: padded rows get q = kv = 0, cu values carry over.
+        max_seqlen_k = None
         rows = table.rows
         q = rows[FIELD_QUERY, P:T]
+        query_lengths, kv_lengths = arena["attn_query_lengths"], arena["attn_kv_lengths"]
         cu_q, cu_kv = arena["attn_cu_query"], arena["attn_cu_kv"]
-        arena["attn_query_lengths"][:A] = q
-        kv = np.add(rows[FIELD_KV_OFFSET, P:T], q, out=arena["attn_kv_lengths"][:A])
-        cu_kv[0] = 0
-        np.add.accumulate(kv, out=cu_kv[1:A + 1])
-        # A decode step (every row one token, the common case) needs no sum of the lengths.
         if prefill == 0 and active == A and q.tobytes() == self.one_bytes[:4 * A]:
-            cu_q[:A + 1] = self.row_numbers[:A + 1]
+            # A decode step (every row one token, the common case): the query lengths are
+            # ones and their sums the row numbers, most often already there from the step
+            # before (compared as bytes, rewritten only where they differ).
+            if query_lengths[:A].tobytes() != self.one_bytes[:4 * A]:
+                query_lengths[:A] = 1
+            if cu_q[:A + 1].tobytes() != self.row_number_bytes[:4 * (A + 1)]:
+                cu_q[:A + 1] = self.row_numbers[:A + 1]
+            kv = np.add(rows[FIELD_KV_OFFSET, P:T], 1, out=kv_lengths[:A])
             max_seqlen_q = 1
+            if max_kv_offset is not None and A:
+                max_seqlen_k = max_kv_offset + 1
         else:
+            query_lengths[:A] = q
+            kv = np.add(rows[FIELD_KV_OFFSET, P:T], q, out=kv_lengths[:A])
             cu_q[0] = 0
             np.add.accumulate(q, out=cu_q[1:A + 1])
             if active != cu_q[A]:
                 raise RuntimeError(f"internal: active_token_count={active} but the query "
                                    f"lengths sum to {cu_q[A]}")
             max_seqlen_q = int(np.maximum.reduce(q)) if A else 1
+        cu_kv[0] = 0
+        np.add.accumulate(kv, out=cu_kv[1:A + 1])
         if padded_requests > A:
-            arena["attn_query_lengths"][A:padded_requests] = 0
-            arena["attn_kv_lengths"][A:padded_requests] = 0
+            query_lengths[A:padded_requests] = 0
+            kv_lengths[A:padded_requests] = 0
             cu_q[A + 1:padded_requests + 1] = cu_q[A]
             cu_kv[A + 1:padded_requests + 1] = cu_kv[A]
         mamba = None
@@ -174,8 +190,11 @@ class StepBuilder:
         return Step(paused=P, total=T, active_tokens=active, prefill=prefill, decode=decode,
                     batch_dimensions=choice.batch_dimensions, padded=padded,
                     using_cuda_graph=choice.using_cuda_graph_this_step,
-                    max_seqlen_q=max_seqlen_q, max_seqlen_k=int(np.maximum.reduce(kv)) if A else 1,
-                    mamba=mamba, fed_decode=table.fed_decode)
+                    max_seqlen_q=max_seqlen_q,
+                    max_seqlen_k=(max_seqlen_k if max_seqlen_k is not None
+                                  else int(np.maximum.reduce(kv)) if A else 1),
+                    mamba=mamba, fed_decode=table.fed_decode, one_token_rows=max_seqlen_q == 1
+                    and prefill == 0 and active == A)
 
 
 def _mamba_host(table, arena: dict, seq_idx: np.ndarray, P: int, A: int, decode: int,

@@ -15,6 +15,7 @@ is evicted, it says in a few vectorised operations what ``plan_update`` would de
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 from typing import List, NamedTuple, Optional, Tuple
 
@@ -31,6 +32,10 @@ from ._fields import (
 )
 
 _EMPTY = np.empty(0, dtype=np.int64)
+_NO_ROWS = np.empty(0, dtype=np.int64)
+#: Up to this many rows filling their last block in one decode update, plan_decode orders the
+#: swaps with Python lists; beyond, with numpy (tests lower it to cover both).
+SMALL_CROSSING = 16
 
 
 @dataclass(frozen=True)
@@ -190,57 +195,98 @@ class DecodePlan(NamedTuple):
     """The plan of a decode update (``plan_decode``): nothing finishes, pauses for good or is
     evicted, and the rows whose last block is full start a new one at once.
 
-    ``kv_offsets``: the new ``FIELD_KV_OFFSET`` of rows ``[0, total)``, in the current row
-    order (``FIELD_QUERY`` becomes 1 and ``FIELD_LAST_OFFSET`` advances by one, modulo the
-    block size). ``full``: None when no row starts a block; else which rows do. Then
-    ``append_rows``: those rows in the order of the rows ``[0, k)`` they move to (the general
-    path pauses them to the front and resumes them, LIFO, each with one new block), and
-    ``dst``/``src``: the row swaps that move them there (rows ``dst`` take rows ``src``).
+    ``max_kv_offset``: the largest ``FIELD_KV_OFFSET`` afterwards (the next step's longest
+    request has one more token). ``kv_offsets``: the new ``FIELD_KV_OFFSET`` of rows
+    ``[0, total)``, in the current row order, or None when every row holds one token (the
+    offsets advance by one); ``FIELD_QUERY`` becomes 1 and ``FIELD_LAST_OFFSET`` advances by
+    one, modulo the block size. ``full``: None when no row starts a block; else those rows (in
+    the current order, ascending). Then ``append_rows``: those rows in the order of the rows
+    ``[0, k)`` they move to (the general path pauses them to the front and resumes them, LIFO,
+    each with one new block), and ``dst``/``src``: the row swaps that move them there (rows
+    ``dst`` take rows ``src``).
     """
 
-    kv_offsets: np.ndarray
+    max_kv_offset: int
+    kv_offsets: Optional[np.ndarray]
     full: Optional[np.ndarray]
     append_rows: Optional[np.ndarray]
     dst: Optional[np.ndarray]
     src: Optional[np.ndarray]
 
 
-def plan_decode(table, *, chunked_id: int, max_sequence_length: int) -> Optional[DecodePlan]:
+def plan_decode(table, *, chunked_id: int, max_sequence_length: int,
+                max_kv_offset: Optional[int] = None) -> Optional[DecodePlan]:
     """The plan of the steady decode update of a mask that keeps every request, or None where
-    ``plan_update`` must decide.
+    ``plan_update`` must decide. ``max_kv_offset``: when the caller knows that every active row
+    holds one token and the largest KV offset plus one (the step's ``max_seqlen_k``, its rows
+    unchanged since), that value; else it is computed here.
 
     It applies when nothing is paused, no chunked prefill is in flight, no request reaches
-    ``max_sequence_length``, and the requests whose last block
-    is full can all resume at once (free blocks and the active budget allow one more block
-    each). Then ``plan_update`` would pause those requests to the front rows and resume them
-    in the same update, each with one new block, and change nothing else: this plan says the
-    same with a few vectorised operations over the rows (``tests/context/test_decode_path.py``
-    checks the two paths equal, state after state). Changes nothing.
+    ``max_sequence_length``, and the requests whose last block is full can all resume at once
+    (free blocks and the active budget allow one more block each). Then ``plan_update`` would
+    pause those requests to the front rows and resume them in the same update, each with one
+    new block, and change nothing else: this plan says the same with a few vectorised
+    operations over the rows (``tests/context/test_decode_path.py`` checks the two paths equal,
+    state after state). Changes nothing.
     """
     T = table.total
     if table.paused or chunked_id != -1 or not T:
         return None
     rows = table.rows
-    # The next token's position; a request whose next token would lie at max_sequence_length
-    # or beyond is finished, which plan_update decides.
-    kv_offsets = rows[FIELD_KV_OFFSET, :T] + rows[FIELD_QUERY, :T]
-    if np.maximum.reduce(kv_offsets) >= max_sequence_length:
+    # A request whose next token would lie at max_sequence_length or beyond is finished, which
+    # plan_update decides.
+    if max_kv_offset is not None:
+        kv_offsets = None
+    elif rows[FIELD_QUERY, :T].tobytes() == table.one_bytes[:4 * T]:
+        # Every row holds one token (the steady step): the offsets advance by one.
+        kv_offsets = None
+        max_kv_offset = int(np.maximum.reduce(rows[FIELD_KV_OFFSET, :T])) + 1
+    else:
+        kv_offsets = rows[FIELD_KV_OFFSET, :T] + rows[FIELD_QUERY, :T]
+        max_kv_offset = int(np.maximum.reduce(kv_offsets))
+    if max_kv_offset >= max_sequence_length:
         return None
-    full = rows[FIELD_LAST_OFFSET, :T] == table.block_size - 1
-    k = np.count_nonzero(full)
+    # Which requests fill their last block: none unless the first byte of an int32
+    # block_size - 1 occurs in the last-block offsets' bytes (one memchr; a byte that belongs
+    # to another value is ruled out by the exact test that follows).
+    last_offsets = rows[FIELD_LAST_OFFSET, :T]
+    if table.full_block_byte not in last_offsets.tobytes():
+        return DecodePlan(max_kv_offset, kv_offsets, None, None, None, None)
+    full = (last_offsets == table.block_size - 1).nonzero()[0]
+    k = full.size
     if not k:
-        return DecodePlan(kv_offsets, None, None, None, None)
+        return DecodePlan(max_kv_offset, kv_offsets, None, None, None, None)
     allocator = table.allocator
     if k > allocator.total_avail or \
-            int(rows[FIELD_BLOCKS, :T].sum()) + k > allocator.active_count:
+            int(np.add.reduce(rows[FIELD_BLOCKS, :T])) + k > allocator.active_count:
         return None
-    # plan_update's pause: the full rows among the first k stay, the others swap, in order,
-    # with the full rows past k.
-    left_keep = np.flatnonzero(~full[:k])
-    right_full = k + np.flatnonzero(full[k:])
+    # plan_update's pause: the full rows among the first k stay, the others (left_keep) swap,
+    # in order, with the full rows past k (right_full).
+    if k <= SMALL_CROSSING:
+        # A few rows (the common case): Python lists beat a dozen numpy calls.
+        rows_full = full.tolist()
+        front = bisect.bisect_left(rows_full, k)
+        if front == k:
+            return DecodePlan(max_kv_offset, kv_offsets, full, full, _NO_ROWS, _NO_ROWS)
+        right_full = rows_full[front:]
+        stay = set(rows_full[:front])
+        left_keep = [row for row in range(k) if row not in stay]
+        append_rows = list(range(k))
+        for row, full_row in zip(left_keep, right_full):
+            append_rows[row] = full_row
+        return DecodePlan(max_kv_offset, kv_offsets, full, np.array(append_rows),
+                          np.array(left_keep + right_full), np.array(right_full + left_keep))
+    front = int(np.searchsorted(full, k))
+    if front == k:
+        return DecodePlan(max_kv_offset, kv_offsets, full, full, _NO_ROWS, _NO_ROWS)
+    right_full = full[front:]
+    keep = np.ones(k, dtype=np.bool_)
+    keep[full[:front]] = False
+    left_keep = keep.nonzero()[0]
     append_rows = np.arange(k)
     append_rows[left_keep] = right_full
-    return DecodePlan(kv_offsets, full, append_rows, np.concatenate([left_keep, right_full]),
+    return DecodePlan(max_kv_offset, kv_offsets, full, append_rows,
+                      np.concatenate([left_keep, right_full]),
                       np.concatenate([right_full, left_keep]))
 
 

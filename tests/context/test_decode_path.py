@@ -178,9 +178,13 @@ def _lockstep(name: str, seed: int, steps: int, monkeypatch, **extra) -> _Counti
     return counts
 
 
+@pytest.mark.parametrize("small_crossing", [16, 0], ids=["lists", "numpy"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("name", sorted(WORKLOADS))
-def test_decode_update_equals_general_update(name, seed, monkeypatch):
+def test_decode_update_equals_general_update(name, seed, small_crossing, monkeypatch):
+    """``small_crossing``: up to how many rows starting a block plan_decode orders with Python
+    lists (``update_plan.SMALL_CROSSING``); 0 takes its numpy branch every time."""
+    monkeypatch.setattr(update_plan, "SMALL_CROSSING", small_crossing)
     counts = _lockstep(name, seed, 120, monkeypatch)
     # Both paths ran (the general context makes a general plan for every update), and the
     # shortcut met rows that start a block.
