@@ -469,6 +469,16 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
                 self.tensor_model_parallel_size, self.TOKEN_ROUNDER, self.REQUEST_ROUNDER,
                 rows[FIELD_QUERY, P:T].tobytes(), rows[FIELD_KV_OFFSET, P:T].tobytes())
 
+    def _rows_unchanged(self, signature: tuple) -> bool:
+        """Whether the active rows and their query lengths and KV offsets are those of
+        ``signature`` (``_step_signature``'s first two and last two entries)."""
+        table = self._table
+        P, T = table.paused, table.total
+        rows = table.rows
+        return (signature[0] == P and signature[1] == T
+                and signature[-2] == rows[FIELD_QUERY, P:T].tobytes()
+                and signature[-1] == rows[FIELD_KV_OFFSET, P:T].tobytes())
+
     def _prepare_next_step(self, max_kv_offset: Optional[int] = None) -> None:
         """Build the next step at the end of ``update_requests``, while the host's bookkeeping
         is at hand, with the signature of what it read; ``initialize_attention_state`` takes it
@@ -530,9 +540,9 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
         if mask is None and self._decode_shortcut:
             # A step built from rows that are still as they were says what a decode update
             # would otherwise compute: every row one token, and the largest KV offset.
-            step, known = self._step, None
-            if step is not None and step.one_token_rows and self._step_sig is not None and \
-                    self._step_sig == self._step_signature():
+            step, sig, known = self._step, self._step_sig, None
+            if step is not None and step.one_token_rows and sig is not None and \
+                    self._rows_unchanged(sig):
                 known = step.max_seqlen_k
             decode = table.plan_decode(chunked_id=chunked_id, max_sequence_length=max_length,
                                        max_kv_offset=known)

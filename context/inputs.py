@@ -61,7 +61,7 @@ def read_mask(mask, count: int, device: torch.device) -> Optional[np.ndarray]:
     if not (isinstance(mask, torch.Tensor) and mask.dim() == 1 and mask.shape[0] == count
             and not mask.is_complex() and mask.device == device):
         _refuse_mask(mask, count, device)
-    host = mask.cpu().numpy()
+    host = (mask if mask.is_cpu else mask.cpu()).numpy()
     if host.itemsize == 1 and host.tobytes() == b"\x01" * count:
         return None
     if host.dtype == np.bool_:

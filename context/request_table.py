@@ -75,6 +75,7 @@ class RequestTable:
         # the first byte of an int32 block_size - 1 (the offset of a full block's last token):
         # the last-block offsets hold no block_size - 1 where their bytes hold no such byte.
         self.one_bytes = np.ones(self.max_requests, dtype=np.int32).tobytes()
+        self.row_numbers = np.arange(self.max_requests)
         self.full_block_byte = np.int32(self.block_size - 1).tobytes()[:1]
         self.slots = SlotAllocator(self.max_requests) if self.hybrid else None
         self.reset()
@@ -295,22 +296,22 @@ class RequestTable:
         np.add(last_offsets, 1, out=last_offsets)
         appended = None
         if plan.full is not None:
-            # The rows that filled their last block start a new one, allocated in the order of
-            # the rows they move to.
-            rows[FIELD_LAST_OFFSET, plan.full] = 0
-            grow = plan.append_rows
-            blocks = self.allocator.allocate_memory_blocks_host(grow.size)
-            columns = rows[FIELD_BLOCKS, grow]
-            self.block_table[grow, columns] = blocks
-            rows[FIELD_BLOCKS, grow] = columns + 1
-            rows[FIELD_LAST_BLOCK, grow] = blocks
+            # The rows that filled their last block move to the front rows [0, k) (fancy
+            # indexing on the right copies first: the swaps are safe), and each starts a new
+            # block, allocated in the order of the rows.
             dst, src = plan.dst, plan.src
             if dst.size:
-                # Fancy indexing on the right copies first: the swaps are safe.
                 rows[:, dst] = rows[:, src]
                 self.block_table[dst] = self.block_table[src]
                 for values in self.metadata.values():
                     values[dst] = values[src]
+            k = plan.full.size
+            blocks = self.allocator.allocate_memory_blocks_host(k)
+            columns = rows[FIELD_BLOCKS, :k].copy()
+            self.block_table[self.row_numbers[:k], columns] = blocks
+            rows[FIELD_BLOCKS, :k] += 1
+            rows[FIELD_LAST_BLOCK, :k] = blocks
+            rows[FIELD_LAST_OFFSET, :k] = 0
             appended = (columns, blocks)
         self.active_tokens = T
         self.num_prefill = 0
@@ -335,7 +336,7 @@ class RequestTable:
         """``(zero_count, device_prompts)`` staged by ``commit_add``: the Mamba slots to zero
         (consumed: zeroed once) and the prompts already on the device (kept until the update,
         so that building the step again re-copies them over the host prompt upload)."""
-        staged = (self.zero_count, list(self.device_prompts))
+        staged = (self.zero_count, list(self.device_prompts) if self.device_prompts else ())
         self.zero_count = 0
         return staged
 

@@ -130,9 +130,9 @@ class StepBuilder:
         ``arena`` (the arena's host sections) and ``seq_idx`` (hybrids). The padded dimensions
         are the CUDA graph of the ladder that fits the step (strict matching on hybrids), else
         the eager padding capped at ``max_tokens`` (``cuda_graphs.select_step_dimensions``).
-        ``max_kv_offset``: the largest KV offset of the active rows when the caller knows it
-        (a decode update just computed it), which a decode step's ``max_seqlen_k`` is one more
-        than."""
+        ``max_kv_offset``: given by a decode update that just committed (every active row holds
+        one token, nothing is paused or added): the largest KV offset of the active rows, which
+        the step's ``max_seqlen_k`` is one more than."""
         P, T = table.paused, table.total
         A = T - P
         active, prefill = table.active_tokens, table.num_prefill
@@ -155,7 +155,8 @@ class StepBuilder:
         q = rows[FIELD_QUERY, P:T]
         query_lengths, kv_lengths = arena["attn_query_lengths"], arena["attn_kv_lengths"]
         cu_q, cu_kv = arena["attn_cu_query"], arena["attn_cu_kv"]
-        if prefill == 0 and active == A and q.tobytes() == self.one_bytes[:4 * A]:
+        if max_kv_offset is not None or (prefill == 0 and active == A
+                                         and q.tobytes() == self.one_bytes[:4 * A]):
             # A decode step (every row one token, the common case): the query lengths are
             # ones and their sums the row numbers, most often already there from the step
             # before (compared as bytes, rewritten only where they differ).

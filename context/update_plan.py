@@ -200,16 +200,14 @@ class DecodePlan(NamedTuple):
     ``[0, total)``, in the current row order, or None when every row holds one token (the
     offsets advance by one); ``FIELD_QUERY`` becomes 1 and ``FIELD_LAST_OFFSET`` advances by
     one, modulo the block size. ``full``: None when no row starts a block; else those rows (in
-    the current order, ascending). Then ``append_rows``: those rows in the order of the rows
-    ``[0, k)`` they move to (the general path pauses them to the front and resumes them, LIFO,
-    each with one new block), and ``dst``/``src``: the row swaps that move them there (rows
-    ``dst`` take rows ``src``).
+    the current order, ascending), and ``dst``/``src``: the row swaps that move them to the
+    rows ``[0, k)`` (rows ``dst`` take rows ``src``), where each appends one new block (the
+    general path pauses them to the front and resumes them, LIFO, each with one new block).
     """
 
     max_kv_offset: int
     kv_offsets: Optional[np.ndarray]
     full: Optional[np.ndarray]
-    append_rows: Optional[np.ndarray]
     dst: Optional[np.ndarray]
     src: Optional[np.ndarray]
 
@@ -251,11 +249,11 @@ def plan_decode(table, *, chunked_id: int, max_sequence_length: int,
     # to another value is ruled out by the exact test that follows).
     last_offsets = rows[FIELD_LAST_OFFSET, :T]
     if table.full_block_byte not in last_offsets.tobytes():
-        return DecodePlan(max_kv_offset, kv_offsets, None, None, None, None)
+        return DecodePlan(max_kv_offset, kv_offsets, None, None, None)
     full = (last_offsets == table.block_size - 1).nonzero()[0]
     k = full.size
     if not k:
-        return DecodePlan(max_kv_offset, kv_offsets, None, None, None, None)
+        return DecodePlan(max_kv_offset, kv_offsets, None, None, None)
     allocator = table.allocator
     if k > allocator.total_avail or \
             int(np.add.reduce(rows[FIELD_BLOCKS, :T])) + k > allocator.active_count:
@@ -267,26 +265,20 @@ def plan_decode(table, *, chunked_id: int, max_sequence_length: int,
         rows_full = full.tolist()
         front = bisect.bisect_left(rows_full, k)
         if front == k:
-            return DecodePlan(max_kv_offset, kv_offsets, full, full, _NO_ROWS, _NO_ROWS)
+            return DecodePlan(max_kv_offset, kv_offsets, full, _NO_ROWS, _NO_ROWS)
         right_full = rows_full[front:]
         stay = set(rows_full[:front])
         left_keep = [row for row in range(k) if row not in stay]
-        append_rows = list(range(k))
-        for row, full_row in zip(left_keep, right_full):
-            append_rows[row] = full_row
-        return DecodePlan(max_kv_offset, kv_offsets, full, np.array(append_rows),
-                          np.array(left_keep + right_full), np.array(right_full + left_keep))
+        return DecodePlan(max_kv_offset, kv_offsets, full, np.array(left_keep + right_full),
+                          np.array(right_full + left_keep))
     front = int(np.searchsorted(full, k))
     if front == k:
-        return DecodePlan(max_kv_offset, kv_offsets, full, full, _NO_ROWS, _NO_ROWS)
+        return DecodePlan(max_kv_offset, kv_offsets, full, _NO_ROWS, _NO_ROWS)
     right_full = full[front:]
     keep = np.ones(k, dtype=np.bool_)
     keep[full[:front]] = False
     left_keep = keep.nonzero()[0]
-    append_rows = np.arange(k)
-    append_rows[left_keep] = right_full
-    return DecodePlan(max_kv_offset, kv_offsets, full, append_rows,
-                      np.concatenate([left_keep, right_full]),
+    return DecodePlan(max_kv_offset, kv_offsets, full, np.concatenate([left_keep, right_full]),
                       np.concatenate([right_full, left_keep]))
 
 
