@@ -65,6 +65,9 @@ from .step import REQUEST_ROUNDER, TOKEN_ROUNDER, StepBuilder
 
 logger = logging.getLogger("dynctx.context")
 _EMPTY_IDS = torch.empty(0, dtype=torch.int64)
+# The fields a step's signature holds the bytes of: the query lengths through the KV offsets.
+_QUERY_TO_KV = slice(FIELD_QUERY, FIELD_KV_OFFSET + 1)
+assert FIELD_QUERY < FIELD_KV_OFFSET
 
 
 def _default_device() -> torch.device:
@@ -460,24 +463,23 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
 
     def _step_signature(self) -> tuple:
         """Everything ``StepBuilder.build`` reads on a model without Mamba layers: the counts,
-        the limits, and the query lengths and KV offsets of the active rows (as bytes)."""
+        the limits, and the query lengths and KV offsets of the active rows (as the bytes of
+        one copy of the fields from ``FIELD_QUERY`` to ``FIELD_KV_OFFSET``)."""
         table = self._table
         P, T = table.paused, table.total
         rows = table.rows
         return (P, T, table.active_tokens, table.num_prefill, table.fed_decode,
                 table.continuation_added, self.max_requests, self.max_tokens,
                 self.tensor_model_parallel_size, self.TOKEN_ROUNDER, self.REQUEST_ROUNDER,
-                rows[FIELD_QUERY, P:T].tobytes(), rows[FIELD_KV_OFFSET, P:T].tobytes())
+                rows[_QUERY_TO_KV, P:T].tobytes())
 
     def _rows_unchanged(self, signature: tuple) -> bool:
         """Whether the active rows and their query lengths and KV offsets are those of
-        ``signature`` (``_step_signature``'s first two and last two entries)."""
+        ``signature`` (``_step_signature``'s first two and last entries)."""
         table = self._table
         P, T = table.paused, table.total
-        rows = table.rows
         return (signature[0] == P and signature[1] == T
-                and signature[-2] == rows[FIELD_QUERY, P:T].tobytes()
-                and signature[-1] == rows[FIELD_KV_OFFSET, P:T].tobytes())
+                and signature[-1] == table.rows[_QUERY_TO_KV, P:T].tobytes())
 
     def _prepare_next_step(self, max_kv_offset: Optional[int] = None) -> None:
         """Build the next step at the end of ``update_requests``, while the host's bookkeeping

@@ -97,9 +97,13 @@ class _Counting:
 
 
 def _request(rid: int, length: int, gen: int) -> DynamicInferenceRequest:
+    """Metadata of every size differs per request, so that a row moved wrong shows."""
     return DynamicInferenceRequest(
         request_id=rid, prompt_tokens=torch.arange(100 + rid, 100 + rid + length),
-        sampling_params=SamplingParams(num_tokens_to_generate=gen))
+        sampling_params=SamplingParams(
+            num_tokens_to_generate=gen, temperature=0.5 + rid / 64, top_k=rid % 7,
+            top_p=(rid % 10) / 10, termination_id=1000 + rid, return_log_probs=rid % 2 == 1,
+            skip_prompt_log_probs=rid % 3 == 1, top_n_logprobs=rid % 5))
 
 
 def _lockstep(name: str, seed: int, steps: int, monkeypatch, **extra) -> _Counting:
