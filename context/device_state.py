@@ -81,6 +81,9 @@ class DeviceState:
         self.attn_block_table = torch.full((R, C), -1, dtype=torch.int32, device=device)
         for name in TOKEN_ARRAYS:
             setattr(self, name, torch.zeros(T, dtype=torch.int64, device=device))
+        # The outputs of every step_metadata launch, in its argument order.
+        self._metadata_outputs = (*(getattr(self, name) for name in TOKEN_ARRAYS),
+                                  self.attn_block_table)
         self.prompt_tokens = torch.zeros(T, dtype=torch.int64, device=device)
         # Row numbers 0..R-1 and -1s: a decode update's identity plan, written from these.
         self.row_numbers = np.arange(R, dtype=np.int32)
@@ -220,11 +223,9 @@ class DeviceState:
         P = step.paused
         block_table, query_lengths, kv_offsets, next_tokens = self.step_views(P, step.total)
         step_metadata(
-            self.token_to_input_ids, self.token_to_pos_ids, self.token_to_request_idx,
-            self.token_to_block_idx, self.token_to_position_in_request,
-            self.token_to_local_position_within_kv_block, self.attn_block_table, block_table,
-            query_lengths, kv_offsets, self.arena.device["attn_cu_query"], next_tokens,
-            self.prompt_tokens, num_requests=step.active, num_decode=step.fed_from_pending,
+            *self._metadata_outputs, block_table, query_lengths, kv_offsets,
+            self.arena.device["attn_cu_query"], next_tokens, self.prompt_tokens,
+            num_requests=step.active, num_decode=step.fed_from_pending,
             active_tokens=step.active_tokens, padded_tokens=step.padded_tokens,
             padded_requests=step.padded_requests, row_offset=P, block_size=table.block_size,
             dummy_block=table.allocator.dummy_block_idx, backend=self.backend, check=False)

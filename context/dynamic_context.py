@@ -279,8 +279,8 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
             hybrid=self.is_hybrid_model, max_tokens=self.max_tokens)
         self._device: Optional[DeviceState] = None
         self._steps = StepBuilder(self._request_rows, ladder)
-        # (signature, Step) built by update_requests for the next step (_prepare_next_step),
-        # and the signature of the current step when it is known.
+        # (signature, Step, attention metadata) built by update_requests for the next step
+        # (_prepare_next_step), and the signature of the current step when it is known.
         self._next_step: Optional[tuple] = None
         self._step_sig: Optional[tuple] = None
         # The steady decode update's shortcut (update_plan.plan_decode); False makes every
@@ -308,6 +308,7 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
         self._host_views_flag = bool(value)
         if self._device is not None and self.device.type == "cpu":
             self._device.share_arena(self._host_views_flag)
+            self._next_step = None  # its attention metadata views the old device side
 
     # ------------------------------------------------------------------ allocation
     def allocate_all_tensors(self, *, is_init: bool) -> None:
@@ -439,16 +440,17 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
         if prepared is not None and not zero_count and not device_prompts and \
                 prepared[0] == self._step_signature():
             # update_requests built this step already, and nothing it reads changed since.
-            self._step_sig, step = prepared
+            self._step_sig, step, attention = prepared
         else:
             self._step_sig, step = None, self._build_step(zero_count)
+            attention = None
         device.begin_step(step, table, device_prompts)
         if step.mamba:
             self.mamba_metadata.update_step(device.mamba_step_fields(step))
         device.end_step()
         self._step = step
         self._set_step_counts(step)
-        self.active_attn_metadata = device.attention_metadata(step)
+        self.active_attn_metadata = attention or device.attention_metadata(step)
 
     def _build_step(self, zero_count: int, max_kv_offset: Optional[int] = None):
         """``StepBuilder.build`` of the table as it is: the step's ``Step``, its host
@@ -492,7 +494,8 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
         if self.is_hybrid_model or not table.active:
             self._next_step = None
             return
-        self._next_step = (self._step_signature(), self._build_step(0, max_kv_offset))
+        step = self._build_step(0, max_kv_offset)
+        self._next_step = (self._step_signature(), step, self._device.attention_metadata(step))
 
     def current_input_and_position_ids(self, *, num_warmup_tokens: Optional[int] = None
                                        ) -> Tuple[torch.Tensor, torch.Tensor]:
