@@ -304,15 +304,20 @@ class DeviceState:
             plan_col[:rows] = self.no_append[:rows]
             plan_block[:rows] = self.no_append[:rows]
             self.identity_plan_rows = rows
-        if appended is not None:
-            columns, blocks = appended
-            k = blocks.size
-            plan_src[plan.dst] = plan.src
-            plan_col[:k] = columns
-            plan_block[:k] = blocks
-            # Restored by the next decode update (the arena is uploaded by the launch below).
-            self.identity_plan_rows = 0
+        if appended is None:
+            self._compact(table, new_tokens, new_token_offset=0, rows=rows, old_total=rows)
+            return
+        columns, blocks = appended
+        k = blocks.size
+        plan_src[plan.dst] = plan.src
+        plan_col[:k] = columns
+        plan_block[:k] = blocks
         self._compact(table, new_tokens, new_token_offset=0, rows=rows, old_total=rows)
+        # The launch has read (on CUDA: the arena copy has staged) the plan: back to the
+        # identity, so that the next decode update writes nothing.
+        plan_src[plan.dst] = plan.dst
+        plan_col[:k] = -1
+        plan_block[:k] = -1
 
     def _compact(self, table, new_tokens: torch.Tensor, *, new_token_offset: int, rows: int,
                  old_total: int) -> None:
