@@ -65,9 +65,6 @@ from .step import REQUEST_ROUNDER, TOKEN_ROUNDER, StepBuilder
 
 logger = logging.getLogger("dynctx.context")
 _EMPTY_IDS = torch.empty(0, dtype=torch.int64)
-# The fields a step's signature holds the bytes of: the query lengths through the KV offsets.
-_QUERY_TO_KV = slice(FIELD_QUERY, FIELD_KV_OFFSET + 1)
-assert FIELD_QUERY < FIELD_KV_OFFSET
 
 
 def _default_device() -> torch.device:
@@ -279,8 +276,8 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
             hybrid=self.is_hybrid_model, max_tokens=self.max_tokens)
         self._device: Optional[DeviceState] = None
         self._steps = StepBuilder(self._request_rows, ladder)
-        # (signature, Step, attention metadata) built by update_requests for the next step
-        # (_prepare_next_step), and the signature of the current step when it is known.
+        # (signature, Step) built by update_requests for the next step (_prepare_next_step),
+        # and the signature of the current step when it is known.
         self._next_step: Optional[tuple] = None
         self._step_sig: Optional[tuple] = None
         # The steady decode update's shortcut (update_plan.plan_decode); False makes every
@@ -308,7 +305,7 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
         self._host_views_flag = bool(value)
         if self._device is not None and self.device.type == "cpu":
             self._device.share_arena(self._host_views_flag)
-            self._next_step = None  # its attention metadata views the old device side
+            self._next_step = None
 
     # ------------------------------------------------------------------ allocation
     def allocate_all_tensors(self, *, is_init: bool) -> None:
@@ -440,17 +437,16 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
         if prepared is not None and not zero_count and not device_prompts and \
                 prepared[0] == self._step_signature():
             # update_requests built this step already, and nothing it reads changed since.
-            self._step_sig, step, attention = prepared
+            self._step_sig, step = prepared
         else:
             self._step_sig, step = None, self._build_step(zero_count)
-            attention = None
         device.begin_step(step, table, device_prompts)
         if step.mamba:
             self.mamba_metadata.update_step(device.mamba_step_fields(step))
         device.end_step()
         self._step = step
         self._set_step_counts(step)
-        self.active_attn_metadata = attention or device.attention_metadata(step)
+        self.active_attn_metadata = device.attention_metadata(step)
 
     def _build_step(self, zero_count: int, max_kv_offset: Optional[int] = None):
         """``StepBuilder.build`` of the table as it is: the step's ``Step``, its host
@@ -465,23 +461,24 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
 
     def _step_signature(self) -> tuple:
         """Everything ``StepBuilder.build`` reads on a model without Mamba layers: the counts,
-        the limits, and the query lengths and KV offsets of the active rows (as the bytes of
-        one copy of the fields from ``FIELD_QUERY`` to ``FIELD_KV_OFFSET``)."""
+        the limits, and the query lengths and KV offsets of the active rows (as bytes)."""
         table = self._table
         P, T = table.paused, table.total
         rows = table.rows
         return (P, T, table.active_tokens, table.num_prefill, table.fed_decode,
                 table.continuation_added, self.max_requests, self.max_tokens,
                 self.tensor_model_parallel_size, self.TOKEN_ROUNDER, self.REQUEST_ROUNDER,
-                rows[_QUERY_TO_KV, P:T].tobytes())
+                rows[FIELD_QUERY, P:T].tobytes(), rows[FIELD_KV_OFFSET, P:T].tobytes())
 
     def _rows_unchanged(self, signature: tuple) -> bool:
         """Whether the active rows and their query lengths and KV offsets are those of
-        ``signature`` (``_step_signature``'s first two and last entries)."""
+        ``signature`` (``_step_signature``'s first two and last two entries)."""
         table = self._table
         P, T = table.paused, table.total
+        rows = table.rows
         return (signature[0] == P and signature[1] == T
-                and signature[-1] == table.rows[_QUERY_TO_KV, P:T].tobytes())
+                and signature[-2] == rows[FIELD_QUERY, P:T].tobytes()
+                and signature[-1] == rows[FIELD_KV_OFFSET, P:T].tobytes())
 
     def _prepare_next_step(self, max_kv_offset: Optional[int] = None) -> None:
         """Build the next step at the end of ``update_requests``, while the host's bookkeeping
@@ -494,8 +491,7 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
         if self.is_hybrid_model or not table.active:
             self._next_step = None
             return
-        step = self._build_step(0, max_kv_offset)
-        self._next_step = (self._step_signature(), step, self._device.attention_metadata(step))
+        self._next_step = (self._step_signature(), self._build_step(0, max_kv_offset))
 
     def current_input_and_position_ids(self, *, num_warmup_tokens: Optional[int] = None
                                        ) -> Tuple[torch.Tensor, torch.Tensor]:

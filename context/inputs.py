@@ -17,11 +17,6 @@ from .errors import StepShapeError
 TOKEN_DTYPES = (torch.int32, torch.int64)
 
 
-def _on(tensor: torch.Tensor, device: torch.device) -> bool:
-    """``tensor.device == device``, without building a device object for a CPU tensor."""
-    return tensor.is_cpu if device.type == "cpu" else tensor.device == device
-
-
 def check_new_tokens(new_tokens, count: int, device: torch.device, *, validate: bool,
                      vocab_size: Optional[int]) -> torch.Tensor:
     """``new_tokens``: int32/int64 ``[count]`` on ``device``. Narrower integer dtypes (uint8,
@@ -30,7 +25,7 @@ def check_new_tokens(new_tokens, count: int, device: torch.device, *, validate: 
     strided view is copied)."""
     if not (isinstance(new_tokens, torch.Tensor) and new_tokens.dtype in TOKEN_DTYPES
             and new_tokens.dim() == 1 and new_tokens.shape[0] == count
-            and _on(new_tokens, device)):
+            and new_tokens.device == device):
         _refuse_new_tokens(new_tokens, count, device)
     if validate and count:
         low, high = int(new_tokens.min()), int(new_tokens.max())
@@ -64,7 +59,7 @@ def read_mask(mask, count: int, device: torch.device) -> Optional[np.ndarray]:
     the host bool mask. A wrong length raises ``StepShapeError`` (a ``ValueError`` and an
     ``AssertionError``, as Megatron-Core asserts)."""
     if not (isinstance(mask, torch.Tensor) and mask.dim() == 1 and mask.shape[0] == count
-            and not mask.is_complex() and _on(mask, device)):
+            and not mask.is_complex() and mask.device == device):
         _refuse_mask(mask, count, device)
     host = (mask if mask.is_cpu else mask.cpu()).numpy()
     if host.itemsize == 1 and host.tobytes() == b"\x01" * count:
