@@ -23,7 +23,7 @@ from dynctx.kernels.compaction import compact_requests
 from dynctx.kernels.step_metadata import step_metadata
 
 from ._fields import FIELD_KV_OFFSET, FIELD_QUERY, NUM_FIELDS
-from .staging import HostArena, HostToDevice, numpy_dtype
+from .staging import HostArena, HostToDevice
 
 TOKEN_ARRAYS = ("token_to_input_ids", "token_to_pos_ids", "token_to_request_idx",
                 "token_to_block_idx", "token_to_position_in_request",
@@ -48,10 +48,7 @@ class DeviceState:
         self.device, self.backend = device, backend
         self.hybrid = layers.is_hybrid_model
         sections = [("req", torch.int32, (NUM_FIELDS, R))]
-        # The metadata sections in order of item size (stably): the sections of one size lie
-        # evenly spaced, so that one strided view moves a row of all of them (metadata_groups).
-        by_size = sorted(metadata_types, key=lambda t: torch.empty((), dtype=t[1]).element_size())
-        sections += [(f"meta:{label}", dtype, (R,)) for label, dtype, _ in by_size]
+        sections += [(f"meta:{label}", dtype, (R,)) for label, dtype, _ in metadata_types]
         sections += [("attn_query_lengths", torch.int32, (R,)),
                      ("attn_cu_query", torch.int32, (R + 1,)),
                      ("attn_cu_kv", torch.int32, (R + 1,)),
@@ -67,7 +64,6 @@ class DeviceState:
                          ("mamba_zero_slots", torch.int64, (R,))]
         self.arena = HostArena(sections, device)
         self.metadata_labels = [label for label, _, _ in metadata_types]
-        self.metadata_groups = self._metadata_groups([label for label, _, _ in by_size], R)
         capacity = self.arena.nbytes + 4 * R * C + 2 * 8 * T + 4096
         self.h2d = HostToDevice(device, capacity)
         self.block_tables = [torch.full((R, C), -1, dtype=torch.int32, device=device)
@@ -81,9 +77,6 @@ class DeviceState:
         self.attn_block_table = torch.full((R, C), -1, dtype=torch.int32, device=device)
         for name in TOKEN_ARRAYS:
             setattr(self, name, torch.zeros(T, dtype=torch.int64, device=device))
-        # The outputs of every step_metadata launch, in its argument order.
-        self._metadata_outputs = (*(getattr(self, name) for name in TOKEN_ARRAYS),
-                                  self.attn_block_table)
         self.prompt_tokens = torch.zeros(T, dtype=torch.int64, device=device)
         # Row numbers 0..R-1 and -1s: a decode update's identity plan, written from these.
         self.row_numbers = np.arange(R, dtype=np.int32)
@@ -105,25 +98,6 @@ class DeviceState:
             self.mamba_seq_idx = torch.full((T,), -1, dtype=torch.int32, device=device)
             self.host_seq_idx = np.full(T, -1, dtype=np.int32)
 
-    def _metadata_groups(self, labels: list, rows: int) -> list:
-        """For each item size: one ``[labels of that size, rows]`` unsigned-integer view of
-        their (evenly spaced) host sections, so that one fancy-indexed copy moves request rows
-        of all of them."""
-        layout = {name: (start, np.dtype(numpy_dtype(dtype)).itemsize)
-                  for name, dtype, _, start, _ in self.arena.layout}
-        groups, by_size = [], {}
-        for label in labels:
-            start, size = layout[f"meta:{label}"]
-            by_size.setdefault(size, []).append(start)
-        for size, starts in by_size.items():
-            spacing = starts[1] - starts[0] if len(starts) > 1 else rows * size
-            assert all(b - a == spacing for a, b in zip(starts, starts[1:])), starts
-            first = self.arena.host_bytes[starts[0]:starts[0] + rows * size]
-            groups.append(np.lib.stride_tricks.as_strided(
-                first.view(np.dtype(f"u{size}")), shape=(len(starts), rows),
-                strides=(spacing, size), writeable=True))
-        return groups
-
     def share_arena(self, shared: bool) -> None:
         """On a CPU device: whether the arena's device side is the host buffer itself (the
         default) or a separate copy, as on CUDA (``HostArena.set_shared``)."""
@@ -136,7 +110,7 @@ class DeviceState:
         """The arena's host views the request table binds: rows, metadata, Mamba zero slots."""
         host = self.arena.host
         return (host["req"], {label: host[f"meta:{label}"] for label in self.metadata_labels},
-                host.get("mamba_zero_slots"), self.metadata_groups)
+                host.get("mamba_zero_slots"))
 
     def reset(self) -> None:
         """Device mirrors of an empty table (the KV bytes are kept)."""
@@ -223,9 +197,11 @@ class DeviceState:
         P = step.paused
         block_table, query_lengths, kv_offsets, next_tokens = self.step_views(P, step.total)
         step_metadata(
-            *self._metadata_outputs, block_table, query_lengths, kv_offsets,
-            self.arena.device["attn_cu_query"], next_tokens, self.prompt_tokens,
-            num_requests=step.active, num_decode=step.fed_from_pending,
+            self.token_to_input_ids, self.token_to_pos_ids, self.token_to_request_idx,
+            self.token_to_block_idx, self.token_to_position_in_request,
+            self.token_to_local_position_within_kv_block, self.attn_block_table, block_table,
+            query_lengths, kv_offsets, self.arena.device["attn_cu_query"], next_tokens,
+            self.prompt_tokens, num_requests=step.active, num_decode=step.fed_from_pending,
             active_tokens=step.active_tokens, padded_tokens=step.padded_tokens,
             padded_requests=step.padded_requests, row_offset=P, block_size=table.block_size,
             dummy_block=table.allocator.dummy_block_idx, backend=self.backend, check=False)

@@ -58,22 +58,16 @@ class RequestTable:
         self.rows: Optional[np.ndarray] = None
         self.block_table: Optional[np.ndarray] = None
         self.metadata: dict = {}
-        self.metadata_groups: list = []
         self.slots: Optional[SlotAllocator] = None
         self._zero_slots: Optional[np.ndarray] = None
         self.prompt: Optional[np.ndarray] = None
         self._clear_counts()
 
     # ------------------------------------------------------------------ lifetime
-    def bind(self, rows: np.ndarray, metadata: dict, zero_slots: Optional[np.ndarray],
-             metadata_groups: Optional[list] = None) -> None:
+    def bind(self, rows: np.ndarray, metadata: dict, zero_slots: Optional[np.ndarray]) -> None:
         """Take the arena's host views (int32 ``[NUM_FIELDS, R]`` rows, ``label -> [R]``
-        metadata, int64 ``[R]`` Mamba zero-slot list, and ``metadata_groups``: views that
-        cover every metadata array as ``[arrays, R]`` unsigned integers, one per item size)
-        and allocate the host-only arrays."""
+        metadata, int64 ``[R]`` Mamba zero-slot list) and allocate the host-only arrays."""
         self.rows, self.metadata, self._zero_slots = rows, metadata, zero_slots
-        self.metadata_groups = (list(metadata_groups) if metadata_groups is not None
-                                else [values[None] for values in metadata.values()])
         self.block_table = np.full((self.max_requests, self.max_kv_block_count), -1,
                                    dtype=np.int32)
         self.prompt = np.zeros(self.max_tokens, dtype=np.int64)
@@ -89,7 +83,7 @@ class RequestTable:
     def unbind(self) -> None:
         """Drop every host array (suspend); the requests in flight are forgotten."""
         self.rows = self.block_table = self.prompt = self._zero_slots = None
-        self.metadata, self.metadata_groups, self.slots = {}, [], None
+        self.metadata, self.slots = {}, None
         self.allocator.reset()
         self._clear_counts()
 
@@ -309,8 +303,8 @@ class RequestTable:
             if dst.size:
                 rows[:, dst] = rows[:, src]
                 self.block_table[dst] = self.block_table[src]
-                for values in self.metadata_groups:
-                    values[:, dst] = values[:, src]
+                for values in self.metadata.values():
+                    values[dst] = values[src]
             k = plan.full.size
             blocks = self.allocator.allocate_memory_blocks_host(k)
             columns = rows[FIELD_BLOCKS, :k].copy()
