@@ -81,8 +81,9 @@ class DeviceState:
         # Row numbers 0..R-1 and -1s: a decode update's identity plan, written from these.
         self.row_numbers = np.arange(R, dtype=np.int32)
         self.no_append = np.full(R, -1, dtype=np.int32)
-        # Rows [0, n) of the arena's plan hold the identity plan (0: unknown).
-        self.identity_plan_rows = 0
+        # Rows [0, n) of the arena's plan hold the identity plan (0: unknown), but for appends
+        # in rows [0, plan_appends).
+        self.identity_plan_rows = self.plan_appends = 0
         self._step_views: dict = {}
         self._attn_views: dict = {}
         self.memory_buffer = torch.empty(kv_shape, dtype=params_dtype, device=device)
@@ -279,21 +280,22 @@ class DeviceState:
             plan_src[:rows] = self.row_numbers[:rows]
             plan_col[:rows] = self.no_append[:rows]
             plan_block[:rows] = self.no_append[:rows]
-            self.identity_plan_rows = rows
+            self.identity_plan_rows, self.plan_appends = rows, 0
+        k = 0 if appended is None else appended[1].size
+        if self.plan_appends > k:
+            # The appends of an earlier decode update past this one's.
+            plan_col[k:self.plan_appends] = -1
+            plan_block[k:self.plan_appends] = -1
+        self.plan_appends = k
         if appended is None:
             self._compact(table, new_tokens, new_token_offset=0, rows=rows, old_total=rows)
             return
-        columns, blocks = appended
-        k = blocks.size
         plan_src[plan.dst] = plan.src
-        plan_col[:k] = columns
-        plan_block[:k] = blocks
+        plan_col[:k], plan_block[:k] = appended
         self._compact(table, new_tokens, new_token_offset=0, rows=rows, old_total=rows)
-        # The launch has read (on CUDA: the arena copy has staged) the plan: back to the
-        # identity, so that the next decode update writes nothing.
+        # The launch has read (on CUDA: the arena copy has staged) the plan: the sources back
+        # to the identity (the appends stay, for the next decode update to overwrite).
         plan_src[plan.dst] = plan.dst
-        plan_col[:k] = -1
-        plan_block[:k] = -1
 
     def _compact(self, table, new_tokens: torch.Tensor, *, new_token_offset: int, rows: int,
                  old_total: int) -> None:
