@@ -4,9 +4,12 @@ arrays, the KV buffer and the Mamba states, and the launches that update them.
 The device mirrors the request table. ``begin_step`` uploads what changed (one arena copy, the
 new block-table rows, the prompt tokens) and builds the step's per-token arrays in one
 ``step_metadata`` launch; ``apply_update`` applies an update plan's row permutation to the
-double-buffered block tables and pending tokens in one ``compact_requests`` launch. Every buffer
-here is allocated by the context and checked once, so the launches skip the launchers' checks
-(``check=False``); the inputs a user hands in are checked at the context's edge.
+double-buffered block tables and pending tokens in one ``compact_requests`` launch, and
+``apply_decode`` does the same for a decode update (``update_plan.DecodePlan``). On a CPU device
+the arena is the host memory itself: nothing is uploaded. Every buffer here is allocated by the
+context and checked once, so the launches skip the launchers' checks (``check=False``); the
+inputs a user hands in are checked at the context's edge. The views the launches and the
+attention metadata take are cut once per row range and reused while it stays the same.
 """
 
 from __future__ import annotations
@@ -75,6 +78,14 @@ class DeviceState:
         for name in TOKEN_ARRAYS:
             setattr(self, name, torch.zeros(T, dtype=torch.int64, device=device))
         self.prompt_tokens = torch.zeros(T, dtype=torch.int64, device=device)
+        # Row numbers 0..R-1 and -1s: a decode update's identity plan, written from these.
+        self.row_numbers = np.arange(R, dtype=np.int32)
+        self.no_append = np.full(R, -1, dtype=np.int32)
+        # Rows [0, n) of the arena's plan hold the identity plan (0: unknown), but for appends
+        # in rows [0, plan_appends).
+        self.identity_plan_rows = self.plan_appends = 0
+        self._step_views: dict = {}
+        self._attn_views: dict = {}
         self.memory_buffer = torch.empty(kv_shape, dtype=params_dtype, device=device)
         self.mamba_conv_states = self.mamba_ssm_states = self.mamba_seq_idx = None
         self.host_seq_idx = None
@@ -87,6 +98,14 @@ class DeviceState:
                 dtype=layers.mamba_ssm_states_dtype, device=device)
             self.mamba_seq_idx = torch.full((T,), -1, dtype=torch.int32, device=device)
             self.host_seq_idx = np.full(T, -1, dtype=np.int32)
+
+    def share_arena(self, shared: bool) -> None:
+        """On a CPU device: whether the arena's device side is the host buffer itself (the
+        default) or a separate copy, as on CUDA (``HostArena.set_shared``)."""
+        if shared != self.arena.shared:
+            self.arena.set_shared(shared)
+            self._step_views.clear()
+            self._attn_views.clear()
 
     def table_views(self) -> tuple:
         """The arena's host views the request table binds: rows, metadata, Mamba zero slots."""
@@ -149,6 +168,21 @@ class DeviceState:
         return dict(req=device["req"], block_table=self.block_table,
                     metadata={label: device[f"meta:{label}"] for label in self.metadata_labels})
 
+    def step_views(self, paused: int, total: int) -> tuple:
+        """The views ``step_metadata`` reads for active rows ``[paused, total)`` of the current
+        block table: ``(block_table, query_lengths, kv_offsets, next_tokens)``, cut once per
+        (rows, buffer) and reused."""
+        key = (paused, total, self.current)
+        views = self._step_views.get(key)
+        if views is None:
+            if len(self._step_views) >= 8:
+                self._step_views.clear()
+            req = self.arena.device["req"]
+            views = self._step_views[key] = (
+                self.block_tables[self.current][paused:total], req[FIELD_QUERY, paused:total],
+                req[FIELD_KV_OFFSET, paused:total], self.next_tokens[self.current][paused:total])
+        return views
+
     def begin_step(self, step, table, device_prompts: list) -> None:
         """Upload the step's host state and build its per-token arrays (one launch)."""
         self.arena.flush(self.h2d)
@@ -161,31 +195,35 @@ class DeviceState:
             self.h2d.copy(self.prompt_tokens[:num_prompt], table.prompt[:num_prompt])
         for tensor, offset in device_prompts:
             self.prompt_tokens[offset:offset + tensor.numel()].copy_(tensor)
-        P, T = step.paused, step.total
-        req = self.arena.device["req"]
+        P = step.paused
+        block_table, query_lengths, kv_offsets, next_tokens = self.step_views(P, step.total)
         step_metadata(
             self.token_to_input_ids, self.token_to_pos_ids, self.token_to_request_idx,
             self.token_to_block_idx, self.token_to_position_in_request,
-            self.token_to_local_position_within_kv_block, self.attn_block_table,
-            self.block_table[P:T], req[FIELD_QUERY, P:T], req[FIELD_KV_OFFSET, P:T],
-            self.arena.device["attn_cu_query"], self.next_tokens[self.current][P:T],
+            self.token_to_local_position_within_kv_block, self.attn_block_table, block_table,
+            query_lengths, kv_offsets, self.arena.device["attn_cu_query"], next_tokens,
             self.prompt_tokens, num_requests=step.active, num_decode=step.fed_from_pending,
             active_tokens=step.active_tokens, padded_tokens=step.padded_tokens,
             padded_requests=step.padded_requests, row_offset=P, block_size=table.block_size,
             dummy_block=table.allocator.dummy_block_idx, backend=self.backend, check=False)
 
     def attention_metadata(self, step) -> SimpleNamespace:
-        device = self.arena.device
+        """The step's attention metadata: views of the arena's attention sections and the
+        attention block table, cut to the padded requests (the views are cut once per count)."""
         n = step.padded_requests
-        meta = SimpleNamespace(
-            query_lengths=device["attn_query_lengths"][:n],
-            cu_query_seq_lengths=device["attn_cu_query"][:n + 1],
-            cu_kv_seq_lengths=device["attn_cu_kv"][:n + 1],
-            kv_seq_lengths=device["attn_kv_lengths"][:n],
-            block_table=self.attn_block_table[:n],
-            max_seqlen_q=step.max_seqlen_q,
-            max_seqlen_k=step.max_seqlen_k,
-        )
+        views = self._attn_views.get(n)
+        if views is None:
+            if len(self._attn_views) >= 64:
+                self._attn_views.clear()
+            device = self.arena.device
+            views = self._attn_views[n] = dict(
+                query_lengths=device["attn_query_lengths"][:n],
+                cu_query_seq_lengths=device["attn_cu_query"][:n + 1],
+                cu_kv_seq_lengths=device["attn_cu_kv"][:n + 1],
+                kv_seq_lengths=device["attn_kv_lengths"][:n],
+                block_table=self.attn_block_table[:n])
+        meta = SimpleNamespace(**views, max_seqlen_q=step.max_seqlen_q,
+                               max_seqlen_k=step.max_seqlen_k)
         meta.state_data = vars(meta).copy()
         return meta
 
@@ -226,18 +264,55 @@ class DeviceState:
         arena["plan_src"][:rows] = plan.origin[:rows]
         arena["plan_col"][:rows] = plan.append_col[:rows]
         arena["plan_block"][:rows] = plan.append_block[:rows]
+        self.identity_plan_rows = 0
+        self._compact(table, new_tokens, new_token_offset=plan.old_paused, rows=rows,
+                      old_total=plan.old_total)
+
+    def apply_decode(self, plan, appended, table, new_tokens: torch.Tensor) -> None:
+        """``apply_update`` of a decode update (``update_plan.DecodePlan``): the identity row
+        plan, but for the swaps and appended blocks of the rows that start a block
+        (``appended``: ``RequestTable.commit_decode``'s ``(columns, blocks)`` of new rows
+        ``[0, k)``, or None)."""
+        rows = table.total
+        arena = self.arena.host
+        plan_src, plan_col, plan_block = arena["plan_src"], arena["plan_col"], arena["plan_block"]
+        if self.identity_plan_rows != rows:
+            plan_src[:rows] = self.row_numbers[:rows]
+            plan_col[:rows] = self.no_append[:rows]
+            plan_block[:rows] = self.no_append[:rows]
+            self.identity_plan_rows, self.plan_appends = rows, 0
+        k = 0 if appended is None else appended[1].size
+        if self.plan_appends > k:
+            # The appends of an earlier decode update past this one's.
+            plan_col[k:self.plan_appends] = -1
+            plan_block[k:self.plan_appends] = -1
+        self.plan_appends = k
+        if appended is None:
+            self._compact(table, new_tokens, new_token_offset=0, rows=rows, old_total=rows)
+            return
+        plan_src[plan.dst] = plan.src
+        plan_col[:k], plan_block[:k] = appended
+        self._compact(table, new_tokens, new_token_offset=0, rows=rows, old_total=rows)
+        # The launch has read (on CUDA: the arena copy has staged) the plan: the sources back
+        # to the identity (the appends stay, for the next decode update to overwrite).
+        plan_src[plan.dst] = plan.dst
+
+    def _compact(self, table, new_tokens: torch.Tensor, *, new_token_offset: int, rows: int,
+                 old_total: int) -> None:
+        """Upload the arena and launch ``compact_requests`` from the current buffers into the
+        other ones, which become current."""
         self.arena.flush(self.h2d)
         dst, src = self.current ^ 1, self.current
         device = self.arena.device
         compact_requests(
             self.block_tables[dst], self.block_tables[src], self.next_tokens[dst],
             self.next_tokens[src], new_tokens, device["plan_src"], device["plan_col"],
-            device["plan_block"], new_token_offset=plan.old_paused, num_rows=rows,
-            clear_rows=max(rows, self.rows_used[dst], plan.old_total), backend=self.backend,
+            device["plan_block"], new_token_offset=new_token_offset, num_rows=rows,
+            clear_rows=max(rows, self.rows_used[dst], old_total), backend=self.backend,
             check=False)
         self.rows_used[dst] = rows
         self.current = dst
         if self.host_table_written:
             # The host table (written through a view) was compacted by the commit; the kernel
             # compacted a stale device copy: take the host's rows.
-            self.upload_block_table(table, max(rows, plan.old_total))
+            self.upload_block_table(table, max(rows, old_total))

@@ -51,23 +51,22 @@ from ._mamba import MambaMetadata, MambaMixin
 from ._prefix_caching import PrefixCachingMixin
 from ._rotary import RotaryMixin
 from ._rows import RowsMixin
+from ._step_api import _EMPTY_IDS, StepMixin
 from ._views import StateViewsMixin
-from .batch_dimensions import InferenceBatchDimensions, MambaInferenceStateConfig
+from .batch_dimensions import MambaInferenceStateConfig
 from .block_allocator import BlockAllocator
 from .cuda_graphs import context_cuda_graph_ladder
 from .device_state import DeviceState
 from .errors import TensorStateDeallocatedError, get_mem_size_str
-from .inputs import check_new_tokens, read_mask
 from .parallel import agree_counts, parallel_groups
 from .prefix_cache import check_prefix_caching_args
 from .request_table import RequestTable
 from .requests import DynamicInferenceRequest
 from .sizing import check_scalars, layer_layout, memory_layout, positive_int
 from .staging import numpy_dtype
-from .step import REQUEST_ROUNDER, TOKEN_ROUNDER, build_step
+from .step import REQUEST_ROUNDER, TOKEN_ROUNDER, StepBuilder
 
 logger = logging.getLogger("dynctx.context")
-_EMPTY_IDS = torch.empty(0, dtype=torch.int64)
 
 
 def _default_device() -> torch.device:
@@ -87,7 +86,8 @@ def _resolve_device(device: Any) -> torch.device:
 
 
 class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, LogitsMixin, MambaMixin,
-                              RowsMixin, DummyRequestsMixin, ClassAPIMixin, PrefixCachingMixin):
+                              RowsMixin, DummyRequestsMixin, ClassAPIMixin, PrefixCachingMixin,
+                              StepMixin):
     """Paged KV cache plus in-flight batching bookkeeping (Megatron-Core's API).
 
     Args (keyword only, Megatron-Core's names):
@@ -204,8 +204,9 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
             enable_prefix_caching, prefix_caching_eviction_policy, prefix_caching_mamba_gb)
         self.device = _resolve_device(device)
         # On a CPU device the bookkeeping tensors handed out are views of the host arrays
-        # (write-through); on CUDA they are the device mirrors.
-        self._host_views = self.device.type == "cpu"
+        # (write-through), and the arena's device side is its host buffer; on CUDA they are
+        # the device mirrors.
+        self._host_views_flag = self.device.type == "cpu"
         _backend.check_backend_name(kernel_backend)
         self.kernel_backend = kernel_backend
         self._backend = _backend.resolve_backend(kernel_backend, self.device)
@@ -291,6 +292,14 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
             hybrid=self.is_hybrid_model, max_tokens=self.max_tokens)
         self._setup_prefix_caching(*prefix_caching)
         self._device: Optional[DeviceState] = None
+        self._steps = StepBuilder(self._request_rows, ladder)
+        # (signature, Step) built by update_requests for the next step (_prepare_next_step),
+        # and the signature of the current step when it is known.
+        self._next_step: Optional[tuple] = None
+        self._step_sig: Optional[tuple] = None
+        # The steady decode update's shortcut (update_plan.plan_decode); False makes every
+        # update take plan_update (tests compare the two).
+        self._decode_shortcut = True
         self.chunked_prefill_request_id = -1
         self.is_symmetric_memory_initialized = False
         self.is_tensor_state_allocated = False
@@ -300,6 +309,20 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
         logger.info("allocated context with active buffer size %s (%d blocks)",
                     get_mem_size_str(alloc.active_count * self.block_size_bytes),
                     alloc.active_count)
+
+    @property
+    def _host_views(self) -> bool:
+        """Whether the bookkeeping tensors handed out are host views (a CPU device). Set to
+        False on a CPU device, the context hands out device mirrors, as on CUDA, and its arena
+        stops sharing the host buffer (tests run the CUDA path on a CPU this way)."""
+        return self._host_views_flag
+
+    @_host_views.setter
+    def _host_views(self, value: bool) -> None:
+        self._host_views_flag = bool(value)
+        if self._device is not None and self.device.type == "cpu":
+            self._device.share_arena(self._host_views_flag)
+            self._next_step = None
 
     # ------------------------------------------------------------------ allocation
     def allocate_all_tensors(self, *, is_init: bool) -> None:
@@ -319,6 +342,8 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
             max_tokens=self.max_tokens, max_kv_block_count=self.max_kv_block_count,
             metadata_types=self.request_metadata_types, kv_shape=kv_shape,
             params_dtype=self.params_dtype, layers=self._layers)
+        if not self._host_views:
+            self._device.share_arena(False)
         self._table.bind(*self._device.table_views())
         self.is_tensor_state_allocated = True
         self.reset()
@@ -333,7 +358,7 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
         self._device = None
         self._table.unbind()
         self.reset_attention_state()
-        self._step = None
+        self._step = self._next_step = None
         self.chunked_prefill_request_id = -1
 
     def _check_allocated(self, request_id: Optional[int] = None) -> None:
@@ -348,7 +373,7 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
         self._check_allocated()
         self.chunked_prefill_request_id = -1
         self.has_explicit_chunked_prefill_req = False
-        self._step = None
+        self._step = self._next_step = None
         self._set_step_counts(None)
         self.newly_paused_request_ids = self.evicted_request_ids = _EMPTY_IDS
         self.max_length_finished_request_ids = _EMPTY_IDS
@@ -356,23 +381,6 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
         self._table.reset()
         self._device.reset()
         self.reset_attention_state()
-
-    def reset_attention_state(self) -> None:
-        """Forget this step's attention (and Mamba) metadata: ``cu_query_lengths`` and the
-        step fields of ``mamba_metadata`` become invalid until the next
-        ``initialize_attention_state`` (``mamba_metadata`` itself stays, as in Megatron-Core)."""
-        self.active_attn_metadata = None
-        if self.mamba_metadata is not None:
-            self.mamba_metadata.reset_varlen_metadata()
-
-    def _set_step_counts(self, step) -> None:
-        real = step.batch_dimensions if step else InferenceBatchDimensions()
-        padded = step.padded if step else InferenceBatchDimensions()
-        self.batch_dimensions, self.padded_batch_dimensions = real, padded
-        self.padded_active_token_count = padded.token_count
-        self.padded_active_request_count = padded.req_count
-        self._using_cuda_graph_this_step = step.using_cuda_graph if step else False
-        self.padding_slice = slice(step.active_tokens if step else 0, padded.token_count)
 
     # ------------------------------------------------------------------ admission
     def add_request(self, req: DynamicInferenceRequest, chunk_length: Optional[int] = None) -> None:
@@ -390,100 +398,6 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
         self._table.commit_add(plan)
         self._device.arena.dirty = True
         self._step = None
-
-    # ------------------------------------------------------------------ the step
-    def initialize_attention_state(self, *, construct_graph_dimensions: Optional[
-            InferenceBatchDimensions] = None) -> None:
-        """Prepare the step's token arrays and attention metadata, padded to the CUDA graph
-        that fits the step, else eagerly (``step.build_step``; the forward itself runs eager).
-        With ``construct_graph_dimensions`` (an empty context), first add that graph's capture
-        dummies (``add_dummy_requests_for_cudagraph_capture``), as Megatron-Core does before a
-        capture."""
-        self._check_allocated()
-        if construct_graph_dimensions is not None:
-            self.add_dummy_requests_for_cudagraph_capture(construct_graph_dimensions)
-        table = self._table
-        if self.chunked_prefill_request_id != -1 and table.num_prefill == 0 and table.active:
-            # The chunked request's row holds a placeholder token, not a real one: forwarding it
-            # would write K/V at a position whose block may not exist (docs/SEMANTICS.md §10).
-            raise RuntimeError(
-                f"the chunked prefill request {self.chunked_prefill_request_id} needs its next "
-                "chunk (add_request) before this step; a step without it would forward its "
-                "placeholder token")
-        device = self._device
-        zero_count, device_prompts = table.take_staged()
-        step = build_step(table, device.arena.host, max_tokens=self.max_tokens,
-                          max_requests=self.max_requests, tp=self.tensor_model_parallel_size,
-                          seq_idx=device.host_seq_idx, zero_count=zero_count,
-                          ladder=self._cuda_graph_ladder, token_rounder=self.TOKEN_ROUNDER,
-                          request_rounder=self.REQUEST_ROUNDER)
-        device.begin_step(step, table, device_prompts)
-        if step.mamba:
-            self.mamba_metadata.update_step(device.mamba_step_fields(step))
-            self._restore_mamba_snapshots()
-        device.end_step()
-        self._step = step
-        self._set_step_counts(step)
-        self.active_attn_metadata = device.attention_metadata(step)
-
-    def current_input_and_position_ids(self, *, num_warmup_tokens: Optional[int] = None
-                                       ) -> Tuple[torch.Tensor, torch.Tensor]:
-        """``(input_ids [1, n], position_ids [1, n])`` views, n = padded tokens of the step."""
-        self._check_allocated()
-        if num_warmup_tokens is None and self._step is None:
-            raise RuntimeError("current_input_and_position_ids() is valid only after "
-                               "initialize_attention_state() of this step")
-        n = num_warmup_tokens or self.padded_active_token_count
-        if not 0 <= n <= self.max_tokens:
-            raise ValueError(f"num_warmup_tokens={num_warmup_tokens} must lie in [0, max_tokens="
-                             f"{self.max_tokens}]")
-        return self.token_to_input_ids[:n].unsqueeze(0), self.token_to_pos_ids[:n].unsqueeze(0)
-
-    def update_requests(self, active_requests_mask: torch.Tensor,
-                        new_tokens: torch.Tensor) -> torch.Tensor:
-        """Advance the state after a forward pass (docs/SEMANTICS.md §9, the fixed version).
-
-        ``active_requests_mask[i]`` (bool/0-1, one per active request) keeps request i; 0
-        finishes it. ``new_tokens`` (int32/int64, one per active request) is not modified.
-        Finished requests release their blocks; requests whose last block is full pause, and
-        paused requests resume (LIFO) or are evicted beyond the paused budget. Returns the ids
-        (1-D int64 CPU tensor) of the requests this call paused that are still paused; the ids
-        this call evicted are in ``self.evicted_request_ids`` (re-queue them for recompute).
-        A request the mask keeps whose next token would lie beyond ``max_sequence_length`` is
-        finished like a masked one (its blocks released) and its id listed in
-        ``self.max_length_finished_request_ids``: the context never writes past a request's
-        block-table row (Megatron-Core's engine, and ours, refuse such requests at admission).
-        It needs ``initialize_attention_state`` of this step first, unless the counts were
-        written by hand (``total_request_count = ...``, as Megatron-Core's tests build states).
-        Every check runs before anything changes (an error leaves the context as it was); the
-        one device-to-host read is the mask. ``metrics_writer.log`` runs last, on the updated
-        context: if it raises, the update is complete and the error propagates.
-        """
-        self._check_allocated()
-        table = self._table
-        A = table.active
-        if A and self._step is None and not self._hand_written:
-            raise RuntimeError("update_requests() needs initialize_attention_state() first: the "
-                               "requests added since the last step (or this step's tokens) "
-                               "were never forwarded")
-        new_tokens = check_new_tokens(new_tokens, A, self.device, validate=self.validate,
-                                      vocab_size=self.vocab_size)
-        mask = read_mask(active_requests_mask, A, self.device)
-        plan = self._plan_update_publishing(mask)
-        table.commit_update(plan)
-        self._after_update_publishing()
-        self._device.apply_update(plan, table, new_tokens)
-        self.has_explicit_chunked_prefill_req = False
-        self.reset_attention_state()
-        self._step = None
-        self._hand_written = False
-        self.newly_paused_request_ids = torch.from_numpy(plan.newly_paused_ids)
-        self.evicted_request_ids = torch.from_numpy(plan.evicted_ids)
-        self.max_length_finished_request_ids = torch.from_numpy(plan.max_length_ids)
-        if self.metrics_writer is not None:
-            self.metrics_writer.log({f"inference/{k}": v
-                                     for k, v in self.get_kvcache_utilization_stats().items()})
-        return self.newly_paused_request_ids
 
     def maybe_initialize_symmetric_memory(self) -> None:
         """Megatron-Core sets up a global symmetric-memory buffer here for the model's

@@ -21,7 +21,24 @@ def check_new_tokens(new_tokens, count: int, device: torch.device, *, validate: 
                      vocab_size: Optional[int]) -> torch.Tensor:
     """``new_tokens``: int32/int64 ``[count]`` on ``device``. Narrower integer dtypes (uint8,
     int8, int16) are refused: no vocabulary fits them, so they are a bug (a mask passed as
-    tokens, say), not a token list. Returns a contiguous tensor (a strided view is copied)."""
+    tokens, say), not a token list. Returns a contiguous tensor that needs no gradient (a
+    strided view is copied)."""
+    if not (isinstance(new_tokens, torch.Tensor) and new_tokens.dtype in TOKEN_DTYPES
+            and new_tokens.dim() == 1 and new_tokens.shape[0] == count
+            and new_tokens.device == device):
+        _refuse_new_tokens(new_tokens, count, device)
+    if validate and count:
+        low, high = int(new_tokens.min()), int(new_tokens.max())
+        if low < 0 or (vocab_size is not None and high >= vocab_size):
+            raise ValueError(f"new_tokens holds ids in [{low}, {high}], outside [0, "
+                             f"{'inf' if vocab_size is None else vocab_size}) (vocab_size)")
+    if new_tokens.requires_grad or not new_tokens.is_contiguous():
+        return new_tokens.detach().contiguous()
+    return new_tokens
+
+
+def _refuse_new_tokens(new_tokens, count: int, device: torch.device) -> None:
+    """Raise the error that says what is wrong with ``new_tokens`` (``check_new_tokens``)."""
     if not isinstance(new_tokens, torch.Tensor):
         raise TypeError(f"new_tokens must be a torch.Tensor, got {type(new_tokens).__name__}")
     if new_tokens.is_floating_point() or new_tokens.is_complex() or new_tokens.dtype == torch.bool:
@@ -32,20 +49,37 @@ def check_new_tokens(new_tokens, count: int, device: torch.device, *, validate: 
     if new_tokens.dim() != 1 or new_tokens.shape[0] != count:
         raise StepShapeError(f"new_tokens must have shape [{count}] (one per active request), got "
                          f"{tuple(new_tokens.shape)}")
-    if new_tokens.device != device:
-        raise ValueError(f"new_tokens is on {new_tokens.device}, the context on {device}")
-    if validate and count:
-        low, high = int(new_tokens.min()), int(new_tokens.max())
-        if low < 0 or (vocab_size is not None and high >= vocab_size):
-            raise ValueError(f"new_tokens holds ids in [{low}, {high}], outside [0, "
-                             f"{'inf' if vocab_size is None else vocab_size}) (vocab_size)")
-    return new_tokens.detach().contiguous()
+    raise ValueError(f"new_tokens is on {new_tokens.device}, the context on {device}")
 
 
-def read_mask(mask, count: int, device: torch.device) -> np.ndarray:
+def read_mask(mask, count: int, device: torch.device) -> Optional[np.ndarray]:
     """``active_requests_mask`` (bool, or integers or floats of exactly 0 and 1, ``[count]``)
-    read to the host: the step's one device-to-host read. A wrong length raises
-    ``StepShapeError`` (a ``ValueError`` and an ``AssertionError``, as Megatron-Core asserts)."""
+    read to the host: the step's one device-to-host read. Returns None when it keeps every
+    request (the common step: a bool or one-byte mask of all ones is seen in one memcmp), else
+    the host bool mask. A wrong length raises ``StepShapeError`` (a ``ValueError`` and an
+    ``AssertionError``, as Megatron-Core asserts)."""
+    if not (isinstance(mask, torch.Tensor) and mask.dim() == 1 and mask.shape[0] == count
+            and not mask.is_complex() and mask.device == device):
+        _refuse_mask(mask, count, device)
+    host = (mask if mask.is_cpu else mask.cpu()).numpy()
+    if host.itemsize == 1 and host.tobytes() == b"\x01" * count:
+        return None
+    if host.dtype == np.bool_:
+        return None if np.count_nonzero(host) == count else host.copy()
+    # Megatron-Core's tests pass float masks (torch.Tensor([0, 1])); only 0 and 1 mean
+    # anything, NaN and fractions are refused.
+    ones = host == 1
+    if np.count_nonzero(ones) == count:
+        return None
+    bad = ~ones & (host != 0)
+    if bad.any():
+        raise ValueError(f"active_requests_mask must hold only 0 and 1, got "
+                         f"{host[bad][:4].tolist()}")
+    return ones
+
+
+def _refuse_mask(mask, count: int, device: torch.device) -> None:
+    """Raise the error that says what is wrong with ``active_requests_mask``."""
     if not isinstance(mask, torch.Tensor):
         raise TypeError(f"active_requests_mask must be a torch.Tensor, got {type(mask).__name__}")
     if mask.dim() != 1 or mask.shape[0] != count:
@@ -54,18 +88,7 @@ def read_mask(mask, count: int, device: torch.device) -> np.ndarray:
     if mask.is_complex():
         raise TypeError(f"active_requests_mask must be bool, integer or 0/1 floats, got "
                         f"{mask.dtype}")
-    if mask.device != device:
-        raise ValueError(f"active_requests_mask is on {mask.device}, the context on {device}")
-    host = mask.cpu().numpy()
-    if host.dtype != np.bool_:
-        # Megatron-Core's tests pass float masks (torch.Tensor([0, 1])); only 0 and 1 mean
-        # anything, NaN and fractions are refused.
-        bad = (host != 0) & (host != 1)
-        if bad.any():
-            raise ValueError(f"active_requests_mask must hold only 0 and 1, got "
-                             f"{host[bad][:4].tolist()}")
-        host = host.astype(np.bool_)
-    return host.copy()
+    raise ValueError(f"active_requests_mask is on {mask.device}, the context on {device}")
 
 
 def check_step_tensor(name: str, tensor, n: int, device: torch.device, dtype: torch.dtype,

@@ -5,9 +5,10 @@ requests first, then prefills, a chunked prefill last. The table is host-only (n
 per-request integers and metadata are views into the host half of the device state's arena
 (``staging.HostArena``), handed over by ``bind``, so that one copy uploads them.
 
-It changes only through ``commit_add`` and ``commit_update``, which apply a plan computed
-beforehand (``admission.plan_add``, ``update_plan.plan_update``) from the unchanged table. The
-plans carry every check; a commit cannot fail on a plan made from the current table.
+It changes only through ``commit_add``, ``commit_update`` and ``commit_decode``, which apply a
+plan computed beforehand (``admission.plan_add``, ``update_plan.plan_update``,
+``update_plan.plan_decode``) from the unchanged table. The plans carry every check; a commit
+cannot fail on a plan made from the current table.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from ._fields import (
 )
 from .admission import AddPlan, plan_add
 from .block_allocator import BlockAllocator, SlotAllocator
-from .update_plan import UpdatePlan, plan_update
+from .update_plan import DecodePlan, UpdatePlan, plan_decode, plan_update
 
 
 class RequestTable:
@@ -74,6 +75,12 @@ class RequestTable:
         self.block_table = np.full((self.max_requests, self.max_kv_block_count), -1,
                                    dtype=np.int32)
         self.prompt = np.zeros(self.max_tokens, dtype=np.int64)
+        # The bytes of int32 ones (a decode step's query lengths, compared in one memcmp) and
+        # the first byte of an int32 block_size - 1 (the offset of a full block's last token):
+        # the last-block offsets hold no block_size - 1 where their bytes hold no such byte.
+        self.one_bytes = np.ones(self.max_requests, dtype=np.int32).tobytes()
+        self.row_numbers = np.arange(self.max_requests)
+        self.full_block_byte = np.int32(self.block_size - 1).tobytes()[:1]
         self.slots = SlotAllocator(self.max_requests) if self.hybrid else None
         self.reset()
 
@@ -159,6 +166,13 @@ class RequestTable:
         """``update_plan.plan_update`` against this table: every check, nothing changed."""
         return plan_update(self, mask, chunked_id=chunked_id,
                            max_sequence_length=max_sequence_length)
+
+    def plan_decode(self, *, chunked_id: int, max_sequence_length: int,
+                    max_kv_offset: Optional[int] = None) -> Optional[DecodePlan]:
+        """``update_plan.plan_decode`` against this table: the plan of the steady decode update
+        of a mask that keeps every request, or None (then ``plan_update``); nothing changed."""
+        return plan_decode(self, chunked_id=chunked_id, max_sequence_length=max_sequence_length,
+                           max_kv_offset=max_kv_offset)
 
     # ------------------------------------------------------------------ commits
     def commit_add(self, plan: AddPlan) -> None:
@@ -289,6 +303,48 @@ class RequestTable:
         if self.partial_id in gone:
             self.partial_id = -1
 
+    def commit_decode(self, plan: DecodePlan) -> Optional[tuple]:
+        """Apply an ``update_plan.DecodePlan`` made from this table (as ``commit_update`` would
+        apply ``plan_update``'s plan of the same update). Returns None, or for the rows that
+        start a block, now rows ``[0, k)``: ``(columns, blocks)``, where each appended its block
+        in the block table."""
+        rows, T = self.rows, self.total
+        kv_offsets, last_offsets = rows[FIELD_KV_OFFSET, :T], rows[FIELD_LAST_OFFSET, :T]
+        if plan.kv_offsets is None:
+            # Every row held one token: the KV offsets advance by one.
+            np.add(kv_offsets, 1, out=kv_offsets)
+        else:
+            kv_offsets[:] = plan.kv_offsets
+            rows[FIELD_QUERY, :T] = 1
+        np.add(last_offsets, 1, out=last_offsets)
+        appended = None
+        if plan.full is not None:
+            # The rows that filled their last block move to the front rows [0, k) (fancy
+            # indexing on the right copies first: the swaps are safe), and each starts a new
+            # block, allocated in the order of the rows.
+            dst, src = plan.dst, plan.src
+            if dst.size:
+                rows[:, dst] = rows[:, src]
+                self.block_table[dst] = self.block_table[src]
+                for values in self.metadata.values():
+                    values[dst] = values[src]
+            k = plan.full.size
+            blocks = self.allocator.allocate_memory_blocks_host(k)
+            columns = rows[FIELD_BLOCKS, :k].copy()
+            self.block_table[self.row_numbers[:k], columns] = blocks
+            rows[FIELD_BLOCKS, :k] += 1
+            rows[FIELD_LAST_BLOCK, :k] = blocks
+            rows[FIELD_LAST_OFFSET, :k] = 0
+            appended = (columns, blocks)
+        self.active_tokens = T
+        self.num_prefill = 0
+        self.fed_decode = 0
+        self.continuation_added = False
+        if self.device_prompts:
+            self.device_prompts = []
+        self.dirty_from = self.max_requests
+        return appended
+
     def permute_rows(self, dst: np.ndarray, src: np.ndarray) -> None:
         """Rows ``dst`` take the fields, metadata and block-table rows of rows ``src`` (read
         before any write, so that a swap passes ``dst + src, src + dst``)."""
@@ -303,7 +359,7 @@ class RequestTable:
         """``(zero_count, device_prompts)`` staged by ``commit_add``: the Mamba slots to zero
         (consumed: zeroed once) and the prompts already on the device (kept until the update,
         so that building the step again re-copies them over the host prompt upload)."""
-        staged = (self.zero_count, list(self.device_prompts))
+        staged = (self.zero_count, list(self.device_prompts) if self.device_prompts else ())
         self.zero_count = 0
         return staged
 

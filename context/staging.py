@@ -2,7 +2,9 @@
 
 ``HostArena`` lays several small typed arrays (per-request fields, request metadata, attention
 metadata, the compaction plan) out in one byte buffer that exists twice: a numpy mirror the host
-writes, and a device tensor the kernels read. ``flush`` moves the used part in ONE copy.
+writes, and a device tensor the kernels read. ``flush`` moves it in ONE copy. On a CPU device
+the two are one buffer (the tensor is ``torch.from_numpy`` of the mirror): nothing is copied,
+``flush`` does nothing, and every host write is at once what the kernels read.
 
 ``HostToDevice`` stages uploads in pinned memory (a ring of two buffers, each reused only after
 the copy that last read it has finished), so every upload is non-blocking on CUDA. On a CPU
@@ -94,17 +96,35 @@ class HostArena:
             layout.append((name, dtype, tuple(shape), offset, nbytes))
             offset += nbytes
         self.nbytes = -(-offset // _ALIGN) * _ALIGN
+        self.layout = layout
+        self.device_type = torch.device(device)
         self.host_bytes = np.zeros(self.nbytes, dtype=np.uint8)
-        self.device_bytes = torch.zeros(self.nbytes, dtype=torch.uint8, device=device)
         self.host: dict[str, np.ndarray] = {}
-        self.device: dict[str, torch.Tensor] = {}
         for name, dtype, shape, start, nbytes in layout:
             host = self.host_bytes[start:start + nbytes].view(numpy_dtype(dtype))
             self.host[name] = host.reshape(shape)
-            self.device[name] = self.device_bytes[start:start + nbytes].view(dtype).view(shape)
+        # A CPU device reads the host mirror itself: no copy per step (44-88 KB at 1024 rows,
+        # and a copy that size enters an OpenMP region on a multi-threaded torch).
+        self.set_shared(self.device_type.type == "cpu")
         self.dirty = False
 
+    def set_shared(self, shared: bool) -> None:
+        """Make the device side the host buffer itself (CPU devices only) or a separate
+        buffer holding a copy of it; the ``device`` views are new either way."""
+        if shared and self.device_type.type != "cpu":
+            raise ValueError(f"a {self.device_type} arena cannot share the host buffer")
+        self.shared = bool(shared)
+        if self.shared:
+            self.device_bytes = torch.from_numpy(self.host_bytes)
+        else:
+            self.device_bytes = torch.from_numpy(self.host_bytes.copy()).to(self.device_type)
+        self.device: dict[str, torch.Tensor] = {}
+        for name, dtype, shape, start, nbytes in self.layout:
+            self.device[name] = self.device_bytes[start:start + nbytes].view(dtype).view(shape)
+
     def flush(self, h2d: HostToDevice) -> None:
-        """Copy the whole host mirror to the device in one copy; clears ``dirty``."""
-        h2d.copy(self.device_bytes, self.host_bytes)
+        """Copy the whole host mirror to the device in one copy (none when shared); clears
+        ``dirty``."""
+        if not self.shared:
+            h2d.copy(self.device_bytes, self.host_bytes)
         self.dirty = False

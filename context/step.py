@@ -1,6 +1,6 @@
 """One step's description, built once by ``initialize_attention_state``.
 
-``build_step`` reads the request table, decides the real and padded dimensions, writes the
+``StepBuilder.build`` reads the request table, decides the real and padded dimensions, writes the
 attention (and Mamba) host metadata into the arena's host sections, and returns a frozen
 ``Step`` that every later call of the step (the kernels' launch, rope, KV append, logits) reads
 instead of recomputing or passing twenty arguments.
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import numpy as np
 
@@ -44,9 +44,11 @@ class MambaStep:
     zero_count: int
 
 
-@dataclass(frozen=True)
-class Step:
-    """Counts and dimensions of one forward pass (rows ``[paused, total)`` are active)."""
+class Step(NamedTuple):
+    """Counts and dimensions of one forward pass (rows ``[paused, total)`` are active).
+
+    Immutable, as a frozen dataclass, but a tuple: built once per step, in a fraction of the
+    time a frozen dataclass takes (one ``object.__setattr__`` per field)."""
 
     paused: int
     total: int
@@ -60,6 +62,7 @@ class Step:
     max_seqlen_k: int
     mamba: Optional[MambaStep]
     fed_decode: int = 0        # dummy decode rows fed from the prompt buffer (after the decodes)
+    one_token_rows: bool = False  # every active row holds one token (a decode step)
 
     @property
     def active(self) -> int:
@@ -83,53 +86,116 @@ class Step:
         return self.active_tokens - self.fed_from_pending
 
 
-def build_step(table, arena: dict, *, max_tokens: int, max_requests: int, tp: int,
-               seq_idx: Optional[np.ndarray], zero_count: int, ladder: CUDAGraphLadder,
-               token_rounder: int = TOKEN_ROUNDER, request_rounder: int = REQUEST_ROUNDER
-               ) -> Step:
-    """Describe the step of ``table``'s active rows and write its host metadata into
-    ``arena`` (the arena's host sections) and ``seq_idx`` (hybrids). The padded dimensions are
-    the CUDA graph of ``ladder`` that fits the step (strict matching on hybrids), else the
-    eager padding capped at ``max_tokens`` (``cuda_graphs.select_step_dimensions``)."""
-    P, T = table.paused, table.total
-    A = T - P
-    active, prefill = table.active_tokens, table.num_prefill
-    decode = A - prefill
-    # A continuation chunk of a hybrid starts from its saved Mamba state (docs/SEMANTICS.md §0.3);
-    # the context knows it added one, whatever the engine's explicit flag says.
-    chunked = table.hybrid and table.continuation_added
-    real = InferenceBatchDimensions(active, prefill, decode, chunked)
-    choice = select_step_dimensions(
-        real, ladder, strict=table.hybrid, max_requests=max_requests, max_tokens=max_tokens,
-        tp_size=tp, token_rounder=token_rounder, request_rounder=request_rounder)
-    padded = choice.padded_batch_dimensions
-    padded_requests = padded.req_count
+class StepBuilder:
+    """Builds each step's ``Step`` (``build``) with the constants of one context made once: the
+    row numbers ``0..max_requests`` (a decode step's ``cu_query_lengths``) and the dimension
+    choice of each step shape seen (a plain-tuple memo in front of
+    ``cuda_graphs.select_step_dimensions``, which the same counts always give the same answer).
+    """
 
-    # Attention metadata, on the host: padded rows get q = kv = 0, cu values carry over.
-    q = table.rows[FIELD_QUERY, P:T]
-    kv = table.rows[FIELD_KV_OFFSET, P:T] + q
-    arena["attn_query_lengths"][:A] = q
-    arena["attn_query_lengths"][A:padded_requests] = 0
-    arena["attn_kv_lengths"][:A] = kv
-    arena["attn_kv_lengths"][A:padded_requests] = 0
-    cu_q, cu_kv = arena["attn_cu_query"], arena["attn_cu_kv"]
-    cu_q[0] = cu_kv[0] = 0
-    np.cumsum(q, out=cu_q[1:A + 1])
-    np.cumsum(kv, out=cu_kv[1:A + 1])
-    cu_q[A + 1:padded_requests + 1] = cu_q[A]
-    cu_kv[A + 1:padded_requests + 1] = cu_kv[A]
-    if active != cu_q[A]:
-        raise RuntimeError(f"internal: active_token_count={active} but the query lengths sum "
-                           f"to {cu_q[A]}")
-    mamba = None
-    if table.hybrid:
-        mamba = _mamba_host(table, arena, seq_idx, P, A, decode, prefill, chunked, padded, cu_q,
-                            zero_count)
-    return Step(paused=P, total=T, active_tokens=active, prefill=prefill, decode=decode,
-                batch_dimensions=real, padded=padded,
-                using_cuda_graph=choice.using_cuda_graph_this_step,
-                max_seqlen_q=int(q.max()) if A else 1, max_seqlen_k=int(kv.max()) if A else 1,
-                mamba=mamba, fed_decode=table.fed_decode)
+    _MAX_REMEMBERED = 4096
+
+    def __init__(self, max_request_rows: int, ladder: CUDAGraphLadder):
+        self.ladder = ladder
+        self.row_numbers = np.arange(max_request_rows + 1, dtype=np.int32)
+        # The bytes of int32 ones (a decode step's query lengths) and of the row numbers (their
+        # sums), compared in one memcmp each.
+        self.one_bytes = np.ones(max_request_rows, dtype=np.int32).tobytes()
+        self.row_number_bytes = self.row_numbers.tobytes()
+        self._choices: dict = {}
+
+    def choose(self, active: int, prefill: int, decode: int, chunked: bool, *, strict: bool,
+               max_requests: int, max_tokens: int, tp: int, token_rounder: int,
+               request_rounder: int):
+        """``select_step_dimensions`` of the step's counts, remembered."""
+        key = (active, prefill, decode, chunked, strict, max_requests, max_tokens, tp,
+               token_rounder, request_rounder)
+        choice = self._choices.get(key)
+        if choice is None:
+            real = InferenceBatchDimensions(active, prefill, decode, chunked)
+            choice = select_step_dimensions(
+                real, self.ladder, strict=strict, max_requests=max_requests,
+                max_tokens=max_tokens, tp_size=tp, token_rounder=token_rounder,
+                request_rounder=request_rounder)
+            if len(self._choices) >= self._MAX_REMEMBERED:
+                self._choices.clear()
+            self._choices[key] = choice
+        return choice
+
+    def build(self, table, arena: dict, *, max_tokens: int, max_requests: int, tp: int,
+              seq_idx: Optional[np.ndarray], zero_count: int,
+              token_rounder: int = TOKEN_ROUNDER, request_rounder: int = REQUEST_ROUNDER,
+              max_kv_offset: Optional[int] = None) -> Step:
+        """Describe the step of ``table``'s active rows and write its host metadata into
+        ``arena`` (the arena's host sections) and ``seq_idx`` (hybrids). The padded dimensions
+        are the CUDA graph of the ladder that fits the step (strict matching on hybrids), else
+        the eager padding capped at ``max_tokens`` (``cuda_graphs.select_step_dimensions``).
+        ``max_kv_offset``: given by a decode update that just committed (every active row holds
+        one token, nothing is paused or added): the largest KV offset of the active rows, which
+        the step's ``max_seqlen_k`` is one more than."""
+        P, T = table.paused, table.total
+        A = T - P
+        active, prefill = table.active_tokens, table.num_prefill
+        decode = A - prefill
+        # A continuation chunk of a hybrid starts from its saved Mamba state (docs/SEMANTICS.md
+        # §0.3); the context knows it added one, whatever the engine's explicit flag says.
+        chunked = table.hybrid and table.continuation_added
+        choice = self._choices.get((active, prefill, decode, chunked, table.hybrid, max_requests,
+                                    max_tokens, tp, token_rounder, request_rounder))
+        if choice is None:
+            choice = self.choose(active, prefill, decode, chunked, strict=table.hybrid,
+                                 max_requests=max_requests, max_tokens=max_tokens, tp=tp,
+                                 token_rounder=token_rounder, request_rounder=request_rounder)
+        padded = choice.padded_batch_dimensions
+        padded_requests = padded.req_count
+
+        # Attention metadata, on the host: padded rows get q = kv = 0, cu values carry over.
+        max_seqlen_k = None
+        rows = table.rows
+        q = rows[FIELD_QUERY, P:T]
+        query_lengths, kv_lengths = arena["attn_query_lengths"], arena["attn_kv_lengths"]
+        cu_q, cu_kv = arena["attn_cu_query"], arena["attn_cu_kv"]
+        if max_kv_offset is not None or (prefill == 0 and active == A
+                                         and q.tobytes() == self.one_bytes[:4 * A]):
+            # A decode step (every row one token, the common case): the query lengths are
+            # ones and their sums the row numbers, most often already there from the step
+            # before (compared as bytes, rewritten only where they differ).
+            if query_lengths[:A].tobytes() != self.one_bytes[:4 * A]:
+                query_lengths[:A] = 1
+            if cu_q[:A + 1].tobytes() != self.row_number_bytes[:4 * (A + 1)]:
+                cu_q[:A + 1] = self.row_numbers[:A + 1]
+            kv = np.add(rows[FIELD_KV_OFFSET, P:T], 1, out=kv_lengths[:A])
+            max_seqlen_q = 1
+            if max_kv_offset is not None and A:
+                max_seqlen_k = max_kv_offset + 1
+        else:
+            query_lengths[:A] = q
+            kv = np.add(rows[FIELD_KV_OFFSET, P:T], q, out=kv_lengths[:A])
+            cu_q[0] = 0
+            np.add.accumulate(q, out=cu_q[1:A + 1])
+            if active != cu_q[A]:
+                raise RuntimeError(f"internal: active_token_count={active} but the query "
+                                   f"lengths sum to {cu_q[A]}")
+            max_seqlen_q = int(np.maximum.reduce(q)) if A else 1
+        cu_kv[0] = 0
+        np.add.accumulate(kv, out=cu_kv[1:A + 1])
+        if padded_requests > A:
+            query_lengths[A:padded_requests] = 0
+            kv_lengths[A:padded_requests] = 0
+            cu_q[A + 1:padded_requests + 1] = cu_q[A]
+            cu_kv[A + 1:padded_requests + 1] = cu_kv[A]
+        mamba = None
+        if table.hybrid:
+            mamba = _mamba_host(table, arena, seq_idx, P, A, decode, prefill, chunked, padded,
+                                cu_q, zero_count)
+        return Step(paused=P, total=T, active_tokens=active, prefill=prefill, decode=decode,
+                    batch_dimensions=choice.batch_dimensions, padded=padded,
+                    using_cuda_graph=choice.using_cuda_graph_this_step,
+                    max_seqlen_q=max_seqlen_q,
+                    max_seqlen_k=(max_seqlen_k if max_seqlen_k is not None
+                                  else int(np.maximum.reduce(kv)) if A else 1),
+                    mamba=mamba, fed_decode=table.fed_decode, one_token_rows=max_seqlen_q == 1
+                    and prefill == 0 and active == A)
 
 
 def _mamba_host(table, arena: dict, seq_idx: np.ndarray, P: int, A: int, decode: int,

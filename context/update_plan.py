@@ -7,12 +7,17 @@ copy of the per-request fields and a simulation of the block allocator's stack, 
 nothing; every error it can meet (an unknown chunked id, no request able to run) raises here,
 and a request kept past ``max_sequence_length`` is finished here. ``RequestTable.commit_update``
 then applies the plan, and the device state applies the row plan in one launch.
+
+``plan_decode`` is the steady decode step's shortcut: when nothing finishes, pauses for good or
+is evicted, it says in a few vectorised operations what ``plan_update`` would decide, and
+``RequestTable.commit_decode`` applies it; everything else takes ``plan_update``.
 """
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
-from typing import List, Tuple
+from typing import List, NamedTuple, Optional, Tuple
 
 import numpy as np
 
@@ -28,6 +33,10 @@ from ._fields import (
 from .block_allocator import AllocatorSimulation
 
 _EMPTY = np.empty(0, dtype=np.int64)
+_NO_ROWS = np.empty(0, dtype=np.int64)
+#: Up to this many rows filling their last block in one decode update, plan_decode orders the
+#: swaps with Python lists; beyond, with numpy (tests lower it to cover both).
+SMALL_CROSSING = 16
 
 
 @dataclass(frozen=True)
@@ -183,21 +192,95 @@ class _Scratch:
         return P - evict, evicted
 
 
-def _steady_plan(table, T: int):
-    """The plan of the common decode step (nothing paused, finished, chunked, and no request
-    filling its last block), without the scratch machinery; None when it does not apply."""
-    h = table.rows[:, :T].copy()
-    if (h[FIELD_LAST_OFFSET] == table.block_size - 1).any():
+class DecodePlan(NamedTuple):
+    """The plan of a decode update (``plan_decode``): nothing finishes, pauses for good or is
+    evicted, and the rows whose last block is full start a new one at once.
+
+    ``max_kv_offset``: the largest ``FIELD_KV_OFFSET`` afterwards (the next step's longest
+    request has one more token). ``kv_offsets``: the new ``FIELD_KV_OFFSET`` of rows
+    ``[0, total)``, in the current row order, or None when every row holds one token (the
+    offsets advance by one); ``FIELD_QUERY`` becomes 1 and ``FIELD_LAST_OFFSET`` advances by
+    one, modulo the block size. ``full``: None when no row starts a block; else those rows (in
+    the current order, ascending), and ``dst``/``src``: the row swaps that move them to the
+    rows ``[0, k)`` (rows ``dst`` take rows ``src``), where each appends one new block (the
+    general path pauses them to the front and resumes them, LIFO, each with one new block).
+    """
+
+    max_kv_offset: int
+    kv_offsets: Optional[np.ndarray]
+    full: Optional[np.ndarray]
+    dst: Optional[np.ndarray]
+    src: Optional[np.ndarray]
+
+
+def plan_decode(table, *, chunked_id: int, max_sequence_length: int,
+                max_kv_offset: Optional[int] = None) -> Optional[DecodePlan]:
+    """The plan of the steady decode update of a mask that keeps every request, or None where
+    ``plan_update`` must decide. ``max_kv_offset``: when the caller knows that every active row
+    holds one token and the largest KV offset plus one (the step's ``max_seqlen_k``, its rows
+    unchanged since), that value; else it is computed here.
+
+    It applies when nothing is paused, no chunked prefill is in flight, no request reaches
+    ``max_sequence_length``, and the requests whose last block is full can all resume at once
+    (free blocks and the active budget allow one more block each). Then ``plan_update`` would
+    pause those requests to the front rows and resume them in the same update, each with one
+    new block, and change nothing else: this plan says the same with a few vectorised
+    operations over the rows (``tests/context/test_decode_path.py`` checks the two paths equal,
+    state after state). Changes nothing.
+    """
+    T = table.total
+    if table.paused or chunked_id != -1 or not T:
         return None
-    h[FIELD_KV_OFFSET] += h[FIELD_QUERY]
-    h[FIELD_QUERY] = 1
-    h[FIELD_LAST_OFFSET] += 1
-    none = np.full(T, -1, dtype=np.int32)
-    return UpdatePlan(
-        old_paused=0, old_total=T, paused=0, total=T, active_tokens=T,
-        origin=np.arange(T, dtype=np.int64), rows=h, append_col=none, append_block=none,
-        allocator_ops=(), released_slots=np.empty(0, dtype=np.int32), finished_ids=_EMPTY,
-        evicted_ids=_EMPTY, newly_paused_ids=_EMPTY, max_length_ids=_EMPTY)
+    rows = table.rows
+    # A request whose next token would lie at max_sequence_length or beyond is finished, which
+    # plan_update decides.
+    if max_kv_offset is not None:
+        kv_offsets = None
+    elif rows[FIELD_QUERY, :T].tobytes() == table.one_bytes[:4 * T]:
+        # Every row holds one token (the steady step): the offsets advance by one.
+        kv_offsets = None
+        max_kv_offset = int(np.maximum.reduce(rows[FIELD_KV_OFFSET, :T])) + 1
+    else:
+        kv_offsets = rows[FIELD_KV_OFFSET, :T] + rows[FIELD_QUERY, :T]
+        max_kv_offset = int(np.maximum.reduce(kv_offsets))
+    if max_kv_offset >= max_sequence_length:
+        return None
+    # Which requests fill their last block: none unless the first byte of an int32
+    # block_size - 1 occurs in the last-block offsets' bytes (one memchr; a byte that belongs
+    # to another value is ruled out by the exact test that follows).
+    last_offsets = rows[FIELD_LAST_OFFSET, :T]
+    if table.full_block_byte not in last_offsets.tobytes():
+        return DecodePlan(max_kv_offset, kv_offsets, None, None, None)
+    full = (last_offsets == table.block_size - 1).nonzero()[0]
+    k = full.size
+    if not k:
+        return DecodePlan(max_kv_offset, kv_offsets, None, None, None)
+    allocator = table.allocator
+    if k > allocator.total_avail or \
+            int(np.add.reduce(rows[FIELD_BLOCKS, :T])) + k > allocator.active_count:
+        return None
+    # plan_update's pause: the full rows among the first k stay, the others (left_keep) swap,
+    # in order, with the full rows past k (right_full).
+    if k <= SMALL_CROSSING:
+        # A few rows (the common case): Python lists beat a dozen numpy calls.
+        rows_full = full.tolist()
+        front = bisect.bisect_left(rows_full, k)
+        if front == k:
+            return DecodePlan(max_kv_offset, kv_offsets, full, _NO_ROWS, _NO_ROWS)
+        right_full = rows_full[front:]
+        stay = set(rows_full[:front])
+        left_keep = [row for row in range(k) if row not in stay]
+        return DecodePlan(max_kv_offset, kv_offsets, full, np.array(left_keep + right_full),
+                          np.array(right_full + left_keep))
+    front = int(np.searchsorted(full, k))
+    if front == k:
+        return DecodePlan(max_kv_offset, kv_offsets, full, _NO_ROWS, _NO_ROWS)
+    right_full = full[front:]
+    keep = np.ones(k, dtype=np.bool_)
+    keep[full[:front]] = False
+    left_keep = keep.nonzero()[0]
+    return DecodePlan(max_kv_offset, kv_offsets, full, np.concatenate([left_keep, right_full]),
+                      np.concatenate([right_full, left_keep]))
 
 
 def plan_update(table, mask: np.ndarray, *, chunked_id: int, max_sequence_length: int
@@ -230,10 +313,6 @@ def plan_update(table, mask: np.ndarray, *, chunked_id: int, max_sequence_length
         max_length_ids = ids[P:T][too_long].astype(np.int64)
         mask = mask & ~too_long
 
-    if P == 0 and chunked_id == -1 and A and mask.all():
-        steady = _steady_plan(table, T)
-        if steady is not None:
-            return steady
     allocator = table.allocator
     scratch = _Scratch(table, AllocatorSimulation(allocator) if allocator.keeps_idle_blocks
                        else _StackSim(allocator))

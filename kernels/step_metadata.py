@@ -320,6 +320,20 @@ def step_metadata_ref(token_to_input_ids: torch.Tensor, token_to_pos_ids: torch.
     """Torch reference of ``step_metadata`` (same outputs, written in place)."""
     device = block_table.device
     n = active_tokens
+    if num_decode == num_requests == n:
+        # A decode step: token i is request i's one token, at position kv_offsets[i]; a few
+        # whole-tensor ops, and no repeat_interleave (it enters an OpenMP region on a
+        # multi-threaded CPU torch).
+        _decode_ref(token_to_input_ids, token_to_pos_ids, token_to_request_idx,
+                    token_to_block_idx, token_to_position_in_request,
+                    token_to_local_position_within_kv_block, block_table, kv_offsets,
+                    next_tokens, n=n, row_offset=row_offset, block_size=block_size)
+        _padding_ref(token_to_input_ids, token_to_pos_ids, token_to_request_idx,
+                     token_to_block_idx, token_to_position_in_request,
+                     token_to_local_position_within_kv_block, attn_block_table, block_table,
+                     n=n, num_requests=num_requests, padded_tokens=padded_tokens,
+                     padded_requests=padded_requests, dummy_block=dummy_block)
+        return
     token = torch.arange(n, device=device)
     # Each token's request; output_size keeps repeat_interleave from syncing.
     request = torch.repeat_interleave(torch.arange(num_requests, device=device),
@@ -340,15 +354,44 @@ def step_metadata_ref(token_to_input_ids: torch.Tensor, token_to_pos_ids: torch.
     token_to_position_in_request[:n] = position
     token_to_local_position_within_kv_block[:n] = position % block_size
 
-    token_to_input_ids[n:padded_tokens] = 0
-    token_to_pos_ids[n:padded_tokens] = 0
-    token_to_request_idx[n:padded_tokens] = -1
-    token_to_block_idx[n:padded_tokens] = dummy_block
-    token_to_position_in_request[n:padded_tokens] = 0
-    token_to_local_position_within_kv_block[n:padded_tokens] = 0
+    _padding_ref(token_to_input_ids, token_to_pos_ids, token_to_request_idx, token_to_block_idx,
+                 token_to_position_in_request, token_to_local_position_within_kv_block,
+                 attn_block_table, block_table, n=n, num_requests=num_requests,
+                 padded_tokens=padded_tokens, padded_requests=padded_requests,
+                 dummy_block=dummy_block)
 
+
+def _decode_ref(token_to_input_ids, token_to_pos_ids, token_to_request_idx, token_to_block_idx,
+                token_to_position_in_request, token_to_local_position_within_kv_block,
+                block_table, kv_offsets, next_tokens, *, n: int, row_offset: int,
+                block_size: int) -> None:
+    """The real tokens of a decode step (every row one token; ``step_metadata_ref``)."""
+    position = kv_offsets[:n]
+    token_to_input_ids[:n] = next_tokens[:n]
+    token_to_pos_ids[:n] = position
+    token_to_position_in_request[:n] = position
+    torch.arange(row_offset, row_offset + n, out=token_to_request_idx[:n])
+    columns = torch.div(position, block_size, rounding_mode="floor").long()
+    token_to_block_idx[:n] = block_table[:n].gather(1, columns[:, None])[:, 0]
+    torch.remainder(position, block_size, out=token_to_local_position_within_kv_block[:n])
+
+
+def _padding_ref(token_to_input_ids, token_to_pos_ids, token_to_request_idx, token_to_block_idx,
+                 token_to_position_in_request, token_to_local_position_within_kv_block,
+                 attn_block_table, block_table, *, n: int, num_requests: int, padded_tokens: int,
+                 padded_requests: int, dummy_block: int) -> None:
+    """The padding tokens ``[n, padded_tokens)`` and the attention block table
+    (``step_metadata_ref``)."""
+    if padded_tokens > n:
+        token_to_input_ids[n:padded_tokens] = 0
+        token_to_pos_ids[n:padded_tokens] = 0
+        token_to_request_idx[n:padded_tokens] = -1
+        token_to_block_idx[n:padded_tokens] = dummy_block
+        token_to_position_in_request[n:padded_tokens] = 0
+        token_to_local_position_within_kv_block[n:padded_tokens] = 0
     attn_block_table[:num_requests] = block_table[:num_requests]
-    attn_block_table[num_requests:padded_requests] = -1
+    if padded_requests > num_requests:
+        attn_block_table[num_requests:padded_requests] = -1
 
 
 _BLOCK_TOKENS = (16, 64, 256)

@@ -140,6 +140,13 @@ CASES = [
                       token_dtype=torch.int32), id="int32_tokens"),
     pytest.param(dict(query_lengths=[1, 2, 3], num_decode=1, kv_offsets=[6, 1, 5], pad_rows=2,
                       strided_tables=True), id="strided_tables"),
+    # Decode only (the reference's decode shortcut): paused rows before, int32 tokens, strided
+    # tables, positions on both sides of block boundaries, and the same with padding.
+    pytest.param(dict(query_lengths=[1] * 5, num_decode=5, kv_offsets=[3, 4, 0, 22, 7],
+                      row_offset=3, token_dtype=torch.int32, strided_tables=True),
+                 id="decode_paused_int32_strided"),
+    pytest.param(dict(query_lengths=[1] * 3, num_decode=3, kv_offsets=[23, 8, 1], row_offset=1,
+                      pad_tokens=4, pad_rows=1), id="decode_paused_padded"),
 ]
 
 

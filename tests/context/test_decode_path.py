@@ -1,0 +1,224 @@
+"""The steady decode update (``update_plan.plan_decode``, ``RequestTable.commit_decode``,
+``DeviceState.apply_decode``) against the general path (``plan_update``, ``commit_update``,
+``apply_update``): two contexts driven in lockstep by the same seeded random workload, one with
+the shortcut (the default) and one without (``_decode_shortcut = False``), compared in full after
+every call: every host row, the request metadata, the block table, the allocator's stack and
+reference counts, the live ids and counters, the device block tables and pending tokens, the
+step's token arrays and attention metadata, and what ``update_requests`` returns and reports.
+
+The workloads use 4-token blocks, so that requests fill their last block every few steps (the
+shortcut's pause-and-resume), and budgets small enough that requests also pause for good and are
+evicted (the general path); chunked prefills, finishes and ``max_sequence_length`` finishes mix
+in. Each run also counts how often each path decided, so that neither is left untested.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+from helpers import BLOCK, GIB, add, assert_same, check_invariants, make_ctx, snapshot
+from triton_marks import needs_triton
+
+from dynctx.context import DynamicInferenceRequest, SamplingParams, update_plan
+
+WORKLOADS = {
+    # Plenty of blocks: nearly every update is a decode update, with block crossings.
+    "roomy": dict(buffer_size_gb=120 * BLOCK / GIB, paused_buffer_size_gb=8 * BLOCK / GIB,
+                  max_requests=16, max_tokens=64, max_sequence_length=64),
+    # Tight: crossings that cannot all resume, pauses for good and evictions.
+    "tight": dict(buffer_size_gb=24 * BLOCK / GIB, paused_buffer_size_gb=3 * BLOCK / GIB,
+                  max_requests=12, max_tokens=48, max_sequence_length=40),
+}
+
+
+def full_state(ctx) -> dict:
+    """``helpers.snapshot(device=True)`` plus every row of the host table and the device
+    buffers, the table's counters and the allocator."""
+    state = snapshot(ctx, device=True)
+    # Nothing writes K/V here, and the buffer starts uninitialised (torch.empty).
+    del state["kv_bytes"]
+    table, device, alloc = ctx._table, ctx._device, ctx.block_allocator
+    state.update(
+        all_rows=table.rows.copy(), all_blocks=table.block_table.copy(),
+        metadata={label: values.copy() for label, values in table.metadata.items()},
+        table_counts=(table.paused, table.total, table.active_tokens, table.num_prefill,
+                      table.fed_decode, table.continuation_added, table.partial_id,
+                      table.dirty_from, alloc.total_avail, alloc.active_count,
+                      alloc.paused_count, device.current, tuple(device.rows_used)),
+        device_tables=torch.stack([t.clone() for t in device.block_tables]),
+        device_tokens=torch.stack([t.clone() for t in device.next_tokens]),
+        device_req=device.arena.device["req"].clone(),
+        step_counts=(ctx.padded_active_token_count, ctx.padded_active_request_count,
+                     ctx.using_cuda_graph_this_step() if ctx.is_tensor_state_allocated else None),
+    )
+    return state
+
+
+def assert_equal_states(a: dict, b: dict, where: str) -> None:
+    assert a.keys() == b.keys()
+    for key in ("all_rows", "all_blocks", "device_tables", "device_tokens", "device_req"):
+        x, y = a.pop(key), b.pop(key)
+        same = torch.equal(x, y) if isinstance(x, torch.Tensor) else np.array_equal(x, y)
+        assert same, f"{where}: {key} differs"
+    for label in a["metadata"]:
+        assert np.array_equal(a["metadata"][label], b["metadata"][label]), \
+            f"{where}: metadata {label} differs"
+    a.pop("metadata"), b.pop("metadata")
+    try:
+        assert_same(a, b)
+    except AssertionError as error:
+        raise AssertionError(f"{where}: {error}") from None
+
+
+class _Counting:
+    """Counts the plans made: decode plans (and those with rows that start a block), and
+    general plans (of both contexts)."""
+
+    def __init__(self, monkeypatch):
+        self.decode = self.crossing = self.general = 0
+        real_decode, real_update = update_plan.plan_decode, update_plan.plan_update
+
+        def counted_decode(table, **kwargs):
+            plan = real_decode(table, **kwargs)
+            if plan is not None:
+                self.decode += 1
+                self.crossing += plan.full is not None
+            return plan
+
+        def counted_update(table, mask, **kwargs):
+            self.general += 1
+            return real_update(table, mask, **kwargs)
+
+        monkeypatch.setattr("dynctx.context.request_table.plan_decode", counted_decode)
+        monkeypatch.setattr("dynctx.context.request_table.plan_update", counted_update)
+
+
+def _request(rid: int, length: int, gen: int) -> DynamicInferenceRequest:
+    """Metadata of every size differs per request, so that a row moved wrong shows."""
+    return DynamicInferenceRequest(
+        request_id=rid, prompt_tokens=torch.arange(100 + rid, 100 + rid + length),
+        sampling_params=SamplingParams(
+            num_tokens_to_generate=gen, temperature=0.5 + rid / 64, top_k=rid % 7,
+            top_p=(rid % 10) / 10, termination_id=1000 + rid, return_log_probs=rid % 2 == 1,
+            skip_prompt_log_probs=rid % 3 == 1, top_n_logprobs=rid % 5))
+
+
+def _lockstep(name: str, seed: int, steps: int, monkeypatch, **extra) -> _Counting:
+    """Drive a shortcut context and a general-path context with the same random calls and
+    compare them after every call; returns the decision counts."""
+    counts = _Counting(monkeypatch)
+    contexts = [make_ctx(**WORKLOADS[name], **extra) for _ in range(2)]
+    contexts[1]._decode_shortcut = False
+    rng = random.Random(seed)
+    next_rid, chunked = 0, None  # chunked: (requests per context, rid) of a prefill in flight
+    generated = {}
+
+    def same(where):
+        assert_equal_states(full_state(contexts[0]), full_state(contexts[1]), where)
+
+    for step_index in range(steps):
+        ctx = contexts[0]
+        where = f"{name} seed {seed} step {step_index}"
+        # The chunked prefill continues first (the protocol), else new requests may come in.
+        if chunked is not None:
+            reqs, rid = chunked
+            remaining = reqs[0].remaining_prompt_length
+            room = ctx.max_tokens - ctx.active_token_count
+            chunk = min(remaining, room, rng.randint(1, 6))
+            for c, r in zip(contexts, reqs):
+                add(c, r, chunk)
+                c.chunked_prefill_request_id = rid if chunk < remaining else -1
+            if chunk == remaining:
+                chunked = None
+            same(where + " continuation")
+        elif rng.random() < 0.6:
+            for _ in range(rng.randint(1, 3)):
+                length, gen = rng.randint(1, 14), rng.randint(1, 60)
+                probe = _request(next_rid, length, gen)
+                if not all(ctx.check_availability(probe)):
+                    break
+                first = rng.randint(1, length - 1) if length > 2 and rng.random() < 0.2 else None
+                reqs = [_request(next_rid, length, gen) for _ in contexts]
+                for c, r in zip(contexts, reqs):
+                    add(c, r, first)
+                    if first is not None:
+                        c.chunked_prefill_request_id = next_rid
+                generated[next_rid] = (0, gen)
+                next_rid += 1
+                same(where + " add")
+                if first is not None:
+                    chunked = (reqs, next_rid - 1)
+                    break
+        A = ctx.total_request_count - ctx.paused_request_count
+        if A == 0:
+            continue
+        for c in contexts:
+            c.initialize_attention_state()
+        same(where + " initialize_attention_state")
+        P, T = ctx.paused_request_count, ctx.total_request_count
+        ids = ctx.host_request_ids()[P:T].tolist()
+        keep = []
+        for rid in ids:
+            done, gen = generated[rid]
+            keep.append(done + 1 < gen and rng.random() > 0.04)
+        mask = torch.tensor(keep, dtype=rng.choice([torch.bool, torch.uint8, torch.int64]))
+        tokens = torch.tensor([rid * 10 + step_index for rid in ids], dtype=torch.int64)
+        results = [c.update_requests(mask.clone(), tokens.clone()) for c in contexts]
+        assert results[0].tolist() == results[1].tolist(), where
+        for attr in ("evicted_request_ids", "max_length_finished_request_ids"):
+            assert getattr(contexts[0], attr).tolist() == getattr(contexts[1], attr).tolist(), \
+                f"{where}: {attr}"
+        same(where + " update_requests")
+        check_invariants(contexts[0])
+        for rid, kept in zip(ids, keep):
+            if kept:
+                done, gen = generated[rid]
+                generated[rid] = (done + 1, gen)
+        if chunked is not None and chunked[1] not in ctx._live_ids:
+            chunked = None
+    return counts
+
+
+@pytest.mark.parametrize("small_crossing", [16, 0], ids=["lists", "numpy"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("name", sorted(WORKLOADS))
+def test_decode_update_equals_general_update(name, seed, small_crossing, monkeypatch):
+    """``small_crossing``: up to how many rows starting a block plan_decode orders with Python
+    lists (``update_plan.SMALL_CROSSING``); 0 takes its numpy branch every time."""
+    monkeypatch.setattr(update_plan, "SMALL_CROSSING", small_crossing)
+    counts = _lockstep(name, seed, 120, monkeypatch)
+    # Both paths ran (the general context makes a general plan for every update), and the
+    # shortcut met rows that start a block.
+    assert counts.decode >= 20 and counts.crossing >= 5, vars(counts)
+    assert counts.general - counts.decode >= 10, vars(counts)
+
+
+@pytest.mark.interpreter
+@needs_triton
+def test_decode_update_equals_general_update_triton(monkeypatch):
+    """The same on the Triton kernels (the interpreter): the decode plan's swaps and appended
+    blocks reach the compaction kernel as the general plan's do."""
+    counts = _lockstep("roomy", 5, 25, monkeypatch, kernel_backend="triton")
+    assert counts.decode >= 5 and counts.crossing >= 1, vars(counts)
+
+
+def test_decode_plan_is_pure(monkeypatch):
+    """``plan_decode`` changes nothing, with and without rows that start a block."""
+    ctx = make_ctx(**WORKLOADS["roomy"])
+    for rid, length in enumerate((3, 4, 7, 1)):
+        add(ctx, _request(rid, length, 30))
+    seen_full = 0
+    for step_index in range(8):
+        ctx.initialize_attention_state()
+        before = full_state(ctx)
+        plan = ctx._table.plan_decode(chunked_id=-1,
+                                      max_sequence_length=ctx.max_sequence_length)
+        assert plan is not None
+        seen_full += plan.full is not None
+        assert_equal_states(before, full_state(ctx), f"step {step_index}")
+        A = ctx.total_request_count
+        ctx.update_requests(torch.ones(A, dtype=torch.bool), torch.arange(A) + step_index)
+    assert seen_full >= 3
