@@ -332,6 +332,31 @@ def test_mamba_snapshots_replace_the_least_recently_used():
     assert torch.equal(out_conv[0, 3], conv[0, 0]) and torch.equal(out_ssm[0, 1], ssm[0, 2])
 
 
+
+def test_mamba_snapshots_of_one_update_beyond_the_budget_copy_each_index_once(monkeypatch):
+    """More snapshots in one ``save`` than the budget holds: an index replaced within the call
+    is copied once, from the slot its digest names at the end (``index_copy_`` with a repeated
+    index keeps either source, on CUDA nondeterministically)."""
+    snaps = pc.MambaSnapshots(2, (1, 2), (1, 3), torch.float32, torch.float32, "cpu")
+    snaps.allocate()
+    conv = torch.arange(6 * 2, dtype=torch.float32).reshape(1, 6, 2)
+    ssm = torch.arange(6 * 3, dtype=torch.float32).reshape(1, 6, 3)
+    copies = []
+    index_copy = torch.Tensor.index_copy_
+
+    def recording(self, dim, index, source):
+        copies.append(index.tolist())
+        return index_copy(self, dim, index, source)
+
+    monkeypatch.setattr(torch.Tensor, "index_copy_", recording)
+    snaps.save([(slot, bytes([97 + slot])) for slot in range(5)], conv, ssm)
+    assert copies and all(len(set(c)) == len(c) for c in copies), copies
+    assert list(snaps.index) == [b"d", b"e"]
+    for digest, slot in ((b"d", 3), (b"e", 4)):
+        assert torch.equal(snaps.conv[0, snaps.index[digest]], conv[0, slot])
+        assert torch.equal(snaps.ssm[0, snaps.index[digest]], ssm[0, slot])
+
+
 # ---------------------------------------------------------------- the Triton path
 @pytest.mark.interpreter
 @needs_triton
