@@ -241,6 +241,27 @@ def test_total_avail_by_hand_uncaches_what_it_frees_or_takes():
     assert alloc.idle_count == 1 and ctx.get_prefix_cache_stats()["prefix_cache_blocks"] == 1
 
 
+@pytest.mark.parametrize("policy", ["ref_zero", "lru"])
+def test_allocator_reset_by_hand_forgets_the_cached_blocks(policy):
+    """Megatron-Core code resets the allocator by hand (``block_allocator.reset()``): the
+    blocks it frees must leave the cache, or a later request would map a block that
+    allocation has handed to another prompt since."""
+    ctx = cached_ctx(policy)
+    add(ctx, req(1, PROMPT))
+    step(ctx)
+    step(ctx, keep=set())
+    alloc = ctx.block_allocator
+    ctx.block_allocator.reset()
+    assert not alloc.cached.any() and alloc.idle_count == 0
+    assert ctx.get_prefix_cache_stats()["prefix_cache_blocks"] == 0
+    add(ctx, req(2, [99] * 16))                 # takes the formerly cached block ids
+    assert ctx.prefix_cache_lookup(req(3, PROMPT)) == 0
+    add(ctx, req(3, PROMPT))
+    assert set(ctx.block_table_host[1, :4].tolist()).isdisjoint(ctx.block_table_host[0, :4])
+    step(ctx)
+    check_invariants(ctx)
+
+
 def test_reset_and_suspend_forget_the_cache():
     ctx = cached_ctx("lru")
     add(ctx, req(1, PROMPT))
