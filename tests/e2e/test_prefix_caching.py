@@ -264,3 +264,12 @@ def test_prefix_caching_with_graphs_suspend_and_log_probs_matches_caching_off():
                 assert len(a) == len(b) and torch.allclose(torch.tensor(a), torch.tensor(b),
                                                            atol=1e-5)
     assert outputs[1][2].prompt_log_probs and len(outputs[1][2].prompt_log_probs) == 31
+
+
+def test_prefix_caching_fuzz_smoke(capsys):
+    """bench/prefix_caching_fuzz.py on three seeds: caching on agrees with caching off."""
+    import prefix_caching_fuzz
+
+    assert prefix_caching_fuzz.main(["--seeds", "0", "3", "--models", "llama"]) == 0
+    out = capsys.readouterr().out
+    assert "3 runs, 0 failures" in out and "llama: " in out
