@@ -430,8 +430,9 @@ def _main(args, rank: int, world: int) -> int:
     if stats.prefix_cache:
         cache = stats.prefix_cache
         say(f"prefix cache      {args.prefix_caching}: {cache['prefix_cache_hits']} hits of "
-            f"{cache['prefix_cache_lookups']} requests "
-            f"({100 * cache['prefix_cache_hit_rate']:.0f}%), "
+            f"{cache['prefix_cache_lookups']} new adds "
+            f"({100 * cache['prefix_cache_hit_rate']:.0f}%; re-adds after evictions and "
+            "suspends count), "
             f"{cache['prefix_cache_prefill_skipped_tokens']} prompt tokens served from "
             f"the cache ({100 * cache['prefix_cache_token_hit_rate']:.0f}% of prefill)")
     say(f"attention         {engine.model.attention_backend} paged attention; kernels: "

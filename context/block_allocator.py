@@ -67,7 +67,12 @@ class BlockAllocator:
         self.reset()
 
     def reset(self) -> None:
-        """Every block free again (the stack is rebuilt, so stale duplicates cannot survive)."""
+        """Every block free again (the stack is rebuilt, so stale duplicates cannot survive).
+        The cached blocks are evicted (``on_evict``): a reset by hand must not leave the prefix
+        cache naming blocks that allocation hands out again."""
+        cached = getattr(self, "cached", None)
+        if cached is not None and cached.any():
+            self._evict(np.flatnonzero(cached).astype(np.int32))
         self.block_bag = np.arange(self.total_count, dtype=np.int32)
         self.ref_counts = np.zeros(self.total_count, dtype=np.int32)
         self._total_avail = self.total_count - 1

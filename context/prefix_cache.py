@@ -157,7 +157,7 @@ class MambaSnapshots:
              ssm_states: torch.Tensor) -> None:
         """Copy the states of slots into snapshots under ``(slot, digest)`` items (a digest
         already held is kept; when full, the least recently used snapshot is replaced)."""
-        slots, targets = [], []
+        writes: Dict[int, int] = {}   # snapshot index -> slot (the last item written wins)
         for slot, digest in items:
             if digest in self.index or self.count == 0:
                 continue
@@ -166,9 +166,13 @@ class MambaSnapshots:
             else:
                 _, target = self.index.popitem(last=False)
             self.index[digest] = target
-            slots.append(slot)
-            targets.append(target)
-        if slots:
+            # An item of this very call may have been replaced (more items than snapshots):
+            # each index is copied once, from the slot its digest now names. ``index_copy_``
+            # with a repeated index leaves either source there (on CUDA, nondeterministically).
+            writes.pop(target, None)
+            writes[target] = slot
+        if writes:
+            targets, slots = list(writes), list(writes.values())
             src = torch.tensor(slots, dtype=torch.int64, device=conv_states.device)
             dst = torch.tensor(targets, dtype=torch.int64, device=conv_states.device)
             self.conv.index_copy_(1, dst, conv_states.index_select(1, src))

@@ -69,6 +69,9 @@ class MachineConfig:
     # Prefix caching: the eviction policy ("ref_zero" or "lru"), None: off. Prompts then come
     # from two token families, so that they share prefixes.
     prefix_caching: Optional[str] = None
+    # Hybrids with prefix caching: the Mamba state snapshots the budget buys (1: a tiny budget,
+    # several snapshots of one update compete for it).
+    prefix_snapshots: int = PREFIX_SNAPSHOTS
 
     @property
     def hybrid(self) -> bool:
@@ -129,8 +132,8 @@ class MachineConfig:
             args.update(enable_prefix_caching=True,
                         prefix_caching_eviction_policy=self.prefix_caching)
             if self.hybrid:
-                # Room for PREFIX_SNAPSHOTS Mamba state snapshots.
-                args["prefix_caching_mamba_gb"] = PREFIX_SNAPSHOTS * self.mamba_bytes / GIB
+                # Room for ``prefix_snapshots`` Mamba state snapshots.
+                args["prefix_caching_mamba_gb"] = self.prefix_snapshots * self.mamba_bytes / GIB
         ctx = DynamicInferenceContext(**args)
         # A request that pauses alone must be able to resume, or no request could ever run.
         max_blocks = math.ceil(self.max_sequence_length / self.block_size)
@@ -163,6 +166,8 @@ CONFIGS = {c.name: c for c in [
                   layer_types=HYBRID_LAYERS, prefix_caching="lru"),
     MachineConfig("pc-hyb-refzero-bs4-paused4", block_size=4, buffer_blocks=16,
                   paused_blocks=4, layer_types=HYBRID_LAYERS, prefix_caching="ref_zero"),
+    MachineConfig("pc-hyb-lru-bs4-snap1", block_size=4, buffer_blocks=24, paused_blocks=None,
+                  layer_types=HYBRID_LAYERS, prefix_caching="lru", prefix_snapshots=1),
 ]}
 CI_CONFIGS = [CONFIGS[n] for n in ("bs4-paused4", "bs8-half", "bs4-paused0", "mla-bs8-paused3",
                                    "hyb-bs4-paused4", "hyb-bs8-half", "pc-lru-bs4-paused4",

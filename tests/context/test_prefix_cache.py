@@ -241,6 +241,27 @@ def test_total_avail_by_hand_uncaches_what_it_frees_or_takes():
     assert alloc.idle_count == 1 and ctx.get_prefix_cache_stats()["prefix_cache_blocks"] == 1
 
 
+@pytest.mark.parametrize("policy", ["ref_zero", "lru"])
+def test_allocator_reset_by_hand_forgets_the_cached_blocks(policy):
+    """Megatron-Core code resets the allocator by hand (``block_allocator.reset()``): the
+    blocks it frees must leave the cache, or a later request would map a block that
+    allocation has handed to another prompt since."""
+    ctx = cached_ctx(policy)
+    add(ctx, req(1, PROMPT))
+    step(ctx)
+    step(ctx, keep=set())
+    alloc = ctx.block_allocator
+    ctx.block_allocator.reset()
+    assert not alloc.cached.any() and alloc.idle_count == 0
+    assert ctx.get_prefix_cache_stats()["prefix_cache_blocks"] == 0
+    add(ctx, req(2, [99] * 16))                 # takes the formerly cached block ids
+    assert ctx.prefix_cache_lookup(req(3, PROMPT)) == 0
+    add(ctx, req(3, PROMPT))
+    assert set(ctx.block_table_host[1, :4].tolist()).isdisjoint(ctx.block_table_host[0, :4])
+    step(ctx)
+    check_invariants(ctx)
+
+
 def test_reset_and_suspend_forget_the_cache():
     ctx = cached_ctx("lru")
     add(ctx, req(1, PROMPT))
@@ -330,6 +351,31 @@ def test_mamba_snapshots_replace_the_least_recently_used():
     out_conv, out_ssm = torch.zeros_like(conv), torch.zeros_like(ssm)
     snaps.restore([(3, snaps.index[b"a"]), (1, snaps.index[b"c"])], out_conv, out_ssm)
     assert torch.equal(out_conv[0, 3], conv[0, 0]) and torch.equal(out_ssm[0, 1], ssm[0, 2])
+
+
+
+def test_mamba_snapshots_of_one_update_beyond_the_budget_copy_each_index_once(monkeypatch):
+    """More snapshots in one ``save`` than the budget holds: an index replaced within the call
+    is copied once, from the slot its digest names at the end (``index_copy_`` with a repeated
+    index keeps either source, on CUDA nondeterministically)."""
+    snaps = pc.MambaSnapshots(2, (1, 2), (1, 3), torch.float32, torch.float32, "cpu")
+    snaps.allocate()
+    conv = torch.arange(6 * 2, dtype=torch.float32).reshape(1, 6, 2)
+    ssm = torch.arange(6 * 3, dtype=torch.float32).reshape(1, 6, 3)
+    copies = []
+    index_copy = torch.Tensor.index_copy_
+
+    def recording(self, dim, index, source):
+        copies.append(index.tolist())
+        return index_copy(self, dim, index, source)
+
+    monkeypatch.setattr(torch.Tensor, "index_copy_", recording)
+    snaps.save([(slot, bytes([97 + slot])) for slot in range(5)], conv, ssm)
+    assert copies and all(len(set(c)) == len(c) for c in copies), copies
+    assert list(snaps.index) == [b"d", b"e"]
+    for digest, slot in ((b"d", 3), (b"e", 4)):
+        assert torch.equal(snaps.conv[0, snaps.index[digest]], conv[0, slot])
+        assert torch.equal(snaps.ssm[0, snaps.index[digest]], ssm[0, slot])
 
 
 # ---------------------------------------------------------------- the Triton path

@@ -53,5 +53,5 @@ def test_demo_with_prefix_caching_shows_the_hit_rate_and_matches(capsys):
                           "--prefix-caching", "lru", "--plot", "", "--no-progress"]) == 0
     out = capsys.readouterr().out
     assert "check             OK: 8/8 outputs match" in out
-    hits = re.search(r"^prefix cache\s+lru: (\d+) hits of (\d+) requests \((\d+)%\)", out, re.M)
+    hits = re.search(r"^prefix cache\s+lru: (\d+) hits of (\d+) new adds \((\d+)%;", out, re.M)
     assert hits and int(hits.group(1)) > 0, out

@@ -216,3 +216,60 @@ def test_engine_refuses_a_bad_salt_and_keeps_a_good_one():
     with pytest.raises(TypeError, match="enable_prefix_caching"):
         build_engine(hf, block_size=16, blocks=8, paused_blocks=1, max_tokens=32,
                      enable_prefix_caching="yes")
+
+
+def test_prefix_caching_with_graphs_suspend_and_log_probs_matches_caching_off():
+    """Adversarial shapes with caching on, through the CUDA-graph stand-in runner and two
+    suspend/resume cycles: prompts of exactly k blocks, shorter than a block, a prefix of
+    another, identical prompts arriving in the same step (both miss, one publishes), requests
+    asking for prompt log probs (no hit) or only generated ones (hit). Tokens equal
+    transformers'; tokens and log probs equal a run with caching off."""
+    hf = tiny_llama(seed=5)
+    vocab = hf.config.vocab_size
+    prefix = make_prompts([32], vocab, seed=1)[0]
+    tails = make_prompts([1, 5, 16], vocab, seed=2)
+    prompts = [prefix, prefix + tails[0], list(prefix), prefix[:7], prefix + tails[2],
+               prefix + tails[2], prefix[:16] + tails[1], prefix + tails[1]]
+    gens = [6, 5, 7, 4, 6, 5, 6, 5]
+    arrivals = [0, 0, 1, 1, 2, 2, 3, 3]
+    outputs = []
+    for enable in (False, True):
+        engine = build_engine(hf, block_size=16, blocks=14, paused_blocks=3, max_tokens=32,
+                              kernel_backend="torch", cuda_graphs=True, num_cuda_graphs=4,
+                              enable_prefix_caching=enable, prefix_caching_eviction_policy="lru")
+        requests = greedy_requests(prompts, gens)
+        for i in (2, 7):
+            requests[i].sampling_params.return_log_probs = True
+        requests[4].sampling_params.return_log_probs = True
+        requests[4].sampling_params.skip_prompt_log_probs = True
+        for request, arrival in zip(requests, arrivals):
+            engine.add_request(request, arrival_step=arrival)
+        results = {}
+        while engine.has_unfinished_requests():
+            if engine.step_count in (2, 5):
+                engine.suspend()
+                engine.resume()
+            for result in engine.step().finished:
+                results[result.request_id] = result
+        assert engine.graph_replays > 0 and engine.stats.suspends == 2
+        outputs.append([results[i] for i in range(len(prompts))])
+    stats = engine.stats.prefix_cache
+    assert stats["prefix_cache_hits"] >= 3, stats
+    for prompt, gen, off, on in zip(prompts, gens, *outputs):
+        assert on.generated_tokens == off.generated_tokens == hf_greedy(hf, prompt, gen)
+        for a, b in ((off.prompt_log_probs, on.prompt_log_probs),
+                     (off.generated_log_probs, on.generated_log_probs)):
+            assert (a is None) == (b is None)
+            if a is not None:
+                assert len(a) == len(b) and torch.allclose(torch.tensor(a), torch.tensor(b),
+                                                           atol=1e-5)
+    assert outputs[1][2].prompt_log_probs and len(outputs[1][2].prompt_log_probs) == 31
+
+
+def test_prefix_caching_fuzz_smoke(capsys):
+    """bench/prefix_caching_fuzz.py on three seeds: caching on agrees with caching off."""
+    import prefix_caching_fuzz
+
+    assert prefix_caching_fuzz.main(["--seeds", "0", "3", "--models", "llama"]) == 0
+    out = capsys.readouterr().out
+    assert "3 runs, 0 failures" in out and "llama: " in out
