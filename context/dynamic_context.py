@@ -58,8 +58,8 @@ from .cuda_graphs import context_cuda_graph_ladder
 from .device_state import DeviceState
 from .errors import TensorStateDeallocatedError, get_mem_size_str
 from .inputs import check_new_tokens, read_mask
-from .parallel import agree_counts, parallel_groups
-from .prefix_cache import check_prefix_caching_args
+from .parallel import CountAgreement, parallel_groups
+from .prefix_cache import check_prefix_caching_args, prefix_snapshot_count
 from .request_table import RequestTable
 from .requests import DynamicInferenceRequest
 from .sizing import check_scalars, layer_layout, memory_layout, positive_int
@@ -251,6 +251,14 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
         self.vocab_size = None if vocab_size is None else positive_int("vocab_size", vocab_size)
         self.validate = bool(validate)
 
+        # The settings that steer the bookkeeping agree over the ranks, and the hybrid prefix
+        # cache's snapshot count is reduced with the block counts (one all-reduce).
+        snapshots = prefix_snapshot_count(prefix_caching, layers)
+        agreement = CountAgreement(groups.groups, [snapshots], dict(
+            zip(("enable_prefix_caching", "prefix_caching_eviction_policy"), prefix_caching),
+            num_cuda_graphs=num_cuda_graphs, validate=bool(validate), vocab_size=vocab_size,
+            use_cuda_graphs_for_non_decode_steps=use_cuda_graphs_for_non_decode_steps,
+            cuda_graph_mixed_prefill_count=cuda_graph_mixed_prefill_count))
         memory = memory_layout(
             layers=layers, params_dtype=params_dtype, block_size_tokens=block_size_tokens,
             heads_per_partition=self.num_attention_heads_per_partition, kv_channels=kv_channels,
@@ -261,8 +269,7 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
             max_tokens=max_tokens, default_max_tokens=self.DEFAULT_MAX_TOKENS,
             max_sequence_length=max_sequence_length, tp=tp,
             request_rounder=self.REQUEST_ROUNDER,
-            reduce_counts=(None if not groups.groups else
-                           lambda counts, same: agree_counts(counts, same, groups.groups)))
+            reduce_counts=agreement if groups.groups else None)
         self.block_size_bytes, self.kv_reduced_dim = memory.block_size_bytes, memory.kv_reduced_dim
         self.unified_memory_level = memory.unified_memory_level
         self.buffer_size_gb, self.paused_buffer_size_gb = buffer_size_gb, paused_buffer_size_gb
@@ -289,7 +296,7 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
             max_kv_block_count=self.max_kv_block_count, block_size=block_size_tokens,
             metadata_labels=[label for label, _, _ in self.request_metadata_types],
             hybrid=self.is_hybrid_model, max_tokens=self.max_tokens)
-        self._setup_prefix_caching(*prefix_caching)
+        self._setup_prefix_caching(*prefix_caching, snapshots=agreement.extra[0])
         self._device: Optional[DeviceState] = None
         self.chunked_prefill_request_id = -1
         self.is_symmetric_memory_initialized = False

@@ -23,6 +23,7 @@ one rank's shard (sizing only: nothing is reduced).
 
 from __future__ import annotations
 
+import hashlib
 import sys
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
@@ -151,17 +152,46 @@ def min_over_groups(values: Sequence[int], groups: Sequence[Any]) -> list:
     return out
 
 
-def agree_counts(counts: Sequence[int], same: dict, groups: Sequence[Any]) -> list:
+def _agreement_value(value: Any) -> tuple:
+    """``(int to reduce, shown)``: an int (or bool) as itself, with its value in a message;
+    anything else (a float, a string, None, a tuple) by a 56-bit digest of its ``repr``, shown
+    as "differs"."""
+    if isinstance(value, (bool, int)) and -2 ** 62 < int(value) < 2 ** 62:
+        return int(value), True
+    digest = hashlib.sha256(f"{type(value).__name__}:{value!r}".encode()).digest()
+    return int.from_bytes(digest[:7], "little"), False
+
+
+def agree_counts(counts: Sequence[int], same: dict, groups: Sequence[Any],
+                 what: str = "build their contexts") -> list:
     """``counts`` reduced with MIN over ``groups``; in the same all-reduce, check that every
-    value of ``same`` (name -> int, e.g. an explicit ``max_requests``) is equal on every rank
-    (min == max), else ``ValueError`` naming it, on every rank alike."""
+    value of ``same`` (name -> value, e.g. an explicit ``max_requests``; ints compared as
+    themselves, other values by a digest of their ``repr``) is equal on every rank (min ==
+    max), else ``ValueError`` naming it (and ``what`` the ranks did), on every rank alike."""
     names = list(same)
-    values = [int(same[n]) for n in names]
+    pairs = [_agreement_value(same[n]) for n in names]
+    values = [v for v, _ in pairs]
     reduced = min_over_groups(list(counts) + values + [-v for v in values], groups)
     k, m = len(counts), len(names)
     lows, highs = reduced[k:k + m], [-v for v in reduced[k + m:]]
-    differ = [f"{n} (from {lo} to {hi})" for n, lo, hi in zip(names, lows, highs) if lo != hi]
+    differ = [f"{n} (from {lo} to {hi})" if shown else f"{n} (differs between ranks)"
+              for n, lo, hi, (_, shown) in zip(names, lows, highs, pairs) if lo != hi]
     if differ:
-        raise ValueError("the tensor/pipeline-parallel ranks must build their contexts with the "
-                         "same " + ", ".join(differ) + ": every rank runs the same bookkeeping")
+        raise ValueError(f"the tensor/pipeline-parallel ranks must {what} with the same "
+                         + ", ".join(differ) + ": every rank runs the same bookkeeping")
     return reduced[:k]
+
+
+class CountAgreement:
+    """The context's ``reduce_counts`` (``context.sizing.memory_layout``): ``agree_counts``
+    over ``groups`` of the block counts and of ``extra`` counts (reduced with MIN alike, read
+    back from ``self.extra``), with the sizes ``memory_layout`` passes and the settings of
+    ``same`` checked equal, all in one all-reduce. Without groups ``extra`` stays as given."""
+
+    def __init__(self, groups: Sequence[Any], extra: Sequence[int], same: dict):
+        self.groups, self.extra, self.same = tuple(groups), list(extra), dict(same)
+
+    def __call__(self, counts: Sequence[int], same: dict) -> list:
+        reduced = agree_counts(list(counts) + self.extra, dict(same, **self.same), self.groups)
+        self.extra = reduced[len(counts):]
+        return reduced[:len(counts)]

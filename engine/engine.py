@@ -34,6 +34,7 @@ import contextlib
 import copy
 import inspect
 import math
+import pickle
 import time
 from collections import deque
 from dataclasses import dataclass, field, replace
@@ -286,6 +287,15 @@ class Engine:
             raise TypeError(f"step_callback={step_callback!r} must be callable or None")
         if hasattr(model, "check_context"):
             model.check_context(context)
+        tp = getattr(model, "tp", None)
+        if tp is not None and tp.size > 1:
+            # Lockstep (docs/SEMANTICS.md §18): the settings that steer scheduling and sampling
+            # must be equal on every rank (one all-reduce), else every rank raises alike.
+            from dynctx.context.parallel import agree_counts
+
+            agree_counts([], dict(seed=seed, enable_chunked_prefill=bool(enable_chunked_prefill),
+                                  cuda_graphs=bool(cuda_graphs)), [tp.group],
+                         what="build their engines")
         self.model = model
         self.context = context
         self.scheduler = Scheduler(context, enable_chunked_prefill=enable_chunked_prefill)
@@ -468,9 +478,23 @@ class Engine:
             return values
         import torch.distributed as dist
 
-        box = [values]
+        # The first rank pickles first: an argument that cannot be sent (a generator, a lambda)
+        # is reported to every rank, which all raise the same error, instead of leaving the
+        # other ranks waiting in the broadcast.
+        payload: Any = None
+        if dist.get_rank(tp.group) == 0:
+            try:
+                payload = ("ok", pickle.dumps(values))
+            except Exception as error:  # noqa: BLE001 - raised on every rank below
+                payload = ("error", f"{type(error).__name__}: {error}")
+        box = [payload]
         dist.broadcast_object_list(box, src=dist.get_global_rank(tp.group, 0), group=tp.group)
-        return box[0]
+        kind, data = box[0]
+        if kind == "error":
+            raise TypeError("the arguments of tensor-parallel rank 0 cannot be sent to the other "
+                            f"ranks ({data}); pass lists, tensors and dataclasses (what pickle "
+                            "can copy)")
+        return pickle.loads(data)
 
     def _check_request(self, request: Any, name: str) -> DynamicInferenceRequest:
         metadata_types = getattr(self.context, "request_metadata_types", None) \
