@@ -12,7 +12,11 @@ runs every check, so that the ranks import torch and transformers once:
 * every rank's context has the same sizes; ranks given different memory budgets end with the
   same (smallest) block counts, and different explicit ``max_requests`` are refused on every
   rank; a context step makes no collective call;
-* two pipeline stages of a hybrid with uneven layers (local layer maps) share one block count.
+* two pipeline stages of a hybrid with uneven layers (local layer maps) share one block count;
+* lockstep under adversarial use (``tp_checks.lockstep``): sampling with and without seeds
+  equal to one process's, a bad request and unpicklable arguments refused on every rank with
+  the engine serving on, prefix caching (hybrid LRU with different snapshot budgets per rank;
+  Llama ref_zero with the CUDA-graph stand-in), settings that differ refused on every rank.
 
 and ``python -P -m torch.distributed.run --nproc-per-node 2 -m dynctx demo
 --tensor-parallel-size 2`` (the README's launch) runs and checks against transformers.
@@ -60,7 +64,8 @@ def test_every_rank_matches_transformers(ranks, model):
 
 def test_shards(ranks):
     # (query heads, KV heads) per rank: 4/2 -> 2/1; 4/1 -> 2/1 (the KV head replicated).
-    heads = {model: ranks[0][model]["local_heads"] for model in ranks[0] if model != "sizing"}
+    heads = {model: ranks[0][model]["local_heads"] for model in ranks[0]
+             if model not in ("sizing", "lockstep")}
     assert heads["llama"] == dict(num_q_heads=2, num_kv_heads=1)
     assert heads["llama_replicated_kv"] == dict(num_q_heads=2, num_kv_heads=1)
     assert ranks[0]["llama"]["kv_shape"][-2:] == (1, 16)
@@ -175,3 +180,35 @@ def test_shards_that_do_not_divide_are_refused_naming_the_sizes():
                                          "tensor_model_parallel_size=2"):
         NemotronHAdapter.from_transformers(tiny_nemotron_h(groups=1),
                                            tensor_parallel=TensorParallel(2, 0))
+
+
+def test_lockstep_under_adversarial_use(ranks):
+    """tp_checks.lockstep: every rank returns the same, and what it returns is right."""
+    first, second = ranks[0]["lockstep"], ranks[1]["lockstep"]
+    assert first == second
+    # Seeded and unseeded sampling, top-k/top-p and a stop token: one process's tokens.
+    tokens = [(t, reason) for t, reason, _ in first["sampled"]]
+    assert tokens == [(t, reason) for t, reason, _ in first["sampled_alone"]]
+    assert len({tuple(t) for t, _ in tokens}) == len(tokens)
+    ours, alone = first["sampled"][1][2], first["sampled_alone"][1][2]
+    assert len(ours) == 8 and max(abs(a - b) for a, b in zip(ours, alone)) <= FP32_LOGITS_ATOL
+    # A bad request raises on every rank; one that can never run finishes with an error; the
+    # engine serves the others, and still serves after arguments rank 0 could not send.
+    assert first["bad_request"] == ("ValueError: request.prompt_tokens[1]=999 is outside the "
+                                    "vocabulary [0, 256) (vocab_size)")
+    assert [reason for reason, _ in first["served"]] == ["error", "length", "length"]
+    assert [t for _, t in first["served"][1:]] == first["served_reference"]
+    assert first["unpicklable"].startswith("TypeError: the arguments of tensor-parallel rank 0 "
+                                           "cannot be sent to the other ranks (TypeError: "
+                                           "cannot pickle 'generator' object)")
+    assert first["after_unpicklable"] == [first["after_reference"]]
+    # Settings that would make the ranks' bookkeeping diverge are refused on every rank.
+    assert "must build their contexts with the same enable_prefix_caching (from 0 to 1)" in \
+        first["differ_caching"]
+    assert "must build their engines with the same seed (from 0 to 1)" in first["differ_seed"]
+    # Prefix caching under tensor parallelism: hits, tokens equal to transformers'.
+    for name, out in first["prefix_caching"].items():
+        assert out["mismatches"] == [] and out["hits"] == 5, (name, out)
+    # Rank 1 had room for 6 Mamba snapshots, rank 0 for 3: both hold 3.
+    assert first["prefix_caching"]["nemotron_h_lru"]["snapshots"] == 3
+    assert first["prefix_caching"]["llama_ref_zero_graphs"]["replays"] > 0
