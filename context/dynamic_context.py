@@ -58,7 +58,7 @@ from .cuda_graphs import context_cuda_graph_ladder
 from .device_state import DeviceState
 from .errors import TensorStateDeallocatedError, get_mem_size_str
 from .inputs import check_new_tokens, read_mask
-from .parallel import CountAgreement, parallel_groups
+from .parallel import CountAgreement, joins_agreement_on_failure, parallel_groups
 from .prefix_cache import check_prefix_caching_args, prefix_snapshot_count
 from .request_table import RequestTable
 from .requests import DynamicInferenceRequest
@@ -153,6 +153,7 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
     TOKEN_ROUNDER = TOKEN_ROUNDER
     REQUEST_ROUNDER = REQUEST_ROUNDER
 
+    @joins_agreement_on_failure
     def __init__(
         self, *, params_dtype: torch.dtype, num_layers: int, kv_channels: int,
         num_attention_heads: int, max_sequence_length: int, buffer_size_gb: float,
@@ -186,6 +187,9 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
         groups = parallel_groups(
             pipeline_model_parallel_size=pipeline_model_parallel_size,
             tensor_model_parallel_size=tensor_model_parallel_size, pg_collection=pg_collection)
+        # Should this rank's own arguments fail below, it still joins the ranks' agreement, as
+        # failed, so that they all raise (``joins_agreement_on_failure``).
+        self._agreement = CountAgreement(groups.groups)
         args = check_scalars(
             params_dtype=params_dtype, num_layers=num_layers, kv_channels=kv_channels,
             num_attention_heads=num_attention_heads, max_sequence_length=max_sequence_length,
@@ -253,12 +257,13 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
 
         # The settings that steer the bookkeeping agree over the ranks, and the hybrid prefix
         # cache's snapshot count is reduced with the block counts (one all-reduce).
-        snapshots = prefix_snapshot_count(prefix_caching, layers)
-        agreement = CountAgreement(groups.groups, [snapshots], dict(
+        agreement = self._agreement
+        agreement.extra = [prefix_snapshot_count(prefix_caching, layers)]
+        agreement.same = dict(
             zip(("enable_prefix_caching", "prefix_caching_eviction_policy"), prefix_caching),
             num_cuda_graphs=num_cuda_graphs, validate=bool(validate), vocab_size=vocab_size,
             use_cuda_graphs_for_non_decode_steps=use_cuda_graphs_for_non_decode_steps,
-            cuda_graph_mixed_prefill_count=cuda_graph_mixed_prefill_count))
+            cuda_graph_mixed_prefill_count=cuda_graph_mixed_prefill_count)
         memory = memory_layout(
             layers=layers, params_dtype=params_dtype, block_size_tokens=block_size_tokens,
             heads_per_partition=self.num_attention_heads_per_partition, kv_channels=kv_channels,

@@ -23,10 +23,11 @@ one rank's shard (sizing only: nothing is reduced).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import sys
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 
 @dataclass(frozen=True)
@@ -186,12 +187,57 @@ class CountAgreement:
     """The context's ``reduce_counts`` (``context.sizing.memory_layout``): ``agree_counts``
     over ``groups`` of the block counts and of ``extra`` counts (reduced with MIN alike, read
     back from ``self.extra``), with the sizes ``memory_layout`` passes and the settings of
-    ``same`` checked equal, all in one all-reduce. Without groups ``extra`` stays as given."""
+    ``same`` checked equal, all in one all-reduce. Without groups ``extra`` stays as given.
 
-    def __init__(self, groups: Sequence[Any], extra: Sequence[int], same: dict):
-        self.groups, self.extra, self.same = tuple(groups), list(extra), dict(same)
+    Before it, every rank checks in (``check_in``, a one-number all-reduce): a rank that raised
+    while checking its own arguments (``joins_agreement_on_failure``) checks in as failed and
+    raises its error; the others then raise too, naming it, instead of waiting in an
+    all-reduce that rank never joins."""
+
+    def __init__(self, groups: Sequence[Any], extra: Sequence[int] = (),
+                 same: Optional[dict] = None, what: str = "build their contexts"):
+        self.groups, self.extra, self.same = tuple(groups), list(extra), dict(same or {})
+        self.what, self.checked_in = what, False
+
+    def check_in(self, ok: bool = True) -> None:
+        """Join the check-in (every rank of the groups must); ``RuntimeError`` on the ranks
+        that are fine when another one failed."""
+        import torch.distributed as dist
+
+        self.checked_in = True
+        if not self.groups:
+            return
+        failed = -min_over_groups([0 if ok else -(dist.get_rank() + 1)], self.groups)[0]
+        if failed and ok:
+            raise RuntimeError(
+                f"tensor/pipeline-parallel rank {failed - 1} raised while its arguments were "
+                f"checked, before the ranks could {self.what} together (that rank's error names "
+                "the argument); every rank stops")
 
     def __call__(self, counts: Sequence[int], same: dict) -> list:
-        reduced = agree_counts(list(counts) + self.extra, dict(same, **self.same), self.groups)
+        self.check_in()
+        reduced = agree_counts(list(counts) + self.extra, dict(same, **self.same), self.groups,
+                               self.what)
         self.extra = reduced[len(counts):]
         return reduced[:len(counts)]
+
+
+def joins_agreement_on_failure(init: Callable) -> Callable:
+    """Decorates a constructor that sets ``self._agreement`` (a ``CountAgreement``) once its
+    groups are known: when the constructor raises before this rank checked in, the rank checks
+    in as failed (the other ranks then raise too, instead of hanging), and the error
+    propagates. ``self._agreement`` is dropped when the constructor returns."""
+
+    @functools.wraps(init)
+    def constructor(self: Any, *args: Any, **kwargs: Any) -> None:
+        try:
+            init(self, *args, **kwargs)
+        except BaseException:
+            agreement = self.__dict__.get("_agreement")
+            if agreement is not None and not agreement.checked_in:
+                agreement.check_in(ok=False)
+            raise
+        finally:
+            self.__dict__.pop("_agreement", None)
+
+    return constructor

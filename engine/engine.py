@@ -44,6 +44,7 @@ import numpy as np
 import torch
 
 from dynctx.context import DynamicInferenceContext, DynamicInferenceRequest, SamplingParams
+from dynctx.context.parallel import CountAgreement, joins_agreement_on_failure
 
 from .graphs import graph_attention_backend, make_graph_runner
 from .sampling import sample
@@ -268,12 +269,18 @@ class Engine:
             The context must be empty. ``self.graph_runner`` is the runner (None without graphs).
     """
 
+    @joins_agreement_on_failure
     def __init__(self, model: Any, context: DynamicInferenceContext, *,
                  enable_chunked_prefill: bool = True, seed: int = 0,
                  default_termination_id: Optional[int] = None, record_logits: bool = False,
                  step_callback: Optional[StepCallback] = None,
                  history_window: Optional[int] = DEFAULT_HISTORY_WINDOW,
                  cuda_graphs: bool = True):
+        tp = getattr(model, "tp", None)
+        if tp is not None and tp.size > 1:
+            # A rank whose arguments fail below still joins the agreement (as failed), so that
+            # every rank raises instead of waiting for it.
+            self._agreement = CountAgreement([tp.group], what="build their engines")
         seed = check_int("seed", seed, low=0)
         for name, flag in (("enable_chunked_prefill", enable_chunked_prefill),
                            ("record_logits", record_logits), ("cuda_graphs", cuda_graphs)):
@@ -287,15 +294,11 @@ class Engine:
             raise TypeError(f"step_callback={step_callback!r} must be callable or None")
         if hasattr(model, "check_context"):
             model.check_context(context)
-        tp = getattr(model, "tp", None)
         if tp is not None and tp.size > 1:
             # Lockstep (docs/SEMANTICS.md §18): the settings that steer scheduling and sampling
-            # must be equal on every rank (one all-reduce), else every rank raises alike.
-            from dynctx.context.parallel import agree_counts
-
-            agree_counts([], dict(seed=seed, enable_chunked_prefill=bool(enable_chunked_prefill),
-                                  cuda_graphs=bool(cuda_graphs)), [tp.group],
-                         what="build their engines")
+            # must be equal on every rank, else every rank raises alike.
+            self._agreement([], dict(seed=seed, cuda_graphs=bool(cuda_graphs),
+                                     enable_chunked_prefill=bool(enable_chunked_prefill)))
         self.model = model
         self.context = context
         self.scheduler = Scheduler(context, enable_chunked_prefill=enable_chunked_prefill)

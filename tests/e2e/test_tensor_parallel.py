@@ -16,7 +16,8 @@ runs every check, so that the ranks import torch and transformers once:
 * lockstep under adversarial use (``tp_checks.lockstep``): sampling with and without seeds
   equal to one process's, a bad request and unpicklable arguments refused on every rank with
   the engine serving on, prefix caching (hybrid LRU with different snapshot budgets per rank;
-  Llama ref_zero with the CUDA-graph stand-in), settings that differ refused on every rank.
+  Llama ref_zero with the CUDA-graph stand-in), settings that differ refused on every rank, a
+  rank's own bad argument raised on every rank (no rank left waiting in a collective).
 
 and ``python -P -m torch.distributed.run --nproc-per-node 2 -m dynctx demo
 --tensor-parallel-size 2`` (the README's launch) runs and checks against transformers.
@@ -185,7 +186,17 @@ def test_shards_that_do_not_divide_are_refused_naming_the_sizes():
 def test_lockstep_under_adversarial_use(ranks):
     """tp_checks.lockstep: every rank returns the same, and what it returns is right."""
     first, second = ranks[0]["lockstep"], ranks[1]["lockstep"]
-    assert first == second
+    one_rank = ("bad_on_one_rank", "bad_engine_on_one_rank")
+    assert {k: v for k, v in first.items() if k not in one_rank} == \
+        {k: v for k, v in second.items() if k not in one_rank}
+    # Rank 1's own bad argument: its error there; rank 0 raises too, naming rank 1 (no hang).
+    assert second["bad_on_one_rank"] == "ValueError: buffer_size_gb=-1.0 must be a positive number"
+    assert second["bad_engine_on_one_rank"] == "ValueError: seed=-1 must lie in [0, inf]"
+    for case, what in zip(one_rank, ("contexts", "engines")):
+        assert first[case] == ("RuntimeError: tensor/pipeline-parallel rank 1 raised while its "
+                               "arguments were checked, before the ranks could build their "
+                               f"{what} together (that rank's error names the argument); every "
+                               "rank stops")
     # Seeded and unseeded sampling, top-k/top-p and a stop token: one process's tokens.
     tokens = [(t, reason) for t, reason, _ in first["sampled"]]
     assert tokens == [(t, reason) for t, reason, _ in first["sampled_alone"]]

@@ -243,7 +243,8 @@ def lockstep() -> Dict[str, Any]:
       (MIN over the group), and ref_zero caching on the Llama with the CUDA-graph stand-in:
       greedy tokens equal to transformers';
     * settings that differ between ranks (prefix caching, the engine's seed) are refused on
-      every rank alike."""
+      every rank alike; a rank whose own arguments are bad raises, and so do the others
+      (naming it) instead of waiting for it."""
     rank = dist.get_rank()
     first = rank == 0
     hf = tiny_llama()
@@ -283,7 +284,16 @@ def lockstep() -> Dict[str, Any]:
         **common))
     out["differ_seed"] = _guard(lambda: Engine.from_transformers(
         hf, buffer_size_gb=gib / TP, tensor_model_parallel_size=TP, seed=rank, **common))
-    for case in ("differ_caching", "differ_seed"):
+    # A rank whose own arguments are bad raises its error; the others raise too, naming it,
+    # instead of waiting for it in the agreement (the context's, then the engine's).
+    out["bad_on_one_rank"] = _guard(lambda: DynamicInferenceContext(
+        params_dtype=torch.float32, num_layers=2, kv_channels=8, num_attention_heads=2,
+        max_sequence_length=64, buffer_size_gb=0.001 if first else -1.0, max_tokens=64,
+        device="cpu", tensor_model_parallel_size=TP))
+    out["bad_engine_on_one_rank"] = _guard(lambda: Engine.from_transformers(
+        hf, buffer_size_gb=gib / TP, tensor_model_parallel_size=TP, seed=0 if first else -1,
+        **common))
+    for case in ("differ_caching", "differ_seed", "bad_on_one_rank", "bad_engine_on_one_rank"):
         out[case] = out[case] if isinstance(out[case], str) else "built"
     out["prefix_caching"] = {name: _prefix_cached(name) for name in ("nemotron_h_lru",
                                                                      "llama_ref_zero_graphs")}
