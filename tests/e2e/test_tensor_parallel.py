@@ -34,7 +34,7 @@ import pytest
 from distributed_ranks import run_spawned
 from e2e_helpers import FP32_LOGITS_ATOL
 
-# Generous: both ranks together take about 15-20 s on a loaded 2-core machine (docs/DESIGN.md §10).
+# Generous: both ranks together take about 20-25 s on a loaded 2-core machine (docs/DESIGN.md §10).
 TIMEOUT_S = 240.0
 
 
