@@ -5,10 +5,11 @@ runs every check, so that the ranks import torch and transformers once:
 
 * Llama (2 KV heads, one per rank; and 1 KV head, replicated on both ranks), DeepSeek-V2 (MLA:
   heads sharded, the latent replicated; a MoE layer) and NemotronH (Mamba heads and groups
-  sharded) through ``Engine.from_transformers(..., tensor_model_parallel_size=2)``, rank 0's
-  requests broadcast: every rank returns the same tokens, equal to transformers' greedy
-  ``generate``, and every step's last-token logits lie within 1e-4 (fp32) of transformers' full
-  forward; the Llama, DeepSeek and NemotronH workloads pause, evict and chunk;
+  sharded; and, apart, its attention's single KV head replicated) through
+  ``Engine.from_transformers(..., tensor_model_parallel_size=2)``, rank 0's requests broadcast:
+  every rank returns the same tokens, equal to transformers' greedy ``generate``, and every
+  step's last-token logits lie within 1e-4 (fp32) of transformers' full forward; the Llama,
+  DeepSeek and NemotronH workloads pause, evict and chunk;
 * every rank's context has the same sizes; ranks given different memory budgets end with the
   same (smallest) block counts, and different explicit ``max_requests`` are refused on every
   rank; a context step makes no collective call;
@@ -45,7 +46,8 @@ def ranks() -> dict:
     return run_spawned(tp_checks.all_checks, world_size=2, timeout_s=TIMEOUT_S)
 
 
-@pytest.mark.parametrize("model", ["llama", "llama_replicated_kv", "deepseek", "nemotron_h"])
+@pytest.mark.parametrize("model", ["llama", "llama_replicated_kv", "deepseek", "nemotron_h",
+                                   "nemotron_h_replicated_kv"])
 def test_every_rank_matches_transformers(ranks, model):
     first, second = ranks[0][model], ranks[1][model]
     # Lockstep: the same tokens, sizes and pressure on both ranks.
@@ -58,7 +60,7 @@ def test_every_rank_matches_transformers(ranks, model):
         assert out["mismatches"] == [], f"requests differing from transformers: {out}"
         assert out["steps_checked"] > 0
         assert out["worst_logit_error"] <= FP32_LOGITS_ATOL, out["worst_logit_error"]
-    if model != "llama_replicated_kv":
+    if not model.endswith("_replicated_kv"):
         pauses, evictions, chunked = first["pressure"]
         assert pauses > 0 and evictions > 0 and chunked > 0, first["pressure"]
 
@@ -77,6 +79,10 @@ def test_shards(ranks):
     # groups: conv state (16 + 2 * 8, 4), SSM state (2, 8, 8).
     assert heads["nemotron_h"] == dict(num_q_heads=2, num_kv_heads=1, mamba_heads=2, n_groups=1)
     assert ranks[0]["nemotron_h"]["mamba_shapes"] == ((32, 4), (2, 8, 8))
+    # One KV head for two ranks: each holds it, with half the query heads.
+    assert heads["nemotron_h_replicated_kv"] == dict(num_q_heads=2, num_kv_heads=1,
+                                                    mamba_heads=2, n_groups=1)
+    assert ranks[0]["nemotron_h_replicated_kv"]["kv_shape"][-2:] == (1, 16)
 
 
 def test_sizes_agree_over_the_group(ranks):
@@ -109,11 +115,13 @@ def test_uneven_hybrid_pipeline_stages_share_the_block_count(ranks):
 
 
 def test_demo_runs_under_torchrun_with_two_ranks(tmp_path):
-    """The README's launch (``--standalone``: a free rendezvous port), a shorter workload."""
+    """The README's launch (``--standalone``: a free rendezvous port), a shorter workload with a
+    shared prefix through the prefix cache."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONSAFEPATH="1")
     command = [sys.executable, "-P", "-m", "torch.distributed.run", "--standalone",
                "--nproc-per-node", "2", "-m", "dynctx", "demo", "--tensor-parallel-size", "2",
                "--requests", "8", "--max-new-tokens", "12", "--no-progress",
+               "--prefix-caching", "lru", "--shared-prefix", "16",
                "--plot", str(tmp_path / "demo.png")]
     result = subprocess.run(command, capture_output=True, text=True, env=env, cwd=tmp_path,
                             timeout=TIMEOUT_S)
@@ -121,6 +129,7 @@ def test_demo_runs_under_torchrun_with_two_ranks(tmp_path):
     out = result.stdout
     assert "check             OK: 8/8 outputs match transformers' greedy generate" in out
     assert "tensor parallel   2 ranks: 2 query heads and 1 KV head(s) per rank" in out
+    assert "prefix cache      lru: 7 hits of 8 requests" in out
     assert out.count("dynctx demo: random Llama") == 1          # rank 0 alone prints
 
 

@@ -131,6 +131,16 @@ def nemotron_h_pressure() -> Dict[str, Any]:
     return out
 
 
+def nemotron_h_replicated_kv() -> Dict[str, Any]:
+    """NemotronH attention with one KV head for two ranks (replicated on both)."""
+    hf = tiny_nemotron_h(kv_heads=1, seed=2)
+    prompts = make_prompts([7, 20, 3, 30], hf.config.vocab_size, seed=6)
+    requests = greedy_requests(prompts, [8, 8, 8, 8])
+    engine = _engine(hf, nemotron_block_bytes, block_size=16, blocks=12, paused_blocks=2,
+                     max_tokens=32, attention_backend="torch")
+    return _run(hf, engine, prompts, requests, [0, 0, 1, 2])
+
+
 def sizing() -> Dict[str, Any]:
     """Contexts whose ranks are given different memory budgets (tensor parallelism) or hold
     different layers (pipeline stages of a hybrid): MIN over the group makes their allocators
@@ -344,4 +354,4 @@ def all_checks() -> Dict[str, Any]:
     return {name: fn() for name, fn in (
         ("sizing", sizing), ("llama", llama_pressure), ("llama_replicated_kv", llama_replicated_kv),
         ("deepseek", deepseek_pressure), ("nemotron_h", nemotron_h_pressure),
-        ("lockstep", lockstep))}
+        ("nemotron_h_replicated_kv", nemotron_h_replicated_kv), ("lockstep", lockstep))}
