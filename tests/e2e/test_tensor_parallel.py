@@ -210,6 +210,7 @@ def test_lockstep_under_adversarial_use(ranks):
     tokens = [(t, reason) for t, reason, _ in first["sampled"]]
     assert tokens == [(t, reason) for t, reason, _ in first["sampled_alone"]]
     assert len({tuple(t) for t, _ in tokens}) == len(tokens)
+    assert tokens[4][1] == "stop" and tokens[4][0][-1] == 5 and len(tokens[4][0]) < 8
     ours, alone = first["sampled"][1][2], first["sampled_alone"][1][2]
     assert len(ours) == 8 and max(abs(a - b) for a, b in zip(ours, alone)) <= FP32_LOGITS_ATOL
     # A bad request raises on every rank; one that can never run finishes with an error; the

@@ -230,13 +230,14 @@ def _guard(fn: Callable[[], Any]) -> Any:
 
 
 def _sampled_requests(prompts: List[List[int]]) -> list:
-    """Temperature, top-k and top-p, with and without per-request seeds; a stop token."""
+    """Temperature, top-k and top-p, with and without per-request seeds; request 4 draws its
+    stop token (5) as its fifth token."""
     out = []
     for i, prompt in enumerate(prompts):
         params = SamplingParams(num_tokens_to_generate=8, temperature=0.8,
                                 top_k=20 if i % 2 else 0, top_p=0.9 if i % 3 else 0.0,
                                 seed=None if i % 4 == 0 else 100 + i, return_log_probs=i == 1,
-                                termination_id=5 if i == 2 else None)
+                                termination_id=5 if i == 4 else None)
         out.append(DynamicInferenceRequest(request_id=i, prompt_tokens=torch.tensor(prompt),
                                            sampling_params=params))
     return out
