@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import numbers
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
@@ -153,14 +154,19 @@ def min_over_groups(values: Sequence[int], groups: Sequence[Any]) -> list:
     return out
 
 
-def _agreement_value(value: Any) -> tuple:
-    """``(int to reduce, shown)``: an int (or bool) as itself, with its value in a message;
-    anything else (a float, a string, None, a tuple) by a 56-bit digest of its ``repr``, shown
-    as "differs"."""
-    if isinstance(value, (bool, int)) and -2 ** 62 < int(value) < 2 ** 62:
-        return int(value), True
+# Integers within this bound are compared as themselves; any other value by a digest mapped
+# below -_SHOWN (and above -2**63), so that a digest never equals a shown integer.
+_SHOWN = 2 ** 62
+
+
+def _agreement_value(value: Any) -> int:
+    """The int that stands for ``value`` in the agreement: an integer (a bool, a numpy int) as
+    itself; anything else (a float, a string, None, a tuple) by a 56-bit digest of its type and
+    ``repr``, below ``-_SHOWN``."""
+    if isinstance(value, numbers.Integral) and -_SHOWN < int(value) < _SHOWN:
+        return int(value)
     digest = hashlib.sha256(f"{type(value).__name__}:{value!r}".encode()).digest()
-    return int.from_bytes(digest[:7], "little"), False
+    return -_SHOWN - int.from_bytes(digest[:7], "little")
 
 
 def agree_counts(counts: Sequence[int], same: dict, groups: Sequence[Any],
@@ -170,13 +176,13 @@ def agree_counts(counts: Sequence[int], same: dict, groups: Sequence[Any],
     themselves, other values by a digest of their ``repr``) is equal on every rank (min ==
     max), else ``ValueError`` naming it (and ``what`` the ranks did), on every rank alike."""
     names = list(same)
-    pairs = [_agreement_value(same[n]) for n in names]
-    values = [v for v, _ in pairs]
+    values = [_agreement_value(same[n]) for n in names]
     reduced = min_over_groups(list(counts) + values + [-v for v in values], groups)
     k, m = len(counts), len(names)
     lows, highs = reduced[k:k + m], [-v for v in reduced[k + m:]]
-    differ = [f"{n} (from {lo} to {hi})" if shown else f"{n} (differs between ranks)"
-              for n, lo, hi, (_, shown) in zip(names, lows, highs, pairs) if lo != hi]
+    # The same words on every rank: a digest (on any rank) is not shown.
+    differ = [f"{n} (from {lo} to {hi})" if lo > -_SHOWN else f"{n} (differs between ranks)"
+              for n, lo, hi in zip(names, lows, highs) if lo != hi]
     if differ:
         raise ValueError(f"the tensor/pipeline-parallel ranks must {what} with the same "
                          + ", ".join(differ) + ": every rank runs the same bookkeeping")
@@ -192,27 +198,47 @@ class CountAgreement:
     Before it, every rank checks in (``check_in``, a one-number all-reduce): a rank that raised
     while checking its own arguments (``joins_agreement_on_failure``) checks in as failed and
     raises its error; the others then raise too, naming it, instead of waiting in an
-    all-reduce that rank never joins."""
+    all-reduce that rank never joins. After the constructor every rank checks out the same
+    way (``check_out``), so that a rank that raised after the agreement stops the others."""
 
     def __init__(self, groups: Sequence[Any], extra: Sequence[int] = (),
                  same: Optional[dict] = None, what: str = "build their contexts"):
         self.groups, self.extra, self.same = tuple(groups), list(extra), dict(same or {})
-        self.what, self.checked_in = what, False
+        self.what, self.checked_in, self.stopped = what, False, False
+
+    def _any_failed(self, ok: bool) -> int:
+        """One MIN all-reduce of "this rank failed": the failed rank (the highest), or -1."""
+        import torch.distributed as dist
+
+        if not self.groups:
+            return -1
+        return -min_over_groups([0 if ok else -(dist.get_rank() + 1)], self.groups)[0] - 1
 
     def check_in(self, ok: bool = True) -> None:
         """Join the check-in (every rank of the groups must); ``RuntimeError`` on the ranks
         that are fine when another one failed."""
-        import torch.distributed as dist
-
         self.checked_in = True
-        if not self.groups:
-            return
-        failed = -min_over_groups([0 if ok else -(dist.get_rank() + 1)], self.groups)[0]
-        if failed and ok:
+        failed = self._any_failed(ok)
+        self.stopped = failed >= 0
+        if failed >= 0 and ok:
             raise RuntimeError(
-                f"tensor/pipeline-parallel rank {failed - 1} raised while its arguments were "
+                f"tensor/pipeline-parallel rank {failed} raised while its arguments were "
                 f"checked, before the ranks could {self.what} together (that rank's error names "
                 "the argument); every rank stops")
+
+    def check_out(self, ok: bool) -> None:
+        """After the constructor (every rank that checked in, unless the check-in stopped
+        them): ``RuntimeError`` on the ranks that are fine when another one raised after the
+        agreement (an allocation, a check of the agreed sizes)."""
+        if not self.checked_in or self.stopped:
+            return
+        self.stopped = True
+        failed = self._any_failed(ok)
+        if failed >= 0 and ok:
+            raise RuntimeError(
+                f"tensor/pipeline-parallel rank {failed} raised after the ranks agreed, before "
+                f"they could {self.what} together (that rank's error says why); every rank "
+                "stops")
 
     def __call__(self, counts: Sequence[int], same: dict) -> list:
         self.check_in()
@@ -225,7 +251,8 @@ class CountAgreement:
 def joins_agreement_on_failure(init: Callable) -> Callable:
     """Decorates a constructor that sets ``self._agreement`` (a ``CountAgreement``) once its
     groups are known: when the constructor raises before this rank checked in, the rank checks
-    in as failed (the other ranks then raise too, instead of hanging), and the error
+    in as failed; once checked in, every rank checks out at the end, as failed when it raised
+    (the other ranks then raise too, instead of hanging in the next collective), and the error
     propagates. ``self._agreement`` is dropped when the constructor returns."""
 
     @functools.wraps(init)
@@ -233,11 +260,14 @@ def joins_agreement_on_failure(init: Callable) -> Callable:
         try:
             init(self, *args, **kwargs)
         except BaseException:
-            agreement = self.__dict__.get("_agreement")
+            agreement = self.__dict__.pop("_agreement", None)
             if agreement is not None and not agreement.checked_in:
                 agreement.check_in(ok=False)
+            elif agreement is not None:
+                agreement.check_out(ok=False)
             raise
-        finally:
-            self.__dict__.pop("_agreement", None)
+        agreement = self.__dict__.pop("_agreement", None)
+        if agreement is not None:
+            agreement.check_out(ok=True)
 
     return constructor

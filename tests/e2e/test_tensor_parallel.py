@@ -195,13 +195,18 @@ def test_shards_that_do_not_divide_are_refused_naming_the_sizes():
 def test_lockstep_under_adversarial_use(ranks):
     """tp_checks.lockstep: every rank returns the same, and what it returns is right."""
     first, second = ranks[0]["lockstep"], ranks[1]["lockstep"]
-    one_rank = ("bad_on_one_rank", "bad_engine_on_one_rank")
+    one_rank = ("bad_on_one_rank", "bad_engine_on_one_rank", "fails_after_agreement")
     assert {k: v for k, v in first.items() if k not in one_rank} == \
         {k: v for k, v in second.items() if k not in one_rank}
     # Rank 1's own bad argument: its error there; rank 0 raises too, naming rank 1 (no hang).
     assert second["bad_on_one_rank"] == "ValueError: buffer_size_gb=-1.0 must be a positive number"
     assert second["bad_engine_on_one_rank"] == "ValueError: seed=-1 must lie in [0, inf]"
-    for case, what in zip(one_rank, ("contexts", "engines")):
+    assert second["fails_after_agreement"] == ("TypeError: num_cuda_graphs=np.int64(4) must be "
+                                               "an int, got int64")
+    assert first["fails_after_agreement"] == (
+        "RuntimeError: tensor/pipeline-parallel rank 1 raised after the ranks agreed, before they "
+        "could build their contexts together (that rank's error says why); every rank stops")
+    for case, what in zip(one_rank[:2], ("contexts", "engines")):
         assert first[case] == ("RuntimeError: tensor/pipeline-parallel rank 1 raised while its "
                                "arguments were checked, before the ranks could build their "
                                f"{what} together (that rank's error names the argument); every "
@@ -227,6 +232,8 @@ def test_lockstep_under_adversarial_use(ranks):
     assert "must build their contexts with the same enable_prefix_caching (from 0 to 1)" in \
         first["differ_caching"]
     assert "must build their engines with the same seed (from 0 to 1)" in first["differ_seed"]
+    assert "must build their contexts with the same prefix_caching_eviction_policy (differs " \
+        "between ranks): every rank" in first["differ_policy"]
     # Prefix caching under tensor parallelism: hits, tokens equal to transformers'.
     for name, out in first["prefix_caching"].items():
         assert out["mismatches"] == [] and out["hits"] == 5, (name, out)

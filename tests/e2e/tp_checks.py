@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, List
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from e2e_helpers import (
@@ -254,8 +255,8 @@ def lockstep() -> Dict[str, Any]:
       (MIN over the group), and ref_zero caching on the Llama with the CUDA-graph stand-in:
       greedy tokens equal to transformers';
     * settings that differ between ranks (prefix caching, the engine's seed) are refused on
-      every rank alike; a rank whose own arguments are bad raises, and so do the others
-      (naming it) instead of waiting for it."""
+      every rank alike; a rank whose own arguments are bad (or fail after the agreement)
+      raises, and so do the others (naming it) instead of waiting for it."""
     rank = dist.get_rank()
     first = rank == 0
     hf = tiny_llama()
@@ -301,10 +302,24 @@ def lockstep() -> Dict[str, Any]:
         params_dtype=torch.float32, num_layers=2, kv_channels=8, num_attention_heads=2,
         max_sequence_length=64, buffer_size_gb=0.001 if first else -1.0, max_tokens=64,
         device="cpu", tensor_model_parallel_size=TP))
+    # A policy (a string: compared by digest) that differs, refused in the agreement; rank 1's
+    # num_cuda_graphs as a numpy int agrees with rank 0's int but fails the graph ladder's check
+    # after the agreement: rank 0 raises too (the check-out).
+    out["differ_policy"] = _guard(lambda: DynamicInferenceContext(
+        params_dtype=torch.float32, num_layers=2, kv_channels=8, num_attention_heads=2,
+        max_sequence_length=64, buffer_size_gb=0.001, max_tokens=64, device="cpu",
+        tensor_model_parallel_size=TP, enable_prefix_caching=True,
+        prefix_caching_eviction_policy="lru" if first else "ref_zero",
+        num_cuda_graphs=4 if first else np.int64(4)))
+    out["fails_after_agreement"] = _guard(lambda: DynamicInferenceContext(
+        params_dtype=torch.float32, num_layers=2, kv_channels=8, num_attention_heads=2,
+        max_sequence_length=64, buffer_size_gb=0.001, max_tokens=64, device="cpu",
+        tensor_model_parallel_size=TP, num_cuda_graphs=4 if first else np.int64(4)).max_requests)
     out["bad_engine_on_one_rank"] = _guard(lambda: Engine.from_transformers(
         hf, buffer_size_gb=gib / TP, tensor_model_parallel_size=TP, seed=0 if first else -1,
         **common))
-    for case in ("differ_caching", "differ_seed", "bad_on_one_rank", "bad_engine_on_one_rank"):
+    for case in ("differ_caching", "differ_seed", "differ_policy", "bad_on_one_rank",
+                 "bad_engine_on_one_rank", "fails_after_agreement"):
         out[case] = out[case] if isinstance(out[case], str) else "built"
     out["prefix_caching"] = {name: _prefix_cached(name) for name in ("nemotron_h_lru",
                                                                      "llama_ref_zero_graphs")}
