@@ -485,7 +485,8 @@ class Engine:
         # is reported to every rank, which all raise the same error, instead of leaving the
         # other ranks waiting in the broadcast.
         payload: Any = None
-        if dist.get_rank(tp.group) == 0:
+        first = dist.get_rank(tp.group) == 0
+        if first:
             try:
                 payload = ("ok", pickle.dumps(values))
             except Exception as error:  # noqa: BLE001 - raised on every rank below
@@ -497,7 +498,7 @@ class Engine:
             raise TypeError("the arguments of tensor-parallel rank 0 cannot be sent to the other "
                             f"ranks ({data}); pass lists, tensors and dataclasses (what pickle "
                             "can copy)")
-        return pickle.loads(data)
+        return values if first else pickle.loads(data)
 
     def _check_request(self, request: Any, name: str) -> DynamicInferenceRequest:
         metadata_types = getattr(self.context, "request_metadata_types", None) \
