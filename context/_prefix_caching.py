@@ -20,7 +20,10 @@ class PrefixCachingMixin:
     """The prefix caching side of ``DynamicInferenceContext`` (``prefix_cache`` is None when
     ``enable_prefix_caching`` is off)."""
 
-    def _setup_prefix_caching(self, enable: bool, policy: str, mamba_gb: Optional[float]) -> None:
+    def _setup_prefix_caching(self, enable: bool, policy: str, mamba_gb: Optional[float],
+                              snapshots: int) -> None:
+        """``snapshots``: the hybrid's Mamba state snapshot count (``prefix_snapshot_count``,
+        the minimum over the ranks under tensor or pipeline parallelism)."""
         self.enable_prefix_caching, self.prefix_caching_eviction_policy = enable, policy
         self.prefix_caching_mamba_gb = mamba_gb
         self.prefix_cache = self._table.prefix_cache = None
@@ -29,7 +32,7 @@ class PrefixCachingMixin:
         mamba = None
         if self.is_hybrid_model:
             # A hybrid's hit resumes from a Mamba state snapshot; without a budget, no hits.
-            count = int((mamba_gb or 0.0) * 1024 ** 3 // self.mamba_bytes_per_request)
+            count = snapshots
             if count == 0:
                 logger.warning(
                     "enable_prefix_caching on a hybrid model with prefix_caching_mamba_gb=%s: "

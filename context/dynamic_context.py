@@ -58,8 +58,8 @@ from .block_allocator import BlockAllocator
 from .cuda_graphs import context_cuda_graph_ladder
 from .device_state import DeviceState
 from .errors import TensorStateDeallocatedError, get_mem_size_str
-from .parallel import agree_counts, parallel_groups
-from .prefix_cache import check_prefix_caching_args
+from .parallel import CountAgreement, joins_agreement_on_failure, parallel_groups
+from .prefix_cache import check_prefix_caching_args, prefix_snapshot_count
 from .request_table import RequestTable
 from .requests import DynamicInferenceRequest
 from .sizing import check_scalars, layer_layout, memory_layout, positive_int
@@ -153,6 +153,7 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
     TOKEN_ROUNDER = TOKEN_ROUNDER
     REQUEST_ROUNDER = REQUEST_ROUNDER
 
+    @joins_agreement_on_failure
     def __init__(
         self, *, params_dtype: torch.dtype, num_layers: int, kv_channels: int,
         num_attention_heads: int, max_sequence_length: int, buffer_size_gb: float,
@@ -186,6 +187,9 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
         groups = parallel_groups(
             pipeline_model_parallel_size=pipeline_model_parallel_size,
             tensor_model_parallel_size=tensor_model_parallel_size, pg_collection=pg_collection)
+        # Should this rank's own arguments fail below, it still joins the ranks' agreement, as
+        # failed, so that they all raise (``joins_agreement_on_failure``).
+        self._agreement = CountAgreement(groups.groups)
         args = check_scalars(
             params_dtype=params_dtype, num_layers=num_layers, kv_channels=kv_channels,
             num_attention_heads=num_attention_heads, max_sequence_length=max_sequence_length,
@@ -252,6 +256,15 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
         self.vocab_size = None if vocab_size is None else positive_int("vocab_size", vocab_size)
         self.validate = bool(validate)
 
+        # The settings that steer the bookkeeping agree over the ranks, and the hybrid prefix
+        # cache's snapshot count is reduced with the block counts (one all-reduce).
+        agreement = self._agreement
+        agreement.extra = [prefix_snapshot_count(prefix_caching, layers)]
+        agreement.same = dict(
+            zip(("enable_prefix_caching", "prefix_caching_eviction_policy"), prefix_caching),
+            num_cuda_graphs=num_cuda_graphs, validate=bool(validate), vocab_size=vocab_size,
+            use_cuda_graphs_for_non_decode_steps=use_cuda_graphs_for_non_decode_steps,
+            cuda_graph_mixed_prefill_count=cuda_graph_mixed_prefill_count)
         memory = memory_layout(
             layers=layers, params_dtype=params_dtype, block_size_tokens=block_size_tokens,
             heads_per_partition=self.num_attention_heads_per_partition, kv_channels=kv_channels,
@@ -262,8 +275,7 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
             max_tokens=max_tokens, default_max_tokens=self.DEFAULT_MAX_TOKENS,
             max_sequence_length=max_sequence_length, tp=tp,
             request_rounder=self.REQUEST_ROUNDER,
-            reduce_counts=(None if not groups.groups else
-                           lambda counts, same: agree_counts(counts, same, groups.groups)))
+            reduce_counts=agreement if groups.groups else None)
         self.block_size_bytes, self.kv_reduced_dim = memory.block_size_bytes, memory.kv_reduced_dim
         self.unified_memory_level = memory.unified_memory_level
         self.buffer_size_gb, self.paused_buffer_size_gb = buffer_size_gb, paused_buffer_size_gb
@@ -290,7 +302,7 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
             max_kv_block_count=self.max_kv_block_count, block_size=block_size_tokens,
             metadata_labels=[label for label, _, _ in self.request_metadata_types],
             hybrid=self.is_hybrid_model, max_tokens=self.max_tokens)
-        self._setup_prefix_caching(*prefix_caching)
+        self._setup_prefix_caching(*prefix_caching, snapshots=agreement.extra[0])
         self._device: Optional[DeviceState] = None
         self._steps = StepBuilder(self._request_rows, ladder)
         # (signature, Step) built by update_requests for the next step (_prepare_next_step),

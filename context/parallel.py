@@ -23,9 +23,12 @@ one rank's shard (sizing only: nothing is reduced).
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import numbers
 import sys
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 
 @dataclass(frozen=True)
@@ -151,17 +154,120 @@ def min_over_groups(values: Sequence[int], groups: Sequence[Any]) -> list:
     return out
 
 
-def agree_counts(counts: Sequence[int], same: dict, groups: Sequence[Any]) -> list:
+# Integers within this bound are compared as themselves; any other value by a digest mapped
+# below -_SHOWN (and above -2**63), so that a digest never equals a shown integer.
+_SHOWN = 2 ** 62
+
+
+def _agreement_value(value: Any) -> int:
+    """The int that stands for ``value`` in the agreement: an integer (a bool, a numpy int) as
+    itself; anything else (a float, a string, None, a tuple) by a 56-bit digest of its type and
+    ``repr``, below ``-_SHOWN``."""
+    if isinstance(value, numbers.Integral) and -_SHOWN < int(value) < _SHOWN:
+        return int(value)
+    digest = hashlib.sha256(f"{type(value).__name__}:{value!r}".encode()).digest()
+    return -_SHOWN - int.from_bytes(digest[:7], "little")
+
+
+def agree_counts(counts: Sequence[int], same: dict, groups: Sequence[Any],
+                 what: str = "build their contexts") -> list:
     """``counts`` reduced with MIN over ``groups``; in the same all-reduce, check that every
-    value of ``same`` (name -> int, e.g. an explicit ``max_requests``) is equal on every rank
-    (min == max), else ``ValueError`` naming it, on every rank alike."""
+    value of ``same`` (name -> value, e.g. an explicit ``max_requests``; ints compared as
+    themselves, other values by a digest of their ``repr``) is equal on every rank (min ==
+    max), else ``ValueError`` naming it (and ``what`` the ranks did), on every rank alike."""
     names = list(same)
-    values = [int(same[n]) for n in names]
+    values = [_agreement_value(same[n]) for n in names]
     reduced = min_over_groups(list(counts) + values + [-v for v in values], groups)
     k, m = len(counts), len(names)
     lows, highs = reduced[k:k + m], [-v for v in reduced[k + m:]]
-    differ = [f"{n} (from {lo} to {hi})" for n, lo, hi in zip(names, lows, highs) if lo != hi]
+    # The same words on every rank: a digest (on any rank) is not shown.
+    differ = [f"{n} (from {lo} to {hi})" if lo > -_SHOWN else f"{n} (differs between ranks)"
+              for n, lo, hi in zip(names, lows, highs) if lo != hi]
     if differ:
-        raise ValueError("the tensor/pipeline-parallel ranks must build their contexts with the "
-                         "same " + ", ".join(differ) + ": every rank runs the same bookkeeping")
+        raise ValueError(f"the tensor/pipeline-parallel ranks must {what} with the same "
+                         + ", ".join(differ) + ": every rank runs the same bookkeeping")
     return reduced[:k]
+
+
+class CountAgreement:
+    """The context's ``reduce_counts`` (``context.sizing.memory_layout``): ``agree_counts``
+    over ``groups`` of the block counts and of ``extra`` counts (reduced with MIN alike, read
+    back from ``self.extra``), with the sizes ``memory_layout`` passes and the settings of
+    ``same`` checked equal, all in one all-reduce. Without groups ``extra`` stays as given.
+
+    Before it, every rank checks in (``check_in``, a one-number all-reduce): a rank that raised
+    while checking its own arguments (``joins_agreement_on_failure``) checks in as failed and
+    raises its error; the others then raise too, naming it, instead of waiting in an
+    all-reduce that rank never joins. After the constructor every rank checks out the same
+    way (``check_out``), so that a rank that raised after the agreement stops the others."""
+
+    def __init__(self, groups: Sequence[Any], extra: Sequence[int] = (),
+                 same: Optional[dict] = None, what: str = "build their contexts"):
+        self.groups, self.extra, self.same = tuple(groups), list(extra), dict(same or {})
+        self.what, self.checked_in, self.stopped = what, False, False
+
+    def _any_failed(self, ok: bool) -> int:
+        """One MIN all-reduce of "this rank failed": the failed rank (the highest), or -1."""
+        import torch.distributed as dist
+
+        if not self.groups:
+            return -1
+        return -min_over_groups([0 if ok else -(dist.get_rank() + 1)], self.groups)[0] - 1
+
+    def check_in(self, ok: bool = True) -> None:
+        """Join the check-in (every rank of the groups must); ``RuntimeError`` on the ranks
+        that are fine when another one failed."""
+        self.checked_in = True
+        failed = self._any_failed(ok)
+        self.stopped = failed >= 0
+        if failed >= 0 and ok:
+            raise RuntimeError(
+                f"tensor/pipeline-parallel rank {failed} raised while its arguments were "
+                f"checked, before the ranks could {self.what} together (that rank's error names "
+                "the argument); every rank stops")
+
+    def check_out(self, ok: bool) -> None:
+        """After the constructor (every rank that checked in, unless the check-in stopped
+        them): ``RuntimeError`` on the ranks that are fine when another one raised after the
+        agreement (an allocation, a check of the agreed sizes)."""
+        if not self.checked_in or self.stopped:
+            return
+        self.stopped = True
+        failed = self._any_failed(ok)
+        if failed >= 0 and ok:
+            raise RuntimeError(
+                f"tensor/pipeline-parallel rank {failed} raised after the ranks agreed, before "
+                f"they could {self.what} together (that rank's error says why); every rank "
+                "stops")
+
+    def __call__(self, counts: Sequence[int], same: dict) -> list:
+        self.check_in()
+        reduced = agree_counts(list(counts) + self.extra, dict(same, **self.same), self.groups,
+                               self.what)
+        self.extra = reduced[len(counts):]
+        return reduced[:len(counts)]
+
+
+def joins_agreement_on_failure(init: Callable) -> Callable:
+    """Decorates a constructor that sets ``self._agreement`` (a ``CountAgreement``) once its
+    groups are known: when the constructor raises before this rank checked in, the rank checks
+    in as failed; once checked in, every rank checks out at the end, as failed when it raised
+    (the other ranks then raise too, instead of hanging in the next collective), and the error
+    propagates. ``self._agreement`` is dropped when the constructor returns."""
+
+    @functools.wraps(init)
+    def constructor(self: Any, *args: Any, **kwargs: Any) -> None:
+        try:
+            init(self, *args, **kwargs)
+        except BaseException:
+            agreement = self.__dict__.pop("_agreement", None)
+            if agreement is not None and not agreement.checked_in:
+                agreement.check_in(ok=False)
+            elif agreement is not None:
+                agreement.check_out(ok=False)
+            raise
+        agreement = self.__dict__.pop("_agreement", None)
+        if agreement is not None:
+            agreement.check_out(ok=True)
+
+    return constructor

@@ -88,6 +88,16 @@ def check_prefix_caching_args(enable_prefix_caching: Any, prefix_caching_evictio
     return bool(enable_prefix_caching), policy.lower(), gb
 
 
+def prefix_snapshot_count(args: Tuple[bool, str, Optional[float]], layers: Any) -> int:
+    """How many Mamba state snapshots ``prefix_caching_mamba_gb`` holds (``args``:
+    ``check_prefix_caching_args``' result; ``layers``: the context's ``LayerLayout``); -1 when
+    caching is off or the model has no Mamba layers."""
+    enable, _, mamba_gb = args
+    if not enable or not layers.is_hybrid_model:
+        return -1
+    return int((mamba_gb or 0.0) * 1024 ** 3 // layers.mamba_bytes_per_request)
+
+
 def salt_digest(salt: Any) -> bytes:
     """The root parent digest of a request's chain: its salt (None, str, bytes or int)."""
     if salt is None:

@@ -34,6 +34,7 @@ import contextlib
 import copy
 import inspect
 import math
+import pickle
 import time
 from collections import deque
 from dataclasses import dataclass, field, replace
@@ -43,6 +44,7 @@ import numpy as np
 import torch
 
 from dynctx.context import DynamicInferenceContext, DynamicInferenceRequest, SamplingParams
+from dynctx.context.parallel import CountAgreement, joins_agreement_on_failure
 
 from .graphs import graph_attention_backend, make_graph_runner
 from .sampling import sample
@@ -267,12 +269,18 @@ class Engine:
             The context must be empty. ``self.graph_runner`` is the runner (None without graphs).
     """
 
+    @joins_agreement_on_failure
     def __init__(self, model: Any, context: DynamicInferenceContext, *,
                  enable_chunked_prefill: bool = True, seed: int = 0,
                  default_termination_id: Optional[int] = None, record_logits: bool = False,
                  step_callback: Optional[StepCallback] = None,
                  history_window: Optional[int] = DEFAULT_HISTORY_WINDOW,
                  cuda_graphs: bool = True):
+        tp = getattr(model, "tp", None)
+        if tp is not None and tp.size > 1:
+            # A rank whose arguments fail below still joins the agreement (as failed), so that
+            # every rank raises instead of waiting for it.
+            self._agreement = CountAgreement([tp.group], what="build their engines")
         seed = check_int("seed", seed, low=0)
         for name, flag in (("enable_chunked_prefill", enable_chunked_prefill),
                            ("record_logits", record_logits), ("cuda_graphs", cuda_graphs)):
@@ -286,6 +294,11 @@ class Engine:
             raise TypeError(f"step_callback={step_callback!r} must be callable or None")
         if hasattr(model, "check_context"):
             model.check_context(context)
+        if tp is not None and tp.size > 1:
+            # Lockstep (docs/SEMANTICS.md §18): the settings that steer scheduling and sampling
+            # must be equal on every rank, else every rank raises alike.
+            self._agreement([], dict(seed=seed, cuda_graphs=bool(cuda_graphs),
+                                     enable_chunked_prefill=bool(enable_chunked_prefill)))
         self.model = model
         self.context = context
         self.scheduler = Scheduler(context, enable_chunked_prefill=enable_chunked_prefill)
@@ -468,9 +481,24 @@ class Engine:
             return values
         import torch.distributed as dist
 
-        box = [values]
+        # The first rank pickles first: an argument that cannot be sent (a generator, a lambda)
+        # is reported to every rank, which all raise the same error, instead of leaving the
+        # other ranks waiting in the broadcast.
+        payload: Any = None
+        first = dist.get_rank(tp.group) == 0
+        if first:
+            try:
+                payload = ("ok", pickle.dumps(values))
+            except Exception as error:  # noqa: BLE001 - raised on every rank below
+                payload = ("error", f"{type(error).__name__}: {error}")
+        box = [payload]
         dist.broadcast_object_list(box, src=dist.get_global_rank(tp.group, 0), group=tp.group)
-        return box[0]
+        kind, data = box[0]
+        if kind == "error":
+            raise TypeError("the arguments of tensor-parallel rank 0 cannot be sent to the other "
+                            f"ranks ({data}); pass lists, tensors and dataclasses (what pickle "
+                            "can copy)")
+        return values if first else pickle.loads(data)
 
     def _check_request(self, request: Any, name: str) -> DynamicInferenceRequest:
         metadata_types = getattr(self.context, "request_metadata_types", None) \

@@ -27,6 +27,7 @@ import datetime
 import gc
 import multiprocessing
 import os
+import pickle
 import sys
 import tempfile
 import time
@@ -58,6 +59,9 @@ def _child(target: Callable, rank: int, world_size: int, init_method: str, queue
             dist.barrier()
         finally:
             dist.destroy_process_group()
+        # A result the queue cannot send (a process group, an engine) fails here, with its
+        # traceback, not later as a rank "without a result".
+        pickle.dumps(result)
     except BaseException:  # noqa: BLE001 - the parent raises it with the traceback
         queue.put(("error", rank, traceback.format_exc()))
         raise SystemExit(1) from None

@@ -35,11 +35,13 @@ from dynctx.models import NemotronHAdapter
 
 def tiny_nemotron_h(*, seed: int = 0, pattern: str = "M*-M", vocab: int = 128, hidden: int = 64,
                     mamba_heads: int = 4, mamba_head_dim: int = 8, groups: int = 2,
-                    state: int = 8, max_positions: int = 256) -> NemotronHForCausalLM:
+                    state: int = 8, max_positions: int = 256,
+                    kv_heads: int = 2) -> NemotronHForCausalLM:
     torch.manual_seed(seed)
     config = NemotronHConfig(
         vocab_size=vocab, hidden_size=hidden, hybrid_override_pattern=pattern,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=2 * hidden,
+        num_attention_heads=4, num_key_value_heads=kv_heads, head_dim=16,
+        intermediate_size=2 * hidden,
         mamba_num_heads=mamba_heads, mamba_head_dim=mamba_head_dim, n_groups=groups,
         ssm_state_size=state, conv_kernel=4, chunk_size=16, max_position_embeddings=max_positions)
     return NemotronHForCausalLM(config).eval()

@@ -5,14 +5,20 @@ runs every check, so that the ranks import torch and transformers once:
 
 * Llama (2 KV heads, one per rank; and 1 KV head, replicated on both ranks), DeepSeek-V2 (MLA:
   heads sharded, the latent replicated; a MoE layer) and NemotronH (Mamba heads and groups
-  sharded) through ``Engine.from_transformers(..., tensor_model_parallel_size=2)``, rank 0's
-  requests broadcast: every rank returns the same tokens, equal to transformers' greedy
-  ``generate``, and every step's last-token logits lie within 1e-4 (fp32) of transformers' full
-  forward; the Llama, DeepSeek and NemotronH workloads pause, evict and chunk;
+  sharded; and, apart, its attention's single KV head replicated) through
+  ``Engine.from_transformers(..., tensor_model_parallel_size=2)``, rank 0's requests broadcast:
+  every rank returns the same tokens, equal to transformers' greedy ``generate``, and every
+  step's last-token logits lie within 1e-4 (fp32) of transformers' full forward; the Llama,
+  DeepSeek and NemotronH workloads pause, evict and chunk;
 * every rank's context has the same sizes; ranks given different memory budgets end with the
   same (smallest) block counts, and different explicit ``max_requests`` are refused on every
   rank; a context step makes no collective call;
-* two pipeline stages of a hybrid with uneven layers (local layer maps) share one block count.
+* two pipeline stages of a hybrid with uneven layers (local layer maps) share one block count;
+* lockstep under adversarial use (``tp_checks.lockstep``): sampling with and without seeds
+  equal to one process's, a bad request and unpicklable arguments refused on every rank with
+  the engine serving on, prefix caching (hybrid LRU with different snapshot budgets per rank;
+  Llama ref_zero with the CUDA-graph stand-in), settings that differ refused on every rank, a
+  rank's own bad argument raised on every rank (no rank left waiting in a collective).
 
 and ``python -P -m torch.distributed.run --nproc-per-node 2 -m dynctx demo
 --tensor-parallel-size 2`` (the README's launch) runs and checks against transformers.
@@ -22,6 +28,7 @@ Megatron-Core's own uneven-pipeline test runs in tests/megatron/test_dynamic_con
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -29,7 +36,7 @@ import pytest
 from distributed_ranks import run_spawned
 from e2e_helpers import FP32_LOGITS_ATOL
 
-# Generous: both ranks together take about 15-20 s on a loaded 2-core machine (docs/DESIGN.md §10).
+# Generous: both ranks together take about 20-25 s on a loaded 2-core machine (docs/DESIGN.md §10).
 TIMEOUT_S = 240.0
 
 
@@ -40,7 +47,8 @@ def ranks() -> dict:
     return run_spawned(tp_checks.all_checks, world_size=2, timeout_s=TIMEOUT_S)
 
 
-@pytest.mark.parametrize("model", ["llama", "llama_replicated_kv", "deepseek", "nemotron_h"])
+@pytest.mark.parametrize("model", ["llama", "llama_replicated_kv", "deepseek", "nemotron_h",
+                                   "nemotron_h_replicated_kv"])
 def test_every_rank_matches_transformers(ranks, model):
     first, second = ranks[0][model], ranks[1][model]
     # Lockstep: the same tokens, sizes and pressure on both ranks.
@@ -53,14 +61,15 @@ def test_every_rank_matches_transformers(ranks, model):
         assert out["mismatches"] == [], f"requests differing from transformers: {out}"
         assert out["steps_checked"] > 0
         assert out["worst_logit_error"] <= FP32_LOGITS_ATOL, out["worst_logit_error"]
-    if model != "llama_replicated_kv":
+    if not model.endswith("_replicated_kv"):
         pauses, evictions, chunked = first["pressure"]
         assert pauses > 0 and evictions > 0 and chunked > 0, first["pressure"]
 
 
 def test_shards(ranks):
     # (query heads, KV heads) per rank: 4/2 -> 2/1; 4/1 -> 2/1 (the KV head replicated).
-    heads = {model: ranks[0][model]["local_heads"] for model in ranks[0] if model != "sizing"}
+    heads = {model: ranks[0][model]["local_heads"] for model in ranks[0]
+             if model not in ("sizing", "lockstep")}
     assert heads["llama"] == dict(num_q_heads=2, num_kv_heads=1)
     assert heads["llama_replicated_kv"] == dict(num_q_heads=2, num_kv_heads=1)
     assert ranks[0]["llama"]["kv_shape"][-2:] == (1, 16)
@@ -71,6 +80,10 @@ def test_shards(ranks):
     # groups: conv state (16 + 2 * 8, 4), SSM state (2, 8, 8).
     assert heads["nemotron_h"] == dict(num_q_heads=2, num_kv_heads=1, mamba_heads=2, n_groups=1)
     assert ranks[0]["nemotron_h"]["mamba_shapes"] == ((32, 4), (2, 8, 8))
+    # One KV head for two ranks: each holds it, with half the query heads.
+    assert heads["nemotron_h_replicated_kv"] == dict(num_q_heads=2, num_kv_heads=1,
+                                                    mamba_heads=2, n_groups=1)
+    assert ranks[0]["nemotron_h_replicated_kv"]["kv_shape"][-2:] == (1, 16)
 
 
 def test_sizes_agree_over_the_group(ranks):
@@ -103,11 +116,13 @@ def test_uneven_hybrid_pipeline_stages_share_the_block_count(ranks):
 
 
 def test_demo_runs_under_torchrun_with_two_ranks(tmp_path):
-    """The README's launch (``--standalone``: a free rendezvous port), a shorter workload."""
+    """The README's launch (``--standalone``: a free rendezvous port), a shorter workload with a
+    shared prefix through the prefix cache."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONSAFEPATH="1")
     command = [sys.executable, "-P", "-m", "torch.distributed.run", "--standalone",
                "--nproc-per-node", "2", "-m", "dynctx", "demo", "--tensor-parallel-size", "2",
                "--requests", "8", "--max-new-tokens", "12", "--no-progress",
+               "--prefix-caching", "lru", "--shared-prefix", "16",
                "--plot", str(tmp_path / "demo.png")]
     result = subprocess.run(command, capture_output=True, text=True, env=env, cwd=tmp_path,
                             timeout=TIMEOUT_S)
@@ -115,6 +130,7 @@ def test_demo_runs_under_torchrun_with_two_ranks(tmp_path):
     out = result.stdout
     assert "check             OK: 8/8 outputs match transformers' greedy generate" in out
     assert "tensor parallel   2 ranks: 2 query heads and 1 KV head(s) per rank" in out
+    assert re.search(r"prefix cache      lru: [1-9]\d* hits of ", out), out
     assert out.count("dynctx demo: random Llama") == 1          # rank 0 alone prints
 
 
@@ -175,3 +191,53 @@ def test_shards_that_do_not_divide_are_refused_naming_the_sizes():
                                          "tensor_model_parallel_size=2"):
         NemotronHAdapter.from_transformers(tiny_nemotron_h(groups=1),
                                            tensor_parallel=TensorParallel(2, 0))
+
+
+def test_lockstep_under_adversarial_use(ranks):
+    """tp_checks.lockstep: every rank returns the same, and what it returns is right."""
+    first, second = ranks[0]["lockstep"], ranks[1]["lockstep"]
+    one_rank = ("bad_on_one_rank", "bad_engine_on_one_rank", "fails_after_agreement")
+    assert {k: v for k, v in first.items() if k not in one_rank} == \
+        {k: v for k, v in second.items() if k not in one_rank}
+    # Rank 1's own bad argument: its error there; rank 0 raises too, naming rank 1 (no hang).
+    assert second["bad_on_one_rank"] == "ValueError: buffer_size_gb=-1.0 must be a positive number"
+    assert second["bad_engine_on_one_rank"] == "ValueError: seed=-1 must lie in [0, inf]"
+    assert second["fails_after_agreement"] == ("TypeError: num_cuda_graphs=np.int64(4) must be "
+                                               "an int, got int64")
+    assert first["fails_after_agreement"] == (
+        "RuntimeError: tensor/pipeline-parallel rank 1 raised after the ranks agreed, before they "
+        "could build their contexts together (that rank's error says why); every rank stops")
+    for case, what in zip(one_rank[:2], ("contexts", "engines")):
+        assert first[case] == ("RuntimeError: tensor/pipeline-parallel rank 1 raised while its "
+                               "arguments were checked, before the ranks could build their "
+                               f"{what} together (that rank's error names the argument); every "
+                               "rank stops")
+    # Seeded and unseeded sampling, top-k/top-p and a stop token: one process's tokens.
+    tokens = [(t, reason) for t, reason, _ in first["sampled"]]
+    assert tokens == [(t, reason) for t, reason, _ in first["sampled_alone"]]
+    assert len({tuple(t) for t, _ in tokens}) == len(tokens)
+    assert tokens[4][1] == "stop" and tokens[4][0][-1] == 5 and len(tokens[4][0]) < 8
+    ours, alone = first["sampled"][1][2], first["sampled_alone"][1][2]
+    assert len(ours) == 8 and max(abs(a - b) for a, b in zip(ours, alone)) <= FP32_LOGITS_ATOL
+    # A bad request raises on every rank; one that can never run finishes with an error; the
+    # engine serves the others, and still serves after arguments rank 0 could not send.
+    assert first["bad_request"] == ("ValueError: request.prompt_tokens[1]=999 is outside the "
+                                    "vocabulary [0, 256) (vocab_size)")
+    assert [reason for reason, _ in first["served"]] == ["error", "length", "length"]
+    assert [t for _, t in first["served"][1:]] == first["served_reference"]
+    assert first["unpicklable"].startswith("TypeError: the arguments of tensor-parallel rank 0 "
+                                           "cannot be sent to the other ranks (TypeError: "
+                                           "cannot pickle 'generator' object)")
+    assert first["after_unpicklable"] == [first["after_reference"]]
+    # Settings that would make the ranks' bookkeeping diverge are refused on every rank.
+    assert "must build their contexts with the same enable_prefix_caching (from 0 to 1)" in \
+        first["differ_caching"]
+    assert "must build their engines with the same seed (from 0 to 1)" in first["differ_seed"]
+    assert "must build their contexts with the same prefix_caching_eviction_policy (differs " \
+        "between ranks): every rank" in first["differ_policy"]
+    # Prefix caching under tensor parallelism: hits, tokens equal to transformers'.
+    for name, out in first["prefix_caching"].items():
+        assert out["mismatches"] == [] and out["hits"] == 5, (name, out)
+    # Rank 1 had room for 6 Mamba snapshots, rank 0 for 3: both hold 3.
+    assert first["prefix_caching"]["nemotron_h_lru"]["snapshots"] == 3
+    assert first["prefix_caching"]["llama_ref_zero_graphs"]["replays"] > 0

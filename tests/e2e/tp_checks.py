@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, List
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from e2e_helpers import (
@@ -131,6 +132,16 @@ def nemotron_h_pressure() -> Dict[str, Any]:
     return out
 
 
+def nemotron_h_replicated_kv() -> Dict[str, Any]:
+    """NemotronH attention with one KV head for two ranks (replicated on both)."""
+    hf = tiny_nemotron_h(kv_heads=1, seed=2)
+    prompts = make_prompts([7, 20, 3, 30], hf.config.vocab_size, seed=6)
+    requests = greedy_requests(prompts, [8, 8, 8, 8])
+    engine = _engine(hf, nemotron_block_bytes, block_size=16, blocks=12, paused_blocks=2,
+                     max_tokens=32, attention_backend="torch")
+    return _run(hf, engine, prompts, requests, [0, 0, 1, 2])
+
+
 def sizing() -> Dict[str, Any]:
     """Contexts whose ranks are given different memory budgets (tensor parallelism) or hold
     different layers (pipeline stages of a hybrid): MIN over the group makes their allocators
@@ -211,9 +222,152 @@ def sizing() -> Dict[str, Any]:
                 group=shared.tensor_parallel_group is not None)
 
 
+def _guard(fn: Callable[[], Any]) -> Any:
+    """``fn()``, or the ``"Type: message"`` of what it raised."""
+    try:
+        return fn()
+    except Exception as error:  # noqa: BLE001 - compared on every rank by the parent
+        return f"{type(error).__name__}: {error}"
+
+
+def _sampled_requests(prompts: List[List[int]]) -> list:
+    """Temperature, top-k and top-p, with and without per-request seeds; request 4 draws its
+    stop token (5) as its fifth token."""
+    out = []
+    for i, prompt in enumerate(prompts):
+        params = SamplingParams(num_tokens_to_generate=8, temperature=0.8,
+                                top_k=20 if i % 2 else 0, top_p=0.9 if i % 3 else 0.0,
+                                seed=None if i % 4 == 0 else 100 + i, return_log_probs=i == 1,
+                                termination_id=5 if i == 4 else None)
+        out.append(DynamicInferenceRequest(request_id=i, prompt_tokens=torch.tensor(prompt),
+                                           sampling_params=params))
+    return out
+
+
+def lockstep() -> Dict[str, Any]:
+    """Adversarial lockstep checks (the parent asserts every rank returned the same):
+
+    * sampling (seeded and unseeded draws, top-k/top-p, a stop token, arrival steps) equals a
+      one-process engine's, token for token;
+    * a bad request is refused on every rank and the engine serves the next ones; arguments
+      rank 0 cannot send (a generator) raise on every rank instead of hanging the broadcast;
+    * prefix caching (LRU) on the hybrid, the ranks given different Mamba snapshot budgets
+      (MIN over the group), and ref_zero caching on the Llama with the CUDA-graph stand-in:
+      greedy tokens equal to transformers';
+    * settings that differ between ranks (prefix caching, the engine's seed) are refused on
+      every rank alike; a rank whose own arguments are bad (or fail after the agreement)
+      raises, and so do the others (naming it) instead of waiting for it."""
+    rank = dist.get_rank()
+    first = rank == 0
+    hf = tiny_llama()
+    common = dict(block_size_tokens=16, max_tokens=64, kernel_backend="torch",
+                  max_sequence_length=128)
+    gib = gib_for_blocks(hf, 16, 20)
+    prompts = make_prompts([3, 9, 20, 33, 5, 17], hf.config.vocab_size)
+    arrivals = [0, 1, 1, 2, 3, 3]
+    engine = Engine.from_transformers(hf, buffer_size_gb=gib / TP, seed=7,
+                                      tensor_model_parallel_size=TP, **common)
+    results = engine.generate_requests(_sampled_requests(prompts) if first else None,
+                                       arrival_steps=arrivals if first else None)
+    alone = Engine.from_transformers(hf, buffer_size_gb=gib, seed=7, **common).generate_requests(
+        _sampled_requests(prompts), arrival_steps=arrivals)
+    out: Dict[str, Any] = dict(
+        sampled=[(r.generated_tokens, r.finish_reason, r.generated_log_probs) for r in results],
+        sampled_alone=[(r.generated_tokens, r.finish_reason, r.generated_log_probs)
+                       for r in alone])
+
+    bad = DynamicInferenceRequest(request_id=50, prompt_tokens=torch.tensor([1, 999]),
+                                  sampling_params=SamplingParams(num_tokens_to_generate=3))
+    out["bad_request"] = _guard(lambda: engine.add_request(bad if first else None))
+    too_long = DynamicInferenceRequest(request_id=51, prompt_tokens=torch.arange(1, 120),
+                                       sampling_params=SamplingParams(num_tokens_to_generate=30))
+    good = greedy_requests(make_prompts([4, 7], hf.config.vocab_size, seed=2), [5, 5])
+    good[0].request_id, good[1].request_id = 52, 53
+    served = engine.generate_requests([too_long] + good if first else None)
+    out["served"] = [(r.finish_reason, r.generated_tokens) for r in served]
+    out["served_reference"] = [hf_greedy(hf, r.prompt_tokens, 5) for r in served[1:]]
+    out["unpicklable"] = _guard(lambda: engine.generate(
+        (p for p in [[1, 2, 3]]) if first else None, max_new_tokens=3))
+    out["after_unpicklable"] = engine.generate([[1, 2, 3]] if first else None, max_new_tokens=3)
+    out["after_reference"] = hf_greedy(hf, [1, 2, 3], 3)
+
+    out["differ_caching"] = _guard(lambda: Engine.from_transformers(
+        hf, buffer_size_gb=gib / TP, tensor_model_parallel_size=TP, enable_prefix_caching=first,
+        **common))
+    out["differ_seed"] = _guard(lambda: Engine.from_transformers(
+        hf, buffer_size_gb=gib / TP, tensor_model_parallel_size=TP, seed=rank, **common))
+    # A rank whose own arguments are bad raises its error; the others raise too, naming it,
+    # instead of waiting for it in the agreement (the context's, then the engine's).
+    out["bad_on_one_rank"] = _guard(lambda: DynamicInferenceContext(
+        params_dtype=torch.float32, num_layers=2, kv_channels=8, num_attention_heads=2,
+        max_sequence_length=64, buffer_size_gb=0.001 if first else -1.0, max_tokens=64,
+        device="cpu", tensor_model_parallel_size=TP))
+    # A policy (a string: compared by digest) that differs, refused in the agreement; rank 1's
+    # num_cuda_graphs as a numpy int agrees with rank 0's int but fails the graph ladder's check
+    # after the agreement: rank 0 raises too (the check-out).
+    out["differ_policy"] = _guard(lambda: DynamicInferenceContext(
+        params_dtype=torch.float32, num_layers=2, kv_channels=8, num_attention_heads=2,
+        max_sequence_length=64, buffer_size_gb=0.001, max_tokens=64, device="cpu",
+        tensor_model_parallel_size=TP, enable_prefix_caching=True,
+        prefix_caching_eviction_policy="lru" if first else "ref_zero",
+        num_cuda_graphs=4 if first else np.int64(4)))
+    out["fails_after_agreement"] = _guard(lambda: DynamicInferenceContext(
+        params_dtype=torch.float32, num_layers=2, kv_channels=8, num_attention_heads=2,
+        max_sequence_length=64, buffer_size_gb=0.001, max_tokens=64, device="cpu",
+        tensor_model_parallel_size=TP, num_cuda_graphs=4 if first else np.int64(4)).max_requests)
+    out["bad_engine_on_one_rank"] = _guard(lambda: Engine.from_transformers(
+        hf, buffer_size_gb=gib / TP, tensor_model_parallel_size=TP, seed=0 if first else -1,
+        **common))
+    for case in ("differ_caching", "differ_seed", "differ_policy", "bad_on_one_rank",
+                 "bad_engine_on_one_rank", "fails_after_agreement"):
+        out[case] = out[case] if isinstance(out[case], str) else "built"
+    out["prefix_caching"] = {name: _prefix_cached(name) for name in ("nemotron_h_lru",
+                                                                     "llama_ref_zero_graphs")}
+    return out
+
+
+def _prefix_cached(name: str) -> Dict[str, Any]:
+    """Requests sharing a 32-token prefix through a prefix-caching engine on two ranks."""
+    rank = dist.get_rank()
+    if name == "nemotron_h_lru":
+        hf = tiny_nemotron_h()
+        # Rank 1 is given room for twice the Mamba snapshots: the group takes rank 0's count.
+        c = hf.config
+        kv = 4 * 2 * c.layers_block_type.count("full_attention") * 16 * c.num_key_value_heads \
+            * c.head_dim
+        snapshot = nemotron_block_bytes(hf, 16) - kv          # one request's Mamba state, fp32
+        kwargs = dict(attention_backend="torch", prefix_caching_eviction_policy="lru",
+                      prefix_caching_mamba_gb=(3 + 3 * rank) * snapshot / TP / 1024 ** 3,
+                      buffer_size_gb=gib_for_blocks(hf, 16, 16, nemotron_block_bytes) / TP,
+                      cuda_graphs=False)
+    else:
+        hf = tiny_llama()
+        kwargs = dict(buffer_size_gb=gib_for_blocks(hf, 16, 16) / TP, num_cuda_graphs=4,
+                      cuda_graphs=True)
+    vocab = hf.config.vocab_size
+    shared = make_prompts([32], vocab, seed=9)[0]
+    prompts = [shared + p for p in make_prompts([3, 5, 17, 1, 9, 20], vocab, seed=4)]
+    engine = Engine.from_transformers(
+        hf, block_size_tokens=16, max_tokens=32, kernel_backend="torch",
+        tensor_model_parallel_size=TP, max_sequence_length=96, enable_prefix_caching=True,
+        **kwargs)
+    results = engine.generate_requests(
+        greedy_requests(prompts, [6] * len(prompts)) if rank == 0 else None,
+        arrival_steps=[0, 0, 2, 3, 4, 8] if rank == 0 else None)
+    mine = [i for i in range(len(results)) if i % TP == rank]
+    mamba = engine.context.prefix_cache.mamba
+    return dict(tokens=[r.generated_tokens for r in results],
+                mismatches=[i for i in mine if results[i].generated_tokens
+                            != hf_greedy(hf, prompts[i], 6)],
+                hits=engine.stats.prefix_cache["prefix_cache_hits"],
+                snapshots=None if mamba is None else mamba.count,
+                replays=engine.graph_replays)
+
+
 def all_checks() -> Dict[str, Any]:
     """Every check above, in one spawn (the ranks pay for importing torch and transformers
     once)."""
     return {name: fn() for name, fn in (
         ("sizing", sizing), ("llama", llama_pressure), ("llama_replicated_kv", llama_replicated_kv),
-        ("deepseek", deepseek_pressure), ("nemotron_h", nemotron_h_pressure))}
+        ("deepseek", deepseek_pressure), ("nemotron_h", nemotron_h_pressure),
+        ("nemotron_h_replicated_kv", nemotron_h_replicated_kv), ("lockstep", lockstep))}
