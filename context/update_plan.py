@@ -88,14 +88,14 @@ def distinct_blocks(held: np.ndarray) -> np.ndarray:
 
 
 def first_holder_counts(held: np.ndarray, exclude: np.ndarray) -> np.ndarray:
-    """Per row of ``held`` (``held_blocks``'s form), the blocks not in the sorted ``exclude``
-    and held by no earlier row: their running sum over the rows is the number of distinct
+    """Per row of ``held`` (``held_blocks``'s form), the blocks not in ``exclude`` and held by
+    no earlier row: their running sum over the rows is the number of distinct
     blocks the rows hold beyond ``exclude``."""
     rows = held.shape[0]
     flat = held.reshape(-1)
     keep = flat >= 0
     if exclude.size:
-        keep &= ~np.isin(flat, exclude, assume_unique=False)
+        keep &= ~np.isin(flat, exclude)
     index = np.flatnonzero(keep)
     if not index.size:
         return np.zeros(rows, dtype=np.int64)
