@@ -30,7 +30,14 @@ from ._fields import (
 )
 from .admission import AddPlan, plan_add
 from .block_allocator import BlockAllocator, SlotAllocator
-from .update_plan import DecodePlan, UpdatePlan, plan_decode, plan_update
+from .update_plan import (
+    DecodePlan,
+    UpdatePlan,
+    distinct_blocks,
+    held_blocks,
+    plan_decode,
+    plan_update,
+)
 
 
 class RequestTable:
@@ -148,10 +155,25 @@ class RequestTable:
         return self.total - self.paused - self.num_prefill
 
     def active_used_blocks(self) -> int:
+        """Blocks of the active rows against the active budget: their block counts, or with
+        prefix caching the distinct blocks they hold (docs/SEMANTICS.md §17.4)."""
+        if self.prefix_cache is not None:
+            return int(self._held_distinct(self.paused, self.total).size)
         return int(self.rows[FIELD_BLOCKS, self.paused:self.total].sum())
 
     def paused_used_blocks(self) -> int:
+        """Blocks of the paused rows against the paused budget: their block counts, or with
+        prefix caching the distinct blocks they hold that no active row holds."""
+        if self.prefix_cache is not None:
+            paused = self._held_distinct(0, self.paused)
+            return int(np.setdiff1d(paused, self._held_distinct(self.paused, self.total),
+                                    assume_unique=True).size)
         return int(self.rows[FIELD_BLOCKS, :self.paused].sum())
+
+    def _held_distinct(self, start: int, stop: int) -> np.ndarray:
+        return distinct_blocks(held_blocks(self.block_table[start:stop],
+                                           self.rows[FIELD_BLOCKS, start:stop],
+                                           self.allocator.dummy_block_idx))
 
     def ids(self, start: int = 0, stop: Optional[int] = None) -> np.ndarray:
         return self.rows[FIELD_IDS, start:self.total if stop is None else stop]

@@ -11,6 +11,12 @@ then applies the plan, and the device state applies the row plan in one launch.
 ``plan_decode`` is the steady decode step's shortcut: when nothing finishes, pauses for good or
 is evicted, it says in a few vectorised operations what ``plan_update`` would decide, and
 ``RequestTable.commit_decode`` applies it; everything else takes ``plan_update``.
+
+With prefix caching (docs/SEMANTICS.md §17.4) the budgets count physical blocks: the active
+usage is the number of distinct blocks the active rows hold, the paused usage the number of
+distinct blocks paused rows hold and no active row does; resume and eviction weigh each row
+by the blocks only it brings (``first_holder_counts``). Without caching a row's weight is its
+block count, as upstream (a block then has one holder).
 """
 
 from __future__ import annotations
@@ -64,6 +70,37 @@ class UpdatePlan:
     evicted_ids: np.ndarray
     newly_paused_ids: np.ndarray
     max_length_ids: np.ndarray
+
+
+def held_blocks(block_table: np.ndarray, counts: np.ndarray, dummy: int) -> np.ndarray:
+    """The blocks ``block_table`` rows hold, as ``[rows, max(counts)]`` with -1 beyond each
+    row's ``counts`` and for the dummy block (which no request owns)."""
+    width = int(counts.max()) if counts.size else 0
+    held = block_table[:, :width].astype(np.int64)
+    held[(np.arange(width)[None, :] >= counts[:, None]) | (held == dummy)] = -1
+    return held
+
+
+def distinct_blocks(held: np.ndarray) -> np.ndarray:
+    """The distinct block ids of ``held`` (``held_blocks``'s form), sorted."""
+    flat = held.reshape(-1)
+    return np.unique(flat[flat >= 0])
+
+
+def first_holder_counts(held: np.ndarray, exclude: np.ndarray) -> np.ndarray:
+    """Per row of ``held`` (``held_blocks``'s form), the blocks not in ``exclude`` and held by
+    no earlier row: their running sum over the rows is the number of distinct
+    blocks the rows hold beyond ``exclude``."""
+    rows = held.shape[0]
+    flat = held.reshape(-1)
+    keep = flat >= 0
+    if exclude.size:
+        keep &= ~np.isin(flat, exclude)
+    index = np.flatnonzero(keep)
+    if not index.size:
+        return np.zeros(rows, dtype=np.int64)
+    _, first = np.unique(flat[index], return_index=True)
+    return np.bincount(index[first] // max(held.shape[1], 1), minlength=rows).astype(np.int64)
 
 
 class _StackSim:
@@ -127,6 +164,22 @@ class _Scratch:
         self.append_block = np.full(T, -1, dtype=np.int32)
         self.stack = allocator_sim
         self.slots: List[np.ndarray] = []
+        # Prefix caching: the budgets count distinct blocks (docs/SEMANTICS.md §17.4).
+        self.distinct = table.prefix_cache is not None
+
+    def held(self, rows: np.ndarray) -> np.ndarray:
+        """``held_blocks`` of the scratch rows ``rows``, their appended blocks included."""
+        held = held_blocks(self.table.block_table[self.origin[rows]], self.h[FIELD_BLOCKS, rows],
+                           self.table.allocator.dummy_block_idx)
+        columns = self.append_col[rows]
+        appended = np.flatnonzero(columns >= 0)
+        if appended.size:
+            held[appended, columns[appended]] = self.append_block[rows[appended]]
+        return held
+
+    def active_blocks(self, P: int, a: int) -> np.ndarray:
+        """The distinct blocks the active rows ``[P, P + a)`` hold (prefix caching)."""
+        return distinct_blocks(self.held(np.arange(P, P + a)))
 
     def move(self, dst: np.ndarray, src: np.ndarray) -> None:
         for array in (self.origin, self.append_col, self.append_block):
@@ -154,8 +207,15 @@ class _Scratch:
         if P == 0:
             return P, a
         counts = self.h[FIELD_BLOCKS]
-        avail_active = active_budget - int(counts[P:P + a].sum())
-        needs = counts[:P][::-1].astype(np.int64) + 1
+        if self.distinct:
+            # Each paused row (LIFO order) needs the blocks no active row and no row resumed
+            # before it holds, plus its new block.
+            active = self.active_blocks(P, a)
+            avail_active = active_budget - active.size
+            needs = first_holder_counts(self.held(np.arange(P - 1, -1, -1)), active) + 1
+        else:
+            avail_active = active_budget - int(counts[P:P + a].sum())
+            needs = counts[:P][::-1].astype(np.int64) + 1
         r = int(np.count_nonzero(np.cumsum(needs) <= avail_active))
         r = min(r, self.stack.total_avail)
         if r == 0:
@@ -170,8 +230,16 @@ class _Scratch:
 
     def evict(self, P: int, a: int, paused_budget: int) -> Tuple[int, np.ndarray]:
         """Evict paused requests from the right until paused blocks fit their budget."""
-        counts = self.h[FIELD_BLOCKS, :P].astype(np.int64)
-        if P == 0 or counts.sum() <= paused_budget:
+        if P == 0:
+            return P, _EMPTY
+        if self.distinct:
+            # A paused row weighs the blocks no active row and no paused row left of it holds:
+            # the running sum is the paused usage of the rows so far, and the sum of the
+            # right-most rows' weights is what evicting them frees.
+            counts = first_holder_counts(self.held(np.arange(P)), self.active_blocks(P, a))
+        else:
+            counts = self.h[FIELD_BLOCKS, :P].astype(np.int64)
+        if counts.sum() <= paused_budget:
             return P, _EMPTY
         overflow = P - int(np.count_nonzero(np.cumsum(counts) <= paused_budget))
         if overflow == 0:
@@ -353,7 +421,8 @@ def plan_update(table, mask: np.ndarray, *, chunked_id: int, max_sequence_length
         P, a = scratch.resume(P, a, allocator.active_count)
         T = P + a
         if a == 0:
-            paused_blocks = int(h[FIELD_BLOCKS, :P].sum())
+            paused_blocks = (distinct_blocks(scratch.held(np.arange(P))).size if scratch.distinct
+                             else int(h[FIELD_BLOCKS, :P].sum()))
             raise RuntimeError(
                 f"no request can run: {P} paused requests hold {paused_blocks} blocks and none "
                 f"can resume ({scratch.stack.total_avail} free blocks, active budget "

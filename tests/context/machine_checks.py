@@ -18,6 +18,7 @@ from typing import List, Optional
 import numpy as np
 import torch
 from helpers import FIELD_NAMES
+from machine_budgets import BudgetChecks
 from machine_model import VOCAB, Tracked, Violation, expected_metadata, require
 from machine_patterns import Patterns
 
@@ -32,7 +33,7 @@ from dynctx.context.dynamic_context import (
 )
 
 
-class InvariantChecks(Patterns):
+class InvariantChecks(BudgetChecks, Patterns):
     """Checks of a driver's ``ctx`` against its model (``cfg``, ``live``, ``chunked``)."""
 
     def _rows(self) -> List[Tracked]:
@@ -448,6 +449,7 @@ class InvariantChecks(Patterns):
         stats = ctx.get_kvcache_utilization_stats()
         require(stats["allocated_blocks"] == owned.size and stats["paused_request_count"] == P
                 and stats["total_request_count"] == T, lambda: f"utilization stats {stats}")
+        self.check_budget_usage()
 
         if device:
             # The device mirrors themselves: on a CPU device the public views are host arrays.

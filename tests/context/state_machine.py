@@ -22,6 +22,8 @@ The parts, in reading order:
   stall and the driver recovers by suspending); the driver checks each of its ``add_request``
   calls against the model;
 * ``machine_checks.py``: ``check()`` and the per-step checks (raising ``Violation``);
+* ``machine_budgets.py``: the active and paused budgets counted in distinct blocks, and each
+  update's pause, resume and eviction decisions against them;
 * ``machine_patterns.py``: the exact K/V and Mamba state patterns written and read back.
 
 Hybrids (``MachineConfig.layer_types``) also check the Mamba side: every live request owns
@@ -479,6 +481,7 @@ class ContextDriver(InvariantChecks):
             t = self.live.pop(rid)
             require(t is not self.chunked, "the chunked prefill request was evicted")
             self.queued[rid] = self._checkpoint(t)
+        self.check_budget_decisions(old_blocks, old_paused | eligible, evicted)
         self.scheduler.after_update(evicted)  # at the front, behind the chunked prefill
         self.stats["evictions"] += len(evicted)
         self.stats["pauses"] += len(newly)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers import add, assert_same, check_invariants, make_ctx, snapshot
+from helpers import BLOCK, GIB, add, assert_same, check_invariants, make_ctx, snapshot
 from triton_marks import needs_triton
 
 from dynctx.context import (
@@ -274,6 +274,49 @@ def test_reset_and_suspend_forget_the_cache():
     ctx.allocate_all_tensors(is_init=False)
     assert ctx.prefix_cache_lookup(req(2, PROMPT)) == 0
     assert ctx.get_prefix_cache_stats()["prefix_cache_blocks"] == 0
+
+
+# ---------------------------------------------------------------- budgets (§17.4)
+@pytest.mark.parametrize("policy", ["ref_zero", "lru"])
+def test_budgets_count_each_shared_block_once(policy):
+    """Four requests share 3 prompt blocks (active budget 12, paused 4). Caching off, each
+    holds its own copy: request 1 pauses at once and request 4 is evicted. Caching on, the
+    budgets count distinct blocks: nothing pauses until the active rows hold 12 distinct
+    blocks; then the request left paused weighs only its own 2 blocks."""
+    shared = list(range(10, 22))
+    events = {}
+    for enable in (False, True):
+        ctx = make_ctx(enable_prefix_caching=enable, prefix_caching_eviction_policy=policy,
+                       buffer_size_gb=17 * BLOCK / GIB, paused_buffer_size_gb=4 * BLOCK / GIB,
+                       max_sequence_length=32)
+        alloc = ctx.block_allocator
+        assert (alloc.active_count, alloc.paused_count) == (12, 4)
+        add(ctx, req(1, shared + [50, 51, 52], gen=16))
+        for n in range(7):
+            if n == 1:
+                for rid in (2, 3, 4):
+                    add(ctx, req(rid, shared + [10 * rid, 10 * rid + 1, 10 * rid + 2], gen=16))
+            step(ctx)
+            P, T = ctx.paused_request_count, ctx.total_request_count
+            events[enable, n] = (ctx.host_request_ids()[:P].tolist(),
+                                 ctx.evicted_request_ids.tolist(), alloc.get_active_used(),
+                                 alloc.get_paused_used())
+            assert alloc.get_active_used() + alloc.get_paused_used() == alloc.get_total_used()
+            check_invariants(ctx)
+            if enable and n == 6:
+                # Per holder, the active rows would count 3 x 6 blocks and the paused row 5.
+                counts = ctx.kv_block_counts_host
+                assert int(counts[P:T].sum()) == 18 and int(counts[:P].sum()) == 5
+                assert ctx.get_kvcache_utilization_stats()["paused_blocks"] == 2
+                assert alloc.get_paused_avail() == 2 and alloc.get_active_avail() == 0
+    # Caching off (unchanged): request 1 pauses as the others arrive, request 4 is evicted.
+    assert events[False, 1] == ([1], [], 12, 4)
+    assert events[False, 2] == ([1], [4], 10, 4)
+    # Caching on: 3 shared + 5 own blocks, nothing paused, until the others fill their 5th
+    # blocks together: two resume (3 blocks each) and request 4 stays paused with 2 blocks.
+    assert events[True, 1] == ([], [], 8, 0)
+    assert all(events[True, n][:2] == ([], []) for n in range(6))
+    assert events[True, 6] == ([4], [], 12, 2)
 
 
 def hybrid_ctx(**overrides):

@@ -96,6 +96,37 @@ def test_llama_prefix_caching_computes_fewer_tokens_and_same_outputs():
 
 
 @pytest.mark.parametrize("policy", POLICIES)
+def test_budgets_count_a_shared_prefix_once(policy):
+    """Eight requests share a 64-token system prompt (the first arrives a step before the
+    others, so they find it cached) in a buffer ample for the distinct blocks (8 shared + 3
+    each, active budget 39) but not for a copy per request: caching off evicts; caching on
+    counts each shared block once in the budgets (docs/SEMANTICS.md §17.4), so it pauses and
+    evicts no more (here never) and takes fewer steps. Tokens equal caching off's and
+    transformers', step logits transformers'."""
+    hf = tiny_llama(seed=7)
+    vocab = hf.config.vocab_size
+    prefix = make_prompts([64], vocab, seed=21)[0]
+    prompts = [prefix + s for s in make_prompts([8] * 8, vocab, seed=22)]
+    gens = [16] * 8
+    runs = []
+    for enable in (False, True):
+        engine = build_engine(hf, block_size=8, blocks=48, paused_blocks=8, max_tokens=128,
+                              kernel_backend="torch", record_logits=enable,
+                              enable_prefix_caching=enable, prefix_caching_eviction_policy=policy)
+        results = engine.generate_requests(greedy_requests(prompts, gens),
+                                           arrival_steps=[0] + [1] * 7)
+        runs.append((engine.stats, results))
+    (off, off_results), (on, on_results) = runs
+    assert off.evictions > 0, "caching off should evict"
+    assert on.pauses <= off.pauses and on.evictions <= off.evictions
+    assert on.pauses == on.evictions == 0, (on.pauses, on.evictions)
+    assert on.forward_steps < off.forward_steps
+    assert on.prefix_cache["prefix_cache_hits"] == 7
+    assert [r.generated_tokens for r in on_results] == [r.generated_tokens for r in off_results]
+    assert_matches_transformers(hf, prompts, gens, on_results)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
 def test_deepseek_prefix_caching_under_pressure_matches_transformers(policy):
     hf = tiny_deepseek(seed=2)
     prompts, gens, arrivals = shared_prefix_workload(hf.config.vocab_size)
