@@ -446,3 +446,24 @@ def test_triton_step_of_a_hit_writes_only_its_own_blocks():
         ctx.append_key_value_cache(layer, kv, kv)
     assert torch.equal(ctx.memory_buffer[:, :, shared], before)
     assert snapshot(ctx)["counts"][1] == 2
+
+
+def test_distinct_block_counts_equal_a_plain_python_count():
+    """``distinct_blocks`` and ``first_holder_counts`` (the budgets' distinct counts, linear in
+    the entries) against the definitions written as plain Python, over random tables with
+    shared ids, the -1 padding, empty shapes and exclusions beyond the largest id."""
+    from dynctx.context.update_plan import distinct_blocks, first_holder_counts
+
+    rng = np.random.default_rng(0)
+    for _ in range(500):
+        rows, width, ids = (int(rng.integers(0, 6)), int(rng.integers(0, 6)),
+                            int(rng.integers(1, 30)))
+        held = rng.integers(-1, ids, (rows, width)).astype(np.int64)
+        exclude = np.unique(rng.integers(0, ids + 5, int(rng.integers(0, 5)))).astype(np.int64)
+        assert distinct_blocks(held).tolist() == sorted({b for b in held.ravel() if b >= 0})
+        seen, expected = set(exclude.tolist()), []
+        for row in held.tolist():
+            new = {b for b in row if b >= 0 and b not in seen}
+            expected.append(len(new))
+            seen |= new
+        assert first_holder_counts(held, exclude).tolist() == expected
