@@ -198,6 +198,8 @@ class StepMixin:
         self._step = None
         self._hand_written = False
         if self.metrics_writer is not None:
-            self.metrics_writer.log({f"inference/{k}": v
-                                     for k, v in self.get_kvcache_utilization_stats().items()})
+            # The prefix cache's counters too, when caching is on (empty otherwise).
+            stats = self.get_kvcache_utilization_stats()
+            stats.update(self.get_prefix_cache_stats())
+            self.metrics_writer.log({f"inference/{k}": v for k, v in stats.items()})
         return self.newly_paused_request_ids

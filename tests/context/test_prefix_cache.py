@@ -467,3 +467,35 @@ def test_distinct_block_counts_equal_a_plain_python_count():
             expected.append(len(new))
             seen |= new
         assert first_holder_counts(held, exclude).tolist() == expected
+
+
+def test_metrics_writer_receives_the_prefix_cache_counters():
+    """With caching on, ``update_requests`` logs the prefix cache's counters beside the KV
+    utilisation stats (``inference/prefix_cache_*``); without caching, none of them."""
+    logged = []
+
+    class Writer:
+        def log(self, data):
+            logged.append(dict(data))
+
+    ctx = cached_ctx(metrics_writer=Writer())
+    ctx.add_request(req(1, PROMPT))
+    step(ctx, keep=())  # computes and publishes the three full blocks, then finishes
+    ctx.add_request(req(2, PROMPT))
+    step(ctx)
+    last = logged[-1]
+    assert last["inference/prefix_cache_hits"] == 1
+    assert last["inference/prefix_cache_blocks_matched"] == 3
+    assert last["inference/prefix_cache_prefill_skipped_tokens"] == 12
+    assert last["inference/allocated_blocks"] == ctx.get_kvcache_utilization_stats()[
+        "allocated_blocks"]
+    plain = []
+
+    class PlainWriter:
+        def log(self, data):
+            plain.append(dict(data))
+
+    off = make_ctx(metrics_writer=PlainWriter())
+    off.add_request(req(1, PROMPT))
+    step(off)
+    assert plain and not any(k.startswith("inference/prefix_cache") for k in plain[-1])
