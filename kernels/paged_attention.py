@@ -229,6 +229,42 @@ _autotune.register(KernelTuning(
 if HAS_TRITON:
 
     @triton.jit
+    def _attend_key_tile(
+        q, acc, running_max, running_sum, positions, mask_n, allowed,
+        table_row, key_cache_ptr, value_cache_ptr, kv_head, block_size, softmax_scale,
+        stride_kc_block, stride_kc_slot, stride_kc_head,
+        stride_vc_block, stride_vc_slot, stride_vc_head, offs_d, mask_d,
+        IEEE_DOT: tl.constexpr,
+    ):
+        """One tile of keys ``positions`` (``mask_n``: inside the walk) through the block
+        table row, folded into the online softmax of the rows of ``q`` (``allowed``: which
+        row sees which key). Returns ``(acc, running_max, running_sum)``; the decode and the
+        varlen kernels share it."""
+        blocks = tl.load(table_row + positions // block_size, mask=mask_n, other=0).to(tl.int64)
+        slots = positions % block_size
+        mask_kv = mask_n[:, None] & mask_d[None, :]
+        k = tl.load(key_cache_ptr + blocks[:, None] * stride_kc_block
+                    + slots[:, None] * stride_kc_slot + kv_head * stride_kc_head
+                    + offs_d[None, :], mask=mask_kv, other=0.0)                 # [BLOCK_N, BLOCK_D]
+        v = tl.load(value_cache_ptr + blocks[:, None] * stride_vc_block
+                    + slots[:, None] * stride_vc_slot + kv_head * stride_vc_head
+                    + offs_d[None, :], mask=mask_kv, other=0.0)
+        if IEEE_DOT:
+            scores = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            scores = tl.dot(q, tl.trans(k))
+        scores = tl.where(allowed, scores * softmax_scale, float("-inf"))     # [rows, BLOCK_N]
+        new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+        correction = tl.exp(running_max - new_max)
+        probs = tl.exp(scores - new_max[:, None])
+        running_sum = running_sum * correction + tl.sum(probs, axis=1)
+        if IEEE_DOT:
+            update = tl.dot(probs.to(v.dtype), v, input_precision="ieee")
+        else:
+            update = tl.dot(probs.to(v.dtype), v)
+        return acc * correction[:, None] + update, new_max, running_sum
+
+    @triton.jit
     def _paged_attention_decode_kernel(
         partial_out_ptr, partial_lse_ptr,
         query_ptr, key_cache_ptr, value_cache_ptr,
@@ -276,30 +312,11 @@ if HAS_TRITON:
         for start in range(split_start, split_end, BLOCK_N):
             positions = start + offs_n
             mask_n = positions < split_end
-            blocks = tl.load(table_row + positions // block_size, mask=mask_n, other=0).to(tl.int64)
-            slots = positions % block_size
-            mask_kv = mask_n[:, None] & mask_d[None, :]
-            k = tl.load(key_cache_ptr + blocks[:, None] * stride_kc_block
-                        + slots[:, None] * stride_kc_slot + kv_head * stride_kc_head
-                        + offs_d[None, :], mask=mask_kv, other=0.0)             # [BLOCK_N, BLOCK_D]
-            v = tl.load(value_cache_ptr + blocks[:, None] * stride_vc_block
-                        + slots[:, None] * stride_vc_slot + kv_head * stride_vc_head
-                        + offs_d[None, :], mask=mask_kv, other=0.0)
-            if IEEE_DOT:
-                scores = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                scores = tl.dot(q, tl.trans(k))
-            scores = tl.where(mask_n[None, :], scores * softmax_scale, float("-inf"))
-            new_max = tl.maximum(running_max, tl.max(scores, axis=1))
-            correction = tl.exp(running_max - new_max)
-            probs = tl.exp(scores - new_max[:, None])                           # [BLOCK_G, BLOCK_N]
-            running_sum = running_sum * correction + tl.sum(probs, axis=1)
-            if IEEE_DOT:
-                update = tl.dot(probs.to(v.dtype), v, input_precision="ieee")
-            else:
-                update = tl.dot(probs.to(v.dtype), v)
-            acc = acc * correction[:, None] + update
-            running_max = new_max
+            acc, running_max, running_sum = _attend_key_tile(
+                q, acc, running_max, running_sum, positions, mask_n, mask_n[None, :],
+                table_row, key_cache_ptr, value_cache_ptr, kv_head, block_size, softmax_scale,
+                stride_kc_block, stride_kc_slot, stride_kc_head,
+                stride_vc_block, stride_vc_slot, stride_vc_head, offs_d, mask_d, IEEE_DOT)
 
         # An empty split (past kv_len) leaves lse = -inf and a zero output: weight 0 in the merge.
         has_keys = split_start < split_end
@@ -392,32 +409,12 @@ if HAS_TRITON:
             for start in range(0, last_key, BLOCK_N):
                 positions = start + offs_n
                 mask_n = positions < last_key
-                blocks = tl.load(table_row + positions // block_size, mask=mask_n,
-                                 other=0).to(tl.int64)
-                slots = positions % block_size
-                mask_kv = mask_n[:, None] & mask_d[None, :]
-                k = tl.load(key_cache_ptr + blocks[:, None] * stride_kc_block
-                            + slots[:, None] * stride_kc_slot + kv_head * stride_kc_head
-                            + offs_d[None, :], mask=mask_kv, other=0.0)         # [BLOCK_N, BLOCK_D]
-                v = tl.load(value_cache_ptr + blocks[:, None] * stride_vc_block
-                            + slots[:, None] * stride_vc_slot + kv_head * stride_vc_head
-                            + offs_d[None, :], mask=mask_kv, other=0.0)
-                if IEEE_DOT:
-                    scores = tl.dot(q, tl.trans(k), input_precision="ieee")
-                else:
-                    scores = tl.dot(q, tl.trans(k))
                 allowed = mask_n[None, :] & (positions[None, :] <= row_position[:, None])
-                scores = tl.where(allowed, scores * softmax_scale, float("-inf"))
-                new_max = tl.maximum(running_max, tl.max(scores, axis=1))
-                correction = tl.exp(running_max - new_max)
-                probs = tl.exp(scores - new_max[:, None])
-                running_sum = running_sum * correction + tl.sum(probs, axis=1)
-                if IEEE_DOT:
-                    update = tl.dot(probs.to(v.dtype), v, input_precision="ieee")
-                else:
-                    update = tl.dot(probs.to(v.dtype), v)
-                acc = acc * correction[:, None] + update
-                running_max = new_max
+                acc, running_max, running_sum = _attend_key_tile(
+                    q, acc, running_max, running_sum, positions, mask_n, allowed,
+                    table_row, key_cache_ptr, value_cache_ptr, kv_head, block_size,
+                    softmax_scale, stride_kc_block, stride_kc_slot, stride_kc_head,
+                    stride_vc_block, stride_vc_slot, stride_vc_head, offs_d, mask_d, IEEE_DOT)
             result = acc / tl.where(running_sum > 0, running_sum, 1.0)[:, None]
             tl.store(out_ptr + (q_start + offs_q)[:, None] * stride_out_token
                      + heads[:, None] * stride_out_head + offs_d[None, :],
