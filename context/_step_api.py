@@ -10,7 +10,7 @@ from typing import Optional, Tuple
 import numpy as np
 import torch
 
-from ._fields import FIELD_KV_OFFSET, FIELD_QUERY
+from ._fields import FIELD_BLOCKS, FIELD_QUERY
 from .batch_dimensions import InferenceBatchDimensions
 from .inputs import check_new_tokens, read_mask
 
@@ -62,9 +62,9 @@ class StepMixin:
         if prepared is not None and not zero_count and not device_prompts and \
                 prepared[0] == self._step_signature():
             # update_requests built this step already, and nothing it reads changed since.
-            self._step_sig, step = prepared
+            self._step_sig, step, self._step_blocks = prepared
         else:
-            self._step_sig, step = None, self._build_step(zero_count)
+            self._step_sig, step, self._step_blocks = None, self._build_step(zero_count), None
         device.begin_step(step, table, device_prompts)
         if step.mamba:
             self.mamba_metadata.update_step(device.mamba_step_fields(step))
@@ -87,37 +87,40 @@ class StepMixin:
 
     def _step_signature(self) -> tuple:
         """Everything ``StepBuilder.build`` reads on a model without Mamba layers: the counts,
-        the limits, and the query lengths and KV offsets of the active rows (as bytes)."""
+        the limits, and the active rows' fields ``FIELD_QUERY`` to ``FIELD_BLOCKS`` (query
+        lengths, output lengths, KV offsets, block counts) as one bytes object; the block
+        counts are there for the decode update, which takes their sum from the update that
+        prepared the step (``_prepare_next_step``)."""
         table = self._table
         P, T = table.paused, table.total
-        rows = table.rows
         return (P, T, table.active_tokens, table.num_prefill, table.fed_decode,
                 table.continuation_added, self.max_requests, self.max_tokens,
                 self.tensor_model_parallel_size, self.TOKEN_ROUNDER, self.REQUEST_ROUNDER,
-                rows[FIELD_QUERY, P:T].tobytes(), rows[FIELD_KV_OFFSET, P:T].tobytes())
+                table.rows[FIELD_QUERY:FIELD_BLOCKS + 1, P:T].tobytes())
 
     def _rows_unchanged(self, signature: tuple) -> bool:
-        """Whether the active rows and their query lengths and KV offsets are those of
-        ``signature`` (``_step_signature``'s first two and last two entries)."""
+        """Whether the active rows and their fields ``FIELD_QUERY`` to ``FIELD_BLOCKS`` are
+        those of ``signature`` (``_step_signature``'s first two and last entries)."""
         table = self._table
         P, T = table.paused, table.total
-        rows = table.rows
         return (signature[0] == P and signature[1] == T
-                and signature[-2] == rows[FIELD_QUERY, P:T].tobytes()
-                and signature[-1] == rows[FIELD_KV_OFFSET, P:T].tobytes())
+                and signature[-1] == table.rows[FIELD_QUERY:FIELD_BLOCKS + 1, P:T].tobytes())
 
-    def _prepare_next_step(self, max_kv_offset: Optional[int] = None) -> None:
+    def _prepare_next_step(self, max_kv_offset: Optional[int] = None,
+                           active_blocks: Optional[int] = None) -> None:
         """Build the next step at the end of ``update_requests``, while the host's bookkeeping
         is at hand, with the signature of what it read; ``initialize_attention_state`` takes it
         when the signature still holds (an ``add_request`` in between changes the counts, a
         write by hand the rows), else builds anew. Models with Mamba layers build at the step
         (their step also reads the slots and consumes the staged zeroing).
-        ``max_kv_offset``: the active rows' largest KV offset, when the update knows it."""
+        ``max_kv_offset``, ``active_blocks``: the active rows' largest KV offset and the sum
+        of their block counts, when the update knows them."""
         table = self._table
         if self.is_hybrid_model or not table.active:
             self._next_step = None
             return
-        self._next_step = (self._step_signature(), self._build_step(0, max_kv_offset))
+        self._next_step = (self._step_signature(), self._build_step(0, max_kv_offset),
+                           active_blocks)
 
     def current_input_and_position_ids(self, *, num_warmup_tokens: Optional[int] = None
                                        ) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -166,19 +169,20 @@ class StepMixin:
         decode = None
         if mask is None and self._decode_shortcut and self.prefix_cache is None:
             # A step built from rows that are still as they were says what a decode update
-            # would otherwise compute: every row one token, and the largest KV offset.
-            step, sig, known = self._step, self._step_sig, None
+            # would otherwise compute: every row one token, the largest KV offset, and (when
+            # the update that prepared it knew it) the sum of the block counts.
+            step, sig, known, blocks = self._step, self._step_sig, None, None
             if step is not None and step.one_token_rows and sig is not None and \
                     self._rows_unchanged(sig):
-                known = step.max_seqlen_k
+                known, blocks = step.max_seqlen_k, self._step_blocks
             decode = table.plan_decode(chunked_id=chunked_id, max_sequence_length=max_length,
-                                       max_kv_offset=known)
+                                       max_kv_offset=known, active_blocks=blocks)
         # The host commits, the next step is prepared on the host, then the device applies
         # the plan (one launch): the host's work runs back to back.
         if decode is not None:
             # The steady decode step: nothing finishes, stays paused or is evicted.
             appended = table.commit_decode(decode)
-            self._prepare_next_step(decode.max_kv_offset)
+            self._prepare_next_step(decode.max_kv_offset, decode.active_blocks)
             self._device.apply_decode(decode, appended, table, new_tokens)
             self.newly_paused_request_ids = self.evicted_request_ids = _EMPTY_IDS
             self.max_length_finished_request_ids = _EMPTY_IDS

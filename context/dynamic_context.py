@@ -305,10 +305,12 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
         self._setup_prefix_caching(*prefix_caching, snapshots=agreement.extra[0])
         self._device: Optional[DeviceState] = None
         self._steps = StepBuilder(self._request_rows, ladder)
-        # (signature, Step) built by update_requests for the next step (_prepare_next_step),
-        # and the signature of the current step when it is known.
+        # (signature, Step, block count sum or None) built by update_requests for the next
+        # step (_prepare_next_step), and the signature and block count sum of the current step
+        # when they are known.
         self._next_step: Optional[tuple] = None
         self._step_sig: Optional[tuple] = None
+        self._step_blocks: Optional[int] = None
         # The steady decode update's shortcut (update_plan.plan_decode); False makes every
         # update take plan_update (tests compare the two).
         self._decode_shortcut = True

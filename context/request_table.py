@@ -79,21 +79,27 @@ class RequestTable:
         self.rows, self.metadata, self._zero_slots = rows, metadata, zero_slots
         if self.prefix_cache is not None and self.prefix_cache.mamba is not None:
             self.prefix_cache.mamba.allocate()
-        self.block_table = np.full((self.max_requests, self.max_kv_block_count), -1,
-                                   dtype=np.int32)
+        R, C = self.max_requests, self.max_kv_block_count
+        self.block_table = np.full((R, C), -1, dtype=np.int32)
+        # The block table as R opaque rows (moving rows is then a one-dimensional copy, several
+        # times faster than a two-dimensional fancy index) and flat (entry (r, c) at
+        # row_starts[r] + c).
+        self.block_rows = self.block_table.view(np.dtype((np.void, 4 * C))).reshape(R)
+        self.block_flat = self.block_table.reshape(-1)
+        self.row_starts = np.arange(R) * C
         self.prompt = np.zeros(self.max_tokens, dtype=np.int64)
         # The bytes of int32 ones (a decode step's query lengths, compared in one memcmp) and
-        # the first byte of an int32 block_size - 1 (the offset of a full block's last token):
-        # the last-block offsets hold no block_size - 1 where their bytes hold no such byte.
+        # of an int32 block_size - 1 (the offset of a full block's last token, which
+        # plan_decode finds in the last-block offsets' bytes).
         self.one_bytes = np.ones(self.max_requests, dtype=np.int32).tobytes()
-        self.row_numbers = np.arange(self.max_requests)
-        self.full_block_byte = np.int32(self.block_size - 1).tobytes()[:1]
+        self.full_block_bytes = np.int32(self.block_size - 1).tobytes()
         self.slots = SlotAllocator(self.max_requests) if self.hybrid else None
         self.reset()
 
     def unbind(self) -> None:
         """Drop every host array (suspend); the requests in flight are forgotten."""
         self.rows = self.block_table = self.prompt = self._zero_slots = None
+        self.block_rows = self.block_flat = None
         self.metadata, self.slots = {}, None
         self.allocator.reset()
         if self.prefix_cache is not None:
@@ -190,11 +196,12 @@ class RequestTable:
                            max_sequence_length=max_sequence_length)
 
     def plan_decode(self, *, chunked_id: int, max_sequence_length: int,
-                    max_kv_offset: Optional[int] = None) -> Optional[DecodePlan]:
+                    max_kv_offset: Optional[int] = None,
+                    active_blocks: Optional[int] = None) -> Optional[DecodePlan]:
         """``update_plan.plan_decode`` against this table: the plan of the steady decode update
         of a mask that keeps every request, or None (then ``plan_update``); nothing changed."""
         return plan_decode(self, chunked_id=chunked_id, max_sequence_length=max_sequence_length,
-                           max_kv_offset=max_kv_offset)
+                           max_kv_offset=max_kv_offset, active_blocks=active_blocks)
 
     # ------------------------------------------------------------------ commits
     def commit_add(self, plan: AddPlan) -> None:
@@ -305,7 +312,7 @@ class RequestTable:
         if moved.size:
             sources = origin[moved]
             # Fancy indexing on the right copies first, so overlapping moves are safe.
-            self.block_table[moved] = self.block_table[sources]
+            self.block_rows[moved] = self.block_rows[sources]
             for values in self.metadata.values():
                 values[moved] = values[sources]
         self.rows[:, :old_total] = plan.rows
@@ -347,14 +354,14 @@ class RequestTable:
             dst, src = plan.dst, plan.src
             if dst.size:
                 rows[:, dst] = rows[:, src]
-                self.block_table[dst] = self.block_table[src]
+                self.block_rows[dst] = self.block_rows[src]
                 for values in self.metadata.values():
                     values[dst] = values[src]
-            k = plan.full.size
+            k = len(plan.full)
             blocks = self.allocator.allocate_memory_blocks_host(k)
             columns = rows[FIELD_BLOCKS, :k].copy()
-            self.block_table[self.row_numbers[:k], columns] = blocks
-            rows[FIELD_BLOCKS, :k] += 1
+            self.block_flat[self.row_starts[:k] + columns] = blocks
+            rows[FIELD_BLOCKS, :k] = columns + 1
             rows[FIELD_LAST_BLOCK, :k] = blocks
             rows[FIELD_LAST_OFFSET, :k] = 0
             appended = (columns, blocks)
@@ -373,7 +380,7 @@ class RequestTable:
         self.rows[:, dst] = self.rows[:, src]
         for values in self.metadata.values():
             values[dst] = values[src]
-        self.block_table[dst] = self.block_table[src]
+        self.block_rows[dst] = self.block_rows[src]
         if dst.size:
             self.dirty_from = min(self.dirty_from, int(dst.min()))
 

@@ -40,8 +40,9 @@ from .block_allocator import AllocatorSimulation
 
 _EMPTY = np.empty(0, dtype=np.int64)
 _NO_ROWS = np.empty(0, dtype=np.int64)
-#: Up to this many rows filling their last block in one decode update, plan_decode orders the
-#: swaps with Python lists; beyond, with numpy (tests lower it to cover both).
+#: Up to this many rows filling their last block in one decode update (candidates of its byte
+#: search), plan_decode finds them and orders the swaps with Python; beyond, with numpy (tests
+#: lower it to cover both).
 SMALL_CROSSING = 16
 
 
@@ -277,25 +278,32 @@ class DecodePlan(NamedTuple):
     request has one more token). ``kv_offsets``: the new ``FIELD_KV_OFFSET`` of rows
     ``[0, total)``, in the current row order, or None when every row holds one token (the
     offsets advance by one); ``FIELD_QUERY`` becomes 1 and ``FIELD_LAST_OFFSET`` advances by
-    one, modulo the block size. ``full``: None when no row starts a block; else those rows (in
-    the current order, ascending), and ``dst``/``src``: the row swaps that move them to the
-    rows ``[0, k)`` (rows ``dst`` take rows ``src``), where each appends one new block (the
-    general path pauses them to the front and resumes them, LIFO, each with one new block).
+    one, modulo the block size. ``full``: None when no row starts a block; else those rows (a
+    list, in the current order, ascending), and ``dst``/``src``: the row swaps that move them
+    to the rows ``[0, k)`` (rows ``dst`` take rows ``src``), where each appends one new block
+    (the general path pauses them to the front and resumes them, LIFO, each with one new
+    block).
+    ``active_blocks``: the sum of the active rows' block counts afterwards, or None when the
+    plan did not need it.
     """
 
     max_kv_offset: int
     kv_offsets: Optional[np.ndarray]
-    full: Optional[np.ndarray]
+    full: Optional[List[int]]
     dst: Optional[np.ndarray]
     src: Optional[np.ndarray]
+    active_blocks: Optional[int] = None
 
 
 def plan_decode(table, *, chunked_id: int, max_sequence_length: int,
-                max_kv_offset: Optional[int] = None) -> Optional[DecodePlan]:
+                max_kv_offset: Optional[int] = None,
+                active_blocks: Optional[int] = None) -> Optional[DecodePlan]:
     """The plan of the steady decode update of a mask that keeps every request, or None where
     ``plan_update`` must decide. ``max_kv_offset``: when the caller knows that every active row
     holds one token and the largest KV offset plus one (the step's ``max_seqlen_k``, its rows
-    unchanged since), that value; else it is computed here.
+    unchanged since), that value; else it is computed here. ``active_blocks``: the sum of the
+    active rows' block counts when the caller knows it (the previous decode plan's, the rows
+    unchanged since); else it is computed here when a row fills its last block.
 
     It applies when nothing is paused, no chunked prefill is in flight, no request reaches
     ``max_sequence_length``, and the requests whose last block is full can all resume at once
@@ -322,42 +330,57 @@ def plan_decode(table, *, chunked_id: int, max_sequence_length: int,
         max_kv_offset = int(np.maximum.reduce(kv_offsets))
     if max_kv_offset >= max_sequence_length:
         return None
-    # Which requests fill their last block: none unless the first byte of an int32
-    # block_size - 1 occurs in the last-block offsets' bytes (one memchr; a byte that belongs
-    # to another value is ruled out by the exact test that follows).
-    last_offsets = rows[FIELD_LAST_OFFSET, :T]
-    if table.full_block_byte not in last_offsets.tobytes():
-        return DecodePlan(max_kv_offset, kv_offsets, None, None, None)
-    full = (last_offsets == table.block_size - 1).nonzero()[0]
-    k = full.size
+    # Which requests fill their last block: the int32 block_size - 1 in the last-block
+    # offsets' bytes, found by its first byte (memchr); None from the search past
+    # SMALL_CROSSING candidates, where numpy finds them.
+    offset_bytes = rows[FIELD_LAST_OFFSET, :T].tobytes()
+    full = _aligned_matches(offset_bytes, table.full_block_bytes, SMALL_CROSSING)
+    if full is None:
+        full = (rows[FIELD_LAST_OFFSET, :T] == table.block_size - 1).nonzero()[0].tolist()
+    k = len(full)
     if not k:
-        return DecodePlan(max_kv_offset, kv_offsets, None, None, None)
+        return DecodePlan(max_kv_offset, kv_offsets, None, None, None, active_blocks)
+    if active_blocks is None:
+        active_blocks = int(np.add.reduce(rows[FIELD_BLOCKS, :T]))
     allocator = table.allocator
-    if k > allocator.total_avail or \
-            int(np.add.reduce(rows[FIELD_BLOCKS, :T])) + k > allocator.active_count:
+    if k > allocator.total_avail or active_blocks + k > allocator.active_count:
         return None
     # plan_update's pause: the full rows among the first k stay, the others (left_keep) swap,
     # in order, with the full rows past k (right_full).
+    front = bisect.bisect_left(full, k)
+    if front == k:
+        return DecodePlan(max_kv_offset, kv_offsets, full, _NO_ROWS, _NO_ROWS, active_blocks + k)
+    right_full = full[front:]
     if k <= SMALL_CROSSING:
         # A few rows (the common case): Python lists beat a dozen numpy calls.
-        rows_full = full.tolist()
-        front = bisect.bisect_left(rows_full, k)
-        if front == k:
-            return DecodePlan(max_kv_offset, kv_offsets, full, _NO_ROWS, _NO_ROWS)
-        right_full = rows_full[front:]
-        stay = set(rows_full[:front])
+        stay = set(full[:front])
         left_keep = [row for row in range(k) if row not in stay]
-        return DecodePlan(max_kv_offset, kv_offsets, full, np.array(left_keep + right_full),
-                          np.array(right_full + left_keep))
-    front = int(np.searchsorted(full, k))
-    if front == k:
-        return DecodePlan(max_kv_offset, kv_offsets, full, _NO_ROWS, _NO_ROWS)
-    right_full = full[front:]
-    keep = np.ones(k, dtype=np.bool_)
-    keep[full[:front]] = False
-    left_keep = keep.nonzero()[0]
-    return DecodePlan(max_kv_offset, kv_offsets, full, np.concatenate([left_keep, right_full]),
-                      np.concatenate([right_full, left_keep]))
+    else:
+        keep = np.ones(k, dtype=np.bool_)
+        keep[full[:front]] = False
+        left_keep = keep.nonzero()[0].tolist()
+    # One array: dst (left_keep, then right_full) and src (right_full, then left_keep).
+    moved = len(left_keep) + len(right_full)
+    swaps = np.array(left_keep + right_full + right_full + left_keep)
+    return DecodePlan(max_kv_offset, kv_offsets, full, swaps[:moved], swaps[moved:],
+                      active_blocks + k)
+
+
+def _aligned_matches(data: bytes, pattern: bytes, limit: int) -> Optional[List[int]]:
+    """The indices, ascending, of the int32 values of ``data`` equal to the int32 ``pattern``,
+    or None once more than ``limit`` bytes of ``data`` equal the pattern's first."""
+    found = []
+    first = pattern[:1]
+    i = data.find(first)
+    candidates = 0
+    while i >= 0:
+        candidates += 1
+        if candidates > limit:
+            return None
+        if not i & 3 and data[i:i + 4] == pattern:
+            found.append(i >> 2)
+        i = data.find(first, i + 1)
+    return found
 
 
 def plan_update(table, mask: np.ndarray, *, chunked_id: int, max_sequence_length: int

@@ -222,3 +222,59 @@ def test_decode_plan_is_pure(monkeypatch):
         A = ctx.total_request_count
         ctx.update_requests(torch.ones(A, dtype=torch.bool), torch.arange(A) + step_index)
     assert seen_full >= 3
+
+
+@pytest.mark.parametrize("when", ["before_step", "before_update"])
+def test_decode_update_sees_block_counts_written_by_hand(when, monkeypatch):
+    """A decode update takes the active rows' block-count sum from the update that prepared
+    the step (``DecodePlan.active_blocks``). A count written by hand through
+    ``request_kv_block_counts`` in between, before ``initialize_attention_state`` or before
+    ``update_requests``, is seen: with the sum past the active budget, the rows that fill their
+    last block cannot all resume, and both contexts pause them (the general path)."""
+    counts = _Counting(monkeypatch)
+    contexts = [make_ctx(**WORKLOADS["roomy"]) for _ in range(2)]
+    contexts[1]._decode_shortcut = False
+    for c in contexts:
+        for rid, length in enumerate((3, 5, 2, 6)):
+            add(c, _request(rid, length, 30))
+    crossings = 0
+    for step_index in range(12):
+        ctx = contexts[0]
+        T = ctx.total_request_count
+        crossing = bool((ctx.request_last_kv_block_offset[:T] == 3).any())
+        written = crossing and crossings >= 1 and ctx.paused_request_count == 0
+        if written and when == "before_step":
+            for c in contexts:
+                c.request_kv_block_counts[0] += c.block_allocator.active_count
+        for c in contexts:
+            c.initialize_attention_state()
+        if written and when == "before_update":
+            for c in contexts:
+                c.request_kv_block_counts[0] += c.block_allocator.active_count
+        general_before = counts.general
+        A = ctx.total_request_count - ctx.paused_request_count
+        for c in contexts:
+            c.update_requests(torch.ones(A, dtype=torch.bool), torch.arange(A) + step_index)
+        assert_equal_states(full_state(contexts[0]), full_state(contexts[1]),
+                            f"{when} step {step_index}")
+        crossings += crossing
+        if written:
+            # Both contexts took the general path, which paused the crossing rows.
+            assert counts.general - general_before == 2, vars(counts)
+            assert ctx.paused_request_count > 0
+            return
+    raise AssertionError(f"no second block crossing in 12 steps ({crossings} crossings)")
+
+
+def test_aligned_matches_skips_straddling_bytes():
+    """``plan_decode``'s byte search finds the int32 values equal to the pattern and only
+    those: a match of its first byte inside another value, or of all four bytes across two
+    values, is skipped; past ``limit`` candidates it gives up (numpy decides)."""
+    values = np.array([511, 255, 0x1FF00, 511, 7, 0xFF, 511], dtype=np.int32)
+    data, pattern = values.tobytes(), np.int32(511).tobytes()
+    assert update_plan._aligned_matches(data, pattern, 16) == [0, 3, 6]
+    straddle = np.array([0xFF000000 - 2**32, 0x000001, 511], dtype=np.int32).tobytes()
+    assert straddle.find(pattern) % 4 != 0  # the pattern's bytes across two values
+    assert update_plan._aligned_matches(straddle, pattern, 16) == [2]
+    assert update_plan._aligned_matches(data, pattern, 2) is None
+    assert update_plan._aligned_matches(b"", pattern, 16) == []
