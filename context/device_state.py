@@ -81,9 +81,9 @@ class DeviceState:
         # Row numbers 0..R-1 and -1s: a decode update's identity plan, written from these.
         self.row_numbers = np.arange(R, dtype=np.int32)
         self.no_append = np.full(R, -1, dtype=np.int32)
-        # Rows [0, n) of the arena's plan hold the identity plan (0: unknown), but for appends
-        # in rows [0, plan_appends).
-        self.identity_plan_rows = self.plan_appends = 0
+        # Between updates, rows [0, identity_plan_rows) of the arena's plan hold the identity
+        # plan (0: unknown).
+        self.identity_plan_rows = 0
         self._step_views: dict = {}
         self._attn_views: dict = {}
         self.memory_buffer = torch.empty(kv_shape, dtype=params_dtype, device=device)
@@ -272,7 +272,8 @@ class DeviceState:
         """``apply_update`` of a decode update (``update_plan.DecodePlan``): the identity row
         plan, but for the swaps and appended blocks of the rows that start a block
         (``appended``: ``RequestTable.commit_decode``'s ``(columns, blocks)`` of new rows
-        ``[0, k)``, or None)."""
+        ``[0, k)``, or None), put back to the identity after the launch: a decode update with
+        no row starting a block writes no plan at all."""
         rows = table.total
         arena = self.arena.host
         plan_src, plan_col, plan_block = arena["plan_src"], arena["plan_col"], arena["plan_block"]
@@ -280,22 +281,22 @@ class DeviceState:
             plan_src[:rows] = self.row_numbers[:rows]
             plan_col[:rows] = self.no_append[:rows]
             plan_block[:rows] = self.no_append[:rows]
-            self.identity_plan_rows, self.plan_appends = rows, 0
-        k = 0 if appended is None else appended[1].size
-        if self.plan_appends > k:
-            # The appends of an earlier decode update past this one's.
-            plan_col[k:self.plan_appends] = -1
-            plan_block[k:self.plan_appends] = -1
-        self.plan_appends = k
+            self.identity_plan_rows = rows
         if appended is None:
             self._compact(table, new_tokens, new_token_offset=0, rows=rows, old_total=rows)
             return
-        plan_src[plan.dst] = plan.src
+        k = appended[1].size
+        swaps = plan.dst.size
+        if swaps:
+            plan_src[plan.dst] = plan.src
         plan_col[:k], plan_block[:k] = appended
         self._compact(table, new_tokens, new_token_offset=0, rows=rows, old_total=rows)
-        # The launch has read (on CUDA: the arena copy has staged) the plan: the sources back
-        # to the identity (the appends stay, for the next decode update to overwrite).
-        plan_src[plan.dst] = plan.dst
+        # The launch has read (on CUDA: the arena copy has staged) the plan: back to the
+        # identity.
+        if swaps:
+            plan_src[plan.dst] = plan.dst
+        plan_col[:k] = -1
+        plan_block[:k] = -1
 
     def _compact(self, table, new_tokens: torch.Tensor, *, new_token_offset: int, rows: int,
                  old_total: int) -> None:
