@@ -14,6 +14,8 @@ import torch
 from helpers import add, make_ctx
 from test_decode_path import WORKLOADS, _request, assert_equal_states, full_state
 
+from dynctx.context import update_plan
+
 
 def _pair(**overrides):
     contexts = [make_ctx(**overrides) for _ in range(2)]
@@ -28,30 +30,93 @@ def _outcome(fn):
         return "error", f"{type(error).__name__}: {error}"
 
 
-def test_block_count_at_table_width_written_by_hand():
-    """A row that fills its last block while its block count (written by hand) is already the
-    block table's width has no column for a new block. The decode update must not write it
-    into the next row's first column (a flat index of the table): it leaves the row to the
-    general path, which fails as Megatron-Core does (an index out of the table's bounds), and
-    both contexts end in the same state."""
+@pytest.mark.parametrize("count", ["width", "negative"])
+def test_block_count_out_of_the_table_written_by_hand(count):
+    """A row that fills its last block while its block count (written by hand) is the block
+    table's width, or negative, has no column for a new block. The decode update must not turn
+    that count into another row's entry (``commit_decode``'s flat index of the table): it
+    leaves the update to the general path, which indexes the table as Megatron-Core does (an
+    index out of bounds at the width; the last column for -1), and both contexts end alike."""
     contexts = _pair(**WORKLOADS["roomy"])
     for c in contexts:
         for rid, length in enumerate((3, 5, 6)):
             add(c, _request(rid, length, 30))
         c.initialize_attention_state()
         c.update_requests(torch.ones(3, dtype=torch.bool), torch.arange(3))
-    C = contexts[0].max_kv_block_count
-    # Row 0 fills its last block at this update, and claims every column of its row.
+    value = contexts[0].max_kv_block_count if count == "width" else -1
+    # Row 1 fills its last block at this update (it moves to row 0 and appends there).
     for c in contexts:
         c.initialize_attention_state()
-        c.request_last_kv_block_offset[0] = c.block_size_tokens - 1
-        c.request_kv_block_counts[0] = C
-    before = contexts[0].request_to_kv_block_ids[1].clone()
+        c.request_last_kv_block_offset[1] = c.block_size_tokens - 1
+        c.request_kv_block_counts[1] = value
     outcomes = [_outcome(lambda c=c: c.update_requests(torch.ones(3, dtype=torch.bool),
                                                        torch.arange(3)).tolist())
                 for c in contexts]
     assert outcomes[0] == outcomes[1]
-    assert outcomes[0][0] == "error" and "out of bounds" in outcomes[0][1], outcomes[0]
-    # Row 1's block-table row was not written through row 0's missing column.
-    assert torch.equal(contexts[0].request_to_kv_block_ids[1], before)
+    if count == "width":
+        assert outcomes[0][0] == "error" and "out of bounds" in outcomes[0][1], outcomes[0]
+    else:
+        assert outcomes[0] == ("ok", []), outcomes[0]
     assert_equal_states(full_state(contexts[0]), full_state(contexts[1]), "after the update")
+
+
+def _crossing_sizes(monkeypatch) -> list:
+    """Records the number of rows that start a block in each decode plan made."""
+    sizes = []
+    real = update_plan.plan_decode
+
+    def recorded(table, **kwargs):
+        plan = real(table, **kwargs)
+        if plan is not None:
+            sizes.append(0 if plan.full is None else len(plan.full))
+        return plan
+
+    monkeypatch.setattr("dynctx.context.request_table.plan_decode", recorded)
+    return sizes
+
+
+# block_size - 1 = 511 (0x1FF) and 271 (0x10F): their first byte is that of offsets 255 and 15,
+# which the byte search meets as candidates and must reject (the decoys reach them at update 7).
+@pytest.mark.parametrize("block_size, decoys", [(512, (254, 766)), (272, (14, 286))])
+def test_many_rows_cross_with_decoy_offsets(block_size, decoys, monkeypatch):
+    """More than ``SMALL_CROSSING`` rows start a block in one update (the numpy branch), among
+    rows whose last-block offsets share the first byte of ``block_size - 1`` (candidates of the
+    byte search that are not matches), with ``max_requests`` = 37 (not a multiple of 4); and
+    fewer rows crossing at other updates (the list branch). Lockstep with the general path."""
+    sizes = _crossing_sizes(monkeypatch)
+    tokens_per_block_bytes = 4 * 2 * 4  # fp32, K and V, 1 layer, 1 head of 4
+    contexts = _pair(num_layers=1, num_attention_heads=1, kv_channels=4,
+                     block_size_tokens=block_size, max_requests=37, max_tokens=8192,
+                     max_sequence_length=4 * block_size,
+                     buffer_size_gb=150 * block_size * tokens_per_block_bytes / 1024 ** 3,
+                     paused_buffer_size_gb=4 * block_size * tokens_per_block_bytes / 1024 ** 3)
+    # Targets: the offset each request's forwarded token reaches at update 6: a block's last
+    # (23 rows cross there), a decoy (offset 255 or 15 at update 7, when one row crosses). A request added at update s with L prompt tokens forwards, at
+    # update t >= s, the token at position L - 1 + (t - s).
+    targets = [block_size - 1] * 20 + [2 * block_size - 1] * 3 + list(decoys) * 5 + \
+        [block_size - 3, block_size - 2, block_size + 5, 9]
+    assert len(targets) == 37
+    rid = 0
+    for update in range(12):
+        if update < 5:
+            group = targets[update::5]
+            for target in group:
+                length = target - (6 - update) + 1
+                reqs = [_request(rid, length, 100) for _ in contexts]
+                for c, r in zip(contexts, reqs):
+                    add(c, r)
+                rid += 1
+        for c in contexts:
+            c.initialize_attention_state()
+        assert_equal_states(full_state(contexts[0]), full_state(contexts[1]), f"step {update}")
+        A = contexts[0].total_request_count - contexts[0].paused_request_count
+        tokens = torch.arange(A) + 1000 * update
+        results = [c.update_requests(torch.ones(A, dtype=torch.bool), tokens).tolist()
+                   for c in contexts]
+        assert results[0] == results[1] == []
+        assert_equal_states(full_state(contexts[0]), full_state(contexts[1]),
+                            f"update {update}")
+    # Update 6: 23 rows cross (numpy); update 7: one row among 10 decoys (the byte search);
+    # update 8: one row; none at the updates in between (every update a decode update).
+    assert sizes[-6:] == [23, 1, 1, 0, 0, 0], sizes
+    assert contexts[0].total_request_count == 37
