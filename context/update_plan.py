@@ -345,13 +345,6 @@ def plan_decode(table, *, chunked_id: int, max_sequence_length: int,
     allocator = table.allocator
     if k > allocator.total_avail or active_blocks + k > allocator.active_count:
         return None
-    # A row whose block count (written by hand) is the table's width or negative has no column
-    # for its new block (commit_decode's flat index would write another row's entry): the
-    # general path indexes the table as Megatron-Core does. (As unsigned, a negative count is
-    # past the width: one reduce.)
-    if int(np.maximum.reduce(rows[FIELD_BLOCKS, full].view(np.uint32))) >= \
-            table.max_kv_block_count:
-        return None
     # plan_update's pause: the full rows among the first k stay, the others (left_keep) swap,
     # in order, with the full rows past k (right_full).
     front = bisect.bisect_left(full, k)

@@ -8,11 +8,11 @@ block sizes whose ``block_size - 1`` shares its low byte with other offsets, mor
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from helpers import add, make_ctx
 from test_decode_path import WORKLOADS, _request, assert_equal_states, full_state
+from triton_marks import needs_triton
 
 from dynctx.context import update_plan
 
@@ -23,41 +23,30 @@ def _pair(**overrides):
     return contexts
 
 
-def _outcome(fn):
-    try:
-        return "ok", fn()
-    except Exception as error:  # both contexts must fail alike
-        return "error", f"{type(error).__name__}: {error}"
-
-
-@pytest.mark.parametrize("count", ["width", "negative"])
-def test_block_count_out_of_the_table_written_by_hand(count):
+def test_block_count_at_the_table_width_written_by_hand():
     """A row that fills its last block while its block count (written by hand) is the block
-    table's width, or negative, has no column for a new block. The decode update must not turn
-    that count into another row's entry (``commit_decode``'s flat index of the table): it
-    leaves the update to the general path, which indexes the table as Megatron-Core does (an
-    index out of bounds at the width; the last column for -1), and both contexts end alike."""
+    table's width has no column for a new block. The decode update indexes the table as the
+    general path (and Megatron-Core) does and raises the same ``IndexError``; a flat index of
+    the table wrote the next row's first entry instead, and nothing raised on the host."""
     contexts = _pair(**WORKLOADS["roomy"])
     for c in contexts:
         for rid, length in enumerate((3, 5, 6)):
             add(c, _request(rid, length, 30))
         c.initialize_attention_state()
         c.update_requests(torch.ones(3, dtype=torch.bool), torch.arange(3))
-    value = contexts[0].max_kv_block_count if count == "width" else -1
+    C = contexts[0].max_kv_block_count
     # Row 1 fills its last block at this update (it moves to row 0 and appends there).
     for c in contexts:
         c.initialize_attention_state()
         c.request_last_kv_block_offset[1] = c.block_size_tokens - 1
-        c.request_kv_block_counts[1] = value
-    outcomes = [_outcome(lambda c=c: c.update_requests(torch.ones(3, dtype=torch.bool),
-                                                       torch.arange(3)).tolist())
-                for c in contexts]
-    assert outcomes[0] == outcomes[1]
-    if count == "width":
-        assert outcomes[0][0] == "error" and "out of bounds" in outcomes[0][1], outcomes[0]
-    else:
-        assert outcomes[0] == ("ok", []), outcomes[0]
-    assert_equal_states(full_state(contexts[0]), full_state(contexts[1]), "after the update")
+        c.request_kv_block_counts[1] = C
+    row2 = contexts[0].request_to_kv_block_ids[2].clone()
+    for c in contexts:
+        with pytest.raises(IndexError, match=f"index {C} is out of bounds for axis 1 with size "
+                                             f"{C}"):
+            c.update_requests(torch.ones(3, dtype=torch.bool), torch.arange(3))
+    # Row 2 (after row 1, which swapped with row 0) kept its entries.
+    assert torch.equal(contexts[0].request_to_kv_block_ids[2], row2)
 
 
 def _crossing_sizes(monkeypatch) -> list:
@@ -78,21 +67,23 @@ def _crossing_sizes(monkeypatch) -> list:
 # block_size - 1 = 511 (0x1FF) and 271 (0x10F): their first byte is that of offsets 255 and 15,
 # which the byte search meets as candidates and must reject (the decoys reach them at update 7).
 @pytest.mark.parametrize("block_size, decoys", [(512, (254, 766)), (272, (14, 286))])
-def test_many_rows_cross_with_decoy_offsets(block_size, decoys, monkeypatch):
+def test_many_rows_cross_with_decoy_offsets(block_size, decoys, monkeypatch, backend="torch"):
     """More than ``SMALL_CROSSING`` rows start a block in one update (the numpy branch), among
     rows whose last-block offsets share the first byte of ``block_size - 1`` (candidates of the
     byte search that are not matches), with ``max_requests`` = 37 (not a multiple of 4); and
     fewer rows crossing at other updates (the list branch). Lockstep with the general path."""
     sizes = _crossing_sizes(monkeypatch)
-    tokens_per_block_bytes = 4 * 2 * 4  # fp32, K and V, 1 layer, 1 head of 4
+    token_bytes = 4 * 2 * 4  # fp32, K and V, 1 layer, 1 head of 4
     contexts = _pair(num_layers=1, num_attention_heads=1, kv_channels=4,
                      block_size_tokens=block_size, max_requests=37, max_tokens=8192,
+                     kernel_backend=backend,
                      max_sequence_length=4 * block_size,
-                     buffer_size_gb=150 * block_size * tokens_per_block_bytes / 1024 ** 3,
-                     paused_buffer_size_gb=4 * block_size * tokens_per_block_bytes / 1024 ** 3)
-    # Targets: the offset each request's forwarded token reaches at update 6: a block's last
-    # (23 rows cross there), a decoy (offset 255 or 15 at update 7, when one row crosses). A request added at update s with L prompt tokens forwards, at
-    # update t >= s, the token at position L - 1 + (t - s).
+                     buffer_size_gb=150 * block_size * token_bytes / 1024 ** 3,
+                     paused_buffer_size_gb=4 * block_size * token_bytes / 1024 ** 3)
+    # Targets: the position each request's forwarded token reaches at update 6: a block's last
+    # (23 rows cross there), or a decoy (offset 255 or 15 at update 7, where one row crosses).
+    # A request added at update s with L prompt tokens forwards, at update t >= s, the token
+    # at position L - 1 + (t - s).
     targets = [block_size - 1] * 20 + [2 * block_size - 1] * 3 + list(decoys) * 5 + \
         [block_size - 3, block_size - 2, block_size + 5, 9]
     assert len(targets) == 37
@@ -120,3 +111,11 @@ def test_many_rows_cross_with_decoy_offsets(block_size, decoys, monkeypatch):
     # update 8: one row; none at the updates in between (every update a decode update).
     assert sizes[-6:] == [23, 1, 1, 0, 0, 0], sizes
     assert contexts[0].total_request_count == 37
+
+
+@pytest.mark.interpreter
+@needs_triton
+def test_many_rows_cross_with_decoy_offsets_triton(monkeypatch):
+    """The same on the Triton kernels (the interpreter): 23 swaps and appended blocks in one
+    compaction launch."""
+    test_many_rows_cross_with_decoy_offsets(272, (14, 286), monkeypatch, backend="triton")
