@@ -8,6 +8,7 @@ block sizes whose ``block_size - 1`` shares its low byte with other offsets, mor
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from helpers import add, make_ctx
@@ -15,6 +16,7 @@ from test_decode_path import WORKLOADS, _request, assert_equal_states, full_stat
 from triton_marks import needs_triton
 
 from dynctx.context import update_plan
+from dynctx.context.batch_dimensions import InferenceBatchDimensions
 
 
 def _pair(**overrides):
@@ -119,3 +121,52 @@ def test_many_rows_cross_with_decoy_offsets_triton(monkeypatch):
     """The same on the Triton kernels (the interpreter): 23 swaps and appended blocks in one
     compaction launch."""
     test_many_rows_cross_with_decoy_offsets(272, (14, 286), monkeypatch, backend="triton")
+
+
+def test_decode_updates_after_capture_dummies(monkeypatch):
+    """``add_dummy_requests_for_cudagraph_capture`` fills the context with rows whose blocks are
+    the dummy block (never allocated); updates after it (not Megatron-Core's protocol, which
+    resets, but allowed) cross blocks with those rows, which then allocate real blocks, and
+    finish them (the dummy block is not released). CUDA-graph padding on; ``max_requests`` 13;
+    lockstep with the general path, and the block invariants after every update."""
+    crossings = _crossing_sizes(monkeypatch)
+    contexts = _pair(**{**WORKLOADS["roomy"], "max_requests": 13}, num_cuda_graphs=4)
+    graph = InferenceBatchDimensions(token_count=9, prefill_req_count=1, decode_req_count=6)
+    for c in contexts:
+        c.add_dummy_requests_for_cudagraph_capture(graph)
+    assert contexts[0].total_request_count == 7
+    sizes, graphs = [], []
+    for update in range(14):
+        for c in contexts:
+            c.initialize_attention_state()
+        assert_equal_states(full_state(contexts[0]), full_state(contexts[1]), f"step {update}")
+        graphs.append(contexts[0].using_cuda_graph_this_step())
+        A = contexts[0].total_request_count
+        mask = torch.ones(A, dtype=torch.bool)
+        if update >= 10:
+            mask[update % A] = False  # finishes: the general path, the dummy block kept
+        for c in contexts:
+            c.update_requests(mask, torch.arange(A) + 100 * update)
+        assert_equal_states(full_state(contexts[0]), full_state(contexts[1]), f"update {update}")
+        check_invariants_with_dummies(contexts[0])
+        sizes.append(contexts[0].block_allocator.total_avail)
+    # Rows crossed blocks (real blocks allocated) in decode updates, then finished ones
+    # released theirs.
+    assert sum(size > 0 for size in crossings) >= 2, crossings
+    assert min(sizes) < sizes[0] and sizes[-1] > min(sizes), sizes
+    assert any(graphs), graphs
+
+
+def check_invariants_with_dummies(ctx) -> None:
+    """Every real block is free or held once; the dummy block is never free."""
+    T = ctx.total_request_count
+    table = ctx.request_to_kv_block_ids[:T].numpy()
+    counts = ctx.request_kv_block_counts[:T].numpy()
+    assert np.array_equal((table >= 0).sum(axis=1), counts)
+    dummy = ctx.block_allocator.dummy_block_idx
+    owned = table[(table >= 0) & (table != dummy)]
+    alloc = ctx.block_allocator
+    free = alloc.block_bag[:alloc.total_avail]
+    assert owned.size == np.unique(owned).size and dummy not in free
+    assert np.intersect1d(free, owned).size == 0
+    assert owned.size + alloc.total_avail == alloc.total_count - 1
