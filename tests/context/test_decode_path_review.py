@@ -8,6 +8,8 @@ block sizes whose ``block_size - 1`` shares its low byte with other offsets, mor
 
 from __future__ import annotations
 
+import random
+
 import numpy as np
 import pytest
 import torch
@@ -170,3 +172,125 @@ def check_invariants_with_dummies(ctx) -> None:
     assert owned.size == np.unique(owned).size and dummy not in free
     assert np.intersect1d(free, owned).size == 0
     assert owned.size + alloc.total_avail == alloc.total_count - 1
+
+
+#: Writes by hand through the public views (``_write_by_hand``), the same in both contexts.
+_WRITES = ("blocks", "blocks_up", "blocks_up", "blocks_moved", "kv_offset", "output",
+           "query", "last_offset", "last_offset_full", "table", "count", "avail", "swap")
+
+
+def _write_by_hand(contexts, rng, point: str) -> None:
+    """One random write by hand, the same in every context, at ``point`` ("after add",
+    "before step" or "before update"): a block count up or down (or moved between two rows,
+    the sum kept), a KV offset, an output length, a query length with the token count, a
+    last-block offset (to the block's last), a block-table entry, a count set to its value
+    (the state becomes hand-written), the free-block count, or two active rows swapped."""
+    c0 = contexts[0]
+    P, T = c0.paused_request_count, c0.total_request_count
+    kind = rng.choice(_WRITES)
+    row, other = rng.randrange(T), rng.randrange(T)
+    delta, up, less = rng.choice([-1, 1]), rng.randint(1, 6), rng.choice([0, 1])
+    C, bs = c0.max_kv_block_count, c0.block_size_tokens
+    for c in contexts:
+        counts = c.request_kv_block_counts
+        if kind == "blocks":
+            counts[row] = max(0, min(C - 1, int(counts[row]) + delta))
+        elif kind == "blocks_up":
+            counts[row] = min(C - 1, int(counts[row]) + up)
+        elif kind == "blocks_moved" and row != other and counts[row] >= 1 and \
+                counts[other] < C - 1:
+            counts[row] -= 1
+            counts[other] += 1
+        elif kind == "kv_offset":
+            c.request_kv_length_offsets[row] += 1
+        elif kind == "output":
+            c.request_output_lengths[row] += 1
+        elif kind == "query" and point == "before step" and row >= P:
+            c.request_query_lengths[row] += 1
+            c.active_token_count = c.active_token_count + 1
+        elif kind == "last_offset":
+            c.request_last_kv_block_offset[row] = (int(c.request_last_kv_block_offset[row]) + 1) \
+                % bs
+        elif kind == "last_offset_full":
+            c.request_last_kv_block_offset[row] = bs - 1
+        elif kind == "table" and counts[row] > 0:
+            table = c.request_to_kv_block_ids
+            table[row, int(counts[row]) - 1] = int(table[row, int(counts[row]) - 1])
+        elif kind == "count":
+            c.total_request_count = T
+        elif kind == "avail":
+            c.block_allocator.total_avail = max(0, c.block_allocator.total_avail - less)
+        elif kind == "swap" and point != "before update" and row >= P and other >= P and \
+                row != other:
+            c._swap_book_keeping_tensors([row], [other], None)
+
+
+@pytest.mark.parametrize("name, seed", [("tight", 13), ("tight", 40), ("roomy", 39)])
+def test_decode_update_with_writes_by_hand(name, seed, monkeypatch):
+    """Random workloads with writes by hand through every public view at every point between
+    calls (after an ``add_request``, before ``initialize_attention_state``, between it and
+    ``update_requests``), the same in both contexts: the decode update (which takes the block
+    count sum and largest KV offset from the step it follows when the rows are unchanged)
+    equals the general path, state after state. These seeds fail when the step signature
+    leaves the block counts out (a stale sum lets rows resume past the active budget)."""
+    carried = []
+    real = update_plan.plan_decode
+
+    def recorded(table, **kwargs):
+        carried.append(kwargs.get("active_blocks") is not None)
+        return real(table, **kwargs)
+
+    monkeypatch.setattr("dynctx.context.request_table.plan_decode", recorded)
+    contexts = _pair(**WORKLOADS[name])
+    rng = random.Random(seed)
+    rid, remaining = 0, {}
+
+    def same(where):
+        assert_equal_states(full_state(contexts[0]), full_state(contexts[1]), where)
+
+    for step_index in range(80):
+        where = f"{name} seed {seed} step {step_index}"
+        if rng.random() < 0.5:
+            for _ in range(rng.randint(1, 3)):
+                length, gen = rng.randint(1, 14), rng.randint(1, 60)
+                if not all(contexts[0].check_availability(_request(rid, length, gen))):
+                    break
+                for c in contexts:
+                    add(c, _request(rid, length, gen))
+                remaining[rid] = gen
+                rid += 1
+                if rng.random() < 0.4:
+                    _write_by_hand(contexts, rng, "after add")
+                same(where + " add")
+        if rng.random() < 0.4 and contexts[0].total_request_count:
+            _write_by_hand(contexts, rng, "before step")
+            same(where + " written before the step")
+        P, T = contexts[0].paused_request_count, contexts[0].total_request_count
+        if T == P:
+            continue
+        for c in contexts:
+            c.initialize_attention_state()
+        same(where + " initialize_attention_state")
+        if rng.random() < 0.4:
+            _write_by_hand(contexts, rng, "before update")
+            same(where + " written before the update")
+        ids = contexts[0].host_request_ids()[P:T].tolist()
+        keep = [remaining[i] > 1 and rng.random() > 0.04 for i in ids]
+        mask = torch.tensor(keep)
+        tokens = torch.tensor([i * 10 + step_index for i in ids])
+        outcomes = []
+        for c in contexts:
+            try:
+                outcomes.append(("ok", c.update_requests(mask.clone(), tokens.clone()).tolist(),
+                                 c.evicted_request_ids.tolist()))
+            except (IndexError, RuntimeError) as error:
+                # A hand-written count at the table's width, or no request able to run: both
+                # contexts fail alike (their partial states are not compared).
+                outcomes.append(("error", f"{type(error).__name__}: {error}"))
+        assert outcomes[0] == outcomes[1], where
+        if outcomes[0][0] == "error":
+            break
+        same(where + " update_requests")
+        for i, kept in zip(ids, keep):
+            remaining[i] -= kept
+    assert sum(carried) >= 2, carried
