@@ -68,6 +68,23 @@ def _crossing_sizes(monkeypatch) -> list:
     return sizes
 
 
+def _crossing_sizes_plain(ctx) -> list:
+    """The number of rows starting a block at each decode update of ``ctx`` (a wrapper of its
+    table's ``plan_decode``)."""
+    sizes = []
+    table = ctx._table
+    real = table.plan_decode
+
+    def recorded(**kwargs):
+        plan = real(**kwargs)
+        if plan is not None:
+            sizes.append(0 if plan.full is None else len(plan.full))
+        return plan
+
+    table.plan_decode = recorded
+    return sizes
+
+
 # block_size - 1 = 511 (0x1FF) and 271 (0x10F): their first byte is that of offsets 255 and 15,
 # which the byte search meets as candidates and must reject (the decoys reach them at update 7).
 @pytest.mark.parametrize("block_size, decoys", [(512, (254, 766)), (272, (14, 286))])
@@ -294,3 +311,31 @@ def test_decode_update_with_writes_by_hand(name, seed, monkeypatch):
         for i, kept in zip(ids, keep):
             remaining[i] -= kept
     assert sum(carried) >= 2, carried
+
+
+def test_row_plan_identity_after_a_crossing():
+    """``DeviceState.apply_decode`` puts the arena's row plan back to the identity after the
+    launch: appended blocks of a crossing of two rows must not be applied again at a later
+    decode update where one row crosses and moves (row 1, its last-block offset written by
+    hand), which would write the old block into the row that moved there. The device block
+    tables equal the general path's and the host's after every update."""
+    contexts = _pair(**WORKLOADS["roomy"])
+    bs = contexts[0].block_size_tokens
+    for c in contexts:
+        # Rows 0 and 1 fill their last block at update 1; row 2 at none of updates 0-2.
+        for rid, length in enumerate((bs - 1, 2 * bs - 1, bs + 1)):
+            add(c, _request(rid, length, 30))
+    crossings = _crossing_sizes_plain(contexts[0])
+    for update in range(3):
+        for c in contexts:
+            c.initialize_attention_state()
+        if update == 2:
+            for c in contexts:
+                c.request_last_kv_block_offset[1] = bs - 1
+        for c in contexts:
+            c.update_requests(torch.ones(3, dtype=torch.bool), torch.arange(3) + 10 * update)
+        assert_equal_states(full_state(contexts[0]), full_state(contexts[1]), f"update {update}")
+        mirrors = contexts[0]._device.mirrors(contexts[0]._table)
+        assert np.array_equal(mirrors["block_table"].numpy(),
+                              contexts[0].request_to_kv_block_ids.numpy()), f"update {update}"
+    assert crossings == [0, 2, 1], crossings
