@@ -82,11 +82,9 @@ class RequestTable:
         R, C = self.max_requests, self.max_kv_block_count
         self.block_table = np.full((R, C), -1, dtype=np.int32)
         # The block table as R opaque rows (moving rows is then a one-dimensional copy, several
-        # times faster than a two-dimensional fancy index) and flat (entry (r, c) at
-        # row_starts[r] + c).
+        # times faster than a two-dimensional fancy index).
         self.block_rows = self.block_table.view(np.dtype((np.void, 4 * C))).reshape(R)
-        self.block_flat = self.block_table.reshape(-1)
-        self.row_starts = np.arange(R) * C
+        self.row_numbers = np.arange(R)
         self.prompt = np.zeros(self.max_tokens, dtype=np.int64)
         # The bytes of int32 ones (a decode step's query lengths, compared in one memcmp) and
         # of an int32 block_size - 1 (the offset of a full block's last token, which
@@ -99,7 +97,7 @@ class RequestTable:
     def unbind(self) -> None:
         """Drop every host array (suspend); the requests in flight are forgotten."""
         self.rows = self.block_table = self.prompt = self._zero_slots = None
-        self.block_rows = self.block_flat = None
+        self.block_rows = None
         self.metadata, self.slots = {}, None
         self.allocator.reset()
         if self.prefix_cache is not None:
@@ -360,7 +358,10 @@ class RequestTable:
             k = len(plan.full)
             blocks = self.allocator.allocate_memory_blocks_host(k)
             columns = rows[FIELD_BLOCKS, :k].copy()
-            self.block_flat[self.row_starts[:k] + columns] = blocks
+            # A two-dimensional index, not a flat one: a block count written by hand at the
+            # table's width raises (as the general path and Megatron-Core do) instead of
+            # writing the next row's first entry, and -1 is the row's own last column.
+            self.block_table[self.row_numbers[:k], columns] = blocks
             rows[FIELD_BLOCKS, :k] = columns + 1
             rows[FIELD_LAST_BLOCK, :k] = blocks
             rows[FIELD_LAST_OFFSET, :k] = 0
