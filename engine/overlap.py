@@ -122,6 +122,7 @@ class _PendingStep:
     step: int
     deliveries: List[_Delivery]
     evicted: Set[int]
+    paused: Set[int]
     handle: tuple
 
 
@@ -137,6 +138,13 @@ class AsyncScheduling:
         self.retired: Dict[int, "_Entry"] = {}
         # Tokens read outside a step (by ``suspend``): reported with the next step.
         self.carried_tokens: Dict[int, int] = {}
+        # How often each case came up: ``early_reads`` (tokens read before the admission, for
+        # an evicted row), ``retired`` (requests that ran one step past their termination id),
+        # ``retired_paused`` (of those, paused when their token was read),
+        # ``retired_evicted`` (retired rows evicted instead of masked), ``evicted_stops``
+        # (evicted rows whose token was their termination id: dropped from the queue).
+        self.counts: Dict[str, int] = dict(early_reads=0, retired=0, retired_paused=0,
+                                           retired_evicted=0, evicted_stops=0)
 
     # ------------------------------------------------------------------ the step
     def step(self, result: "StepResult") -> None:
@@ -146,6 +154,7 @@ class AsyncScheduling:
             result.new_tokens.update(self.carried_tokens)
             self.carried_tokens = {}
         if self.pending is not None and self.pending.evicted:
+            self.counts["early_reads"] += 1
             self.resolve(result.new_tokens)  # the recompute checkpoints need the tokens
         eng._admit()
         if ctx.active_token_count == 0:
@@ -215,6 +224,8 @@ class AsyncScheduling:
         for rid in evicted_ids:
             if self.retired.pop(rid, None) is None:
                 evicted_live.append(rid)
+            else:
+                self.counts["retired_evicted"] += 1
         result.evicted_ids = evicted_live
         for rid in result.paused_ids:
             eng._entries[rid].num_pauses += 1
@@ -227,7 +238,9 @@ class AsyncScheduling:
             # Only the evicted rows of this step need their token before a re-admission.
             delivered = {d.entry.request_id for d in deliveries}
             self.pending = _PendingStep(step=eng.step_count, deliveries=deliveries,
-                                        evicted=set(evicted_live) & delivered, handle=handle)
+                                        evicted=set(evicted_live) & delivered,
+                                        paused=set(result.paused_ids) & delivered,
+                                        handle=handle)
         eng._count(result)
         eng.step_count += 1
 
@@ -260,8 +273,11 @@ class AsyncScheduling:
             rid = entry.request_id
             if rid in pending.evicted:
                 eng.scheduler.discard(rid)  # re-queued for recompute: no longer wanted
+                self.counts["evicted_stops"] += 1
             else:
                 self.retired[rid] = entry
+                self.counts["retired"] += 1
+                self.counts["retired_paused"] += rid in pending.paused
 
     def before_suspend(self) -> List[int]:
         """Read the tokens in flight (the checkpoints need them); returns the retired ids,

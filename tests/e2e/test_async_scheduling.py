@@ -224,3 +224,124 @@ def test_async_scheduling_must_be_a_bool():
     with pytest.raises(TypeError, match="async_scheduling='yes' must be a bool"):
         build_engine(hf, block_size=16, blocks=8, paused_blocks=2, max_tokens=32,
                      kernel_backend="torch", async_scheduling="yes")
+
+
+def _events_of_async_run(hf, requests, arrivals):
+    """An async run without termination ids: ``{request id: token}`` of the requests whose
+    token sampled in the step whose update first paused (evicted) them appears there for the
+    first time in their output (a step's tokens arrive with the next step)."""
+    paused_at: Dict[int, int] = {}
+    evicted_at: Dict[int, int] = {}
+    sampled: Dict[tuple, tuple] = {}  # (step, request id) -> (token, its index in the output)
+    delivered: Dict[int, int] = {}
+
+    def record(step):
+        for rid, token in step.new_tokens.items():
+            sampled[(step.step - 1, rid)] = (token, delivered.get(rid, 0))
+            delivered[rid] = delivered.get(rid, 0) + 1
+        for rid in step.paused_ids:
+            paused_at.setdefault(rid, step.step)
+        for rid in step.evicted_ids:
+            evicted_at.setdefault(rid, step.step)
+
+    engine = build_engine(hf, **case_engine_sizes(CASE), kernel_backend="torch",
+                          async_scheduling=True, step_callback=record)
+    results = {r.request_id: r for r in engine.generate_requests(requests,
+                                                                  arrival_steps=arrivals)}
+
+    def first_occurrences(events):
+        chosen = {}
+        for rid, step in events.items():
+            if (step, rid) in sampled:
+                token, index = sampled[(step, rid)]
+                if token not in results[rid].generated_tokens[:index]:
+                    chosen[rid] = token
+        return chosen
+
+    return first_occurrences(paused_at), first_occurrences(evicted_at)
+
+
+@pytest.mark.parametrize("event", ["paused", "evicted"])
+def test_a_request_stopping_as_it_pauses_or_is_evicted(event):
+    """A request whose token is its termination id in the very step whose update pauses it
+    (it retires while paused, and is released once it resumes or is evicted) or evicts it
+    (re-queued for recompute, then dropped from the queue once its token is read): its tokens
+    and every other request's equal the synchronous engine's."""
+    # Seed 4: the token request 6 samples in the step that evicts it is unique in its output
+    # (with seed 0 it is not, and it would stop earlier).
+    hf = tiny_llama(seed=4)
+    prompts, requests, arrivals = pressure_workload(hf, CASE, BASE_LENGTHS, BASE_GENS)
+    at_pause, at_evict = _events_of_async_run(hf, requests, arrivals)
+    chosen = at_pause if event == "paused" else at_evict
+    assert chosen, f"the workload has no request whose {event} step token is unique"
+    rid, token = min(chosen.items())
+    stopping = []
+    for request in requests:
+        params = SamplingParams(**{**vars(request.sampling_params)})
+        if request.request_id == rid:
+            params.termination_id = token
+        stopping.append(DynamicInferenceRequest(request_id=request.request_id,
+                                                prompt_tokens=list(request.prompt_tokens),
+                                                sampling_params=params))
+
+    def run(async_scheduling):
+        engine = build_engine(hf, **case_engine_sizes(CASE), kernel_backend="torch",
+                              async_scheduling=async_scheduling)
+        results = engine.generate_requests(stopping, arrival_steps=arrivals)
+        assert not engine.context.has_unfinished_requests()
+        assert engine.context.block_allocator.total_avail == CASE["blocks"] - 1
+        return engine, results
+
+    _, sync = run(False)
+    engine, asynchronous = run(True)
+    assert outcome(asynchronous) == outcome(sync)
+    stopped = asynchronous[rid]
+    assert stopped.finish_reason == "stop" and stopped.generated_tokens[-1] == token
+    counts = engine._overlap.counts
+    if event == "paused":
+        assert counts["retired_paused"] >= 1, counts
+    else:
+        assert counts["evicted_stops"] >= 1 and counts["early_reads"] >= 1, counts
+
+
+@pytest.mark.parametrize("model", ["llama-prefix-caching", "nemotron-h"])
+def test_prefix_caching_and_hybrid_models_equal_sync(model):
+    """Prefix caching (LRU: finished requests' blocks stay cached, so a retired request's
+    blocks are published and reused) and a hybrid Mamba model (the retired row's extra step
+    moves its Mamba state, then releases it): async equals the synchronous engine."""
+    if model == "nemotron-h":
+        from test_nemotron_h import GENS, LENGTHS, tiny_nemotron_h
+        from test_nemotron_h import build_engine as build_hybrid
+
+        hf = tiny_nemotron_h()
+        prompts = make_prompts(LENGTHS, hf.config.vocab_size)
+        gens, arrivals = GENS, None
+        sizes = dict(block_size=16, blocks=12, paused_blocks=2, max_tokens=32,
+                     attention_backend="torch")
+        build = build_hybrid
+    else:
+        from test_prefix_caching import shared_prefix_workload
+
+        hf = tiny_llama(seed=5)
+        prompts, gens, arrivals = shared_prefix_workload(hf.config.vocab_size)
+        sizes = dict(block_size=16, blocks=16, paused_blocks=3, max_tokens=32,
+                     enable_prefix_caching=True, prefix_caching_eviction_policy="lru")
+        build = build_engine
+    requests = greedy_requests(prompts, gens)
+    plain = build(hf, kernel_backend="torch", **sizes).generate_requests(
+        requests, arrival_steps=arrivals)
+    stopping = with_termination_ids(requests, {r.request_id: r.generated_tokens for r in plain})
+
+    def run(async_scheduling):
+        engine = build(hf, kernel_backend="torch", async_scheduling=async_scheduling, **sizes)
+        results = engine.generate_requests(stopping, arrival_steps=arrivals)
+        assert not engine.context.has_unfinished_requests()
+        return engine, results
+
+    _, sync = run(False)
+    engine, asynchronous = run(True)
+    assert outcome(asynchronous) == outcome(sync)
+    assert engine._overlap.counts["retired"] >= 3
+    if model != "nemotron-h":
+        assert engine.stats.pauses > 0
+        assert engine.stats.prefix_cache["prefix_cache_hits"] >= 3
