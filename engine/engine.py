@@ -684,9 +684,13 @@ class Engine:
             output = torch.nan_to_num(output, nan=0.0, posinf=0.0, neginf=float("-inf"))
         last = ctx.last_token_logits(output) if full else output
         overlap = self._overlap
-        params = [e.params if overlap is None else overlap.params_for(e) for e in entries]
-        sampled = sample(last, params, [len(e.request.generated_tokens) for e in entries],
-                         self._rng)
+        if overlap is None:
+            params = [e.params for e in entries]
+            indices = [len(e.request.generated_tokens) for e in entries]
+        else:
+            params = [overlap.params_for(e) for e in entries]
+            indices = [overlap.token_index(e) for e in entries]
+        sampled = sample(last, params, indices, self._rng)
         batch = _Batch(entries=entries, num_decode=num_decode,
                        chunked_id=ctx.chunked_prefill_request_id, sampled=sampled,
                        tokens=sampled.tolist() if read_tokens else [], failed=failed,

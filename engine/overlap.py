@@ -124,6 +124,7 @@ class _PendingStep:
     evicted: Set[int]
     paused: Set[int]
     handle: tuple
+    delivered_ids: Set[int]
 
 
 class AsyncScheduling:
@@ -173,6 +174,15 @@ class AsyncScheduling:
     def params_for(self, entry: "_Entry") -> SamplingParams:
         """The sampling parameters of a row in this step's forward."""
         return RETIRED_PARAMS if entry.request_id in self.retired else entry.params
+
+    def token_index(self, entry: "_Entry") -> int:
+        """How many tokens the request has generated before this step's sample, counting its
+        token still in flight (a seeded draw depends on it: engine/sampling.py)."""
+        generated = len(entry.request.generated_tokens)
+        pending = self.pending
+        if pending is not None and entry.request_id in pending.delivered_ids:
+            generated += 1
+        return generated
 
     def outcomes(self, batch: "_Batch") -> List["_Row"]:
         """Each row's mask decision from what the host knows now; log probs (read by the
@@ -240,7 +250,7 @@ class AsyncScheduling:
             self.pending = _PendingStep(step=eng.step_count, deliveries=deliveries,
                                         evicted=set(evicted_live) & delivered,
                                         paused=set(result.paused_ids) & delivered,
-                                        handle=handle)
+                                        handle=handle, delivered_ids=delivered)
         eng._count(result)
         eng.step_count += 1
 

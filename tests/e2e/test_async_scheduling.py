@@ -345,3 +345,24 @@ def test_prefix_caching_and_hybrid_models_equal_sync(model):
     if model != "nemotron-h":
         assert engine.stats.pauses > 0
         assert engine.stats.prefix_cache["prefix_cache_hits"] >= 3
+
+
+def test_seeded_sampling_equals_sync():
+    """A seeded draw depends on the request and on how many tokens it generated (counting the
+    one still in flight), so seeded sampling also equals the synchronous engine's, with
+    pauses and an eviction (a recompute) on the way."""
+    hf = tiny_llama()
+    prompts, requests, arrivals = pressure_workload(hf, CASE, BASE_LENGTHS, BASE_GENS)
+    for i, request in enumerate(requests):
+        params = request.sampling_params
+        params.temperature, params.top_k, params.top_p, params.seed = 0.9, 20, 0.95, 100 + i
+
+    def run(async_scheduling):
+        engine = build_engine(hf, **case_engine_sizes(CASE), kernel_backend="torch",
+                              async_scheduling=async_scheduling)
+        return engine, engine.generate_requests(requests, arrival_steps=arrivals)
+
+    _, sync = run(False)
+    engine, asynchronous = run(True)
+    assert outcome(asynchronous) == outcome(sync)
+    assert engine.stats.pauses > 0 and engine.stats.evictions > 0
