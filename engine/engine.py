@@ -720,6 +720,16 @@ class Engine:
         return entry
 
     @property
+    def async_scheduling(self) -> bool:
+        return self._overlap is not None
+
+    @property
+    def async_scheduling_counts(self) -> Dict[str, int]:
+        """Async scheduling's counters (``engine/overlap.py``, ``AsyncScheduling.counts``);
+        empty when it is off."""
+        return {} if self._overlap is None else dict(self._overlap.counts)
+
+    @property
     def graph_replays(self) -> int:
         """Forward steps that replayed a captured graph (0 without graphs)."""
         runner = self.graph_runner

@@ -366,3 +366,15 @@ def test_seeded_sampling_equals_sync():
     engine, asynchronous = run(True)
     assert outcome(asynchronous) == outcome(sync)
     assert engine.stats.pauses > 0 and engine.stats.evictions > 0
+
+
+def test_demo_with_async_scheduling_matches(capsys):
+    from dynctx import cli_demo
+
+    assert cli_demo.main(["--requests", "8", "--max-new-tokens", "8", "--async-scheduling",
+                          "--plot", "", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "check             OK: 8/8 outputs match" in out
+    assert "async scheduling  tokens read one step late" in out
+    with pytest.raises(SystemExit, match="--async-scheduling with --dtype bf16"):
+        cli_demo.main(["--async-scheduling", "--dtype", "bf16", "--plot", "", "--no-progress"])
