@@ -4,6 +4,7 @@ synchronous engine's and transformers' greedy ``generate``."""
 
 from __future__ import annotations
 
+import re
 from typing import Dict, List, Optional
 
 import pytest
@@ -378,3 +379,12 @@ def test_demo_with_async_scheduling_matches(capsys):
     assert "async scheduling  tokens read one step late" in out
     with pytest.raises(SystemExit, match="--async-scheduling with --dtype bf16"):
         cli_demo.main(["--async-scheduling", "--dtype", "bf16", "--plot", "", "--no-progress"])
+
+
+def test_bench_runs_and_outputs_agree(capsys):
+    import async_scheduling
+
+    assert async_scheduling.main(["--requests", "4", "--new-tokens", "4", "--repeats", "1",
+                                  "--threads", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "outputs identical" in out and re.search(r"^async\s+\d+", out, re.M)
