@@ -4,7 +4,8 @@ One ``step()`` does what Megatron-Core's ``DynamicInferenceEngine`` step does (d
 §10, §11): admit requests (arrivals, FIFO admission, chunked prefill: ``Scheduler`` in
 ``engine/scheduler.py``); ``initialize_attention_state``; the model's forward; per-request
 sampling; the finish mask; ``update_requests``; re-queue evicted requests at the front for
-recompute; return the finished requests.
+recompute; return the finished requests. With ``async_scheduling=True`` the sampled tokens are
+read one step late, after the next step's forward is launched (``engine/overlap.py``).
 
 Requests are isolated from each other:
 
@@ -216,8 +217,9 @@ class _Row:
 
 @dataclass
 class _Batch:
-    """One forward step: the active rows in order, the sampled tokens, the rows whose logits
-    failed the check, and the log probs when asked."""
+    """One forward step: the active rows in order, the sampled tokens (``sampled`` on the
+    device; ``tokens`` on the host, empty under async scheduling), the rows whose logits failed
+    the check, and the log probs when asked."""
 
     entries: List[_Entry]
     num_decode: int
@@ -360,7 +362,7 @@ class Engine:
         (``engine.graphs.graph_attention_backend``). ``enable_prefix_caching`` and
         ``prefix_caching_eviction_policy`` (and ``prefix_caching_mamba_gb``, a context
         argument) turn prefix caching on (docs/SEMANTICS.md §17); ``stats.prefix_cache`` then
-        gives its counters and hit rates.
+        gives its counters and hit rates. ``async_scheduling``: as ``Engine``'s.
         ``tensor_model_parallel_size=N`` (a context argument; the group is ``pg_collection.tp``
         or the default ``torch.distributed`` group of N ranks): run one process per rank, as
         under ``torchrun``; each takes its shard of the weights (``models._common
