@@ -147,8 +147,20 @@ def test_tokens_are_read_only_after_the_next_forward_is_launched(monkeypatch):
             return forward(*args, **kwargs)
 
         engine.model.forward = logged_forward
+        update = engine.context.update_requests
+        masks = []
+
+        def logged_update(mask, new_tokens):
+            # The mask is on the host (read without waiting for the device) and the tokens are
+            # the sampled device tensor itself.
+            masks.append(mask.device.type)
+            assert new_tokens is sampled[-1]
+            return update(mask, new_tokens)
+
+        engine.context.update_requests = logged_update
         results = engine.generate_requests(greedy_requests(prompts, gens))
         assert engine.stats.evictions == 0
+        assert masks and set(masks) == {"cpu"}
         return [r.generated_tokens for r in results], list(log), len(sampled)
 
     sync_tokens, sync_log, _ = orders(False)
