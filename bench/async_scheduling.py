@@ -15,6 +15,7 @@ Usage::
 
     python -P bench/async_scheduling.py                       # 32 requests x 32 tokens
     python -P bench/async_scheduling.py --requests 64 --new-tokens 64 --repeats 3
+    python -P bench/async_scheduling.py --device cuda --num-cuda-graphs 8   # on a GPU (unrun)
 """
 
 from __future__ import annotations
@@ -25,13 +26,16 @@ import time
 import torch
 
 
-def run_once(hf, prompts, new_tokens: int, *, async_scheduling: bool, device: str) -> tuple:
+def run_once(hf, prompts, new_tokens: int, *, async_scheduling: bool, device: str,
+             num_cuda_graphs: int) -> tuple:
     from dynctx.engine import Engine
 
+    on_cpu = not device.startswith("cuda")
+    graphs = dict(num_cuda_graphs=num_cuda_graphs) if num_cuda_graphs else {}
     engine = Engine.from_transformers(hf, block_size_tokens=16, buffer_size_gb=0.05,
                                       max_tokens=512, max_requests=len(prompts),
-                                      kernel_backend="torch", cuda_graphs=False,
-                                      async_scheduling=async_scheduling)
+                                      kernel_backend="torch" if on_cpu else "auto",
+                                      async_scheduling=async_scheduling, **graphs)
     if device.startswith("cuda"):
         torch.cuda.synchronize()
     started = time.perf_counter()
@@ -49,6 +53,9 @@ def main(argv=None) -> int:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--num-cuda-graphs", type=int, default=0,
+                        help="capture and replay the forward per graph batch dimension (on a "
+                             "CPU the stand-in runner); 0: eager")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads (0 keeps torch's)")
     args = parser.parse_args(argv)
@@ -73,14 +80,16 @@ def main(argv=None) -> int:
     for _ in range(args.repeats):
         for mode in (False, True):
             elapsed, steps, out = run_once(hf, prompts, args.new_tokens,
-                                           async_scheduling=mode, device=args.device)
+                                           async_scheduling=mode, device=args.device,
+                                           num_cuda_graphs=args.num_cuda_graphs)
             outputs[mode] = out
             if mode not in best or elapsed < best[mode][0]:
                 best[mode] = (elapsed, steps)
     same = outputs[False] == outputs[True]
     tokens = args.requests * args.new_tokens
     print(f"async scheduling bench: {args.requests} requests x {args.new_tokens} tokens, "
-          f"{args.device}, {torch.get_num_threads()} thread(s), best of {args.repeats}")
+          f"{args.device}, {torch.get_num_threads()} thread(s), "
+          f"{args.num_cuda_graphs or 'no'} CUDA graphs, best of {args.repeats}")
     print(f"{'mode':<8} {'steps':>6} {'time s':>8} {'steps/s':>9} {'tokens/s':>9}")
     for mode in (False, True):
         elapsed, steps = best[mode]
