@@ -230,6 +230,9 @@ class _Batch:
     want_prompt_log_probs: bool
     log_prob_lists: Optional[List[List[float]]] = None
     full_log_probs: Optional[torch.Tensor] = None
+    # Async scheduling, a step without prompt log probs: the sampled tokens' log probs on the
+    # device, read with the tokens (engine/overlap.py).
+    deferred_log_probs: Optional[torch.Tensor] = None
 
 
 class _DeferredWriter:
@@ -275,8 +278,8 @@ class Engine:
             ``new_tokens`` and ``finished`` are those of the step before, and a request whose
             token is its termination id runs one more step (its token discarded). Greedy
             outputs equal the synchronous engine's. Refused (``ValueError``) with the context's
-            ``validate=True`` and with ``record_logits=True``; requests asking for log probs
-            work, but their steps read the log probs on the host before the update.
+            ``validate=True`` and with ``record_logits=True``; log probs work (a step with
+            prompt log probs reads them on the host before the update).
     """
 
     @joins_agreement_on_failure
@@ -701,6 +704,8 @@ class Engine:
             if want_prompt_lp:
                 batch.log_prob_lists, batch.full_log_probs = ctx.calculate_log_probs(
                     output, sampled)
+            elif overlap is not None:
+                batch.deferred_log_probs = overlap.generated_log_probs(last, sampled)
             else:
                 batch.log_prob_lists, batch.full_log_probs = ctx.calculate_log_probs(
                     last, sampled, only_last_token_logits=True)

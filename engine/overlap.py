@@ -28,7 +28,9 @@ batch is launched) and Megatron-Core 0.19's async scheduling (``prepare_requests
 When step n+1's host work needs step n's tokens, they are read before it (a sync, where the
 synchronous engine has one every step): a request evicted by update n, whose recompute
 checkpoint holds every generated token, is re-admitted only once its step n token is read;
-``suspend()`` reads them first too.
+``suspend()`` reads them first too. The sampled tokens' log probs travel with them (a second
+readback); prompt log probs are read before the update, as in the synchronous engine (that
+step does not overlap).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set
 import torch
 
 from dynctx.context import SamplingParams
+from dynctx.kernels import token_log_probs
 
 if TYPE_CHECKING:  # pragma: no cover - imports for annotations only
     from .engine import Engine, StepResult, _Batch, _Entry, _Row
@@ -65,7 +68,8 @@ def refuse_conflicts(*, context: Any, record_logits: bool) -> None:
 
 
 class TokenReadback:
-    """A step's sampled tokens on their way to the host.
+    """A step's sampled tokens (or any 1-D ``dtype`` tensor of at most ``capacity`` values, such
+    as their log probs) on their way to the host.
 
     ``start(tokens)`` begins the copy and returns its handle: on CUDA, a non-blocking copy into
     one of two pinned buffers (step n+1's copy starts before step n's is read, so they
@@ -74,11 +78,11 @@ class TokenReadback:
     the tokens as ints; a handle never read is simply dropped.
     """
 
-    def __init__(self, device: torch.device, capacity: int):
+    def __init__(self, device: torch.device, capacity: int, dtype: torch.dtype = torch.int64):
         self.device = torch.device(device)
         self._buffers: List[torch.Tensor] = []
         if self.device.type == "cuda":
-            self._buffers = [torch.empty(max(1, capacity), dtype=torch.int64, pin_memory=True)
+            self._buffers = [torch.empty(max(1, capacity), dtype=dtype, pin_memory=True)
                              for _ in range(2)]
         self._next = 0
         self.reads = 0
@@ -97,7 +101,7 @@ class TokenReadback:
         event.record()
         return (buffer, event, count)
 
-    def read(self, handle: tuple) -> List[int]:
+    def read(self, handle: tuple) -> list:
         source, event, count = handle
         if event is not None:
             event.synchronize()
@@ -125,6 +129,7 @@ class _PendingStep:
     paused: Set[int]
     handle: tuple
     delivered_ids: Set[int]
+    log_prob_handle: Optional[tuple] = None
 
 
 class AsyncScheduling:
@@ -135,6 +140,7 @@ class AsyncScheduling:
         self.engine = engine
         ctx = engine.context
         self.readback = TokenReadback(ctx.device, ctx.max_requests)
+        self.log_prob_readback = TokenReadback(ctx.device, ctx.max_requests, torch.float32)
         self.pending: Optional[_PendingStep] = None
         self.retired: Dict[int, "_Entry"] = {}
         # Tokens read outside a step (by ``suspend``): reported with the next step.
@@ -165,11 +171,19 @@ class AsyncScheduling:
             eng._idle(result)
             return
         batch = eng._forward(result, read_tokens=False)
-        handle = self.readback.start(batch.sampled)
+        handles = (self.readback.start(batch.sampled),
+                   None if batch.deferred_log_probs is None
+                   else self.log_prob_readback.start(batch.deferred_log_probs))
         if self.pending is not None:
             self.resolve(result.new_tokens)
         rows = self.outcomes(batch)
-        self.update(batch, rows, result, handle)
+        self.update(batch, rows, result, handles)
+
+    def generated_log_probs(self, last: torch.Tensor, sampled: torch.Tensor) -> torch.Tensor:
+        """The log probs of the sampled tokens, on the device (read with the tokens): a step
+        without prompt log probs needs no host read for them."""
+        ctx = self.engine.context
+        return token_log_probs(last, sampled, backend=ctx.kernel_backend)[0]
 
     def params_for(self, entry: "_Entry") -> SamplingParams:
         """The sampling parameters of a row in this step's forward."""
@@ -207,7 +221,7 @@ class AsyncScheduling:
         return rows
 
     def update(self, batch: "_Batch", rows: List["_Row"], result: "StepResult",
-               handle: tuple) -> None:
+               handles: tuple) -> None:
         """``update_requests`` with a host mask and the device tokens, then the engine's side
         of it; the step's deliveries wait for the next step."""
         eng = self.engine
@@ -250,7 +264,8 @@ class AsyncScheduling:
             self.pending = _PendingStep(step=eng.step_count, deliveries=deliveries,
                                         evicted=set(evicted_live) & delivered,
                                         paused=set(result.paused_ids) & delivered,
-                                        handle=handle, delivered_ids=delivered)
+                                        handle=handles[0], delivered_ids=delivered,
+                                        log_prob_handle=handles[1])
         eng._count(result)
         eng.step_count += 1
 
@@ -263,10 +278,14 @@ class AsyncScheduling:
             return
         eng = self.engine
         tokens = self.readback.read(pending.handle)
+        log_probs = None if pending.log_prob_handle is None \
+            else self.log_prob_readback.read(pending.log_prob_handle)
         now = time.perf_counter()
         for delivery in pending.deliveries:
             entry = delivery.entry
             token = int(tokens[delivery.index])
+            if log_probs is not None and entry.params.return_log_probs:
+                entry.generated_log_probs.append(log_probs[delivery.index])
             request = entry.request
             request.generated_tokens.append(token)
             new_tokens[entry.request_id] = token

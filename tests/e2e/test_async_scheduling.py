@@ -23,6 +23,7 @@ from test_llama_engine import BASE_GENS, BASE_LENGTHS
 
 import dynctx.engine.engine as engine_module
 from dynctx.context import DynamicInferenceRequest, SamplingParams
+from dynctx.engine.overlap import AsyncScheduling
 
 CASE = dict(block_size=16, blocks=14, paused_blocks=3, max_tokens=32, max_requests=None, scale=1)
 GRAPH_CASE = dict(CASE, max_requests=8)
@@ -104,40 +105,52 @@ def test_async_equals_sync_and_transformers_under_pressure(graphs):
             eos=request.sampling_params.termination_id)
 
 
-def test_tokens_are_read_only_after_the_next_forward_is_launched(monkeypatch):
+@pytest.mark.parametrize("log_probs", [False, True], ids=["tokens", "with-log-probs"])
+def test_tokens_are_read_only_after_the_next_forward_is_launched(monkeypatch, log_probs):
     """Every host read of a step's sampled tokens (tolist, item, numpy, cpu on any view of
-    them) comes after the next step's forward was launched, except the last step's, read once
-    nothing is left to run; the synchronous engine reads them before."""
+    them), and of their log probs when requests ask for them (without prompt log probs), comes
+    after the next step's forward was launched, except the last step's, read once nothing is
+    left to run; the synchronous engine reads them before."""
     hf = tiny_llama(seed=3)
     prompts = make_prompts([4, 9, 2, 13, 6], hf.config.vocab_size, seed=4)
     gens = [6, 3, 8, 5, 7]
     log: List[tuple] = []
-    sampled: List[torch.Tensor] = []  # kept alive: their data_ptrs stay unique
+    sampled: List[torch.Tensor] = []
+    watched: List[List[torch.Tensor]] = []  # per step; kept alive: their data_ptrs stay unique
     real_sample = engine_module.sample
+    real_log_probs = AsyncScheduling.generated_log_probs
 
     def watched_sample(*args, **kwargs):
         tokens = real_sample(*args, **kwargs)
         sampled.append(tokens)
+        watched.append([tokens])
         return tokens
+
+    def watched_log_probs(self, last, tokens):
+        values = real_log_probs(self, last, tokens)
+        watched[-1].append(values)
+        return values
 
     def reader(name):
         original = getattr(torch.Tensor, name)
 
         def read(self, *args, **kwargs):
             if self.numel():
-                for k, tokens in enumerate(sampled):
-                    if self.data_ptr() == tokens.data_ptr():
+                for k, tensors in enumerate(watched):
+                    if any(self.data_ptr() == t.data_ptr() for t in tensors):
                         log.append(("read", k))
             return original(self, *args, **kwargs)
         return read
 
     monkeypatch.setattr(engine_module, "sample", watched_sample)
+    monkeypatch.setattr(AsyncScheduling, "generated_log_probs", watched_log_probs)
     for name in ("tolist", "item", "numpy", "cpu"):
         monkeypatch.setattr(torch.Tensor, name, reader(name))
 
     def orders(async_scheduling):
         log.clear()
         sampled.clear()
+        watched.clear()
         engine = build_engine(hf, block_size=16, blocks=16, paused_blocks=4, max_tokens=32,
                               kernel_backend="torch", async_scheduling=async_scheduling)
         forward = engine.model.forward
@@ -158,10 +171,18 @@ def test_tokens_are_read_only_after_the_next_forward_is_launched(monkeypatch):
             return update(mask, new_tokens)
 
         engine.context.update_requests = logged_update
-        results = engine.generate_requests(greedy_requests(prompts, gens))
+        requests = greedy_requests(prompts, gens)
+        for request in requests:
+            request.sampling_params.return_log_probs = log_probs
+            request.sampling_params.skip_prompt_log_probs = True
+        results = engine.generate_requests(requests)
         assert engine.stats.evictions == 0
         assert masks and set(masks) == {"cpu"}
-        return [r.generated_tokens for r in results], list(log), len(sampled)
+        if log_probs:
+            assert all(len(r.generated_log_probs) == len(r.generated_tokens) for r in results)
+            assert not async_scheduling or all(len(w) == 2 for w in watched)
+        return [(r.generated_tokens, r.generated_log_probs) for r in results], list(log), \
+            len(sampled)
 
     sync_tokens, sync_log, _ = orders(False)
     async_tokens, async_log, steps = orders(True)
