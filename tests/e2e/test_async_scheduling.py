@@ -421,3 +421,20 @@ def test_bench_runs_and_outputs_agree(capsys):
                                   "--threads", "0"]) == 0
     out = capsys.readouterr().out
     assert "outputs identical" in out and re.search(r"^async\s+\d+", out, re.M)
+
+
+def test_context_vocab_size_works_with_async():
+    """The context's ``vocab_size`` (without ``validate``) makes the model give every token's
+    logits and the engine pick the last rows through the context: no host read, so async
+    scheduling takes it and equals the synchronous engine."""
+    hf = tiny_llama(seed=6)
+    prompts = make_prompts([5, 30, 2], hf.config.vocab_size, seed=7)
+    requests = greedy_requests(prompts, [6, 9, 4])
+
+    def run(async_scheduling):
+        engine = build_engine(hf, block_size=16, blocks=10, paused_blocks=2, max_tokens=24,
+                              kernel_backend="torch", vocab_size=hf.config.vocab_size,
+                              async_scheduling=async_scheduling)
+        return engine.generate_requests(requests)
+
+    assert outcome(run(True)) == outcome(run(False))
