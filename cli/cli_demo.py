@@ -87,6 +87,11 @@ def build_parser(prog: str = "python -m dynctx demo") -> argparse.ArgumentParser
     run.add_argument("--seed", type=int, default=0, help="seed of the weights and the workload")
     run.add_argument("--threads", type=int, default=1,
                      help="torch CPU threads (1 is fastest for a small model; 0 keeps torch's)")
+    run.add_argument("--async-scheduling", action="store_true",
+                     help="read each step's sampled tokens one step late, after the next "
+                          "step's forward is launched (the host's bookkeeping overlaps the "
+                          "device's forward on CUDA); outputs are unchanged; fp32 only (the "
+                          "half-precision check records logits)")
     run.add_argument("--plot", default="demo.png", help="PNG path ('' skips the plot)")
     run.add_argument("--no-progress", action="store_true",
                      help="no progress bars (they need tqdm and go to stderr)")
@@ -295,6 +300,10 @@ def _main(args, rank: int, world: int) -> int:
     from dynctx.engine import Engine
 
     hf_logging.set_verbosity_error()
+    if args.async_scheduling and args.dtype != "fp32":
+        raise SystemExit(f"--async-scheduling with --dtype {args.dtype}: the half-precision "
+                         "check records every step's logits (record_logits), which async "
+                         "scheduling refuses; use --dtype fp32")
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, DTYPES[args.dtype])
@@ -331,6 +340,7 @@ def _main(args, rank: int, world: int) -> int:
     engine = Engine.from_transformers(hf_model, rope=args.rope,
                                       attention_backend=args.attention_backend,
                                       seed=args.seed, record_logits=args.dtype != "fp32",
+                                      async_scheduling=args.async_scheduling,
                                       **context_kwargs)
     ctx = engine.context
     prompts, gens, arrivals = make_workload(args, args.vocab)
@@ -419,6 +429,11 @@ def _main(args, rank: int, world: int) -> int:
     say(f"tokens            {generated} generated, {stats.tokens_processed} processed "
         f"(prompts, recomputes and decodes)")
     say(f"steps             {stats.forward_steps} forward + {stats.idle_steps} idle")
+    if args.async_scheduling:
+        counts = engine.async_scheduling_counts
+        say(f"async scheduling  tokens read one step late; {counts['retired']} requests ran "
+            f"one step past their termination id, {counts['early_reads']} early reads "
+            "(evictions)")
     say(f"time              {elapsed:.2f} s: {generated / elapsed:.0f} generated tokens/s, "
         f"{stats.tokens_processed / elapsed:.0f} processed tokens/s")
     say(f"peak KV use       {100 * stats.peak_kv_utilization:.0f}% of "

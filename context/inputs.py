@@ -56,10 +56,12 @@ def read_mask(mask, count: int, device: torch.device) -> Optional[np.ndarray]:
     """``active_requests_mask`` (bool, or integers or floats of exactly 0 and 1, ``[count]``)
     read to the host: the step's one device-to-host read. Returns None when it keeps every
     request (the common step: a bool or one-byte mask of all ones is seen in one memcmp), else
-    the host bool mask. A wrong length raises ``StepShapeError`` (a ``ValueError`` and an
-    ``AssertionError``, as Megatron-Core asserts)."""
+    the host bool mask. A CPU mask is taken for a context on any device: the caller knows
+    it on the host, and reading it waits for nothing (async scheduling, engine/overlap.py);
+    a device mask waits for the device's queue. A wrong length raises ``StepShapeError`` (a
+    ``ValueError`` and an ``AssertionError``, as Megatron-Core asserts)."""
     if not (isinstance(mask, torch.Tensor) and mask.dim() == 1 and mask.shape[0] == count
-            and not mask.is_complex() and mask.device == device):
+            and not mask.is_complex() and (mask.device == device or mask.is_cpu)):
         _refuse_mask(mask, count, device)
     host = (mask if mask.is_cpu else mask.cpu()).numpy()
     if host.itemsize == 1 and host.tobytes() == b"\x01" * count:

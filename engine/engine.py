@@ -4,7 +4,8 @@ One ``step()`` does what Megatron-Core's ``DynamicInferenceEngine`` step does (d
 §10, §11): admit requests (arrivals, FIFO admission, chunked prefill: ``Scheduler`` in
 ``engine/scheduler.py``); ``initialize_attention_state``; the model's forward; per-request
 sampling; the finish mask; ``update_requests``; re-queue evicted requests at the front for
-recompute; return the finished requests.
+recompute; return the finished requests. With ``async_scheduling=True`` the sampled tokens are
+read one step late, after the next step's forward is launched (``engine/overlap.py``).
 
 Requests are isolated from each other:
 
@@ -47,6 +48,7 @@ from dynctx.context import DynamicInferenceContext, DynamicInferenceRequest, Sam
 from dynctx.context.parallel import CountAgreement, joins_agreement_on_failure
 
 from .graphs import graph_attention_backend, make_graph_runner
+from .overlap import AsyncScheduling, refuse_conflicts
 from .sampling import sample
 from .scheduler import Admission, Scheduler
 from .validation import (
@@ -215,8 +217,9 @@ class _Row:
 
 @dataclass
 class _Batch:
-    """One forward step: the active rows in order, the sampled tokens, the rows whose logits
-    failed the check, and the log probs when asked."""
+    """One forward step: the active rows in order, the sampled tokens (``sampled`` on the
+    device; ``tokens`` on the host, empty under async scheduling), the rows whose logits failed
+    the check, and the log probs when asked."""
 
     entries: List[_Entry]
     num_decode: int
@@ -227,6 +230,9 @@ class _Batch:
     want_prompt_log_probs: bool
     log_prob_lists: Optional[List[List[float]]] = None
     full_log_probs: Optional[torch.Tensor] = None
+    # Async scheduling, a step without prompt log probs: the sampled tokens' log probs on the
+    # device, read with the tokens (engine/overlap.py).
+    deferred_log_probs: Optional[torch.Tensor] = None
 
 
 class _DeferredWriter:
@@ -267,6 +273,13 @@ class Engine:
             puts in a graph (``engine/graphs.py``: ``torch.cuda.CUDAGraph`` on CUDA, the stand-in
             runner elsewhere); ``False`` runs every forward eagerly, padded to the graph shapes.
             The context must be empty. ``self.graph_runner`` is the runner (None without graphs).
+        async_scheduling: step n+1's host work runs while the device computes step n; the
+            sampled tokens are read one step late (``engine/overlap.py``): a step's
+            ``new_tokens`` and ``finished`` are those of the step before, and a request whose
+            token is its termination id runs one more step (its token discarded). Greedy
+            outputs equal the synchronous engine's. Refused (``ValueError``) with the context's
+            ``validate=True`` and with ``record_logits=True``; log probs work (a step with
+            prompt log probs reads them on the host before the update).
     """
 
     @joins_agreement_on_failure
@@ -275,7 +288,7 @@ class Engine:
                  default_termination_id: Optional[int] = None, record_logits: bool = False,
                  step_callback: Optional[StepCallback] = None,
                  history_window: Optional[int] = DEFAULT_HISTORY_WINDOW,
-                 cuda_graphs: bool = True):
+                 cuda_graphs: bool = True, async_scheduling: bool = False):
         tp = getattr(model, "tp", None)
         if tp is not None and tp.size > 1:
             # A rank whose arguments fail below still joins the agreement (as failed), so that
@@ -283,7 +296,8 @@ class Engine:
             self._agreement = CountAgreement([tp.group], what="build their engines")
         seed = check_int("seed", seed, low=0)
         for name, flag in (("enable_chunked_prefill", enable_chunked_prefill),
-                           ("record_logits", record_logits), ("cuda_graphs", cuda_graphs)):
+                           ("record_logits", record_logits), ("cuda_graphs", cuda_graphs),
+                           ("async_scheduling", async_scheduling)):
             if not isinstance(flag, (bool, np.bool_)):
                 raise TypeError(f"{name}={flag!r} must be a bool")
         if default_termination_id is not None:
@@ -294,11 +308,14 @@ class Engine:
             raise TypeError(f"step_callback={step_callback!r} must be callable or None")
         if hasattr(model, "check_context"):
             model.check_context(context)
+        if async_scheduling:
+            refuse_conflicts(context=context, record_logits=bool(record_logits))
         if tp is not None and tp.size > 1:
             # Lockstep (docs/SEMANTICS.md §18): the settings that steer scheduling and sampling
             # must be equal on every rank, else every rank raises alike.
             self._agreement([], dict(seed=seed, cuda_graphs=bool(cuda_graphs),
-                                     enable_chunked_prefill=bool(enable_chunked_prefill)))
+                                     enable_chunked_prefill=bool(enable_chunked_prefill),
+                                     async_scheduling=bool(async_scheduling)))
         self.model = model
         self.context = context
         self.scheduler = Scheduler(context, enable_chunked_prefill=enable_chunked_prefill)
@@ -314,6 +331,7 @@ class Engine:
         self._undelivered: List[RequestResult] = []
         self._suspended = False
         self._next_request_id = 0
+        self._overlap = AsyncScheduling(self) if async_scheduling else None
         # The forward mode the graphs capture: every token's logits when the context checks
         # logits (``_forward``), else last-token logits; steps in the other mode run eagerly.
         self.graph_runner = make_graph_runner(model, context,
@@ -328,7 +346,8 @@ class Engine:
                           seed: int = 0, record_logits: bool = False,
                           step_callback: Optional[StepCallback] = None,
                           history_window: Optional[int] = DEFAULT_HISTORY_WINDOW,
-                          cuda_graphs: bool = True, enable_prefix_caching: bool = False,
+                          cuda_graphs: bool = True, async_scheduling: bool = False,
+                          enable_prefix_caching: bool = False,
                           prefix_caching_eviction_policy: str = "ref_zero",
                           **context_kwargs: Any) -> "Engine":
         """Build the adapter for a ``transformers`` causal LM and a context sized for it.
@@ -346,7 +365,7 @@ class Engine:
         (``engine.graphs.graph_attention_backend``). ``enable_prefix_caching`` and
         ``prefix_caching_eviction_policy`` (and ``prefix_caching_mamba_gb``, a context
         argument) turn prefix caching on (docs/SEMANTICS.md §17); ``stats.prefix_cache`` then
-        gives its counters and hit rates.
+        gives its counters and hit rates. ``async_scheduling``: as ``Engine``'s.
         ``tensor_model_parallel_size=N`` (a context argument; the group is ``pg_collection.tp``
         or the default ``torch.distributed`` group of N ranks): run one process per rank, as
         under ``torchrun``; each takes its shard of the weights (``models._common
@@ -422,7 +441,7 @@ class Engine:
         return cls(model, context, enable_chunked_prefill=enable_chunked_prefill, seed=seed,
                    default_termination_id=eos, record_logits=record_logits,
                    step_callback=step_callback, history_window=history_window,
-                   cuda_graphs=cuda_graphs)
+                   cuda_graphs=cuda_graphs, async_scheduling=async_scheduling)
 
     # ------------------------------------------------------------------ submission
     @property
@@ -451,7 +470,8 @@ class Engine:
     def _id_in_use(self, rid: int) -> bool:
         """Queued or running, or finished with its result not yet returned (O(1) but for
         the few undelivered results)."""
-        return rid in self._entries or any(r.request_id == rid for r in self._undelivered)
+        return (rid in self._entries or any(r.request_id == rid for r in self._undelivered)
+                or (self._overlap is not None and rid in self._overlap.retired))
 
     def add_request(self, request: DynamicInferenceRequest,
                     arrival_step: Optional[int] = None) -> None:
@@ -554,6 +574,8 @@ class Engine:
     def has_unfinished_requests(self) -> bool:
         """Requests queued or running, or finished results not yet returned by a step."""
         return bool(self._undelivered or self.scheduler.has_work()
+                    or (self._overlap is not None and (self._overlap.pending is not None
+                                                       or self._overlap.carried_tokens))
                     or (not self._suspended and self.context.has_unfinished_requests()))
 
     # ------------------------------------------------------------------ the step
@@ -569,13 +591,16 @@ class Engine:
         started = time.perf_counter()
         result = StepResult(step=self.step_count)
         with self._deferred_metrics() as writer:
-            self._admit()
-            if self.context.active_token_count == 0:
-                self._idle(result)
+            if self._overlap is not None:
+                self._overlap.step(result)  # engine/overlap.py
             else:
-                batch = self._forward(result)
-                rows = self._outcomes(batch)
-                self._update(batch, rows, result)
+                self._admit()
+                if self.context.active_token_count == 0:
+                    self._idle(result)
+                else:
+                    batch = self._forward(result)
+                    rows = self._outcomes(batch)
+                    self._update(batch, rows, result)
         return self._finish_step(result, started, writer.error if writer else None)
 
     def _refuse_while_suspended(self, what: str) -> None:
@@ -636,13 +661,14 @@ class Engine:
         next_arrival = self.scheduler.next_arrival_step
         self.step_count = max(self.step_count + 1, next_arrival or 0)
 
-    def _forward(self, result: StepResult) -> _Batch:
+    def _forward(self, result: StepResult, read_tokens: bool = True) -> _Batch:
         """``initialize_attention_state``, the model's forward, the logits check, sampling and
-        the log probs asked for."""
+        the log probs asked for; ``read_tokens=False`` (async scheduling) leaves the sampled
+        tokens on the device (``batch.tokens`` empty)."""
         ctx = self.context
         ctx.initialize_attention_state()
         P, T = ctx.paused_request_count, ctx.total_request_count
-        entries = [self._entries[int(i)] for i in ctx.host_request_ids()[P:T]]
+        entries = [self._entry(int(i)) for i in ctx.host_request_ids()[P:T]]
         num_decode = ctx.num_decode_requests
         result.active_requests, result.paused_requests = T - P, P
         result.tokens = ctx.active_token_count
@@ -662,16 +688,24 @@ class Engine:
             # The failed rows finish with an error; zeros keep NaN out of sampling.
             output = torch.nan_to_num(output, nan=0.0, posinf=0.0, neginf=float("-inf"))
         last = ctx.last_token_logits(output) if full else output
-        sampled = sample(last, [e.params for e in entries],
-                         [len(e.request.generated_tokens) for e in entries], self._rng)
+        overlap = self._overlap
+        if overlap is None:
+            params = [e.params for e in entries]
+            indices = [len(e.request.generated_tokens) for e in entries]
+        else:
+            params = [overlap.params_for(e) for e in entries]
+            indices = [overlap.token_index(e) for e in entries]
+        sampled = sample(last, params, indices, self._rng)
         batch = _Batch(entries=entries, num_decode=num_decode,
                        chunked_id=ctx.chunked_prefill_request_id, sampled=sampled,
-                       tokens=sampled.tolist(), failed=failed,
+                       tokens=sampled.tolist() if read_tokens else [], failed=failed,
                        want_prompt_log_probs=want_prompt_lp)
         if any(e.params.return_log_probs for e in entries):
             if want_prompt_lp:
                 batch.log_prob_lists, batch.full_log_probs = ctx.calculate_log_probs(
                     output, sampled)
+            elif overlap is not None:
+                batch.deferred_log_probs = overlap.generated_log_probs(last, sampled)
             else:
                 batch.log_prob_lists, batch.full_log_probs = ctx.calculate_log_probs(
                     last, sampled, only_last_token_logits=True)
@@ -682,6 +716,25 @@ class Engine:
                 entry.step_logits.append((int(prefix[i]), rows[i].clone()))
         self.stats.forward_time_s += time.perf_counter() - forward_start
         return batch
+
+    def _entry(self, rid: int) -> _Entry:
+        """The entry of a request in the context (running, or retired in async mode)."""
+        entry = self._entries.get(rid)
+        if entry is None and self._overlap is not None:
+            entry = self._overlap.retired.get(rid)
+        if entry is None:
+            raise KeyError(f"internal: request {rid} is in the context but not in the engine")
+        return entry
+
+    @property
+    def async_scheduling(self) -> bool:
+        return self._overlap is not None
+
+    @property
+    def async_scheduling_counts(self) -> Dict[str, int]:
+        """Async scheduling's counters (``engine/overlap.py``, ``AsyncScheduling.counts``);
+        empty when it is off."""
+        return {} if self._overlap is None else dict(self._overlap.counts)
 
     @property
     def graph_replays(self) -> int:
@@ -717,8 +770,7 @@ class Engine:
     def _outcomes(self, batch: _Batch) -> List[_Row]:
         """Each active row's token, finish and log probs; changes nothing."""
         rows: List[_Row] = []
-        log_prob_lists = batch.log_prob_lists
-        cu_query = None
+        cache: Dict[str, Any] = {}
         for i, (entry, token) in enumerate(zip(batch.entries, batch.tokens)):
             row = _Row(entry)
             rows.append(row)
@@ -726,21 +778,7 @@ class Engine:
                 row.finish, row.error = "error", batch.failed[i]
                 continue
             is_chunk = entry.request_id == batch.chunked_id
-            if log_prob_lists is not None and entry.params.return_log_probs:
-                values = log_prob_lists[i]
-                if (entry.wants_prompt_log_probs and i >= batch.num_decode
-                        and batch.want_prompt_log_probs):
-                    row.prompt_log_probs = list(values[:-1])
-                    if is_chunk:
-                        # The chunk's last position predicts the next chunk's first token.
-                        if cu_query is None:
-                            cu_query = self.context.active_attn_metadata \
-                                .cu_query_seq_lengths.tolist()
-                        next_token = int(entry.live.remaining_prompt_tokens[0])
-                        row.prompt_log_probs.append(
-                            float(batch.full_log_probs[cu_query[i + 1] - 1, next_token]))
-                if not is_chunk:
-                    row.generated_log_prob = values[-1]
+            self._row_log_probs(row, i, batch, cache)
             if is_chunk:
                 continue  # a non-final chunk: its sample is junk, the context keeps it
             row.token = token
@@ -750,6 +788,28 @@ class Engine:
             if stop or generated >= entry.params.num_tokens_to_generate:
                 row.finish = "stop" if stop else "length"
         return rows
+
+    def _row_log_probs(self, row: _Row, i: int, batch: _Batch, cache: Dict[str, Any]) -> None:
+        """Row ``i``'s prompt and generated log probs, when its request asks for them
+        (``cache`` keeps the step's ``cu_query_seq_lengths`` once read)."""
+        entry = row.entry
+        if batch.log_prob_lists is None or not entry.params.return_log_probs:
+            return
+        is_chunk = entry.request_id == batch.chunked_id
+        values = batch.log_prob_lists[i]
+        if entry.wants_prompt_log_probs and i >= batch.num_decode and batch.want_prompt_log_probs:
+            row.prompt_log_probs = list(values[:-1])
+            if is_chunk:
+                # The chunk's last position predicts the next chunk's first token.
+                if "cu_query" not in cache:
+                    cache["cu_query"] = self.context.active_attn_metadata \
+                        .cu_query_seq_lengths.tolist()
+                cu_query = cache["cu_query"]
+                next_token = int(entry.live.remaining_prompt_tokens[0])
+                row.prompt_log_probs.append(
+                    float(batch.full_log_probs[cu_query[i + 1] - 1, next_token]))
+        if not is_chunk:
+            row.generated_log_prob = values[-1]
 
     def _update(self, batch: _Batch, rows: List[_Row], result: StepResult) -> None:
         """``update_requests`` with the rows' mask, then the rows applied to the engine."""
@@ -825,8 +885,9 @@ class Engine:
         return result
 
     def _finish(self, entry: _Entry, reason: str, now: float,
-                error: Optional[str] = None) -> None:
-        """The request's result joins the undelivered ones; the engine forgets the request."""
+                error: Optional[str] = None, step: Optional[int] = None) -> None:
+        """The request's result joins the undelivered ones; the engine forgets the request.
+        ``step``: the step that sampled its last token (default: this one)."""
         del self._entries[entry.request_id]
         request = entry.request
         params = request.sampling_params
@@ -840,7 +901,8 @@ class Engine:
             prompt_log_probs=list(entry.prompt_log_probs)
             if params.return_log_probs and not params.skip_prompt_log_probs else None,
             arrival_step=entry.arrival_step, first_scheduled_step=entry.first_scheduled_step,
-            first_token_step=entry.first_token_step, finish_step=self.step_count,
+            first_token_step=entry.first_token_step,
+            finish_step=self.step_count if step is None else step,
             arrival_time=entry.arrival_time, first_token_time=entry.first_token_time,
             finish_time=now, num_pauses=entry.num_pauses, num_evictions=entry.num_evictions,
             num_prefill_chunks=entry.num_prefill_chunks,
@@ -858,6 +920,11 @@ class Engine:
             return
         ctx = self.context
         ids = [int(i) for i in ctx.host_request_ids()[:ctx.total_request_count]]
+        if self._overlap is not None:
+            # The tokens in flight are read first (the checkpoints hold them); retired requests
+            # have finished and are not re-queued.
+            retired = set(self._overlap.before_suspend())
+            ids = [rid for rid in ids if rid not in retired]
         for rid in ids:
             entry = self._entries[rid]
             entry.live = None

@@ -212,6 +212,10 @@ def test_lockstep_under_adversarial_use(ranks):
                                "arguments were checked, before the ranks could build their "
                                f"{what} together (that rank's error names the argument); every "
                                "rank stops")
+    # Async scheduling on two ranks: one process's synchronous outputs; refused when it differs.
+    assert first["async"] == first["async_alone"]
+    assert [reason for _, reason in first["async"]].count("stop") >= 1
+    assert "async_scheduling" in first["differ_async"], first["differ_async"]
     # Seeded and unseeded sampling, top-k/top-p and a stop token: one process's tokens.
     tokens = [(t, reason) for t, reason, _ in first["sampled"]]
     assert tokens == [(t, reason) for t, reason, _ in first["sampled_alone"]]

@@ -323,6 +323,25 @@ def lockstep() -> Dict[str, Any]:
         out[case] = out[case] if isinstance(out[case], str) else "built"
     out["prefix_caching"] = {name: _prefix_cached(name) for name in ("nemotron_h_lru",
                                                                      "llama_ref_zero_graphs")}
+    # Async scheduling on two ranks (greedy, request 2 stopping at its fourth token): one
+    # process's synchronous outputs; a setting that differs between ranks is refused.
+    stopping = greedy_requests(prompts, [8] * len(prompts))
+    stopping[2].sampling_params.termination_id = hf_greedy(hf, prompts[2], 8)[3]
+    outputs = {}
+    for mode, ranks in (("async", TP), ("async_alone", 1)):
+        tp_kwargs = dict(tensor_model_parallel_size=TP) if ranks > 1 else {}
+        engine = Engine.from_transformers(hf, buffer_size_gb=gib / ranks, seed=7,
+                                          async_scheduling=mode == "async", **tp_kwargs,
+                                          **common)
+        requests = stopping if first or ranks == 1 else None
+        outputs[mode] = [(r.generated_tokens, r.finish_reason) for r in engine.generate_requests(
+            requests, arrival_steps=arrivals if first or ranks == 1 else None)]
+    out.update(outputs)
+    out["differ_async"] = _guard(lambda: Engine.from_transformers(
+        hf, buffer_size_gb=gib / TP, tensor_model_parallel_size=TP, async_scheduling=first,
+        **common))
+    out["differ_async"] = out["differ_async"] if isinstance(out["differ_async"], str) \
+        else "built"
     return out
 
 

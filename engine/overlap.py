@@ -1,0 +1,317 @@
+"""Async scheduling: step n+1's host work runs while the device computes step n, the sampled
+tokens stay on the device until the next step's forward is launched (``Engine(...,
+async_scheduling=True)``; docs/DESIGN.md, "Async scheduling").
+
+One engine step ``n`` in this mode:
+
+1. admit requests and ``initialize_attention_state``; launch step n's forward and sampling.
+   The sampled tokens stay on the device; a copy to the host starts (``TokenReadback``: on CUDA
+   a non-blocking copy into pinned memory and an event; on a CPU the same calls, synchronous);
+2. read step n-1's tokens (their copy is complete or nearly so: the device is busy with step
+   n's forward), append them to their requests, detect termination ids and lengths, and
+   deliver the finished results (``StepResult.new_tokens`` and ``finished`` of step n are step
+   n-1's tokens and finishes: one step late);
+3. ``update_requests`` of step n with a mask the host knows without step n's tokens (a request
+   that reaches ``num_tokens_to_generate`` with step n's token by count; a request whose step
+   n-1 token was its termination id) and ``new_tokens`` = the device tensor, which the
+   context's compaction consumes on the device.
+
+A request whose step n token is its termination id is found only in step n+1, after step
+n+1's forward: it ran that step too, its step n+1 token is discarded (never delivered), and the
+mask of update n+1 releases it. Between the two the engine holds it as a *retired* request: its
+result delivered, its row still in the context. A retired row samples greedily (no draw from the
+engine's generator). The extra step is what vLLM's async scheduler (placeholder outputs, a
+stale output dropped), SGLang's overlap scheduler (a batch's results processed after the next
+batch is launched) and Megatron-Core 0.19's async scheduling (``prepare_requests`` /
+``commit_sampled_tokens`` / ``resolve_requests``) pay as well.
+
+When step n+1's host work needs step n's tokens, they are read before it (a sync, where the
+synchronous engine has one every step): a request evicted by update n, whose recompute
+checkpoint holds every generated token, is re-admitted only once its step n token is read;
+``suspend()`` reads them first too. The sampled tokens' log probs travel with them (a second
+readback); prompt log probs are read before the update, as in the synchronous engine (that
+step does not overlap).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set
+
+import torch
+
+from dynctx.context import SamplingParams
+from dynctx.kernels import token_log_probs
+
+if TYPE_CHECKING:  # pragma: no cover - imports for annotations only
+    from .engine import Engine, StepResult, _Batch, _Entry, _Row
+
+# A retired row's junk token is sampled greedily: no draw from the engine's generator.
+RETIRED_PARAMS = SamplingParams(temperature=0.0, top_k=1)
+
+
+def refuse_conflicts(*, context: Any, record_logits: bool) -> None:
+    """The options that need the sampled tokens or the logits on the host before the next
+    step's forward: each raises ``ValueError`` naming it."""
+    if getattr(context, "validate", False):
+        raise ValueError(
+            "async_scheduling=True conflicts with the context's validate=True: validate reads "
+            "every step's logits (the NaN/+inf check) and new_tokens (their min and max) on the "
+            "host before update_requests, the very sync async scheduling removes; build the "
+            "context with validate=False, or use async_scheduling=False")
+    if record_logits:
+        raise ValueError(
+            "async_scheduling=True conflicts with record_logits=True: recording copies every "
+            "step's logits to the host before the update (a sync each step); use one or the "
+            "other")
+
+
+class TokenReadback:
+    """A step's sampled tokens (or any 1-D ``dtype`` tensor of at most ``capacity`` values, such
+    as their log probs) on their way to the host.
+
+    ``start(tokens)`` begins the copy and returns its handle: on CUDA, a non-blocking copy into
+    one of two pinned buffers (step n+1's copy starts before step n's is read, so they
+    alternate) and an event recorded behind it on the current stream; elsewhere the tensor
+    itself. ``read(handle)`` waits for that event only (not for the whole device) and returns
+    the tokens as ints; a handle never read is simply dropped.
+    """
+
+    def __init__(self, device: torch.device, capacity: int, dtype: torch.dtype = torch.int64):
+        self.device = torch.device(device)
+        self._buffers: List[torch.Tensor] = []
+        if self.device.type == "cuda":
+            self._buffers = [torch.empty(max(1, capacity), dtype=dtype, pin_memory=True)
+                             for _ in range(2)]
+        self._next = 0
+        self.reads = 0
+
+    def start(self, tokens: torch.Tensor) -> tuple:
+        count = int(tokens.shape[0])
+        if not self._buffers:
+            return (tokens, None, count)
+        buffer = self._buffers[self._next]
+        self._next ^= 1
+        if count > buffer.shape[0]:
+            raise RuntimeError(f"internal: {count} sampled tokens exceed the readback buffer "
+                               f"of {buffer.shape[0]}")
+        buffer[:count].copy_(tokens, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return (buffer, event, count)
+
+    def read(self, handle: tuple) -> list:
+        source, event, count = handle
+        if event is not None:
+            event.synchronize()
+        self.reads += 1
+        return source[:count].tolist()
+
+
+@dataclass
+class _Delivery:
+    """A row of step n whose token will be delivered: its index among the step's active
+    rows, its entry, and whether update n kept it in the context."""
+
+    index: int
+    entry: "_Entry"
+    kept: bool
+
+
+@dataclass
+class _PendingStep:
+    """Step n, sampled and updated, its tokens not read yet."""
+
+    step: int
+    deliveries: List[_Delivery]
+    evicted: Set[int]
+    paused: Set[int]
+    handle: tuple
+    delivered_ids: Set[int]
+    log_prob_handle: Optional[tuple] = None
+
+
+class AsyncScheduling:
+    """The async mode's state: the step whose tokens are in flight and the retired requests
+    (finished and delivered, their rows still in the context until the next update)."""
+
+    def __init__(self, engine: "Engine"):
+        self.engine = engine
+        ctx = engine.context
+        self.readback = TokenReadback(ctx.device, ctx.max_requests)
+        self.log_prob_readback = TokenReadback(ctx.device, ctx.max_requests, torch.float32)
+        self.pending: Optional[_PendingStep] = None
+        self.retired: Dict[int, "_Entry"] = {}
+        # Tokens read outside a step (by ``suspend``): reported with the next step.
+        self.carried_tokens: Dict[int, int] = {}
+        # How often each case came up: ``early_reads`` (tokens read before the admission, for
+        # an evicted row), ``retired`` (requests that ran one step past their termination id),
+        # ``retired_paused`` (of those, paused when their token was read),
+        # ``retired_evicted`` (retired rows evicted instead of masked), ``evicted_stops``
+        # (evicted rows whose token was their termination id: dropped from the queue).
+        self.counts: Dict[str, int] = dict(early_reads=0, retired=0, retired_paused=0,
+                                           retired_evicted=0, evicted_stops=0)
+
+    # ------------------------------------------------------------------ the step
+    def step(self, result: "StepResult") -> None:
+        eng = self.engine
+        ctx = eng.context
+        if self.carried_tokens:
+            result.new_tokens.update(self.carried_tokens)
+            self.carried_tokens = {}
+        if self.pending is not None and self.pending.evicted:
+            self.counts["early_reads"] += 1
+            self.resolve(result.new_tokens)  # the recompute checkpoints need the tokens
+        eng._admit()
+        if ctx.active_token_count == 0:
+            # Nothing to run: the last step's tokens are read now (a flush).
+            self.resolve(result.new_tokens)
+            eng.stats.generated_tokens += len(result.new_tokens)
+            eng._idle(result)
+            return
+        batch = eng._forward(result, read_tokens=False)
+        handles = (self.readback.start(batch.sampled),
+                   None if batch.deferred_log_probs is None
+                   else self.log_prob_readback.start(batch.deferred_log_probs))
+        if self.pending is not None:
+            self.resolve(result.new_tokens)
+        rows = self.outcomes(batch)
+        self.update(batch, rows, result, handles)
+
+    def generated_log_probs(self, last: torch.Tensor, sampled: torch.Tensor) -> torch.Tensor:
+        """The log probs of the sampled tokens, on the device (read with the tokens): a step
+        without prompt log probs needs no host read for them."""
+        ctx = self.engine.context
+        return token_log_probs(last, sampled, backend=ctx.kernel_backend)[0]
+
+    def params_for(self, entry: "_Entry") -> SamplingParams:
+        """The sampling parameters of a row in this step's forward."""
+        return RETIRED_PARAMS if entry.request_id in self.retired else entry.params
+
+    def token_index(self, entry: "_Entry") -> int:
+        """How many tokens the request has generated before this step's sample, counting its
+        token still in flight (a seeded draw depends on it: engine/sampling.py)."""
+        generated = len(entry.request.generated_tokens)
+        pending = self.pending
+        if pending is not None and entry.request_id in pending.delivered_ids:
+            generated += 1
+        return generated
+
+    def outcomes(self, batch: "_Batch") -> List["_Row"]:
+        """Each row's mask decision from what the host knows now; log probs (read by the
+        forward) recorded as the synchronous engine does. Retired rows are dropped."""
+        from .engine import _Row
+
+        eng = self.engine
+        rows: List[_Row] = []
+        cache: Dict[str, Any] = {}
+        for i, entry in enumerate(batch.entries):
+            row = _Row(entry)
+            rows.append(row)
+            if entry.request_id in self.retired:
+                row.finish = "retired"
+                continue
+            eng._row_log_probs(row, i, batch, cache)
+            if entry.request_id == batch.chunked_id:
+                continue  # a non-final chunk: its sample is junk, the context keeps it
+            generated = len(entry.request.generated_tokens) + 1
+            if generated >= entry.params.num_tokens_to_generate:
+                row.finish = "length"  # ("stop" instead if the token is the termination id)
+        return rows
+
+    def update(self, batch: "_Batch", rows: List["_Row"], result: "StepResult",
+               handles: tuple) -> None:
+        """``update_requests`` with a host mask and the device tokens, then the engine's side
+        of it; the step's deliveries wait for the next step."""
+        eng = self.engine
+        ctx = eng.context
+        # A host mask: the context reads it without waiting for the device.
+        mask = torch.tensor([r.keep for r in rows], dtype=torch.bool)
+        paused = ctx.update_requests(mask, batch.sampled)
+        paused_ids = [int(i) for i in paused.tolist()]
+        evicted_ids = [int(i) for i in ctx.evicted_request_ids.tolist()]
+        deliveries = []
+        for i, row in enumerate(rows):
+            rid = row.entry.request_id
+            if row.finish == "retired":
+                self.retired.pop(rid, None)  # masked: its row is released
+                continue
+            entry = row.entry
+            entry.prompt_log_probs.extend(row.prompt_log_probs)
+            if row.generated_log_prob is not None:
+                entry.generated_log_probs.append(row.generated_log_prob)
+            if rid != batch.chunked_id:
+                deliveries.append(_Delivery(i, entry, row.keep))
+        result.paused_ids = [rid for rid in paused_ids if rid not in self.retired]
+        evicted_live = []
+        for rid in evicted_ids:
+            if self.retired.pop(rid, None) is None:
+                evicted_live.append(rid)
+            else:
+                self.counts["retired_evicted"] += 1
+        result.evicted_ids = evicted_live
+        for rid in result.paused_ids:
+            eng._entries[rid].num_pauses += 1
+        for rid in evicted_live:
+            entry = eng._entries[rid]
+            entry.live, entry.recompute = None, True
+            entry.num_evictions += 1
+        eng.scheduler.after_update(evicted_live)
+        if deliveries:
+            # Only the evicted rows of this step need their token before a re-admission.
+            delivered = {d.entry.request_id for d in deliveries}
+            self.pending = _PendingStep(step=eng.step_count, deliveries=deliveries,
+                                        evicted=set(evicted_live) & delivered,
+                                        paused=set(result.paused_ids) & delivered,
+                                        handle=handles[0], delivered_ids=delivered,
+                                        log_prob_handle=handles[1])
+        eng._count(result)
+        eng.step_count += 1
+
+    # ------------------------------------------------------------------ reading
+    def resolve(self, new_tokens: Dict[int, int]) -> None:
+        """Read the pending step's tokens, append them, finish the requests that stop or reach
+        their length; a finished request still in the context retires."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return
+        eng = self.engine
+        tokens = self.readback.read(pending.handle)
+        log_probs = None if pending.log_prob_handle is None \
+            else self.log_prob_readback.read(pending.log_prob_handle)
+        now = time.perf_counter()
+        for delivery in pending.deliveries:
+            entry = delivery.entry
+            token = int(tokens[delivery.index])
+            if log_probs is not None and entry.params.return_log_probs:
+                entry.generated_log_probs.append(log_probs[delivery.index])
+            request = entry.request
+            request.generated_tokens.append(token)
+            new_tokens[entry.request_id] = token
+            if entry.first_token_step is None:
+                entry.first_token_step, entry.first_token_time = pending.step, now
+            params = entry.params
+            termination = params.termination_id
+            stop = termination is not None and termination >= 0 and token == termination
+            if not (stop or len(request.generated_tokens) >= params.num_tokens_to_generate):
+                continue
+            eng._finish(entry, "stop" if stop else "length", now, step=pending.step)
+            if not delivery.kept:
+                continue  # update n released it
+            rid = entry.request_id
+            if rid in pending.evicted:
+                eng.scheduler.discard(rid)  # re-queued for recompute: no longer wanted
+                self.counts["evicted_stops"] += 1
+            else:
+                self.retired[rid] = entry
+                self.counts["retired"] += 1
+                self.counts["retired_paused"] += rid in pending.paused
+
+    def before_suspend(self) -> List[int]:
+        """Read the tokens in flight (the checkpoints need them); returns the retired ids,
+        which the suspend drops instead of re-queueing."""
+        self.resolve(self.carried_tokens)
+        retired = list(self.retired)
+        self.retired.clear()
+        return retired
