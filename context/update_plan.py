@@ -231,12 +231,27 @@ class _Scratch:
         if r == 0:
             return P, a
         rows = np.arange(P - r, P)
+        self._check_columns(rows, counts[rows])
         blocks = self.stack.allocate(r)
         self.append_col[rows] = counts[rows]
         self.append_block[rows] = blocks
         counts[rows] += 1
         self.h[FIELD_LAST_BLOCK, rows] = blocks
         return P - r, a + r
+
+    def _check_columns(self, rows: np.ndarray, columns: np.ndarray) -> None:
+        """Each of ``rows`` appends its next block at its block count: a count outside the
+        block table (written by hand; the API never makes one, a request finishes at
+        ``max_sequence_length`` first) raises here, before anything changes."""
+        width = self.table.max_kv_block_count
+        bad = np.flatnonzero((columns < 0) | (columns >= width))
+        if bad.size:
+            row = int(rows[bad[0]])
+            raise IndexError(
+                f"request {int(self.h[FIELD_IDS, row])} (row {int(self.origin[row])}) needs a new "
+                f"block at column request_kv_block_counts={int(columns[bad[0]])}, outside the "
+                f"block table's [0, max_kv_block_count={width}) (a count written by hand?); "
+                "nothing was changed")
 
     def evict(self, P: int, a: int, paused_budget: int) -> Tuple[int, np.ndarray]:
         """Evict paused requests from the right until paused blocks fit their budget."""
@@ -340,6 +355,16 @@ def plan_decode(table, *, chunked_id: int, max_sequence_length: int,
     k = len(full)
     if not k:
         return DecodePlan(max_kv_offset, kv_offsets, None, None, None, active_blocks)
+    # A block count outside the block table (written by hand) has no column for the new block:
+    # plan_update raises for it.
+    counts, width = rows[FIELD_BLOCKS], table.max_kv_block_count
+    if k <= SMALL_CROSSING:
+        count = counts.item
+        for row in full:
+            if not 0 <= count(row) < width:
+                return None
+    elif not 0 <= counts[full].min() <= counts[full].max() < width:
+        return None
     if active_blocks is None:
         active_blocks = int(np.add.reduce(rows[FIELD_BLOCKS, :T]))
     allocator = table.allocator

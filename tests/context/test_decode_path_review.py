@@ -1,6 +1,6 @@
 """Review cases of the steady decode update (``update_plan.plan_decode``,
 ``RequestTable.commit_decode``, ``DeviceState.apply_decode``): states the random lockstep of
-``test_decode_path.py`` rarely or never reaches (counts written by hand at the table's width,
+``test_decode_path.py`` rarely or never reaches (counts written by hand outside the table,
 block sizes whose ``block_size - 1`` shares its low byte with other offsets, more than
 ``SMALL_CROSSING`` rows starting a block in one update with ``max_requests`` not a multiple of
 4, the row plan after a crossing), each compared against the general path
@@ -13,7 +13,7 @@ import random
 import numpy as np
 import pytest
 import torch
-from helpers import add, make_ctx
+from helpers import add, assert_same, make_ctx, snapshot
 from test_decode_path import WORKLOADS, _request, assert_equal_states, full_state
 from triton_marks import needs_triton
 
@@ -27,11 +27,13 @@ def _pair(**overrides):
     return contexts
 
 
-def test_block_count_at_the_table_width_written_by_hand():
-    """A row that fills its last block while its block count (written by hand) is the block
-    table's width has no column for a new block. The decode update indexes the table as the
-    general path (and Megatron-Core) does and raises the same ``IndexError``; a flat index of
-    the table wrote the next row's first entry instead, and nothing raised on the host."""
+@pytest.mark.parametrize("count", ["width", -1])
+def test_block_count_outside_the_table_written_by_hand(count):
+    """A row that fills its last block while its block count (written by hand) lies outside the
+    block table (its width, or negative) has no column for a new block. Both paths raise the
+    same ``IndexError`` naming the request and the limit, before anything changes: a flat index
+    of the table once wrote the next row's first entry instead, and the general path raised
+    from inside its commit, half done."""
     contexts = _pair(**WORKLOADS["roomy"])
     for c in contexts:
         for rid, length in enumerate((3, 5, 6)):
@@ -39,18 +41,19 @@ def test_block_count_at_the_table_width_written_by_hand():
         c.initialize_attention_state()
         c.update_requests(torch.ones(3, dtype=torch.bool), torch.arange(3))
     C = contexts[0].max_kv_block_count
-    # Row 1 fills its last block at this update (it moves to row 0 and appends there).
+    value = C if count == "width" else -1
+    # Row 1 fills its last block at this update (it would move to row 0 and append there).
     for c in contexts:
         c.initialize_attention_state()
         c.request_last_kv_block_offset[1] = c.block_size_tokens - 1
-        c.request_kv_block_counts[1] = C
-    row2 = contexts[0].request_to_kv_block_ids[2].clone()
+        c.request_kv_block_counts[1] = value
     for c in contexts:
-        with pytest.raises(IndexError, match=f"index {C} is out of bounds for axis 1 with size "
-                                             f"{C}"):
+        before = snapshot(c, device=True)
+        with pytest.raises(IndexError, match=rf"request 1 \(row 1\) needs a new block at column "
+                                             rf"request_kv_block_counts={value}, outside the "
+                                             rf"block table's \[0, max_kv_block_count={C}\)"):
             c.update_requests(torch.ones(3, dtype=torch.bool), torch.arange(3))
-    # Row 2 (after row 1, which swapped with row 0) kept its entries.
-    assert torch.equal(contexts[0].request_to_kv_block_ids[2], row2)
+        assert_same(before, snapshot(c, device=True))
 
 
 def _crossing_sizes(monkeypatch) -> list:
