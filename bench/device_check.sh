@@ -28,8 +28,8 @@
 # checkout's revision: the device machine gets no .git), PYTHON (default python3),
 # DYNCTX_DEVICE_SMOKE=1 (every phase on kv_append alone, 200 s by default: a cheap first try),
 # DYNCTX_DEVICE_ENGINE_GRAPHS=1 (instead of the kernel phases, only the engine benchmark
-# bench/gpu_engine_graphs.py: eager / CUDA graphs / transformers at batch 1, 16, 64, 256 on a
-# random 1B Llama; 480 s by default, timeout_s=560; $OUT gets engine_graphs.{json,txt,log}).
+# bench/gpu_engine_graphs.py: eager / CUDA graphs / graphs + async scheduling / transformers
+# at batch 1, 16, 64, 256 on a random 1B Llama; 480 s by default, timeout_s=560; $OUT gets engine_graphs.{json,txt,log}).
 set -uo pipefail
 
 REPO=$(cd "$(dirname "$0")/.." && pwd)

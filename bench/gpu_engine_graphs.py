@@ -11,6 +11,9 @@ requests with ``--prompt-len``-token prompts, at each batch size B of ``--batche
   is really captured and replayed depends on the engine: the script records what the engine
   reports (``graph_info`` in the results) and the share of steps the context ran in a graph
   shape. An engine without capture runs these steps eagerly, padded to the graph's shape;
+* ``graphs_async``: ``graphs`` with ``async_scheduling=True`` (engine/overlap.py): each step's
+  sampled tokens are read after the next step's forward is launched, so the host's
+  bookkeeping overlaps the device's forward; its outputs must equal ``eager``'s;
 * ``hf``: ``transformers``' ``generate`` on the same prompts as one padded batch, greedy,
   with ``cache_implementation="static"``. Its decode time is ``t(generate N tokens) -
   t(generate 1 token)`` over ``N - 1`` steps (the prefill and the first token cancel).
@@ -50,7 +53,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-MODES = ("eager", "graphs", "hf")
+MODES = ("eager", "graphs", "graphs_async", "hf")
 
 #: About 1.1B parameters: 16 x (attention 10.5M + MLP 50.3M) + embeddings and head 2 x 65.5M.
 MODEL_1B = dict(vocab_size=32000, hidden_size=2048, intermediate_size=8192,
@@ -149,8 +152,10 @@ def _graph_info(engine) -> Dict[str, object]:
     return info
 
 
-def run_engine(model, prompts, args, device, *, num_cuda_graphs: Optional[int]) -> dict:
-    """One engine run over ``prompts``; times the pure decode steps."""
+def run_engine(model, prompts, args, device, *, num_cuda_graphs: Optional[int],
+               async_scheduling: bool = False) -> dict:
+    """One engine run over ``prompts``; times the pure decode steps (each computes one token
+    per active request; with ``async_scheduling`` a step delivers the step before's)."""
     from dynctx.context import DynamicInferenceRequest, SamplingParams
     from dynctx.engine import Engine
 
@@ -159,7 +164,7 @@ def run_engine(model, prompts, args, device, *, num_cuda_graphs: Optional[int]) 
         model, device=device, params_dtype=args.dtype, block_size_tokens=args.block_size,
         buffer_size_gb=args.buffer_gb, paused_buffer_size_gb=args.buffer_gb / 8,
         max_tokens=args.max_tokens, max_requests=max(batch, 4), unified_memory_level=0,
-        num_cuda_graphs=num_cuda_graphs)
+        num_cuda_graphs=num_cuda_graphs, async_scheduling=async_scheduling)
     ctx = engine.context
     decode_times: List[float] = []
     graph_steps = steps = 0
@@ -175,15 +180,18 @@ def run_engine(model, prompts, args, device, *, num_cuda_graphs: Optional[int]) 
     results = []
     while engine.has_unfinished_requests():
         result = engine.step()
+        # With async scheduling the last tokens and results come with a step that runs no
+        # forward (idle).
+        results.extend(result.finished)
         if result.idle:
             continue
         steps += 1
         graph_steps += bool(ctx.using_cuda_graph_this_step())
-        # A pure decode step: one token per active request (the sampled .tolist() syncs).
+        # A pure decode step: one token per active request (synchronously, the sampled
+        # .tolist() syncs; with async scheduling the step before's tokens are read).
         if result.tokens == result.active_requests and result.active_requests:
             decode_times.append(result.time_s)
-            generated += len(result.new_tokens)
-        results.extend(result.finished)
+            generated += result.active_requests
     _sync(device)
     wall = time.perf_counter() - start
     if len(results) != batch or any(r.finish_reason != "length" for r in results):
@@ -260,19 +268,19 @@ def _versions() -> dict:
 def _table(data: dict) -> str:
     lines = [f"device {data['device']}  dtype {data['dtype']}  params {data['params'] / 1e9:.2f}B  "
              f"prompt {data['prompt_len']}  new tokens {data['new_tokens']}",
-             f"{'mode':<7} {'batch':>5} {'tok/s':>10} {'step ms':>8} {'p90 ms':>8} "
+             f"{'mode':<12} {'batch':>5} {'tok/s':>10} {'step ms':>8} {'p90 ms':>8} "
              f"{'steps':>6} {'graph%':>6} {'same':>5}"]
     def fmt(v, spec):
         return "-" if v is None else format(v, spec)
 
     for run in data["runs"]:
         if "error" in run:
-            lines.append(f"{run['mode']:<7} {run['batch']:>5}  ERROR {run['error'][:60]}")
+            lines.append(f"{run['mode']:<12} {run['batch']:>5}  ERROR {run['error'][:60]}")
             continue
         share = None
         if run.get("steps"):
             share = 100 * run["graph_shape_steps"] / run["steps"]
-        lines.append(f"{run['mode']:<7} {run['batch']:>5} {fmt(run['tokens_per_s'], '.0f'):>10} "
+        lines.append(f"{run['mode']:<12} {run['batch']:>5} {fmt(run['tokens_per_s'], '.0f'):>10} "
                      f"{fmt(run['step_ms_median'], '.2f'):>8} {fmt(run['step_ms_p90'], '.2f'):>8} "
                      f"{run['decode_steps']:>6} {fmt(share, '.0f'):>6} "
                      f"{fmt(run.get('same_tokens_as_eager'), '.2f'):>5}")
@@ -325,7 +333,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                     else:
                         numbers = run_engine(model, prompts, args, device,
                                              num_cuda_graphs=args.num_cuda_graphs
-                                             if mode == "graphs" else None)
+                                             if mode != "eager" else None,
+                                             async_scheduling=mode == "graphs_async")
                 run.update(numbers)
                 outputs = run.pop("outputs")
                 if mode == "eager":

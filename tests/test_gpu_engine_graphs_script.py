@@ -11,7 +11,8 @@ import torch
 
 def test_defaults_are_the_issue_workload():
     args = geg.parse_args([])
-    assert args.batches == [1, 16, 64, 256] and args.modes == ["eager", "graphs", "hf"]
+    assert args.batches == [1, 16, 64, 256]
+    assert args.modes == ["eager", "graphs", "graphs_async", "hf"]
     assert args.dtype == torch.bfloat16 and args.device == "cuda"
     shape = geg.MODEL_1B
     assert (shape["num_hidden_layers"], shape["hidden_size"], shape["num_attention_heads"],
@@ -50,7 +51,7 @@ def test_tiny_pipeline_on_cpu(tmp_path):
                      "--num-cuda-graphs", "2", "--out", str(out)]) == 0
     data = json.loads(out.read_text())
     runs = {run["mode"]: run for run in data["runs"]}
-    assert set(runs) == {"eager", "graphs", "hf"}
+    assert set(runs) == {"eager", "graphs", "graphs_async", "hf"}
     for run in runs.values():
         assert "error" not in run, run
         assert run["batch"] == 3 and run["decode_tokens"] == 3 * run["decode_steps"] > 0
@@ -62,4 +63,7 @@ def test_tiny_pipeline_on_cpu(tmp_path):
     # fp32: the engine's greedy tokens are transformers' (and the graph padding changes none).
     assert runs["graphs"]["same_tokens_as_eager"] == 1.0
     assert runs["hf"]["same_tokens_as_eager"] == 1.0
+    # Async scheduling: the same tokens, read one step late.
+    assert runs["graphs_async"]["same_tokens_as_eager"] == 1.0
+    assert runs["graphs_async"]["graph_shape_steps"] >= runs["graphs_async"]["decode_steps"]
     assert "mode" in out.with_suffix(".txt").read_text()
