@@ -358,9 +358,8 @@ class RequestTable:
             k = len(plan.full)
             blocks = self.allocator.allocate_memory_blocks_host(k)
             columns = rows[FIELD_BLOCKS, :k].copy()
-            # A two-dimensional index, not a flat one: a block count written by hand at the
-            # table's width raises (as the general path and Megatron-Core do) instead of
-            # writing the next row's first entry, and -1 is the row's own last column.
+            # A two-dimensional index, not a flat one, whose bounds hold per row (plan_decode
+            # already left a count outside the table to the general path, which raises).
             self.block_table[self.row_numbers[:k], columns] = blocks
             rows[FIELD_BLOCKS, :k] = columns + 1
             rows[FIELD_LAST_BLOCK, :k] = blocks
