@@ -22,10 +22,11 @@ mask of update n+1 releases it. Between the two the engine holds it as a *retire
 tokens streamed, its row still in the context; its result is delivered once an update releases
 the row (masked, or evicted; a row paused by update n waits until it runs again), so that, as in
 the synchronous engine, a delivered request has left the context and its id is free. A retired
-row samples greedily (no draw from the engine's generator). The extra step is what vLLM's async scheduler (placeholder outputs, a
-stale output dropped), SGLang's overlap scheduler (a batch's results processed after the next
-batch is launched) and Megatron-Core 0.19's async scheduling (``prepare_requests`` /
-``commit_sampled_tokens`` / ``resolve_requests``) pay as well.
+row samples greedily (no draw from the engine's generator). The extra step is what vLLM's
+async scheduler (placeholder outputs, a stale output dropped), SGLang's overlap scheduler (a
+batch's results processed after the next batch is launched) and Megatron-Core 0.19's async
+scheduling (``prepare_requests`` / ``commit_sampled_tokens`` / ``resolve_requests``) pay as
+well.
 
 When step n+1's host work needs step n's tokens, they are read before it (a sync, where the
 synchronous engine has one every step): a request evicted by update n, whose recompute
