@@ -882,7 +882,9 @@ class Engine:
                 raise
         if deferred is not None:
             raise deferred
-        self._undelivered.clear()
+        # Only what this step delivered: a result finished inside the callback (a suspend that
+        # reads the tokens in flight, a request added that can never run) waits for the next.
+        del self._undelivered[:len(result.finished)]
         return result
 
     def _finish(self, entry: _Entry, reason: str, now: float,

@@ -258,3 +258,47 @@ def test_a_retired_row_evicted_while_paused_equals_sync():
                 theirs.prompt_log_probs or [], abs=1e-5)
     assert engine.async_scheduling_counts["retired_evicted"] >= 1, \
         engine.async_scheduling_counts
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("action", ["suspend", "add-a-request-that-never-fits"])
+def test_results_finished_inside_the_step_callback_are_delivered(action, async_scheduling):
+    """A step callback that suspends and resumes the engine (async: the suspend reads the
+    tokens in flight, which finishes requests) or adds a request that can never run (it
+    finishes at once with an error): those results come with a later step, none is lost."""
+    hf = tiny_llama()
+    prompts = make_prompts([7, 20, 13, 3], 256, seed=3)
+    gens = [4, 9, 5, 12]
+    box = {}
+
+    def callback(step):
+        engine = box["engine"]
+        if step.step != 4:
+            return
+        if action == "suspend":
+            engine.suspend()
+            engine.resume()
+        else:
+            engine.add_request(DynamicInferenceRequest(
+                request_id=99, prompt_tokens=[5] * 200,
+                sampling_params=SamplingParams(top_k=1, num_tokens_to_generate=100)))
+
+    engine = build_engine(hf, block_size=16, blocks=16, paused_blocks=2, max_tokens=64,
+                          kernel_backend="torch", async_scheduling=async_scheduling,
+                          step_callback=callback)
+    box["engine"] = engine
+    for i, (prompt, gen) in enumerate(zip(prompts, gens)):
+        engine.add_request(DynamicInferenceRequest(
+            request_id=i, prompt_tokens=prompt,
+            sampling_params=SamplingParams(top_k=1, num_tokens_to_generate=gen)))
+    finished = []
+    while engine.has_unfinished_requests():
+        finished += engine.step().finished
+    by_id = {r.request_id: r for r in finished}
+    assert len(finished) == len(by_id)
+    expected = [0, 1, 2, 3] + ([99] if action != "suspend" else [])
+    assert sorted(by_id) == expected
+    for i, gen in enumerate(gens):
+        assert by_id[i].finish_reason == "length" and len(by_id[i].generated_tokens) == gen
+    if action != "suspend":
+        assert by_id[99].finish_reason == "error" and "exceeds" in by_id[99].error
