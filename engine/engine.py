@@ -276,7 +276,8 @@ class Engine:
         async_scheduling: step n+1's host work runs while the device computes step n; the
             sampled tokens are read one step late (``engine/overlap.py``): a step's
             ``new_tokens`` and ``finished`` are those of the step before, and a request whose
-            token is its termination id runs one more step (its token discarded). Greedy
+            token is its termination id runs one more step (its token discarded; its result
+            comes once its row leaves the context, later when that step found it paused). Greedy
             outputs equal the synchronous engine's. Refused (``ValueError``) with the context's
             ``validate=True`` and with ``record_logits=True``; log probs work (a step with
             prompt log probs reads them on the host before the update).
@@ -881,7 +882,9 @@ class Engine:
                 raise
         if deferred is not None:
             raise deferred
-        self._undelivered.clear()
+        # Only what this step delivered: a result finished inside the callback (a suspend that
+        # reads the tokens in flight, a request added that can never run) waits for the next.
+        del self._undelivered[:len(result.finished)]
         return result
 
     def _finish(self, entry: _Entry, reason: str, now: float,

@@ -19,11 +19,14 @@ One engine step ``n`` in this mode:
 A request whose step n token is its termination id is found only in step n+1, after step
 n+1's forward: it ran that step too, its step n+1 token is discarded (never delivered), and the
 mask of update n+1 releases it. Between the two the engine holds it as a *retired* request: its
-result delivered, its row still in the context. A retired row samples greedily (no draw from the
-engine's generator). The extra step is what vLLM's async scheduler (placeholder outputs, a
-stale output dropped), SGLang's overlap scheduler (a batch's results processed after the next
-batch is launched) and Megatron-Core 0.19's async scheduling (``prepare_requests`` /
-``commit_sampled_tokens`` / ``resolve_requests``) pay as well.
+tokens streamed, its row still in the context; its result is delivered once an update releases
+the row (masked, or evicted; a row paused by update n waits until it runs again), so that, as in
+the synchronous engine, a delivered request has left the context and its id is free. A retired
+row samples greedily (no draw from the engine's generator). The extra step is what vLLM's
+async scheduler (placeholder outputs, a stale output dropped), SGLang's overlap scheduler (a
+batch's results processed after the next batch is launched) and Megatron-Core 0.19's async
+scheduling (``prepare_requests`` / ``commit_sampled_tokens`` / ``resolve_requests``) pay as
+well.
 
 When step n+1's host work needs step n's tokens, they are read before it (a sync, where the
 synchronous engine has one every step): a request evicted by update n, whose recompute
@@ -143,6 +146,8 @@ class AsyncScheduling:
         self.log_prob_readback = TokenReadback(ctx.device, ctx.max_requests, torch.float32)
         self.pending: Optional[_PendingStep] = None
         self.retired: Dict[int, "_Entry"] = {}
+        # A retired request's finish (reason, time, step), applied when its row is released.
+        self._retired_finish: Dict[int, tuple] = {}
         # Tokens read outside a step (by ``suspend``): reported with the next step.
         self.carried_tokens: Dict[int, int] = {}
         # How often each case came up: ``early_reads`` (tokens read before the admission, for
@@ -235,7 +240,7 @@ class AsyncScheduling:
         for i, row in enumerate(rows):
             rid = row.entry.request_id
             if row.finish == "retired":
-                self.retired.pop(rid, None)  # masked: its row is released
+                self.release(rid)  # masked: its row is released
                 continue
             entry = row.entry
             entry.prompt_log_probs.extend(row.prompt_log_probs)
@@ -246,7 +251,7 @@ class AsyncScheduling:
         result.paused_ids = [rid for rid in paused_ids if rid not in self.retired]
         evicted_live = []
         for rid in evicted_ids:
-            if self.retired.pop(rid, None) is None:
+            if not self.release(rid):
                 evicted_live.append(rid)
             else:
                 self.counts["retired_evicted"] += 1
@@ -296,22 +301,37 @@ class AsyncScheduling:
             stop = termination is not None and termination >= 0 and token == termination
             if not (stop or len(request.generated_tokens) >= params.num_tokens_to_generate):
                 continue
-            eng._finish(entry, "stop" if stop else "length", now, step=pending.step)
-            if not delivery.kept:
-                continue  # update n released it
+            reason = "stop" if stop else "length"
             rid = entry.request_id
-            if rid in pending.evicted:
-                eng.scheduler.discard(rid)  # re-queued for recompute: no longer wanted
-                self.counts["evicted_stops"] += 1
-            else:
+            if delivery.kept and rid not in pending.evicted:
+                # Its row is still in the context: the result comes once an update releases
+                # it (``release``), so that a delivered request has left the context and its
+                # id is free, as in the synchronous engine.
                 self.retired[rid] = entry
+                self._retired_finish[rid] = (reason, now, pending.step)
                 self.counts["retired"] += 1
                 self.counts["retired_paused"] += rid in pending.paused
+                continue
+            eng._finish(entry, reason, now, step=pending.step)
+            if delivery.kept:
+                eng.scheduler.discard(rid)  # re-queued for recompute: no longer wanted
+                self.counts["evicted_stops"] += 1
 
     def before_suspend(self) -> List[int]:
         """Read the tokens in flight (the checkpoints need them); returns the retired ids,
         which the suspend drops instead of re-queueing."""
         self.resolve(self.carried_tokens)
         retired = list(self.retired)
-        self.retired.clear()
+        for rid in retired:
+            self.release(rid)
         return retired
+
+    def release(self, rid: int) -> bool:
+        """A retired request's row left the context (masked, evicted, or suspended): its
+        result joins the undelivered ones. False when ``rid`` is not retired."""
+        entry = self.retired.pop(rid, None)
+        if entry is None:
+            return False
+        reason, finished_at, step = self._retired_finish.pop(rid)
+        self.engine._finish(entry, reason, finished_at, step=step)
+        return True
