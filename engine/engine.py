@@ -17,8 +17,9 @@ Requests are isolated from each other:
 * A request that passes these checks but cannot be served finishes with
   ``finish_reason="error"`` and a message in ``RequestResult.error``, while every other request
   goes on: one too long for the context (at the next step), one the context refuses when it is
-  added, and, when the context has ``validate=True``, one whose logits hold NaN or +inf (NaN
-  never reaches sampling). With the context's ``validate`` or ``vocab_size`` set, the model
+  added, one the scheduler cannot place even in an empty context (no such case is known), and,
+  when the context has ``validate=True``, one whose logits hold NaN or +inf (NaN never reaches
+  sampling). With the context's ``validate`` or ``vocab_size`` set, the model
   computes every token's logits and the engine picks the last-token rows through the context
   (whose checks are then made on logits; the LM head also runs on prefill tokens).
 * A ``step_callback`` or the context's ``metrics_writer`` that raises: the step completes first,
@@ -653,10 +654,20 @@ class Engine:
                 self.stats.chunked_prefills += 1
 
     def _idle(self, result: StepResult) -> None:
-        """No request can run: skip ahead to the next arrival."""
+        """No request can run: skip ahead to the next arrival. A waiting request that the
+        scheduler cannot add even to an empty context (none should be: the checks at
+        submission and the scheduler's chunking cover every case known) finishes with an
+        error, so that the others go on."""
         if self.scheduler.waiting:
-            raise RuntimeError(f"internal: request {self.scheduler.waiting[0]} cannot be "
-                               "scheduled into an empty context")
+            rid = self.scheduler.waiting[0]
+            request = self._live_request(rid)
+            self.scheduler.discard(rid)
+            self._finish(self._entries[rid], "error", time.perf_counter(), error=(
+                f"the scheduler cannot add the request even to an empty context "
+                f"({request.remaining_prompt_length} prompt tokens to compute, max_tokens="
+                f"{self.context.max_tokens}, check_availability="
+                f"{tuple(self.context.check_availability(request))}, enable_chunked_prefill="
+                f"{self.enable_chunked_prefill}); please report it"))
         result.idle = True
         self.stats.idle_steps += 1
         next_arrival = self.scheduler.next_arrival_step

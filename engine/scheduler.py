@@ -17,10 +17,13 @@ Per step, the caller:
      ``check_availability`` gives a request row and KV blocks for the whole prompt;
    * the first request whose prompt does not fit the token budget is chunked (when chunked
      prefill is on and the step has room): its first chunk fills the budget and ends the step's
-     admission. With ``reserve_for_chunks`` (the engine), a prompt is chunked only when the free
-     blocks cover its whole prompt plus what the running requests can take before its last
-     chunk (one block per ``block_size`` steps each, plus one), so the continuation always finds
-     its blocks; without it (the test driver) a continuation may stall (``ChunkStalled``);
+     admission. With chunked prefill off, only a request longer than ``max_tokens`` is chunked
+     (an evicted request's recompute, whose prompt holds its generated tokens: it could never
+     run whole; new prompts that long are refused by the engine). With
+     ``reserve_for_chunks`` (the engine), a prompt is chunked only when the free blocks cover
+     its whole prompt plus what the running requests can take before its last chunk (one block
+     per ``block_size`` steps each, plus one), so the continuation always finds its blocks;
+     without it (the test driver) a continuation may stall (``ChunkStalled``);
    * on a hybrid (Mamba) model nothing is added after a continuation's final chunk: it alone
      starts from its saved Mamba state and must stay the step's last row (docs/SEMANTICS.md
      §0.3); the same holds for a prefix cache hit, which resumes from a Mamba state snapshot,
@@ -180,7 +183,10 @@ class Scheduler:
                 return boundary
         if remaining - skip <= token_room:
             return remaining
-        if not self.enable_chunked_prefill or token_room <= 0:
+        # With chunked prefill off, a request longer than a whole step (an evicted request's
+        # recompute: its prompt and generated tokens) is still chunked: whole, it never runs.
+        chunk = self.enable_chunked_prefill or remaining - skip > ctx.max_tokens
+        if not chunk or token_room <= 0:
             return None
         if self.reserve_for_chunks and not self._chunking_is_safe(remaining, skip + token_room):
             return None

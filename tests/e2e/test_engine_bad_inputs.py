@@ -281,6 +281,26 @@ def test_a_request_the_context_refuses_finishes_with_an_error(hf, prompts, greed
     assert engine.stats.errors == 1
 
 
+def test_a_request_the_scheduler_cannot_place_finishes_with_an_error(hf, prompts, greedy,
+                                                                      monkeypatch):
+    """Should the scheduler ever be unable to add a waiting request even to an empty context
+    (forced here for request 1: no case is known), that request finishes with an error naming
+    the counts, and the others run on; before, ``step()`` raised for the whole engine."""
+    engine = small_engine(hf)
+    real_first_chunk = engine.scheduler._first_chunk
+
+    def first_chunk(request):
+        return None if request.request_id == 1 else real_first_chunk(request)
+
+    monkeypatch.setattr(engine.scheduler, "_first_chunk", first_chunk)
+    results = engine.generate_requests(greedy_requests(prompts, GENS))
+    assert results[1].finish_reason == "error" and results[1].generated_tokens == []
+    assert "cannot add the request even to an empty context (23 prompt tokens" in \
+        results[1].error
+    assert_greedy([r for r in results if r.request_id != 1], greedy, ids=[0, 2, 3])
+    assert not engine.has_unfinished_requests()
+
+
 class NaNLogits:
     """The model, with the logits of request ``bad_id`` replaced by NaN from ``from_step``
     on (every token row of it when all rows are computed)."""

@@ -241,3 +241,24 @@ def test_context_defaults_come_from_the_model():
     assert (ctx.num_layers, ctx.kv_channels, ctx.num_attention_heads) == (2, 16, 2)
     assert ctx.max_sequence_length == 192 and ctx.params_dtype == torch.float32
     assert ctx.max_requests <= ctx.max_tokens
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_recompute_longer_than_max_tokens_without_chunked_prefill(async_scheduling):
+    """With chunked prefill off, an evicted request whose recompute (prompt + generated tokens,
+    33 here) exceeds ``max_tokens`` (16) is recomputed in chunks: it could never run whole, and
+    before, ``step()`` raised for the whole engine ("cannot be scheduled into an empty
+    context"). Every request still equals transformers' greedy tokens."""
+    hf = tiny_llama()
+    engine = build_engine(hf, block_size=16, blocks=7, paused_blocks=1, max_tokens=16,
+                          max_requests=8, enable_chunked_prefill=False,
+                          async_scheduling=async_scheduling, max_sequence_length=80)
+    prompts = make_prompts([15, 3, 9, 5], hf.config.vocab_size)
+    gens = [39, 30, 30, 30]
+    results = engine.generate_requests(greedy_requests(prompts, gens))
+    assert [r.finish_reason for r in results] == ["length"] * 4
+    recomputed = [r for r in results if r.num_evictions]
+    assert recomputed and any(r.num_prefill_chunks > 1 for r in recomputed), \
+        [(r.request_id, r.num_evictions, r.num_prefill_chunks) for r in results]
+    for prompt, gen, result in zip(prompts, gens, results):
+        assert result.generated_tokens == hf_greedy(hf, prompt, gen)
