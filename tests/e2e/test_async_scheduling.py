@@ -295,6 +295,20 @@ def _events_of_async_run(hf, requests, arrivals):
     return first_occurrences(paused_at), first_occurrences(evicted_at)
 
 
+def with_stop(requests, rid: int, token: int) -> List[DynamicInferenceRequest]:
+    """Copies of ``requests`` in which request ``rid`` stops at ``token`` (its termination
+    id)."""
+    copies = []
+    for request in requests:
+        params = SamplingParams(**{**vars(request.sampling_params)})
+        if request.request_id == rid:
+            params.termination_id = token
+        copies.append(DynamicInferenceRequest(request_id=request.request_id,
+                                              prompt_tokens=list(request.prompt_tokens),
+                                              sampling_params=params))
+    return copies
+
+
 @pytest.mark.parametrize("event", ["paused", "evicted"])
 def test_a_request_stopping_as_it_pauses_or_is_evicted(event):
     """A request whose token is its termination id in the very step whose update pauses it
@@ -309,14 +323,7 @@ def test_a_request_stopping_as_it_pauses_or_is_evicted(event):
     chosen = at_pause if event == "paused" else at_evict
     assert chosen, f"the workload has no request whose {event} step token is unique"
     rid, token = min(chosen.items())
-    stopping = []
-    for request in requests:
-        params = SamplingParams(**{**vars(request.sampling_params)})
-        if request.request_id == rid:
-            params.termination_id = token
-        stopping.append(DynamicInferenceRequest(request_id=request.request_id,
-                                                prompt_tokens=list(request.prompt_tokens),
-                                                sampling_params=params))
+    stopping = with_stop(requests, rid, token)
 
     def run(async_scheduling):
         engine = build_engine(hf, **case_engine_sizes(CASE), kernel_backend="torch",

@@ -14,22 +14,10 @@ from e2e_helpers import (
     pressure_workload,
     tiny_llama,
 )
-from test_async_scheduling import CASE, _events_of_async_run, outcome
+from test_async_scheduling import CASE, _events_of_async_run, outcome, with_stop
 from test_llama_engine import BASE_GENS, BASE_LENGTHS
 
 from dynctx.context import DynamicInferenceRequest, SamplingParams
-
-
-def _with_stop(requests, rid: int, token: int) -> List[DynamicInferenceRequest]:
-    copies = []
-    for request in requests:
-        params = SamplingParams(**{**vars(request.sampling_params)})
-        if request.request_id == rid:
-            params.termination_id = token
-        copies.append(DynamicInferenceRequest(request_id=request.request_id,
-                                              prompt_tokens=list(request.prompt_tokens),
-                                              sampling_params=params))
-    return copies
 
 
 def test_a_result_is_delivered_once_its_row_left_the_context_and_its_id_is_free():
@@ -41,7 +29,7 @@ def test_a_result_is_delivered_once_its_row_left_the_context_and_its_id_is_free(
     _, requests, arrivals = pressure_workload(hf, CASE, BASE_LENGTHS, BASE_GENS)
     at_pause, _ = _events_of_async_run(hf, requests, arrivals)
     rid, token = min(at_pause.items())
-    stopping = _with_stop(requests, rid, token)
+    stopping = with_stop(requests, rid, token)
 
     def run(async_scheduling):
         engine = build_engine(hf, **case_engine_sizes(CASE), kernel_backend="torch",
