@@ -50,7 +50,7 @@ from dynctx.context.parallel import CountAgreement, joins_agreement_on_failure
 
 from .graphs import graph_attention_backend, make_graph_runner
 from .overlap import AsyncScheduling, refuse_conflicts
-from .sampling import sample
+from .sampling import finish_reason, sample
 from .scheduler import Admission, Scheduler
 from .validation import (
     check_int,
@@ -794,11 +794,8 @@ class Engine:
             if is_chunk:
                 continue  # a non-final chunk: its sample is junk, the context keeps it
             row.token = token
-            termination = entry.params.termination_id
-            stop = termination is not None and termination >= 0 and token == termination
-            generated = len(entry.request.generated_tokens) + 1
-            if stop or generated >= entry.params.num_tokens_to_generate:
-                row.finish = "stop" if stop else "length"
+            row.finish = finish_reason(entry.params, token,
+                                       len(entry.request.generated_tokens) + 1)
         return rows
 
     def _row_log_probs(self, row: _Row, i: int, batch: _Batch, cache: Dict[str, Any]) -> None:
@@ -838,6 +835,12 @@ class Engine:
         now = time.perf_counter()
         for row in rows:
             self._apply(row, result, now)
+        self._after_update(result)
+
+    def _after_update(self, result: StepResult) -> None:
+        """The engine's side of an update whose ``result.paused_ids`` and
+        ``result.evicted_ids`` are set: pause and eviction counts, the evicted requests
+        re-queued for recompute, the step counted and closed."""
         for rid in result.paused_ids:
             self._entries[rid].num_pauses += 1
         for rid in result.evicted_ids:
@@ -848,11 +851,17 @@ class Engine:
         self._count(result)
         self.step_count += 1
 
-    def _apply(self, row: _Row, result: StepResult, now: float) -> None:
+    @staticmethod
+    def _apply_log_probs(row: _Row) -> None:
+        """The row's prompt and generated log probs join its request's."""
         entry = row.entry
         entry.prompt_log_probs.extend(row.prompt_log_probs)
         if row.generated_log_prob is not None:
             entry.generated_log_probs.append(row.generated_log_prob)
+
+    def _apply(self, row: _Row, result: StepResult, now: float) -> None:
+        entry = row.entry
+        self._apply_log_probs(row)
         if row.token is not None:
             entry.request.generated_tokens.append(row.token)
             result.new_tokens[entry.request_id] = row.token

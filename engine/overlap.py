@@ -47,6 +47,8 @@ import torch
 from dynctx.context import SamplingParams
 from dynctx.kernels import token_log_probs
 
+from .sampling import finish_reason
+
 if TYPE_CHECKING:  # pragma: no cover - imports for annotations only
     from .engine import Engine, StepResult, _Batch, _Entry, _Row
 
@@ -242,12 +244,9 @@ class AsyncScheduling:
             if row.finish == "retired":
                 self.release(rid)  # masked: its row is released
                 continue
-            entry = row.entry
-            entry.prompt_log_probs.extend(row.prompt_log_probs)
-            if row.generated_log_prob is not None:
-                entry.generated_log_probs.append(row.generated_log_prob)
+            eng._apply_log_probs(row)
             if rid != batch.chunked_id:
-                deliveries.append(_Delivery(i, entry, row.keep))
+                deliveries.append(_Delivery(i, row.entry, row.keep))
         result.paused_ids = [rid for rid in paused_ids if rid not in self.retired]
         evicted_live = []
         for rid in evicted_ids:
@@ -256,13 +255,6 @@ class AsyncScheduling:
             else:
                 self.counts["retired_evicted"] += 1
         result.evicted_ids = evicted_live
-        for rid in result.paused_ids:
-            eng._entries[rid].num_pauses += 1
-        for rid in evicted_live:
-            entry = eng._entries[rid]
-            entry.live, entry.recompute = None, True
-            entry.num_evictions += 1
-        eng.scheduler.after_update(evicted_live)
         if deliveries:
             # Only the evicted rows of this step need their token before a re-admission.
             delivered = {d.entry.request_id for d in deliveries}
@@ -271,8 +263,7 @@ class AsyncScheduling:
                                         paused=set(result.paused_ids) & delivered,
                                         handle=handles[0], delivered_ids=delivered,
                                         log_prob_handle=handles[1])
-        eng._count(result)
-        eng.step_count += 1
+        eng._after_update(result)
 
     # ------------------------------------------------------------------ reading
     def resolve(self, new_tokens: Dict[int, int]) -> None:
@@ -296,12 +287,9 @@ class AsyncScheduling:
             new_tokens[entry.request_id] = token
             if entry.first_token_step is None:
                 entry.first_token_step, entry.first_token_time = pending.step, now
-            params = entry.params
-            termination = params.termination_id
-            stop = termination is not None and termination >= 0 and token == termination
-            if not (stop or len(request.generated_tokens) >= params.num_tokens_to_generate):
+            reason = finish_reason(entry.params, token, len(request.generated_tokens))
+            if reason is None:
                 continue
-            reason = "stop" if stop else "length"
             rid = entry.request_id
             if delivery.kept and rid not in pending.evicted:
                 # Its row is still in the context: the result comes once an update releases

@@ -20,6 +20,16 @@ import torch
 from dynctx.context import SamplingParams
 
 
+def finish_reason(params: SamplingParams, token: int, generated: int) -> Optional[str]:
+    """``"stop"`` when ``token`` is the request's termination id, else ``"length"`` when
+    ``generated`` (its tokens so far, ``token`` included) reaches ``num_tokens_to_generate``,
+    else None."""
+    termination = params.termination_id
+    if termination is not None and termination >= 0 and token == termination:
+        return "stop"
+    return "length" if generated >= params.num_tokens_to_generate else None
+
+
 def is_greedy(params: SamplingParams) -> bool:
     return params.temperature == 0 or params.top_k == 1
 
