@@ -104,7 +104,10 @@ def run_spawned(target: Callable, *, world_size: int = 2, args: Sequence[Any] = 
                     break
                 time.sleep(0.05)
                 drain()
-            hung = [p.name for p in procs if p.is_alive()]
+            # A rank that already reported (its error or its result) and is still tearing down
+            # is not one that was stopped: under load its exit can outlast the grace period.
+            reported = {f"rank{rank}" for rank in (*errors, *results)}
+            hung = [p.name for p in procs if p.is_alive() and p.name not in reported]
             for proc in procs:
                 if proc.is_alive():
                     proc.kill()
