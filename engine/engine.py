@@ -196,7 +196,8 @@ def _transformers_adapters() -> Dict[str, Callable[..., Any]]:
 
     return {"NemotronHForCausalLM": NemotronHAdapter.from_transformers,
             "LlamaForCausalLM": LlamaAdapter.from_transformers,
-            "DeepseekV2ForCausalLM": DeepseekV2Adapter.from_transformers}
+            "DeepseekV2ForCausalLM": DeepseekV2Adapter.from_transformers,
+            "DeepseekV3ForCausalLM": DeepseekV2Adapter.from_transformers}
 
 
 def _adapter_for(hf_model: Any, attention_backend: str, graphs: bool) -> tuple:
