@@ -34,7 +34,8 @@ attention modules call the seam), causal attention modules with a ``layer_idx``,
 layers that are all ``full_attention`` or ``sliding_attention`` (no Mamba or linear-attention
 layers: those keep state the seam does not carry); rotary frequencies that do not depend on the
 batch's longest sequence (not ``dynamic``/``longrope``); no attention logit soft-capping; its
-weights on the device and in the dtype of the context. Every forward also checks that each
+weights on the device and in the dtype of the context; under tensor parallelism, a
+``base_model_tp_plan`` of column- and row-parallel layers (``models/tp_plan.py``). Every forward also checks that each
 layer wrote its K/V and called the attention function once, so a model that bypasses the seam
 raises instead of giving wrong tokens.
 """
@@ -49,6 +50,7 @@ import torch
 
 from ._common import SINGLE, PagedMhaAdapter, TensorParallel, mha_cache_problems
 from .paged_attention import resolve_attention_backend
+from .tp_plan import shard_by_plan
 
 ATTENTION_NAME = "dynctx_paged"
 # Layer types whose attention is the seam's (config.layer_types).
@@ -305,7 +307,9 @@ class GenericAdapter(PagedMhaAdapter):
         given, must be the model's; ``rope`` must be the default, as the model's own rotary
         code runs). ``NotImplementedError`` naming the model and what it lacks when its
         attention does not go through the seam (``seam_problems``); ``ValueError`` for a
-        window below 1, naming the layer."""
+        window below 1, naming the layer. With ``tensor_parallel`` of more than one rank the
+        adapter runs a copy of the model holding this rank's shard, cut by the model's own
+        ``base_model_tp_plan`` (``models/tp_plan.py``)."""
         name = type(hf_model).__name__
         if rope != "table":
             raise ValueError(f"rope={rope!r}: {name} takes the generic transformers path, which "
@@ -329,6 +333,9 @@ class GenericAdapter(PagedMhaAdapter):
                              f"and its weights are {param.dtype}; cast the model first")
         if hf_model.training:
             raise ValueError(f"{name} is in training mode: call model.eval() first")
+        if tensor_parallel.size > 1:
+            # This rank's shard, by the model's own plan, in a copy (models/tp_plan.py).
+            hf_model = shard_by_plan(hf_model, tensor_parallel)
         return cls(hf_model, attention_backend=attention_backend, tensor_parallel=tensor_parallel)
 
     @staticmethod
