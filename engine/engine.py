@@ -200,15 +200,22 @@ def _transformers_adapters() -> Dict[str, Callable[..., Any]]:
             "DeepseekV3ForCausalLM": DeepseekV2Adapter.from_transformers}
 
 
-def _adapter_for(hf_model: Any, attention_backend: str, graphs: bool) -> tuple:
-    """``(build, attention_backend)``: the dedicated adapter of ``hf_model``'s class, else the
-    generic transformers path (``models/generic.py``), whose ``"auto"`` attention is the padded
-    torch version with CUDA graphs when the model has windows or sinks."""
+INTEGRATIONS = ("auto", "generic")
+
+
+def _adapter_for(hf_model: Any, attention_backend: str, graphs: bool,
+                 integration: str = "auto") -> tuple:
+    """``(build, attention_backend)``: the dedicated adapter of ``hf_model``'s class (unless
+    ``integration="generic"``), else the generic transformers path (``models/generic.py``),
+    whose ``"auto"`` attention is the padded torch version with CUDA graphs when the model has
+    windows or sinks."""
     from dynctx.models import GenericAdapter
 
+    if integration not in INTEGRATIONS:
+        raise ValueError(f"integration={integration!r} must be one of {INTEGRATIONS}")
     adapters = _transformers_adapters()
     name = type(hf_model).__name__
-    if name in adapters:
+    if name in adapters and integration == "auto":
         return adapters[name], attention_backend
     if graphs and attention_backend == "auto" and GenericAdapter.needs_window_backend(hf_model):
         attention_backend = "torch_static"
@@ -368,13 +375,14 @@ class Engine:
                           cuda_graphs: bool = True, async_scheduling: bool = False,
                           enable_prefix_caching: bool = False,
                           prefix_caching_eviction_policy: str = "ref_zero",
-                          **context_kwargs: Any) -> "Engine":
+                          integration: str = "auto", **context_kwargs: Any) -> "Engine":
         """Build the adapter for a ``transformers`` causal LM and a context sized for it: the
         dedicated one of its class (Llama, DeepSeek-V2/V3, NemotronH), else the generic path
         that runs the model's own code through transformers' attention seam
         (``models/generic.py``); ``engine.model.path`` says which (``"dedicated"`` or
-        ``"generic"``). A model the generic path cannot run raises ``NotImplementedError``
-        naming it and what it lacks.
+        ``"generic"``); ``integration="generic"`` takes the generic path for a model with a
+        dedicated adapter too. A model the generic path cannot run raises
+        ``NotImplementedError`` naming it and what it lacks.
 
         ``context_kwargs`` go to ``DynamicInferenceContext`` (``buffer_size_gb``,
         ``block_size_tokens``, ``max_tokens``, ``params_dtype``, ``device``,
@@ -401,7 +409,7 @@ class Engine:
         from dynctx.models import TensorParallel
 
         graphs = bool(cuda_graphs and context_kwargs.get("num_cuda_graphs"))
-        build, attention_backend = _adapter_for(hf_model, attention_backend, graphs)
+        build, attention_backend = _adapter_for(hf_model, attention_backend, graphs, integration)
         config = hf_model.config
         param = next(hf_model.parameters())
         kwargs = dict(context_kwargs, enable_prefix_caching=enable_prefix_caching,
