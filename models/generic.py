@@ -325,7 +325,9 @@ class GenericAdapter(PagedMhaAdapter):
                 raise ValueError(f"{name} layer {layer}: sliding_window={window!r} must be an "
                                  "int >= 1 (keys a query sees, its own included) or None")
         param = next(hf_model.parameters())
-        if device is not None and torch.device(device) != param.device:
+        wanted = None if device is None else torch.device(device)
+        if wanted is not None and (wanted.type != param.device.type or (
+                wanted.index is not None and wanted.index != param.device.index)):
             raise ValueError(f"device={device}: {name} runs its own modules on the generic path "
                              f"and its weights are on {param.device}; move the model first")
         if dtype is not None and dtype != param.dtype:
