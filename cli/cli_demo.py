@@ -298,6 +298,7 @@ def _main(args, rank: int, world: int) -> int:
             print(*parts, **kwargs)
 
     try:
+        import transformers  # noqa: F401  (the demo's extra; its models come from it)
         from transformers.utils import logging as hf_logging
     except ImportError as error:
         return _missing_demo_dependency(error)
