@@ -26,8 +26,9 @@ V3's ``rope_interleave`` flag. Per layer:
 Rope layout. transformers' V2 rotates ``q_pe``/``k_pe`` as complex numbers over the pairs
 ``(2i, 2i+1)`` and leaves them interleaved (V3 with ``rope_interleave``, the default, rotates the
 same pairs and writes them half-split; V3 without it rotates the half-split pairs ``(i, i +
-D/2)`` of the raw layout, Megatron's ordinary rope, which the adapter then applies). Megatron's MLA layout (``mla_layout``) rotates the
-same pairs with the same angles but writes the result half-split (``[even dims, odd dims]``).
+D/2)`` of the raw layout, Megatron's ordinary rope, which the adapter then applies).
+Megatron's MLA layout (``mla_layout``) rotates the same pairs with the same angles but writes the
+result half-split (``[even dims, odd dims]``).
 The two differ only by one fixed permutation of the rope dims, applied to queries and keys
 alike, so every ``q_pe . k_pe`` dot product (all attention ever uses) is the same; the cached
 ``k_pe`` is simply in the half-split order. The angle table is Megatron's ``cat(freqs, freqs)``

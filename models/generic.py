@@ -35,9 +35,9 @@ layers that are all ``full_attention`` or ``sliding_attention`` (no Mamba or lin
 layers: those keep state the seam does not carry); rotary frequencies that do not depend on the
 batch's longest sequence (not ``dynamic``/``longrope``); no attention logit soft-capping; its
 weights on the device and in the dtype of the context; under tensor parallelism, a
-``base_model_tp_plan`` of column- and row-parallel layers (``models/tp_plan.py``). Every forward also checks that each
-layer wrote its K/V and called the attention function once, so a model that bypasses the seam
-raises instead of giving wrong tokens.
+``base_model_tp_plan`` of column- and row-parallel layers (``models/tp_plan.py``). Every
+forward also checks that each layer wrote its K/V and called the attention function once, so a
+model that bypasses the seam raises instead of giving wrong tokens.
 """
 
 from __future__ import annotations
