@@ -4,6 +4,10 @@ The workload (defaults): a random Llama (vocab 32000, hidden 256, 4 layers, 8 qu
 heads, intermediate 512), 64 prompts of 16-128 tokens (uniform, seeded), 64 new tokens each,
 greedy, EOS ignored. transformers runs the prompts as one left-padded batch through
 ``generate``; our ``Engine`` takes them all at once (in-flight batching, chunked prefill).
+``--model`` picks another family of the same sizes (``qwen3``, ``mistral``: the generic
+transformers path); ``--integrations auto,generic`` runs the engine once per integration in
+the same run (a Llama: its dedicated adapter, then the generic path), and
+``--generate-batch`` adds transformers' own continuous batching (``generate_batch``).
 Generated tokens per second counts ``requests * new_tokens`` over the wall time of the whole
 generation (prefill included) on each side. Outputs are compared token for token.
 
@@ -17,6 +21,8 @@ Usage::
     python bench/engine_throughput.py                         # the full comparison
     python bench/engine_throughput.py --requests 8 --new-tokens 8   # a quick run
     python bench/engine_throughput.py --attention-backend torch --json out.json
+    python bench/engine_throughput.py --integrations auto,generic   # dedicated vs generic
+    python bench/engine_throughput.py --model qwen3 --generate-batch
 """
 
 from __future__ import annotations
@@ -42,18 +48,27 @@ def git_sha() -> str:
         return "unknown"
 
 
-def random_llama(*, vocab: int, hidden: int, layers: int, heads: int, kv_heads: int,
-                 intermediate: int, max_positions: int, dtype: torch.dtype, device: str,
-                 seed: int = 0):
-    from transformers import LlamaConfig, LlamaForCausalLM
+MODELS = ("llama", "qwen3", "mistral")
+
+
+def random_model(name: str, *, vocab: int, hidden: int, layers: int, heads: int,
+                 kv_heads: int, intermediate: int, max_positions: int, dtype: torch.dtype,
+                 device: str, seed: int = 0):
+    """A random ``<name>ForCausalLM`` of the given sizes (Mistral without a window)."""
+    import transformers
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
-                         num_hidden_layers=layers, num_attention_heads=heads,
-                         num_key_value_heads=kv_heads, max_position_embeddings=max_positions)
-    return LlamaForCausalLM(config).eval().to(device=device, dtype=dtype)
+    prefix = {"llama": "Llama", "qwen3": "Qwen3", "mistral": "Mistral"}[name]
+    config_cls = getattr(transformers, f"{prefix}Config")
+    model_cls = getattr(transformers, f"{prefix}ForCausalLM")
+    extra = {"sliding_window": None} if name == "mistral" else {}
+    config = config_cls(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
+                        num_hidden_layers=layers, num_attention_heads=heads,
+                        num_key_value_heads=kv_heads, max_position_embeddings=max_positions,
+                        head_dim=hidden // heads, **extra)
+    return model_cls(config).eval().to(device=device, dtype=dtype)
 
 
 def make_prompts(num: int, min_len: int, max_len: int, vocab: int, seed: int = 1) -> list:
@@ -89,8 +104,36 @@ def run_transformers(hf, prompts: list, new_tokens: int, device: str) -> tuple[l
     return out[:, longest:].tolist(), seconds
 
 
+def kv_blocks(prompts: list, new_tokens: int, block_size: int) -> int:
+    """Room for every request's whole sequence at once, twice over (the context keeps part of
+    the buffer for paused requests), so all requests run together as in transformers' batch."""
+    return 2 * sum(-(-(len(p) + new_tokens) // block_size) for p in prompts) + 16
+
+
+def run_generate_batch(hf, prompts: list, new_tokens: int, device: str, block_size: int,
+                       max_tokens: Optional[int]) -> tuple[list, float]:
+    """transformers' continuous batching (``generate_batch``), greedy, EOS ignored, its paged
+    cache sized as ours (block size, blocks, tokens a step; no CUDA-graph warm-up):
+    ``(outputs, seconds)``."""
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+
+    config = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=None,
+                              pad_token_id=0)
+    batching = ContinuousBatchingConfig(page_size=block_size,
+                                        num_blocks=kv_blocks(prompts, new_tokens, block_size),
+                                        max_batch_tokens=max_tokens or 16384)
+    sync(device)
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = hf.generate_batch(prompts, generation_config=config,
+                                continuous_batching_config=batching, warmup=False)
+    sync(device)
+    seconds = time.perf_counter() - start
+    return [result.generated_tokens for result in out.values()], seconds
+
+
 def build_engine(hf, prompts: list, new_tokens: int, attention_backend: str, block_size: int,
-                 max_tokens: Optional[int]):
+                 max_tokens: Optional[int], integration: str = "auto"):
     from dynctx.engine import Engine
 
     config = hf.config
@@ -98,14 +141,12 @@ def build_engine(hf, prompts: list, new_tokens: int, attention_backend: str, blo
     itemsize = next(hf.parameters()).element_size()
     block_bytes = (itemsize * 2 * config.num_hidden_layers * block_size
                    * config.num_key_value_heads * head_dim)
-    # Room for every request's whole sequence at once, twice over (the context keeps part of
-    # the buffer for paused requests), so all requests run together as in transformers' batch.
-    blocks = 2 * sum(-(-(len(p) + new_tokens) // block_size) for p in prompts) + 16
+    blocks = kv_blocks(prompts, new_tokens, block_size)
     sizes = {} if max_tokens is None else {"max_tokens": max_tokens}
     return Engine.from_transformers(
         hf, attention_backend=attention_backend, block_size_tokens=block_size,
         buffer_size_gb=blocks * block_bytes / 1024 ** 3,
-        max_requests=-(-len(prompts) // 4) * 4 + 4, **sizes)
+        max_requests=-(-len(prompts) // 4) * 4 + 4, integration=integration, **sizes)
 
 
 def run_engine(engine, prompts: list, new_tokens: int, device: str) -> tuple[list, float]:
@@ -134,6 +175,14 @@ def main(argv=None) -> dict:
                         help="untimed warm-up runs of each side on 4 prompts")
     parser.add_argument("--repeats", type=int, default=2,
                         help="timed runs of each side, alternating; the fastest counts")
+    parser.add_argument("--model", default="llama", choices=MODELS,
+                        help="the family of the random model (same sizes)")
+    parser.add_argument("--integrations", default="auto",
+                        help="comma-separated Engine.from_transformers integrations to time "
+                             "in the same run: auto (a dedicated adapter where the model has "
+                             "one) and/or generic")
+    parser.add_argument("--generate-batch", action="store_true",
+                        help="also time transformers' continuous batching (generate_batch)")
     parser.add_argument("--json", type=Path, help="write the result here")
     args = parser.parse_args(argv)
     if args.requests < 1 or args.new_tokens < 1 or args.repeats < 1:
@@ -142,60 +191,87 @@ def main(argv=None) -> dict:
         parser.error(f"need 1 <= --min-prompt ({args.min_prompt}) <= --max-prompt "
                      f"({args.max_prompt})")
 
+    integrations = args.integrations.split(",")
+    if not integrations or any(i not in ("auto", "generic") for i in integrations):
+        parser.error(f"--integrations {args.integrations!r}: auto and/or generic")
+
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
-    hf = random_llama(vocab=32000, hidden=256, layers=4, heads=8, kv_heads=2, intermediate=512,
+    hf = random_model(args.model, vocab=32000, hidden=256, layers=4, heads=8, kv_heads=2,
+                      intermediate=512,
                       max_positions=max(512, args.max_prompt + args.new_tokens), dtype=dtype,
                       device=args.device)
     prompts = make_prompts(args.requests, args.min_prompt, args.max_prompt,
                            hf.config.vocab_size)
-    engine = build_engine(hf, prompts, args.new_tokens, args.attention_backend,
-                          args.block_size, args.max_tokens)
+    engines = {name: build_engine(hf, prompts, args.new_tokens, args.attention_backend,
+                                  args.block_size, args.max_tokens, name)
+               for name in integrations}
+    sides = {"transformers generate": lambda n, p: run_transformers(hf, p, n, args.device)}
+    if args.generate_batch:
+        sides["transformers generate_batch"] = lambda n, p: run_generate_batch(
+            hf, p, n, args.device, args.block_size, args.max_tokens)
+    for name, engine in engines.items():
+        sides[f"dynctx engine ({engine.model.path}, "
+              f"{engine.model.attention_backend_request})"] = (
+            lambda n, p, engine=engine: run_engine(engine, p, n, args.device))
     for _ in range(args.warmup):
-        run_transformers(hf, prompts[:4], 4, args.device)
-        run_engine(engine, prompts[:4], 4, args.device)
+        for run in sides.values():
+            run(4, prompts[:4])
 
-    # The two sides alternate; each rate comes from its fastest repeat (on a shared machine other
+    # The sides alternate; each rate comes from its fastest repeat (on a shared machine other
     # work only ever adds time).
-    their_times, our_times = [], []
+    times = {side: [] for side in sides}
+    outputs = {}
+    steps = {}
     for _ in range(args.repeats):
-        theirs, seconds = run_transformers(hf, prompts, args.new_tokens, args.device)
-        their_times.append(seconds)
-        steps_before = engine.step_count
-        ours, seconds = run_engine(engine, prompts, args.new_tokens, args.device)
-        our_times.append(seconds)
-        steps = engine.step_count - steps_before
-    their_seconds, our_seconds = min(their_times), min(our_times)
+        for side, run in sides.items():
+            engine = next((e for e in engines.values()
+                           if side.startswith("dynctx") and e.model.path in side), None)
+            before = engine.step_count if engine is not None else 0
+            outputs[side], seconds = run(args.new_tokens, prompts)
+            times[side].append(seconds)
+            if engine is not None:
+                steps[side] = engine.step_count - before
     tokens = args.requests * args.new_tokens
-    mismatched = [i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b]
+    reference = outputs["transformers generate"]
+    rows = {side: {"tok_s": tokens / min(t), "best_s": min(t), "times_s": t,
+                   "mismatched_requests": [i for i, (a, b) in enumerate(zip(outputs[side],
+                                                                          reference)) if a != b]}
+            for side, t in times.items()}
+    engine_sides = [side for side in sides if side.startswith("dynctx")]
+    first = rows[engine_sides[0]]
+    identical = all(not row["mismatched_requests"] for row in rows.values())
     result = {
-        "requests": args.requests, "new_tokens": args.new_tokens,
+        "model": args.model, "requests": args.requests, "new_tokens": args.new_tokens,
         "prompt_lengths": [args.min_prompt, args.max_prompt],
         "prompt_tokens": sum(len(p) for p in prompts),
         "threads": args.threads, "device": args.device, "dtype": args.dtype,
-        "attention_backend": engine.model.attention_backend,
-        "engine_tok_s": tokens / our_seconds, "transformers_tok_s": tokens / their_seconds,
-        "ratio": their_seconds / our_seconds,
-        "engine_s": our_seconds, "transformers_s": their_seconds, "repeats": args.repeats,
-        "engine_times_s": our_times, "transformers_times_s": their_times,
-        "identical": not mismatched, "mismatched_requests": mismatched,
-        "engine_steps": steps,
+        "attention_backend": engines[integrations[0]].model.attention_backend,
+        "engine_tok_s": first["tok_s"],
+        "transformers_tok_s": rows["transformers generate"]["tok_s"],
+        "ratio": first["tok_s"] / rows["transformers generate"]["tok_s"],
+        "engine_s": first["best_s"], "transformers_s": rows["transformers generate"]["best_s"],
+        "repeats": args.repeats, "sides": rows, "engine_steps": steps,
+        "identical": identical,
         "torch": torch.__version__, "python": platform.python_version(),
         "cpu": platform.processor() or platform.machine(), "git": git_sha(),
     }
-    print(f"workload: {args.requests} prompts of {args.min_prompt}-{args.max_prompt} tokens "
-          f"({result['prompt_tokens']} in all), {args.new_tokens} new tokens each, greedy, "
-          f"{args.dtype} on {args.device}, {args.threads} torch thread(s)")
-    def runs(times):
-        return ", ".join(f"{t:.2f}" for t in times)
-
-    print(f"transformers generate : {result['transformers_tok_s']:9.1f} tok/s "
-          f"(best of {runs(their_times)} s)")
-    print(f"dynctx engine ({result['attention_backend']:>5}): {result['engine_tok_s']:9.1f} tok/s "
-          f"(best of {runs(our_times)} s; {steps} steps)")
-    print(f"ratio engine / transformers: {result['ratio']:.2f}x")
-    print(f"outputs identical: {result['identical']}"
-          + ("" if not mismatched else f" (requests differing: {mismatched})"))
+    if len(engine_sides) == 2:
+        result["second_over_first_engine"] = rows[engine_sides[1]]["tok_s"] / first["tok_s"]
+    print(f"workload: {args.model}, {args.requests} prompts of {args.min_prompt}-"
+          f"{args.max_prompt} tokens ({result['prompt_tokens']} in all), {args.new_tokens} new "
+          f"tokens each, greedy, {args.dtype} on {args.device}, {args.threads} torch thread(s)")
+    for side, row in rows.items():
+        runs = ", ".join(f"{t:.2f}" for t in row["times_s"])
+        same = "identical" if not row["mismatched_requests"] else \
+            f"requests differing: {row['mismatched_requests']}"
+        extra = f"; {steps[side]} steps" if side in steps else ""
+        print(f"{side:>44}: {row['tok_s']:9.1f} tok/s (best of {runs} s{extra}; {same})")
+    print(f"ratio engine / transformers generate: {result['ratio']:.2f}x")
+    if "second_over_first_engine" in result:
+        print(f"{engine_sides[1]} / {engine_sides[0]}: "
+              f"{result['second_over_first_engine']:.3f}")
+    print(f"outputs identical: {identical}")
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
     return result

@@ -1,6 +1,7 @@
 """``python -m dynctx demo``: in-flight batching of a small random Llama through the context.
 
-Builds a ``transformers`` ``LlamaForCausalLM`` with random weights (nothing downloads), sends a
+Builds a ``transformers`` ``LlamaForCausalLM`` with random weights (nothing downloads; ``--model``
+picks another family: ``dynctx.models.random_models``), sends a
 stream of requests with staggered arrivals and mixed lengths through the reference engine with
 a KV buffer small enough that requests pause, resume, get evicted and get chunked, prints a
 summary, checks every output against ``transformers``' greedy ``generate`` for that prompt
@@ -27,11 +28,17 @@ HALF_TIE_ATOL, HALF_TIE_RTOL = 2e-2, 2e-2
 
 
 def build_parser(prog: str = "python -m dynctx demo") -> argparse.ArgumentParser:
+    from dynctx.models.random_models import RANDOM_MODELS
+
     parser = argparse.ArgumentParser(prog=prog,
                                      description=plain(__doc__).replace("python -m dynctx demo",
                                                                         prog),
                                      formatter_class=HelpFormatter)
-    model = parser.add_argument_group("model (a transformers LlamaForCausalLM, random weights)")
+    model = parser.add_argument_group("model (a transformers causal LM, random weights)")
+    model.add_argument("--model", default="llama", choices=sorted(RANDOM_MODELS),
+                       help="the family: llama and deepseek_v3 run dedicated adapters, the "
+                            "others the generic transformers path (windowed families: a "
+                            "window of one block)")
     model.add_argument("--layers", type=int, default=2, help="decoder layers")
     model.add_argument("--hidden", type=int, default=64, help="hidden size")
     model.add_argument("--heads", type=int, default=4, help="query heads")
@@ -291,13 +298,14 @@ def _main(args, rank: int, world: int) -> int:
             print(*parts, **kwargs)
 
     try:
-        from transformers import LlamaConfig, LlamaForCausalLM
+        import transformers  # noqa: F401  (the demo's extra; its models come from it)
         from transformers.utils import logging as hf_logging
     except ImportError as error:
         return _missing_demo_dependency(error)
 
     from dynctx.context import DynamicInferenceRequest, SamplingParams
     from dynctx.engine import Engine
+    from dynctx.models.random_models import kv_block_bytes, random_causal_lm
 
     hf_logging.set_verbosity_error()
     if args.async_scheduling and args.dtype != "fp32":
@@ -309,17 +317,12 @@ def _main(args, rank: int, world: int) -> int:
     dtype = getattr(torch, DTYPES[args.dtype])
     device = torch.device(args.device)
     torch.manual_seed(args.seed)
-    config = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden,
-                         intermediate_size=args.intermediate, num_hidden_layers=args.layers,
-                         num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-                         max_position_embeddings=args.max_seq)
-    hf_model = LlamaForCausalLM(config).eval().to(device=device, dtype=dtype)
-
-    head_dim = args.hidden // args.heads
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    hf_model = random_causal_lm(
+        args.model, vocab=args.vocab, hidden=args.hidden, layers=args.layers, heads=args.heads,
+        kv_heads=args.kv_heads, intermediate=args.intermediate, max_positions=args.max_seq,
+        window=args.block_size, seed=args.seed).to(device=device, dtype=dtype)
     # One rank's block: its share of the KV heads (one, replicated, past their count).
-    kv_heads_per_rank = max(1, args.kv_heads // world)
-    block_bytes = itemsize * 2 * args.layers * args.block_size * kv_heads_per_rank * head_dim
+    block_bytes = kv_block_bytes(hf_model, args.block_size, world)
     buffer_gb = args.buffer_size_gb or args.buffer_blocks * block_bytes / 1024 ** 3
     paused_gb = (args.paused_buffer_size_gb if args.paused_buffer_size_gb is not None
                  else args.paused_blocks * block_bytes / 1024 ** 3)
@@ -350,7 +353,8 @@ def _main(args, rank: int, world: int) -> int:
         sampling_params=SamplingParams(temperature=1.0, top_k=1, num_tokens_to_generate=gen,
                                        termination_id=eos))
         for i, (prompt, gen) in enumerate(zip(prompts, gens))]
-    say(f"dynctx demo: random Llama ({args.layers} layers, hidden {args.hidden}, "
+    say(f"dynctx demo: random {type(hf_model).__name__} ({engine.model.path} path; "
+        f"{args.layers} layers, hidden {args.hidden}, "
         f"{args.heads} heads / {args.kv_heads} KV heads, vocab {args.vocab}), {args.dtype} on "
         f"{device}; {args.requests} requests, prompts {min(map(len, prompts))}-"
         f"{max(map(len, prompts))} tokens, arrivals over steps 0-{arrivals[-1]}")

@@ -191,11 +191,35 @@ class _Entry:
 
 
 def _transformers_adapters() -> Dict[str, Callable[..., Any]]:
+    """The dedicated adapters by model class; every other model takes the generic path."""
     from dynctx.models import DeepseekV2Adapter, LlamaAdapter, NemotronHAdapter
 
     return {"NemotronHForCausalLM": NemotronHAdapter.from_transformers,
             "LlamaForCausalLM": LlamaAdapter.from_transformers,
-            "DeepseekV2ForCausalLM": DeepseekV2Adapter.from_transformers}
+            "DeepseekV2ForCausalLM": DeepseekV2Adapter.from_transformers,
+            "DeepseekV3ForCausalLM": DeepseekV2Adapter.from_transformers}
+
+
+INTEGRATIONS = ("auto", "generic")
+
+
+def _adapter_for(hf_model: Any, attention_backend: str, graphs: bool,
+                 integration: str = "auto") -> tuple:
+    """``(build, attention_backend)``: the dedicated adapter of ``hf_model``'s class (unless
+    ``integration="generic"``), else the generic transformers path (``models/generic.py``),
+    whose ``"auto"`` attention is the padded torch version with CUDA graphs when the model has
+    windows or sinks."""
+    from dynctx.models import GenericAdapter
+
+    if integration not in INTEGRATIONS:
+        raise ValueError(f"integration={integration!r} must be one of {INTEGRATIONS}")
+    adapters = _transformers_adapters()
+    name = type(hf_model).__name__
+    if name in adapters and integration == "auto":
+        return adapters[name], attention_backend
+    if graphs and attention_backend == "auto" and GenericAdapter.needs_window_backend(hf_model):
+        attention_backend = "torch_static"
+    return GenericAdapter.from_transformers, attention_backend
 
 
 @dataclass
@@ -351,8 +375,14 @@ class Engine:
                           cuda_graphs: bool = True, async_scheduling: bool = False,
                           enable_prefix_caching: bool = False,
                           prefix_caching_eviction_policy: str = "ref_zero",
-                          **context_kwargs: Any) -> "Engine":
-        """Build the adapter for a ``transformers`` causal LM and a context sized for it.
+                          integration: str = "auto", **context_kwargs: Any) -> "Engine":
+        """Build the adapter for a ``transformers`` causal LM and a context sized for it: the
+        dedicated one of its class (Llama, DeepSeek-V2/V3, NemotronH), else the generic path
+        that runs the model's own code through transformers' attention seam
+        (``models/generic.py``); ``engine.model.path`` says which (``"dedicated"`` or
+        ``"generic"``); ``integration="generic"`` takes the generic path for a model with a
+        dedicated adapter too. A model the generic path cannot run raises
+        ``NotImplementedError`` naming it and what it lacks.
 
         ``context_kwargs`` go to ``DynamicInferenceContext`` (``buffer_size_gb``,
         ``block_size_tokens``, ``max_tokens``, ``params_dtype``, ``device``,
@@ -378,11 +408,8 @@ class Engine:
         from dynctx.context.parallel import parallel_groups
         from dynctx.models import TensorParallel
 
-        adapters = _transformers_adapters()
-        name = type(hf_model).__name__
-        if name not in adapters:
-            raise NotImplementedError(f"dynctx has no adapter for {name}; supported model types: "
-                                      f"{', '.join(sorted(adapters))}")
+        graphs = bool(cuda_graphs and context_kwargs.get("num_cuda_graphs"))
+        build, attention_backend = _adapter_for(hf_model, attention_backend, graphs, integration)
         config = hf_model.config
         param = next(hf_model.parameters())
         kwargs = dict(context_kwargs, enable_prefix_caching=enable_prefix_caching,
@@ -408,9 +435,9 @@ class Engine:
                 DynamicInferenceContext).parameters["block_size_tokens"].default
             attention_backend = graph_attention_backend(attention_backend, device, block_size,
                                                         dtype)
-        model = adapters[name](hf_model, device=device, dtype=dtype, rope=rope,
-                               attention_backend=attention_backend,
-                               **({"tensor_parallel": tp} if tp.size > 1 else {}))
+        model = build(hf_model, device=device, dtype=dtype, rope=rope,
+                      attention_backend=attention_backend,
+                      **({"tensor_parallel": tp} if tp.size > 1 else {}))
         kwargs.setdefault("num_layers", model.num_layers)
         kwargs.setdefault("kv_channels", model.head_dim)
         kwargs.setdefault("num_attention_heads",

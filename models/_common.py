@@ -236,6 +236,9 @@ class PagedAdapter:
     every row-parallel layer; the embedding, the norms and the LM head are whole on every
     rank, so every rank computes the same logits."""
 
+    # Which path ``Engine.from_transformers`` took: a dedicated adapter (this class's
+    # subclasses) or the generic one (``models/generic.py``).
+    path = "dedicated"
     # Whether the attention's ``plan`` takes the model dtype.
     _plan_with_dtype = True
     tp: TensorParallel = SINGLE
@@ -310,21 +313,27 @@ class PagedAdapter:
     def _step_ready(self, ctx: Any) -> bool:
         return ctx.active_attn_metadata is not None
 
-    def _start_step(self, ctx: Any) -> tuple[torch.Tensor, int, Any]:
-        """Check the context, plan the step's attention and embed its tokens: ``(hidden [n,
-        hidden], n, attention)``."""
+    def _plan_step(self, ctx: Any) -> tuple[int, Any]:
+        """Check the context and plan the step's attention: ``(n, attention)``, ``n`` the
+        step's padded token count."""
         self.check_context(ctx)
         if not self._step_ready(ctx):
             raise RuntimeError("call ctx.initialize_attention_state() before forward()")
         meta = ctx.active_attn_metadata
-        input_ids, _ = ctx.current_input_and_position_ids()
-        n = input_ids.shape[1]
+        n = ctx.current_input_and_position_ids()[0].shape[1]
         attention = self.attention_for(ctx)
         extra = dict(dtype=self.dtype) if self._plan_with_dtype else {}
         attention.plan(cu_query_lengths=meta.cu_query_seq_lengths,
                        kv_seq_lengths=meta.kv_seq_lengths, block_table=meta.block_table,
                        max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_k,
                        num_tokens=n, num_decode_requests=ctx.num_decode_requests, **extra)
+        return n, attention
+
+    def _start_step(self, ctx: Any) -> tuple[torch.Tensor, int, Any]:
+        """Check the context, plan the step's attention and embed its tokens: ``(hidden [n,
+        hidden], n, attention)``."""
+        n, attention = self._plan_step(ctx)
+        input_ids, _ = ctx.current_input_and_position_ids()
         return F.embedding(input_ids[0], self.embed), n, attention
 
     def _logits(self, ctx: Any, hidden: torch.Tensor, last_token_only: bool) -> torch.Tensor:

@@ -1,7 +1,12 @@
-"""DeepSeek-V2 model adapter (multi-head latent attention, MLA) that runs a step's packed tokens
-through a ``DynamicInferenceContext`` built with ``cache_mla_latent=True``.
+"""DeepSeek-V2 and DeepSeek-V3 model adapter (multi-head latent attention, MLA) that runs a
+step's packed tokens through a ``DynamicInferenceContext`` built with ``cache_mla_latent=True``.
 
-The weights come from a ``transformers`` ``DeepseekV2ForCausalLM``. Per layer:
+The weights come from a ``transformers`` ``DeepseekV2ForCausalLM`` or ``DeepseekV3ForCausalLM``:
+the same MLA attention; they differ in the MoE router (V2: softmax scores, greedy or
+group-limited top-k, weights times ``routed_scaling_factor``; V3: sigmoid scores, the expert
+choice on scores plus the ``e_score_correction_bias``, groups ranked by the sum of their two best
+choices, the chosen experts' scores renormalised when ``norm_topk_prob``, then scaled) and in
+V3's ``rope_interleave`` flag. Per layer:
 
 * queries: ``q_proj`` (or ``q_a_proj`` -> ``q_a_layernorm`` -> ``q_b_proj`` when
   ``q_lora_rank`` is set), split per head into ``q_nope`` and ``q_pe``;
@@ -18,9 +23,12 @@ The weights come from a ``transformers`` ``DeepseekV2ForCausalLM``. Per layer:
 * ``o_proj``, the residual, the MLP (dense SwiGLU, or DeepSeek-V2's MoE with shared experts),
   and last-token logits through ``ctx.last_token_logits``.
 
-Rope layout. transformers rotates ``q_pe``/``k_pe`` as complex numbers over the pairs
-``(2i, 2i+1)`` and leaves them interleaved. Megatron's MLA layout (``mla_layout``) rotates the
-same pairs with the same angles but writes the result half-split (``[even dims, odd dims]``).
+Rope layout. transformers' V2 rotates ``q_pe``/``k_pe`` as complex numbers over the pairs
+``(2i, 2i+1)`` and leaves them interleaved (V3 with ``rope_interleave``, the default, rotates the
+same pairs and writes them half-split; V3 without it rotates the half-split pairs ``(i, i +
+D/2)`` of the raw layout, Megatron's ordinary rope, which the adapter then applies).
+Megatron's MLA layout (``mla_layout``) rotates the same pairs with the same angles but writes the
+result half-split (``[even dims, odd dims]``).
 The two differ only by one fixed permutation of the rope dims, applied to queries and keys
 alike, so every ``q_pe . k_pe`` dot product (all attention ever uses) is the same; the cached
 ``k_pe`` is simply in the half-split order. The angle table is Megatron's ``cat(freqs, freqs)``
@@ -57,7 +65,6 @@ from ._common import (
     PagedAdapter,
     TensorParallel,
     activation,
-    check_model_class,
     gated_mlp,
     placement,
     rms_norm,
@@ -69,6 +76,7 @@ from .paged_attention import _TorchRowGroup, torch_row_groups
 
 ATTENTION_FORMS = ("decompress", "absorbed")
 _TOPK_METHODS = ("greedy", "group_limited_greedy")
+_MODEL_CLASSES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 
 
 class DeepseekLayerWeights(SimpleNamespace):
@@ -159,8 +167,8 @@ class MlaPagedAttention:
 
 
 class DeepseekV2Adapter(PagedAdapter):
-    """A DeepSeek-V2 causal LM whose forward reads and writes a ``DynamicInferenceContext``
-    with an MLA latent cache.
+    """A DeepSeek-V2 or DeepSeek-V3 causal LM whose forward reads and writes a
+    ``DynamicInferenceContext`` with an MLA latent cache.
 
     Build it with ``DeepseekV2Adapter.from_transformers(hf_model)``; the context needs
     ``context_kwargs`` (``cache_mla_latent=True``, ``kv_lora_rank``, ``qk_pos_emb_head_dim``;
@@ -203,7 +211,10 @@ class DeepseekV2Adapter(PagedAdapter):
         self._init_rope(inv_freq=inv_freq, rope_mscale=rope_mscale, rope=rope)
         self.softmax_scale = float(softmax_scale)
         self.attention_form = attention_form
-        self.rope_config = SimpleNamespace(rotary_interleaved=False, multi_latent_attention=True)
+        # V2, and V3 with rope_interleave: the MLA layout (pairs (2i, 2i+1), half-split out).
+        self.rope_config = SimpleNamespace(
+            rotary_interleaved=False,
+            multi_latent_attention=bool(getattr(config, "rope_interleave", True)))
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -212,15 +223,18 @@ class DeepseekV2Adapter(PagedAdapter):
                           attention_backend: str = "auto",
                           attention_form: str = "decompress",
                           tensor_parallel: TensorParallel = SINGLE) -> "DeepseekV2Adapter":
-        """Take the weights of a ``transformers`` ``DeepseekV2ForCausalLM`` (moved to
-        ``device`` and cast to ``dtype`` when given; shared with the model otherwise). The MoE
-        router weight stays fp32, as transformers keeps it.
+        """Take the weights of a ``transformers`` ``DeepseekV2ForCausalLM`` or
+        ``DeepseekV3ForCausalLM`` (moved to ``device`` and cast to ``dtype`` when given; shared
+        with the model otherwise). The MoE router weight (and V3's correction bias) stays fp32,
+        as transformers keeps it.
 
         With ``tensor_parallel`` of more than one rank, this rank's shard: the query heads
         (``q_proj``/``q_b_proj`` rows, ``kv_b_proj`` rows, ``o_proj`` columns), the MLP channels
         and each expert's channels (the router, the latent projection ``kv_a_proj_with_mqa``
         and ``q_a_proj`` are whole: the latent cache is the same on every rank)."""
-        check_model_class(hf_model, "DeepseekV2ForCausalLM", "DeepseekV2Adapter")
+        if type(hf_model).__name__ not in _MODEL_CLASSES:
+            raise NotImplementedError(f"DeepseekV2Adapter takes a {' or a '.join(_MODEL_CLASSES)}"
+                                      f", got {type(hf_model).__name__}")
         config = hf_model.config
         tp = tensor_parallel
         tp.part(config.num_attention_heads, "num_attention_heads")  # checked before any copy
@@ -261,14 +275,19 @@ class DeepseekV2Adapter(PagedAdapter):
                 w.q_b = by_head(take(attn.q_b_proj.weight), 0)
             if hasattr(mlp, "experts"):
                 gate = mlp.gate
-                if gate.topk_method not in _TOPK_METHODS:
-                    raise NotImplementedError(f"topk_method={gate.topk_method!r}: supported "
+                # V3's router: sigmoid scores and a correction bias (no topk_method).
+                bias_v3 = getattr(gate, "e_score_correction_bias", None)
+                method = "sigmoid_grouped" if bias_v3 is not None else gate.topk_method
+                if method not in _TOPK_METHODS + ("sigmoid_grouped",):
+                    raise NotImplementedError(f"topk_method={method!r}: supported "
                                               f"{_TOPK_METHODS}")
                 w.moe = SimpleNamespace(
                     router=take(gate.weight, torch.float32), top_k=gate.top_k,
-                    num_experts=gate.num_experts, topk_method=gate.topk_method,
+                    num_experts=gate.num_experts, topk_method=method,
                     num_group=gate.num_group, topk_group=gate.topk_group,
                     scaling=float(gate.routed_scaling_factor),
+                    score_bias=take(bias_v3, torch.float32),
+                    norm_topk_prob=bool(getattr(gate, "norm_topk_prob", False)),
                     gate_up=take(mlp.experts.gate_up_proj), down=take(mlp.experts.down_proj),
                     shared=dense(mlp.shared_experts, "the shared experts' intermediate size"))
                 if tp.size > 1:
@@ -323,10 +342,34 @@ class DeepseekV2Adapter(PagedAdapter):
     def _dense_mlp(self, x: torch.Tensor, m: SimpleNamespace) -> torch.Tensor:
         return gated_mlp(self.act, x, m, self.tp)
 
+    @staticmethod
+    def _route_v3(x: torch.Tensor, m: SimpleNamespace) -> tuple:
+        """DeepSeek-V3's router as transformers runs it: fp32 sigmoid scores; experts chosen on
+        scores + correction bias within the ``topk_group`` groups whose two best choices sum
+        highest; weights are the chosen experts' scores (renormalised when
+        ``norm_topk_prob``) times ``routed_scaling_factor``."""
+        scores = F.linear(x.float(), m.router).sigmoid()                       # [n, experts]
+        choice = scores + m.score_bias
+        n = scores.shape[0]
+        grouped = choice.view(n, m.num_group, m.num_experts // m.num_group)
+        group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)                  # [n, groups]
+        group_idx = torch.topk(group_scores, k=m.topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+        score_mask = group_mask.unsqueeze(-1).expand_as(grouped).reshape(n, -1)
+        choice = choice.masked_fill(~score_mask.bool(), float("-inf"))
+        experts = torch.topk(choice, k=m.top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, experts)
+        if m.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * m.scaling, experts
+
     def _moe(self, x: torch.Tensor, m: SimpleNamespace) -> torch.Tensor:
-        """DeepSeek-V2's MoE as transformers runs it: fp32 softmax router, greedy or
-        group-limited top-k, weights times ``routed_scaling_factor`` (not renormalised), the
-        routed experts plus the shared experts."""
+        """DeepSeek's MoE as transformers runs it: the router (V2: fp32 softmax, greedy or
+        group-limited top-k, weights times ``routed_scaling_factor``, not renormalised; V3:
+        ``_route_v3``), the routed experts plus the shared experts."""
+        if m.topk_method == "sigmoid_grouped":
+            weights, experts = self._route_v3(x, m)
+            return self._experts(x, m, weights, experts)
         scores = F.linear(x.float(), m.router).softmax(dim=-1)                # [n, experts]
         if m.topk_method == "group_limited_greedy":
             n = scores.shape[0]
@@ -337,7 +380,12 @@ class DeepseekV2Adapter(PagedAdapter):
                                                          // m.num_group).reshape(n, -1)
             scores = scores.masked_fill(~score_mask.bool(), 0.0)
         weights, experts = torch.topk(scores, k=m.top_k, dim=-1, sorted=False)
-        weights = weights * m.scaling
+        return self._experts(x, m, weights * m.scaling, experts)
+
+    def _experts(self, x: torch.Tensor, m: SimpleNamespace, weights: torch.Tensor,
+                 experts: torch.Tensor) -> torch.Tensor:
+        """The routed experts (``experts`` ``[n, top_k]`` with fp32 ``weights``) plus the
+        shared experts."""
         out = torch.zeros_like(x)
         for expert in experts.unique().tolist():
             token, slot = torch.where(experts == expert)
@@ -400,7 +448,7 @@ class DeepseekV2Adapter(PagedAdapter):
 
 
 def mla_block_bytes(config: Any, block_size: int, dtype: torch.dtype = torch.float32) -> int:
-    """Bytes of one cache block of a DeepSeek-V2 model's MLA latent cache (all layers)."""
+    """Bytes of one cache block of a DeepSeek-V2/V3 model's MLA latent cache (all layers)."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     return (itemsize * config.num_hidden_layers * block_size
             * (config.kv_lora_rank + config.qk_rope_head_dim))

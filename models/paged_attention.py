@@ -16,7 +16,12 @@ padded token count and ``R`` the padded request count:
 
 Causality: the ``j``-th query token of request ``i`` sits at position
 ``kv_seq_lengths[i] - q_len[i] + j`` and sees the cached tokens at positions up to its own. GQA:
-query head ``h`` reads KV head ``h // (Hq // Hkv)``. Padding tokens get zeros from the torch
+query head ``h`` reads KV head ``h // (Hq // Hkv)``. A layer may add a sliding ``window`` ``W``
+(a query at position ``p`` sees only the keys at ``p - W < j <= p``, its own included, as
+transformers' ``sliding_window``) and per-head ``sinks`` (gpt-oss: one more logit per query head
+in the softmax denominator, with no value), and its own ``softmax_scale``: each is an argument
+of the per-layer call. The torch versions compute both; the other backends refuse them with
+``NotImplementedError`` (they never drop one silently). Padding tokens get zeros from the torch
 version and our kernels, unspecified values from FlashInfer and flash-attn; callers ignore them.
 
 Backends (``PagedAttention(backend=...)``): ``"auto"`` runs our Triton kernels
@@ -132,6 +137,10 @@ class _TorchRowGroup:
         allowed = (offs_k[None, None, :] <= query_pos[:, :, None]) \
             & (offs_k[None, None, :] < kv_len[:, None, None]) & q_valid[:, :, None]
         self.allowed = allowed[:, None]                                         # [rows, 1, q, k]
+        # A window ``W`` also hides the keys at ``<= position - W``: its mask is built once per
+        # step and window, by the first layer that asks (``allowed_for``).
+        self._key_back = (query_pos[:, :, None] - offs_k[None, None, :])[:, None]  # [r, 1, q, k]
+        self._windowed = {}
         self.key_valid = (offs_k[None, :] < kv_len[:, None])[:, :, None, None]  # [rows, k, 1, 1]
         num_blocks = max(1, math.ceil(max_k / block_size))
         blocks = block_table[lo:hi, :num_blocks].long()
@@ -139,8 +148,17 @@ class _TorchRowGroup:
         self.blocks = torch.where(blocks >= 0, blocks, torch.zeros_like(blocks))
         self.max_k = max_k
 
+    def allowed_for(self, window: Optional[int]) -> torch.Tensor:
+        """``allowed`` narrowed to a sliding window of ``window`` keys (``None``: unchanged)."""
+        if window is None or window >= self.max_k:
+            return self.allowed
+        if window not in self._windowed:
+            self._windowed[window] = self.allowed & (self._key_back < window)
+        return self._windowed[window]
+
     def attend(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-               out: torch.Tensor, scale: float) -> None:
+               out: torch.Tensor, scale: float, window: Optional[int] = None,
+               sinks: Optional[torch.Tensor] = None) -> None:
         rows = self.blocks.shape[0]
         num_q_heads, num_kv_heads = query.shape[1], key_cache.shape[2]
         q = query[self.gather_tokens].float()                                  # [rows, q, Hq, D]
@@ -155,11 +173,16 @@ class _TorchRowGroup:
         if group > 1:
             k = k.repeat_interleave(group, dim=2)                              # [rows, k, Hq, D]
             v = v.repeat_interleave(group, dim=2)
+        allowed = self.allowed_for(window)
         scores = torch.einsum("rqhd,rkhd->rhqk", q, k) * scale
-        scores = scores.masked_fill(~self.allowed, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        if sinks is None:
+            probs = torch.softmax(scores, dim=-1)
+        else:
+            sink = sinks.float().view(1, num_q_heads, 1, 1).expand(rows, -1, scores.shape[2], 1)
+            probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]
         # Rows with nothing to see (empty query slots) are all -inf: NaN after softmax.
-        probs = probs.masked_fill(~self.allowed, 0.0)
+        probs = probs.masked_fill(~allowed, 0.0)
         result = torch.einsum("rhqk,rkhd->rqhd", probs, v)                      # [rows, q, Hq, D]
         out[self.scatter_tokens.reshape(-1)] = result.reshape(-1, num_q_heads, result.shape[-1]
                                                               ).to(out.dtype)
@@ -207,11 +230,12 @@ def _gather_rows(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
 class _SdpaStep:
     """One step's index tensors for the torch version (built by ``plan``, used by every layer).
 
-    ``decode``: groups of one-query requests, each ``(tokens [g], slots [g, L], mask [g, 1, 1,
-    L] or None)``; ``prefill``: one entry per request with several queries, ``(first token,
-    q_len, slots [kv], mask [G * q_len, kv] or None, is_causal)``. The grouping reads the
-    lengths on the host (``tolist``: free on a CPU, one sync per step on CUDA, where the Triton
-    kernels are the default).
+    ``decode``: groups of one-query requests, each ``(tokens [g], slots [g, L], lengths [g],
+    whether every length is L)``;
+    ``prefill``: one entry per request with several queries, ``(first token, q_len, slots [kv])``.
+    The masks of a layer (``masks(window, explicit)``) are built once per step and window. The
+    grouping reads the lengths on the host (``tolist``: free on a CPU, one sync per step on
+    CUDA, where the Triton kernels are the default).
     """
 
     def __init__(self, *, cu_query_lengths: torch.Tensor, kv_seq_lengths: torch.Tensor,
@@ -222,6 +246,7 @@ class _SdpaStep:
         if len(cu) < len(kv) + 1:
             raise ValueError(f"cu_query_lengths has {len(cu)} entries for {len(kv)} requests; "
                              f"needs {len(kv) + 1}")
+        self.device, self.group_size = device, group_size
         decode_rows, self.prefill = [], []
         for request, kv_len in enumerate(kv):
             q_len = cu[request + 1] - cu[request]
@@ -236,15 +261,7 @@ class _SdpaStep:
             positions = torch.arange(kv_len, device=device)
             blocks = block_table[request].long()[positions // block_size]
             slots = blocks * block_size + positions % block_size
-            first = kv_len - q_len
-            # Whole prompt: SDPA's own causal mask (top-left aligned, right here) when no query
-            # heads are folded into the query rows.
-            if first == 0 and group_size == 1:
-                self.prefill.append((cu[request], q_len, slots, None, True))
-                continue
-            query_pos = first + torch.arange(q_len, device=device)
-            mask = positions[None, :] <= query_pos[:, None]                     # [q, kv]
-            self.prefill.append((cu[request], q_len, slots, mask.repeat(group_size, 1), False))
+            self.prefill.append((cu[request], q_len, slots))
         self.decode = []
         decode_rows.sort(reverse=True)
         while decode_rows:
@@ -262,34 +279,100 @@ class _SdpaStep:
             valid = positions[None, :] < lengths[:, None]
             # Past a request's length: its first key (cached, finite), masked out below.
             slots = torch.where(valid, slots, slots[:, :1])
-            mask = None if group[-1][0] == longest else valid[:, None, None, :]
-            self.decode.append((tokens, slots, mask))
+            self.decode.append((tokens, slots, lengths, group[-1][0] == longest))
+        self.longest = max(kv, default=0)
+        self._masks = {}
+
+    def masks(self, window: Optional[int], explicit: bool) -> tuple:
+        """``(decode masks, prefill masks)`` of a layer with sliding ``window`` (None: none).
+
+        A decode mask is ``[g, 1, 1, L]`` or None (every slot visible); a prefill mask is
+        ``(mask [G * q_len, kv] or None, is_causal)``, None with ``is_causal`` where SDPA's own
+        causal mask serves (a whole prompt, no query heads folded into its rows). ``explicit``:
+        never None (for the explicit softmax of a layer with sinks)."""
+        if window is not None and window >= self.longest:
+            window = None                        # wider than every request: the full mask
+        key = (window, explicit)
+        if key in self._masks:
+            return self._masks[key]
+        decode = []
+        for _, slots, lengths, uniform in self.decode:
+            if uniform and window is None and not explicit:
+                decode.append(None)
+                continue
+            positions = torch.arange(slots.shape[1], device=self.device)
+            visible = positions[None, :] < lengths[:, None]                       # [g, L]
+            if window is not None:
+                visible &= positions[None, :] > lengths[:, None] - 1 - window
+            decode.append(visible[:, None, None, :])
+        prefill = []
+        for _, q_len, slots in self.prefill:
+            kv_len = slots.shape[0]
+            first = kv_len - q_len
+            if window is None and first == 0 and self.group_size == 1 and not explicit:
+                prefill.append((None, True))
+                continue
+            positions = torch.arange(kv_len, device=self.device)
+            query_pos = first + torch.arange(q_len, device=self.device)
+            visible = positions[None, :] <= query_pos[:, None]                    # [q, kv]
+            if window is not None:
+                visible &= positions[None, :] > query_pos[:, None] - window
+            prefill.append((visible.repeat(self.group_size, 1), False))
+        self._masks[key] = (decode, prefill)
+        return self._masks[key]
 
     def attend(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-               scale: float) -> torch.Tensor:
+               scale: float, window: Optional[int] = None,
+               sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
         n, num_q_heads, head_dim = query.shape
         num_kv_heads = key_cache.shape[2]
         group = num_q_heads // num_kv_heads
+        decode_masks, prefill_masks = self.masks(window, explicit=sinks is not None)
+        # Per query head sink logits, laid out as the query rows below: [Hkv, G, 1].
+        sink = None if sinks is None else sinks.float().view(num_kv_heads, group, 1)
         # fp32 math in every dtype, as the kernels do.
         compute = torch.float32
         out = query.new_zeros(n, num_q_heads, head_dim)
-        for tokens, slots, mask in self.decode:
+        for (tokens, slots, _, _), mask in zip(self.decode, decode_masks):
             rows, keys = slots.shape
             q = query.index_select(0, tokens).to(compute).view(rows, num_kv_heads, group, head_dim)
             k = _gather_rows(key_cache, slots).to(compute).transpose(1, 2)     # [g, Hkv, L, D]
             v = _gather_rows(value_cache, slots).to(compute).transpose(1, 2)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+            if sink is None:
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+            else:
+                o = _attend_with_sinks(q, k, v, mask, scale, sink)
             out.index_copy_(0, tokens, o.reshape(rows, num_q_heads, head_dim).to(out.dtype))
-        for first, q_len, slots, mask, causal in self.prefill:
-            q = query[first:first + q_len].to(compute).view(q_len, num_kv_heads, group, head_dim)
+        for (first, q_len, slots), (mask, causal) in zip(self.prefill, prefill_masks):
+            q = query[first:first + q_len].to(compute).reshape(q_len, num_kv_heads, group,
+                                                               head_dim)
             q = q.permute(1, 2, 0, 3).reshape(1, num_kv_heads, group * q_len, head_dim)
             k = _gather_rows(key_cache, slots).to(compute).transpose(0, 1)[None]  # [1, Hkv, kv, D]
             v = _gather_rows(value_cache, slots).to(compute).transpose(0, 1)[None]
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
-                                               scale=scale)                   # [1, Hkv, G*q, D]
+            if sink is None:
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                                   scale=scale)               # [1, Hkv, G*q, D]
+            else:
+                rows_sink = sink[:, :, None].expand(-1, -1, q_len, -1).reshape(
+                    num_kv_heads, group * q_len, 1)
+                o = _attend_with_sinks(q, k, v, mask, scale, rows_sink)
             o = o.view(num_kv_heads, group, q_len, head_dim).permute(2, 0, 1, 3)
             out[first:first + q_len] = o.reshape(q_len, num_q_heads, head_dim).to(out.dtype)
         return out
+
+
+def _attend_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       mask: Optional[torch.Tensor], scale: float,
+                       sink: torch.Tensor) -> torch.Tensor:
+    """Softmax attention whose denominator also holds ``exp(sink)`` per query row (``sink``
+    broadcasts against the scores ``[..., rows, keys]`` as ``[..., rows, 1]``), fp32."""
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    top = torch.maximum(scores.amax(dim=-1, keepdim=True), sink)
+    weights = torch.exp(scores - top)
+    denominator = weights.sum(dim=-1, keepdim=True) + torch.exp(sink - top)
+    return torch.matmul(weights / denominator, v)
 
 
 class PagedAttention:
@@ -375,30 +458,56 @@ class PagedAttention:
             q_data_type=dtype, kv_data_type=dtype)
         args["flashinfer_tokens"] = int(cu_q[-1]) if num_real else 0
 
-    def __call__(self, query: torch.Tensor, key_cache: torch.Tensor,
-                 value_cache: torch.Tensor) -> torch.Tensor:
-        """``query`` ``[n, Hq, D]`` -> attention output ``[n, Hq, D]`` in ``query``'s dtype."""
+    def __call__(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                 *, softmax_scale: Optional[float] = None, window: Optional[int] = None,
+                 sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``query`` ``[n, Hq, D]`` -> attention output ``[n, Hq, D]`` in ``query``'s dtype.
+
+        Per layer: ``softmax_scale`` (default: the one given at construction), a sliding
+        ``window`` of keys (an int >= 1, or None) and ``sinks`` (``[Hq]`` logits, or None); the
+        backends other than the torch ones raise ``NotImplementedError`` for a window or
+        sinks."""
         plan = self._plan
         if plan is None:
             raise RuntimeError("PagedAttention: call plan() for the step first")
         if query.dim() != 3 or query.shape[1:] != (self.num_q_heads, self.head_dim):
             raise ValueError(f"query must be [n, {self.num_q_heads}, {self.head_dim}], got "
                              f"{tuple(query.shape)}")
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int)
+                                   or window < 1):
+            raise ValueError(f"window={window!r} must be an int >= 1 (keys a query sees, its "
+                             "own included) or None")
+        if sinks is not None and (not isinstance(sinks, torch.Tensor)
+                                  or tuple(sinks.shape) != (self.num_q_heads,)):
+            shape = tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks)
+            raise ValueError(f"sinks must be a [{self.num_q_heads}] tensor (one logit per "
+                             f"query head), got {shape}")
+        scale = self.scale if softmax_scale is None else float(softmax_scale)
         if self.backend == "torch":
-            return plan["sdpa"].attend(query, key_cache, value_cache, self.scale)
+            return plan["sdpa"].attend(query, key_cache, value_cache, scale, window, sinks)
         if self.backend == "torch_static":
             # One spare row takes the writes of empty query slots.
             out = query.new_zeros(query.shape[0] + 1, self.num_q_heads, self.head_dim)
             for group in plan["groups"]:
-                group.attend(query, key_cache, value_cache, out, self.scale)
+                group.attend(query, key_cache, value_cache, out, scale, window, sinks)
             return out[:-1]
+        missing = [name for name, given in (("sliding windows", window is not None),
+                                            ("attention sinks", sinks is not None)) if given]
+        if missing:
+            raise NotImplementedError(
+                f"attention backend {self.backend!r} has no {' or '.join(missing)} yet: use "
+                "attention_backend='torch' (or 'torch_static' under CUDA graphs)")
+        if self.backend == "flashinfer" and scale != self.scale:
+            raise NotImplementedError(
+                f"attention backend 'flashinfer' plans one softmax scale per step ({self.scale}); "
+                f"this layer asks for {scale}")
         if self.backend == "triton":
             from ..kernels.paged_attention import paged_attention
 
             return paged_attention(
                 query, key_cache, value_cache, plan["cu_query_lengths"], plan["kv_seq_lengths"],
                 plan["block_table"], max_seqlen_q=plan["max_seqlen_q"],
-                max_seqlen_k=plan["max_seqlen_k"], softmax_scale=self.scale,
+                max_seqlen_k=plan["max_seqlen_k"], softmax_scale=scale,
                 num_requests=plan["num_requests"],
                 num_decode_requests=plan["num_decode_requests"], backend="triton")
         if self.backend == "flashinfer":
@@ -408,9 +517,9 @@ class PagedAttention:
                 out[:tokens] = self._flashinfer_wrapper.run(query[:tokens].contiguous(),
                                                             (key_cache, value_cache))
             return out
-        return self._flash_attn(query, key_cache, value_cache, plan)
+        return self._flash_attn(query, key_cache, value_cache, plan, scale)
 
-    def _flash_attn(self, query, key_cache, value_cache, plan) -> torch.Tensor:
+    def _flash_attn(self, query, key_cache, value_cache, plan, scale) -> torch.Tensor:
         from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
 
         block_table = plan["block_table"]
@@ -419,22 +528,24 @@ class PagedAttention:
             out = flash_attn_with_kvcache(
                 query.unsqueeze(1), key_cache, value_cache,
                 cache_seqlens=plan["kv_seq_lengths"], block_table=block_table,
-                softmax_scale=self.scale, causal=True)
+                softmax_scale=scale, causal=True)
             return out.squeeze(1)
         cu_kv = torch.zeros(plan["num_requests"] + 1, dtype=torch.int32, device=query.device)
         cu_kv[1:] = torch.cumsum(plan["kv_seq_lengths"], 0)
         return flash_attn_varlen_func(
             query, key_cache, value_cache, plan["cu_query_lengths"], cu_kv,
             max(1, plan["max_seqlen_q"]), max(1, plan["max_seqlen_k"]),
-            softmax_scale=self.scale, causal=True, block_table=block_table)
+            softmax_scale=scale, causal=True, block_table=block_table)
 
 
 def paged_attention_torch(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                           cu_query_lengths: torch.Tensor, kv_seq_lengths: torch.Tensor,
                           block_table: torch.Tensor, *, max_seqlen_q: int, max_seqlen_k: int,
                           softmax_scale: Optional[float] = None,
-                          num_decode_requests: int = 0) -> torch.Tensor:
-    """One-shot torch paged attention (see the module docstring); returns ``[n, Hq, D]``."""
+                          num_decode_requests: int = 0, window: Optional[int] = None,
+                          sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """One-shot torch paged attention (see the module docstring), with an optional sliding
+    ``window`` and per-head ``sinks``; returns ``[n, Hq, D]``."""
     attention = PagedAttention(num_q_heads=query.shape[1], num_kv_heads=key_cache.shape[2],
                                head_dim=query.shape[2], block_size=key_cache.shape[1],
                                device=query.device, softmax_scale=softmax_scale, backend="torch",
@@ -442,4 +553,4 @@ def paged_attention_torch(query: torch.Tensor, key_cache: torch.Tensor, value_ca
     attention.plan(cu_query_lengths=cu_query_lengths, kv_seq_lengths=kv_seq_lengths,
                    block_table=block_table, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                    num_tokens=query.shape[0], num_decode_requests=num_decode_requests)
-    return attention(query, key_cache, value_cache)
+    return attention(query, key_cache, value_cache, window=window, sinks=sinks)

@@ -225,12 +225,15 @@ def test_requests_that_cannot_run_finish_with_an_error():
         engine.generate([[1] * 250], max_new_tokens=10)
 
 
-def test_unsupported_model_type_names_supported_ones():
-    from transformers import GPT2Config, GPT2LMHeadModel
+def test_unsupported_model_type_names_what_it_lacks():
+    """A model with neither a dedicated adapter nor attention on transformers' seam (every
+    other one takes the generic path: tests/e2e/test_generic_errors.py)."""
+    from transformers import MambaConfig, MambaForCausalLM
 
-    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64,
-                                       n_positions=32))
-    with pytest.raises(NotImplementedError, match="GPT2LMHeadModel.*LlamaForCausalLM"):
+    model = MambaForCausalLM(MambaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1,
+                                         state_size=4)).eval()
+    with pytest.raises(NotImplementedError, match="MambaForCausalLM cannot run on dynctx's "
+                                                  "generic transformers path"):
         Engine.from_transformers(model, buffer_size_gb=0.001)
 
 
