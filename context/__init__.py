@@ -2,6 +2,13 @@
 
 from .batch_dimensions import InferenceBatchDimensions, MambaInferenceStateConfig
 from .block_allocator import BlockAllocator
+from .config import (
+    AsyncScheduleMode,
+    CudaGraphSizingDistribution,
+    InferenceConfig,
+    KVCacheManagementMode,
+    PrefixCachingCoordinatorPolicy,
+)
 from .dynamic_context import DynamicInferenceContext
 from .errors import (
     ActiveRequestCountOverflowError,
@@ -16,6 +23,7 @@ from .errors import (
     TokenOverflowError,
     get_mem_size_str,
 )
+from .inference_request import compute_block_hashes_batched
 from .prefix_cache import PrefixCachingEvictionPolicy
 from .requests import DEFAULT_METADATA_TYPES, DynamicInferenceRequest, SamplingParams
 
@@ -27,4 +35,9 @@ __all__ = [
     "PrefixCachingEvictionPolicy",
     "RequestOverflowError", "StepShapeError",
     "SamplingParams", "TensorStateDeallocatedError", "TokenOverflowError", "get_mem_size_str",
+]
+# Megatron-Core 0.19's configuration and block hashes (context/config.py, inference_request.py).
+__all__ += [
+    "AsyncScheduleMode", "CudaGraphSizingDistribution", "InferenceConfig",
+    "KVCacheManagementMode", "PrefixCachingCoordinatorPolicy", "compute_block_hashes_batched",
 ]
