@@ -255,30 +255,37 @@ def make_rope_tables(max_pos: int, rot_dim: int, interleaved: bool, *, base: flo
 MAX_BLOCK_ELEMENTS = 8192
 
 
-def rope_block_configs(row_block: int, num_heads: int) -> list[KernelConfig]:
-    """Tiles of ``BLOCK_T`` tokens x ``BLOCK_H`` heads x ``row_block`` dims, capped in size."""
+def rope_block_configs(row_block: int, num_heads: int,
+                       max_elements: int = MAX_BLOCK_ELEMENTS) -> list[KernelConfig]:
+    """Tiles of ``BLOCK_T`` tokens x ``BLOCK_H`` heads x ``row_block`` dims, capped in size.
+
+    The largest tiles take 8 warps only: at 4 their sm_90 builds spill
+    (tests/kernels/test_sm90_build.py)."""
     head_cap = next_pow2(max(1, num_heads))
     configs = []
     for block_t in (1, 4, 16):
         for block_h in (1, 4, 8):
             elements = block_t * block_h * row_block
-            if block_h > head_cap or elements > MAX_BLOCK_ELEMENTS:
+            if block_h > head_cap or elements > max_elements:
                 continue
-            warps = (1, 4) if elements <= 512 else (4, 8) if elements >= 4096 else (4,)
+            warps = ((1, 4) if elements <= 512 else (8,) if elements >= MAX_BLOCK_ELEMENTS
+                     else (4, 8) if elements >= 4096 else (4,))
             configs += [KernelConfig.make(BLOCK_T=block_t, BLOCK_H=block_h, num_warps=w)
                         for w in warps]
     return configs
 
 
-def rope_block_default(row_block: int, num_heads: int, num_tokens: int) -> KernelConfig:
+def rope_block_default(row_block: int, num_heads: int, num_tokens: int,
+                       max_elements: int = MAX_BLOCK_ELEMENTS) -> KernelConfig:
     """Decode: one token, four heads per program; prefill: more tokens per program."""
     block_t = 1 if num_tokens <= 16 else 4 if num_tokens <= 256 else 16
     block_h = min(4, next_pow2(max(1, num_heads)))
-    while block_t > 1 and block_t * block_h * row_block > MAX_BLOCK_ELEMENTS:
+    while block_t > 1 and block_t * block_h * row_block > max_elements:
         block_t //= 4
     elements = block_t * block_h * row_block
     return KernelConfig.make(BLOCK_T=block_t, BLOCK_H=block_h,
-                             num_warps=1 if elements <= 512 else 4)
+                             num_warps=1 if elements <= 512 else
+                             8 if elements >= MAX_BLOCK_ELEMENTS else 4)
 
 
 def fused_qk_rope_tune_key(*, num_tokens: int, num_q_heads: int, num_k_heads: int, head_dim: int,
