@@ -4,9 +4,11 @@ On any machine, GPU or not: the compile-only driver of ``kernels/stub_driver.py`
 sm_90 target, so each launcher runs its whole host path on CPU tensors (argument checks, the
 tuned-config lookup, the grid, Triton's dispatch: binding, specialisation, the kernel-cache
 lookup) and only the driver's launch call is a no-op. Beside them, the floor: an empty Triton
-kernel's dispatch through the same stub. Each launcher runs its registered tuning's scratch
-case (the first preset key, its counts made small) with ``config=None``, as the context calls
-it; the lookup alone is timed too, cached and with the cache emptied before every call.
+kernel's dispatch through the same stub, and each launcher's own Triton dispatch (the same
+kernel calls with the same arguments, replayed without the launcher: what a launch costs before
+any of ours). Each launcher runs its registered tuning's scratch case (the first preset key, its
+counts made small) with ``config=None``, as the context calls it; the lookup alone is timed
+too, cached and with the cache emptied before every call.
 
 Timings are this thread's CPU time (``time.thread_time_ns``, so that waiting for a core on a
 shared machine does not count), the minimum over ``--repeats`` runs of ``--calls`` calls.
@@ -44,6 +46,28 @@ def per_call_us(fn, calls: int, repeats: int) -> float:
     return best
 
 
+def recorded_dispatch(launch):
+    """The Triton kernel calls one ``launch()`` makes, as a function that replays them."""
+    from triton.runtime.jit import JITFunction
+
+    calls, original = [], JITFunction.run
+
+    def recording(self, *args, grid, warmup, **kwargs):
+        calls.append((self, args, grid, dict(kwargs)))
+        return original(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    JITFunction.run = recording
+    try:
+        launch()
+    finally:
+        JITFunction.run = original
+
+    def replay():
+        for fn, args, grid, kwargs in calls:
+            original(fn, *args, grid=grid, warmup=False, **kwargs)
+    return replay
+
+
 def small_key(key: dict) -> dict:
     return {k: min(v, SMALL_COUNTS[k]) if k in SMALL_COUNTS else v for k, v in key.items()}
 
@@ -67,6 +91,7 @@ def measure(calls: int, repeats: int) -> dict:
             case = tuning.make_case(key, torch.device("cpu"))
             case.run(None)  # compiles
             launch = per_call_us(lambda: case.run(None), calls, repeats)
+            dispatch = per_call_us(recorded_dispatch(lambda: case.run(None)), calls, repeats)
             lookup = per_call_us(lambda: _autotune.resolve_config(tuning.name, key, "cpu"),
                                  calls, repeats)
 
@@ -77,6 +102,8 @@ def measure(calls: int, repeats: int) -> dict:
             lookup_uncached = per_call_us(uncached, max(1, calls // 10), repeats)
             rows.append({"kernel": tuning.name, "key": _registry.key_text(key),
                          "launch_us": round(launch, 2), "over_floor_us": round(launch - floor, 2),
+                         "dispatch_us": round(dispatch, 2),
+                         "over_dispatch_us": round(launch - dispatch, 2),
                          "lookup_us": round(lookup, 2),
                          "lookup_uncached_us": round(lookup_uncached, 2)})
     return {"floor_us": round(floor, 2), "rows": rows, "calls": calls, "repeats": repeats,
@@ -95,11 +122,12 @@ def main(argv=None) -> int:
         return 2
     result = measure(args.calls, args.repeats)
     print(f"empty Triton kernel dispatch (the floor): {result['floor_us']:.2f} us")
-    print(f"{'launcher (tuning)':<26}{'launch us':>10}{'- floor':>9}{'lookup':>8}"
-          f"{'uncached':>10}")
+    print(f"{'launcher (tuning)':<24}{'launch':>8}{'-floor':>8}{'triton':>8}{'ours':>7}"
+          f"{'lookup':>8}{'uncached':>9}   (host CPU us; ours = launch - triton)")
     for row in result["rows"]:
-        print(f"{row['kernel']:<26}{row['launch_us']:>10.2f}{row['over_floor_us']:>9.2f}"
-              f"{row['lookup_us']:>8.2f}{row['lookup_uncached_us']:>10.2f}")
+        print(f"{row['kernel']:<24}{row['launch_us']:>8.2f}{row['over_floor_us']:>8.2f}"
+              f"{row['dispatch_us']:>8.2f}{row['over_dispatch_us']:>7.2f}"
+              f"{row['lookup_us']:>8.2f}{row['lookup_uncached_us']:>9.2f}")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(result, f, indent=2, sort_keys=True)

@@ -28,4 +28,5 @@ def test_every_launcher_gets_a_row(capsys):
     assert sorted(row["kernel"] for row in result["rows"]) == sorted(_autotune.registered())
     assert result["floor_us"] > 0
     for row in result["rows"]:
-        assert row["launch_us"] > 0 and row["lookup_us"] > 0 and row["lookup_uncached_us"] > 0
+        assert row["launch_us"] > 0 and row["dispatch_us"] > 0
+        assert row["lookup_us"] > 0 and row["lookup_uncached_us"] > 0
