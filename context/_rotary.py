@@ -78,7 +78,7 @@ class RotaryMixin:
         ``[max_seq, rot]`` cache (cos half, then sin half); FlashInfer when
         ``use_flashinfer_fused_rope`` asks for it. Returns ``[n, 1, H, D]`` views of the
         step's ``n`` tokens, as Megatron-Core does."""
-        from dynctx.kernels import rope
+        from dynctx.kernels import rope, rope_flashinfer
 
         n = self._rope_positions(query, "query", cos_sin_emb, "cos_sin_emb")
         self._rope_positions(key, "key")
@@ -86,13 +86,14 @@ class RotaryMixin:
         layout = self._rope_layout(config)
         use_flashinfer = self.use_flashinfer_fused_rope
         if use_flashinfer is None:
-            use_flashinfer = (rope.flashinfer_rope_available(self.device)
+            use_flashinfer = (rope_flashinfer.flashinfer_rope_available(self.device)
                               and not layout["mla_layout"])
         if use_flashinfer:
             if layout["mla_layout"]:
                 raise ValueError("use_flashinfer_fused_rope: FlashInfer has no MLA rope layout "
                                  "(config.multi_latent_attention)")
-            rope.apply_rope_flashinfer(query, key, positions, cos_sin_emb, layout["interleaved"])
+            rope_flashinfer.apply_rope_flashinfer(query, key, positions, cos_sin_emb,
+                                                  layout["interleaved"])
         else:
             rope.fused_qk_rope(query, key, positions, cos_sin_cache=cos_sin_emb,
                                backend=self.kernel_backend, **layout)

@@ -215,7 +215,7 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
         self.kernel_backend = kernel_backend
         self._backend = _backend.resolve_backend(kernel_backend, self.device)
         if use_flashinfer_fused_rope is True:
-            from dynctx.kernels.rope import flashinfer_rope_available
+            from dynctx.kernels.rope_flashinfer import flashinfer_rope_available
 
             if not flashinfer_rope_available(self.device):
                 raise RuntimeError(

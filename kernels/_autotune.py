@@ -11,6 +11,11 @@ equal; last the kernel's heuristic default, logged once with the command that wo
 gap. A committed config outside the kernel's current search space is ignored with a warning.
 Under the Triton interpreter the device is ``"interpreter"``, for which nothing is packaged, so
 launches use the default unless an override folder provides a file (the tests do that).
+
+Every launch resolves its config, so the answer is cached per (kernel, device, override folder,
+packaged folder, key): a cached lookup is one dict access. ``write_cache_file`` empties the
+cache; a file that another process rewrites is read again by the next process (or after
+``clear_lookup_cache()``).
 """
 
 from __future__ import annotations
@@ -118,6 +123,7 @@ def register(tuning: KernelTuning) -> KernelTuning:
     if tuning.name in _TUNINGS and _TUNINGS[tuning.name] is not tuning:
         raise ValueError(f"kernel tuning {tuning.name!r} is registered twice")
     _TUNINGS[tuning.name] = tuning
+    clear_lookup_cache()
     return tuning
 
 
@@ -147,8 +153,14 @@ def device_name(device: torch.device | str | None = None) -> str:
     """Folder name of a device's configs: ``NVIDIA_H200``; ``interpreter``; ``cpu``."""
     device = torch.device(device) if device is not None else None
     if device is not None and device.type == "cuda" and torch.cuda.is_available():
-        return re.sub(r"[^A-Za-z0-9_.-]+", "_", torch.cuda.get_device_name(device)).strip("_")
+        index = torch.cuda.current_device() if device.index is None else device.index
+        return _cuda_device_name(index)
     return "interpreter" if triton_interpreting() else "cpu"
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_device_name(index: int) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", torch.cuda.get_device_name(index)).strip("_")
 
 
 def canonical_json(obj: Any) -> str:
@@ -260,14 +272,36 @@ def _lookup_in_file(tuning: KernelTuning, data: dict, key: dict, path: Path):
     return None, None
 
 
+# (kernel, device, override folder, packaged folder, key items) -> (tuning, (config, source)):
+# a hit counts only for the tuning it was resolved for (tests swap tunings under one name).
+_LOOKUPS: dict[tuple, tuple[KernelTuning, tuple[KernelConfig, str]]] = {}
+
+
+def clear_lookup_cache() -> None:
+    """Forget every resolved config: the next lookups read the files again."""
+    _LOOKUPS.clear()
+
+
 def resolve_config(name: str, key: dict, device: torch.device | str | None = None
                    ) -> tuple[KernelConfig, str]:
     """Return ``(config, source)`` for kernel ``name`` at ``key``; never benchmarks.
 
-    ``source`` is ``"<override|packaged>-<exact|nearest>:<path>"`` or ``"default"``.
+    ``source`` is ``"<override|packaged>-<exact|nearest>:<path>"`` or ``"default"``. Cached
+    per kernel, device, override folder, packaged folder and key (module docstring).
     """
     tuning = get_tuning(name)
     dev = device_name(device)
+    lookup = (name, dev, os.environ.get(OVERRIDE_ENV), PACKAGED_DIR, tuple(key.items()))
+    hit = _LOOKUPS.get(lookup)
+    if hit is not None and hit[0] is tuning:
+        return hit[1]
+    resolved = _resolve_uncached(tuning, key, dev)
+    _LOOKUPS[lookup] = (tuning, resolved)
+    return resolved
+
+
+def _resolve_uncached(tuning: KernelTuning, key: dict, dev: str) -> tuple[KernelConfig, str]:
+    name = tuning.name
     for origin, path in cache_paths(name, dev):
         if not path.is_file():
             continue
@@ -293,3 +327,4 @@ def write_cache_file(path: Path, *, device: str, kernel: str, entries: list[dict
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(canonical_json(data))
+    clear_lookup_cache()

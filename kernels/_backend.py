@@ -3,7 +3,8 @@
 ``backend`` (a launcher argument or a context argument) is one of ``"auto"``, ``"triton"`` or
 ``"torch"``; ``None`` reads the ``DYNCTX_KERNEL_BACKEND`` environment variable (default
 ``"auto"``). ``"auto"`` runs Triton on CUDA tensors and the torch reference elsewhere.
-``"triton"`` on CPU tensors needs ``TRITON_INTERPRET=1`` set before import (the tests do this).
+``"triton"`` on CPU tensors needs ``TRITON_INTERPRET=1`` set before import (the tests do this),
+or the compile-only driver of ``stub_driver.py`` active (builds for a GPU, launches nothing).
 """
 
 from __future__ import annotations
@@ -29,6 +30,15 @@ def triton_interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def stub_driver_active() -> bool:
+    """True while ``stub_driver.stub_driver()`` has made its compile-only driver Triton's."""
+    if not HAS_TRITON:
+        return False
+    from triton.runtime import driver
+
+    return getattr(driver._active, "COMPILE_ONLY", False)
+
+
 def check_backend_name(backend: str | None) -> str:
     name = backend if backend is not None else os.environ.get(BACKEND_ENV, "auto")
     if name not in BACKENDS:
@@ -47,7 +57,7 @@ def resolve_backend(backend: str | None, device: torch.device) -> str:
         return "triton" if (HAS_TRITON and device.type == "cuda") else "torch"
     if not HAS_TRITON:
         raise RuntimeError("backend='triton' was asked for but triton is not installed")
-    if device.type != "cuda" and not triton_interpreting():
+    if device.type != "cuda" and not triton_interpreting() and not stub_driver_active():
         raise RuntimeError(
             f"backend='triton' on a {device.type} tensor needs TRITON_INTERPRET=1 set before "
             "dynctx is imported (or use backend='torch')"

@@ -12,6 +12,8 @@ from ._autotune import KernelConfig, TuneCase
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INDEX_DTYPES = (torch.int32, torch.int64)
+# CUDA's limits on the programs of a launch grid, per axis (x, y, z).
+GRID_LIMITS = (2 ** 31 - 1, 65535, 65535)
 
 
 class _RegisteredElsewhere:
@@ -70,6 +72,22 @@ def squeeze_singleton(name: str, tensor: torch.Tensor, dims: int, layout: str) -
     return tensor
 
 
+def check_tensor(name: str, t, *, dims: int, dtypes: tuple, device: torch.device, device_of: str,
+                 min_rows: int = 0) -> None:
+    """``t`` must be a ``dims``-D tensor of one of ``dtypes`` on ``device`` (the device of the
+    argument ``device_of``) with at least ``min_rows`` rows; raise ``ValueError`` naming it."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
+    if t.dim() != dims:
+        raise ValueError(f"{name} must have {dims} dims, got shape {tuple(t.shape)}")
+    if t.dtype not in dtypes:
+        raise ValueError(f"{name} must be {' or '.join(map(str, dtypes))}, got {t.dtype}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device}, {device_of} on {device}")
+    if t.shape[0] < min_rows:
+        raise ValueError(f"{name} has {t.shape[0]} rows, needs at least {min_rows}")
+
+
 def check_block_slots(block_ids: torch.Tensor, slots: torch.Tensor) -> int:
     """Check the ``[n]`` int32/int64 (block, slot) targets of a paged-cache write; return ``n``."""
     n = block_ids.numel()
@@ -94,6 +112,15 @@ def check_writable(*named) -> None:
             raise ValueError(f"{name} is written in place but dim {shared[0]} has stride 0 "
                              f"(shape {tuple(tensor.shape)}, strides {tensor.stride()}): several "
                              "elements share one address; pass a tensor that owns each element")
+
+
+def check_grid(kernel: str, grid: tuple[int, ...], sizes: str) -> None:
+    """Raise ``ValueError`` when an axis of ``grid`` is over CUDA's limit; ``sizes`` names the
+    arguments that made it so."""
+    for axis, (programs, limit) in enumerate(zip(grid, GRID_LIMITS)):
+        if programs > limit:
+            raise ValueError(f"{kernel}: {sizes} needs {programs} programs on grid axis {axis}, "
+                             f"over CUDA's limit of {limit}")
 
 
 def check_same_device(tensors, ref_name: str, ref: torch.Tensor) -> None:

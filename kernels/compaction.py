@@ -29,7 +29,7 @@ import torch
 from . import _autotune
 from ._autotune import KernelConfig, KernelTuning, TuneCase, bucket_tokens
 from ._backend import HAS_TRITON, resolve_backend
-from ._common import check_writable, custom_op
+from ._common import check_tensor, check_writable, custom_op
 
 if HAS_TRITON:
     import triton
@@ -43,7 +43,8 @@ NEW_TOKEN_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.uint16, torch.in
 
 if HAS_TRITON:
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_rows", "end_rows", "num_src_rows", "new_token_offset",
+                                    "num_new_tokens"])
     def _compact_requests_kernel(
         dst_block_table_ptr, dst_next_tokens_ptr,
         src_block_table_ptr, src_next_tokens_ptr, new_tokens_ptr,
@@ -104,17 +105,6 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a0 < b1 and b0 < a1
 
 
-def _check_tensor(name: str, t, *, dims: int, dtypes: tuple, device: torch.device) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
-    if t.dim() != dims:
-        raise ValueError(f"{name} must have {dims} dims, got shape {tuple(t.shape)}")
-    if t.dtype not in dtypes:
-        raise ValueError(f"{name} must be {' or '.join(map(str, dtypes))}, got {t.dtype}")
-    if t.device != device:
-        raise ValueError(f"{name} is on {t.device}, dst_block_table on {device}")
-
-
 def compact_requests(dst_block_table: torch.Tensor, src_block_table: torch.Tensor,
                      dst_next_tokens: torch.Tensor, src_next_tokens: torch.Tensor,
                      new_tokens: torch.Tensor, plan_src: torch.Tensor,
@@ -151,18 +141,20 @@ def compact_requests(dst_block_table: torch.Tensor, src_block_table: torch.Tenso
     num_rows, clear_rows, new_token_offset = int(num_rows), int(clear_rows), int(new_token_offset)
     end_rows = max(num_rows, clear_rows)
     if check:
-        _check_tensor("dst_block_table", dst_block_table, dims=2, dtypes=(torch.int32,),
-                      device=device)
-        _check_tensor("src_block_table", src_block_table, dims=2, dtypes=(torch.int32,),
-                      device=device)
-        _check_tensor("dst_next_tokens", dst_next_tokens, dims=1, dtypes=(torch.int64,),
-                      device=device)
-        _check_tensor("src_next_tokens", src_next_tokens, dims=1, dtypes=(torch.int64,),
-                      device=device)
-        _check_tensor("new_tokens", new_tokens, dims=1, dtypes=NEW_TOKEN_DTYPES, device=device)
+        check_tensor("dst_block_table", dst_block_table, dims=2, dtypes=(torch.int32,),
+                     device=device, device_of="dst_block_table")
+        check_tensor("src_block_table", src_block_table, dims=2, dtypes=(torch.int32,),
+                     device=device, device_of="dst_block_table")
+        check_tensor("dst_next_tokens", dst_next_tokens, dims=1, dtypes=(torch.int64,),
+                     device=device, device_of="dst_block_table")
+        check_tensor("src_next_tokens", src_next_tokens, dims=1, dtypes=(torch.int64,),
+                     device=device, device_of="dst_block_table")
+        check_tensor("new_tokens", new_tokens, dims=1, dtypes=NEW_TOKEN_DTYPES, device=device,
+                     device_of="dst_block_table")
         for name, plan in (("plan_src", plan_src), ("plan_append_col", plan_append_col),
                            ("plan_append_block", plan_append_block)):
-            _check_tensor(name, plan, dims=1, dtypes=(torch.int32,), device=device)
+            check_tensor(name, plan, dims=1, dtypes=(torch.int32,), device=device,
+                         device_of="dst_block_table")
             if plan.numel() < num_rows:
                 raise ValueError(f"{name} has {plan.numel()} entries, num_rows={num_rows}")
         check_writable(("dst_block_table", dst_block_table), ("dst_next_tokens", dst_next_tokens))

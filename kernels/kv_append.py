@@ -32,7 +32,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_tokens"])
     def _kv_append_kernel(
         key_cache_ptr, value_cache_ptr, key_ptr, value_ptr, block_ids_ptr, slots_ptr,
         num_tokens, num_heads, head_dim,

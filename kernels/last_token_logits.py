@@ -29,7 +29,7 @@ if HAS_TRITON:
 
 if HAS_TRITON:
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_tokens"])
     def _last_token_gather_kernel(
         out_ptr, logits_ptr, cu_query_lengths_ptr,
         num_tokens, vocab_size,
@@ -54,7 +54,7 @@ if HAS_TRITON:
         "WRITE_FULL": lambda args: args["full_ptr"] is not None,
         "PICK_TOKEN": lambda args: args["token_log_probs_ptr"] is not None,
     })
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_tokens"])
     def _row_log_softmax_kernel(
         full_ptr, token_log_probs_ptr,
         logits_ptr,
@@ -76,7 +76,9 @@ if HAS_TRITON:
         offs = tl.arange(0, BLOCK_V)
         running_max = tl.full((), float("-inf"), tl.float32)
         running_sum = tl.full((), 0.0, tl.float32)
-        for start in range(0, vocab_size, BLOCK_V):
+        # While loops, not range(): Triton 3.6's interpreter cannot take runtime bounds there.
+        start = 0
+        while start < vocab_size:
             mask_v = tl.where(mask_row, start + offs < vocab_size, False)
             # Upcast at once: fp32 arithmetic only (the interpreter has no bf16 arithmetic).
             x = tl.load(row_ptr + (start + offs) * stride_logits_col, mask=mask_v,
@@ -85,6 +87,7 @@ if HAS_TRITON:
             running_sum = (running_sum * tl.exp(running_max - new_max)
                            + tl.sum(tl.exp(x - new_max), axis=0))
             running_max = new_max
+            start += BLOCK_V
         # An invalid row has max -inf and sum 0: its log-sum-exp is NaN, and so is every output.
         log_sum_exp = running_max + tl.log(running_sum)
         if PICK_TOKEN:
@@ -95,13 +98,15 @@ if HAS_TRITON:
             tl.store(token_log_probs_ptr + program * stride_token_log_probs, x_token - log_sum_exp)
         if WRITE_FULL:
             out_row_ptr = full_ptr + program * stride_full_row
-            for start in range(0, vocab_size, BLOCK_V):
+            start = 0
+            while start < vocab_size:
                 mask_v = start + offs < vocab_size
                 mask_load = tl.where(mask_row, mask_v, False)
                 x = tl.load(row_ptr + (start + offs) * stride_logits_col, mask=mask_load,
                             other=0.0).to(tl.float32)
                 tl.store(out_row_ptr + (start + offs) * stride_full_col, x - log_sum_exp,
                          mask=mask_v)
+                start += BLOCK_V
 
 
 def _check_logits(logits: torch.Tensor) -> torch.Tensor:
@@ -297,8 +302,9 @@ _SOFTMAX_WARPS = (4, 8, 16)
 
 
 def _softmax_configs() -> list[KernelConfig]:
+    # At most 128 values of a tile per thread: more spill on sm_90 (32768 at 4 warps).
     return [KernelConfig.make(BLOCK_V=b, num_warps=w)
-            for b in _SOFTMAX_BLOCKS for w in _SOFTMAX_WARPS]
+            for b in _SOFTMAX_BLOCKS for w in _SOFTMAX_WARPS if b <= 4096 * w]
 
 
 def _softmax_default(vocab_size: int) -> KernelConfig:

@@ -31,7 +31,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_tokens"])
     def _mla_latent_append_kernel(
         latent_cache_ptr, kv_latent_ptr, k_rope_ptr, block_ids_ptr, slots_ptr,
         num_tokens, kv_lora_rank, rope_dim,

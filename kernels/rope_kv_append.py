@@ -1,7 +1,7 @@
 """Rope + KV append: rotate query and key in place and write the rotated key and the value
 into the paged KV cache, all in one launch.
 
-The rotation is exactly ``fused_qk_rope``'s (``kernels/rope.py``: same tables, layouts,
+The rotation is exactly ``fused_qk_rope``'s (``kernels/rope_rotation.py``: same tables, layouts,
 ``mscale``, fp32 math); the cache write is ``kv_append``'s: ``key_cache[block_ids[t], slots[t]]
 = rotated key[t]`` and the same for ``value``, bit-exact copies of what ``key`` holds after the
 rotation. Tokens whose block id or slot is negative are rotated but not written to the cache.
@@ -18,11 +18,11 @@ from ._autotune import KernelConfig, KernelTuning
 from ._backend import HAS_TRITON, resolve_backend
 from ._common import check_writable, custom_op, next_pow2
 from ._shapes import LLAMA_3_8B
-from .rope import (
+from .rope import fused_qk_rope_ref
+from .rope_rotation import (
     RopeTuneCase,
     as_head_view,
     check_rope_args,
-    fused_qk_rope_ref,
     fused_qk_rope_tune_key,
     rope_block_configs,
     rope_block_default,
@@ -34,13 +34,13 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from .rope import _rope_rotate_program
+    from .rope_rotation import _rope_rotate_program
 
 
 if HAS_TRITON:
 
     @triton.heuristics({"HAS_QUERY": lambda args: args["query_ptr"] is not None})
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_tokens"])
     def _rope_kv_append_kernel(
         query_ptr, key_ptr, key_cache_ptr, value_cache_ptr,
         value_ptr, table_ptr,
@@ -230,14 +230,16 @@ def rope_kv_append_tune_key(**shapes) -> dict:
 
 
 def rope_kv_append_configs(key: dict) -> list[KernelConfig]:
-    # key programs also copy the whole value head and the key's pass-through dims
+    # key programs also copy the whole value head and the key's pass-through dims; tiles of
+    # 8K elements spill on sm_90 at 4 and 8 warps (tests/kernels/test_sm90_build.py)
     return rope_block_configs(next_pow2(key["head_dim"]),
-                              max(key["num_q_heads"], key["num_k_heads"]))
+                              max(key["num_q_heads"], key["num_k_heads"]), max_elements=4096)
 
 
 def rope_kv_append_default_config(key: dict) -> KernelConfig:
     return rope_block_default(next_pow2(key["head_dim"]),
-                              max(key["num_q_heads"], key["num_k_heads"]), key["num_tokens"])
+                              max(key["num_q_heads"], key["num_k_heads"]), key["num_tokens"],
+                              max_elements=4096)
 
 
 def rope_kv_append_presets() -> list[dict]:

@@ -31,7 +31,7 @@ import torch
 from . import _autotune
 from ._autotune import KernelConfig, KernelTuning, TuneCase, bucket_tokens
 from ._backend import HAS_TRITON, resolve_backend
-from ._common import check_writable, custom_op
+from ._common import check_tensor, check_writable, custom_op
 from ._shapes import BLOCK_SIZE
 
 if HAS_TRITON:
@@ -83,7 +83,14 @@ if HAS_TRITON:
                              stride_local_slot, tokens, input_ids, positions,
                              requests + row_offset, blocks, positions % block_size, mask)
 
-    @triton.jit
+    # Counts change every step; the context passes views from the first active row, whose
+    # alignment changes with the paused count: specialising on either would recompile mid-run.
+    @triton.jit(do_not_specialize=["num_requests", "num_decode", "active_tokens", "padded_tokens",
+                                   "padded_requests", "num_decode_programs",
+                                   "num_prefill_programs", "num_pad_programs", "num_search_steps",
+                                   "row_offset"],
+                do_not_specialize_on_alignment=["block_table_ptr", "kv_offsets_ptr",
+                                                "next_tokens_ptr"])
     def _step_metadata_kernel(
         input_ids_ptr, pos_ids_ptr, request_idx_ptr, block_idx_ptr, position_ptr, local_slot_ptr,
         attn_block_table_ptr,
@@ -128,7 +135,9 @@ if HAS_TRITON:
             high = tl.zeros([BLOCK_T], dtype=tl.int64) + num_requests
             first_token = (tl.zeros([BLOCK_T], dtype=tl.int64)
                            + tl.load(cu_query_lengths_ptr + num_decode * stride_cu))
-            for _ in range(num_search_steps):
+            # While loops, not range(): Triton 3.6's interpreter cannot take runtime bounds there.
+            step = 0
+            while step < num_search_steps:
                 middle = (low + high) // 2
                 middle_first = tl.load(cu_query_lengths_ptr + middle * stride_cu, mask=mask,
                                        other=0).to(tl.int64)
@@ -136,6 +145,7 @@ if HAS_TRITON:
                 low = tl.where(right, middle, low)
                 first_token = tl.where(right, middle_first, first_token)
                 high = tl.where(right, high, middle)
+                step += 1
             kv_offset = tl.load(kv_offsets_ptr + low * stride_kv_offsets, mask=mask,
                                 other=0).to(tl.int64)
             positions = kv_offset + tokens - first_token
@@ -162,7 +172,8 @@ if HAS_TRITON:
             row = (pid - table_start).to(tl.int64)
             is_active = row < num_requests
             offs_c = tl.arange(0, BLOCK_C)
-            for start in range(0, max_blocks, BLOCK_C):
+            start = 0
+            while start < max_blocks:
                 cols = start + offs_c
                 mask_c = cols < max_blocks
                 # tl.where, not `&`: a scalar & vector mask loses its bool dtype under the
@@ -171,19 +182,7 @@ if HAS_TRITON:
                                  mask=tl.where(is_active, mask_c, False), other=-1)
                 tl.store(attn_block_table_ptr + row * stride_attn_row + cols * stride_attn_col,
                          blocks, mask=mask_c)
-
-
-def _check_tensor(name: str, t, *, dims: int, dtypes: tuple, device, min_rows: int) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
-    if t.dim() != dims:
-        raise ValueError(f"{name} must have {dims} dims, got shape {tuple(t.shape)}")
-    if t.dtype not in dtypes:
-        raise ValueError(f"{name} must be {' or '.join(map(str, dtypes))}, got {t.dtype}")
-    if t.device != device:
-        raise ValueError(f"{name} is on {t.device}, block_table on {device}")
-    if t.shape[0] < min_rows:
-        raise ValueError(f"{name} has {t.shape[0]} rows, needs at least {min_rows}")
+                start += BLOCK_C
 
 
 def step_metadata(token_to_input_ids: torch.Tensor, token_to_pos_ids: torch.Tensor,
@@ -237,26 +236,27 @@ def step_metadata(token_to_input_ids: torch.Tensor, token_to_pos_ids: torch.Tens
             raise ValueError(f"padded_requests={padded_requests} < num_requests={num_requests}")
         if block_size <= 0:
             raise ValueError(f"block_size={block_size} must be positive")
-        _check_tensor("block_table", block_table, dims=2, dtypes=(torch.int32,), device=device,
-                      min_rows=num_requests)
+        check_tensor("block_table", block_table, dims=2, dtypes=(torch.int32,), device=device,
+                     min_rows=num_requests, device_of="block_table")
         for name, out in zip(TOKEN_OUTPUTS, token_outputs):
-            _check_tensor(name, out, dims=1, dtypes=(torch.int64,), device=device,
-                          min_rows=padded_tokens)
-        _check_tensor("attn_block_table", attn_block_table, dims=2, dtypes=(torch.int32,),
-                      device=device, min_rows=padded_requests)
+            check_tensor(name, out, dims=1, dtypes=(torch.int64,), device=device,
+                         min_rows=padded_tokens, device_of="block_table")
+        check_tensor("attn_block_table", attn_block_table, dims=2, dtypes=(torch.int32,),
+                     device=device, min_rows=padded_requests, device_of="block_table")
         if attn_block_table.shape[1] != block_table.shape[1]:
             raise ValueError(f"attn_block_table has {attn_block_table.shape[1]} columns, "
                              f"block_table {block_table.shape[1]}")
-        _check_tensor("query_lengths", query_lengths, dims=1, dtypes=(torch.int32,), device=device,
-                      min_rows=num_requests)
-        _check_tensor("kv_offsets", kv_offsets, dims=1, dtypes=(torch.int32,), device=device,
-                      min_rows=num_requests)
-        _check_tensor("cu_query_lengths", cu_query_lengths, dims=1, dtypes=(torch.int32,),
-                      device=device, min_rows=num_requests + 1)
-        _check_tensor("next_tokens", next_tokens, dims=1, dtypes=(torch.int64, torch.int32),
-                      device=device, min_rows=num_requests)
-        _check_tensor("prompt_tokens", prompt_tokens, dims=1, dtypes=(torch.int64, torch.int32),
-                      device=device, min_rows=max(active_tokens - num_decode, 0))
+        check_tensor("query_lengths", query_lengths, dims=1, dtypes=(torch.int32,), device=device,
+                     min_rows=num_requests, device_of="block_table")
+        check_tensor("kv_offsets", kv_offsets, dims=1, dtypes=(torch.int32,), device=device,
+                     min_rows=num_requests, device_of="block_table")
+        check_tensor("cu_query_lengths", cu_query_lengths, dims=1, dtypes=(torch.int32,),
+                     device=device, min_rows=num_requests + 1, device_of="block_table")
+        check_tensor("next_tokens", next_tokens, dims=1, dtypes=(torch.int64, torch.int32),
+                     device=device, min_rows=num_requests, device_of="block_table")
+        check_tensor("prompt_tokens", prompt_tokens, dims=1, dtypes=(torch.int64, torch.int32),
+                     device=device, min_rows=max(active_tokens - num_decode, 0),
+                     device_of="block_table")
         check_writable(*((name, out[:padded_tokens])
                          for name, out in zip(TOKEN_OUTPUTS, token_outputs)),
                        ("attn_block_table", attn_block_table[:padded_requests]))
@@ -324,82 +324,44 @@ def step_metadata_ref(token_to_input_ids: torch.Tensor, token_to_pos_ids: torch.
         # A decode step: token i is request i's one token, at position kv_offsets[i]; a few
         # whole-tensor ops, and no repeat_interleave (it enters an OpenMP region on a
         # multi-threaded CPU torch).
-        _decode_ref(token_to_input_ids, token_to_pos_ids, token_to_request_idx,
-                    token_to_block_idx, token_to_position_in_request,
-                    token_to_local_position_within_kv_block, block_table, kv_offsets,
-                    next_tokens, n=n, row_offset=row_offset, block_size=block_size)
-        _padding_ref(token_to_input_ids, token_to_pos_ids, token_to_request_idx,
-                     token_to_block_idx, token_to_position_in_request,
-                     token_to_local_position_within_kv_block, attn_block_table, block_table,
-                     n=n, num_requests=num_requests, padded_tokens=padded_tokens,
-                     padded_requests=padded_requests, dummy_block=dummy_block)
-        return
-    token = torch.arange(n, device=device)
-    # Each token's request; output_size keeps repeat_interleave from syncing.
-    request = torch.repeat_interleave(torch.arange(num_requests, device=device),
-                                      query_lengths[:num_requests].long(), output_size=n)
-    position = kv_offsets.long()[request] + token - cu_query_lengths.long()[request]
-    # Decode rows feed their pending token; prefill rows their prompt, in order after the decode
-    # tokens (index -1 picks the trailing 0 for decode tokens).
-    is_decode = request < num_decode
-    prompt = torch.cat([prompt_tokens[:max(n - num_decode, 0)].long(),
-                        prompt_tokens.new_zeros(1).long()])
-    input_ids = torch.where(is_decode, next_tokens.long()[request],
-                            prompt[torch.where(is_decode, -1, token - num_decode)])
-
-    token_to_input_ids[:n] = input_ids
-    token_to_pos_ids[:n] = position
-    token_to_request_idx[:n] = row_offset + request
-    token_to_block_idx[:n] = block_table[request, position // block_size].long()
-    token_to_position_in_request[:n] = position
-    token_to_local_position_within_kv_block[:n] = position % block_size
-
-    _padding_ref(token_to_input_ids, token_to_pos_ids, token_to_request_idx, token_to_block_idx,
-                 token_to_position_in_request, token_to_local_position_within_kv_block,
-                 attn_block_table, block_table, n=n, num_requests=num_requests,
-                 padded_tokens=padded_tokens, padded_requests=padded_requests,
-                 dummy_block=dummy_block)
-
-
-def _decode_ref(token_to_input_ids, token_to_pos_ids, token_to_request_idx, token_to_block_idx,
-                token_to_position_in_request, token_to_local_position_within_kv_block,
-                block_table, kv_offsets, next_tokens, *, n: int, row_offset: int,
-                block_size: int) -> None:
-    """The real tokens of a decode step (every row one token; ``step_metadata_ref``)."""
-    position = kv_offsets[:n]
-    token_to_input_ids[:n] = next_tokens[:n]
+        position = kv_offsets[:n]
+        token_to_input_ids[:n] = next_tokens[:n]
+        torch.arange(row_offset, row_offset + n, out=token_to_request_idx[:n])
+        columns = torch.div(position, block_size, rounding_mode="floor").long()
+        token_to_block_idx[:n] = block_table[:n].gather(1, columns[:, None])[:, 0]
+    else:
+        token = torch.arange(n, device=device)
+        # Each token's request; output_size keeps repeat_interleave from syncing.
+        request = torch.repeat_interleave(torch.arange(num_requests, device=device),
+                                          query_lengths[:num_requests].long(), output_size=n)
+        position = kv_offsets.long()[request] + token - cu_query_lengths.long()[request]
+        # Decode rows feed their pending token; prefill rows their prompt, in order after the
+        # decode tokens (index -1 picks the trailing 0 for decode tokens).
+        is_decode = request < num_decode
+        prompt = torch.cat([prompt_tokens[:max(n - num_decode, 0)].long(),
+                            prompt_tokens.new_zeros(1).long()])
+        token_to_input_ids[:n] = torch.where(is_decode, next_tokens.long()[request],
+                                             prompt[torch.where(is_decode, -1, token - num_decode)])
+        token_to_request_idx[:n] = row_offset + request
+        token_to_block_idx[:n] = block_table[request, position // block_size].long()
     token_to_pos_ids[:n] = position
     token_to_position_in_request[:n] = position
-    torch.arange(row_offset, row_offset + n, out=token_to_request_idx[:n])
-    columns = torch.div(position, block_size, rounding_mode="floor").long()
-    token_to_block_idx[:n] = block_table[:n].gather(1, columns[:, None])[:, 0]
     torch.remainder(position, block_size, out=token_to_local_position_within_kv_block[:n])
-
-
-def _padding_ref(token_to_input_ids, token_to_pos_ids, token_to_request_idx, token_to_block_idx,
-                 token_to_position_in_request, token_to_local_position_within_kv_block,
-                 attn_block_table, block_table, *, n: int, num_requests: int, padded_tokens: int,
-                 padded_requests: int, dummy_block: int) -> None:
-    """The padding tokens ``[n, padded_tokens)`` and the attention block table
-    (``step_metadata_ref``)."""
+    # Padding tokens, then the attention block table (no op for an empty range: each is a launch).
     if padded_tokens > n:
-        token_to_input_ids[n:padded_tokens] = 0
-        token_to_pos_ids[n:padded_tokens] = 0
-        token_to_request_idx[n:padded_tokens] = -1
-        token_to_block_idx[n:padded_tokens] = dummy_block
-        token_to_position_in_request[n:padded_tokens] = 0
-        token_to_local_position_within_kv_block[n:padded_tokens] = 0
+        for out, value in ((token_to_input_ids, 0), (token_to_pos_ids, 0),
+                           (token_to_request_idx, -1), (token_to_block_idx, dummy_block),
+                           (token_to_position_in_request, 0),
+                           (token_to_local_position_within_kv_block, 0)):
+            out[n:padded_tokens] = value
     attn_block_table[:num_requests] = block_table[:num_requests]
     if padded_requests > num_requests:
         attn_block_table[num_requests:padded_requests] = -1
 
 
+# Search space: tokens (and rows) per program, block-table columns per tile, warps.
 _BLOCK_TOKENS = (16, 64, 256)
-
-
 _BLOCK_COLS = (64, 256)
-
-
 _WARPS = (1, 4)
 
 

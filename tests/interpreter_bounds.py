@@ -81,13 +81,15 @@ def install() -> None:
                 f"argument's storage (first at address {bad:#x}; argument storages: "
                 + ", ".join(f"[{int(s):#x}, {int(e):#x})" for s, e in zip(starts, ends)) + ")")
 
-    def create_masked_load(self, ptrs, mask, other, cache_policy, is_volatile):
+    # The cache arguments after ``other``/``mask`` differ between Triton releases (3.9: a cache
+    # policy; 3.6: a cache modifier and an eviction policy): pass them through as they come.
+    def create_masked_load(self, ptrs, mask, other, *cache_args):
         check("load", ptrs, mask)
-        return original_load(self, ptrs, mask, other, cache_policy, is_volatile)
+        return original_load(self, ptrs, mask, other, *cache_args)
 
-    def create_masked_store(self, ptrs, value, mask, cache_policy):
+    def create_masked_store(self, ptrs, value, mask, *cache_args):
         check("store", ptrs, mask)
-        return original_store(self, ptrs, value, mask, cache_policy)
+        return original_store(self, ptrs, value, mask, *cache_args)
 
     interpreter.GridExecutor._init_args_hst = init_args_hst
     interpreter.GridExecutor.__call__ = call

@@ -242,6 +242,41 @@ def test_a_rewritten_file_is_read_again(toy, tmp_path):
     assert _autotune.resolve_config(TOY, toy_key(8), DEVICE)[0] == SPACE[5]
 
 
+def test_a_lookup_is_cached_per_key(toy, tmp_path, monkeypatch):
+    """A second lookup of the same key reads no file and builds no search space; another key,
+    another override folder or another packaged folder is looked up afresh."""
+    write(override(tmp_path), [entry(toy_key(8), SPACE[1]), entry(toy_key(16), SPACE[2])])
+    assert _autotune.resolve_config(TOY, toy_key(8), DEVICE)[0] == SPACE[1]
+    reads = []
+    monkeypatch.setattr(_autotune, "load_cache_file",
+                        lambda path: reads.append(path) or _autotune._load_file(
+                            str(path), path.stat().st_mtime_ns, path.stat().st_size))
+    for _ in range(3):
+        assert _autotune.resolve_config(TOY, toy_key(8), DEVICE) == (
+            SPACE[1], f"override-exact:{override(tmp_path) / DEVICE / (TOY + '.json')}")
+    assert reads == []
+    assert _autotune.resolve_config(TOY, toy_key(16), DEVICE)[0] == SPACE[2]
+    assert len(reads) == 1
+    other = tmp_path / "other"
+    write(other, [entry(toy_key(8), SPACE[3])])
+    monkeypatch.setenv(_autotune.OVERRIDE_ENV, str(other))
+    assert _autotune.resolve_config(TOY, toy_key(8), DEVICE)[0] == SPACE[3]
+    monkeypatch.delenv(_autotune.OVERRIDE_ENV)
+    write(tmp_path / "packaged2", [entry(toy_key(8), SPACE[4])])
+    monkeypatch.setattr(_autotune, "PACKAGED_DIR", tmp_path / "packaged2")
+    assert _autotune.resolve_config(TOY, toy_key(8), DEVICE)[0] == SPACE[4]
+
+
+def test_a_lookup_cached_for_one_tuning_is_not_served_to_another(toy, monkeypatch):
+    """Tests swap the tuning registered under a name: the cache answers only for the tuning it
+    was resolved for."""
+    assert _autotune.resolve_config(TOY, toy_key(8), DEVICE) == (DEFAULT, "default")
+    other = KernelTuning(name=TOY, configs=lambda key: list(SPACE),
+                         default_config=lambda key: SPACE[5], tune_key=toy.tune_key)
+    monkeypatch.setitem(_autotune._TUNINGS, TOY, other)
+    assert _autotune.resolve_config(TOY, toy_key(8), DEVICE) == (SPACE[5], "default")
+
+
 def test_write_cache_file_is_canonical_and_round_trips(tmp_path):
     entries = [entry(toy_key(64), SPACE[3], 7.25), entry(toy_key(1), SPACE[0], 1.5),
                entry(toy_key(8, dtype="bfloat16"), SPACE[1], 3.0)]

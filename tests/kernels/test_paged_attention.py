@@ -20,17 +20,22 @@ import torch
 from kernel_test_utils import DEVICE, assert_raises_naming, byte_view, check_tune_case
 
 from dynctx.kernels import _autotune
-from dynctx.kernels.paged_attention import (
-    ATTENTION_TOLERANCE,
-    paged_attention,
+from dynctx.kernels._autotune import KernelConfig
+from dynctx.kernels.paged_attention import paged_attention, paged_attention_ref
+from dynctx.kernels.paged_attention_decode import (
     paged_attention_decode_configs,
     paged_attention_decode_default_config,
     paged_attention_decode_tune_key,
-    paged_attention_ref,
+)
+from dynctx.kernels.paged_attention_merge import (
+    merge_attention_splits,
+    merge_attention_splits_ref,
+)
+from dynctx.kernels.paged_attention_tile import ATTENTION_TOLERANCE, scaled_down_key
+from dynctx.kernels.paged_attention_varlen import (
     paged_attention_varlen_configs,
     paged_attention_varlen_default_config,
     paged_attention_varlen_tune_key,
-    scaled_down_key,
 )
 
 pytestmark = pytest.mark.interpreter
@@ -282,3 +287,32 @@ def _bad_calls():
 @pytest.mark.parametrize("bad_call, name", _bad_calls())
 def test_bad_arguments_name_the_argument(bad_call, name, backend, monkeypatch):
     assert_raises_naming(bad_call, name, backend, monkeypatch)
+
+
+@pytest.mark.parametrize("num_splits", [3, 257, 600])
+def test_merge_of_many_splits_matches_the_reference(num_splits):
+    """The merge walks the splits in chunks (256 at head dim 16): across a chunk boundary, with
+    empty splits (lse -inf) inside chunks and a whole chunk of them, it matches the reference."""
+    gen = torch.Generator().manual_seed(num_splits)
+    requests, heads, dim = 2, 1, 16
+    partial = torch.randn(requests, heads, num_splits, dim, generator=gen)
+    lse = 3 * torch.randn(requests, heads, num_splits, generator=gen)
+    lse[0, :, ::7] = float("-inf")
+    lse[1, :, : min(num_splits - 1, 256)] = float("-inf")
+    cu = torch.tensor([0, 1, 2], dtype=torch.int32)
+    out = torch.full((3, heads, dim), float("nan"))
+    merge_attention_splits(out.to(DEVICE), partial.to(DEVICE), lse.to(DEVICE), cu.to(DEVICE),
+                           block_d=dim)
+    expected = merge_attention_splits_ref(partial, lse)
+    torch.testing.assert_close(out[:2].cpu(), expected, atol=1e-6, rtol=1e-6)
+    assert out[2].isnan().all(), "a row past the requests was written"
+
+
+def test_decode_over_more_than_256_splits():
+    # 33,000 keys in splits of 128: 258 splits, merged in two chunks.
+    q_lens, kv_lens = [1], [33000]
+    case = make_case(q_lens, kv_lens, padded_requests=1, padded_tokens=1, block_size=256,
+                     heads=2, kv_heads=1, dim=16, dtype=torch.float32, seed=3)
+    config = KernelConfig.make(BLOCK_N=128, SPLIT_TOKENS=128, num_warps=4)
+    assert config in paged_attention_decode_configs({})
+    check_against_reference(case, q_lens, kv_lens, config=config)

@@ -34,6 +34,7 @@ from dynctx.kernels.rope import (
 pytestmark = pytest.mark.interpreter
 
 rope = importlib.import_module("dynctx.kernels.rope")
+rope_flashinfer = importlib.import_module("dynctx.kernels.rope_flashinfer")
 
 DEVICE = "cpu" if triton_interpreting() or not torch.cuda.is_available() else "cuda"
 MAX_POS = 64
@@ -290,7 +291,7 @@ def test_bad_inputs_raise_value_error(kwargs, match):
 def test_flashinfer_route():
     """Without CUDA (here) the FlashInfer route names what is missing; with CUDA and no
     flashinfer it names flashinfer; with both it must agree with the reference."""
-    assert not rope.flashinfer_rope_available("cpu")
+    assert not rope_flashinfer.flashinfer_rope_available("cpu")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     generator = torch.Generator().manual_seed(11)
     q = (torch.rand(3, 4, 16, generator=generator) * 2 - 1).to(device)
@@ -298,16 +299,16 @@ def test_flashinfer_route():
     positions = torch.tensor([0, 9, 31], device=device)
     _, cos_sin = make_rope_tables(32, 16, False, device=device)
     if device == "cpu":
-        assert not rope.flashinfer_rope_available("cuda")
+        assert not rope_flashinfer.flashinfer_rope_available("cuda")
         with pytest.raises(RuntimeError, match="CUDA"):
-            rope.apply_rope_flashinfer(q, k, positions, cos_sin, False)
-    elif not rope.flashinfer_rope_available(device):
+            rope_flashinfer.apply_rope_flashinfer(q, k, positions, cos_sin, False)
+    elif not rope_flashinfer.flashinfer_rope_available(device):
         with pytest.raises(RuntimeError, match="flashinfer"):
-            rope.apply_rope_flashinfer(q, k, positions, cos_sin, False)
+            rope_flashinfer.apply_rope_flashinfer(q, k, positions, cos_sin, False)
     else:
         expected = (q.clone(), k.clone())
         fused_qk_rope_ref(*expected, positions, cos_sin_cache=cos_sin)
-        rope.apply_rope_flashinfer(q, k, positions, cos_sin, False)
+        rope_flashinfer.apply_rope_flashinfer(q, k, positions, cos_sin, False)
         assert_rope_close(q, expected[0], 1.0)
         assert_rope_close(k, expected[1], 1.0)
 

@@ -1,0 +1,139 @@
+"""Host microseconds per launch of every launcher, with the final CUDA launch stubbed.
+
+On any machine, GPU or not: the compile-only driver of ``kernels/stub_driver.py`` reports an
+sm_90 target, so each launcher runs its whole host path on CPU tensors (argument checks, the
+tuned-config lookup, the grid, Triton's dispatch: binding, specialisation, the kernel-cache
+lookup) and only the driver's launch call is a no-op. Beside them, the floor: an empty Triton
+kernel's dispatch through the same stub, and each launcher's own Triton dispatch (the same
+kernel calls with the same arguments, replayed without the launcher: what a launch costs before
+any of ours). Each launcher runs its registered tuning's scratch case (the first preset key, its
+counts made small) with ``config=None``, as the context calls it; the lookup alone is timed
+too, cached and with the cache emptied before every call.
+
+Timings are this thread's CPU time (``time.thread_time_ns``, so that waiting for a core on a
+shared machine does not count), the minimum over ``--repeats`` runs of ``--calls`` calls.
+The first call of each launcher compiles its kernel for sm_90 (a few seconds each).
+
+    python -P bench/launch_overhead.py                 # the table
+    python -P bench/launch_overhead.py --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+
+import torch
+
+from dynctx.kernels import _autotune, _registry
+from dynctx.kernels._backend import HAS_TRITON, triton_interpreting
+
+# Counts of each key made small: the host path does not depend on them (the grid aside).
+SMALL_COUNTS = {"num_tokens": 4, "num_requests": 4, "num_rows": 4, "max_seqlen_k": 300}
+
+
+def per_call_us(fn, calls: int, repeats: int) -> float:
+    """Minimum over ``repeats`` runs of the mean CPU µs of one of ``calls`` calls."""
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.thread_time_ns()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.thread_time_ns() - start) / calls / 1000.0)
+    return best
+
+
+def recorded_dispatch(launch):
+    """The Triton kernel calls one ``launch()`` makes, as a function that replays them."""
+    from triton.runtime.jit import JITFunction
+
+    calls, original = [], JITFunction.run
+
+    def recording(self, *args, grid, warmup, **kwargs):
+        calls.append((self, args, grid, dict(kwargs)))
+        return original(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    JITFunction.run = recording
+    try:
+        launch()
+    finally:
+        JITFunction.run = original
+
+    def replay():
+        for fn, args, grid, kwargs in calls:
+            original(fn, *args, grid=grid, warmup=False, **kwargs)
+    return replay
+
+
+def small_key(key: dict) -> dict:
+    return {k: min(v, SMALL_COUNTS[k]) if k in SMALL_COUNTS else v for k, v in key.items()}
+
+
+def measure(calls: int, repeats: int) -> dict:
+    import triton
+
+    from dynctx.kernels.stub_driver import stub_driver
+
+    @triton.jit
+    def _empty_kernel():
+        pass
+
+    _registry.import_kernel_modules(quiet=True)
+    rows = []
+    with stub_driver(record_launches=False):
+        _empty_kernel[(1,)]()
+        floor = per_call_us(lambda: _empty_kernel[(1,)](), calls, repeats)
+        for tuning in _registry.select_tunings(None):
+            key = small_key(tuning.presets()[0])
+            case = tuning.make_case(key, torch.device("cpu"))
+            case.run(None)  # compiles
+            launch = per_call_us(lambda: case.run(None), calls, repeats)
+            dispatch = per_call_us(recorded_dispatch(lambda: case.run(None)), calls, repeats)
+            lookup = per_call_us(lambda: _autotune.resolve_config(tuning.name, key, "cpu"),
+                                 calls, repeats)
+
+            def uncached():
+                _autotune.clear_lookup_cache()
+                _autotune.resolve_config(tuning.name, key, "cpu")
+
+            lookup_uncached = per_call_us(uncached, max(1, calls // 10), repeats)
+            rows.append({"kernel": tuning.name, "key": _registry.key_text(key),
+                         "launch_us": round(launch, 2), "over_floor_us": round(launch - floor, 2),
+                         "dispatch_us": round(dispatch, 2),
+                         "over_dispatch_us": round(launch - dispatch, 2),
+                         "lookup_us": round(lookup, 2),
+                         "lookup_uncached_us": round(lookup_uncached, 2)})
+    return {"floor_us": round(floor, 2), "rows": rows, "calls": calls, "repeats": repeats,
+            "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                         "triton": triton.__version__}, "machine": platform.machine()}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--calls", type=int, default=2000)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--json", help="also write the results to this file")
+    args = parser.parse_args(argv)
+    if not HAS_TRITON or triton_interpreting():
+        print("launch_overhead: needs triton, compiled (TRITON_INTERPRET unset)", file=sys.stderr)
+        return 2
+    result = measure(args.calls, args.repeats)
+    print(f"empty Triton kernel dispatch (the floor): {result['floor_us']:.2f} us")
+    print(f"{'launcher (tuning)':<24}{'launch':>8}{'-floor':>8}{'triton':>8}{'ours':>7}"
+          f"{'lookup':>8}{'uncached':>9}   (host CPU us; ours = launch - triton)")
+    for row in result["rows"]:
+        print(f"{row['kernel']:<24}{row['launch_us']:>8.2f}{row['over_floor_us']:>8.2f}"
+              f"{row['dispatch_us']:>8.2f}{row['over_dispatch_us']:>7.2f}"
+              f"{row['lookup_us']:>8.2f}{row['lookup_uncached_us']:>9.2f}")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=2, sort_keys=True)
+            f.write("\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,150 @@
+"""Paged attention of prefill, chunked-prefill and mixed steps: causal, in tiles of queries.
+
+A program takes ``BLOCK_M`` rows, that is ``BLOCK_M // G`` query tokens of one request times the
+``G`` query heads of one KV head (each K/V tile loaded once for the group), and walks the
+request's keys up to its tile's last position. Query ``j`` of a request with ``q`` queries and
+``kv`` cached tokens sits at position ``kv - q + j`` (a chunk may start mid-sequence). The
+launcher is ``paged_attention`` (``paged_attention.py``): the requests after the leading decode
+ones run here, through ``launch_varlen``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _autotune
+from ._autotune import KernelConfig, bucket_tokens, dtype_name
+from ._backend import HAS_TRITON
+from ._common import check_grid, next_pow2
+from .paged_attention_tile import LLAMA_HEADS, kernel_args, scaled_down_key  # noqa: F401
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    from .paged_attention_tile import _attend_key_tile
+
+
+if HAS_TRITON:
+
+    @triton.jit(do_not_specialize=["first_request"])
+    def _paged_attention_varlen_kernel(
+        out_ptr,
+        query_ptr, key_cache_ptr, value_cache_ptr,
+        cu_query_lengths_ptr, kv_seq_lengths_ptr, block_table_ptr,
+        first_request, group_size, head_dim, block_size, softmax_scale,
+        stride_out_token, stride_out_head,
+        stride_query_token, stride_query_head,
+        stride_kc_block, stride_kc_slot, stride_kc_head,
+        stride_vc_block, stride_vc_slot, stride_vc_head,
+        stride_table_row,
+        BLOCK_M: tl.constexpr, TILE_TOKENS: tl.constexpr, BLOCK_G: tl.constexpr,
+        BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE_DOT: tl.constexpr,
+    ):
+        """TILE_TOKENS query tokens of request ``first_request + program_id(0)`` x the G query
+        heads of one KV head, causal.
+
+        BLOCK_M (the config's row count) sets TILE_TOKENS = max(1, BLOCK_M // BLOCK_G) on the
+        host."""
+        request = first_request + tl.program_id(0).to(tl.int64)
+        tile = tl.program_id(1).to(tl.int64)
+        kv_head = tl.program_id(2).to(tl.int64)
+        q_start = tl.load(cu_query_lengths_ptr + request).to(tl.int64)
+        q_len = tl.load(cu_query_lengths_ptr + request + 1).to(tl.int64) - q_start
+        if tile * TILE_TOKENS < q_len:
+            kv_len = tl.load(kv_seq_lengths_ptr + request).to(tl.int64)
+            # Row r of the tile is query token tile * TILE_TOKENS + r // BLOCK_G, head r % BLOCK_G.
+            offs_r = tl.arange(0, TILE_TOKENS * BLOCK_G)
+            offs_q = tile * TILE_TOKENS + offs_r // BLOCK_G
+            offs_g = offs_r % BLOCK_G
+            offs_d = tl.arange(0, BLOCK_D)
+            offs_n = tl.arange(0, BLOCK_N)
+            mask_r = (offs_q < q_len) & (offs_g < group_size)
+            mask_d = offs_d < head_dim
+            heads = kv_head * group_size + offs_g
+            q = tl.load(query_ptr + (q_start + offs_q)[:, None] * stride_query_token
+                        + heads[:, None] * stride_query_head + offs_d[None, :],
+                        mask=mask_r[:, None] & mask_d[None, :], other=0.0)  # [rows, BLOCK_D]
+            # Causal: a row sees the keys up to its own position; every row sees key 0.
+            row_position = kv_len - q_len + offs_q                             # [rows]
+            last_key = tl.minimum(kv_len, kv_len - q_len + (tile + 1) * TILE_TOKENS)
+
+            running_max = tl.full((TILE_TOKENS * BLOCK_G,), float("-inf"), tl.float32)
+            running_sum = tl.zeros((TILE_TOKENS * BLOCK_G,), tl.float32)
+            acc = tl.zeros((TILE_TOKENS * BLOCK_G, BLOCK_D), tl.float32)
+            table_row = block_table_ptr + request * stride_table_row
+            # (A while loop: Triton 3.6's interpreter cannot take runtime bounds in range().)
+            start = last_key * 0
+            while start < last_key:
+                positions = start + offs_n
+                mask_n = positions < last_key
+                allowed = mask_n[None, :] & (positions[None, :] <= row_position[:, None])
+                acc, running_max, running_sum = _attend_key_tile(
+                    q, acc, running_max, running_sum, positions, mask_n, allowed,
+                    table_row, key_cache_ptr, value_cache_ptr, kv_head, block_size,
+                    softmax_scale, stride_kc_block, stride_kc_slot, stride_kc_head,
+                    stride_vc_block, stride_vc_slot, stride_vc_head, offs_d, mask_d, IEEE_DOT)
+                start += BLOCK_N
+            result = acc / tl.where(running_sum > 0, running_sum, 1.0)[:, None]
+            tl.store(out_ptr + (q_start + offs_q)[:, None] * stride_out_token
+                     + heads[:, None] * stride_out_head + offs_d[None, :],
+                     result.to(out_ptr.dtype.element_ty), mask=mask_r[:, None] & mask_d[None, :])
+
+
+def launch_varlen(*, query, key_cache, value_cache, out, scale, config, cu_query_lengths,
+                  kv_seq_lengths, block_table, first_request, num_requests,
+                  max_seqlen_q) -> None:
+    """Causal attention of every query token of requests ``[first_request, first_request +
+    num_requests)``, in tiles of query tokens. ``paged_attention`` checked every argument."""
+    num_tokens, num_q_heads, head_dim = query.shape
+    if config is None:
+        key = paged_attention_varlen_tune_key(num_q_heads=num_q_heads,
+                                              num_kv_heads=key_cache.shape[2], head_dim=head_dim,
+                                              dtype=query.dtype, num_tokens=num_tokens)
+        config, _ = _autotune.resolve_config("paged_attention_varlen", key, query.device)
+    args = kernel_args(query, key_cache, value_cache, cu_query_lengths, kv_seq_lengths,
+                       block_table, scale)
+    block_g = next_pow2(args["group_size"])
+    tile_tokens = max(1, config.kwargs["BLOCK_M"] // block_g)
+    grid = (num_requests, triton.cdiv(max_seqlen_q, tile_tokens), key_cache.shape[2])
+    check_grid("paged_attention varlen", grid,
+               f"max_seqlen_q={max_seqlen_q} in tiles of {tile_tokens} tokens")
+    _paged_attention_varlen_kernel[grid](
+        out_ptr=out, first_request=first_request, **args, stride_out_token=out.stride(0),
+        stride_out_head=out.stride(1), TILE_TOKENS=tile_tokens, BLOCK_G=block_g,
+        **config.launch_kwargs())
+
+
+# Query tokens and key tokens per tile, warps and stages of the search space.
+_VARLEN_BLOCK_M = (32, 64, 128)
+_VARLEN_BLOCK_N = (32, 64)
+_VARLEN_WARPS = (4, 8)
+# Triton 3.9 does not multi-buffer these gathered K/V loads (sm_90 builds show the same shared
+# memory at every num_stages), so two stage counts suffice.
+_VARLEN_STAGES = (1, 2)
+
+
+def paged_attention_varlen_configs(key: dict) -> list[KernelConfig]:
+    # 128 rows at 4 warps spill on sm_90 (tests/kernels/test_sm90_build.py).
+    return [KernelConfig.make(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s)
+            for m in _VARLEN_BLOCK_M for n in _VARLEN_BLOCK_N for w in _VARLEN_WARPS
+            for s in _VARLEN_STAGES if m <= 16 * w]
+
+
+def paged_attention_varlen_default_config(key: dict) -> KernelConfig:
+    # FlashAttention-2's forward tile: 128 rows x 64 keys, 8 warps, up to head dim 128.
+    if key["head_dim"] <= 128:
+        return KernelConfig.make(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2)
+    return KernelConfig.make(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=1)
+
+
+def paged_attention_varlen_tune_key(*, num_q_heads: int, num_kv_heads: int, head_dim: int,
+                                    dtype: torch.dtype, num_tokens: int) -> dict:
+    return {"num_q_heads": int(num_q_heads), "num_kv_heads": int(num_kv_heads),
+            "head_dim": int(head_dim), "dtype": dtype_name(dtype),
+            "num_tokens": bucket_tokens(num_tokens)}
+
+
+def paged_attention_varlen_presets() -> list[dict]:
+    return [paged_attention_varlen_tune_key(**LLAMA_HEADS, dtype=torch.bfloat16, num_tokens=n)
+            for n in (512, 2048, 8192)]
