@@ -7,7 +7,7 @@ requests with ``--prompt-len``-token prompts, at each batch size B of ``--batche
 
 * ``eager``: ``Engine.from_transformers(...)`` without ``num_cuda_graphs``;
 * ``graphs``: the same with ``num_cuda_graphs=--num-cuda-graphs``. The context then picks
-  Megatron's graph batch dimensions each step (context/cuda_graphs.py). Whether the forward
+  Megatron's graph batch dimensions each step (context/graph_ladder.py). Whether the forward
   is really captured and replayed depends on the engine: the script records what the engine
   reports (``graph_info`` in the results) and the share of steps the context ran in a graph
   shape. An engine without capture runs these steps eagerly, padded to the graph's shape;

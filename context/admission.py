@@ -2,19 +2,27 @@
 
 ``plan_add`` reads the unchanged ``RequestTable`` and the request and raises (naming the
 argument, the value and the limit) on anything that cannot be added; the ``AddPlan`` it returns
-is applied by ``RequestTable.commit_add``, which cannot fail on it.
+is applied by ``RequestTable.commit_add``, which cannot fail on it. ``plan_dummies`` does the
+same for ``add_dummy_requests_parallel`` (``RequestTable.commit_dummies``), and
+``capture_requests`` builds the dummy requests that give a step a CUDA graph's exact
+dimensions, as megatron-core 0.16.1 does before a capture: ``decode_req_count`` one-token
+requests (ids ``0..D-1``) added as decode rows, then ``prefill_req_count`` prefills sharing the
+graph's prefill tokens (``graph_ladder.dummy_request_plan``); every token id 0, every block the
+dummy block. ``check_availability`` and the prefix cache queries answer the engine's
+scheduler from the unchanged table.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 import numpy as np
 import torch
 
 from ._fields import FIELD_IDS, FIELD_KV_OFFSET
+from .batch_dimensions import InferenceBatchDimensions
 from .errors import (
     BlockOverflowError,
     ContextOverflowError,
@@ -22,8 +30,9 @@ from .errors import (
     RequestOverflowError,
     TokenOverflowError,
 )
+from .graph_ladder import dummy_request_plan
 from .prefix_cache import PrefixHit, wants_every_prompt_logit
-from .requests import DynamicInferenceRequest, whole_number_ids
+from .requests import DynamicInferenceRequest, SamplingParams, whole_number_ids
 from .staging import numpy_dtype
 
 
@@ -147,8 +156,8 @@ def plan_add(table, req: Any, chunk_length: Optional[int], *, max_sequence_lengt
     """Check ``add_request(req, chunk_length)`` against the table; change nothing."""
     request_id = check_request_id(getattr(req, "request_id", None))
     chunk, remaining_length, finished = _request_lengths(req, chunk_length)
-    bs = table.block_size
-    P, T = table.paused, table.total
+    block_size = table.block_size
+    paused, total = table.paused, table.total
     is_continuation = finished > 0
     gen = _tokens_to_generate(request_id, req.sampling_params.num_tokens_to_generate)
     # As Megatron-Core's context, a generation budget beyond max_sequence_length is accepted
@@ -165,7 +174,7 @@ def plan_add(table, req: Any, chunk_length: Optional[int], *, max_sequence_lengt
                          f"num_tokens_to_generate ({gen}) must stay below 2**31 (the output "
                          "length is an int32 field)")
     if is_continuation:
-        last_id = int(table.rows[FIELD_IDS, T - 1]) if T > P else None
+        last_id = int(table.rows[FIELD_IDS, total - 1]) if total > paused else None
         if last_id != request_id or table.num_prefill:
             raise ValueError(
                 f"request {request_id}: finished_chunk_token_count={finished} marks a "
@@ -176,17 +185,17 @@ def plan_add(table, req: Any, chunk_length: Optional[int], *, max_sequence_lengt
                 f"request {request_id}: finished_chunk_token_count={finished} marks a "
                 "continuation, but the request is decoding, not a chunked prefill (its whole "
                 "prompt was added): a continuation would replace its sampled token")
-        cached = int(table.rows[FIELD_KV_OFFSET, T - 1])
+        cached = int(table.rows[FIELD_KV_OFFSET, total - 1])
         if finished != cached:
             raise ValueError(
                 f"request {request_id}: finished_chunk_token_count={finished} does not match "
                 f"the {cached} prompt tokens the context cached for it")
-        row = T - 1
+        row = total - 1
         tokens_before = table.active_tokens - 1
     else:
         if request_id in table.live_ids:
             raise ValueError(f"request_id={request_id} is already in the context")
-        if T >= table.request_limit:
+        if total >= table.request_limit:
             raise RequestOverflowError(request_id, f"all {table.request_limit} request rows "
                                                    "are in use (max_requests)")
         if table.partial_id != -1:
@@ -197,7 +206,7 @@ def plan_add(table, req: Any, chunk_length: Optional[int], *, max_sequence_lengt
             raise ValueError(f"request {request_id}: on a hybrid model the continuation chunk "
                              "added in this step must stay the last row (it alone starts "
                              "from its saved Mamba state); add new requests in the next step")
-        row = T
+        row = total
         tokens_before = table.active_tokens
     partial = chunk < remaining_length
     host_prompt, device_prompt = _prompt(request_id, req.remaining_prompt_tokens[:chunk],
@@ -218,8 +227,8 @@ def plan_add(table, req: Any, chunk_length: Optional[int], *, max_sequence_lengt
         raise TokenOverflowError(request_id, f"{tokens_before} tokens in the step + chunk "
                                              f"{chunk} > max_tokens ({table.max_tokens})"
                                  + (f" ({skip} prompt tokens cached)" if skip else ""))
-    already = math.ceil(finished / bs)
-    needed = math.ceil((finished + chunk) / bs)
+    already = math.ceil(finished / block_size)
+    needed = math.ceil((finished + chunk) / block_size)
     revived = 0 if prefix is None else int(prefix.idle.size)
     if needed - already + revived > table.allocator.total_avail:
         raise BlockOverflowError(request_id, f"needs {needed - already + revived} blocks, "
@@ -324,3 +333,85 @@ def plan_dummies(table, requests: Any, count_as_prefill: bool, *, max_sequence_l
         metadata=tuple(metadata), host_prompts=tuple(host_prompts),
         device_prompts=tuple(device_prompts),
         prompt_offset=table.active_tokens - real_decode, count_as_prefill=bool(count_as_prefill))
+
+
+def check_availability(table, req: Any) -> Tuple[bool, bool, bool]:
+    """``(request slot free, tokens fit, KV blocks available)`` for the whole remaining prompt
+    of ``req``, less what the prefix cache holds of it; host only."""
+    table.check_bound(getattr(req, "request_id", None))
+    remaining, finished = req.remaining_prompt_length, req.finished_chunk_token_count
+    skip, idle = (0, 0) if table.prefix_cache is None else table.prefix_cache.lookup(req)
+    bs = table.block_size
+    blocks = math.ceil((remaining + finished) / bs) - math.ceil(finished / bs) - skip // bs
+    return (table.total < table.request_limit and table.paused == 0,
+            table.active_tokens + remaining - skip <= table.max_tokens,
+            table.allocator.total_avail >= blocks + idle)
+
+
+def prefix_cache_lookup(table, req: Any) -> int:
+    """Prompt tokens the next ``add_request`` of the new request ``req`` would take from the
+    prefix cache (when its chunk covers them and one token more); 0 without caching. Host
+    only (a prompt on the device is copied once)."""
+    table.check_bound(getattr(req, "request_id", None))
+    return 0 if table.prefix_cache is None else table.prefix_cache.lookup(req)[0]
+
+
+def prefix_cache_first_chunk_boundary(table, req: Any) -> int:
+    """Hybrids with prefix caching: the prompt position the first chunk of the new request
+    ``req`` should end at, so that its Mamba state at the end of its cached blocks is
+    snapshotted for later requests (0: no such boundary; always 0 for other models)."""
+    table.check_bound(getattr(req, "request_id", None))
+    return 0 if table.prefix_cache is None else table.prefix_cache.first_chunk_boundary(req)
+
+
+def get_prefix_cache_stats(table) -> dict:
+    """Megatron-Core 0.19's counters (``prefix_cache_hits``, ``..._blocks_matched``,
+    ``..._prefill_skipped_tokens``, ``..._prefill_computed_tokens``) plus lookups, the hit rates
+    and the cached blocks now (``PrefixCache.stats_dict``); empty without caching."""
+    return {} if table.prefix_cache is None else table.prefix_cache.stats_dict()
+
+
+def capture_requests(table, graph_dimensions: InferenceBatchDimensions, *,
+                     max_tokens: int, max_sequence_length: int
+                     ) -> Tuple[List[DynamicInferenceRequest], List[DynamicInferenceRequest]]:
+    """``(decode requests, prefill requests)`` of ``graph_dimensions``'s dummies for the empty
+    ``table``; changes nothing.
+
+    Raises ``TypeError`` for anything but an ``InferenceBatchDimensions``, ``RuntimeError``
+    when the table holds requests, ``ValueError`` for dimensions no dummy set can give (a
+    chunked-prefill graph, fewer prefill tokens than prefill requests), and the context's
+    overflow errors when they exceed ``max_requests``, ``max_tokens``, ``max_sequence_length``
+    or (hybrids) the free Mamba slots.
+    """
+    if not isinstance(graph_dimensions, InferenceBatchDimensions):
+        raise TypeError(f"graph_dimensions must be an InferenceBatchDimensions, got "
+                        f"{type(graph_dimensions).__name__}")
+    if table.total:
+        raise RuntimeError(
+            f"add_dummy_requests_for_cudagraph_capture needs an empty context, it holds "
+            f"{table.total} requests (call reset() first)")
+    decode, prefill_lengths = dummy_request_plan(graph_dimensions)
+    count, tokens = decode + len(prefill_lengths), decode + sum(prefill_lengths)
+    if count > table.request_limit:
+        raise RequestOverflowError(count - 1, f"graph {graph_dimensions} needs {count} "
+                                              f"requests > max_requests ({table.request_limit})")
+    if tokens > max_tokens:
+        raise TokenOverflowError(count - 1, f"graph {graph_dimensions} needs {tokens} "
+                                            f"tokens > max_tokens ({max_tokens})")
+    if prefill_lengths and prefill_lengths[0] > max_sequence_length:
+        raise MaxSequenceLengthOverflowError(
+            decode, f"graph {graph_dimensions} needs a {prefill_lengths[0]}-token prefill > "
+            f"max_sequence_length ({max_sequence_length})")
+    if table.hybrid and table.slots.free_count < count:
+        raise ContextOverflowError(count - 1, f"graph {graph_dimensions} needs {count} "
+                                              "Mamba slots; No Mamba slots available")
+    # Megatron's dummies: prompts of token 0, one token to generate, no termination id.
+    params = SamplingParams(num_tokens_to_generate=1, termination_id=-1)
+    zeros = torch.zeros(max([1] + prefill_lengths), dtype=torch.int64)
+    decode_requests = [DynamicInferenceRequest(request_id=i, prompt_tokens=zeros[:1],
+                                               sampling_params=params) for i in range(decode)]
+    prefill_requests = [DynamicInferenceRequest(request_id=decode + i,
+                                                prompt_tokens=zeros[:length],
+                                                sampling_params=params)
+                        for i, length in enumerate(prefill_lengths)]
+    return decode_requests, prefill_requests

@@ -17,12 +17,20 @@ cached blocks least recently released first (a request's tail blocks before its 
 ``revive`` takes idle blocks back out of the stack for a cache hit. Under "ref_zero" (and
 without caching) a freed block is uncached at once and the stack is the plain LIFO stack.
 Every eviction (a cached block handed out again, or uncached at its last release) is reported
-to ``on_evict``.
+to ``on_evict`` (the prefix cache's digest table drops the block's digest).
+
+The allocator takes what it needs at construction: its budgets, the policy, the eviction
+listener, and the ``usage`` that answers Megatron-Core's ``get_active_used`` /
+``get_paused_used`` (the request table, which owns the allocator: it is held by a weak
+reference, so that the two make no reference cycle and a context is freed by reference counting
+alone). ``StackSimulation`` and ``AllocatorSimulation`` replay an update plan's releases and
+allocations without touching the allocator.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import weakref
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -49,9 +57,16 @@ class BlockAllocator:
     Args:
         total_count: blocks in the buffer, the dummy block included.
         paused_count: the paused-request budget in blocks.
+        usage: what the budgets are used by: an object with ``active_used_blocks()`` and
+            ``paused_used_blocks()`` (the request table), held by a weak reference; None (or
+            gone): nothing uses them.
+        keeps_idle_blocks: the "lru" prefix caching policy (idle cached blocks stay cached).
+        on_evict: called with the blocks that leave the cache (int32 array).
     """
 
-    def __init__(self, total_count: int, paused_count: int):
+    def __init__(self, total_count: int, paused_count: int, *, usage: Any = None,
+                 keeps_idle_blocks: bool = False,
+                 on_evict: Optional[Callable[[np.ndarray], None]] = None):
         if total_count < 2:
             raise ValueError(f"total_count={total_count} must be >= 2 (one block is the dummy)")
         if not 0 <= paused_count <= total_count - 2:
@@ -61,9 +76,9 @@ class BlockAllocator:
         self.paused_count = int(paused_count)
         self.active_count = self.total_count - self.paused_count - 1
         self.dummy_block_idx = self.total_count - 1
-        # Prefix caching (prefix_cache.PrefixCache.attach): "lru" keeps idle cached blocks.
-        self.keeps_idle_blocks = False
-        self.on_evict = None
+        self._usage = None if usage is None else weakref.ref(usage)
+        self.keeps_idle_blocks = bool(keeps_idle_blocks)
+        self.on_evict = on_evict
         self.reset()
 
     def reset(self) -> None:
@@ -116,6 +131,22 @@ class BlockAllocator:
             self.ref_counts[freed] = 0
             self._evict(freed)  # freed by hand: their bytes are no longer vouched for
         self._total_avail = int(value)
+
+    def get_active_used(self) -> int:
+        """Blocks the active requests use against the active budget (Megatron-Core's name)."""
+        usage = None if self._usage is None else self._usage()
+        return 0 if usage is None else usage.active_used_blocks()
+
+    def get_paused_used(self) -> int:
+        """Blocks the paused requests use against the paused budget."""
+        usage = None if self._usage is None else self._usage()
+        return 0 if usage is None else usage.paused_used_blocks()
+
+    def get_active_avail(self) -> int:
+        return self.active_count - self.get_active_used()
+
+    def get_paused_avail(self) -> int:
+        return self.paused_count - self.get_paused_used()
 
     def is_memory_available(self, num_blocks: int) -> bool:
         return self._total_avail >= num_blocks
@@ -228,38 +259,6 @@ class BlockAllocator:
                 f"active budget {self.active_count}; paused budget {self.paused_count}")
 
 
-class SlotAllocator:
-    """Host-side stack of Mamba state slots (one per live request of a hybrid model).
-
-    The first slot handed out is ``count - 1``, as in Megatron-Core; freed slots are reused
-    first.
-    """
-
-    def __init__(self, count: int):
-        self.count = int(count)
-        self.reset()
-
-    def reset(self) -> None:
-        self.free_slots = np.arange(self.count, dtype=np.int32)
-        self.free_count = self.count
-
-    def allocate(self) -> int | None:
-        if self.free_count == 0:
-            return None
-        self.free_count -= 1
-        return int(self.free_slots[self.free_count])
-
-    def release(self, slots: np.ndarray) -> None:
-        """Push slots back (``-1`` entries ignored)."""
-        slots = np.asarray(slots, dtype=np.int32).reshape(-1)
-        slots = slots[slots >= 0]
-        if self.free_count + slots.size > self.count:
-            raise RuntimeError(f"release of {slots.size} slots overflows the stack "
-                               f"({self.free_count} of {self.count} free)")
-        self.free_slots[self.free_count:self.free_count + slots.size] = slots
-        self.free_count += int(slots.size)
-
-
 class AllocatorSimulation:
     """The allocator's releases and allocations replayed on a ``clone`` (the plan of an
     ``update_requests`` under the "lru" prefix caching policy, whose idle section the plain
@@ -284,3 +283,54 @@ class AllocatorSimulation:
     def allocate(self, count: int) -> np.ndarray:
         self.ops.append(("allocate", count))
         return self._clone.allocate_memory_blocks_host(count)
+
+
+class StackSimulation:
+    """The allocator's LIFO stack as it would be after a plan's releases and allocations,
+    without touching it: the untouched bottom ``bag[:avail]`` plus an overlay of pushed ids
+    (the plain stack: without the "lru" idle section, which ``AllocatorSimulation`` models);
+    ``ops`` lists them for the commit to replay."""
+
+    def __init__(self, allocator):
+        self.allocator = allocator
+        self.base_avail = allocator.total_avail
+        self.overlay = np.empty(0, dtype=np.int32)
+        self.released = np.empty(0, dtype=np.int32)
+        self.ops: list = []
+
+    @property
+    def total_avail(self) -> int:
+        return self.base_avail + self.overlay.size
+
+    def release(self, blocks: np.ndarray) -> None:
+        """As ``BlockAllocator.release_memory_blocks``: drop one reference per id; the ids
+        whose last reference goes are pushed once, in order of first mention."""
+        # The dummy block (rows of dummy requests) is never allocated: nothing to release.
+        blocks = blocks[(blocks >= 0) & (blocks != self.allocator.dummy_block_idx)].astype(np.int32)
+        if blocks.size == 0:
+            return
+        self.ops.append(("release", blocks))
+        left = self.allocator.ref_counts[blocks].astype(np.int64)
+        if self.released.size:
+            done = np.sort(self.released)
+            left -= (np.searchsorted(done, blocks, "right") - np.searchsorted(done, blocks, "left"))
+        self.released = np.concatenate([self.released, blocks])
+        _, inverse, counts = np.unique(blocks, return_inverse=True, return_counts=True)
+        freed = blocks[left - counts[inverse] == 0]
+        if freed.size > 1:
+            _, first = np.unique(freed, return_index=True)
+            freed = freed[np.sort(first)]
+        self.overlay = np.concatenate([self.overlay, freed])
+
+    def allocate(self, count: int) -> np.ndarray:
+        self.ops.append(("allocate", count))
+        if count <= self.overlay.size:
+            blocks = self.overlay[self.overlay.size - count:]
+            self.overlay = self.overlay[:self.overlay.size - count]
+            return blocks
+        below = count - self.overlay.size
+        bag = self.allocator.block_bag
+        blocks = np.concatenate([bag[self.base_avail - below:self.base_avail], self.overlay])
+        self.base_avail -= below
+        self.overlay = np.empty(0, dtype=np.int32)
+        return blocks

@@ -42,6 +42,12 @@ OPTIONS = {
         lambda v: v is None, "deprecated", "cuda_graph_max_tokens is deprecated and ignored"),
 }
 
+#: The options that raise, checked first by the constructor (``cuda_graph_max_tokens`` only warns,
+#: once the other arguments are checked).
+REFUSED = ("context_parallel_size", "expert_model_parallel_size", "persist_cuda_graphs",
+           "offload_kv_cache")
+
+
 def check_options(values: dict, *, stacklevel: int = 3) -> None:
     """Raise ``NotImplementedError`` or warn for each option of ``values`` the table lists."""
     for name, value in values.items():

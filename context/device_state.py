@@ -1,5 +1,6 @@
 """Device state of the context: the arena, the staging ring, the block tables, the step's token
-arrays, the KV buffer and the Mamba states, and the launches that update them.
+arrays and the pending next tokens, the launches that update them, and the bookkeeping tensors
+the context hands out.
 
 The device mirrors the request table. ``begin_step`` uploads what changed (one arena copy, the
 new block-table rows, the prompt tokens) and builds the step's per-token arrays in one
@@ -10,11 +11,17 @@ the arena is the host memory itself: nothing is uploaded. Every buffer here is a
 context and checked once, so the launches skip the launchers' checks (``check=False``); the
 inputs a user hands in are checked at the context's edge. The views the launches and the
 attention metadata take are cut once per row range and reused while it stays the same.
+
+The part lives as long as the context; its tensors are allocated by ``allocate`` and dropped by
+``release`` (suspend). ``field_view``, ``block_table_view``, ``metadata_views`` and
+``pull_bookkeeping`` hand out the per-request bookkeeping as Megatron-Core's tests write it: host
+views on a CPU device (``host_views``), the device mirrors on CUDA (docs/DESIGN.md §2).
 """
 
 from __future__ import annotations
 
 from types import SimpleNamespace
+from typing import Optional
 
 import numpy as np
 import torch
@@ -23,30 +30,35 @@ from dynctx.kernels.compaction import compact_requests
 from dynctx.kernels.step_metadata import step_metadata
 
 from ._fields import FIELD_KV_OFFSET, FIELD_QUERY, NUM_FIELDS
+from .errors import TensorStateDeallocatedError
+from .inputs import check_paused_tokens
 from .staging import HostArena, HostToDevice
 
 TOKEN_ARRAYS = ("token_to_input_ids", "token_to_pos_ids", "token_to_request_idx",
                 "token_to_block_idx", "token_to_position_in_request",
                 "token_to_local_position_within_kv_block")
+# What ``allocate`` builds and ``release`` drops.
+_ALLOCATED = TOKEN_ARRAYS + ("arena", "h2d", "block_tables", "next_tokens", "attn_block_table",
+                             "prompt_tokens")
 
 
 class DeviceState:
-    """Every device tensor of the context (allocated at once; dropped on suspend).
+    """The context's device tensors but the KV cache's and the Mamba states.
 
     Args:
         device, backend: where the tensors live and the resolved kernel backend.
         max_requests, max_tokens, max_kv_block_count: sizes.
         metadata_types: ``[(label, dtype, on_device)]`` of the request metadata.
-        kv_shape, params_dtype: the KV (or MLA latent) buffer.
-        layers: the ``sizing.LayerLayout`` (Mamba shapes for hybrids).
+        hybrid: whether the arena holds the step's Mamba sections.
     """
 
     def __init__(self, *, device: torch.device, backend: str, max_requests: int,
-                 max_tokens: int, max_kv_block_count: int, metadata_types: list,
-                 kv_shape: tuple, params_dtype: torch.dtype, layers):
-        R, T, C = max_requests, max_tokens, max_kv_block_count
+                 max_tokens: int, max_kv_block_count: int, metadata_types: list, hybrid: bool):
         self.device, self.backend = device, backend
-        self.hybrid = layers.is_hybrid_model
+        self.max_requests, self.max_tokens = max_requests, max_tokens
+        self.max_kv_block_count = max_kv_block_count
+        self.hybrid = hybrid
+        R = max_requests
         sections = [("req", torch.int32, (NUM_FIELDS, R))]
         sections += [(f"meta:{label}", dtype, (R,)) for label, dtype, _ in metadata_types]
         sections += [("attn_query_lengths", torch.int32, (R,)),
@@ -56,14 +68,37 @@ class DeviceState:
                      ("plan_src", torch.int32, (R,)),
                      ("plan_col", torch.int32, (R,)),
                      ("plan_block", torch.int32, (R,))]
-        if self.hybrid:
+        if hybrid:
             sections += [("mamba_decode_slots", torch.int32, (R,)),
                          ("mamba_prefill_slots", torch.int32, (R,)),
                          ("mamba_chunked_slot", torch.int32, (1,)),
                          ("mamba_cu_seqlens", torch.int32, (R + 1,)),
                          ("mamba_zero_slots", torch.int64, (R,))]
-        self.arena = HostArena(sections, device)
+        self._sections = sections
         self.metadata_labels = [label for label, _, _ in metadata_types]
+        # Whether the bookkeeping tensors handed out are host views (a CPU device; tests set it
+        # False to run the CUDA path on a CPU: the arena then stops sharing the host buffer).
+        self.host_views = device.type == "cpu"
+        # Row numbers 0..R-1 and -1s: a decode update's identity plan, written from these.
+        self.row_numbers = np.arange(R, dtype=np.int32)
+        self.no_append = np.full(R, -1, dtype=np.int32)
+        self.allocated = False
+        for name in _ALLOCATED:
+            setattr(self, name, None)
+
+    def nbytes(self) -> int:
+        """Device bytes ``allocate`` takes (about: the arena, the three block tables, the next
+        tokens and the step's token arrays)."""
+        R, T, C = self.max_requests, self.max_tokens, self.max_kv_block_count
+        arena = sum(int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+                    for _, dtype, shape in self._sections)
+        return arena + 3 * 4 * R * C + 2 * 8 * R + (len(TOKEN_ARRAYS) + 1) * 8 * T
+
+    def allocate(self) -> None:
+        """Allocate every tensor (at construction, and on resume after a suspend)."""
+        R, T, C = self.max_requests, self.max_tokens, self.max_kv_block_count
+        device = self.device
+        self.arena = HostArena(self._sections, device)
         capacity = self.arena.nbytes + 4 * R * C + 2 * 8 * T + 4096
         self.h2d = HostToDevice(device, capacity)
         self.block_tables = [torch.full((R, C), -1, dtype=torch.int32, device=device)
@@ -78,26 +113,32 @@ class DeviceState:
         for name in TOKEN_ARRAYS:
             setattr(self, name, torch.zeros(T, dtype=torch.int64, device=device))
         self.prompt_tokens = torch.zeros(T, dtype=torch.int64, device=device)
-        # Row numbers 0..R-1 and -1s: a decode update's identity plan, written from these.
-        self.row_numbers = np.arange(R, dtype=np.int32)
-        self.no_append = np.full(R, -1, dtype=np.int32)
         # Between updates, rows [0, identity_plan_rows) of the arena's plan hold the identity
         # plan (0: unknown).
         self.identity_plan_rows = 0
         self._step_views: dict = {}
         self._attn_views: dict = {}
-        self.memory_buffer = torch.empty(kv_shape, dtype=params_dtype, device=device)
-        self.mamba_conv_states = self.mamba_ssm_states = self.mamba_seq_idx = None
-        self.host_seq_idx = None
-        if self.hybrid:
-            self.mamba_conv_states = torch.empty(
-                (layers.num_mamba_layers, R, *layers.mamba_conv_states_shape),
-                dtype=layers.mamba_conv_states_dtype, device=device)
-            self.mamba_ssm_states = torch.empty(
-                (layers.num_mamba_layers, R, *layers.mamba_ssm_states_shape),
-                dtype=layers.mamba_ssm_states_dtype, device=device)
-            self.mamba_seq_idx = torch.full((T,), -1, dtype=torch.int32, device=device)
-            self.host_seq_idx = np.full(T, -1, dtype=np.int32)
+        if not self.host_views and device.type == "cpu":
+            self.share_arena(False)
+        self.allocated = True
+
+    def release(self) -> None:
+        """Drop every tensor (suspend)."""
+        for name in _ALLOCATED:
+            setattr(self, name, None)
+        self._step_views = self._attn_views = {}
+        self.allocated = False
+
+    def check_allocated(self, request_id: Optional[int] = None) -> None:
+        if not self.allocated:
+            raise TensorStateDeallocatedError.suspended(request_id)
+
+    def set_host_views(self, value: bool) -> None:
+        """Hand out host views (True) or the device mirrors (False); on a CPU device the arena
+        shares the host buffer exactly when host views are handed out."""
+        self.host_views = bool(value)
+        if self.allocated and self.device.type == "cpu":
+            self.share_arena(self.host_views)
 
     def share_arena(self, shared: bool) -> None:
         """On a CPU device: whether the arena's device side is the host buffer itself (the
@@ -227,33 +268,6 @@ class DeviceState:
         meta.state_data = vars(meta).copy()
         return meta
 
-    def mamba_step_fields(self, step) -> dict:
-        """Zero the Mamba states of this step's new requests; the step's Mamba metadata fields
-        (``MambaMetadata.STEP_FIELDS``) as views of the device state."""
-        host, device = step.mamba, self.arena.device
-        if host.zero_count:
-            new_slots = device["mamba_zero_slots"][:host.zero_count]
-            self.mamba_conv_states.index_fill_(1, new_slots, 0)
-            self.mamba_ssm_states.index_fill_(1, new_slots, 0)
-        padded_tokens = step.padded_tokens
-        if host.padded_prefill:
-            self.h2d.copy(self.mamba_seq_idx[:padded_tokens], self.host_seq_idx[:padded_tokens])
-        return dict(
-            batch_indices_decode=(device["mamba_decode_slots"][:host.padded_decode]
-                                  if host.padded_decode else None),
-            batch_indices_prefill=(device["mamba_prefill_slots"][:host.padded_prefill]
-                                   if host.padded_prefill else None),
-            batch_indices_chunked_prefill=(device["mamba_chunked_slot"]
-                                           if host.chunked else None),
-            cu_seqlens=(device["mamba_cu_seqlens"][:host.padded_prefill + 1]
-                        if host.padded_prefill else None),
-            seq_idx=(self.mamba_seq_idx[:padded_tokens].unsqueeze(0)
-                     if host.padded_prefill else None),
-            device_decode_prefill=(host.decode, host.regular),
-            device_chunked_prefill=((host.regular_tokens, host.chunked_tokens)
-                                    if host.chunked else None),
-        )
-
     def end_step(self) -> None:
         self.h2d.advance()
 
@@ -272,7 +286,7 @@ class DeviceState:
         """``apply_update`` of a decode update (``update_plan.DecodePlan``): the identity row
         plan, but for the swaps and appended blocks of the rows that start a block
         (``appended``: ``RequestTable.commit_decode``'s ``(columns, blocks)`` of new rows
-        ``[0, k)``, or None), put back to the identity after the launch: a decode update with
+        ``[0, filled)``, or None), put back to the identity after the launch: a decode update with
         no row starting a block writes no plan at all."""
         rows = table.total
         arena = self.arena.host
@@ -285,18 +299,18 @@ class DeviceState:
         if appended is None:
             self._compact(table, new_tokens, new_token_offset=0, rows=rows, old_total=rows)
             return
-        k = appended[1].size
+        filled = appended[1].size
         swaps = plan.dst.size
         if swaps:
             plan_src[plan.dst] = plan.src
-        plan_col[:k], plan_block[:k] = appended
+        plan_col[:filled], plan_block[:filled] = appended
         self._compact(table, new_tokens, new_token_offset=0, rows=rows, old_total=rows)
         # The launch has read (on CUDA: the arena copy has staged) the plan: back to the
         # identity.
         if swaps:
             plan_src[plan.dst] = plan.dst
-        plan_col[:k] = -1
-        plan_block[:k] = -1
+        plan_col[:filled] = -1
+        plan_block[:filled] = -1
 
     def _compact(self, table, new_tokens: torch.Tensor, *, new_token_offset: int, rows: int,
                  old_total: int) -> None:
@@ -317,3 +331,76 @@ class DeviceState:
             # The host table (written through a view) was compacted by the commit; the kernel
             # compacted a stale device copy: take the host's rows.
             self.upload_block_table(table, max(rows, old_total))
+
+    # ------------------------------------------------------------------ handed out
+    def field_view(self, table, field: int) -> torch.Tensor:
+        """One per-request field, int32 ``[max_requests]``: with host views a view of the host
+        row (writes reach the host, which is authoritative, at once); else the device mirror
+        (writes need ``pull_bookkeeping``)."""
+        self.check_allocated()
+        if self.host_views:
+            return torch.from_numpy(table.rows[field])
+        self.sync()
+        return self.arena.device["req"][field]
+
+    def block_table_view(self, table) -> torch.Tensor:
+        """int32 ``[max_requests, max_kv_block_count]``: with host views the host table (the
+        device mirror follows at the next step or update), else the device table."""
+        self.check_allocated()
+        if self.host_views:
+            self.host_table_written = True
+            return torch.from_numpy(table.block_table)
+        self.flush_block_rows(table)
+        return self.block_table
+
+    def metadata_views(self, table) -> dict:
+        """Per-label tensors ``[max_requests]`` of the request metadata (as ``field_view``)."""
+        self.check_allocated()
+        if self.host_views:
+            return {label: torch.from_numpy(table.metadata[label])
+                    for label in self.metadata_labels}
+        self.sync()
+        return {label: self.arena.device[f"meta:{label}"] for label in self.metadata_labels}
+
+    def pull_bookkeeping(self, table) -> None:
+        """Copy the handed-out device mirrors (fields, metadata, block table) back into the
+        host table, after writes by hand on the device (one copy of each; nothing with host
+        views)."""
+        self.check_allocated()
+        if self.host_views:
+            return
+        if self.arena.dirty:
+            raise RuntimeError(
+                "pull_bookkeeping_from_device(): the host changed after the device tensors were "
+                "last handed out (an add_request or update in between); write them by hand "
+                "after the host's last change, then pull")
+        self.flush_block_rows(table)
+        table.rows[:] = self.arena.device["req"].cpu().numpy()
+        for label in table.metadata_labels:
+            table.metadata[label][:] = self.arena.device[f"meta:{label}"].cpu().numpy()
+        table.block_table[:] = self.block_table.cpu().numpy()
+
+    def paused_tokens(self, paused: int) -> Optional[torch.Tensor]:
+        """The pending next input tokens of the ``paused`` paused rows (a view), or None."""
+        return self.next_tokens[self.current][:paused] if paused else None
+
+    def write_paused_tokens(self, tokens: Optional[torch.Tensor], paused: int) -> None:
+        """Write the pending tokens of the first ``len(tokens)`` of the ``paused`` paused rows;
+        None (Megatron-Core's reset value) changes nothing."""
+        if tokens is not None:
+            self.check_allocated()
+            check_paused_tokens(tokens, paused)
+            self.next_tokens[self.current][:tokens.numel()].copy_(tokens)
+
+    def permute_pending(self, dst: np.ndarray, src: np.ndarray,
+                        next_tokens: Optional[torch.Tensor]) -> None:
+        """Rows ``dst`` take the pending next tokens of rows ``src`` (read before any write),
+        here and in ``next_tokens`` when given (Megatron's step-local tokens)."""
+        self.arena.dirty = True
+        pending = self.next_tokens[self.current]
+        index_dst = torch.from_numpy(dst).to(pending.device)
+        index_src = torch.from_numpy(src).to(pending.device)
+        pending[index_dst] = pending[index_src]
+        if next_tokens is not None and next_tokens.data_ptr() != pending.data_ptr():
+            next_tokens[index_dst.to(next_tokens.device)] = \
+                next_tokens[index_src.to(next_tokens.device)]

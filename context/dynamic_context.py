@@ -1,39 +1,24 @@
 """``DynamicInferenceContext``: paged KV cache and in-flight batching state (the facade).
 
-The facade keeps Megatron-Core's names and composes parts that each own one thing:
-
-* ``request_table.RequestTable``: the host rows of every request (ids, lengths, offsets, the
-  block table, metadata) and the block and Mamba-slot allocators; the host is authoritative;
-* ``admission.plan_add`` and ``update_plan.plan_update``: ``add_request`` and
-  ``update_requests`` as plans decided from the unchanged table, with every check;
-* ``device_state.DeviceState``: the arena, staging, double-buffered block tables, the step's
-  token arrays, the KV buffer and the Mamba states, and the two launches of a step;
-* ``step.Step``: the frozen description of one step, built by ``initialize_attention_state``,
-  padded to the CUDA graph that fits it (``cuda_graphs``: Megatron-Core's ladder, built here);
-* ``_graph_capture``: the dummy requests (``add_dummy_requests_parallel``) and the CUDA graph
-  capture dummies, checked as a whole; ``_rows``: ``max_requests`` and the row moves;
-  ``_class_api``: the rounding helpers and ``from_config``;
-* ``sizing`` and ``compat``: the constructor's sizes and Megatron-Core's unsupported options;
-  ``parallel``: the tensor-parallel and pipeline groups and the one construction-time MIN
-  all-reduce that makes every rank's allocator identical.
-
-Every mutating call checks its arguments, plans, commits the host, then applies the change on
-the device: an error leaves the context exactly as it was.
+The facade keeps Megatron-Core's names over parts that each own one thing (``construction``
+builds them; docs/DESIGN.md §2 draws them). A Megatron method here is a few lines calling the
+part that owns what it touches, or, where the part's method has Megatron's name and signature,
+that method itself (``_Part``). Every mutating call checks, plans, commits the host, then
+applies on the device: an error leaves the context as it was. No part refers back to the
+facade, so a context (and its KV buffer) is freed by reference counting alone.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, List, Optional, Tuple
+import warnings
+from typing import Any, List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 
-from dynctx.kernels import _backend
-
-from . import compat
-from ._class_api import ClassAPIMixin
+from . import admission, compat
 from ._fields import (  # noqa: F401 (re-exported: FIELD_* are imported from here)
-    _LAYER_SYMBOLS,
     FIELD_BLOCKS,
     FIELD_IDS,
     FIELD_KV_OFFSET,
@@ -42,111 +27,79 @@ from ._fields import (  # noqa: F401 (re-exported: FIELD_* are imported from her
     FIELD_MAMBA_SLOT,
     FIELD_OUTPUT,
     FIELD_QUERY,
-    NUM_FIELDS,
 )
-from ._graph_capture import DummyRequestsMixin
-from ._kv import KVCacheMixin
-from ._logits import LogitsMixin
-from ._mamba import MambaMetadata, MambaMixin
-from ._prefix_caching import PrefixCachingMixin
-from ._rotary import RotaryMixin
-from ._rows import RowsMixin
-from ._step_api import _EMPTY_IDS, StepMixin
-from ._views import StateViewsMixin
-from .batch_dimensions import MambaInferenceStateConfig
-from .block_allocator import BlockAllocator
-from .cuda_graphs import context_cuda_graph_ladder
-from .device_state import DeviceState
-from .errors import TensorStateDeallocatedError, get_mem_size_str
+from .batch_dimensions import InferenceBatchDimensions, MambaInferenceStateConfig
+from .construction import build_parts, from_config, settle
+from .errors import get_mem_size_str
+from .forward_pass import EMPTY_IDS, ForwardPass
+from .inputs import check_new_tokens, read_mask
 from .parallel import CountAgreement, joins_agreement_on_failure, parallel_groups
-from .prefix_cache import check_prefix_caching_args, prefix_snapshot_count
 from .request_table import RequestTable
 from .requests import DynamicInferenceRequest
-from .sizing import check_scalars, layer_layout, memory_layout, positive_int
-from .staging import numpy_dtype
-from .step import REQUEST_ROUNDER, TOKEN_ROUNDER, StepBuilder
+from .step_builder import REQUEST_ROUNDER, TOKEN_ROUNDER, rounded
 
 logger = logging.getLogger("dynctx.context")
 
 
-def _default_device() -> torch.device:
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+class _Part:
+    """A Megatron method whose whole work is ``function`` on one part: ``ctx.<name>`` is
+    ``function`` bound to ``ctx.<part>`` (a method of the part, or a function of the part's
+    module taking it first), so ``help`` and ``inspect`` show the function's docstring and
+    signature, and a call costs what a call of the part's method does."""
+
+    def __init__(self, part: str, function: Any):
+        self.part, self.function, self.__doc__ = part, function, function.__doc__
+
+    def __get__(self, ctx: Any, owner: Any = None) -> Any:
+        if ctx is None:
+            return self.function
+        return self.function.__get__(getattr(ctx, self.part))
 
 
-def _resolve_device(device: Any) -> torch.device:
-    if device is None:
-        return _default_device()
-    device = torch.device(device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(f"device={str(device)!r}: no CUDA device is available "
-                           "(torch.cuda.is_available() is False); pass device='cpu'")
-    return device
+def _table_count(field: str, limit: str, doc: str) -> property:
+    """A count of the request table, settable by hand as Megatron-Core code sets its attributes
+    (its tests build states that way); ``limit`` names the context attribute bounding it."""
+
+    def set(self, value: int) -> None:
+        name = doc.split(":")[0]
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise TypeError(f"{name}={value!r} must be an int")
+        high = getattr(self, limit)
+        if not 0 <= value <= high:
+            raise ValueError(f"{name}={value} must lie in [0, {limit}={high}]")
+        setattr(self._table, field, int(value))
+        # A state written by hand is the caller's: update_requests takes it as forwarded.
+        self._hand_written = True
+
+    return property(lambda self: getattr(self._table, field), set, doc=doc)
 
 
-class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, LogitsMixin, MambaMixin,
-                              RowsMixin, DummyRequestsMixin, ClassAPIMixin, PrefixCachingMixin,
-                              StepMixin):
+def _step_tensor(name: str) -> property:
+    """A per-token array of the step (``DeviceState``; None while suspended). Read before
+    ``initialize_attention_state`` of this step, it builds the step first (Megatron-Core fills
+    these arrays in ``add_request``/``update_requests``); after it, one check and no work."""
+
+    def get(self):
+        device = self._device
+        if self._step is None and device.allocated:
+            self._materialize_step()
+        return getattr(device, name)
+
+    return property(get, doc=f"{name}: per-token array of the step, [max_tokens]")
+
+
+def _row_field(field: int, doc: str) -> property:
+    """One per-request field, int32 ``[max_requests]`` (``DeviceState.field_view``: a host
+    view on a CPU device, the device mirror on CUDA)."""
+    return property(lambda self: self._device.field_view(self._table, field), doc=doc)
+
+
+class DynamicInferenceContext:
     """Paged KV cache plus in-flight batching bookkeeping (Megatron-Core's API).
 
-    Args (keyword only, Megatron-Core's names):
-        params_dtype: dtype of the KV cache.
-        num_layers: layers on this pipeline stage (hybrids: ignored, the layer type list
-            decides); layer numbers passed to the cache methods are this stage's, 1-based.
-        tensor_model_parallel_size, pipeline_model_parallel_size, pg_collection: the
-            tensor-parallel and pipeline groups: ``pg_collection.tp`` / ``.pp``, else
-            Megatron-Core's ``parallel_state`` when the caller initialised it, else (tensor
-            parallelism only) the default ``torch.distributed`` group of exactly
-            ``tensor_model_parallel_size`` ranks (``context/parallel.py``). Every rank sizes its
-            buffer to the smallest block count of its tensor and pipeline groups (one MIN
-            all-reduce per group at construction, none per step), so all ranks allocate, pause
-            and evict alike. ``tensor_model_parallel_size > 1`` without ``torch.distributed``
-            sizes one rank's shard in one process.
-        kv_channels: head dimension.
-        num_attention_heads: heads the cache STORES, i.e. the KV heads (GQA query groups),
-            as Megatron-Core's callers pass it; each tensor-parallel rank stores
-            ``max(1, num_attention_heads // tensor_model_parallel_size)`` of them (a head is
-            replicated when the ranks outnumber the KV heads; one count must divide the other).
-            The MLA latent is not divided (every rank caches all of it); Mamba state shapes
-            are per rank (``mamba_inference_state_config`` gives this rank's head shard).
-        max_sequence_length: prompt + generated tokens of one request, at most. As in
-            Megatron-Core, ``add_request`` accepts a request whose prompt +
-            ``num_tokens_to_generate`` exceeds it (the engine refuses those at admission) and
-            refuses only a prompt longer than it; ``update_requests`` finishes a request that
-            reaches it (``max_length_finished_request_ids``). A warning says when the active
-            budget cannot hold one such request.
-        buffer_size_gb: GiB of KV blocks (per rank).
-        paused_buffer_size_gb: GiB of the paused budget (Megatron-Core 0.16). When None:
-            half of the buffer at ``unified_memory_level=0``; at level 1 a paused region as
-            large as the buffer on top of it (ordinary device memory on CUDA; CPU tensors
-            behave as level 0).
-        max_requests: request rows; default: about one block per request.
-        max_tokens: tokens of one forward pass (default ``DEFAULT_MAX_TOKENS``).
-        block_size_tokens: tokens per KV block.
-        cache_mla_latent, kv_lora_rank, qk_pos_emb_head_dim: MLA latent cache.
-        materialize_only_last_token_logits: stored for the model (as in Megatron-Core).
-        use_flashinfer_fused_rope: True: FlashInfer (error where it cannot run); None:
-            FlashInfer where it can run, else ours; False: ours.
-        unified_memory_level: 0 or 1 (see ``paused_buffer_size_gb``).
-        mamba_inference_state_config: makes the model a hybrid: its ``layer_type_list``
-            decides which layers are attention (``*``) and Mamba (``M``); every request gets a
-            Mamba state slot.
-        metrics_writer: any object with a wandb-style ``log(dict)``; receives the utilization
-            stats after every ``update_requests``.
-        request_metadata_types: ``[(label, dtype, on_device)]``; default
-            ``DynamicInferenceRequest.get_metadata_types()``.
-        device: where the state lives (default: the current CUDA device, else the CPU).
-        kernel_backend: ``"auto"`` (Triton on CUDA, torch references on a CPU), ``"triton"``
-            or ``"torch"``; None reads ``$DYNCTX_KERNEL_BACKEND``.
-        fused_rope_kv_append: model adapters rotate K and append K/V in one launch.
-        vocab_size: when given, token ids are checked against it: prompt tokens always (they
-            are on the host), sampled tokens when ``validate`` is on.
-        validate: turn on the checks that need a device read-back (sampled token ids in range,
-            NaN/inf logits); off by default so that a decode step keeps its one sync.
-        enable_prefix_caching, prefix_caching_eviction_policy ("ref_zero" or "lru"),
-            prefix_caching_mamba_gb: prefix caching, off by default (docs/SEMANTICS.md §17).
-        The options of ``compat.OPTIONS`` are Megatron-Core's and raise or warn as listed there.
+    Its keyword arguments are Megatron-Core's, plus ``device``, ``kernel_backend``,
+    ``fused_rope_kv_append``, ``vocab_size``, ``validate`` and the prefix caching options;
+    ``construction.settle`` documents each one, docs/SEMANTICS.md §2 the construction.
     """
 
     DEFAULT_MAX_TOKENS = 16384
@@ -179,231 +132,101 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
         prefix_caching_eviction_policy: str = "ref_zero",
         prefix_caching_mamba_gb: Optional[float] = None,
     ):
+        arguments = dict(locals())  # every argument, as given or defaulted
+        del arguments["self"]
         # Everything is validated before anything is allocated.
-        compat.check_options(dict(
-            context_parallel_size=context_parallel_size,
-            expert_model_parallel_size=expert_model_parallel_size,
-            persist_cuda_graphs=persist_cuda_graphs, offload_kv_cache=offload_kv_cache))
-        groups = parallel_groups(
-            pipeline_model_parallel_size=pipeline_model_parallel_size,
-            tensor_model_parallel_size=tensor_model_parallel_size, pg_collection=pg_collection)
+        compat.check_options({name: arguments.pop(name) for name in compat.REFUSED},
+                             stacklevel=4)
+        groups = parallel_groups(**{name: arguments.pop(name) for name in (
+            "pipeline_model_parallel_size", "tensor_model_parallel_size", "pg_collection")})
         # Should this rank's own arguments fail below, it still joins the ranks' agreement, as
         # failed, so that they all raise (``joins_agreement_on_failure``).
         self._agreement = CountAgreement(groups.groups)
-        args = check_scalars(
-            params_dtype=params_dtype, num_layers=num_layers, kv_channels=kv_channels,
-            num_attention_heads=num_attention_heads, max_sequence_length=max_sequence_length,
-            block_size_tokens=block_size_tokens, buffer_size_gb=buffer_size_gb,
-            paused_buffer_size_gb=paused_buffer_size_gb,
-            tensor_model_parallel_size=groups.tp,
-            unified_memory_level=unified_memory_level, cache_mla_latent=cache_mla_latent,
-            kv_lora_rank=kv_lora_rank, qk_pos_emb_head_dim=qk_pos_emb_head_dim)
-        num_layers, kv_channels = args["num_layers"], args["kv_channels"]
-        num_attention_heads, tp = args["num_attention_heads"], args["tp"]
-        max_sequence_length = args["max_sequence_length"]
-        block_size_tokens = args["block_size_tokens"]
-        kv_lora_rank, qk_pos_emb_head_dim = args["kv_lora_rank"], args["qk_pos_emb_head_dim"]
-        compat.check_options(dict(cuda_graph_max_tokens=cuda_graph_max_tokens))
-        prefix_caching = check_prefix_caching_args(
-            enable_prefix_caching, prefix_caching_eviction_policy, prefix_caching_mamba_gb)
-        self.device = _resolve_device(device)
-        # On a CPU device the bookkeeping tensors handed out are views of the host arrays
-        # (write-through), and the arena's device side is its host buffer; on CUDA they are
-        # the device mirrors.
-        self._host_views_flag = self.device.type == "cpu"
-        _backend.check_backend_name(kernel_backend)
-        self.kernel_backend = kernel_backend
-        self._backend = _backend.resolve_backend(kernel_backend, self.device)
-        if use_flashinfer_fused_rope is True:
-            from dynctx.kernels.rope_flashinfer import flashinfer_rope_available
-
-            if not flashinfer_rope_available(self.device):
-                raise RuntimeError(
-                    "use_flashinfer_fused_rope=True needs flashinfer and a CUDA device; "
-                    "pass None (FlashInfer where it can run, else ours) or False")
-        types = request_metadata_types or DynamicInferenceRequest.get_metadata_types()
-        for _, dtype, _ in types:
-            numpy_dtype(dtype)
-        self.request_metadata_types = list(types)
-
-        self.params_dtype, self.num_layers = params_dtype, num_layers
-        self._layers = layers = layer_layout(num_layers, mamba_inference_state_config,
-                                             params_dtype)
-        for name in ("layer_map", "num_attention_layers", "num_mamba_layers", "is_hybrid_model",
-                     "mamba_conv_states_shape", "mamba_ssm_states_shape",
-                     "mamba_bytes_per_request"):
-            setattr(self, name, getattr(layers, name))
-        self.layer_types = list(layers.layer_types)
-        if layers.is_hybrid_model:
-            self.mamba_conv_states_dtype = layers.mamba_conv_states_dtype
-            self.mamba_ssm_states_dtype = layers.mamba_ssm_states_dtype
-        self.pipeline_model_parallel_size = groups.pp
-        self.pipeline_parallel_group, self.tensor_parallel_group = groups.pp_group, groups.tp_group
-        self.kv_channels = self.hidden_size_per_attention_head = kv_channels
-        self.num_attention_heads, self.tensor_model_parallel_size = num_attention_heads, tp
-        # KV heads per rank; a rank holds one (replicated) head when tp exceeds them.
-        self.num_attention_heads_per_partition = max(1, num_attention_heads // tp)
-        self.max_sequence_length = max_sequence_length
-        self.block_size_tokens = block_size_tokens
-        self.cache_mla_latent = bool(cache_mla_latent)
-        self.kv_lora_rank, self.qk_pos_emb_head_dim = kv_lora_rank, qk_pos_emb_head_dim
-        self.materialize_only_last_token_logits = materialize_only_last_token_logits
-        self.use_flashinfer_fused_rope = use_flashinfer_fused_rope
-        self.use_cuda_graphs_for_non_decode_steps = use_cuda_graphs_for_non_decode_steps
-        self.cuda_graph_mixed_prefill_count = cuda_graph_mixed_prefill_count
-        self.metrics_writer = metrics_writer
-        self.fused_rope_kv_append = bool(fused_rope_kv_append)
-        self.vocab_size = None if vocab_size is None else positive_int("vocab_size", vocab_size)
-        self.validate = bool(validate)
-
-        # The settings that steer the bookkeeping agree over the ranks, and the hybrid prefix
-        # cache's snapshot count is reduced with the block counts (one all-reduce).
-        agreement = self._agreement
-        agreement.extra = [prefix_snapshot_count(prefix_caching, layers)]
-        agreement.same = dict(
-            zip(("enable_prefix_caching", "prefix_caching_eviction_policy"), prefix_caching),
-            num_cuda_graphs=num_cuda_graphs, validate=bool(validate), vocab_size=vocab_size,
-            use_cuda_graphs_for_non_decode_steps=use_cuda_graphs_for_non_decode_steps,
-            cuda_graph_mixed_prefill_count=cuda_graph_mixed_prefill_count)
-        memory = memory_layout(
-            layers=layers, params_dtype=params_dtype, block_size_tokens=block_size_tokens,
-            heads_per_partition=self.num_attention_heads_per_partition, kv_channels=kv_channels,
-            cache_mla_latent=self.cache_mla_latent, kv_lora_rank=kv_lora_rank,
-            qk_pos_emb_head_dim=qk_pos_emb_head_dim, unified_memory_level=unified_memory_level,
-            device=self.device, buffer_size_gb=buffer_size_gb,
-            paused_buffer_size_gb=paused_buffer_size_gb, max_requests=max_requests,
-            max_tokens=max_tokens, default_max_tokens=self.DEFAULT_MAX_TOKENS,
-            max_sequence_length=max_sequence_length, tp=tp,
-            request_rounder=self.REQUEST_ROUNDER,
-            reduce_counts=agreement if groups.groups else None)
-        self.block_size_bytes, self.kv_reduced_dim = memory.block_size_bytes, memory.kv_reduced_dim
-        self.unified_memory_level = memory.unified_memory_level
-        self.buffer_size_gb, self.paused_buffer_size_gb = buffer_size_gb, paused_buffer_size_gb
-        self._request_rows, self.max_tokens = memory.max_requests, memory.max_tokens
-        self.max_kv_block_count = memory.max_kv_block_count
-        # CUDA graph batch dimensions: Megatron's ladder (context/cuda_graphs.py).
-        ladder = context_cuda_graph_ladder(
-            num_cuda_graphs=num_cuda_graphs, max_requests=self._request_rows,
-            max_tokens=self.max_tokens, max_sequence_length=max_sequence_length, tp_size=tp,
-            use_cuda_graphs_for_non_decode_steps=use_cuda_graphs_for_non_decode_steps,
-            cuda_graph_mixed_prefill_count=cuda_graph_mixed_prefill_count)
-        self.num_cuda_graphs = num_cuda_graphs
-        self._cuda_graph_ladder = ladder
-        self.cuda_graph_batch_dimensions_list = list(ladder.cuda_graph_batch_dimensions_list)
-        self.cuda_graph_token_counts = (None if ladder.cuda_graph_token_counts is None
-                                        else list(ladder.cuda_graph_token_counts))
-        self.block_allocator = alloc = BlockAllocator(memory.total_blocks, memory.paused_blocks)
-        alloc.get_active_used = lambda: self._table.active_used_blocks() if self._table.bound else 0
-        alloc.get_paused_used = lambda: self._table.paused_used_blocks() if self._table.bound else 0
-        alloc.get_active_avail = lambda: alloc.active_count - alloc.get_active_used()
-        alloc.get_paused_avail = lambda: alloc.paused_count - alloc.get_paused_used()
-        self._table = RequestTable(
-            allocator=alloc, max_requests=self._request_rows,
-            max_kv_block_count=self.max_kv_block_count, block_size=block_size_tokens,
-            metadata_labels=[label for label, _, _ in self.request_metadata_types],
-            hybrid=self.is_hybrid_model, max_tokens=self.max_tokens)
-        self._setup_prefix_caching(*prefix_caching, snapshots=agreement.extra[0])
-        self._device: Optional[DeviceState] = None
-        self._steps = StepBuilder(self._request_rows, ladder)
-        # (signature, Step, block count sum or None) built by update_requests for the next
-        # step (_prepare_next_step), and the signature and block count sum of the current step
-        # when they are known.
-        self._next_step: Optional[tuple] = None
-        self._step_sig: Optional[tuple] = None
-        self._step_blocks: Optional[int] = None
-        # The steady decode update's shortcut (update_plan.plan_decode); False makes every
-        # update take plan_update (tests compare the two).
-        self._decode_shortcut = True
-        self.chunked_prefill_request_id = -1
+        settings = settle(agreement=self._agreement, groups=groups,
+                          default_max_tokens=self.DEFAULT_MAX_TOKENS,
+                          request_rounder=self.REQUEST_ROUNDER, **arguments)
+        # Megatron-Core's plain attributes (the device, the sizes, the layer layout, the flags).
+        self.__dict__.update(settings.attributes)
+        self._layers, self._request_rows = settings.layers, settings.memory.max_requests
+        self._parts = parts = build_parts(settings)
+        self._table, self._device, self._kv, self._steps, self._forward, self._mamba = parts[:6]
+        self.mamba_metadata = parts.mamba_metadata
+        self.block_allocator, self.prefix_cache = self._table.allocator, self._table.prefix_cache
         self.is_symmetric_memory_initialized = False
-        self.is_tensor_state_allocated = False
-        # Megatron-Core builds it with the context; its step fields are filled per step.
-        self.mamba_metadata = MambaMetadata(self) if self.is_hybrid_model else None
+        self._step = None
         self.allocate_all_tensors(is_init=True)
+        active = self.block_allocator.active_count
         logger.info("allocated context with active buffer size %s (%d blocks)",
-                    get_mem_size_str(alloc.active_count * self.block_size_bytes),
-                    alloc.active_count)
+                    get_mem_size_str(active * self.block_size_bytes), active)
 
-    @property
-    def _host_views(self) -> bool:
-        """Whether the bookkeeping tensors handed out are host views (a CPU device). Set to
-        False on a CPU device, the context hands out device mirrors, as on CUDA, and its arena
-        stops sharing the host buffer (tests run the CUDA path on a CPU this way)."""
-        return self._host_views_flag
+    # ------------------------------------------------------------------ lifetime
+    is_tensor_state_allocated = property(lambda self: self._device.allocated)
 
-    @_host_views.setter
-    def _host_views(self, value: bool) -> None:
-        self._host_views_flag = bool(value)
-        if self._device is not None and self.device.type == "cpu":
-            self._device.share_arena(self._host_views_flag)
-            self._next_step = None
+    # Host views of the bookkeeping (a CPU device); False hands out device mirrors, as on CUDA
+    # (tests run the CUDA path on a CPU this way).
+    _host_views = property(lambda self: self._device.host_views,
+                           lambda self, value: self._parts.set_host_views(value))
 
-    # ------------------------------------------------------------------ allocation
     def allocate_all_tensors(self, *, is_init: bool) -> None:
         """Allocate the device state (at init, and on resume after a suspend). After a resume
         the context is empty: re-add the requests that were in flight, as in Megatron-Core."""
-        if self.is_tensor_state_allocated:
-            return
-        total = self.block_allocator.total_count
-        if self.cache_mla_latent:
-            kv_shape = (self.num_attention_layers, total, self.block_size_tokens,
-                        self.kv_reduced_dim)
-        else:
-            kv_shape = (2, self.num_attention_layers, total, self.block_size_tokens,
-                        self.num_attention_heads_per_partition, self.kv_channels)
-        self._device = DeviceState(
-            device=self.device, backend=self._backend, max_requests=self._request_rows,
-            max_tokens=self.max_tokens, max_kv_block_count=self.max_kv_block_count,
-            metadata_types=self.request_metadata_types, kv_shape=kv_shape,
-            params_dtype=self.params_dtype, layers=self._layers)
-        if not self._host_views:
-            self._device.share_arena(False)
-        self._table.bind(*self._device.table_views())
-        self.is_tensor_state_allocated = True
-        self.reset()
+        if not self.is_tensor_state_allocated:
+            self._parts.allocate()
+            self.reset()
 
     def deallocate_all_tensors(self) -> None:
         """Free every device tensor (engine suspend). The in-flight requests are dropped: re-add
-        them after ``allocate_all_tensors(is_init=False)``. Any use in between raises
+        them after ``allocate_all_tensors(is_init=False)``; any use in between raises
         ``TensorStateDeallocatedError``."""
-        if not self.is_tensor_state_allocated:
-            return
-        self.is_tensor_state_allocated = False
-        self._device = None
-        self._table.unbind()
-        self.reset_attention_state()
-        self._step = self._next_step = None
-        self.chunked_prefill_request_id = -1
+        if self.is_tensor_state_allocated:
+            self._parts.release()
+            self._step = None
 
     def _check_allocated(self, request_id: Optional[int] = None) -> None:
-        if not self.is_tensor_state_allocated:
-            raise TensorStateDeallocatedError(
-                request_id, "the context's tensors are deallocated (suspended); call "
-                "allocate_all_tensors(is_init=False) first")
+        self._device.check_allocated(request_id)
 
-    # ------------------------------------------------------------------ reset
     def reset(self) -> None:
         """Empty the context: counters, bookkeeping and blocks (the KV buffer keeps its bytes)."""
         self._check_allocated()
-        self.chunked_prefill_request_id = -1
-        self.has_explicit_chunked_prefill_req = False
-        self._step = self._next_step = None
+        self.has_explicit_chunked_prefill_req = self._hand_written = False
+        self._step = None
         self._set_step_counts(None)
-        self.newly_paused_request_ids = self.evicted_request_ids = _EMPTY_IDS
-        self.max_length_finished_request_ids = _EMPTY_IDS
-        self._hand_written = False
-        self._table.reset()
-        self._device.reset()
-        self.reset_attention_state()
+        self.newly_paused_request_ids = self.evicted_request_ids = EMPTY_IDS
+        self.max_length_finished_request_ids = EMPTY_IDS
+        self._parts.reset()
+
+    def maybe_initialize_symmetric_memory(self) -> None:
+        """Megatron-Core sets up a global symmetric-memory buffer for the model's all-reduce
+        here; dynctx keeps no global state: the call is only recorded, as upstream records it."""
+        self._check_allocated()
+        self.is_symmetric_memory_initialized = True
+
+    # ------------------------------------------------------------------ class API
+    @classmethod
+    def round_up_tokens(cls, value: int, tp_size: Optional[int] = None) -> int:
+        """Round up to a multiple of ``TOKEN_ROUNDER`` that is also divisible by ``tp_size``."""
+        return rounded(value, cls.TOKEN_ROUNDER, tp_size)
+
+    @classmethod
+    def round_up_requests(cls, value: int, tp_size: Optional[int] = None) -> int:
+        """Round up to a multiple of ``REQUEST_ROUNDER`` that is also divisible by ``tp_size``."""
+        return rounded(value, cls.REQUEST_ROUNDER, tp_size)
+
+    @classmethod
+    def round_up(cls, value: int) -> int:
+        """Deprecated: ``round_up_tokens``."""
+        warnings.warn("round_up is deprecated; use round_up_tokens or round_up_requests",
+                      DeprecationWarning, stacklevel=2)
+        return cls.round_up_tokens(value)
+
+    from_config = classmethod(from_config)
 
     # ------------------------------------------------------------------ admission
     def add_request(self, req: DynamicInferenceRequest, chunk_length: Optional[int] = None) -> None:
-        """Add a request (or the next chunk of the chunked prefill request).
-
-        All checks run first and raise without changing anything; the device writes are staged
-        and reach the device at ``initialize_attention_state``. The caller advances
-        ``req.remaining_prompt_tokens`` and ``req.finished_chunk_token_count``.
-        """
+        """Add a request (or the next chunk of the chunked prefill request): every check first
+        (``admission.plan_add``), then the host rows; the device sees them at the next
+        ``initialize_attention_state``. The caller advances ``req.remaining_prompt_tokens``
+        and ``req.finished_chunk_token_count``."""
         self._check_allocated(getattr(req, "request_id", None))
         plan = self._table.plan_add(req, chunk_length,
                                     max_sequence_length=self.max_sequence_length,
@@ -413,13 +236,259 @@ class DynamicInferenceContext(StateViewsMixin, KVCacheMixin, RotaryMixin, Logits
         self._device.arena.dirty = True
         self._step = None
 
-    def maybe_initialize_symmetric_memory(self) -> None:
-        """Megatron-Core sets up a global symmetric-memory buffer here for the model's
-        tensor-parallel all-reduce. dynctx keeps no global state and leaves tensor-parallel
-        communication to the model: there is nothing to set up; the call is recorded in
-        ``is_symmetric_memory_initialized``, as Megatron-Core records it."""
+    def add_dummy_requests_parallel(self, requests: Sequence[DynamicInferenceRequest], *,
+                                    count_as_prefill: bool = True) -> None:
+        """Add whole-prompt requests whose every block is the dummy block (no block allocated;
+        their K/V writes land there), as Megatron-Core does for CUDA-graph warm-up and capture
+        (``admission.plan_dummies``; ``count_as_prefill=False``: decode rows). On a hybrid each
+        gets a Mamba slot, zeroed now. Every check runs first: an error changes nothing."""
         self._check_allocated()
-        self.is_symmetric_memory_initialized = True
+        plan = self._table.plan_dummies(
+            requests, count_as_prefill, max_sequence_length=self.max_sequence_length,
+            metadata_types=self.request_metadata_types, device=self.device,
+            vocab_size=self.vocab_size, max_tokens=self.max_tokens)
+        if plan.ids.size:
+            slots = self._table.commit_dummies(plan)
+            if slots.size:
+                self._mamba.zero(slots)
+            self._device.arena.dirty = True
+            self._step = None
+
+    def add_dummy_requests_for_cudagraph_capture(
+            self, graph_dimensions: InferenceBatchDimensions) -> None:
+        """Fill the empty context with the dummies of ``graph_dimensions``, as megatron-core
+        0.16.1 does before a capture (``admission.capture_requests``: the whole graph is
+        checked first); ``reset()`` after the captured step empties it again."""
+        self._check_allocated()
+        decode, prefill = admission.capture_requests(self._table, graph_dimensions,
+                                           max_tokens=self.max_tokens,
+                                           max_sequence_length=self.max_sequence_length)
+        self.add_dummy_requests_parallel(decode, count_as_prefill=False)
+        self.add_dummy_requests_parallel(prefill)
+
+    # Queries of the request table (admission's, the table's own).
+    check_availability = _Part("_table", admission.check_availability)
+    prefix_cache_lookup = _Part("_table", admission.prefix_cache_lookup)
+    prefix_cache_first_chunk_boundary = _Part("_table", admission.prefix_cache_first_chunk_boundary)
+    get_prefix_cache_stats = _Part("_table", admission.get_prefix_cache_stats)
+    get_kvcache_utilization_stats = _Part("_table", RequestTable.get_kvcache_utilization_stats)
+    host_request_ids = _Part("_table", RequestTable.host_request_ids)
+
+    # ------------------------------------------------------------------ the step
+    def _limits(self) -> tuple:  # what a step build reads besides the table (step_builder)
+        return (self._table.request_limit, self.max_tokens, self.tensor_model_parallel_size,
+                self.TOKEN_ROUNDER, self.REQUEST_ROUNDER)
+
+    def _set_step_counts(self, step) -> None:
+        real = step.batch_dimensions if step else InferenceBatchDimensions()
+        padded = step.padded if step else InferenceBatchDimensions()
+        self.batch_dimensions, self.padded_batch_dimensions = real, padded
+        self.padded_active_token_count = padded.token_count
+        self.padded_active_request_count = padded.req_count
+        self._using_cuda_graph_this_step = step.using_cuda_graph if step else False
+        self.padding_slice = slice(step.active_tokens if step else 0, padded.token_count)
+
+    def _materialize_step(self) -> None:
+        """Build this step's arrays now if there is a step to build: requests are active and
+        the counts were not written by hand (a hand-written state has no consistent step)."""
+        if self._table.active and not self._hand_written:
+            self.initialize_attention_state()
+
+    def initialize_attention_state(self, *, construct_graph_dimensions: Optional[
+            InferenceBatchDimensions] = None) -> None:
+        """Prepare the step's token arrays and attention metadata, padded to the CUDA graph
+        that fits the step, else eagerly (``ForwardPass.begin``). With
+        ``construct_graph_dimensions`` (an empty context), first add that graph's capture
+        dummies, as Megatron-Core does before a capture."""
+        self._check_allocated()
+        if construct_graph_dimensions is not None:
+            self.add_dummy_requests_for_cudagraph_capture(construct_graph_dimensions)
+        self._step = self._forward.begin(self._limits())
+        self._set_step_counts(self._step)
+
+    active_attn_metadata = property(lambda self: self._forward.attention,
+                                    doc="The step's attention metadata (block table, lengths)")
+    reset_attention_state = _Part("_forward", ForwardPass.reset_attention_state)
+
+    def update_requests(self, active_requests_mask: torch.Tensor,
+                        new_tokens: torch.Tensor) -> torch.Tensor:
+        """Advance the state after a forward pass (docs/SEMANTICS.md §9, the fixed version).
+
+        ``active_requests_mask[i]`` (bool/0-1, one per active request) keeps request i; 0
+        finishes it. ``new_tokens`` (int32/int64, one per active request) is not modified.
+        Finished requests release their blocks; full ones pause; paused ones resume (LIFO) or
+        are evicted beyond the paused budget (``update_plan``, ``ForwardPass.update``). Returns
+        the ids (1-D int64 CPU tensor) this call paused that are still paused;
+        ``evicted_request_ids`` those it evicted (re-queue them for recompute),
+        ``max_length_finished_request_ids`` those it finished at ``max_sequence_length``. Needs
+        ``initialize_attention_state`` first, unless the counts were written by hand. Every
+        check runs before anything changes; the one device-to-host read is the mask."""
+        self._check_allocated()
+        active = self._table.active
+        if active and self._step is None and not self._hand_written:
+            raise RuntimeError("update_requests() needs initialize_attention_state() first: the "
+                               "requests added since the last step (or this step's tokens) "
+                               "were never forwarded")
+        new_tokens = check_new_tokens(new_tokens, active, self.device, validate=self.validate,
+                                      vocab_size=self.vocab_size)
+        mask = read_mask(active_requests_mask, active, self.device)  # None: every request kept
+        (self.newly_paused_request_ids, self.evicted_request_ids,
+         self.max_length_finished_request_ids) = self._forward.update(
+            mask, new_tokens, self._step, self._limits(), self.max_sequence_length)
+        self.has_explicit_chunked_prefill_req = self._hand_written = False
+        self._step = None
+        if self.metrics_writer is not None:
+            stats = self.get_kvcache_utilization_stats()
+            stats.update(self.get_prefix_cache_stats())
+            self.metrics_writer.log({f"inference/{k}": v for k, v in stats.items()})
+        return self.newly_paused_request_ids
+
+    def current_input_and_position_ids(self, *, num_warmup_tokens: Optional[int] = None
+                                       ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``(input_ids [1, n], position_ids [1, n])`` views, n = padded tokens of the step."""
+        self._check_allocated()
+        if num_warmup_tokens is None and self._step is None:
+            raise RuntimeError("current_input_and_position_ids() is valid only after "
+                               "initialize_attention_state() of this step")
+        n = num_warmup_tokens or self.padded_active_token_count
+        if not 0 <= n <= self.max_tokens:
+            raise ValueError(f"num_warmup_tokens={num_warmup_tokens} must lie in [0, max_tokens="
+                             f"{self.max_tokens}]")
+        device = self._device
+        return device.token_to_input_ids[:n].unsqueeze(0), device.token_to_pos_ids[:n].unsqueeze(0)
+
+    # The model's calls of the step (the forward pass's, with Megatron-Core's signatures).
+    cu_query_lengths = _Part("_forward", ForwardPass.cu_query_lengths)
+    cu_kv_lengths = _Part("_forward", ForwardPass.cu_kv_lengths)
+    append_key_value_cache = _Part("_forward", ForwardPass.append_key_value_cache)
+    key_value_cache = _Part("_forward", ForwardPass.key_value_cache)
+    apply_rotary_emb_query = _Part("_forward", ForwardPass.apply_rotary_emb_query)
+    apply_rotary_emb_key = _Part("_forward", ForwardPass.apply_rotary_emb_key)
+    apply_fused_qk_rotary_emb = _Part("_forward", ForwardPass.apply_fused_qk_rotary_emb)
+    apply_rotary_emb_and_append_key_value_cache = _Part(
+        "_forward", ForwardPass.apply_rotary_emb_and_append_key_value_cache)
+    last_token_logits = _Part("_forward", ForwardPass.last_token_logits)
+    mamba_states_cache = _Part("_forward", ForwardPass.mamba_states_cache)
+    gather_mamba_states = _Part("_forward", ForwardPass.gather_mamba_states)
+    scatter_mamba_states = _Part("_forward", ForwardPass.scatter_mamba_states)
+    reset_mamba_state = _Part("_forward", ForwardPass.reset_mamba_state)
+
+    def calculate_log_probs(self, logits: torch.Tensor, new_tokens: torch.Tensor,
+                            only_last_token_logits: Optional[bool] = False
+                            ) -> Tuple[List[List[float]], torch.Tensor]:
+        """Log probs of the tokens chosen (``ForwardPass.calculate_log_probs``); before this
+        step's ``initialize_attention_state``, it builds the step first (Megatron's order)."""
+        self._check_allocated()
+        if self._step is None:
+            self._materialize_step()
+        return self._forward.calculate_log_probs(logits, new_tokens, only_last_token_logits)
+
+    # ------------------------------------------------------------------ state, as Megatron's
+    token_to_input_ids = _step_tensor("token_to_input_ids")
+    token_to_pos_ids = _step_tensor("token_to_pos_ids")
+    token_to_request_idx = _step_tensor("token_to_request_idx")
+    token_to_block_idx = _step_tensor("token_to_block_idx")
+    token_to_position_in_request = _step_tensor("token_to_position_in_request")
+    token_to_local_position_within_kv_block = _step_tensor(
+        "token_to_local_position_within_kv_block")
+    memory_buffer = property(lambda self: self._kv.buffer)
+    mamba_conv_states = property(lambda self: getattr(self._mamba, "conv_states", None))
+    mamba_ssm_states = property(lambda self: getattr(self._mamba, "ssm_states", None))
+    total_request_count = _table_count(
+        "total", "_request_rows", "total_request_count: rows in use (paused + active)")
+    # Bounded by the rows, not by each other: Megatron's tests set them in any order.
+    paused_request_count = _table_count(
+        "paused", "_request_rows", "paused_request_count: rows [0, paused) are paused")
+    active_token_count = _table_count(
+        "active_tokens", "max_tokens", "active_token_count: tokens of the next forward pass")
+    num_prefill_requests = _table_count(
+        "num_prefill", "_request_rows", "num_prefill_requests: prefill rows of the step")
+    num_decode_requests = property(lambda self: self._table.num_decode)
+    request_ids = _row_field(FIELD_IDS, "int32 [max_requests]: request id per row (-1 free)")
+    request_query_lengths = _row_field(FIELD_QUERY, "int32 [max_requests]")
+    request_output_lengths = _row_field(FIELD_OUTPUT, "int32 [max_requests]")
+    request_kv_length_offsets = _row_field(FIELD_KV_OFFSET, "int32 [max_requests]")
+    request_kv_block_counts = _row_field(FIELD_BLOCKS, "int32 [max_requests]")
+    request_last_kv_block_id = _row_field(FIELD_LAST_BLOCK, "int32 [max_requests]")
+    request_last_kv_block_offset = _row_field(FIELD_LAST_OFFSET, "int32 [max_requests]")
+    request_to_kv_block_ids = property(
+        lambda self: self._device.block_table_view(self._table),
+        doc="int32 [max_requests, max_kv_block_count] block table (-1 unused), as the fields")
+    request_metadata = property(lambda self: self._device.metadata_views(self._table),
+                                doc="label -> [max_requests] request metadata, as the fields")
+    kv_block_counts_host = property(lambda self: self._table.host("rows")[FIELD_BLOCKS],
+                                    doc="Host copy of the per-row block counts (no sync)")
+    block_table_host = property(lambda self: self._table.host("block_table"),
+                                doc="Host copy of the block table (no sync)")
+    chunked_prefill_request_id = property(
+        lambda self: self._table.chunked_id, lambda self, value: self._table.set_chunked_id(value),
+        doc="The request whose prompt is being added in chunks (the last active row), or -1")
+    max_requests = property(
+        lambda self: self._table.request_limit,
+        lambda self, value: self._table.set_request_limit(value),
+        doc="Request rows add_request may fill; lowered or restored by hand as Megatron-Core's "
+            "tests do (the rows allocated are the ceiling)")
+    # The parts' state, as tests read it.
+    _live_ids = property(lambda self: self._table.live_ids)
+    _mamba_slots = property(lambda self: self._table.slots)
+    _h_req = property(lambda self: self._table.rows)
+    _arena = property(lambda self: self._device.arena)
+    _decode_shortcut = property(  # the steady decode update's shortcut (tests compare paths)
+        lambda self: self._forward.decode_shortcut,
+        lambda self, value: setattr(self._forward, "decode_shortcut", bool(value)))
+
+    def _move_book_keeping_tensors(self, src_idxs: Any, dst_idxs: Any,
+                                   next_tokens: Optional[torch.Tensor], swap: bool = False) -> None:
+        """Rows ``dst_idxs`` take the bookkeeping of rows ``src_idxs`` (Megatron-Core's helper
+        of ``update_requests``: ``ContextParts.move_rows``); the counts are the caller's."""
+        self._parts.move_rows(src_idxs, dst_idxs, next_tokens, swap)
+        self._step = None
+
+    def _swap_book_keeping_tensors(self, src_idxs: Any, dst_idxs: Any,
+                                   next_tokens: Optional[torch.Tensor]) -> None:
+        """Exchange the bookkeeping of rows ``src_idxs`` and ``dst_idxs`` (distinct rows)."""
+        self._move_book_keeping_tensors(src_idxs, dst_idxs, next_tokens, swap=True)
+
+    def pull_bookkeeping_from_device(self) -> None:
+        """Copy the bookkeeping tensors written by hand on a CUDA device back to the host (one
+        copy each: ``DeviceState.pull_bookkeeping``); nothing on a CPU device."""
+        self._device.pull_bookkeeping(self._table)
+
+    paused_tokens = property(
+        lambda self: self._device.paused_tokens(self._table.paused),
+        lambda self, tokens: self._device.write_paused_tokens(tokens, self._table.paused),
+        doc="Pending next input token of each paused request (a view), or None; settable for "
+            "the first len(tokens) paused rows, as Megatron-Core's tests build paused states")
+
+    def is_static_batching(self) -> bool:
+        return False
+
+    def is_decode_only(self) -> bool:
+        return self.num_prefill_requests == 0
+
+    def using_cuda_graph_this_step(self) -> bool:
+        """Whether this step's padded dimensions are one of the context's CUDA graphs."""
+        return self._using_cuda_graph_this_step
+
+    def has_unfinished_requests(self) -> bool:
+        return self.total_request_count > 0
+
+    def get_active_request_count(self) -> int:
+        return self.total_request_count - self.paused_request_count
+
+    def get_active_sequence_lengths(self) -> torch.Tensor:
+        """int32 ``[active]``: tokens in the KV cache after this step, per active request."""
+        paused, total = self.paused_request_count, self.total_request_count
+        return (self.request_kv_length_offsets[paused:total]
+                + self.request_query_lengths[paused:total])
+
+    def get_max_sequence_lengths(self) -> torch.Tensor:
+        """int32 ``[active]`` view: each active request's target total length."""
+        return self.request_output_lengths[self.paused_request_count:self.total_request_count]
+
+    def get_index_of_chunked_prefill_request(self) -> int:
+        """Row of the chunked prefill request (always the last active row), or -1."""
+        return -1 if self.chunked_prefill_request_id == -1 else self.total_request_count - 1
 
     def __repr__(self) -> str:
         return (f"DynamicInferenceContext(requests {self.total_request_count}/"

@@ -89,6 +89,11 @@ class ActiveRequestCountOverflowError(ContextOverflowError):
 class TensorStateDeallocatedError(ContextOverflowError):
     """The context's tensors are deallocated (the engine is suspended)."""
 
+    @classmethod
+    def suspended(cls, request_id: Optional[int] = None) -> "TensorStateDeallocatedError":
+        return cls(request_id, "the context's tensors are deallocated (suspended); call "
+                               "allocate_all_tensors(is_init=False) first")
+
 
 _ERROR_TYPES = {cls.__name__: cls for cls in (
     ContextOverflowError, RequestOverflowError, TokenOverflowError,

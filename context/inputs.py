@@ -114,3 +114,113 @@ def check_step_tensor(name: str, tensor, n: int, device: torch.device, dtype: to
                              f"{list(rest)}, got shape {tuple(tensor.shape)}")
         tensor = view
     return tensor.detach()
+
+
+def check_logits(logits, device: torch.device, vocab_size: Optional[int],
+                 name: str = "logits") -> torch.Tensor:
+    """``logits``: floating ``[1, tokens, vocab]`` or ``[tokens, vocab]`` on ``device`` (with
+    ``vocab_size``: that many columns); returns the 2-D view."""
+    if not isinstance(logits, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor")
+    if logits.dim() == 3:
+        if logits.shape[0] != 1:
+            raise ValueError(f"{name} must be [1, tokens, vocab], got {tuple(logits.shape)}")
+        logits = logits[0]
+    if logits.dim() != 2 or not logits.is_floating_point():
+        raise ValueError(f"{name} must be a floating [1, tokens, vocab] or [tokens, vocab] "
+                         f"tensor, got {tuple(logits.shape)} {logits.dtype}")
+    if logits.device != device:
+        raise ValueError(f"{name} is on {logits.device}, the context on {device}")
+    if vocab_size is not None and logits.shape[1] != vocab_size:
+        raise ValueError(f"{name} has {logits.shape[1]} vocabulary columns, vocab_size is "
+                         f"{vocab_size}")
+    return logits
+
+
+def check_finite(name: str, rows: torch.Tensor) -> None:
+    """No NaN or +inf in ``rows`` (one read-back; -inf stays legal: it masks tokens); the
+    context calls it with ``validate`` on, over the real (not padding) rows used."""
+    if rows.numel() and bool((rows.isnan() | rows.isposinf()).any()):
+        raise ValueError(f"{name} holds NaN or +inf values in the rows of real tokens "
+                         "(validate=True)")
+
+
+def check_rope_call(name: str, tensor, n: int, device: torch.device,
+                    table_name: str = "", table=None, max_position: int = 0) -> None:
+    """A rope call's tensor (``[>= n, ...]``) and angle or cos/sin table (more than
+    ``max_position`` rows), both on ``device``."""
+    for arg, value in ((name, tensor), (table_name, table)):
+        if value is None:
+            continue
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{arg} must be a torch.Tensor, got {type(value).__name__}")
+        if value.device != device:
+            raise ValueError(f"{arg} is on {value.device}, the context on {device}")
+    if tensor.shape[0] < n:
+        raise ValueError(f"{name} has {tensor.shape[0]} tokens, the step has {n}")
+    if table is not None and table.shape[0] <= max_position:
+        raise ValueError(f"{table_name} has {table.shape[0]} positions, the step reaches "
+                         f"position {max_position}")
+
+
+def row_indices(name: str, idxs, rows: int) -> np.ndarray:
+    """``idxs`` (tensor on any device, array or sequence of ints) as int64 row numbers in
+    ``[0, rows)``."""
+    if isinstance(idxs, torch.Tensor):
+        if idxs.is_floating_point() or idxs.is_complex() or idxs.dtype == torch.bool:
+            raise TypeError(f"{name} must hold integer row indices, got {idxs.dtype}")
+        idxs = idxs.detach().cpu().numpy()
+    array = np.asarray(idxs)
+    if array.size and array.dtype.kind not in "iu":
+        raise TypeError(f"{name} must hold integer row indices, got {array.dtype}")
+    array = array.astype(np.int64).reshape(-1)
+    if array.size and (array.min() < 0 or array.max() >= rows):
+        raise ValueError(f"{name} holds rows {array[(array < 0) | (array >= rows)].tolist()}"
+                         f" outside [0, {rows})")
+    return array
+
+
+def check_row_moves(src_idxs, dst_idxs, next_tokens, swap: bool, rows: int) -> tuple:
+    """``(dst, src)``: the rows that take and the rows they take from, of Megatron-Core's
+    ``_move_book_keeping_tensors`` (``swap=False``) or ``_swap_book_keeping_tensors`` (both
+    ways); ``next_tokens`` None or a 1-D tensor that holds every row moved."""
+    src = row_indices("src_idxs", src_idxs, rows)
+    dst = row_indices("dst_idxs", dst_idxs, rows)
+    if src.size != dst.size:
+        raise ValueError(f"src_idxs has {src.size} rows, dst_idxs {dst.size}")
+    touched = np.concatenate([src, dst]) if swap else dst
+    if np.unique(touched).size != touched.size:
+        raise ValueError(f"{'src_idxs and dst_idxs' if swap else 'dst_idxs'} must be "
+                         f"distinct rows, got src {src.tolist()}, dst {dst.tolist()}")
+    if next_tokens is not None:
+        if not isinstance(next_tokens, torch.Tensor) or next_tokens.dim() != 1:
+            raise TypeError(f"next_tokens must be a 1-D tensor or None, got "
+                            f"{type(next_tokens).__name__}")
+        if touched.size and next_tokens.shape[0] <= touched.max():
+            raise ValueError(f"next_tokens has {next_tokens.shape[0]} rows; the rows moved "
+                             f"reach {int(touched.max())}")
+    if swap:
+        return np.concatenate([dst, src]), np.concatenate([src, dst])
+    return dst, src
+
+
+def check_paused_tokens(tokens, paused: int) -> None:
+    """Tokens written to ``paused_tokens``: a 1-D integer tensor of at most ``paused`` ids."""
+    if not isinstance(tokens, torch.Tensor) or tokens.dim() != 1 or \
+            tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool:
+        raise TypeError(f"paused_tokens must be a 1-D integer tensor of token ids, got "
+                        f"{tokens!r}")
+    if tokens.numel() > paused:
+        raise ValueError(f"paused_tokens has {tokens.numel()} tokens, more than "
+                         f"paused_request_count={paused}")
+
+
+def check_request_limit(value, total: int, rows: int) -> int:
+    """A value written to ``max_requests``: an int in ``[max(1, total), rows]`` (the requests
+    in the context, the rows allocated)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"max_requests={value!r} must be an int")
+    if not max(1, total) <= value <= rows:
+        raise ValueError(f"max_requests={value} must lie in [max(1, total_request_count="
+                         f"{total}), {rows}] (the rows allocated)")
+    return int(value)

@@ -19,21 +19,25 @@ miss, never a wrong block.
   cached under the same digest (two requests computed it in the same step) is left private.
 * The allocator (``block_allocator``) evicts: under "ref_zero" a cached block leaves the cache
   when its last reference goes; under "lru" it stays cached, idle, until allocation needs it
-  (least recently released first). ``on_evict`` drops the digest.
+  (least recently released first). Its ``on_evict`` is the ``DigestTable``'s ``forget``, which
+  drops the digest (the digest table refers to nothing, so that the allocator and the cache
+  make no reference cycle).
+* ``plan_update`` wraps the request table's update plan: publish, plan, and take the publishing
+  back if the plan raises; ``stats_dict`` gives Megatron-Core 0.19's counters.
 
 Only full prompt blocks whose every token was computed are shared, and a request's queries
 start after its matched blocks: nothing is ever written into a shared or cached block.
 
 Hybrids (Mamba layers): a hit must also resume the request's Mamba state at the matched
-boundary. ``prefix_caching_mamba_gb`` buys ``MambaSnapshots``: copies of a request's conv and
-SSM states taken at ``update_requests`` when its computed tokens end exactly on a full prompt
-block (keyed by that block's digest, least recently used replaced first). A hybrid hit is the
-longest matched run whose last block has a snapshot; none, no hit (never a wrong state). The hit
-row starts from the snapshot copied into its slot and runs as the step's continuation (the
-last row, from its saved state; nothing is added after it in the step). To make snapshots
-exist where requests share a prefix, ``first_chunk_boundary`` tells the scheduler to end a
-hybrid's first chunk at the end of its cached blocks when the state there is missing (vLLM's
-"align" idea): that request recomputes the prefix once, and later ones resume from it.
+boundary. ``prefix_caching_mamba_gb`` buys ``MambaSnapshots`` (``mamba_states.py``): copies of a
+request's conv and SSM states taken at ``update_requests`` when its computed tokens end exactly
+on a full prompt block (keyed by that block's digest, least recently used replaced first). A
+hybrid hit is the longest matched run whose last block has a snapshot; none, no hit (never a
+wrong state). The hit row starts from the snapshot copied into its slot and runs as the step's
+continuation (the last row, from its saved state; nothing is added after it in the step). To
+make snapshots exist where requests share a prefix, ``first_chunk_boundary`` tells the scheduler
+to end a hybrid's first chunk at the end of its cached blocks when the state there is missing
+(vLLM's "align" idea): that request recomputes the prefix once, and later ones resume from it.
 """
 
 from __future__ import annotations
@@ -41,7 +45,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
-from collections import OrderedDict
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Dict, List, Optional, Tuple
@@ -50,6 +53,7 @@ import numpy as np
 import torch
 
 from ._fields import FIELD_IDS, FIELD_KV_OFFSET, FIELD_MAMBA_SLOT, FIELD_QUERY
+from .mamba_states import MambaSnapshots
 from .requests import whole_number_ids
 
 logger = logging.getLogger("dynctx.context")
@@ -98,6 +102,16 @@ def prefix_snapshot_count(args: Tuple[bool, str, Optional[float]], layers: Any) 
     return int((mamba_gb or 0.0) * 1024 ** 3 // layers.mamba_bytes_per_request)
 
 
+def warn_without_snapshots(snapshots: int, mamba_gb: Optional[float], bytes_each: int) -> None:
+    """Say once, at construction, that a hybrid's prefix cache can give no hits: no Mamba
+    state snapshot fits its budget (a hit resumes from one)."""
+    if snapshots == 0:
+        logger.warning(
+            "enable_prefix_caching on a hybrid model with prefix_caching_mamba_gb=%s: no Mamba "
+            "state snapshot fits (%d bytes each), so no request can resume from the cache",
+            mamba_gb, bytes_each)
+
+
 def salt_digest(salt: Any) -> bytes:
     """The root parent digest of a request's chain: its salt (None, str, bytes or int)."""
     if salt is None:
@@ -131,72 +145,6 @@ def wants_every_prompt_logit(req: Any) -> bool:
     params = getattr(req, "sampling_params", None)
     return bool(getattr(params, "return_log_probs", False)
                 and not getattr(params, "skip_prompt_log_probs", False))
-
-
-class MambaSnapshots:
-    """Conv and SSM state copies at block boundaries (hybrids), keyed by block digest.
-
-    Args:
-        count: snapshots (``prefix_caching_mamba_gb`` // bytes of one request's states).
-        conv_shape, ssm_shape: ``[mamba layers, *state shape]`` of one request.
-        conv_dtype, ssm_dtype, device: as the context's Mamba states.
-    """
-
-    def __init__(self, count: int, conv_shape: tuple, ssm_shape: tuple, conv_dtype, ssm_dtype,
-                 device):
-        self.count = int(count)
-        self._spec = (tuple(conv_shape), tuple(ssm_shape), conv_dtype, ssm_dtype, device)
-        self.conv: Optional[torch.Tensor] = None
-        self.ssm: Optional[torch.Tensor] = None
-        self.index: "OrderedDict[bytes, int]" = OrderedDict()
-
-    def allocate(self) -> None:
-        conv_shape, ssm_shape, conv_dtype, ssm_dtype, device = self._spec
-        layers = conv_shape[0]
-        self.conv = torch.zeros((layers, self.count, *conv_shape[1:]), dtype=conv_dtype,
-                                device=device)
-        self.ssm = torch.zeros((layers, self.count, *ssm_shape[1:]), dtype=ssm_dtype,
-                               device=device)
-        self.index.clear()
-
-    def release(self) -> None:
-        self.conv = self.ssm = None
-        self.index.clear()
-
-    def save(self, items: List[Tuple[int, bytes]], conv_states: torch.Tensor,
-             ssm_states: torch.Tensor) -> None:
-        """Copy the states of slots into snapshots under ``(slot, digest)`` items (a digest
-        already held is kept; when full, the least recently used snapshot is replaced)."""
-        writes: Dict[int, int] = {}   # snapshot index -> slot (the last item written wins)
-        for slot, digest in items:
-            if digest in self.index or self.count == 0:
-                continue
-            if len(self.index) < self.count:
-                target = len(self.index)
-            else:
-                _, target = self.index.popitem(last=False)
-            self.index[digest] = target
-            # An item of this very call may have been replaced (more items than snapshots):
-            # each index is copied once, from the slot its digest now names. ``index_copy_``
-            # with a repeated index leaves either source there (on CUDA, nondeterministically).
-            writes.pop(target, None)
-            writes[target] = slot
-        if writes:
-            targets, slots = list(writes), list(writes.values())
-            src = torch.tensor(slots, dtype=torch.int64, device=conv_states.device)
-            dst = torch.tensor(targets, dtype=torch.int64, device=conv_states.device)
-            self.conv.index_copy_(1, dst, conv_states.index_select(1, src))
-            self.ssm.index_copy_(1, dst, ssm_states.index_select(1, src))
-
-    def restore(self, items: List[Tuple[int, int]], conv_states: torch.Tensor,
-                ssm_states: torch.Tensor) -> None:
-        """Copy snapshots into slots: ``(slot, snapshot index)`` items."""
-        if items:
-            device = conv_states.device
-            dst = torch.tensor([slot for slot, _ in items], dtype=torch.int64, device=device)
-            src = torch.tensor([index for _, index in items], dtype=torch.int64, device=device)
-            conv_states.index_copy_(1, dst, self.conv.index_select(1, src))
-            ssm_states.index_copy_(1, dst, self.ssm.index_select(1, src))
 
 
 @dataclass(frozen=True)
@@ -257,45 +205,62 @@ class PrefixCacheStats:
         }
 
 
-class PrefixCache:
-    """The digest table of the cached blocks and the chains of requests still computing.
+class DigestTable:
+    """The cached blocks: ``entries`` maps a digest to ``(block id, parent digest, token
+    bytes)``, ``block_digest`` a cached block to its digest. ``forget`` is the block
+    allocator's ``on_evict``."""
 
-    Args:
-        allocator: the ``BlockAllocator`` (its ``cached`` marks, idle section and
-            ``on_evict`` are set up here).
-        block_size: tokens per block.
-        policy: "ref_zero" or "lru".
-        mamba: a hybrid's state snapshots (None: not a hybrid).
-    """
-
-    def __init__(self, allocator, block_size: int, policy: str,
-                 mamba: Optional[MambaSnapshots] = None):
-        self.allocator = allocator
-        self.mamba = mamba
-        self.block_size = int(block_size)
-        self.policy = policy
-        allocator.keeps_idle_blocks = policy == "lru"
-        allocator.on_evict = self._forget
+    def __init__(self):
         self.entries: Dict[bytes, Tuple[int, bytes, bytes]] = {}
         self.block_digest: Dict[int, bytes] = {}
-        self.pending: Dict[int, _Pending] = {}
-        self.stats = PrefixCacheStats()
 
-    def reset(self) -> None:
-        """Forget every cached block and chain (the allocator is reset alongside; the
-        statistics are kept)."""
-        self.entries.clear()
-        self.block_digest.clear()
-        self.pending.clear()
-        if self.mamba is not None:
-            self.mamba.index.clear()
-
-    # ------------------------------------------------------------------ eviction
-    def _forget(self, blocks: np.ndarray) -> None:
+    def forget(self, blocks: np.ndarray) -> None:
         for block in blocks.tolist():
             digest = self.block_digest.pop(block, None)
             if digest is not None:
                 del self.entries[digest]
+
+    def clear(self) -> None:
+        self.entries.clear()
+        self.block_digest.clear()
+
+
+class PrefixCache:
+    """The digest table of the cached blocks and the chains of requests still computing.
+
+    Args:
+        allocator: the ``BlockAllocator``, built with ``keeps_idle_blocks`` for "lru" and
+            ``on_evict=digests.forget``.
+        digests: the ``DigestTable``.
+        block_size: tokens per block.
+        policy: "ref_zero" or "lru".
+        mamba: a hybrid's state snapshots (``MambaStates.snapshots``; None: not a hybrid).
+    """
+
+    def __init__(self, allocator, digests: DigestTable, block_size: int, policy: str,
+                 mamba: Optional[MambaSnapshots] = None):
+        self.allocator, self.digests = allocator, digests
+        self.mamba = mamba
+        self.block_size = int(block_size)
+        self.policy = policy
+        self.pending: Dict[int, _Pending] = {}
+        self.stats = PrefixCacheStats()
+
+    @property
+    def entries(self) -> Dict[bytes, Tuple[int, bytes, bytes]]:
+        return self.digests.entries
+
+    @property
+    def block_digest(self) -> Dict[int, bytes]:
+        return self.digests.block_digest
+
+    def reset(self) -> None:
+        """Forget every cached block and chain (the allocator is reset alongside; the
+        statistics are kept)."""
+        self.digests.clear()
+        self.pending.clear()
+        if self.mamba is not None:
+            self.mamba.index.clear()
 
     # ------------------------------------------------------------------ lookup (pure)
     def _links(self, req: Any, request_id: int) -> Tuple[Link, ...]:
@@ -448,3 +413,24 @@ class PrefixCache:
                     if rid not in live_ids or p.published >= len(p.links)]:
             del self.pending[rid]
 
+    # ------------------------------------------------------------------ update_requests
+    def plan_update(self, table, mask: np.ndarray, **limits) -> tuple:
+        """``(table.plan_update(mask, **limits), snapshots)`` with the blocks this step
+        computed published first, so that the plan sees them cached; an error of the plan
+        takes the publishing back. ``snapshots``: the ``(slot, digest)`` Mamba states to save
+        once the plan stands (the slots still hold the states the forward left)."""
+        publish = self.plan_publish(table)
+        undo = self.commit_publish(publish)
+        try:
+            return table.plan_update(mask, **limits), publish.snapshots
+        except BaseException:
+            self.undo_publish(undo)
+            raise
+
+    def stats_dict(self) -> Dict[str, float]:
+        """Megatron-Core 0.19's counters plus lookups, the hit rates and the cached blocks now
+        (``prefix_cache_blocks``, of which ``prefix_cache_blocks_idle``)."""
+        stats = self.stats.as_dict()
+        stats["prefix_cache_blocks"] = len(self.entries)
+        stats["prefix_cache_blocks_idle"] = self.allocator.idle_count
+        return stats

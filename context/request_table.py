@@ -1,4 +1,4 @@
-"""The request table: every request's host row, the block table and the allocators.
+"""The request table: every request's host row, the block table, and the block bookkeeping.
 
 Rows are laid out ``[paused | active | free]`` as in Megatron-Core; active rows hold decode
 requests first, then prefills, a chunked prefill last. The table is host-only (numpy): its
@@ -9,6 +9,11 @@ It changes only through ``commit_add``, ``commit_update`` and ``commit_decode``,
 plan computed beforehand (``admission.plan_add``, ``update_plan.plan_update``,
 ``update_plan.plan_decode``) from the unchanged table. The plans carry every check; a commit
 cannot fail on a plan made from the current table.
+
+The table owns the block bookkeeping its rows use: it builds the ``BlockAllocator`` (which
+reads the budgets' usage back from the table through a weak reference) and, with prefix
+caching, the ``PrefixCache`` over it; a hybrid's Mamba slot stack is ``MambaStates``' and
+handed in.
 """
 
 from __future__ import annotations
@@ -28,8 +33,12 @@ from ._fields import (
     FIELD_OUTPUT,
     FIELD_QUERY,
 )
-from .admission import AddPlan, plan_add
-from .block_allocator import BlockAllocator, SlotAllocator
+from .admission import AddPlan, DummyPlan, plan_add, plan_dummies
+from .block_allocator import BlockAllocator
+from .errors import TensorStateDeallocatedError
+from .inputs import check_request_limit
+from .mamba_states import MambaSnapshots, SlotAllocator
+from .prefix_cache import DigestTable, PrefixCache
 from .update_plan import (
     DecodePlan,
     UpdatePlan,
@@ -41,19 +50,31 @@ from .update_plan import (
 
 
 class RequestTable:
-    """Host rows of the live requests plus the block and Mamba-slot allocators.
+    """Host rows of the live requests, the block allocator and the prefix cache.
 
     Args:
-        allocator: the KV block allocator (it outlives ``unbind``: suspending resets it).
+        total_blocks, paused_blocks: the allocator's blocks (the dummy included) and paused
+            budget; the allocator outlives ``unbind`` (suspending resets it).
         max_requests, max_kv_block_count, block_size: the table's sizes.
         metadata_labels: request metadata labels, in the context's order.
-        hybrid: whether every request owns a Mamba state slot.
+        hybrid: whether every request owns a Mamba state slot (from ``slots``).
         max_tokens: tokens of one step (the staged prompt tokens).
+        slots: a hybrid's Mamba slot stack (``MambaStates.slots``).
+        prefix_caching: the eviction policy with prefix caching on ("ref_zero" or "lru"), else
+            None; snapshots: a hybrid's Mamba state snapshots for it.
     """
 
-    def __init__(self, *, allocator: BlockAllocator, max_requests: int, max_kv_block_count: int,
-                 block_size: int, metadata_labels: list, hybrid: bool, max_tokens: int):
-        self.allocator = allocator
+    def __init__(self, *, total_blocks: int, paused_blocks: int, max_requests: int,
+                 max_kv_block_count: int, block_size: int, metadata_labels: list, hybrid: bool,
+                 max_tokens: int, slots: Optional[SlotAllocator] = None,
+                 prefix_caching: Optional[str] = None,
+                 snapshots: Optional[MambaSnapshots] = None):
+        digests = None if prefix_caching is None else DigestTable()
+        self.allocator = BlockAllocator(
+            total_blocks, paused_blocks, usage=self, keeps_idle_blocks=prefix_caching == "lru",
+            on_evict=None if digests is None else digests.forget)
+        self.prefix_cache = None if prefix_caching is None else PrefixCache(
+            self.allocator, digests, block_size, prefix_caching, snapshots)
         self.max_requests = max_requests
         # The rows add_request may fill: the context's ``max_requests``, which callers may lower.
         self.request_limit = max_requests
@@ -65,11 +86,9 @@ class RequestTable:
         self.rows: Optional[np.ndarray] = None
         self.block_table: Optional[np.ndarray] = None
         self.metadata: dict = {}
-        self.slots: Optional[SlotAllocator] = None
+        self.slots = slots
         self._zero_slots: Optional[np.ndarray] = None
         self.prompt: Optional[np.ndarray] = None
-        # Prefix caching (context/prefix_cache.py), set by the context when enabled.
-        self.prefix_cache = None
         self._clear_counts()
 
     # ------------------------------------------------------------------ lifetime
@@ -77,8 +96,6 @@ class RequestTable:
         """Take the arena's host views (int32 ``[NUM_FIELDS, R]`` rows, ``label -> [R]``
         metadata, int64 ``[R]`` Mamba zero-slot list) and allocate the host-only arrays."""
         self.rows, self.metadata, self._zero_slots = rows, metadata, zero_slots
-        if self.prefix_cache is not None and self.prefix_cache.mamba is not None:
-            self.prefix_cache.mamba.allocate()
         R, C = self.max_requests, self.max_kv_block_count
         self.block_table = np.full((R, C), -1, dtype=np.int32)
         # The block table as R opaque rows (moving rows is then a one-dimensional copy, several
@@ -86,24 +103,20 @@ class RequestTable:
         self.block_rows = self.block_table.view(np.dtype((np.void, 4 * C))).reshape(R)
         self.row_numbers = np.arange(R)
         self.prompt = np.zeros(self.max_tokens, dtype=np.int64)
-        # The bytes of int32 ones (a decode step's query lengths, compared in one memcmp) and
-        # of an int32 block_size - 1 (the offset of a full block's last token, which
-        # plan_decode finds in the last-block offsets' bytes).
+        # The bytes of int32 ones (a decode step's query lengths, one memcmp) and of an int32
+        # block_size - 1 (a full block's last offset, which plan_decode finds as bytes).
         self.one_bytes = np.ones(self.max_requests, dtype=np.int32).tobytes()
         self.full_block_bytes = np.int32(self.block_size - 1).tobytes()
-        self.slots = SlotAllocator(self.max_requests) if self.hybrid else None
         self.reset()
 
     def unbind(self) -> None:
         """Drop every host array (suspend); the requests in flight are forgotten."""
         self.rows = self.block_table = self.prompt = self._zero_slots = None
         self.block_rows = None
-        self.metadata, self.slots = {}, None
+        self.metadata = {}
         self.allocator.reset()
         if self.prefix_cache is not None:
             self.prefix_cache.reset()
-            if self.prefix_cache.mamba is not None:
-                self.prefix_cache.mamba.release()
         self._clear_counts()
 
     @property
@@ -119,8 +132,10 @@ class RequestTable:
         # the real decode rows): add_dummy_requests_parallel(count_as_prefill=False).
         self.fed_decode = 0
         self.continuation_added = False
-        # The request whose last chunk left prompt tokens behind (the only valid continuation).
+        # The request whose last chunk left prompt tokens behind (the only valid continuation),
+        # and the context's ``chunked_prefill_request_id`` (-1: none).
         self.partial_id = -1
+        self.chunked_id = -1
         self.live_ids: set = set()
         self.dirty_from = self.max_requests
         self.zero_count = 0
@@ -160,14 +175,18 @@ class RequestTable:
 
     def active_used_blocks(self) -> int:
         """Blocks of the active rows against the active budget: their block counts, or with
-        prefix caching the distinct blocks they hold (docs/SEMANTICS.md §17.4)."""
+        prefix caching the distinct blocks they hold (docs/SEMANTICS.md §17.4); 0 unbound."""
+        if not self.bound:
+            return 0
         if self.prefix_cache is not None:
             return int(self._held_distinct(self.paused, self.total).size)
         return int(self.rows[FIELD_BLOCKS, self.paused:self.total].sum())
 
     def paused_used_blocks(self) -> int:
         """Blocks of the paused rows against the paused budget: their block counts, or with
-        prefix caching the distinct blocks they hold that no active row holds."""
+        prefix caching the distinct blocks they hold that no active row holds; 0 unbound."""
+        if not self.bound:
+            return 0
         if self.prefix_cache is not None:
             paused = self._held_distinct(0, self.paused)
             return int(np.setdiff1d(paused, self._held_distinct(self.paused, self.total),
@@ -182,10 +201,53 @@ class RequestTable:
     def ids(self, start: int = 0, stop: Optional[int] = None) -> np.ndarray:
         return self.rows[FIELD_IDS, start:self.total if stop is None else stop]
 
+    # ------------------------------------------------------------------ Megatron's queries
+    def check_bound(self, request_id: Optional[int] = None) -> None:
+        if self.rows is None:
+            raise TensorStateDeallocatedError.suspended(request_id)
+
+    def host(self, name: str) -> np.ndarray:
+        """The host array ``name`` (``rows``, ``block_table``: no sync) of a bound table."""
+        self.check_bound()
+        return getattr(self, name)
+
+    def host_request_ids(self) -> np.ndarray:
+        """Host copy of the request id of each row in ``[0, total_request_count)``."""
+        return self.host("rows")[FIELD_IDS, :self.total]
+
+    def get_kvcache_utilization_stats(self) -> dict:
+        """Block usage of the buffer and of the active requests; host only."""
+        self.check_bound()
+        alloc, P, T = self.allocator, self.paused, self.total
+        total = max(alloc.total_count - 1, 1)
+        allocated = alloc.total_count - 1 - alloc.total_avail
+        rows = self.block_table[P:T]
+        active_unique = int(np.unique(rows[rows >= 0]).size)
+        return {
+            "total_blocks": total, "allocated_blocks": allocated,
+            "active_unique_blocks": active_unique, "allocated_utilization": allocated / total,
+            "active_utilization": active_unique / total, "active_request_count": T - P,
+            "paused_request_count": P, "paused_blocks": self.paused_used_blocks(),
+            "block_count_avail": alloc.total_avail, "active_token_count": self.active_tokens,
+            "total_request_count": T, "max_requests": self.request_limit,
+        }
+
+    def set_chunked_id(self, value) -> None:
+        """Keep the context's ``chunked_prefill_request_id``."""
+        self.chunked_id = value
+
+    def set_request_limit(self, value) -> None:
+        """Lower (or restore) the context's ``max_requests`` (``inputs.check_request_limit``)."""
+        self.request_limit = check_request_limit(value, self.total, self.max_requests)
+
     # ------------------------------------------------------------------ plans (pure)
     def plan_add(self, req, chunk_length, **limits) -> AddPlan:
         """``admission.plan_add`` against this table: every check, nothing changed."""
         return plan_add(self, req, chunk_length, **limits)
+
+    def plan_dummies(self, requests, count_as_prefill: bool, **limits) -> DummyPlan:
+        """``admission.plan_dummies`` against this table: every check, nothing changed."""
+        return plan_dummies(self, requests, count_as_prefill, **limits)
 
     def plan_update(self, mask: np.ndarray, *, chunked_id: int,
                     max_sequence_length: int) -> UpdatePlan:
@@ -324,6 +386,7 @@ class RequestTable:
         self.fed_decode = 0
         self.continuation_added = False
         self.device_prompts = []
+        self.mamba_restores = []
         self.dirty_from = self.max_requests
         gone = plan.finished_ids.tolist() + plan.evicted_ids.tolist()
         self.live_ids.difference_update(gone)
@@ -333,20 +396,20 @@ class RequestTable:
     def commit_decode(self, plan: DecodePlan) -> Optional[tuple]:
         """Apply an ``update_plan.DecodePlan`` made from this table (as ``commit_update`` would
         apply ``plan_update``'s plan of the same update). Returns None, or for the rows that
-        start a block, now rows ``[0, k)``: ``(columns, blocks)``, where each appended its block
-        in the block table."""
-        rows, T = self.rows, self.total
-        kv_offsets, last_offsets = rows[FIELD_KV_OFFSET, :T], rows[FIELD_LAST_OFFSET, :T]
+        start a block, now rows ``[0, filled)``: ``(columns, blocks)``, where each appended its
+        block in the block table."""
+        rows, total = self.rows, self.total
+        kv_offsets, last_offsets = rows[FIELD_KV_OFFSET, :total], rows[FIELD_LAST_OFFSET, :total]
         if plan.kv_offsets is None:
             # Every row held one token: the KV offsets advance by one.
             np.add(kv_offsets, 1, out=kv_offsets)
         else:
             kv_offsets[:] = plan.kv_offsets
-            rows[FIELD_QUERY, :T] = 1
+            rows[FIELD_QUERY, :total] = 1
         np.add(last_offsets, 1, out=last_offsets)
         appended = None
         if plan.full is not None:
-            # The rows that filled their last block move to the front rows [0, k) (fancy
+            # The rows that filled their last block move to the front rows [0, filled) (fancy
             # indexing on the right copies first: the swaps are safe), and each starts a new
             # block, allocated in the order of the rows.
             dst, src = plan.dst, plan.src
@@ -355,17 +418,17 @@ class RequestTable:
                 self.block_rows[dst] = self.block_rows[src]
                 for values in self.metadata.values():
                     values[dst] = values[src]
-            k = len(plan.full)
-            blocks = self.allocator.allocate_memory_blocks_host(k)
-            columns = rows[FIELD_BLOCKS, :k].copy()
+            filled = len(plan.full)
+            blocks = self.allocator.allocate_memory_blocks_host(filled)
+            columns = rows[FIELD_BLOCKS, :filled].copy()
             # A two-dimensional index, not a flat one, whose bounds hold per row (plan_decode
             # already left a count outside the table to the general path, which raises).
-            self.block_table[self.row_numbers[:k], columns] = blocks
-            rows[FIELD_BLOCKS, :k] = columns + 1
-            rows[FIELD_LAST_BLOCK, :k] = blocks
-            rows[FIELD_LAST_OFFSET, :k] = 0
+            self.block_table[self.row_numbers[:filled], columns] = blocks
+            rows[FIELD_BLOCKS, :filled] = columns + 1
+            rows[FIELD_LAST_BLOCK, :filled] = blocks
+            rows[FIELD_LAST_OFFSET, :filled] = 0
             appended = (columns, blocks)
-        self.active_tokens = T
+        self.active_tokens = total
         self.num_prefill = 0
         self.fed_decode = 0
         self.continuation_added = False
@@ -383,6 +446,15 @@ class RequestTable:
         self.block_rows[dst] = self.block_rows[src]
         if dst.size:
             self.dirty_from = min(self.dirty_from, int(dst.min()))
+
+    def check_step_ready(self) -> None:
+        """Refuse a step that would forward the chunked prefill request's placeholder token:
+        its K/V could land where no block exists (docs/SEMANTICS.md §10)."""
+        if self.chunked_id != -1 and self.num_prefill == 0 and self.active:
+            raise RuntimeError(
+                f"the chunked prefill request {self.chunked_id} needs its next chunk "
+                "(add_request) before this step; a step without it would forward its "
+                "placeholder token")
 
     def take_staged(self) -> tuple:
         """``(zero_count, device_prompts)`` staged by ``commit_add``: the Mamba slots to zero

@@ -48,6 +48,20 @@ class LayerLayout:
     mamba_ssm_states_dtype: Optional[torch.dtype] = None
     mamba_bytes_per_request: int = 0
 
+    def index(self, layer_number: int, kind: str = "*") -> int:
+        """Index within its type of a 1-based layer number of this stage, checked to be of
+        ``kind`` (``*`` attention, ``M`` Mamba)."""
+        layers = len(self.layer_types)
+        if isinstance(layer_number, bool) or not isinstance(layer_number, (int, np.integer)) \
+                or not 1 <= layer_number <= layers:
+            raise ValueError(f"layer_number={layer_number!r} must be an int in [1, {layers}] "
+                             "(1-based, local to this stage)")
+        actual = self.layer_types[int(layer_number) - 1]
+        if actual != kind:
+            raise ValueError(f"layer_number={layer_number} is a {_LAYER_SYMBOLS[actual]} layer, "
+                             f"not a {_LAYER_SYMBOLS[kind]} layer")
+        return self.layer_map[int(layer_number) - 1]
+
 
 def layer_layout(num_layers: int, mamba: Optional[MambaInferenceStateConfig],
                  params_dtype: torch.dtype) -> LayerLayout:
@@ -119,7 +133,7 @@ def _warn_level1_once(paused_bytes: int) -> None:
         f"({get_mem_size_str(paused_bytes)}) is ordinary device memory allocated on top of "
         "buffer_size_gb. Pass unified_memory_level=0 to keep paused requests inside "
         "buffer_size_gb, or paused_buffer_size_gb to size the paused region yourself. "
-        "(Shown once per process.)", stacklevel=4)
+        "(Shown once per process.)", stacklevel=6)
 
 
 def memory_layout(*, layers: LayerLayout, params_dtype: torch.dtype, block_size_tokens: int,
@@ -171,7 +185,7 @@ def memory_layout(*, layers: LayerLayout, params_dtype: torch.dtype, block_size_
             f"{block_count} block(s) of {get_mem_size_str(bytes_per_block)}; the context needs "
             "at least 2 (one is the dummy block that padding tokens write into), so it uses 2 "
             f"({get_mem_size_str(2 * bytes_per_block)}): raise buffer_size_gb to size it "
-            "yourself", stacklevel=4)
+            "yourself", stacklevel=5)
         block_count = 2
     if paused_count is not None:
         total_count = block_count + paused_count if level == 1 else block_count
@@ -197,7 +211,7 @@ def memory_layout(*, layers: LayerLayout, params_dtype: torch.dtype, block_size_
             f"buffer_size_gb={buffer_size_gb}; the paused budget is {paused_count} blocks): a "
             "long request may pause with no way to resume, and update_requests then raises "
             "'no request can run'. Raise buffer_size_gb (or lower paused_buffer_size_gb), or "
-            "lower max_sequence_length", stacklevel=4)
+            "lower max_sequence_length", stacklevel=5)
     if level == 1:
         _warn_level1_once(paused_count * bytes_per_block)
 

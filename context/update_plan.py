@@ -36,7 +36,7 @@ from ._fields import (
     FIELD_MAMBA_SLOT,
     FIELD_QUERY,
 )
-from .block_allocator import AllocatorSimulation
+from .block_allocator import AllocatorSimulation, StackSimulation
 
 _EMPTY = np.empty(0, dtype=np.int64)
 _NO_ROWS = np.empty(0, dtype=np.int64)
@@ -113,65 +113,16 @@ def first_holder_counts(held: np.ndarray, exclude: np.ndarray) -> np.ndarray:
     return np.bincount(first[first < none] // max(width, 1), minlength=rows).astype(np.int64)
 
 
-class _StackSim:
-    """The allocator's LIFO stack as it would be after this plan's releases and allocations,
-    without touching it: the untouched bottom ``bag[:avail]`` plus an overlay of pushed ids."""
-
-    def __init__(self, allocator):
-        self.allocator = allocator
-        self.base_avail = allocator.total_avail
-        self.overlay = np.empty(0, dtype=np.int32)
-        self.released = np.empty(0, dtype=np.int32)
-        self.ops: List[tuple] = []
-
-    @property
-    def total_avail(self) -> int:
-        return self.base_avail + self.overlay.size
-
-    def release(self, blocks: np.ndarray) -> None:
-        """As ``BlockAllocator.release_memory_blocks``: drop one reference per id; the ids
-        whose last reference goes are pushed once, in order of first mention."""
-        # The dummy block (rows of dummy requests) is never allocated: nothing to release.
-        blocks = blocks[(blocks >= 0) & (blocks != self.allocator.dummy_block_idx)].astype(np.int32)
-        if blocks.size == 0:
-            return
-        self.ops.append(("release", blocks))
-        left = self.allocator.ref_counts[blocks].astype(np.int64)
-        if self.released.size:
-            done = np.sort(self.released)
-            left -= (np.searchsorted(done, blocks, "right") - np.searchsorted(done, blocks, "left"))
-        self.released = np.concatenate([self.released, blocks])
-        _, inverse, counts = np.unique(blocks, return_inverse=True, return_counts=True)
-        freed = blocks[left - counts[inverse] == 0]
-        if freed.size > 1:
-            _, first = np.unique(freed, return_index=True)
-            freed = freed[np.sort(first)]
-        self.overlay = np.concatenate([self.overlay, freed])
-
-    def allocate(self, count: int) -> np.ndarray:
-        self.ops.append(("allocate", count))
-        if count <= self.overlay.size:
-            blocks = self.overlay[self.overlay.size - count:]
-            self.overlay = self.overlay[:self.overlay.size - count]
-            return blocks
-        below = count - self.overlay.size
-        bag = self.allocator.block_bag
-        blocks = np.concatenate([bag[self.base_avail - below:self.base_avail], self.overlay])
-        self.base_avail -= below
-        self.overlay = np.empty(0, dtype=np.int32)
-        return blocks
-
-
 class _Scratch:
-    """Scratch rows: the fields of rows ``[0, T)``, each row's origin and appended block."""
+    """Scratch rows: the fields of rows ``[0, total)``, each row's origin and appended block."""
 
-    def __init__(self, table, allocator_sim: _StackSim):
-        T = table.total
+    def __init__(self, table, allocator_sim: StackSimulation):
+        total = table.total
         self.table = table
-        self.h = table.rows[:, :T].copy()
-        self.origin = np.arange(T, dtype=np.int64)
-        self.append_col = np.full(T, -1, dtype=np.int32)
-        self.append_block = np.full(T, -1, dtype=np.int32)
+        self.fields = table.rows[:, :total].copy()
+        self.origin = np.arange(total, dtype=np.int64)
+        self.append_col = np.full(total, -1, dtype=np.int32)
+        self.append_block = np.full(total, -1, dtype=np.int32)
         self.stack = allocator_sim
         self.slots: List[np.ndarray] = []
         # Prefix caching: the budgets count distinct blocks (docs/SEMANTICS.md §17.4).
@@ -179,26 +130,27 @@ class _Scratch:
 
     def held(self, rows: np.ndarray) -> np.ndarray:
         """``held_blocks`` of the scratch rows ``rows``, their appended blocks included."""
-        held = held_blocks(self.table.block_table[self.origin[rows]], self.h[FIELD_BLOCKS, rows],
-                           self.table.allocator.dummy_block_idx)
+        held = held_blocks(self.table.block_table[self.origin[rows]],
+                           self.fields[FIELD_BLOCKS, rows], self.table.allocator.dummy_block_idx)
         columns = self.append_col[rows]
         appended = np.flatnonzero(columns >= 0)
         if appended.size:
             held[appended, columns[appended]] = self.append_block[rows[appended]]
         return held
 
-    def active_blocks(self, P: int, a: int) -> np.ndarray:
-        """The distinct blocks the active rows ``[P, P + a)`` hold (prefix caching)."""
-        return distinct_blocks(self.held(np.arange(P, P + a)))
+    def active_blocks(self, paused: int, active: int) -> np.ndarray:
+        """The distinct blocks the active rows ``[paused, paused + active)`` hold (prefix
+        caching)."""
+        return distinct_blocks(self.held(np.arange(paused, paused + active)))
 
     def move(self, dst: np.ndarray, src: np.ndarray) -> None:
         for array in (self.origin, self.append_col, self.append_block):
             array[dst] = array[src]
-        self.h[:, dst] = self.h[:, src]
+        self.fields[:, dst] = self.fields[:, src]
 
     def clear(self, rows: np.ndarray) -> None:
-        self.h[FIELD_IDS, rows] = -1
-        self.h[FIELD_MAMBA_SLOT, rows] = -1
+        self.fields[FIELD_IDS, rows] = -1
+        self.fields[FIELD_MAMBA_SLOT, rows] = -1
         self.append_col[rows] = -1
         self.append_block[rows] = -1
 
@@ -209,35 +161,35 @@ class _Scratch:
             table = np.concatenate([table, self.append_block[rows, None]], axis=1)
             self.stack.release(table.reshape(-1))
             if self.table.hybrid:
-                self.slots.append(self.h[FIELD_MAMBA_SLOT, rows].copy())
+                self.slots.append(self.fields[FIELD_MAMBA_SLOT, rows].copy())
         self.clear(rows)
 
-    def resume(self, P: int, a: int, active_budget: int) -> Tuple[int, int]:
+    def resume(self, paused: int, active: int, active_budget: int) -> Tuple[int, int]:
         """Resume paused requests, right-most first (LIFO), each with one new block."""
-        if P == 0:
-            return P, a
-        counts = self.h[FIELD_BLOCKS]
+        if paused == 0:
+            return paused, active
+        counts = self.fields[FIELD_BLOCKS]
         if self.distinct:
             # Each paused row (LIFO order) needs the blocks no active row and no row resumed
             # before it holds, plus its new block.
-            active = self.active_blocks(P, a)
-            avail_active = active_budget - active.size
-            needs = first_holder_counts(self.held(np.arange(P - 1, -1, -1)), active) + 1
+            held_active = self.active_blocks(paused, active)
+            avail_active = active_budget - held_active.size
+            needs = first_holder_counts(self.held(np.arange(paused - 1, -1, -1)), held_active) + 1
         else:
-            avail_active = active_budget - int(counts[P:P + a].sum())
-            needs = counts[:P][::-1].astype(np.int64) + 1
-        r = int(np.count_nonzero(np.cumsum(needs) <= avail_active))
-        r = min(r, self.stack.total_avail)
-        if r == 0:
-            return P, a
-        rows = np.arange(P - r, P)
+            avail_active = active_budget - int(counts[paused:paused + active].sum())
+            needs = counts[:paused][::-1].astype(np.int64) + 1
+        resumed = int(np.count_nonzero(np.cumsum(needs) <= avail_active))
+        resumed = min(resumed, self.stack.total_avail)
+        if resumed == 0:
+            return paused, active
+        rows = np.arange(paused - resumed, paused)
         self._check_columns(rows, counts[rows])
-        blocks = self.stack.allocate(r)
+        blocks = self.stack.allocate(resumed)
         self.append_col[rows] = counts[rows]
         self.append_block[rows] = blocks
         counts[rows] += 1
-        self.h[FIELD_LAST_BLOCK, rows] = blocks
-        return P - r, a + r
+        self.fields[FIELD_LAST_BLOCK, rows] = blocks
+        return paused - resumed, active + resumed
 
     def _check_columns(self, rows: np.ndarray, columns: np.ndarray) -> None:
         """Each of ``rows`` appends its next block at its block count: a count outside the
@@ -248,41 +200,43 @@ class _Scratch:
         if bad.size:
             row = int(rows[bad[0]])
             raise IndexError(
-                f"request {int(self.h[FIELD_IDS, row])} (row {int(self.origin[row])}) needs a new "
-                f"block at column request_kv_block_counts={int(columns[bad[0]])}, outside the "
+                f"request {int(self.fields[FIELD_IDS, row])} (row {int(self.origin[row])}) needs a "
+                f"new block at column request_kv_block_counts={int(columns[bad[0]])}, outside the "
                 f"block table's [0, max_kv_block_count={width}) (a count written by hand?); "
                 "nothing was changed")
 
-    def evict(self, P: int, a: int, paused_budget: int) -> Tuple[int, np.ndarray]:
+    def evict(self, paused: int, active: int, paused_budget: int) -> Tuple[int, np.ndarray]:
         """Evict paused requests from the right until paused blocks fit their budget."""
-        if P == 0:
-            return P, _EMPTY
+        if paused == 0:
+            return paused, _EMPTY
         if self.distinct:
             # A paused row weighs the blocks no active row and no paused row left of it holds:
             # the running sum is the paused usage of the rows so far, and the sum of the
             # right-most rows' weights is what evicting them frees.
-            counts = first_holder_counts(self.held(np.arange(P)), self.active_blocks(P, a))
+            counts = first_holder_counts(self.held(np.arange(paused)),
+                                         self.active_blocks(paused, active))
         else:
-            counts = self.h[FIELD_BLOCKS, :P].astype(np.int64)
+            counts = self.fields[FIELD_BLOCKS, :paused].astype(np.int64)
         if counts.sum() <= paused_budget:
-            return P, _EMPTY
-        overflow = P - int(np.count_nonzero(np.cumsum(counts) <= paused_budget))
+            return paused, _EMPTY
+        overflow = paused - int(np.count_nonzero(np.cumsum(counts) <= paused_budget))
         if overflow == 0:
-            return P, _EMPTY
-        tail = counts[P - overflow:][::-1]
+            return paused, _EMPTY
+        tail = counts[paused - overflow:][::-1]
         net = np.cumsum(tail) - (overflow - 1 - np.arange(overflow))
         evict = int(np.flatnonzero(net >= 0)[0]) + 1
-        rows = np.arange(P - evict, P)
-        evicted = self.h[FIELD_IDS, rows].astype(np.int64)
+        rows = np.arange(paused - evict, paused)
+        evicted = self.fields[FIELD_IDS, rows].astype(np.int64)
         self.release(rows)
-        T = P + a
-        if evict < a:
-            left, right = rows, np.arange(T - evict, T)
+        total = paused + active
+        if evict < active:
+            left, right = rows, np.arange(total - evict, total)
         else:
-            left, right = np.arange(P - evict, P - evict + a), np.arange(P, P + a)
+            left = np.arange(paused - evict, paused - evict + active)
+            right = np.arange(paused, paused + active)
         self.move(np.concatenate([left, right]), np.concatenate([right, left]))
-        self.clear(np.arange(T - evict, T))
-        return P - evict, evicted
+        self.clear(np.arange(total - evict, total))
+        return paused - evict, evicted
 
 
 class DecodePlan(NamedTuple):
@@ -295,7 +249,7 @@ class DecodePlan(NamedTuple):
     offsets advance by one); ``FIELD_QUERY`` becomes 1 and ``FIELD_LAST_OFFSET`` advances by
     one, modulo the block size. ``full``: None when no row starts a block; else those rows (a
     list, in the current order, ascending), and ``dst``/``src``: the row swaps that move them
-    to the rows ``[0, k)`` (rows ``dst`` take rows ``src``), where each appends one new block
+    to the rows ``[0, len(full))`` (rows ``dst`` take rows ``src``), where each appends a block
     (the general path pauses them to the front and resumes them, LIFO, each with one new
     block).
     ``active_blocks``: the sum of the active rows' block counts afterwards, or None when the
@@ -328,37 +282,37 @@ def plan_decode(table, *, chunked_id: int, max_sequence_length: int,
     operations over the rows (``tests/context/test_decode_path.py`` checks the two paths equal,
     state after state). Changes nothing.
     """
-    T = table.total
-    if table.paused or chunked_id != -1 or not T:
+    total = table.total
+    if table.paused or chunked_id != -1 or not total:
         return None
     rows = table.rows
     # A request whose next token would lie at max_sequence_length or beyond is finished, which
     # plan_update decides.
     if max_kv_offset is not None:
         kv_offsets = None
-    elif rows[FIELD_QUERY, :T].tobytes() == table.one_bytes[:4 * T]:
+    elif rows[FIELD_QUERY, :total].tobytes() == table.one_bytes[:4 * total]:
         # Every row holds one token (the steady step): the offsets advance by one.
         kv_offsets = None
-        max_kv_offset = int(np.maximum.reduce(rows[FIELD_KV_OFFSET, :T])) + 1
+        max_kv_offset = int(np.maximum.reduce(rows[FIELD_KV_OFFSET, :total])) + 1
     else:
-        kv_offsets = rows[FIELD_KV_OFFSET, :T] + rows[FIELD_QUERY, :T]
+        kv_offsets = rows[FIELD_KV_OFFSET, :total] + rows[FIELD_QUERY, :total]
         max_kv_offset = int(np.maximum.reduce(kv_offsets))
     if max_kv_offset >= max_sequence_length:
         return None
     # Which requests fill their last block: the int32 block_size - 1 in the last-block
     # offsets' bytes, found by its first byte (memchr); None from the search past
     # SMALL_CROSSING candidates, where numpy finds them.
-    offset_bytes = rows[FIELD_LAST_OFFSET, :T].tobytes()
+    offset_bytes = rows[FIELD_LAST_OFFSET, :total].tobytes()
     full = _aligned_matches(offset_bytes, table.full_block_bytes, SMALL_CROSSING)
     if full is None:
-        full = (rows[FIELD_LAST_OFFSET, :T] == table.block_size - 1).nonzero()[0].tolist()
-    k = len(full)
-    if not k:
+        full = (rows[FIELD_LAST_OFFSET, :total] == table.block_size - 1).nonzero()[0].tolist()
+    filled = len(full)
+    if not filled:
         return DecodePlan(max_kv_offset, kv_offsets, None, None, None, active_blocks)
     # A block count outside the block table (written by hand) has no column for the new block:
     # plan_update raises for it.
     counts, width = rows[FIELD_BLOCKS], table.max_kv_block_count
-    if k <= SMALL_CROSSING:
+    if filled <= SMALL_CROSSING:
         count = counts.item
         for row in full:
             if not 0 <= count(row) < width:
@@ -366,29 +320,30 @@ def plan_decode(table, *, chunked_id: int, max_sequence_length: int,
     elif not 0 <= counts[full].min() <= counts[full].max() < width:
         return None
     if active_blocks is None:
-        active_blocks = int(np.add.reduce(rows[FIELD_BLOCKS, :T]))
+        active_blocks = int(np.add.reduce(rows[FIELD_BLOCKS, :total]))
     allocator = table.allocator
-    if k > allocator.total_avail or active_blocks + k > allocator.active_count:
+    if filled > allocator.total_avail or active_blocks + filled > allocator.active_count:
         return None
-    # plan_update's pause: the full rows among the first k stay, the others (left_keep) swap,
-    # in order, with the full rows past k (right_full).
-    front = bisect.bisect_left(full, k)
-    if front == k:
-        return DecodePlan(max_kv_offset, kv_offsets, full, _NO_ROWS, _NO_ROWS, active_blocks + k)
+    # plan_update's pause: the full rows among the first ``filled`` stay, the others
+    # (left_keep) swap, in order, with the full rows past them (right_full).
+    front = bisect.bisect_left(full, filled)
+    if front == filled:
+        return DecodePlan(max_kv_offset, kv_offsets, full, _NO_ROWS, _NO_ROWS,
+                          active_blocks + filled)
     right_full = full[front:]
-    if k <= SMALL_CROSSING:
+    if filled <= SMALL_CROSSING:
         # A few rows (the common case): Python lists beat a dozen numpy calls.
         stay = set(full[:front])
-        left_keep = [row for row in range(k) if row not in stay]
+        left_keep = [row for row in range(filled) if row not in stay]
     else:
-        keep = np.ones(k, dtype=np.bool_)
+        keep = np.ones(filled, dtype=np.bool_)
         keep[full[:front]] = False
         left_keep = keep.nonzero()[0].tolist()
     # One array: dst (left_keep, then right_full) and src (right_full, then left_keep).
     moved = len(left_keep) + len(right_full)
     swaps = np.array(left_keep + right_full + right_full + left_keep)
     return DecodePlan(max_kv_offset, kv_offsets, full, swaps[:moved], swaps[moved:],
-                      active_blocks + k)
+                      active_blocks + filled)
 
 
 def _aligned_matches(data: bytes, pattern: bytes, limit: int) -> Optional[List[int]]:
@@ -414,12 +369,12 @@ def plan_update(table, mask: np.ndarray, *, chunked_id: int, max_sequence_length
 
     ``mask``: host bool ``[active]`` (True keeps the request), already checked for shape.
     """
-    P, T = table.paused, table.total
-    A = T - P
-    old_P, old_T = P, T
+    paused, total = table.paused, table.total
+    active_before = total - paused
+    old_paused, old_total = paused, total
     ids = table.rows[FIELD_IDS]
     if chunked_id != -1:
-        last = int(ids[T - 1]) if A else None
+        last = int(ids[total - 1]) if active_before else None
         if last != chunked_id:
             raise ValueError(
                 f"chunked_prefill_request_id={chunked_id} is not the chunked prefill in the "
@@ -432,74 +387,78 @@ def plan_update(table, mask: np.ndarray, *, chunked_id: int, max_sequence_length
     # max_sequence_length (its block-table row holds no more) is finished here, before anything
     # changes, and reported in ``max_length_ids`` (docs/SEMANTICS.md §9).
     max_length_ids = _EMPTY
-    lengths = table.rows[FIELD_KV_OFFSET, P:T].astype(np.int64) + table.rows[FIELD_QUERY, P:T] + 1
+    lengths = (table.rows[FIELD_KV_OFFSET, paused:total].astype(np.int64)
+               + table.rows[FIELD_QUERY, paused:total] + 1)
     if lengths.size and lengths.max() > max_sequence_length and \
             (too_long := mask & (lengths > max_sequence_length)).any():
-        max_length_ids = ids[P:T][too_long].astype(np.int64)
+        max_length_ids = ids[paused:total][too_long].astype(np.int64)
         mask = mask & ~too_long
 
     allocator = table.allocator
     scratch = _Scratch(table, AllocatorSimulation(allocator) if allocator.keeps_idle_blocks
-                       else _StackSim(allocator))
-    h = scratch.h
-    a = int(mask.sum())
-    finished_ids = h[FIELD_IDS, P:T][~mask].astype(np.int64)
+                       else StackSimulation(allocator))
+    fields = scratch.fields
+    active = int(mask.sum())
+    finished_ids = fields[FIELD_IDS, paused:total][~mask].astype(np.int64)
     paused_now = _EMPTY
     evicted = _EMPTY
-    if a + P == 0:
-        scratch.release(np.arange(P, T))
-        P = T = 0
+    if active + paused == 0:
+        scratch.release(np.arange(paused, total))
+        paused = total = 0
     else:
-        finished_rows = P + np.flatnonzero(~mask)
+        finished_rows = paused + np.flatnonzero(~mask)
         if finished_rows.size:
             scratch.release(finished_rows)
-            if a > 0:
-                holes = P + np.flatnonzero(~mask[:a])
-                movers = P + a + np.flatnonzero(mask[a:])
+            if active > 0:
+                holes = paused + np.flatnonzero(~mask[:active])
+                movers = paused + active + np.flatnonzero(mask[active:])
                 if holes.size:
                     scratch.move(holes, movers)
                     scratch.clear(movers)
-        T = P + a
-        if a > 0:
-            need = h[FIELD_LAST_OFFSET, P:T] == table.block_size - 1
+        total = paused + active
+        if active > 0:
+            need = fields[FIELD_LAST_OFFSET, paused:total] == table.block_size - 1
             if chunked_id != -1:
-                need &= h[FIELD_IDS, P:T] != chunked_id
-            k = int(need.sum())
-            if k:
-                paused_now = h[FIELD_IDS, P:T][need].astype(np.int64)
-                if k < a:
-                    left_keep = np.flatnonzero(~need[:k])
-                    right_need = k + np.flatnonzero(need[k:])
-                    scratch.move(P + np.concatenate([left_keep, right_need]),
-                                 P + np.concatenate([right_need, left_keep]))
-                P, a = P + k, a - k
-        P, a = scratch.resume(P, a, allocator.active_count)
-        P, evicted = scratch.evict(P, a, allocator.paused_count)
-        P, a = scratch.resume(P, a, allocator.active_count)
-        T = P + a
-        if a == 0:
-            paused_blocks = (distinct_blocks(scratch.held(np.arange(P))).size if scratch.distinct
-                             else int(h[FIELD_BLOCKS, :P].sum()))
+                need &= fields[FIELD_IDS, paused:total] != chunked_id
+            filled = int(need.sum())
+            if filled:
+                paused_now = fields[FIELD_IDS, paused:total][need].astype(np.int64)
+                if filled < active:
+                    left_keep = np.flatnonzero(~need[:filled])
+                    right_need = filled + np.flatnonzero(need[filled:])
+                    scratch.move(paused + np.concatenate([left_keep, right_need]),
+                                 paused + np.concatenate([right_need, left_keep]))
+                paused, active = paused + filled, active - filled
+        paused, active = scratch.resume(paused, active, allocator.active_count)
+        paused, evicted = scratch.evict(paused, active, allocator.paused_count)
+        paused, active = scratch.resume(paused, active, allocator.active_count)
+        total = paused + active
+        if active == 0:
+            paused_blocks = (distinct_blocks(scratch.held(np.arange(paused))).size
+                             if scratch.distinct else int(fields[FIELD_BLOCKS, :paused].sum()))
             raise RuntimeError(
-                f"no request can run: {P} paused requests hold {paused_blocks} blocks and none "
-                f"can resume ({scratch.stack.total_avail} free blocks, active budget "
+                f"no request can run: {paused} paused requests hold {paused_blocks} blocks and "
+                f"none can resume ({scratch.stack.total_avail} free blocks, active budget "
                 f"{allocator.active_count}); nothing was changed")
         if chunked_id != -1:
-            row = P + int(np.flatnonzero(h[FIELD_IDS, P:T] == chunked_id)[0])
-            if row != T - 1:
-                scratch.move(np.array([row, T - 1]), np.array([T - 1, row]))
+            row = paused + int(np.flatnonzero(fields[FIELD_IDS, paused:total] == chunked_id)[0])
+            if row != total - 1:
+                scratch.move(np.array([row, total - 1]), np.array([total - 1, row]))
         # The next step is a pure decode unless requests are added.
-        h[FIELD_KV_OFFSET, P:T] += h[FIELD_QUERY, P:T]
-        h[FIELD_QUERY, P:T] = 1
-        h[FIELD_LAST_OFFSET, P:T] = (h[FIELD_LAST_OFFSET, P:T] + 1) % table.block_size
+        fields[FIELD_KV_OFFSET, paused:total] += fields[FIELD_QUERY, paused:total]
+        fields[FIELD_QUERY, paused:total] = 1
+        fields[FIELD_LAST_OFFSET, paused:total] = \
+            (fields[FIELD_LAST_OFFSET, paused:total] + 1) % table.block_size
     newly_paused = _EMPTY
-    if P and paused_now.size:
-        still_paused = h[FIELD_IDS, :P].astype(np.int64)
+    if paused and paused_now.size:
+        still_paused = fields[FIELD_IDS, :paused].astype(np.int64)
         newly_paused = still_paused[np.isin(still_paused, paused_now)]
     slots = np.concatenate(scratch.slots) if scratch.slots else np.empty(0, dtype=np.int32)
     return UpdatePlan(
-        old_paused=old_P, old_total=old_T, paused=P, total=T, active_tokens=T - P,
-        origin=scratch.origin, rows=h, append_col=scratch.append_col,
+        old_paused=old_paused, old_total=old_total, paused=paused, total=total,
+        active_tokens=total - paused,
+        origin=scratch.origin, rows=fields, append_col=scratch.append_col,
         append_block=scratch.append_block, allocator_ops=tuple(scratch.stack.ops),
         released_slots=slots, finished_ids=finished_ids, evicted_ids=evicted,
         newly_paused_ids=newly_paused, max_length_ids=max_length_ids)
+

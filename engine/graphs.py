@@ -56,7 +56,7 @@ from torch.overrides import TorchFunctionMode
 
 from dynctx.context import DynamicInferenceContext
 from dynctx.context.batch_dimensions import InferenceBatchDimensions
-from dynctx.context.cuda_graphs import graph_attention_maxima
+from dynctx.context.graph_ladder import graph_attention_maxima
 from dynctx.kernels.last_token_logits import last_token_logits as last_token_rows
 from dynctx.models.paged_attention import flash_attn_available, resolve_attention_backend
 

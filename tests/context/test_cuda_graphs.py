@@ -1,4 +1,4 @@
-"""The CUDA graph ladder and the per-step graph choice (context/cuda_graphs.py), on their own.
+"""The CUDA graph ladder and the per-step graph choice (context/graph_ladder.py), on their own.
 
 Hand-worked cases and properties; the equality with megatron-core 0.16.1 is checked in
 test_cuda_graphs_megatron.py.
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from dynctx.context.batch_dimensions import InferenceBatchDimensions as Dims
-from dynctx.context.cuda_graphs import (
+from dynctx.context.graph_ladder import (
     attention_batch_dimensions,
     build_cuda_graph_ladder,
     context_cuda_graph_ladder,

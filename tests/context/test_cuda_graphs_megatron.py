@@ -35,7 +35,7 @@ from dynctx.context import (  # noqa: E402
     TokenOverflowError,
 )
 from dynctx.context.batch_dimensions import InferenceBatchDimensions as Dims  # noqa: E402
-from dynctx.context.cuda_graphs import (  # noqa: E402
+from dynctx.context.graph_ladder import (  # noqa: E402
     build_cuda_graph_ladder,
     context_cuda_graph_ladder,
     graph_attention_maxima,

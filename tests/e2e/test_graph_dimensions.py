@@ -18,7 +18,7 @@ from e2e_helpers import (
 )
 from test_llama_engine import BASE_GENS, BASE_LENGTHS
 
-from dynctx.context.cuda_graphs import graph_fits_step
+from dynctx.context.graph_ladder import graph_fits_step
 
 CASE = dict(block_size=16, blocks=14, paused_blocks=3, max_tokens=32, max_requests=8, scale=1)
 

@@ -1,0 +1,299 @@
+"""The Mamba side of a hybrid model: state slots, the conv and SSM states, their snapshots.
+
+``MambaStates`` owns what a hybrid keeps per request row: a state slot (``SlotAllocator``, a host
+stack, as Megatron-Core's), the conv and SSM states of every Mamba layer per slot (allocated with
+the context's tensors, dropped on suspend), the step's ``seq_idx``, and prefix caching's state
+snapshots (``MambaSnapshots``, docs/SEMANTICS.md §17). ``MambaMetadata`` is Megatron-Core's view
+of it (``ctx.mamba_metadata``): the slot map, the free slots and the step's Mamba fields. The
+step's Mamba host metadata is built by ``step_builder.StepBuilder`` into the arena; ``step_fields``
+turns it into the device views of ``MambaMetadata``'s step fields.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from typing import Dict, List, Optional, Tuple
+
+import numpy as np
+import torch
+
+from dynctx.kernels.mamba_state import mamba_state_gather, mamba_state_scatter
+
+from ._fields import FIELD_MAMBA_SLOT
+
+
+class SlotAllocator:
+    """Host-side stack of Mamba state slots (one per live request of a hybrid model).
+
+    The first slot handed out is ``count - 1``, as in Megatron-Core; freed slots are reused
+    first.
+    """
+
+    def __init__(self, count: int):
+        self.count = int(count)
+        self.reset()
+
+    def reset(self) -> None:
+        self.free_slots = np.arange(self.count, dtype=np.int32)
+        self.free_count = self.count
+
+    def allocate(self) -> int | None:
+        if self.free_count == 0:
+            return None
+        self.free_count -= 1
+        return int(self.free_slots[self.free_count])
+
+    def release(self, slots: np.ndarray) -> None:
+        """Push slots back (``-1`` entries ignored)."""
+        slots = np.asarray(slots, dtype=np.int32).reshape(-1)
+        slots = slots[slots >= 0]
+        if self.free_count + slots.size > self.count:
+            raise RuntimeError(f"release of {slots.size} slots overflows the stack "
+                               f"({self.free_count} of {self.count} free)")
+        self.free_slots[self.free_count:self.free_count + slots.size] = slots
+        self.free_count += int(slots.size)
+
+
+class MambaSnapshots:
+    """Conv and SSM state copies at block boundaries (hybrids), keyed by block digest.
+
+    Args:
+        count: snapshots (``prefix_caching_mamba_gb`` // bytes of one request's states).
+        conv_shape, ssm_shape: ``[mamba layers, *state shape]`` of one request.
+        conv_dtype, ssm_dtype, device: as the context's Mamba states.
+    """
+
+    def __init__(self, count: int, conv_shape: tuple, ssm_shape: tuple, conv_dtype, ssm_dtype,
+                 device):
+        self.count = int(count)
+        self._spec = (tuple(conv_shape), tuple(ssm_shape), conv_dtype, ssm_dtype, device)
+        self.conv: Optional[torch.Tensor] = None
+        self.ssm: Optional[torch.Tensor] = None
+        self.index: "OrderedDict[bytes, int]" = OrderedDict()
+
+    def allocate(self) -> None:
+        conv_shape, ssm_shape, conv_dtype, ssm_dtype, device = self._spec
+        layers = conv_shape[0]
+        self.conv = torch.zeros((layers, self.count, *conv_shape[1:]), dtype=conv_dtype,
+                                device=device)
+        self.ssm = torch.zeros((layers, self.count, *ssm_shape[1:]), dtype=ssm_dtype,
+                               device=device)
+        self.index.clear()
+
+    def release(self) -> None:
+        self.conv = self.ssm = None
+        self.index.clear()
+
+    def save(self, items: List[Tuple[int, bytes]], conv_states: torch.Tensor,
+             ssm_states: torch.Tensor) -> None:
+        """Copy the states of slots into snapshots under ``(slot, digest)`` items (a digest
+        already held is kept; when full, the least recently used snapshot is replaced)."""
+        writes: Dict[int, int] = {}   # snapshot index -> slot (the last item written wins)
+        for slot, digest in items:
+            if digest in self.index or self.count == 0:
+                continue
+            if len(self.index) < self.count:
+                target = len(self.index)
+            else:
+                _, target = self.index.popitem(last=False)
+            self.index[digest] = target
+            # An item of this very call may have been replaced (more items than snapshots):
+            # each index is copied once, from the slot its digest now names. ``index_copy_``
+            # with a repeated index leaves either source there (on CUDA, nondeterministically).
+            writes.pop(target, None)
+            writes[target] = slot
+        if writes:
+            targets, slots = list(writes), list(writes.values())
+            src = torch.tensor(slots, dtype=torch.int64, device=conv_states.device)
+            dst = torch.tensor(targets, dtype=torch.int64, device=conv_states.device)
+            self.conv.index_copy_(1, dst, conv_states.index_select(1, src))
+            self.ssm.index_copy_(1, dst, ssm_states.index_select(1, src))
+
+    def restore(self, items: List[Tuple[int, int]], conv_states: torch.Tensor,
+                ssm_states: torch.Tensor) -> None:
+        """Copy snapshots into slots: ``(slot, snapshot index)`` items."""
+        if items:
+            device = conv_states.device
+            dst = torch.tensor([slot for slot, _ in items], dtype=torch.int64, device=device)
+            src = torch.tensor([index for _, index in items], dtype=torch.int64, device=device)
+            conv_states.index_copy_(1, dst, self.conv.index_select(1, src))
+            ssm_states.index_copy_(1, dst, self.ssm.index_select(1, src))
+
+
+class MambaStates:
+    """Slots, states and snapshots of a hybrid model's Mamba layers.
+
+    Args:
+        layers: the ``sizing.LayerLayout`` (Mamba layer count, state shapes and dtypes).
+        max_requests: slots, one per request row; max_tokens: tokens of one step.
+        device: where the states live; kernel_backend: the backend of the gather/scatter
+            launches.
+        snapshot_count: prefix caching's state snapshots (``prefix_snapshot_count``; -1: none).
+    """
+
+    def __init__(self, layers, *, max_requests: int, max_tokens: int, device: torch.device,
+                 kernel_backend: Optional[str], snapshot_count: int = -1):
+        self.layers, self.device, self.kernel_backend = layers, device, kernel_backend
+        self.max_requests, self.max_tokens = max_requests, max_tokens
+        count = layers.num_mamba_layers
+        self.conv_shape = (count, max_requests, *layers.mamba_conv_states_shape)
+        self.ssm_shape = (count, max_requests, *layers.mamba_ssm_states_shape)
+        self.slots = SlotAllocator(max_requests)
+        self.snapshots = None if snapshot_count < 0 else MambaSnapshots(
+            snapshot_count, (count, *layers.mamba_conv_states_shape),
+            (count, *layers.mamba_ssm_states_shape), layers.mamba_conv_states_dtype,
+            layers.mamba_ssm_states_dtype, device)
+        self.conv_states: Optional[torch.Tensor] = None
+        self.ssm_states: Optional[torch.Tensor] = None
+        self.seq_idx: Optional[torch.Tensor] = None
+        self.host_seq_idx: Optional[np.ndarray] = None
+
+    def nbytes(self) -> int:
+        """Bytes ``allocate`` takes on the device (states, snapshots and ``seq_idx``)."""
+        layers = self.layers
+        conv = torch.empty((), dtype=layers.mamba_conv_states_dtype).element_size()
+        ssm = torch.empty((), dtype=layers.mamba_ssm_states_dtype).element_size()
+        rows = self.max_requests + (self.snapshots.count if self.snapshots is not None else 0)
+        per_row = (conv * math.prod(self.conv_shape[2:])
+                   + ssm * math.prod(self.ssm_shape[2:])) * layers.num_mamba_layers
+        return rows * per_row + 4 * self.max_tokens
+
+    def allocate(self) -> None:
+        """The state tensors (their bytes are not initialised: a new request's slot is zeroed
+        when its step is built), every slot free."""
+        layers, device = self.layers, self.device
+        self.conv_states = torch.empty(self.conv_shape, dtype=layers.mamba_conv_states_dtype,
+                                       device=device)
+        self.ssm_states = torch.empty(self.ssm_shape, dtype=layers.mamba_ssm_states_dtype,
+                                      device=device)
+        self.seq_idx = torch.full((self.max_tokens,), -1, dtype=torch.int32, device=device)
+        self.host_seq_idx = np.full(self.max_tokens, -1, dtype=np.int32)
+        self.slots.reset()
+        if self.snapshots is not None:
+            self.snapshots.allocate()
+
+    def release(self) -> None:
+        self.conv_states = self.ssm_states = self.seq_idx = self.host_seq_idx = None
+        self.slots.reset()
+        if self.snapshots is not None:
+            self.snapshots.release()
+
+    def layer(self, index: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``(conv [max_requests, *conv_shape], ssm [max_requests, *ssm_shape])`` of the Mamba
+        layer ``index`` (0-based among the Mamba layers)."""
+        return self.conv_states[index], self.ssm_states[index]
+
+    def zero(self, slots: np.ndarray) -> None:
+        """Zero the states of ``slots`` (every layer)."""
+        index = torch.from_numpy(slots).to(self.device)
+        self.conv_states.index_fill_(1, index, 0)
+        self.ssm_states.index_fill_(1, index, 0)
+
+    def gather(self, index: int, slots: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        conv, ssm = self.layer(index)
+        return (mamba_state_gather(conv, slots, backend=self.kernel_backend),
+                mamba_state_gather(ssm, slots, backend=self.kernel_backend))
+
+    def scatter(self, index: int, slots: torch.Tensor, conv: torch.Tensor,
+                ssm: torch.Tensor) -> None:
+        conv_states, ssm_states = self.layer(index)
+        mamba_state_scatter(conv_states, slots, conv, backend=self.kernel_backend)
+        mamba_state_scatter(ssm_states, slots, ssm, backend=self.kernel_backend)
+
+    def save_snapshots(self, items) -> None:
+        """Prefix caching: ``(slot, digest)`` items' states into snapshots."""
+        self.snapshots.save(list(items), self.conv_states, self.ssm_states)
+
+    def restore_snapshots(self, items) -> None:
+        """Prefix caching: ``(slot, snapshot index)`` items' snapshots into their slots."""
+        if items:
+            self.snapshots.restore(items, self.conv_states, self.ssm_states)
+
+    def step_fields(self, step, arena: dict, h2d) -> dict:
+        """Zero the Mamba states of this step's new requests; the step's Mamba metadata fields
+        (``MambaMetadata.STEP_FIELDS``) as views of the device state (``arena``: the arena's
+        device sections, where ``StepBuilder`` wrote the step's slots and offsets)."""
+        host = step.mamba
+        if host.zero_count:
+            new_slots = arena["mamba_zero_slots"][:host.zero_count]
+            self.conv_states.index_fill_(1, new_slots, 0)
+            self.ssm_states.index_fill_(1, new_slots, 0)
+        padded_tokens = step.padded_tokens
+        if host.padded_prefill:
+            h2d.copy(self.seq_idx[:padded_tokens], self.host_seq_idx[:padded_tokens])
+        return dict(
+            batch_indices_decode=(arena["mamba_decode_slots"][:host.padded_decode]
+                                  if host.padded_decode else None),
+            batch_indices_prefill=(arena["mamba_prefill_slots"][:host.padded_prefill]
+                                   if host.padded_prefill else None),
+            batch_indices_chunked_prefill=(arena["mamba_chunked_slot"]
+                                           if host.chunked else None),
+            cu_seqlens=(arena["mamba_cu_seqlens"][:host.padded_prefill + 1]
+                        if host.padded_prefill else None),
+            seq_idx=(self.seq_idx[:padded_tokens].unsqueeze(0)
+                     if host.padded_prefill else None),
+            device_decode_prefill=(host.decode, host.regular),
+            device_chunked_prefill=((host.regular_tokens, host.chunked_tokens)
+                                    if host.chunked else None),
+        )
+
+
+class MambaMetadata:
+    """The Mamba side of the context, with Megatron-Core's names (``ctx.mamba_metadata`` of a
+    hybrid model; None otherwise). Built with the context and kept across ``reset``:
+
+    * ``request_to_mamba_state_idx``: int32 ``[max_requests]``, each row's state slot (-1
+      none), the context's slot field (a view: ``request_ids`` says how writes reach it);
+    * ``mamba_state_free_slot_count``: free slots; settable by hand like
+      ``block_allocator.total_avail`` (lowering it takes the top of the free stack);
+    * ``allocate_slot()``: pop a free slot (None when none is free), as Megatron-Core's;
+    * the step's fields (``STEP_FIELDS``: batch indices of the decode, prefill and chunked rows,
+      ``cu_seqlens``, ``seq_idx``, the decode/prefill split), set by
+      ``initialize_attention_state`` and None again after ``reset_attention_state``.
+    """
+
+    STEP_FIELDS = ("batch_indices_decode", "batch_indices_prefill",
+                   "batch_indices_chunked_prefill", "cu_seqlens", "seq_idx",
+                   "device_decode_prefill", "device_chunked_prefill")
+
+    def __init__(self, states: "MambaStates", table, device):
+        # The parts it reads (none refers back to it): the slot stack, and the request table
+        # and device state whose slot field ``request_to_mamba_state_idx`` hands out.
+        self._states, self._table, self._device = states, table, device
+        self.reset_varlen_metadata()
+
+    def reset_varlen_metadata(self) -> None:
+        """Forget the step's fields (the slot map and the free slots stay)."""
+        for name in self.STEP_FIELDS:
+            setattr(self, name, None)
+
+    def update_step(self, fields: dict) -> None:
+        for name in self.STEP_FIELDS:
+            setattr(self, name, fields[name])
+
+    @property
+    def request_to_mamba_state_idx(self) -> torch.Tensor:
+        return self._device.field_view(self._table, FIELD_MAMBA_SLOT)
+
+    def _slots(self) -> "SlotAllocator":
+        self._device.check_allocated()
+        return self._states.slots
+
+    @property
+    def mamba_state_free_slot_count(self) -> int:
+        return self._slots().free_count
+
+    @mamba_state_free_slot_count.setter
+    def mamba_state_free_slot_count(self, value: int) -> None:
+        slots = self._slots()
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise TypeError(f"mamba_state_free_slot_count={value!r} must be an int")
+        if not 0 <= value <= slots.count:
+            raise ValueError(f"mamba_state_free_slot_count={value} must lie in [0, "
+                             f"{slots.count}] (the slots, one per request row)")
+        slots.free_count = int(value)
+
+    def allocate_slot(self) -> Optional[int]:
+        """Pop a free slot for a request the caller places by hand (None when none is free)."""
+        return self._slots().allocate()
