@@ -21,6 +21,8 @@ from typing import Any, List, Optional, Tuple
 import numpy as np
 import torch
 
+from dynctx.kernels.devices import same_device
+
 from ._fields import FIELD_IDS, FIELD_KV_OFFSET
 from .batch_dimensions import InferenceBatchDimensions
 from .errors import (
@@ -137,7 +139,7 @@ def _prompt(request_id: int, prompt: Any, device: torch.device, vocab_size: Opti
     """``(host int64 array, None)`` for host prompts (ids checked), ``(None, tensor)`` for
     prompts already on the context's device."""
     if isinstance(prompt, torch.Tensor) and prompt.device.type != "cpu":
-        if prompt.device != device:
+        if not same_device(prompt.device, device):
             raise ValueError(f"request {request_id}: prompt tokens live on {prompt.device}, the "
                              f"context on {device}")
         return None, prompt

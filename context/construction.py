@@ -20,6 +20,7 @@ from typing import Any, NamedTuple, Optional, Tuple
 import torch
 
 from dynctx.kernels import _backend
+from dynctx.kernels.devices import indexed_device
 
 from . import compat
 from .device_state import DeviceState
@@ -46,16 +47,16 @@ from .step_builder import StepBuilder
 
 
 def resolve_device(device: Any) -> torch.device:
-    """``device`` as the context stores it (None: the current CUDA device, else the CPU)."""
+    """``device`` as the context stores it, indexed (``kernels.devices.indexed_device``: a
+    bare ``"cuda"`` is the current GPU's ``cuda:N``); None: the current CUDA device, else the
+    CPU."""
     if device is None:
-        if torch.cuda.is_available():
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
+        return indexed_device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError(f"device={str(device)!r}: no CUDA device is available "
                            "(torch.cuda.is_available() is False); pass device='cpu'")
-    return device
+    return indexed_device(device)
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,8 @@ from typing import Optional
 import numpy as np
 import torch
 
+from dynctx.kernels.devices import same_device
+
 from .errors import StepShapeError
 
 TOKEN_DTYPES = (torch.int32, torch.int64)
@@ -25,7 +27,7 @@ def check_new_tokens(new_tokens, count: int, device: torch.device, *, validate: 
     strided view is copied)."""
     if not (isinstance(new_tokens, torch.Tensor) and new_tokens.dtype in TOKEN_DTYPES
             and new_tokens.dim() == 1 and new_tokens.shape[0] == count
-            and new_tokens.device == device):
+            and same_device(new_tokens.device, device)):
         _refuse_new_tokens(new_tokens, count, device)
     if validate and count:
         low, high = int(new_tokens.min()), int(new_tokens.max())
@@ -61,7 +63,7 @@ def read_mask(mask, count: int, device: torch.device) -> Optional[np.ndarray]:
     a device mask waits for the device's queue. A wrong length raises ``StepShapeError`` (a
     ``ValueError`` and an ``AssertionError``, as Megatron-Core asserts)."""
     if not (isinstance(mask, torch.Tensor) and mask.dim() == 1 and mask.shape[0] == count
-            and not mask.is_complex() and (mask.device == device or mask.is_cpu)):
+            and not mask.is_complex() and (mask.is_cpu or same_device(mask.device, device))):
         _refuse_mask(mask, count, device)
     host = (mask if mask.is_cpu else mask.cpu()).numpy()
     if host.itemsize == 1 and host.tobytes() == b"\x01" * count:
@@ -100,7 +102,7 @@ def check_step_tensor(name: str, tensor, n: int, device: torch.device, dtype: to
     autograd graph)."""
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
-    if tensor.device != device:
+    if not same_device(tensor.device, device):
         raise ValueError(f"{name} is on {tensor.device}, the context on {device}")
     if tensor.dtype != dtype:
         raise ValueError(f"{name} has dtype {tensor.dtype}, the cache {dtype}")
@@ -129,7 +131,7 @@ def check_logits(logits, device: torch.device, vocab_size: Optional[int],
     if logits.dim() != 2 or not logits.is_floating_point():
         raise ValueError(f"{name} must be a floating [1, tokens, vocab] or [tokens, vocab] "
                          f"tensor, got {tuple(logits.shape)} {logits.dtype}")
-    if logits.device != device:
+    if not same_device(logits.device, device):
         raise ValueError(f"{name} is on {logits.device}, the context on {device}")
     if vocab_size is not None and logits.shape[1] != vocab_size:
         raise ValueError(f"{name} has {logits.shape[1]} vocabulary columns, vocab_size is "
@@ -154,7 +156,7 @@ def check_rope_call(name: str, tensor, n: int, device: torch.device,
             continue
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"{arg} must be a torch.Tensor, got {type(value).__name__}")
-        if value.device != device:
+        if not same_device(value.device, device):
             raise ValueError(f"{arg} is on {value.device}, the context on {device}")
     if tensor.shape[0] < n:
         raise ValueError(f"{name} has {tensor.shape[0]} tokens, the step has {n}")

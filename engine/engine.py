@@ -47,6 +47,7 @@ import torch
 
 from dynctx.context import DynamicInferenceContext, DynamicInferenceRequest, SamplingParams
 from dynctx.context.parallel import CountAgreement, joins_agreement_on_failure
+from dynctx.kernels.devices import indexed_device
 
 from .graphs import graph_attention_backend, make_graph_runner
 from .overlap import AsyncScheduling, refuse_conflicts
@@ -428,7 +429,7 @@ class Engine:
         tp = TensorParallel.from_group(groups.tp, groups.tp_group)
         if tp.size > 1:
             kwargs["tensor_model_parallel_size"] = tp.size
-        device = torch.device(kwargs.pop("device", None) or param.device)
+        device = indexed_device(kwargs.pop("device", None) or param.device)
         dtype = kwargs.pop("params_dtype", None) or param.dtype
         if cuda_graphs and kwargs.get("num_cuda_graphs"):
             block_size = kwargs.get("block_size_tokens") or inspect.signature(

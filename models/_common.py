@@ -10,6 +10,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from ..kernels.devices import indexed_device, same_device
 from .paged_attention import PagedAttention
 
 ROPE_MODES = ("table", "cos_sin")
@@ -175,7 +176,7 @@ def placement(hf_model: Any, device: Optional[torch.device | str],
               dtype: Optional[torch.dtype]) -> tuple[torch.device, torch.dtype]:
     """``(device, dtype)`` to take the weights to: the given ones, else the model's."""
     param = next(hf_model.parameters())
-    return (torch.device(device) if device is not None else param.device), (dtype or param.dtype)
+    return indexed_device(device if device is not None else param.device), (dtype or param.dtype)
 
 
 def weight_taker(device: torch.device, dtype: torch.dtype
@@ -288,7 +289,7 @@ class PagedAdapter:
         problems = self._cache_problems(ctx)
         if ctx.params_dtype != self.dtype:
             problems.append(f"params_dtype {ctx.params_dtype} != model dtype {self.dtype}")
-        if ctx.device != self.device:
+        if not same_device(ctx.device, self.device):
             problems.append(f"device {ctx.device} != model device {self.device}")
         if problems:
             raise ValueError("the context does not match the model: " + "; ".join(problems))

@@ -51,6 +51,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels._backend import HAS_TRITON, triton_interpreting
+from ..kernels.devices import indexed_device
 
 BACKENDS = ("auto", "torch", "torch_static", "triton", "flashinfer", "flash_attn")
 _FLASHINFER_WORKSPACE_BYTES = 128 * 1024 * 1024
@@ -395,7 +396,7 @@ class PagedAttention:
                              f"num_kv_heads={num_kv_heads}")
         self.num_q_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim
         self.block_size = block_size
-        self.device = torch.device(device)
+        self.device = indexed_device(device)
         self.scale = head_dim ** -0.5 if softmax_scale is None else softmax_scale
         self.dtype = dtype
         self.backend = resolve_attention_backend(backend, self.device, block_size, dtype)
