@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from ._autotune import KernelConfig, TuneCase
+from .devices import same_device
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -82,7 +83,7 @@ def check_tensor(name: str, t, *, dims: int, dtypes: tuple, device: torch.device
         raise ValueError(f"{name} must have {dims} dims, got shape {tuple(t.shape)}")
     if t.dtype not in dtypes:
         raise ValueError(f"{name} must be {' or '.join(map(str, dtypes))}, got {t.dtype}")
-    if t.device != device:
+    if not same_device(t.device, device):
         raise ValueError(f"{name} is on {t.device}, {device_of} on {device}")
     if t.shape[0] < min_rows:
         raise ValueError(f"{name} has {t.shape[0]} rows, needs at least {min_rows}")
@@ -126,7 +127,7 @@ def check_grid(kernel: str, grid: tuple[int, ...], sizes: str) -> None:
 def check_same_device(tensors, ref_name: str, ref: torch.Tensor) -> None:
     """Each ``(name, tensor)`` of ``tensors`` must sit on ``ref``'s device."""
     for name, tensor in tensors:
-        if tensor.device != ref.device:
+        if not same_device(tensor.device, ref.device):
             raise ValueError(f"{name} is on {tensor.device}, {ref_name} on {ref.device}")
 
 

@@ -30,6 +30,7 @@ from . import _autotune
 from ._autotune import KernelConfig, KernelTuning, TuneCase, bucket_tokens
 from ._backend import HAS_TRITON, resolve_backend
 from ._common import check_tensor, check_writable, custom_op
+from .devices import same_device
 
 if HAS_TRITON:
     import triton
@@ -93,7 +94,7 @@ if HAS_TRITON:
 
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether the memory spans of two tensors intersect."""
-    if a.numel() == 0 or b.numel() == 0 or a.device != b.device:
+    if a.numel() == 0 or b.numel() == 0 or not same_device(a.device, b.device):
         return False
 
     def span(t):

@@ -21,6 +21,7 @@ from ._autotune import KernelConfig, KernelTuning, TuneCase, bucket_tokens, dtyp
 from ._backend import HAS_TRITON, resolve_backend
 from ._common import FLOAT_DTYPES, check_writable, custom_op
 from ._shapes import LLAMA_3_8B
+from .devices import same_device
 
 if HAS_TRITON:
     import triton
@@ -129,7 +130,7 @@ def _check_out(out: torch.Tensor, shape: tuple[int, int], dtype: torch.dtype,
         raise ValueError(f"{name} must have shape {list(shape)}, got {tuple(out.shape)}")
     if out.dtype != dtype:
         raise ValueError(f"{name} must be {dtype}, got {out.dtype}")
-    if out.device != device:
+    if not same_device(out.device, device):
         raise ValueError(f"{name} is on {out.device}, logits on {device}")
     check_writable((name, out))
 
@@ -161,7 +162,7 @@ def last_token_logits(logits: torch.Tensor, cu_query_lengths: torch.Tensor, num_
         raise ValueError("cu_query_lengths must be a 1-D int32 tensor")
     if cu_query_lengths.dtype != torch.int32:
         raise ValueError(f"cu_query_lengths must be int32, got {cu_query_lengths.dtype}")
-    if cu_query_lengths.device != logits.device:
+    if not same_device(cu_query_lengths.device, logits.device):
         raise ValueError(f"cu_query_lengths is on {cu_query_lengths.device}, "
                          f"logits on {logits.device}")
     num_requests = int(num_requests)
@@ -230,7 +231,7 @@ def token_log_probs(logits: torch.Tensor, token_ids: torch.Tensor, *, return_ful
         raise ValueError("token_ids must be a 1-D int32/int64 tensor")
     if token_ids.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"token_ids must be int32 or int64, got {token_ids.dtype}")
-    if token_ids.device != logits.device:
+    if not same_device(token_ids.device, logits.device):
         raise ValueError(f"token_ids is on {token_ids.device}, logits on {logits.device}")
     num_tokens, vocab_size = logits.shape
     if token_ids.shape[0] != num_tokens:

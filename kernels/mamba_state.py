@@ -18,6 +18,7 @@ from ._autotune import KernelConfig, KernelTuning, TuneCase
 from ._backend import HAS_TRITON, resolve_backend
 from ._common import FLOAT_DTYPES, bits, check_writable, custom_op, next_pow2
 from ._shapes import MAMBA2_CONV_STATE, MAMBA2_MIXER, MAMBA2_SSM_STATE
+from .devices import same_device
 
 GATHER, SCATTER = "mamba_state_gather", "mamba_state_scatter"
 
@@ -123,7 +124,7 @@ def _check_states(states: torch.Tensor, slot_ids: torch.Tensor) -> None:
         raise ValueError(f"slot_ids must be 1-D, got shape {tuple(slot_ids.shape)}")
     if slot_ids.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"slot_ids dtype {slot_ids.dtype} must be int32 or int64")
-    if slot_ids.device != states.device:
+    if not same_device(slot_ids.device, states.device):
         raise ValueError(f"slot_ids is on {slot_ids.device}, states on {states.device}")
 
 
@@ -138,7 +139,7 @@ def _check_rows(name: str, tensor: torch.Tensor, states: torch.Tensor, exact_row
         raise ValueError(f"{name} has {tensor.shape[0]} rows, fewer than the {min_rows} slot ids")
     if tensor.dtype != states.dtype:
         raise ValueError(f"{name} dtype {tensor.dtype} != states dtype {states.dtype}")
-    if tensor.device != states.device:
+    if not same_device(tensor.device, states.device):
         raise ValueError(f"{name} is on {tensor.device}, states on {states.device}")
 
 

@@ -26,6 +26,7 @@ from . import _autotune
 from ._autotune import KernelConfig, KernelTuning, TuneCase
 from ._backend import resolve_backend
 from ._common import FLOAT_DTYPES, check_same_device, custom_op
+from .devices import same_device
 from .paged_attention_decode import (
     launch_decode,
     paged_attention_decode_configs,
@@ -109,7 +110,7 @@ def _check_inputs(query, key_cache, value_cache, cu_query_lengths, kv_seq_length
         if tuple(out.shape) != tuple(query.shape) or out.dtype != query.dtype:
             raise ValueError(f"out must be {tuple(query.shape)} {query.dtype}, got "
                              f"{tuple(out.shape)} {out.dtype}")
-        if out.device != query.device:
+        if not same_device(out.device, query.device):
             raise ValueError(f"out is on {out.device}, query on {query.device}")
         if out.stride(-1) != 1:
             raise ValueError(f"out must have a contiguous last dim, got strides {out.stride()}")

@@ -18,6 +18,7 @@ from ._autotune import KernelConfig, KernelTuning
 from ._backend import HAS_TRITON, resolve_backend
 from ._common import check_writable, custom_op, next_pow2
 from ._shapes import LLAMA_3_8B
+from .devices import same_device
 from .rope import fused_qk_rope_ref
 from .rope_rotation import (
     RopeTuneCase,
@@ -119,7 +120,7 @@ def _check_cache(cache, name: str, like: torch.Tensor) -> None:
                          f"{tuple(like.shape[1:])}")
     if cache.dtype != like.dtype:
         raise ValueError(f"{name} dtype {cache.dtype} != key dtype {like.dtype}")
-    if cache.device != like.device:
+    if not same_device(cache.device, like.device):
         raise ValueError(f"{name} is on {cache.device}, expected {like.device}")
     check_writable((name, cache))
 
@@ -129,7 +130,7 @@ def _check_index(index, name: str, num_tokens: int, device: torch.device) -> Non
         raise ValueError(f"{name} must be a 1-D tensor of positions.numel()={num_tokens} entries")
     if index.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"{name} must be int32 or int64, got {index.dtype}")
-    if index.device != device:
+    if not same_device(index.device, device):
         raise ValueError(f"{name} is on {index.device}, expected {device}")
 
 
@@ -158,7 +159,8 @@ def rope_kv_append(query: Optional[torch.Tensor], key: torch.Tensor, value: torc
     problem = check_rope_args(query, key, positions, cos_sin_cache, freqs, interleaved, mla_layout)
     n, k = problem.num_tokens, problem.key
     v = as_head_view(value, "value", n)
-    if tuple(v.shape[1:]) != tuple(k.shape[1:]) or v.dtype != k.dtype or v.device != k.device:
+    if tuple(v.shape[1:]) != tuple(k.shape[1:]) or v.dtype != k.dtype or \
+            not same_device(v.device, k.device):
         raise ValueError(f"value {tuple(v.shape)} {v.dtype} must match key's heads, dim and dtype")
     _check_cache(key_cache, "key_cache", k)
     _check_cache(value_cache, "value_cache", k)

@@ -16,6 +16,7 @@ import torch
 from ._autotune import KernelConfig, TuneCase, bucket_tokens, dtype_name
 from ._backend import HAS_TRITON
 from ._common import FLOAT_DTYPES, check_writable, next_pow2
+from .devices import same_device
 
 if HAS_TRITON:
     import triton
@@ -221,7 +222,7 @@ def check_rope_args(query, key, positions, cos_sin_cache, freqs, interleaved: bo
         if x.dtype != first.dtype or x.shape[2] != first.shape[2]:
             raise ValueError(f"{name}: query and key need the same dtype and head dim")
     for name, x in (*views.items(), ("positions", positions), (table_name, table)):
-        if x.device != first.device:
+        if not same_device(x.device, first.device):
             raise ValueError(f"{name} is on {x.device}, expected {first.device}")
     layout = LAYOUTS[int(bool(interleaved)) + 2 * int(bool(mla_layout))]
     return RopeProblem(views.get("query"), views.get("key"), positions, table, table_kind, layout,
