@@ -317,7 +317,7 @@ def build_parts(settings: ContextSettings) -> ContextParts:
                                             attrs["request_metadata_types"]],
         hybrid=layers.is_hybrid_model, slots=None if mamba is None else mamba.slots,
         prefix_caching=policy if enable else None,
-        snapshots=None if mamba is None else mamba.snapshots)
+        snapshots=None if mamba is None else mamba.snapshots, budget_advice=memory.advice)
     state = DeviceState(device=device, backend=settings.backend, max_requests=rows,
                         max_tokens=tokens, max_kv_block_count=memory.max_kv_block_count,
                         metadata_types=attrs["request_metadata_types"],

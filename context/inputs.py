@@ -206,6 +206,22 @@ def check_row_moves(src_idxs, dst_idxs, next_tokens, swap: bool, rows: int) -> t
     return dst, src
 
 
+def check_chunked_id(value, last: Optional[int], active: int) -> int:
+    """A value written to ``chunked_prefill_request_id``: -1, or ``last``, the id in the last
+    active row (where a chunked prefill always is once its chunk is added); anything else is
+    refused before it is kept (``update_requests`` would raise on it every step)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"chunked_prefill_request_id={value!r} must be an int")
+    if value != -1 and value != last:
+        held = ("no active request" if last is None else
+                f"{active} active requests, the last active row holding request {last}")
+        raise ValueError(
+            f"chunked_prefill_request_id={value} is not a request the context can be chunking: "
+            f"it holds {held} (a chunked prefill is always the last active row once its chunk "
+            "is added); set it to -1" + ("" if last is None else f" or {last}"))
+    return int(value)
+
+
 def check_paused_tokens(tokens, paused: int) -> None:
     """Tokens written to ``paused_tokens``: a 1-D integer tensor of at most ``paused`` ids."""
     if not isinstance(tokens, torch.Tensor) or tokens.dim() != 1 or \

@@ -36,7 +36,7 @@ from ._fields import (
 from .admission import AddPlan, DummyPlan, plan_add, plan_dummies
 from .block_allocator import BlockAllocator
 from .errors import TensorStateDeallocatedError
-from .inputs import check_request_limit
+from .inputs import check_chunked_id, check_request_limit
 from .mamba_states import MambaSnapshots, SlotAllocator
 from .prefix_cache import DigestTable, PrefixCache
 from .update_plan import (
@@ -62,19 +62,22 @@ class RequestTable:
         slots: a hybrid's Mamba slot stack (``MambaStates.slots``).
         prefix_caching: the eviction policy with prefix caching on ("ref_zero" or "lru"), else
             None; snapshots: a hybrid's Mamba state snapshots for it.
+        budget_advice: ``sizing.MemoryLayout.advice`` (which argument gives the active budget
+            the blocks an update where no request can run lacks).
     """
 
     def __init__(self, *, total_blocks: int, paused_blocks: int, max_requests: int,
                  max_kv_block_count: int, block_size: int, metadata_labels: list, hybrid: bool,
                  max_tokens: int, slots: Optional[SlotAllocator] = None,
                  prefix_caching: Optional[str] = None,
-                 snapshots: Optional[MambaSnapshots] = None):
+                 snapshots: Optional[MambaSnapshots] = None, budget_advice=None):
         digests = None if prefix_caching is None else DigestTable()
         self.allocator = BlockAllocator(
             total_blocks, paused_blocks, usage=self, keeps_idle_blocks=prefix_caching == "lru",
             on_evict=None if digests is None else digests.forget)
         self.prefix_cache = None if prefix_caching is None else PrefixCache(
             self.allocator, digests, block_size, prefix_caching, snapshots)
+        self.budget_advice = budget_advice
         self.max_requests = max_requests
         # The rows add_request may fill: the context's ``max_requests``, which callers may lower.
         self.request_limit = max_requests
@@ -233,8 +236,9 @@ class RequestTable:
         }
 
     def set_chunked_id(self, value) -> None:
-        """Keep the context's ``chunked_prefill_request_id``."""
-        self.chunked_id = value
+        """Keep the context's ``chunked_prefill_request_id`` (``inputs.check_chunked_id``)."""
+        last = int(self.rows[FIELD_IDS, self.total - 1]) if self.bound and self.active else None
+        self.chunked_id = check_chunked_id(value, last, self.active)
 
     def set_request_limit(self, value) -> None:
         """Lower (or restore) the context's ``max_requests`` (``inputs.check_request_limit``)."""

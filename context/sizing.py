@@ -103,9 +103,28 @@ def layer_layout(num_layers: int, mamba: Optional[MambaInferenceStateConfig],
                        mamba_bytes)
 
 
+def gib_at_least(n_bytes: float) -> float:
+    """The smallest 4-digit GiB value whose ``int(value * GIB)`` holds ``n_bytes``."""
+    value = n_bytes / GIB
+    scale = 10.0 ** (3 - math.floor(math.log10(value)))
+    value = math.ceil(value * scale) / scale
+    while int(value * GIB) < n_bytes:
+        value += 1 / scale
+    return float(f"{value:.4g}")
+
+
+def gib_at_most(n_bytes: float) -> float:
+    """The largest 4-digit GiB value not above ``n_bytes``."""
+    if n_bytes <= 0:
+        return 0.0
+    value = n_bytes / GIB
+    scale = 10.0 ** (3 - math.floor(math.log10(value)))
+    return float(f"{math.floor(value * scale) / scale:.4g}")
+
+
 @dataclass(frozen=True)
 class MemoryLayout:
-    """Counts the context is sized by."""
+    """Counts the context is sized by, and the arguments they came from (``advice``)."""
 
     block_size_bytes: int
     kv_reduced_dim: Optional[int]
@@ -115,6 +134,33 @@ class MemoryLayout:
     max_requests: int
     max_tokens: int
     max_kv_block_count: int
+    bytes_per_block: int = 0
+    buffer_blocks: int = 0           # the blocks of buffer_size_gb
+    paused_buffer_size_gb: Optional[float] = None
+
+    def advice(self, more_blocks: int) -> str:
+        """Which argument gives the active budget ``more_blocks`` more blocks, and its value:
+        ``buffer_size_gb``, or (at level 0, where the paused budget is part of the buffer) a
+        smaller ``paused_buffer_size_gb``."""
+        active = self.total_blocks - self.paused_blocks - 1 + more_blocks
+        unit = get_mem_size_str(self.bytes_per_block)
+        if self.paused_buffer_size_gb is None:
+            # The active budget is half the buffer (level 0), or the buffer less one block.
+            blocks = 2 * active + 1 if self.unified_memory_level == 0 else active + 1
+            least = gib_at_least(blocks * self.bytes_per_block)
+            text = (f"raise buffer_size_gb to at least {least} ({blocks} blocks of {unit}; with "
+                    "paused_buffer_size_gb=None half of them are the paused budget)")
+            if self.unified_memory_level == 0 and self.buffer_blocks - 1 - active >= 0:
+                paused = (self.buffer_blocks - 1 - active) * self.bytes_per_block
+                text += f", or pass paused_buffer_size_gb={gib_at_most(paused)} (or less)"
+            return text
+        least = gib_at_least((self.buffer_blocks + more_blocks) * self.bytes_per_block)
+        text = (f"raise buffer_size_gb to at least {least} ({more_blocks} more blocks of "
+                f"{unit})")
+        if self.unified_memory_level == 0 and self.paused_blocks >= more_blocks:
+            paused = (self.paused_blocks - more_blocks) * self.bytes_per_block
+            text += f", or lower paused_buffer_size_gb to at most {gib_at_most(paused)}"
+        return text
 
 
 _level1_warned = False
@@ -246,7 +292,8 @@ def memory_layout(*, layers: LayerLayout, params_dtype: torch.dtype, block_size_
             f"over the limit of {get_mem_size_str(MAX_BLOCK_TABLE_BYTES)}: lower max_requests or "
             "max_sequence_length, or raise block_size_tokens")
     return MemoryLayout(block_size_bytes, kv_reduced_dim, level, total_count, paused_count,
-                        max_requests, max_tokens, columns)
+                        max_requests, max_tokens, columns, bytes_per_block, block_count,
+                        paused_buffer_size_gb)
 
 
 def config_from_model(inference_config: Any, model: Any, max_batch_size: int) -> dict:

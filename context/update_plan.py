@@ -34,6 +34,7 @@ from ._fields import (
     FIELD_LAST_BLOCK,
     FIELD_LAST_OFFSET,
     FIELD_MAMBA_SLOT,
+    FIELD_OUTPUT,
     FIELD_QUERY,
 )
 from .block_allocator import AllocatorSimulation, StackSimulation
@@ -125,6 +126,8 @@ class _Scratch:
         self.append_block = np.full(total, -1, dtype=np.int32)
         self.stack = allocator_sim
         self.slots: List[np.ndarray] = []
+        # ``(row fields, blocks)`` of the first paused row a resume found unable to run.
+        self.blocked: Optional[Tuple[np.ndarray, int]] = None
         # Prefix caching: the budgets count distinct blocks (docs/SEMANTICS.md §17.4).
         self.distinct = table.prefix_cache is not None
 
@@ -181,6 +184,8 @@ class _Scratch:
         resumed = int(np.count_nonzero(np.cumsum(needs) <= avail_active))
         resumed = min(resumed, self.stack.total_avail)
         if resumed == 0:
+            if self.blocked is None:
+                self.blocked = (self.fields[:, paused - 1].copy(), int(needs[0]))
             return paused, active
         rows = np.arange(paused - resumed, paused)
         self._check_columns(rows, counts[rows])
@@ -434,12 +439,7 @@ def plan_update(table, mask: np.ndarray, *, chunked_id: int, max_sequence_length
         paused, active = scratch.resume(paused, active, allocator.active_count)
         total = paused + active
         if active == 0:
-            paused_blocks = (distinct_blocks(scratch.held(np.arange(paused))).size
-                             if scratch.distinct else int(fields[FIELD_BLOCKS, :paused].sum()))
-            raise RuntimeError(
-                f"no request can run: {paused} paused requests hold {paused_blocks} blocks and "
-                f"none can resume ({scratch.stack.total_avail} free blocks, active budget "
-                f"{allocator.active_count}); nothing was changed")
+            raise RuntimeError(_none_can_run(table, scratch, paused, max_sequence_length))
         if chunked_id != -1:
             row = paused + int(np.flatnonzero(fields[FIELD_IDS, paused:total] == chunked_id)[0])
             if row != total - 1:
@@ -462,3 +462,23 @@ def plan_update(table, mask: np.ndarray, *, chunked_id: int, max_sequence_length
         released_slots=slots, finished_ids=finished_ids, evicted_ids=evicted,
         newly_paused_ids=newly_paused, max_length_ids=max_length_ids)
 
+
+def _none_can_run(table, scratch: _Scratch, paused: int, max_sequence_length: int) -> str:
+    """Why no request of ``plan_update`` can run, and which argument gives the active budget
+    what the first request a resume found unable to run (the last paused row, LIFO) needs to
+    run on and to finish (its output length, at most ``max_sequence_length``)."""
+    fields, allocator = scratch.fields, table.allocator
+    paused_blocks = (distinct_blocks(scratch.held(np.arange(paused))).size if scratch.distinct
+                     else int(fields[FIELD_BLOCKS, :paused].sum()))
+    text = (f"no request can run: {paused} paused requests hold {paused_blocks} blocks and none "
+            f"can resume ({scratch.stack.total_avail} free blocks, active budget "
+            f"{allocator.active_count})")
+    if scratch.blocked is not None:
+        row, need = scratch.blocked
+        tokens = min(int(row[FIELD_OUTPUT]), max_sequence_length)
+        finish = max(need, -(-tokens // table.block_size))
+        text += (f": request {int(row[FIELD_IDS])} needs {need} blocks of the active budget to "
+                 f"run on (its {need - 1} and a new one), {finish} to reach its {tokens} tokens")
+        if finish > allocator.active_count and table.budget_advice is not None:
+            text += ": " + table.budget_advice(finish - allocator.active_count)
+    return text + "; nothing was changed"

@@ -55,6 +55,8 @@ def test_evicted_requests_go_to_the_front_behind_the_chunk_in_flight():
     scheduler.waiting.extend([7, 8])
     scheduler.after_update([3, 4])
     assert list(scheduler.waiting) == [3, 4, 7, 8]
+    # Request 7's first chunk in the context: the chunked prefill in flight.
+    ctx.add_request(request(7, 20), chunk_length=8)
     ctx.chunked_prefill_request_id = 7
     scheduler.waiting.clear()
     scheduler.waiting.extend([7, 8])

@@ -1,0 +1,68 @@
+"""Refusals that name what to change (issue 19 §5): a chunked prefill id the context cannot be
+chunking, an active budget smaller than one request needs. Each is refused when it is asked
+for, with the argument, the value and the limit, and changes nothing."""
+
+import pytest
+import torch
+from helpers import BLOCK, GIB, add, make_ctx, request, step
+
+
+def test_chunked_prefill_request_id_takes_only_the_ids_the_context_may_chunk():
+    ctx = make_ctx()
+    with pytest.raises(ValueError, match=r"chunked_prefill_request_id=999 .* holds no active "
+                                         r"request .* set it to -1$"):
+        ctx.chunked_prefill_request_id = 999
+    add(ctx, request(1, 3))
+    add(ctx, request(7, 20), chunk_length=8)
+    with pytest.raises(ValueError, match=r"chunked_prefill_request_id=999 .* holds 2 active "
+                                         r"requests, the last active row holding request 7 .* "
+                                         r"set it to -1 or 7"):
+        ctx.chunked_prefill_request_id = 999
+    with pytest.raises(ValueError, match="chunked_prefill_request_id=1 "):
+        ctx.chunked_prefill_request_id = 1          # in the context, but not the last row
+    with pytest.raises(TypeError, match="must be an int"):
+        ctx.chunked_prefill_request_id = "7"
+    assert ctx.chunked_prefill_request_id == -1     # nothing was kept
+    ctx.chunked_prefill_request_id = 7
+    ctx.initialize_attention_state()
+    ctx.update_requests(torch.tensor([True, True]), torch.tensor([4, 5]))
+    assert ctx.chunked_prefill_request_id == 7      # the chunked row stays the last one
+    ctx.chunked_prefill_request_id = -1
+
+
+def _run_until_stuck(ctx, steps=40):
+    """One 11-token request generating 40 tokens, stepped until the update refuses."""
+    add(ctx, request(1, 11, gen=40))
+    for _ in range(steps):
+        step(ctx)
+
+
+@pytest.mark.parametrize("buffer_blocks, paused_blocks, lower_paused", [
+    (16, 10, True),     # 5 active blocks; a paused budget 8 smaller would leave 13
+    (6, 2, False),      # 3 active blocks; the paused budget cannot give 10
+    (24, None, True),   # half the buffer: 11 active blocks; or a paused budget of 10
+    (6, None, False),   # 2 active blocks; no paused budget leaves 13 in 6 blocks
+])
+def test_no_request_can_run_names_the_argument_and_how_much(buffer_blocks, paused_blocks,
+                                                             lower_paused):
+    """A request of 51 tokens (13 blocks of 4) in an active budget that holds fewer: the
+    update names the argument to change and the value, and the advised contexts run it."""
+    sizes = dict(max_requests=4, max_tokens=64, max_sequence_length=52,
+                 buffer_size_gb=buffer_blocks * BLOCK / GIB,
+                 paused_buffer_size_gb=(None if paused_blocks is None
+                                        else paused_blocks * BLOCK / GIB))
+    with pytest.warns(UserWarning, match="no request can run"):  # the constructor foresees it
+        ctx = make_ctx(**sizes)
+    with pytest.raises(RuntimeError, match=r"no request can run: .*: request 1 needs \d+ blocks "
+                                           r"of the active budget .*, 13 to reach its 51 tokens: "
+                                           r"raise buffer_size_gb to at least ") as caught:
+        _run_until_stuck(ctx)
+    message = str(caught.value)
+    advised = float(message.split("buffer_size_gb to at least ")[1].split()[0])
+    _run_until_stuck(make_ctx(**dict(sizes, buffer_size_gb=advised)))  # the advice is enough
+    paused_advice = ("paused_buffer_size_gb to at most " if paused_blocks is not None
+                     else "or pass paused_buffer_size_gb=")
+    assert (paused_advice in message) == lower_paused, message
+    if lower_paused:
+        paused = float(message.split(paused_advice)[1].split()[0].rstrip(";"))
+        _run_until_stuck(make_ctx(**dict(sizes, paused_buffer_size_gb=paused)))
