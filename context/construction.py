@@ -24,6 +24,7 @@ from dynctx.kernels.devices import indexed_device
 
 from . import compat
 from .device_state import DeviceState
+from .errors import get_mem_size_str
 from .forward_pass import ForwardPass
 from .graph_ladder import CUDAGraphLadder, context_cuda_graph_ladder
 from .inputs import check_row_moves
@@ -36,6 +37,7 @@ from .requests import DynamicInferenceRequest
 from .sizing import (
     LayerLayout,
     MemoryLayout,
+    check_fits,
     check_scalars,
     config_from_model,
     layer_layout,
@@ -255,9 +257,12 @@ class ContextParts(NamedTuple):
     forward: ForwardPass
     mamba: Optional[MambaStates]
     mamba_metadata: Optional[MambaMetadata]
+    asks: tuple = ()    # ((the arguments that ask, device bytes), ...): sizing.check_fits
 
     def allocate(self) -> None:
-        """Every tensor, then the request table's host rows over the arena (empty)."""
+        """Every tensor, then the request table's host rows over the arena (empty); first of
+        all, a device without room for them is refused (``sizing.check_fits``)."""
+        check_fits(self.device.device, list(self.asks))
         self.device.allocate()
         self.kv.allocate()
         if self.mamba is not None:
@@ -334,7 +339,29 @@ def build_parts(settings: ContextSettings) -> ContextParts:
     metadata = None if mamba is None else MambaMetadata(mamba, table, state)
     forward = ForwardPass(table=table, device=state, steps=steps, kv=kv, layers=layers,
                           settings=attrs, mamba=mamba, mamba_metadata=metadata)
-    return ContextParts(table, state, kv, steps, forward, mamba, metadata)
+    return ContextParts(table, state, kv, steps, forward, mamba, metadata,
+                        _asks(attrs, memory, state, kv, mamba))
+
+
+def _asks(attrs: dict, memory: MemoryLayout, state: DeviceState, kv: KVCache,
+          mamba: Optional[MambaStates]) -> tuple:
+    """What the parts will allocate on the device, each named by the arguments that size it."""
+    sized_by = [f"buffer_size_gb={attrs['buffer_size_gb']}"]
+    if attrs["paused_buffer_size_gb"] is not None:
+        sized_by.append(f"paused_buffer_size_gb={attrs['paused_buffer_size_gb']}")
+    if memory.unified_memory_level == 1:
+        sized_by.append("unified_memory_level=1")
+    asks = [(f"KV blocks, {memory.total_blocks} of {get_mem_size_str(memory.block_size_bytes)} "
+             f"({', '.join(sized_by)})", kv.nbytes())]
+    if mamba is not None:
+        snapshots = "" if mamba.snapshots is None else \
+            f" and prefix_caching_mamba_gb={attrs['prefix_caching_mamba_gb']}"
+        asks.append((f"Mamba states (max_requests={memory.max_requests}{snapshots})",
+                     mamba.nbytes()))
+    asks.append((f"bookkeeping (max_requests={memory.max_requests}, max_tokens="
+                 f"{memory.max_tokens}, max_sequence_length={attrs['max_sequence_length']})",
+                 state.nbytes()))
+    return tuple(asks)
 
 
 def from_config(cls, inference_config: Any, model: Any, max_batch_size: int,

@@ -9,6 +9,7 @@ naming the argument, the value and the limit; nothing here allocates.
 from __future__ import annotations
 
 import math
+import os
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -294,6 +295,43 @@ def memory_layout(*, layers: LayerLayout, params_dtype: torch.dtype, block_size_
     return MemoryLayout(block_size_bytes, kv_reduced_dim, level, total_count, paused_count,
                         max_requests, max_tokens, columns, bytes_per_block, block_count,
                         paused_buffer_size_gb)
+
+
+def available_bytes(device: torch.device) -> Optional[int]:
+    """What ``device`` can still give: on CUDA ``torch.cuda.mem_get_info``'s free bytes plus
+    what torch's caching allocator holds unused; on a CPU the available memory (Linux's
+    ``MemAvailable``, else the free pages); None when it cannot be known."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    if device.type != "cpu":
+        return None
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
+def check_fits(device: torch.device, asks: list) -> None:
+    """Refuse, before anything is allocated, tensors that ``device`` cannot hold: ``asks`` is
+    ``[(the arguments that ask, bytes)]``; ``ValueError`` naming each and what ``device`` has
+    (instead of the allocator's message once part of the context is built)."""
+    need = sum(n_bytes for _, n_bytes in asks)
+    have = available_bytes(device)
+    if have is None or need <= have:
+        return
+    shares = "; ".join(f"{what}: {get_mem_size_str(n_bytes)}" for what, n_bytes in asks
+                       if n_bytes)
+    raise ValueError(f"the context needs {get_mem_size_str(need)} on {device} ({shares}), but "
+                     f"{device} has {get_mem_size_str(have)} available: lower the largest "
+                     "(buffer_size_gb sizes the KV blocks)")
 
 
 def config_from_model(inference_config: Any, model: Any, max_batch_size: int) -> dict:

@@ -1,10 +1,14 @@
-"""Refusals that name what to change (issue 19 §5): a chunked prefill id the context cannot be
-chunking, an active budget smaller than one request needs. Each is refused when it is asked
-for, with the argument, the value and the limit, and changes nothing."""
+"""Refusals that name what to change (issue 19 §5, issue 26 §3): a chunked prefill id the
+context cannot be chunking, an active budget smaller than one request needs, a buffer larger
+than the device. Each is refused when it is asked for, with the argument, the value and the
+limit, and changes nothing."""
 
 import pytest
 import torch
 from helpers import BLOCK, GIB, add, make_ctx, request, step
+
+from dynctx.context import DynamicInferenceContext, sizing
+from dynctx.context.device_state import DeviceState
 
 
 def test_chunked_prefill_request_id_takes_only_the_ids_the_context_may_chunk():
@@ -66,3 +70,28 @@ def test_no_request_can_run_names_the_argument_and_how_much(buffer_blocks, pause
     if lower_paused:
         paused = float(message.split(paused_advice)[1].split()[0].rstrip(";"))
         _run_until_stuck(make_ctx(**dict(sizes, paused_buffer_size_gb=paused)))
+
+
+def test_a_buffer_the_device_cannot_hold_is_refused_before_anything_is_allocated(monkeypatch):
+    allocated = []
+    real_allocate = DeviceState.allocate
+    monkeypatch.setattr(DeviceState, "allocate",
+                        lambda self: allocated.append(self) or real_allocate(self))
+    monkeypatch.setattr(sizing, "available_bytes", lambda device: 1024 ** 2)
+    with pytest.raises(ValueError, match=r"the context needs 4(\.\d+)? MiB on cpu \(KV blocks, "
+                                         r"\d+ of .*buffer_size_gb=0\.00390625.*; bookkeeping "
+                                         r".*\), but cpu has 1 MiB available"):
+        make_ctx(buffer_size_gb=4 / 1024, paused_buffer_size_gb=None)
+    assert allocated == []
+    make_ctx(buffer_size_gb=0.5 / 1024)             # what fits is built
+
+
+def test_buffer_size_gb_1000_names_itself_and_the_memory_the_machine_has():
+    have = sizing.available_bytes(torch.device("cpu"))
+    if have is None or have >= 1000 * GIB:
+        pytest.skip(f"this machine has {have} bytes available: 1000 GiB would fit")
+    with pytest.raises(ValueError, match=r"buffer_size_gb=1000\b.*but cpu has .* available"):
+        DynamicInferenceContext(params_dtype=torch.float16, num_layers=4, kv_channels=64,
+                                num_attention_heads=4, max_sequence_length=256,
+                                buffer_size_gb=1000, max_requests=64, unified_memory_level=0,
+                                device="cpu")
