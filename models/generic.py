@@ -48,6 +48,7 @@ from typing import Any, Dict, Iterator, List, Optional
 
 import torch
 
+from ..kernels.devices import same_device
 from ._common import SINGLE, PagedMhaAdapter, TensorParallel, mha_cache_problems
 from .paged_attention import resolve_attention_backend
 from .tp_plan import shard_by_plan
@@ -392,7 +393,7 @@ class GenericAdapter(PagedMhaAdapter):
         the graph), as indices for ``logits_to_keep``: the rows of ``[0, n)`` gathered from an
         fp32 column of positions (exact below 2**24 tokens)."""
         if self._positions is None or self._positions.shape[1] < n \
-                or self._positions.device != ctx.device:
+                or not same_device(self._positions.device, ctx.device):
             size = max(n, int(ctx.max_tokens))
             self._positions = torch.arange(size, dtype=torch.float32,
                                            device=ctx.device).view(1, size, 1)
