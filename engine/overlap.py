@@ -34,23 +34,27 @@ checkpoint holds every generated token, is re-admitted only once its step n toke
 ``suspend()`` reads them first too. The sampled tokens' log probs travel with them (a second
 readback); prompt log probs are read before the update, as in the synchronous engine (that
 step does not overlap).
+
+``AsyncScheduling`` runs the pieces of ``engine/step.py``'s ``Stepper`` in this order and
+finishes requests through the same ``Delivery`` (``engine/results.py``) as the synchronous
+step.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set
+from typing import Any, Dict, List, Optional, Set
 
 import torch
 
 from dynctx.context import SamplingParams
 from dynctx.kernels import token_log_probs
 
+from .results import StepResult
 from .sampling import finish_reason
-
-if TYPE_CHECKING:  # pragma: no cover - imports for annotations only
-    from .engine import Engine, StepResult, _Batch, _Entry, _Row
+from .state import RequestState, Row
+from .step import Batch, Stepper
 
 # A retired row's junk token is sampled greedily: no draw from the engine's generator.
 RETIRED_PARAMS = SamplingParams(temperature=0.0, top_k=1)
@@ -117,10 +121,10 @@ class TokenReadback:
 @dataclass
 class _Delivery:
     """A row of step n whose token will be delivered: its index among the step's active
-    rows, its entry, and whether update n kept it in the context."""
+    rows, its state, and whether update n kept it in the context."""
 
     index: int
-    entry: "_Entry"
+    state: RequestState
     kept: bool
 
 
@@ -138,17 +142,19 @@ class _PendingStep:
 
 
 class AsyncScheduling:
-    """The async mode's state: the step whose tokens are in flight and the retired requests
-    (finished and delivered, their rows still in the context until the next update)."""
+    """The async mode over a ``Stepper``: the step whose tokens are in flight and the retired
+    requests (finished and delivered, their rows still in the context until the next
+    update)."""
 
-    def __init__(self, engine: "Engine"):
-        self.engine = engine
-        ctx = engine.context
+    def __init__(self, steps: Stepper):
+        self.steps = steps
+        ctx = steps.context
         self.readback = TokenReadback(ctx.device, ctx.max_requests)
         self.log_prob_readback = TokenReadback(ctx.device, ctx.max_requests, torch.float32)
         self.pending: Optional[_PendingStep] = None
-        self.retired: Dict[int, "_Entry"] = {}
-        # A retired request's finish (reason, time, step), applied when its row is released.
+        self.retired: Dict[int, RequestState] = {}
+        # A retired request's finish (reason, time, step, error), applied when its row is
+        # released.
         self._retired_finish: Dict[int, tuple] = {}
         # Tokens read outside a step (by ``suspend``): reported with the next step.
         self.carried_tokens: Dict[int, int] = {}
@@ -160,79 +166,80 @@ class AsyncScheduling:
         self.counts: Dict[str, int] = dict(early_reads=0, retired=0, retired_paused=0,
                                            retired_evicted=0, evicted_stops=0)
 
+    def has_work(self) -> bool:
+        """Tokens in flight or carried: a step still has something to deliver."""
+        return self.pending is not None or bool(self.carried_tokens)
+
     # ------------------------------------------------------------------ the step
-    def step(self, result: "StepResult") -> None:
-        eng = self.engine
-        ctx = eng.context
+    def step(self, result: StepResult) -> None:
+        steps = self.steps
         if self.carried_tokens:
             result.new_tokens.update(self.carried_tokens)
             self.carried_tokens = {}
         if self.pending is not None and self.pending.evicted:
             self.counts["early_reads"] += 1
             self.resolve(result.new_tokens)  # the recompute checkpoints need the tokens
-        eng._admit()
-        if ctx.active_token_count == 0:
+        steps.admit()
+        if steps.context.active_token_count == 0:
             # Nothing to run: the last step's tokens are read now (a flush).
             self.resolve(result.new_tokens)
-            eng.stats.generated_tokens += len(result.new_tokens)
-            eng._idle(result)
+            steps.stats.generated_tokens += len(result.new_tokens)
+            steps.idle(result)
             return
-        batch = eng._forward(result, read_tokens=False)
+        batch = steps.forward(result, self)
         handles = (self.readback.start(batch.sampled),
                    None if batch.deferred_log_probs is None
                    else self.log_prob_readback.start(batch.deferred_log_probs))
         if self.pending is not None:
             self.resolve(result.new_tokens)
-        rows = self.outcomes(batch)
-        self.update(batch, rows, result, handles)
+        self.update(batch, self.outcomes(batch), result, handles)
 
-    def generated_log_probs(self, last: torch.Tensor, sampled: torch.Tensor) -> torch.Tensor:
-        """The log probs of the sampled tokens, on the device (read with the tokens): a step
-        without prompt log probs needs no host read for them."""
-        ctx = self.engine.context
-        return token_log_probs(last, sampled, backend=ctx.kernel_backend)[0]
-
-    def params_for(self, entry: "_Entry") -> SamplingParams:
+    # ------------------------------------------------------------------ the forward's view
+    def params_for(self, state: RequestState) -> SamplingParams:
         """The sampling parameters of a row in this step's forward."""
-        return RETIRED_PARAMS if entry.request_id in self.retired else entry.params
+        return RETIRED_PARAMS if state.request_id in self.retired else state.params
 
-    def token_index(self, entry: "_Entry") -> int:
+    def token_index(self, state: RequestState) -> int:
         """How many tokens the request has generated before this step's sample, counting its
         token still in flight (a seeded draw depends on it: engine/sampling.py)."""
-        generated = len(entry.request.generated_tokens)
+        generated = len(state.request.generated_tokens)
         pending = self.pending
-        if pending is not None and entry.request_id in pending.delivered_ids:
+        if pending is not None and state.request_id in pending.delivered_ids:
             generated += 1
         return generated
 
-    def outcomes(self, batch: "_Batch") -> List["_Row"]:
+    def device_log_probs(self, last: torch.Tensor, sampled: torch.Tensor) -> torch.Tensor:
+        """The log probs of the sampled tokens, on the device (read with the tokens): a step
+        without prompt log probs needs no host read for them."""
+        ctx = self.steps.context
+        return token_log_probs(last, sampled, backend=ctx.kernel_backend)[0]
+
+    # ------------------------------------------------------------------ mask and update
+    def outcomes(self, batch: Batch) -> List[Row]:
         """Each row's mask decision from what the host knows now; log probs (read by the
         forward) recorded as the synchronous engine does. Retired rows are dropped."""
-        from .engine import _Row
-
-        eng = self.engine
-        rows: List[_Row] = []
+        rows: List[Row] = []
         cache: Dict[str, Any] = {}
-        for i, entry in enumerate(batch.entries):
-            row = _Row(entry)
+        for i, state in enumerate(batch.states):
+            row = Row(state)
             rows.append(row)
-            if entry.request_id in self.retired:
+            if state.request_id in self.retired:
                 row.finish = "retired"
                 continue
-            eng._row_log_probs(row, i, batch, cache)
-            if entry.request_id == batch.chunked_id:
+            self.steps.row_log_probs(row, i, batch, cache)
+            if state.request_id == batch.chunked_id:
                 continue  # a non-final chunk: its sample is junk, the context keeps it
-            generated = len(entry.request.generated_tokens) + 1
-            if generated >= entry.params.num_tokens_to_generate:
+            generated = len(state.request.generated_tokens) + 1
+            if generated >= state.params.num_tokens_to_generate:
                 row.finish = "length"  # ("stop" instead if the token is the termination id)
         return rows
 
-    def update(self, batch: "_Batch", rows: List["_Row"], result: "StepResult",
+    def update(self, batch: Batch, rows: List[Row], result: StepResult,
                handles: tuple) -> None:
         """``update_requests`` with a host mask and the device tokens, then the engine's side
         of it; the step's deliveries wait for the next step."""
-        eng = self.engine
-        ctx = eng.context
+        steps = self.steps
+        ctx = steps.context
         # A host mask: the context reads it without waiting for the device.
         mask = torch.tensor([r.keep for r in rows], dtype=torch.bool)
         paused = ctx.update_requests(mask, batch.sampled)
@@ -240,30 +247,30 @@ class AsyncScheduling:
         evicted_ids = [int(i) for i in ctx.evicted_request_ids.tolist()]
         deliveries = []
         for i, row in enumerate(rows):
-            rid = row.entry.request_id
+            request_id = row.state.request_id
             if row.finish == "retired":
-                self.release(rid)  # masked: its row is released
+                self.release(request_id)  # masked: its row is released
                 continue
-            eng._apply_log_probs(row)
-            if rid != batch.chunked_id:
-                deliveries.append(_Delivery(i, row.entry, row.keep))
+            row.apply_log_probs()
+            if request_id != batch.chunked_id:
+                deliveries.append(_Delivery(i, row.state, row.keep))
         result.paused_ids = [rid for rid in paused_ids if rid not in self.retired]
         evicted_live = []
-        for rid in evicted_ids:
-            if not self.release(rid):
-                evicted_live.append(rid)
+        for request_id in evicted_ids:
+            if not self.release(request_id):
+                evicted_live.append(request_id)
             else:
                 self.counts["retired_evicted"] += 1
         result.evicted_ids = evicted_live
         if deliveries:
             # Only the evicted rows of this step need their token before a re-admission.
-            delivered = {d.entry.request_id for d in deliveries}
-            self.pending = _PendingStep(step=eng.step_count, deliveries=deliveries,
+            delivered = {d.state.request_id for d in deliveries}
+            self.pending = _PendingStep(step=steps.step_count, deliveries=deliveries,
                                         evicted=set(evicted_live) & delivered,
                                         paused=set(result.paused_ids) & delivered,
                                         handle=handles[0], delivered_ids=delivered,
                                         log_prob_handle=handles[1])
-        eng._after_update(result)
+        steps.after_update(result)
 
     # ------------------------------------------------------------------ reading
     def resolve(self, new_tokens: Dict[int, int]) -> None:
@@ -272,37 +279,34 @@ class AsyncScheduling:
         pending, self.pending = self.pending, None
         if pending is None:
             return
-        eng = self.engine
+        delivery = self.steps.delivery
         tokens = self.readback.read(pending.handle)
         log_probs = None if pending.log_prob_handle is None \
             else self.log_prob_readback.read(pending.log_prob_handle)
         now = time.perf_counter()
-        for delivery in pending.deliveries:
-            entry = delivery.entry
-            token = int(tokens[delivery.index])
-            if log_probs is not None and entry.params.return_log_probs:
-                entry.generated_log_probs.append(log_probs[delivery.index])
-            request = entry.request
-            request.generated_tokens.append(token)
-            new_tokens[entry.request_id] = token
-            if entry.first_token_step is None:
-                entry.first_token_step, entry.first_token_time = pending.step, now
-            reason = finish_reason(entry.params, token, len(request.generated_tokens))
+        for item in pending.deliveries:
+            state = item.state
+            token = int(tokens[item.index])
+            error = None
+            if log_probs is not None and state.params.return_log_probs:
+                state.generated_log_probs.append(log_probs[item.index])
+            delivery.append_token(state, token, new_tokens, now, step=pending.step)
+            reason = finish_reason(state.params, token, len(state.request.generated_tokens))
             if reason is None:
                 continue
-            rid = entry.request_id
-            if delivery.kept and rid not in pending.evicted:
+            request_id = state.request_id
+            if item.kept and request_id not in pending.evicted:
                 # Its row is still in the context: the result comes once an update releases
                 # it (``release``), so that a delivered request has left the context and its
                 # id is free, as in the synchronous engine.
-                self.retired[rid] = entry
-                self._retired_finish[rid] = (reason, now, pending.step)
+                self.retired[request_id] = state
+                self._retired_finish[request_id] = (reason, now, pending.step, error)
                 self.counts["retired"] += 1
-                self.counts["retired_paused"] += rid in pending.paused
+                self.counts["retired_paused"] += request_id in pending.paused
                 continue
-            eng._finish(entry, reason, now, step=pending.step)
-            if delivery.kept:
-                eng.scheduler.discard(rid)  # re-queued for recompute: no longer wanted
+            delivery.finish(state, reason, now, step=pending.step, error=error)
+            if item.kept:
+                self.steps.scheduler.discard(request_id)  # re-queued for recompute: not wanted
                 self.counts["evicted_stops"] += 1
 
     def before_suspend(self) -> List[int]:
@@ -310,16 +314,16 @@ class AsyncScheduling:
         which the suspend drops instead of re-queueing."""
         self.resolve(self.carried_tokens)
         retired = list(self.retired)
-        for rid in retired:
-            self.release(rid)
+        for request_id in retired:
+            self.release(request_id)
         return retired
 
-    def release(self, rid: int) -> bool:
+    def release(self, request_id: int) -> bool:
         """A retired request's row left the context (masked, evicted, or suspended): its
-        result joins the undelivered ones. False when ``rid`` is not retired."""
-        entry = self.retired.pop(rid, None)
-        if entry is None:
+        result joins the undelivered ones. False when ``request_id`` is not retired."""
+        state = self.retired.pop(request_id, None)
+        if state is None:
             return False
-        reason, finished_at, step = self._retired_finish.pop(rid)
-        self.engine._finish(entry, reason, finished_at, step=step)
+        reason, finished_at, step, error = self._retired_finish.pop(request_id)
+        self.steps.delivery.finish(state, reason, finished_at, step=step, error=error)
         return True

@@ -21,7 +21,7 @@ from e2e_helpers import (
 )
 from test_llama_engine import BASE_GENS, BASE_LENGTHS
 
-import dynctx.engine.engine as engine_module
+import dynctx.engine.step as step_module
 from dynctx.context import DynamicInferenceRequest, SamplingParams
 from dynctx.engine.overlap import AsyncScheduling
 
@@ -117,8 +117,8 @@ def test_tokens_are_read_only_after_the_next_forward_is_launched(monkeypatch, lo
     log: List[tuple] = []
     sampled: List[torch.Tensor] = []
     watched: List[List[torch.Tensor]] = []  # per step; kept alive: their data_ptrs stay unique
-    real_sample = engine_module.sample
-    real_log_probs = AsyncScheduling.generated_log_probs
+    real_sample = step_module.sample
+    real_log_probs = AsyncScheduling.device_log_probs
 
     def watched_sample(*args, **kwargs):
         tokens = real_sample(*args, **kwargs)
@@ -142,8 +142,8 @@ def test_tokens_are_read_only_after_the_next_forward_is_launched(monkeypatch, lo
             return original(self, *args, **kwargs)
         return read
 
-    monkeypatch.setattr(engine_module, "sample", watched_sample)
-    monkeypatch.setattr(AsyncScheduling, "generated_log_probs", watched_log_probs)
+    monkeypatch.setattr(step_module, "sample", watched_sample)
+    monkeypatch.setattr(AsyncScheduling, "device_log_probs", watched_log_probs)
     for name in ("tolist", "item", "numpy", "cpu"):
         monkeypatch.setattr(torch.Tensor, name, reader(name))
 
@@ -338,7 +338,7 @@ def test_a_request_stopping_as_it_pauses_or_is_evicted(event):
     assert outcome(asynchronous) == outcome(sync)
     stopped = asynchronous[rid]
     assert stopped.finish_reason == "stop" and stopped.generated_tokens[-1] == token
-    counts = engine._overlap.counts
+    counts = engine.async_scheduling_counts
     if event == "paused":
         assert counts["retired_paused"] >= 1, counts
     else:
@@ -382,7 +382,7 @@ def test_prefix_caching_and_hybrid_models_equal_sync(model):
     _, sync = run(False)
     engine, asynchronous = run(True)
     assert outcome(asynchronous) == outcome(sync)
-    assert engine._overlap.counts["retired"] >= 3
+    assert engine.async_scheduling_counts["retired"] >= 3
     if model != "nemotron-h":
         assert engine.stats.pauses > 0
         assert engine.stats.prefix_cache["prefix_cache_hits"] >= 3

@@ -243,7 +243,7 @@ def test_engine_refuses_a_bad_salt_and_keeps_a_good_one():
     good = greedy_requests([[5, 6, 7]], [2])[0]
     good.prefix_caching_salt = "tenant"
     engine.add_request(good)
-    assert engine._entries[0].request.prefix_caching_salt == "tenant"
+    assert engine._intake.states[0].request.prefix_caching_salt == "tenant"
     with pytest.raises(TypeError, match="enable_prefix_caching"):
         build_engine(hf, block_size=16, blocks=8, paused_blocks=1, max_tokens=32,
                      enable_prefix_caching="yes")
