@@ -76,46 +76,72 @@ def refuse_conflicts(*, context: Any, record_logits: bool) -> None:
             "other")
 
 
+@dataclass(eq=False)
+class Readback:
+    """A copy on its way to the host: the buffer it fills, its event (CUDA), its length."""
+
+    buffer: int
+    event: Any
+    count: int
+
+
 class TokenReadback:
     """A step's sampled tokens (or any 1-D ``dtype`` tensor of at most ``capacity`` values, such
     as their log probs) on their way to the host.
 
-    ``start(tokens)`` begins the copy and returns its handle: on CUDA, a non-blocking copy into
-    one of two pinned buffers (step n+1's copy starts before step n's is read, so they
-    alternate) and an event recorded behind it on the current stream; elsewhere the tensor
-    itself. ``read(handle)`` waits for that event only (not for the whole device) and returns
-    the tokens as ints; a handle never read is simply dropped.
+    ``start(tokens)`` copies them into one of two host buffers (pinned on CUDA, where the copy
+    does not block and an event is recorded behind it on the current stream) and returns the
+    copy's ``Readback``. ``read(readback)`` waits for that event only (not for the whole
+    device) and returns the values as Python numbers. A buffer is taken by ``start`` and
+    freed when its copy is read (or ``discard``-ed, for a copy that will never be read): step
+    n+1's copy starts before step n's is read, so the two alternate, and a copy never read
+    cannot be overwritten by a later ``start`` (that raises instead).
     """
 
     def __init__(self, device: torch.device, capacity: int, dtype: torch.dtype = torch.int64):
         self.device = torch.device(device)
-        self._buffers: List[torch.Tensor] = []
-        if self.device.type == "cuda":
-            self._buffers = [torch.empty(max(1, capacity), dtype=dtype, pin_memory=True)
-                             for _ in range(2)]
-        self._next = 0
+        pinned = self.device.type == "cuda"
+        self._buffers = [torch.empty(max(1, capacity), dtype=dtype, pin_memory=pinned)
+                         for _ in range(2)]
+        self._holders: List[Optional[Readback]] = [None, None]
         self.reads = 0
 
-    def start(self, tokens: torch.Tensor) -> tuple:
+    def start(self, tokens: torch.Tensor) -> Readback:
         count = int(tokens.shape[0])
-        if not self._buffers:
-            return (tokens, None, count)
-        buffer = self._buffers[self._next]
-        self._next ^= 1
-        if count > buffer.shape[0]:
+        capacity = self._buffers[0].shape[0]
+        if count > capacity:
             raise RuntimeError(f"internal: {count} sampled tokens exceed the readback buffer "
-                               f"of {buffer.shape[0]}")
-        buffer[:count].copy_(tokens, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        return (buffer, event, count)
+                               f"of {capacity}")
+        free = [i for i, holder in enumerate(self._holders) if holder is None]
+        if not free:
+            raise RuntimeError("internal: both readback buffers hold copies not read yet; "
+                               "read or discard one before starting another")
+        index = free[0]
+        self._buffers[index][:count].copy_(tokens, non_blocking=True)
+        event = None
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        handle = self._holders[index] = Readback(index, event, count)
+        return handle
 
-    def read(self, handle: tuple) -> list:
-        source, event, count = handle
-        if event is not None:
-            event.synchronize()
+    def read(self, handle: Readback) -> list:
+        self._check_holds(handle)
+        if handle.event is not None:
+            handle.event.synchronize()
+        values = self._buffers[handle.buffer][:handle.count].tolist()
+        self._holders[handle.buffer] = None
         self.reads += 1
-        return source[:count].tolist()
+        return values
+
+    def discard(self, handle: Optional[Readback]) -> None:
+        """A copy that will not be read: its buffer is free again (None: nothing)."""
+        if handle is not None and self._holders[handle.buffer] is handle:
+            self._holders[handle.buffer] = None
+
+    def _check_holds(self, handle: Readback) -> None:
+        if self._holders[handle.buffer] is not handle:
+            raise RuntimeError("internal: this readback was already read or discarded")
 
 
 @dataclass
@@ -136,9 +162,9 @@ class _PendingStep:
     deliveries: List[_Delivery]
     evicted: Set[int]
     paused: Set[int]
-    handle: tuple
+    handle: Readback
     delivered_ids: Set[int]
-    log_prob_handle: Optional[tuple] = None
+    log_prob_handle: Optional[Readback] = None
 
 
 class AsyncScheduling:
@@ -190,9 +216,15 @@ class AsyncScheduling:
         handles = (self.readback.start(batch.sampled),
                    None if batch.deferred_log_probs is None
                    else self.log_prob_readback.start(batch.deferred_log_probs))
-        if self.pending is not None:
-            self.resolve(result.new_tokens)
-        self.update(batch, self.outcomes(batch), result, handles)
+        try:
+            if self.pending is not None:
+                self.resolve(result.new_tokens)
+            self.update(batch, self.outcomes(batch), result, handles)
+        finally:
+            if self.pending is None or self.pending.handle is not handles[0]:
+                # No delivery waits for this step's copies (or the step raised): free them.
+                self.readback.discard(handles[0])
+                self.log_prob_readback.discard(handles[1])
 
     # ------------------------------------------------------------------ the forward's view
     def params_for(self, state: RequestState) -> SamplingParams:

@@ -23,7 +23,7 @@ from test_llama_engine import BASE_GENS, BASE_LENGTHS
 
 import dynctx.engine.step as step_module
 from dynctx.context import DynamicInferenceRequest, SamplingParams
-from dynctx.engine.overlap import AsyncScheduling
+from dynctx.engine.overlap import AsyncScheduling, TokenReadback
 
 CASE = dict(block_size=16, blocks=14, paused_blocks=3, max_tokens=32, max_requests=None, scale=1)
 GRAPH_CASE = dict(CASE, max_requests=8)
@@ -108,17 +108,20 @@ def test_async_equals_sync_and_transformers_under_pressure(graphs):
 @pytest.mark.parametrize("log_probs", [False, True], ids=["tokens", "with-log-probs"])
 def test_tokens_are_read_only_after_the_next_forward_is_launched(monkeypatch, log_probs):
     """Every host read of a step's sampled tokens (tolist, item, numpy, cpu on any view of
-    them), and of their log probs when requests ask for them (without prompt log probs), comes
-    after the next step's forward was launched, except the last step's, read once nothing is
-    left to run; the synchronous engine reads them before."""
+    them, or the read of their copy to the host), and of their log probs when requests ask for
+    them (without prompt log probs), comes after the next step's forward was launched, except
+    the last step's, read once nothing is left to run; the synchronous engine reads them
+    before."""
     hf = tiny_llama(seed=3)
     prompts = make_prompts([4, 9, 2, 13, 6], hf.config.vocab_size, seed=4)
     gens = [6, 3, 8, 5, 7]
     log: List[tuple] = []
     sampled: List[torch.Tensor] = []
     watched: List[List[torch.Tensor]] = []  # per step; kept alive: their data_ptrs stay unique
+    copies: List[tuple] = []  # (readback handle, step); the handles kept alive
     real_sample = step_module.sample
     real_log_probs = AsyncScheduling.device_log_probs
+    real_start, real_read = TokenReadback.start, TokenReadback.read
 
     def watched_sample(*args, **kwargs):
         tokens = real_sample(*args, **kwargs)
@@ -131,19 +134,34 @@ def test_tokens_are_read_only_after_the_next_forward_is_launched(monkeypatch, lo
         watched[-1].append(values)
         return values
 
+    def step_of(tensor):
+        return next((k for k, tensors in enumerate(watched)
+                     if any(tensor.data_ptr() == t.data_ptr() for t in tensors)), None)
+
+    def watched_start(self, tensor):
+        handle = real_start(self, tensor)
+        copies.append((handle, step_of(tensor)))
+        return handle
+
+    def watched_read(self, handle):
+        log.extend(("read", k) for h, k in copies if h is handle and k is not None)
+        return real_read(self, handle)
+
     def reader(name):
         original = getattr(torch.Tensor, name)
 
         def read(self, *args, **kwargs):
             if self.numel():
-                for k, tensors in enumerate(watched):
-                    if any(self.data_ptr() == t.data_ptr() for t in tensors):
-                        log.append(("read", k))
+                k = step_of(self)
+                if k is not None:
+                    log.append(("read", k))
             return original(self, *args, **kwargs)
         return read
 
     monkeypatch.setattr(step_module, "sample", watched_sample)
     monkeypatch.setattr(AsyncScheduling, "device_log_probs", watched_log_probs)
+    monkeypatch.setattr(TokenReadback, "start", watched_start)
+    monkeypatch.setattr(TokenReadback, "read", watched_read)
     for name in ("tolist", "item", "numpy", "cpu"):
         monkeypatch.setattr(torch.Tensor, name, reader(name))
 
@@ -151,6 +169,7 @@ def test_tokens_are_read_only_after_the_next_forward_is_launched(monkeypatch, lo
         log.clear()
         sampled.clear()
         watched.clear()
+        copies.clear()
         engine = build_engine(hf, block_size=16, blocks=16, paused_blocks=4, max_tokens=32,
                               kernel_backend="torch", async_scheduling=async_scheduling)
         forward = engine.model.forward
