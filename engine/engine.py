@@ -30,9 +30,11 @@ Requests are isolated from each other:
   goes on: one too long for the context (at the next step), one the context refuses when it is
   added, one the scheduler cannot place even in an empty context (no such case is known), and,
   when the context has ``validate=True``, one whose logits hold NaN or +inf (NaN never reaches
-  sampling). With the context's ``validate`` or ``vocab_size`` set, the model
-  computes every token's logits and the engine picks the last-token rows through the context
-  (whose checks are then made on logits; the LM head also runs on prefill tokens).
+  sampling); without it, one whose last-token logits give sampling no distribution (NaN, all
+  ``-inf``, or ``+inf`` under temperature: ``engine/sampling.py``). With the context's
+  ``validate`` or ``vocab_size`` set, the model computes every token's logits and the engine
+  picks the last-token rows through the context (whose checks are then made on logits; the LM
+  head also runs on prefill tokens).
 * A ``step_callback`` or the context's ``metrics_writer`` that raises: the step completes first,
   so that the engine and the context agree, and then the error propagates out of ``step()``.
   No result is lost: the finished results of a step that raised stay undelivered, and the next

@@ -33,7 +33,9 @@ synchronous engine has one every step): a request evicted by update n, whose rec
 checkpoint holds every generated token, is re-admitted only once its step n token is read;
 ``suspend()`` reads them first too. The sampled tokens' log probs travel with them (a second
 readback); prompt log probs are read before the update, as in the synchronous engine (that
-step does not overlap).
+step does not overlap). A row whose logits gave sampling no distribution (``REFUSED`` in the
+tokens read, ``engine/sampling.py``) is found when its token is read, and finishes as an error
+the way a stopping request does (retired while its row is in the context).
 
 ``AsyncScheduling`` runs the pieces of ``engine/step.py``'s ``Stepper`` in this order and
 finishes requests through the same ``Delivery`` (``engine/results.py``) as the synchronous
@@ -52,9 +54,9 @@ from dynctx.context import SamplingParams
 from dynctx.kernels import token_log_probs
 
 from .results import StepResult
-from .sampling import finish_reason
+from .sampling import REFUSED, finish_reason
 from .state import RequestState, Row
-from .step import Batch, Stepper
+from .step import REFUSED_ERROR, Batch, Stepper
 
 # A retired row's junk token is sampled greedily: no draw from the engine's generator.
 RETIRED_PARAMS = SamplingParams(temperature=0.0, top_k=1)
@@ -213,7 +215,7 @@ class AsyncScheduling:
             steps.idle(result)
             return
         batch = steps.forward(result, self)
-        handles = (self.readback.start(batch.sampled),
+        handles = (self.readback.start(batch.readout),
                    None if batch.deferred_log_probs is None
                    else self.log_prob_readback.start(batch.deferred_log_probs))
         try:
@@ -306,8 +308,9 @@ class AsyncScheduling:
 
     # ------------------------------------------------------------------ reading
     def resolve(self, new_tokens: Dict[int, int]) -> None:
-        """Read the pending step's tokens, append them, finish the requests that stop or reach
-        their length; a finished request still in the context retires."""
+        """Read the pending step's tokens, append them, finish the requests that stop, reach
+        their length or were refused by sampling; a finished request still in the context
+        retires."""
         pending, self.pending = self.pending, None
         if pending is None:
             return
@@ -320,10 +323,14 @@ class AsyncScheduling:
             state = item.state
             token = int(tokens[item.index])
             error = None
-            if log_probs is not None and state.params.return_log_probs:
-                state.generated_log_probs.append(log_probs[item.index])
-            delivery.append_token(state, token, new_tokens, now, step=pending.step)
-            reason = finish_reason(state.params, token, len(state.request.generated_tokens))
+            if token == REFUSED:
+                reason, error = "error", REFUSED_ERROR
+            else:
+                if log_probs is not None and state.params.return_log_probs:
+                    state.generated_log_probs.append(log_probs[item.index])
+                delivery.append_token(state, token, new_tokens, now, step=pending.step)
+                reason = finish_reason(state.params, token,
+                                       len(state.request.generated_tokens))
             if reason is None:
                 continue
             request_id = state.request_id

@@ -28,10 +28,11 @@ class RequestResult:
     """A finished request: its tokens, log probs (when asked), finish reason and timings.
 
     ``finish_reason``: ``"stop"`` (sampled its termination id), ``"length"`` (generated
-    ``num_tokens_to_generate`` tokens) or ``"error"`` (rejected; see ``error``). Steps count
-    engine steps; times are ``time.perf_counter()`` values. ``step_logits`` (only with
-    ``record_logits``): ``(prefix_length, fp32 logits [V])`` for every forward step the request
-    took part in, the logits predicting the token after the first ``prefix_length`` tokens of
+    ``num_tokens_to_generate`` tokens) or ``"error"`` (rejected, or its logits gave no
+    distribution to sample from; see ``error``). Steps count engine steps; times are
+    ``time.perf_counter()`` values. ``step_logits`` (only with ``record_logits``):
+    ``(prefix_length, fp32 logits [V])`` for every forward step the request took part in, the
+    logits predicting the token after the first ``prefix_length`` tokens of
     ``prompt_tokens + generated_tokens``.
     """
 

@@ -4,8 +4,10 @@
 (docs/SEMANTICS.md §10, §11): admit requests (arrivals, FIFO admission, chunked prefill:
 ``engine/scheduler.py``); ``initialize_attention_state``; the model's forward (or a captured
 graph's replay, ``engine/graphs.py``); per-request sampling; the finish mask;
-``update_requests``; the evicted requests re-queued at the front for recompute. Async
-scheduling (``engine/overlap.py``) runs the same pieces in another order.
+``update_requests``; the evicted requests re-queued at the front for recompute. The sampled
+tokens are read with the rows sampling refused folded in (``engine/sampling.py``). Async
+scheduling (``engine/overlap.py``) runs the same pieces in
+another order.
 """
 
 from __future__ import annotations
@@ -21,21 +23,28 @@ from dynctx.context import DynamicInferenceContext
 
 from .intake import Intake
 from .results import Delivery, EngineStats, StepResult
-from .sampling import finish_reason, sample
+from .sampling import REFUSED, finish_reason, sample_checked
 from .scheduler import Admission, Scheduler
 from .state import RequestState, Row
+
+# The error of a request whose logits gave sampling no distribution to draw from.
+REFUSED_ERROR = ("sampling refused the request: its logits hold NaN, are all -inf, or hold "
+                 "+inf under temperature sampling (no finite probabilities); build the context "
+                 "with validate=True to check every token's logits")
 
 
 @dataclass
 class Batch:
     """One forward step: the active rows in order, the sampled tokens (``sampled`` on the
-    device; ``tokens`` on the host, empty under async scheduling), the rows whose logits failed
-    the context's check, and the log probs when asked."""
+    device, valid ids; ``readout`` the same with ``REFUSED`` where sampling refused the row;
+    ``tokens``, the readout on the host, empty under async scheduling), the rows whose logits
+    failed the context's check, and the log probs when asked."""
 
     states: List[RequestState]
     num_decode: int
     chunked_id: int
     sampled: torch.Tensor
+    readout: torch.Tensor
     tokens: List[int]
     failed: Dict[int, str]
     want_prompt_log_probs: bool
@@ -87,9 +96,13 @@ class Stepper:
             if i in batch.failed:
                 row.finish, row.error = "error", batch.failed[i]
                 continue
-            self.row_log_probs(row, i, batch, cache)
             if state.request_id == batch.chunked_id:
+                self.row_log_probs(row, i, batch, cache)
                 continue  # a non-final chunk: its sample is junk, the context keeps it
+            if token == REFUSED:
+                row.finish, row.error = "error", REFUSED_ERROR
+                continue
+            self.row_log_probs(row, i, batch, cache)
             row.token = token
             row.finish = finish_reason(state.params, token,
                                        len(state.request.generated_tokens) + 1)
@@ -197,11 +210,11 @@ class Stepper:
         else:
             params = [in_flight.params_for(s) for s in states]
             indices = [in_flight.token_index(s) for s in states]
-        sampled = sample(last, params, indices, self.rng)
+        sampled, readout = sample_checked(last, params, indices, self.rng)
         batch = Batch(states=states, num_decode=num_decode,
                       chunked_id=ctx.chunked_prefill_request_id, sampled=sampled,
-                      tokens=sampled.tolist() if in_flight is None else [], failed=failed,
-                      want_prompt_log_probs=want_prompt_lp)
+                      readout=readout, tokens=readout.tolist() if in_flight is None else [],
+                      failed=failed, want_prompt_log_probs=want_prompt_lp)
         if any(s.params.return_log_probs for s in states):
             if want_prompt_lp:
                 batch.log_prob_lists, batch.full_log_probs = ctx.calculate_log_probs(

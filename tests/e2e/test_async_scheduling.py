@@ -119,15 +119,15 @@ def test_tokens_are_read_only_after_the_next_forward_is_launched(monkeypatch, lo
     sampled: List[torch.Tensor] = []
     watched: List[List[torch.Tensor]] = []  # per step; kept alive: their data_ptrs stay unique
     copies: List[tuple] = []  # (readback handle, step); the handles kept alive
-    real_sample = step_module.sample
+    real_sample = step_module.sample_checked
     real_log_probs = AsyncScheduling.device_log_probs
     real_start, real_read = TokenReadback.start, TokenReadback.read
 
     def watched_sample(*args, **kwargs):
-        tokens = real_sample(*args, **kwargs)
+        tokens, readout = real_sample(*args, **kwargs)
         sampled.append(tokens)
-        watched.append([tokens])
-        return tokens
+        watched.append([tokens, readout])
+        return tokens, readout
 
     def watched_log_probs(self, last, tokens):
         values = real_log_probs(self, last, tokens)
@@ -158,7 +158,7 @@ def test_tokens_are_read_only_after_the_next_forward_is_launched(monkeypatch, lo
             return original(self, *args, **kwargs)
         return read
 
-    monkeypatch.setattr(step_module, "sample", watched_sample)
+    monkeypatch.setattr(step_module, "sample_checked", watched_sample)
     monkeypatch.setattr(AsyncScheduling, "device_log_probs", watched_log_probs)
     monkeypatch.setattr(TokenReadback, "start", watched_start)
     monkeypatch.setattr(TokenReadback, "read", watched_read)
@@ -199,7 +199,7 @@ def test_tokens_are_read_only_after_the_next_forward_is_launched(monkeypatch, lo
         assert masks and set(masks) == {"cpu"}
         if log_probs:
             assert all(len(r.generated_log_probs) == len(r.generated_tokens) for r in results)
-            assert not async_scheduling or all(len(w) == 2 for w in watched)
+            assert not async_scheduling or all(len(w) == 3 for w in watched)
         return [(r.generated_tokens, r.generated_log_probs) for r in results], list(log), \
             len(sampled)
 

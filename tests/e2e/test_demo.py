@@ -28,13 +28,14 @@ def test_demo_runs_and_matches_transformers(tmp_path, capsys):
 def test_demo_exit_code_on_mismatch(tmp_path, capsys, monkeypatch):
     import dynctx.engine.step as step_module
 
-    real_sample = step_module.sample
+    real_sample = step_module.sample_checked
 
     def off_by_one(logits, params, token_indices, generator):
-        tokens = real_sample(logits, params, token_indices, generator)
-        return (tokens + 1) % logits.shape[-1]
+        tokens, _ = real_sample(logits, params, token_indices, generator)
+        tokens = (tokens + 1) % logits.shape[-1]
+        return tokens, tokens
 
-    monkeypatch.setattr(step_module, "sample", off_by_one)
+    monkeypatch.setattr(step_module, "sample_checked", off_by_one)
     code = cli_demo.main(["--requests", "4", "--max-new-tokens", "4", "--plot", "",
                           "--no-progress"])
     assert code == 1

@@ -360,6 +360,41 @@ def test_sampling_never_indexes_minus_one_on_nan_logits():
     assert int(tokens[2]) == int(logits[2].argmax())
 
 
+def seeded_requests(prompts, temperature=0.8):
+    return [DynamicInferenceRequest(request_id=i, prompt_tokens=list(p),
+                                    sampling_params=SamplingParams(
+                                        temperature=temperature, seed=40 + i,
+                                        num_tokens_to_generate=g))
+            for i, (p, g) in enumerate(zip(prompts, GENS))]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("bad_id, from_step", [(0, 2), (3, 0)], ids=["decoding", "chunked"])
+def test_sampling_refuses_nan_logits_without_validate(hf, prompts, bad_id, from_step,
+                                                     async_scheduling):
+    """Without ``validate``, NaN logits reach sampling (``temperature=0.8``): that request
+    finishes with an error saying so (before, it got token 0 every step, silently), its
+    tokens before the NaN kept; the others draw what they draw in a clean run."""
+    clean = small_engine(hf, async_scheduling=async_scheduling).generate_requests(
+        seeded_requests(prompts))
+    engine = small_engine(hf, async_scheduling=async_scheduling)
+    engine.model = NaNLogits(engine.model, bad_id, from_step)
+    results = engine.generate_requests(seeded_requests(prompts))
+    bad = results[bad_id]
+    assert bad.finish_reason == "error" and "sampling refused the request" in bad.error
+    assert "NaN" in bad.error and engine.stats.errors == 1
+    # The forwards before the NaN gave their tokens (request 3's chunks give none).
+    kept = 0 if bad_id == 3 else from_step
+    assert bad.generated_tokens == clean[bad_id].generated_tokens[:kept]
+    for other, reference in zip(results, clean):
+        if other.request_id != bad_id:
+            assert other.finish_reason == "length"
+            assert other.generated_tokens == reference.generated_tokens, other.request_id
+    ctx = engine.context
+    assert not engine.has_unfinished_requests() and ctx.total_request_count == 0
+    assert ctx.block_allocator.total_avail == ctx.block_allocator.total_count - 1
+
+
 def test_vocab_size_as_a_context_keyword(hf, prompts, greedy):
     engine = small_engine(hf, vocab_size=VOCAB)
     assert engine.context.vocab_size == VOCAB
