@@ -12,7 +12,8 @@ Every operation is row-wise, so a row's result does not depend on the other rows
 Sampling refuses a row that gives no distribution: logits holding NaN, all ``-inf``, or (under
 temperature) ``+inf``, whose probabilities are not finite. ``sample_checked`` returns, beside
 the tokens, the same tokens with ``REFUSED`` in those rows: the host reads that one tensor, so
-the refusal costs no extra read.
+the refusal costs no extra read. The sampling parameters reach the device in one upload, from
+pinned memory without blocking the host on CUDA.
 """
 
 from __future__ import annotations
@@ -66,6 +67,16 @@ def filter_sorted_logits(sorted_logits: torch.Tensor, top_k: torch.Tensor,
     return sorted_logits.masked_fill(~keep, float("-inf"))
 
 
+def upload(values: np.ndarray, device: torch.device) -> torch.Tensor:
+    """``values`` on ``device`` without blocking the host: on CUDA a non-blocking copy from
+    pinned memory (PyTorch's pinned allocator keeps the block until the copy is done), on a
+    CPU the array itself."""
+    host = torch.from_numpy(values)
+    if torch.device(device).type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
+
+
 def sample_checked(logits: torch.Tensor, params: Sequence[SamplingParams],
                    token_indices: Sequence[int],
                    generator: np.random.Generator) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -95,14 +106,16 @@ def _sample_rows(logits: torch.Tensor, tokens: torch.Tensor, refused: torch.Tens
                  token_indices: Sequence[int], generator: np.random.Generator) -> None:
     """Draw the tokens of the sampled ``rows`` into ``tokens`` and mark in ``refused`` those
     whose probabilities are not finite."""
-    device = logits.device
-    index = torch.tensor(rows, dtype=torch.long, device=device)
     chosen = [params[i] for i in rows]
-    temperature = torch.tensor([p.temperature for p in chosen], dtype=torch.float32, device=device)
-    top_k = torch.tensor([p.top_k for p in chosen], dtype=torch.long, device=device)
-    top_p = torch.tensor([p.top_p for p in chosen], dtype=torch.float32, device=device)
-    uniforms = torch.tensor([uniform_draw(params[i].seed, token_indices[i], generator)
-                             for i in rows], dtype=torch.float32, device=device)
+    # One upload: rows, temperature, top-k, top-p and the uniform draw of each sampled row
+    # (float64 holds the ids and top-k exactly and rounds the floats to fp32 as before).
+    packed = np.array([rows, [p.temperature for p in chosen], [p.top_k for p in chosen],
+                       [p.top_p for p in chosen],
+                       [uniform_draw(params[i].seed, token_indices[i], generator)
+                        for i in rows]], dtype=np.float64)
+    values = upload(packed, logits.device)
+    index, top_k = values[0].long(), values[2].long()
+    temperature, top_p, uniforms = values[1].float(), values[3].float(), values[4].float()
     # Shifted by the row maximum first: a tiny temperature then scales to 0 and -large, never
     # to inf - inf (NaN).
     chosen_logits = logits[index]

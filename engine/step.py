@@ -3,10 +3,10 @@
 ``Stepper`` owns the pieces of an engine step and runs the synchronous step with them
 (docs/SEMANTICS.md §10, §11): admit requests (arrivals, FIFO admission, chunked prefill:
 ``engine/scheduler.py``); ``initialize_attention_state``; the model's forward (or a captured
-graph's replay, ``engine/graphs.py``); per-request sampling; the finish mask;
-``update_requests``; the evicted requests re-queued at the front for recompute. The sampled
-tokens are read with the rows sampling refused folded in (``engine/sampling.py``). Async
-scheduling (``engine/overlap.py``) runs the same pieces in
+graph's replay, ``engine/graphs.py``); per-request sampling; the finish mask, built on the host;
+``update_requests``; the evicted requests re-queued at the front for recompute. The step reads
+the device once: the sampled tokens, with the rows sampling refused folded in
+(``engine/sampling.py``). Async scheduling (``engine/overlap.py``) runs the same pieces in
 another order.
 """
 
@@ -109,14 +109,16 @@ class Stepper:
         return rows
 
     def update(self, batch: Batch, rows: List[Row], result: StepResult) -> None:
-        """``update_requests`` with the rows' mask, then the rows applied to the engine."""
+        """``update_requests`` with the rows' mask (on the host: the context reads it without
+        waiting for the device), then the rows applied to the engine."""
         ctx = self.context
         if batch.chunked_id != -1 and any(r.finish == "error" and r.state.request_id ==
                                           batch.chunked_id for r in rows):
             # A chunked prefill that failed ends now: the mask releases it like any other.
             ctx.chunked_prefill_request_id = -1
             self.scheduler.discard(batch.chunked_id)
-        mask = torch.tensor([r.keep for r in rows], dtype=torch.bool, device=ctx.device)
+        mask = torch.from_numpy(np.fromiter((r.keep for r in rows), dtype=np.bool_,
+                                            count=len(rows)))
         paused = ctx.update_requests(mask, batch.sampled)
         result.paused_ids = [int(i) for i in paused.tolist()]
         result.evicted_ids = [int(i) for i in ctx.evicted_request_ids.tolist()]
