@@ -1,10 +1,10 @@
 """Construction from ``transformers``: the model adapter, a context sized for it, the engine.
 
 ``build_from_transformers`` is ``Engine.from_transformers`` (its docstring says what each
-argument does). It picks the adapter by the model's class, else the generic path
-(``transformers_adapter``), and decides the context's sizes by computing them: the
-context's default ``max_requests`` (about one per KV block, ``context/sizing.py``) is capped at
-``max_tokens`` when it would exceed it.
+argument does). It checks the engine's own options first, picks the adapter by the model's
+class, else the generic path (``transformers_adapter``), and decides the context's sizes by
+computing them: the context's default ``max_requests`` (about one per KV block,
+``context/sizing.py``) is capped at ``max_tokens`` when it would exceed it.
 """
 
 from __future__ import annotations
@@ -19,8 +19,10 @@ import torch
 from dynctx.context import DynamicInferenceContext
 from dynctx.context import sizing as context_sizing
 from dynctx.context.parallel import parallel_groups
+from dynctx.models.paged_attention import BACKENDS as ATTENTION_BACKENDS
 
 from .graphs import graph_attention_backend
+from .validation import check_choice
 
 
 def transformers_adapters() -> Dict[str, Callable[..., Any]]:
@@ -113,6 +115,7 @@ def build_from_transformers(engine_class: type, hf_model: Any, *, rope: str,
     """``Engine.from_transformers`` (see there)."""
     from dynctx.models import TensorParallel
 
+    check_choice("attention_backend", attention_backend, ATTENTION_BACKENDS)
     graphs = bool(cuda_graphs and context_kwargs.get("num_cuda_graphs"))
     build, attention_backend = transformers_adapter(hf_model, attention_backend, graphs,
                                                     integration)

@@ -76,6 +76,20 @@ __all__ = ["DEFAULT_HISTORY_WINDOW", "Engine", "EngineStats", "RequestResult", "
 StepCallback = Callable[["StepResult"], None]
 
 
+def check_attention_backend(model: Any, context: DynamicInferenceContext) -> None:
+    """Resolve the model's paged attention for ``context`` now (an adapter's
+    ``attention_for``), so that a backend that cannot run here raises at construction, naming
+    ``attention_backend``, instead of in the first step."""
+    attention_for = getattr(model, "attention_for", None)
+    if not callable(attention_for):
+        return
+    try:
+        attention_for(context)
+    except (ValueError, RuntimeError) as error:
+        requested = getattr(model, "attention_backend_request", None)
+        raise type(error)(f"attention_backend={requested!r}: {error}") from error
+
+
 class Engine:
     """In-flight batching engine over one model adapter and one ``DynamicInferenceContext``.
 
@@ -104,7 +118,8 @@ class Engine:
             ``validate=True`` and with ``record_logits=True``; log probs work (a step with
             prompt log probs reads them on the host before the update).
 
-    Every option is checked here (``TypeError``/``ValueError`` naming it).
+    Every option is checked here (``TypeError``/``ValueError`` naming it), and the model's
+    attention backend is resolved for the context: one that cannot run raises now.
     """
 
     @joins_agreement_on_failure
@@ -134,6 +149,7 @@ class Engine:
             model.check_context(context)
         if async_scheduling:
             refuse_conflicts(context=context, record_logits=record_logits)
+        check_attention_backend(model, context)
         if tp is not None and tp.size > 1:
             # Lockstep (docs/SEMANTICS.md §18): the settings that steer scheduling and sampling
             # must be equal on every rank, else every rank raises alike.
@@ -190,6 +206,8 @@ class Engine:
         head_dim, ``num_attention_heads`` = ``num_key_value_heads``, ``max_sequence_length`` =
         ``max_position_embeddings``; ``buffer_size_gb`` defaults to 1. ``max_requests`` defaults
         to the context's (about one block per request), capped at ``max_tokens``.
+        ``attention_backend``: one of ``dynctx.models.paged_attention.BACKENDS``, checked (and
+        resolved for the device) before the engine is returned.
         ``num_cuda_graphs`` (a context argument) with ``cuda_graphs=True``: the engine captures
         and replays the forward per graph batch dimension (``Engine``'s ``cuda_graphs``), and
         ``attention_backend="auto"`` picks among the backends a graph can capture

@@ -41,6 +41,15 @@ def check_int(name: str, value: Any, *, low: Optional[int] = None,
     return value
 
 
+def check_choice(name: str, value: Any, choices: Sequence[Any]) -> Any:
+    """``value`` when it is one of ``choices``, else ``ValueError`` naming the option, the value
+    and the choices."""
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"{name}={value!r} must be one of "
+                         f"{', '.join(repr(c) for c in choices)}")
+    return value
+
+
 def check_bool(name: str, value: Any) -> bool:
     """``value`` as a bool (numpy's too), else ``TypeError`` naming the option."""
     if not isinstance(value, (bool, np.bool_)):
