@@ -301,7 +301,8 @@ def _versions() -> dict:
 
 
 def _table(data: dict) -> str:
-    lines = [f"device {data['device']}  dtype {data['dtype']}  params {data['params'] / 1e9:.2f}B  "
+    lines = [f"device {data['device']}  dtype {data['dtype']}  "
+             f"params {(data['params'] or 0) / 1e9:.2f}B  "
              f"prompt {data['prompt_len']}  new tokens {data['new_tokens']}",
              f"{'mode':<12} {'batch':>5} {'tok/s':>10} {'step ms':>8} {'p90 ms':>8} "
              f"{'steps':>6} {'graph%':>6} {'same':>5}"]
@@ -348,10 +349,9 @@ def main(argv: Optional[List[str]] = None) -> int:
               "to check the script on a CPU)", file=sys.stderr)
         return 2
     started = time.perf_counter()
-    model = build_model(args, device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
-    data = dict(device=name or device.type, dtype=str(args.dtype).replace("torch.", ""),
-                params=sum(p.numel() for p in model.parameters()),
+    data = dict(device=name or device.type, gpu=name if device.type == "cuda" else None,
+                dtype=str(args.dtype).replace("torch.", ""), params=None,
                 model=dict(MODEL_TINY if args.tiny else MODEL_1B),
                 prompt_len=args.prompt_len, new_tokens=args.new_tokens,
                 warmup_tokens=args.warmup_tokens, batches=args.batches,
@@ -367,6 +367,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.table_file:
             Path(args.table_file).write_text(_table(data) + "\n")
 
+    save()
+    model = build_model(args, device)
+    data["params"] = sum(p.numel() for p in model.parameters())
     save()
     prompts = {batch: make_prompts(batch, args.prompt_len, model.config.vocab_size, args.seed)
                for batch in args.batches}
