@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from sizing_warning import built
 
 from dynctx.context import DynamicInferenceContext, DynamicInferenceRequest, SamplingParams
 from dynctx.context.dynamic_context import FIELD_BLOCKS
@@ -23,13 +24,14 @@ TOKEN_NAMES = ("token_to_input_ids", "token_to_pos_ids", "token_to_request_idx",
 
 
 def make_ctx(**overrides) -> DynamicInferenceContext:
-    """A small fp32 context: 2 layers, 2 heads of 8, block 4 tokens (BLOCK bytes per block)."""
+    """A small fp32 context: 2 layers, 2 heads of 8, block 4 tokens (BLOCK bytes per block);
+    its sizing warning asserted where small buffers provoke it (``sizing_warning.built``)."""
     args = dict(params_dtype=torch.float32, num_layers=2, kv_channels=8, num_attention_heads=2,
                 max_sequence_length=64, buffer_size_gb=40 * BLOCK / GIB,
                 paused_buffer_size_gb=8 * BLOCK / GIB, block_size_tokens=4, max_tokens=64,
                 max_requests=8, unified_memory_level=0, device="cpu")
     args.update(overrides)
-    return DynamicInferenceContext(**args)
+    return built(lambda: DynamicInferenceContext(**args))
 
 
 def request(rid: int, length: int, gen: int = 8,

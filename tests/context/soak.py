@@ -15,8 +15,8 @@ continues with a fresh context.
 
 ``--steps`` is the total number of forward steps (``initialize_attention_state`` +
 ``update_requests``), split evenly over the (configuration, seed) runs. It is a test driver, not
-a benchmark, so it lives beside the state machine it drives (and puts this folder, not the
-checkout, on ``sys.path``; run it from any folder).
+a benchmark, so it lives beside the state machine it drives (and puts this folder and
+``tests/``, not the checkout, on ``sys.path``; run it from any folder).
 """
 
 from __future__ import annotations
@@ -29,7 +29,10 @@ import traceback
 from collections import Counter
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+HERE = Path(__file__).resolve().parent
+for folder in (HERE.parent, HERE):  # tests/ (sizing_warning), then tests/context/ first
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
 
 import torch  # noqa: E402
 from state_machine import CONFIGS, ContextDriver  # noqa: E402
