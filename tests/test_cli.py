@@ -216,10 +216,13 @@ def test_python_m_usage_names_python_m(capsys):
     assert capsys.readouterr().out.startswith("usage: dynctx demo")
 
 
-def test_unknown_command_names_the_choices(capsys):
-    with pytest.raises(SystemExit):
-        cli_main.main(["tune"])
-    assert "demo" in capsys.readouterr().err
+@pytest.mark.parametrize("argv", [["tune"], ["--bogus"]])
+def test_unknown_command_names_the_choices(capsys, argv):
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main.main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "autotune, demo" in err and argv[0] in err and err.count("\n") == 1
 
 
 def _block_rows(out: str, kernel: str) -> list[list[str]]:
