@@ -316,7 +316,9 @@ def resolve_config(name: str, key: dict, device: torch.device | str | None = Non
     """
     tuning = get_tuning(name)
     dev = device_name(device)
-    lookup = (name, dev, os.environ.get(OVERRIDE_ENV), PACKAGED_DIR, tuple(key.items()))
+    # The override folder is $DYNCTX_AUTOTUNE_DIR's, else the per-user one under XDG_CACHE_HOME.
+    lookup = (name, dev, os.environ.get(OVERRIDE_ENV), os.environ.get("XDG_CACHE_HOME"),
+              PACKAGED_DIR, tuple(key.items()))
     hit = _LOOKUPS.get(lookup)
     if hit is not None and hit[0] is tuning:
         return hit[1]

@@ -206,13 +206,16 @@ def test_a_wrong_override_folder_fails_the_lookup_at_run_time(toy, tmp_path, mon
     assert _autotune.resolve_config(TOY, toy_key(8), "cpu") == (SPACE[0], "default")
 
 
-def test_the_per_user_folder_is_read_when_no_override_is_set(toy, tmp_path):
+def test_the_per_user_folder_is_read_when_no_override_is_set(toy, tmp_path, monkeypatch):
     user = _autotune.user_cache_dir()
     assert user == tmp_path / "user_cache" / "dynctx" / "autotune_cache"
     assert _autotune.resolve_config(TOY, toy_key(8), "cpu") == (SPACE[0], "default")
     path = write_toy_file(user, [toy_entry(toy_key(8))])
     assert _autotune.resolve_config(TOY, toy_key(8), "cpu") == (
         SPACE[2], f"override-exact:{path}")
+    # Another user folder is another lookup (resolved configs are cached per folder).
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "other_cache"))
+    assert _autotune.resolve_config(TOY, toy_key(8), "cpu") == (SPACE[0], "default")
 
 
 def test_tune_writes_to_the_folder_launchers_read_first(fake_gpu, tmp_path, monkeypatch,
