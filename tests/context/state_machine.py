@@ -6,7 +6,7 @@ query and how many of its tokens have K/V in the cache. Each action takes its ra
 explicit arguments, so that two front ends drive the same machine:
 
 * ``tests/context/test_state_machine.py``: a hypothesis ``RuleBasedStateMachine`` (shrinking);
-* ``bench/soak.py``: a seeded ``random.Random`` for many thousands of steps (no shrinking).
+* ``tests/context/soak.py``: a seeded ``random.Random`` for many thousands of steps (no shrinking).
 
 The parts, in reading order:
 

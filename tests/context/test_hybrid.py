@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 from helpers import GIB, add, request, step
+from sizing_warning import built
 
 from dynctx.context import DynamicInferenceContext, MambaInferenceStateConfig
 
@@ -26,7 +27,7 @@ def make_hybrid(**overrides) -> DynamicInferenceContext:
                 device="cpu",
                 mamba_inference_state_config=MambaInferenceStateConfig(LAYERS, CONV, SSM))
     args.update(overrides)
-    return DynamicInferenceContext(**args)
+    return built(lambda: DynamicInferenceContext(**args))
 
 
 @pytest.mark.parametrize("kv,heads,gb,total,paused,active", [
