@@ -5,6 +5,8 @@
 # then importable only as dynctx.* (transformers imports any top-level `kernels` it can find).
 set -uo pipefail
 PY=${1:-python}
+# A skip outside the allowlist of tests/conftest.py (SKIP_ALLOWLIST) fails the run.
+export DYNCTX_STRICT_SKIPS=1
 cd "$(dirname "$0")/.."
 status=0
 "$PY" -P -m pytest -q -m "not interpreter and not gpu and not slow" || status=$?
