@@ -1,0 +1,125 @@
+"""Prefix caching matches chains, not blocks (docs/SEMANTICS.md §17): a cached block stands for
+its whole prefix, so the same block content after different prefixes is different cache
+entries, and a request whose first block equals another prompt's second block hits nothing.
+
+The property test checks matching against a brute-force oracle: a new request takes the longest
+run of full blocks from the start that some earlier request with the same salt also had, at most
+``(prompt - 1) // block_size`` blocks (its last prompt token is computed), and each matched
+block is the block of the first request that computed that prefix."""
+
+from __future__ import annotations
+
+from typing import List
+
+import torch
+from helpers import BLOCK, GIB, add, make_ctx
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dynctx.context import DynamicInferenceRequest, SamplingParams
+
+BS = 4
+# Room for every block of an example without eviction (the oracle knows no eviction).
+BLOCKS = 72
+X, Y, Z, W = ([base + i for i in range(BS)] for base in (10, 20, 30, 40))
+
+
+def cached_ctx():
+    return make_ctx(enable_prefix_caching=True, prefix_caching_eviction_policy="lru",
+                    buffer_size_gb=BLOCKS * BLOCK / GIB, max_requests=8)
+
+
+def req(rid: int, tokens: List[int], salt=None) -> DynamicInferenceRequest:
+    request = DynamicInferenceRequest(
+        request_id=rid, prompt_tokens=torch.tensor(tokens),
+        sampling_params=SamplingParams(num_tokens_to_generate=4))
+    request.prefix_caching_salt = salt
+    return request
+
+
+def step(ctx, finish=False):
+    """One step: every active request samples token 7; ``finish``: and leaves."""
+    ctx.initialize_attention_state()
+    active = ctx.total_request_count - ctx.paused_request_count
+    ctx.update_requests(torch.full((active,), not finish, dtype=torch.bool),
+                        torch.full((active,), 7))
+
+
+def compute(ctx, rid: int, tokens: List[int], salt=None) -> List[int]:
+    """Add a request, run its prefill (which publishes its full blocks) and finish it (its
+    blocks stay cached, idle); returns its block ids."""
+    add(ctx, req(rid, tokens, salt))
+    row = ctx.host_request_ids()[:ctx.total_request_count].tolist().index(rid)
+    blocks = ctx.block_table_host[row, :-(-len(tokens) // BS)].tolist()
+    step(ctx)
+    step(ctx, finish=True)
+    return blocks
+
+
+def test_a_first_block_equal_to_another_prompts_second_block_hits_nothing():
+    ctx = cached_ctx()
+    compute(ctx, 1, X + Y + [1])
+    assert ctx.prefix_cache_lookup(req(2, Y + W + [1])) == 0
+    assert ctx.prefix_cache_lookup(req(3, Y + [1])) == 0
+    assert ctx.prefix_cache_lookup(req(4, X + W + [1])) == BS
+    assert ctx.prefix_cache_lookup(req(5, X + Y + W + [1])) == 2 * BS
+
+
+def test_the_same_block_after_different_prefixes_is_a_different_entry():
+    ctx = cached_ctx()
+    first = compute(ctx, 1, X + Y + [1])
+    second = compute(ctx, 2, Z + Y + [1])
+    assert ctx.get_prefix_cache_stats()["prefix_cache_blocks"] == 4   # X, XY, Z, ZY
+    assert second[1] != first[1]                                       # Y computed twice
+    add(ctx, req(3, Z + Y + W + [1]))
+    table = ctx.block_table_host
+    assert table[0, :2].tolist() == second[:2]     # ZY's blocks, never XY's second
+    assert ctx.request_kv_length_offsets[0] == 2 * BS
+
+
+def test_a_salt_is_part_of_the_chain():
+    ctx = cached_ctx()
+    compute(ctx, 1, X + Y + [1], salt="a")
+    assert ctx.prefix_cache_lookup(req(2, X + Y + [1])) == 0
+    assert ctx.prefix_cache_lookup(req(3, X + Y + [1], salt="b")) == 0
+    assert ctx.prefix_cache_lookup(req(4, X + Y + [1], salt="a")) == 2 * BS
+
+
+# ---------------------------------------------------------------- against an oracle
+def oracle(done: List[tuple], tokens: List[int], salt) -> List[int]:
+    """The blocks a new request of ``tokens`` takes from the cache: the longest run of full
+    blocks from the start that an earlier request (``done``: ``(tokens, salt, blocks)`` in
+    order) with the same salt had, capped so that the last prompt token is computed; each
+    block is the one of the first request that had that prefix."""
+    limit = (len(tokens) - 1) // BS
+    blocks = []
+    for index in range(limit):
+        prefix = tokens[:(index + 1) * BS]
+        owner = next((b for t, s, b in done
+                      if s == salt and len(t) >= len(prefix) and t[:len(prefix)] == prefix),
+                     None)
+        if owner is None:
+            break
+        blocks.append(owner[index])
+    return blocks
+
+
+ALPHABET = [X, Y, Z, [10, 11, 12, 14]]   # the last differs from X in its last token only
+prompt = st.builds(lambda blocks, tail: [t for b in blocks for t in ALPHABET[b]] + tail,
+                   st.lists(st.integers(0, len(ALPHABET) - 1), max_size=4),
+                   st.lists(st.integers(50, 52), max_size=BS))
+salted = st.tuples(prompt.filter(bool), st.sampled_from([None, "a", 1]))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(salted, min_size=1, max_size=7))
+def test_matching_equals_the_longest_run_of_equal_full_blocks(requests):
+    ctx = cached_ctx()
+    done: List[tuple] = []
+    for rid, (tokens, salt) in enumerate(requests):
+        expected = oracle(done, tokens, salt)
+        assert ctx.prefix_cache_lookup(req(rid, tokens, salt)) == len(expected) * BS, \
+            (tokens, salt, done)
+        blocks = compute(ctx, rid, tokens, salt)
+        assert blocks[:len(expected)] == expected, (tokens, salt, done)
+        done.append((tokens, salt, blocks))
