@@ -71,7 +71,8 @@ class Target:
 
 # The context's unit tests first (fast), then the random workloads (a few seconds each); the
 # Megatron rope comparison (12 s of importing megatron-core) tests no update code.
-CONTEXT_TESTS = ("tests/context/test_block_allocator.py", "tests/context/test_context.py",
+CONTEXT_TESTS = ("tests/context/test_block_allocator.py",
+                 "tests/context/test_update_plan_stack.py", "tests/context/test_context.py",
                  "tests/context/test_prefix_cache.py", "tests/context/test_prefix_chains.py",
                  "tests/context/test_error_snapshots.py", "tests/context/test_decode_path.py",
                  "tests/context/test_decode_path_review.py")
