@@ -69,17 +69,21 @@ class Target:
     keyword: Optional[str] = None          # pytest ``-k``: leave out slow tests of other code
 
 
-# The context's unit tests first (fast), then the random workloads (a few seconds each); the
-# Megatron rope comparison (12 s of importing megatron-core) tests no update code.
+# The context's unit tests first (fast), then the random workloads (a few seconds each), then
+# the capture dummies against megatron-core (12 s of importing it); the Megatron rope and
+# hybrid-size comparisons test no bookkeeping.
 CONTEXT_TESTS = ("tests/context/test_block_allocator.py",
-                 "tests/context/test_update_plan_stack.py", "tests/context/test_context.py",
-                 "tests/context/test_prefix_cache.py", "tests/context/test_prefix_chains.py",
-                 "tests/context/test_error_snapshots.py", "tests/context/test_decode_path.py",
-                 "tests/context/test_decode_path_review.py")
+                 "tests/context/test_update_plan_stack.py", "tests/context/test_reset_state.py",
+                 "tests/context/test_context.py", "tests/context/test_prefix_cache.py",
+                 "tests/context/test_prefix_chains.py", "tests/context/test_hybrid.py",
+                 "tests/context/test_cuda_graphs.py", "tests/context/test_error_snapshots.py",
+                 "tests/context/test_decode_path.py", "tests/context/test_decode_path_review.py",
+                 "tests/context/test_cuda_graphs_megatron.py::test_capture_dummies_equal_megatron")
+CONTEXT_KEYWORD = "not rotary_methods_match_megatron and not sizes_equal_megatron"
 TARGETS: Dict[str, Target] = {
-    "context/update_plan.py": Target(CONTEXT_TESTS, keyword="not megatron"),
-    "context/request_table.py": Target(CONTEXT_TESTS, keyword="not megatron"),
-    "context/block_allocator.py": Target(CONTEXT_TESTS, keyword="not megatron"),
+    "context/update_plan.py": Target(CONTEXT_TESTS, keyword=CONTEXT_KEYWORD),
+    "context/request_table.py": Target(CONTEXT_TESTS, keyword=CONTEXT_KEYWORD),
+    "context/block_allocator.py": Target(CONTEXT_TESTS, keyword=CONTEXT_KEYWORD),
     "context/prefix_cache.py": Target(("tests/context/test_prefix_chains.py",
                                        "tests/context/test_prefix_cache.py")),
     "engine/sampling.py": Target(("tests/e2e/test_finish_rule.py::test_finish_reason",
