@@ -123,3 +123,18 @@ def test_matching_equals_the_longest_run_of_equal_full_blocks(requests):
         blocks = compute(ctx, rid, tokens, salt)
         assert blocks[:len(expected)] == expected, (tokens, salt, done)
         done.append((tokens, salt, blocks))
+
+
+def test_raising_total_avail_by_hand_uncaches_the_blocks_it_frees():
+    """Megatron-Core code moves ``total_avail`` by hand: raising it frees the ids above the top
+    of the stack whatever holds them, so a cached block among them leaves the cache (its bytes
+    are no longer vouched for) and no later request may hit it."""
+    ctx = cached_ctx()
+    add(ctx, req(1, X + Y + [1]))
+    step(ctx)                                   # publishes X and XY; request 1 still holds them
+    assert ctx.prefix_cache_lookup(req(2, X + Y + [1])) == 2 * BS
+    alloc = ctx.block_allocator
+    alloc.total_avail = alloc.total_avail + 3   # frees request 1's three blocks by hand
+    assert ctx.get_prefix_cache_stats()["prefix_cache_blocks"] == 0
+    assert not alloc.cached.any()
+    assert ctx.prefix_cache_lookup(req(3, X + Y + [1])) == 0
