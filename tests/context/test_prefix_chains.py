@@ -138,3 +138,41 @@ def test_raising_total_avail_by_hand_uncaches_the_blocks_it_frees():
     assert ctx.get_prefix_cache_stats()["prefix_cache_blocks"] == 0
     assert not alloc.cached.any()
     assert ctx.prefix_cache_lookup(req(3, X + Y + [1])) == 0
+
+
+def test_every_new_request_is_one_lookup_and_a_hit_is_counted_once():
+    ctx = cached_ctx()
+    compute(ctx, 1, X + Y + [1])
+    compute(ctx, 2, X + [1])            # a hit of one block
+    compute(ctx, 3, Z + [1])            # a miss
+    stats = ctx.get_prefix_cache_stats()
+    assert (stats["prefix_cache_lookups"], stats["prefix_cache_hits"]) == (3, 1)
+    assert stats["prefix_cache_hit_rate"] == 1 / 3
+
+
+def test_a_request_that_wants_prompt_log_probs_takes_nothing_and_revives_nothing():
+    """It computes every prompt token: no hit, no idle block leaves the free stack, so its
+    availability is that of a request without caching."""
+    ctx = cached_ctx()
+    compute(ctx, 1, X + Y + [1])        # X and XY idle in the cache
+    wants = req(2, X + Y + [1])
+    wants.sampling_params.return_log_probs = True
+    assert ctx.prefix_cache_lookup(wants) == 0
+    alloc = ctx.block_allocator
+    alloc.total_avail = 3               # exactly its three blocks are free
+    assert ctx.check_availability(wants) == (True, True, True)
+    alloc.total_avail = 2
+    assert ctx.check_availability(wants) == (True, True, False)
+
+
+def test_a_suspend_frees_the_mamba_snapshots():
+    from test_prefix_cache import hybrid_ctx
+
+    per_request = 4 * (6 * 4 + 2 * 3 * 5)
+    ctx = hybrid_ctx(prefix_caching_mamba_gb=2 * per_request / 1024 ** 3)
+    snapshots = ctx.prefix_cache.mamba
+    assert snapshots.conv is not None and snapshots.ssm is not None
+    ctx.deallocate_all_tensors()
+    assert snapshots.conv is None and snapshots.ssm is None and not snapshots.index
+    ctx.allocate_all_tensors(is_init=False)
+    assert snapshots.conv.shape[1] == snapshots.ssm.shape[1] == 2

@@ -67,3 +67,28 @@ def test_the_simulation_gives_what_the_allocator_gives(held_counts, extra_refs, 
     assert replay.total_avail == real.total_avail
     assert np.array_equal(replay.block_bag[:replay.total_avail],
                           real.block_bag[:real.total_avail])
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(1, 6), st.lists(st.integers(0, 6), max_size=6))
+def test_the_lru_simulation_evicts_idle_cached_blocks_on_its_clone_only(cached, allocations):
+    """Under "lru" idle cached blocks sit at the bottom of the free stack and an allocation that
+    needs them evicts them: in a plan that happens on the simulation's clone, never on the
+    allocator (its cached marks and its ``on_evict``, which would drop the cache's digests)."""
+    allocator = BlockAllocator(total_count=TOTAL, paused_count=PAUSED)
+    allocator.keeps_idle_blocks = True
+    evicted = []
+    allocator.on_evict = lambda blocks: evicted.append(blocks.tolist())
+    blocks = allocator.allocate_memory_blocks_host(cached)
+    allocator.cached[blocks] = True
+    allocator.release_memory_blocks(blocks)          # idle cached blocks now
+    assert allocator.idle_count == cached
+    marks = allocator.cached.copy()
+    sim, real = AllocatorSimulation(allocator), allocator.clone()
+    real.on_evict = None
+    for count in allocations:
+        count = min(count, real.total_avail)
+        assert sim.allocate(count).tolist() == real.allocate_memory_blocks_host(count).tolist()
+        assert sim.total_avail == real.total_avail
+    assert evicted == [] and np.array_equal(allocator.cached, marks)
+    assert allocator.idle_count == cached
