@@ -7,6 +7,8 @@
 # process selected (the gpu, slow and mcore019 ones).
 set -uo pipefail
 PY=${1:-python}
+# A skip outside the allowlist of tests/conftest.py (SKIP_ALLOWLIST) fails the run.
+export DYNCTX_STRICT_SKIPS=1
 cd "$(dirname "$0")/.."
 logs=$(mktemp -d)
 trap 'rm -rf "$logs"' EXIT

@@ -36,12 +36,10 @@ from __future__ import annotations
 import contextlib
 import functools
 
+import megatron_oracle as mo  # noqa: E402
 import pytest
 import torch
 
-pytest.importorskip("megatron.core", reason="megatron-core==0.16.1 is a test dependency")
-
-import megatron_oracle as mo  # noqa: E402
 from sizing_warning import built  # noqa: E402
 
 from dynctx.context import (  # noqa: E402
