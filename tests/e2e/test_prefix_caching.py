@@ -298,7 +298,7 @@ def test_prefix_caching_with_graphs_suspend_and_log_probs_matches_caching_off():
 
 
 def test_prefix_caching_fuzz_smoke(capsys):
-    """bench/prefix_caching_fuzz.py on three seeds: caching on agrees with caching off."""
+    """tests/e2e/prefix_caching_fuzz.py on three seeds: caching on agrees with caching off."""
     import prefix_caching_fuzz
 
     assert prefix_caching_fuzz.main(["--seeds", "0", "3", "--models", "llama"]) == 0

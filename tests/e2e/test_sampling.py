@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 from e2e_helpers import gib_for_blocks, make_prompts, tiny_llama
+from sizing_warning import built
 
 from dynctx.context import DynamicInferenceRequest, SamplingParams
 from dynctx.engine import Engine
@@ -91,9 +92,9 @@ def test_seeded_requests_match_alone_and_under_memory_pressure():
                                            num_tokens_to_generate=32))
             for i, prompt in enumerate(prompts)]
 
-    busy = Engine.from_transformers(
+    busy = built(lambda: Engine.from_transformers(
         hf, block_size_tokens=16, buffer_size_gb=gib_for_blocks(hf, 16, 12),
-        paused_buffer_size_gb=gib_for_blocks(hf, 16, 2), max_tokens=32, kernel_backend="torch")
+        paused_buffer_size_gb=gib_for_blocks(hf, 16, 2), max_tokens=32, kernel_backend="torch"))
     crowded = busy.generate_requests(requests(), arrival_steps=[i // 3 for i in range(10)])
     assert busy.stats.pauses + busy.stats.evictions > 0 and busy.stats.chunked_prefills > 0
     for i, request in enumerate(requests()):
