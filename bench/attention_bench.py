@@ -12,6 +12,8 @@ handed out shuffled.
 Each timing is the median over CUDA-graph replays of ``--calls`` launches, each launch on its
 own copy of the K/V data ("layers"), enough copies that they do not fit in L2. On a CPU (a
 mechanical check of the script, ``--quick``, under ``TRITON_INTERPRET=1``) it times plain calls.
+``--json`` is written at the start and after every row (replaced whole; ``"complete": true``
+once every row ran), so a run killed at its budget keeps the rows it measured.
 
     python bench/attention_bench.py --json attention.json          # on the GPU
     TRITON_INTERPRET=1 python bench/attention_bench.py --quick     # on a CPU
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import platform
 import statistics
 import sys
@@ -108,8 +111,8 @@ class PagedLayers:
                 self.values.append(v[index].flatten(1, 2)[:, :context].transpose(1, 2).contiguous())
 
 
-def decode_rows(args, device, dtype, paged_attention) -> list:
-    rows = []
+def decode_rows(args, device, dtype, paged_attention, rows: list, on_row=lambda: None) -> list:
+    """Appends one row per (batch, context) to ``rows``, calling ``on_row()`` after each."""
     heads, kv_heads, dim = args.heads, args.kv_heads, args.head_dim
     item = torch.empty((), dtype=dtype).element_size()
     for batch in args.batch:
@@ -122,6 +125,7 @@ def decode_rows(args, device, dtype, paged_attention) -> list:
                                      copies=copies, contiguous=not args.no_sdpa)
             except torch.OutOfMemoryError:
                 rows.append({"batch": batch, "context": context, "error": "out of memory"})
+                on_row()
                 continue
             query = torch.randn(batch, heads, dim, device=device, dtype=dtype)
             cu = torch.arange(batch + 1, dtype=torch.int32, device=device)
@@ -155,6 +159,7 @@ def decode_rows(args, device, dtype, paged_attention) -> list:
                                                       enable_gqa=True)[:, :, 0]
                 row["max_abs_diff_vs_sdpa"] = float((got.float() - want.float()).abs().max())
             rows.append(row)
+            on_row()
             print(f"decode batch {batch:>4} ctx {context:>6}: ours {row['ours_us']:9.2f} us "
                   f"{row['ours_gbps']:7.0f} GB/s ({100 * row['ours_hbm_fraction']:4.1f}% HBM)"
                   + (f" | sdpa {row['sdpa_us']:9.2f} us {row['sdpa_gbps']:7.0f} GB/s"
@@ -166,8 +171,8 @@ def decode_rows(args, device, dtype, paged_attention) -> list:
     return rows
 
 
-def prefill_rows(args, device, dtype, paged_attention) -> list:
-    rows = []
+def prefill_rows(args, device, dtype, paged_attention, rows: list, on_row=lambda: None) -> list:
+    """Appends one row per prefill shape to ``rows``, calling ``on_row()`` after each."""
     heads, kv_heads, dim = args.heads, args.kv_heads, args.head_dim
     for prompts, length in args.prefill:
         layers = PagedLayers(batch=prompts, context=length, kv_heads=kv_heads, dim=dim,
@@ -204,6 +209,7 @@ def prefill_rows(args, device, dtype, paged_attention) -> list:
             want = want.transpose(1, 2).reshape(prompts * length, heads, dim)
             row["max_abs_diff_vs_sdpa"] = float((got.float() - want.float()).abs().max())
         rows.append(row)
+        on_row()
         print(f"prefill {prompts} x {length:>6}: ours {row['ours_us']:10.1f} us "
               f"{row['ours_tflops']:6.1f} TFLOP/s"
               + (f" | sdpa {row['sdpa_us']:10.1f} us {row['sdpa_tflops']:6.1f} TFLOP/s "
@@ -259,11 +265,21 @@ def main(argv=None) -> int:
     print(f"paged attention bench on {result['versions'].get('gpu', device)}: {args.dtype}, "
           f"heads {args.heads}/{args.kv_heads} x {args.head_dim}, blocks of {args.block_size}",
           flush=True)
+    result["decode"], result["prefill"] = [], []
+
+    def save():
+        # After every row, replacing the file whole: a run killed part-way keeps its rows.
+        if args.json:
+            tmp = args.json.with_name(args.json.name + ".tmp")
+            tmp.write_text(json.dumps(result, indent=2) + "\n")
+            os.replace(tmp, args.json)
+
+    save()
     with torch.no_grad():
-        result["decode"] = decode_rows(args, device, dtype, paged_attention)
-        result["prefill"] = prefill_rows(args, device, dtype, paged_attention)
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+        decode_rows(args, device, dtype, paged_attention, result["decode"], save)
+        prefill_rows(args, device, dtype, paged_attention, result["prefill"], save)
+    result["complete"] = True
+    save()
     return 0
 
 

@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# Bring the results of bench/device_check.sh into the checkout:
-#   autotune_cache.tar -> autotune_cache/<device>/<kernel>.json, merged key by key into the
-#                         committed files (the new measurement wins), written canonically;
-#   results.json       -> bench/results/<device>.json, plotted to bench/results/<device>.png;
-#   attention.json     -> bench/results/<device>_attention.json (bench/attention_bench.py).
-# Then `python -m dynctx autotune check` must pass before anything is committed.
+# Bring the results of bench/device_check.sh into the checkout (<device>: the GPU's name as
+# autotune_cache/ spells it, NVIDIA_H200):
+#   autotune_cache.tar  -> autotune_cache/<device>/<kernel>.json, merged key by key into the
+#                          committed files (the new measurement wins), written canonically;
+#   engine_graphs.json  -> bench/results/<device>_engine_graphs.json (bench/gpu_engine_graphs.py);
+#   attention.json      -> bench/results/<device>_attention.json (bench/attention_bench.py);
+#   smoke.jsonl         -> bench/results/<device>_smoke.jsonl (bench/device_smoke.py).
+# Files of a run without a GPU (a dry run) are refused. Then `python -m dynctx autotune check`
+# must pass before anything is committed.
 #
 #   bash bench/device_collect.sh /work/.device/<files_at folder of the run>
 set -euo pipefail
@@ -15,11 +18,39 @@ PY=${PYTHON:-$REPO/.venv/bin/python}
 [ -x "$PY" ] || PY=python3
 cd "$REPO"
 
+# The GPU the files come from: the first of them that names one.
+DEVICE=$("$PY" -P - "$SRC" <<'PYEOF'
+import json, re, sys
+from pathlib import Path
+
+src = Path(sys.argv[1])
+names = []
+for name, read in (("engine_graphs.json", lambda d: d.get("gpu")),
+                   ("attention.json", lambda d: d.get("versions", {}).get("gpu"))):
+    try:
+        names.append(read(json.loads((src / name).read_text())))
+    except (OSError, ValueError):
+        pass
+try:
+    lines = (src / "smoke.jsonl").read_text().splitlines()
+    names += [json.loads(line).get("gpu") for line in lines if line.strip()]
+except (OSError, ValueError):
+    pass
+gpu = next((n for n in names if n), None)
+print(re.sub(r"[^A-Za-z0-9_.-]+", "_", gpu).strip("_") if gpu else "")
+PYEOF
+)
+if [ -z "$DEVICE" ]; then
+    echo "device_collect: no file in $SRC names a GPU (a dry run on a CPU?): nothing collected" >&2
+    exit 1
+fi
+echo "device: $DEVICE"
+
 if [ -f "$SRC/autotune_cache.tar" ]; then
     TMP=$(mktemp -d)
     trap 'rm -rf "$TMP"' EXIT
     tar -C "$TMP" -xf "$SRC/autotune_cache.tar"
-    "$PY" - "$TMP/autotune_cache" <<'PYEOF'
+    "$PY" -P - "$TMP/autotune_cache" <<'PYEOF'
 import json, sys
 from pathlib import Path
 
@@ -38,30 +69,23 @@ for new_path in sorted(Path(sys.argv[1]).glob("*/*.json")):
         entries[json.dumps(entry["key"], sort_keys=True)] = entry
     _autotune.write_cache_file(target, device=new["device"], kernel=new["kernel"],
                                entries=list(entries.values()), versions=new["versions"])
-    print(f"{target.relative_to(_autotune.PACKAGED_DIR.parent)}: {len(new['entries'])} tuned, "
-          f"{len(entries)} in all ({kept} before)")
+    print(f"{target.relative_to(_autotune.PACKAGED_DIR.parent)}: {len(new['entries'])} in the "
+          f"run, {len(entries)} in all ({kept} before)")
 PYEOF
 else
     echo "no autotune_cache.tar in $SRC: nothing tuned to collect"
 fi
 
-if [ -f "$SRC/results.json" ]; then
-    DEVICE=$("$PY" -c "import json, sys; print(json.load(open(sys.argv[1]))['device'])" "$SRC/results.json")
-    mkdir -p bench/results
-    cp "$SRC/results.json" "bench/results/$DEVICE.json"
-    echo "bench/results/$DEVICE.json"
-    "$PY" bench/plot_results.py "bench/results/$DEVICE.json" || echo "plot failed (matplotlib?)"
-else
-    echo "no results.json in $SRC: no bench results to collect"
-fi
+mkdir -p bench/results
+for pair in engine_graphs.json:engine_graphs.json attention.json:attention.json \
+            smoke.jsonl:smoke.jsonl; do
+    name=${pair%%:*}
+    if [ -f "$SRC/$name" ]; then
+        cp "$SRC/$name" "bench/results/${DEVICE}_${pair#*:}"
+        echo "bench/results/${DEVICE}_${pair#*:}"
+    else
+        echo "no $name in $SRC"
+    fi
+done
 
-if [ -f "$SRC/attention.json" ]; then
-    DEVICE=$("$PY" -c "import json, sys, re; d = json.load(open(sys.argv[1]))['versions'].get('gpu', 'cpu'); print(re.sub(r'[^A-Za-z0-9_.-]+', '_', d).strip('_'))" "$SRC/attention.json")
-    mkdir -p bench/results
-    cp "$SRC/attention.json" "bench/results/${DEVICE}_attention.json"
-    echo "bench/results/${DEVICE}_attention.json"
-else
-    echo "no attention.json in $SRC: no paged attention bench to collect"
-fi
-
-"$PY" -m dynctx autotune check
+"$PY" -P -m dynctx autotune check

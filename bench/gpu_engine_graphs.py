@@ -15,23 +15,28 @@ requests with ``--prompt-len``-token prompts, at each batch size B of ``--batche
   sampled tokens are read after the next step's forward is launched, so the host's
   bookkeeping overlaps the device's forward; its outputs must equal ``eager``'s;
 * ``hf``: ``transformers``' ``generate`` on the same prompts as one padded batch, greedy,
-  with ``cache_implementation="static"``. Its decode time is ``t(generate N tokens) -
-  t(generate 1 token)`` over ``N - 1`` steps (the prefill and the first token cancel).
+  with ``cache_implementation="static"`` and ``disable_compile=True`` (on CUDA a static cache
+  otherwise runs ``torch.compile`` per batch shape, about a minute each). Its decode time is
+  ``t(generate N tokens) - t(generate 1 token)`` over ``N - 1`` steps (the prefill and the
+  first token cancel).
 
-For the engine modes, only pure decode steps count (every active request contributes one
-token); the prefill and chunked-prefill steps are left out. Per mode and batch it reports
-decode tokens/s, the median and p90 time of a decode step, and the number of steps timed.
-Each (mode, batch) runs once untimed first (Triton compilation, allocator warm-up), then timed.
+The engine modes run first, batch by batch, and ``hf`` last, so that a run cut short keeps the
+engine's numbers. For the engine modes, only pure decode steps count (every active request
+contributes one token); the prefill and chunked-prefill steps are left out. Per mode and batch
+it reports decode tokens/s, the median and p90 time of a decode step, and the number of steps
+timed. Each (mode, batch) builds one engine (CUDA graphs captured once), warms it up on the
+same prompts for ``--warmup-tokens`` tokens (Triton compilation, allocator), then times the
+run; ``hf`` warms up with one short ``generate``.
 
-Results go to ``--out`` (JSON: device, versions, model, per-run numbers) and a table to
-stdout and ``<out>.txt``. ``--max-seconds`` stops starting new runs when the budget is spent
-(what ran is kept).
+Results go to ``--out`` (JSON: device, versions, model, per-run numbers), written when the
+script starts and again after every run (replacing the file whole, so a run killed part-way
+leaves a valid file with the runs done), and a table to stdout (and ``--table-file``).
+``--max-seconds`` stops starting new runs when the budget is spent (what ran is kept).
 
-On the lent GPU machine: ``bash bench/device_check.sh`` with ``DYNCTX_DEVICE_ENGINE_GRAPHS=1``
-runs this alone after installing the checkout (about 8 minutes at most). On a CPU,
-``--tiny`` runs the same pipeline on a 2-layer fp32 model in a few seconds (the check that the
-script works; its numbers mean nothing). Status: the CUDA path has not been run yet (no GPU
-when it was written).
+On the lent GPU machine it is section 5 of ``bench/device_check.sh`` (batch 1, 64 and 256).
+On a CPU, ``--tiny`` runs the same pipeline on a 2-layer fp32 model in a few seconds (the check
+that the script works; its numbers mean nothing). Status: the CUDA path has not been run yet
+(no GPU when it was written).
 
 Usage::
 
@@ -42,7 +47,9 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -86,9 +93,13 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--tiny", action="store_true",
                         help="a 2-layer model (a CPU check of the script, not a measurement)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--warmup-tokens", type=int, default=4,
+                        help="tokens per request of the warm-up run in each engine (0: none)")
     parser.add_argument("--max-seconds", type=float, default=420.0,
                         help="stop starting new runs after this many seconds")
     parser.add_argument("--out", default="engine_graphs.json", help="JSON results path")
+    parser.add_argument("--table-file", default=None,
+                        help="also write the table to this file (default: stdout only)")
     args = parser.parse_args(argv)
     try:
         args.batches = [int(b) for b in args.batches.split(",") if b]
@@ -103,6 +114,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     for name in ("prompt_len", "new_tokens", "block_size", "max_tokens"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
+    if args.warmup_tokens < 0:
+        parser.error(f"--warmup-tokens={args.warmup_tokens} must be >= 0")
     if args.new_tokens < 2 and "hf" in args.modes:
         parser.error("--new-tokens must be >= 2 for the hf mode (t(N) - t(1) over N - 1 steps)")
     if args.max_tokens < max(args.batches):
@@ -154,9 +167,9 @@ def _graph_info(engine) -> Dict[str, object]:
 
 def run_engine(model, prompts, args, device, *, num_cuda_graphs: Optional[int],
                async_scheduling: bool = False) -> dict:
-    """One engine run over ``prompts``; times the pure decode steps (each computes one token
-    per active request; with ``async_scheduling`` a step delivers the step before's)."""
-    from dynctx.context import DynamicInferenceRequest, SamplingParams
+    """One engine over ``prompts``: a warm-up run of ``--warmup-tokens`` tokens each, then the
+    timed run of ``--new-tokens``; times the pure decode steps (each computes one token per
+    active request; with ``async_scheduling`` a step delivers the step before's)."""
     from dynctx.engine import Engine
 
     batch = len(prompts)
@@ -165,15 +178,34 @@ def run_engine(model, prompts, args, device, *, num_cuda_graphs: Optional[int],
         buffer_size_gb=args.buffer_gb, paused_buffer_size_gb=args.buffer_gb / 8,
         max_tokens=args.max_tokens, max_requests=max(batch, 4), unified_memory_level=0,
         num_cuda_graphs=num_cuda_graphs, async_scheduling=async_scheduling)
+    try:
+        if args.warmup_tokens:
+            _drive(engine, prompts, args.warmup_tokens, first_id=batch, device=device)
+        return _drive(engine, prompts, args.new_tokens, first_id=0, device=device)
+    finally:
+        # The next run builds a context of --buffer-gb again: free this one's first.
+        del engine
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def _drive(engine, prompts, new_tokens: int, *, first_id: int, device) -> dict:
+    """Generate ``new_tokens`` for each prompt (ids from ``first_id``) through ``engine.step``,
+    timing the pure decode steps."""
+    from dynctx.context import DynamicInferenceRequest, SamplingParams
+
+    batch = len(prompts)
     ctx = engine.context
     decode_times: List[float] = []
     graph_steps = steps = 0
     for i, prompt in enumerate(prompts):
         engine.add_request(DynamicInferenceRequest(
-            request_id=i, prompt_tokens=torch.tensor(prompt, dtype=torch.int64),
+            request_id=first_id + i, prompt_tokens=torch.tensor(prompt, dtype=torch.int64),
             sampling_params=SamplingParams(temperature=1.0, top_k=1,
-                                           num_tokens_to_generate=args.new_tokens,
+                                           num_tokens_to_generate=new_tokens,
                                            termination_id=None)))
+    replays_before = engine.graph_replays
     _sync(device)
     start = time.perf_counter()
     generated = 0
@@ -197,14 +229,16 @@ def run_engine(model, prompts, args, device, *, num_cuda_graphs: Optional[int],
     if len(results) != batch or any(r.finish_reason != "length" for r in results):
         raise RuntimeError(f"engine run at batch {batch}: {len(results)} results, reasons "
                            f"{sorted({r.finish_reason for r in results})}")
-    outputs = {r.request_id: r.generated_tokens for r in results}
+    outputs = {r.request_id - first_id: r.generated_tokens for r in results}
+    info = _graph_info(engine)
+    info["graph_replays_this_run"] = engine.graph_replays - replays_before
     return dict(
         decode_steps=len(decode_times), steps=steps, graph_shape_steps=graph_steps,
         decode_tokens=generated,
         tokens_per_s=generated / sum(decode_times) if decode_times else None,
         step_ms_median=1e3 * statistics.median(decode_times) if decode_times else None,
         step_ms_p90=1e3 * _quantile(decode_times, 0.9) if decode_times else None,
-        wall_s=wall, graph_info=_graph_info(engine),
+        wall_s=wall, graph_info=info,
         ladder=[str(d) for d in ctx.cuda_graph_batch_dimensions_list][:8],
         outputs=[outputs[i] for i in range(batch)])
 
@@ -218,13 +252,16 @@ def run_hf(model, prompts, args, device) -> dict:
         _sync(device)
         start = time.perf_counter()
         with torch.no_grad():
+            # disable_compile: a static cache otherwise compiles the forward (torch.compile)
+            # per batch shape on CUDA, about a minute each.
             out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n,
                                  min_new_tokens=n, do_sample=False,
-                                 cache_implementation="static", eos_token_id=None,
-                                 pad_token_id=0)
+                                 cache_implementation="static", disable_compile=True,
+                                 eos_token_id=None, pad_token_id=0)
         _sync(device)
         return time.perf_counter() - start, out
 
+    generate(2)  # warm-up: the static cache, the kernels
     t_one, _ = generate(1)
     t_all, out = generate(args.new_tokens)
     steps = args.new_tokens - 1
@@ -251,8 +288,6 @@ def _versions() -> dict:
         versions["triton"] = triton.__version__
     except ImportError:
         versions["triton"] = None
-    import os
-
     revision = os.environ.get("DYNCTX_GIT_REVISION")
     if not revision:
         try:
@@ -266,7 +301,8 @@ def _versions() -> dict:
 
 
 def _table(data: dict) -> str:
-    lines = [f"device {data['device']}  dtype {data['dtype']}  params {data['params'] / 1e9:.2f}B  "
+    lines = [f"device {data['device']}  dtype {data['dtype']}  "
+             f"params {(data['params'] or 0) / 1e9:.2f}B  "
              f"prompt {data['prompt_len']}  new tokens {data['new_tokens']}",
              f"{'mode':<12} {'batch':>5} {'tok/s':>10} {'step ms':>8} {'p90 ms':>8} "
              f"{'steps':>6} {'graph%':>6} {'same':>5}"]
@@ -289,6 +325,22 @@ def _table(data: dict) -> str:
     return "\n".join(lines)
 
 
+def run_order(batches: List[int], modes: List[str]) -> List[tuple]:
+    """``(batch, mode)`` in the order they run: the engine modes batch by batch, then ``hf`` for
+    every batch (a run cut short keeps the engine's numbers)."""
+    engine_modes = [m for m in modes if m != "hf"]
+    order = [(batch, mode) for batch in batches for mode in engine_modes]
+    return order + [(batch, "hf") for batch in batches if "hf" in modes]
+
+
+def write_json(path: Path, data: dict) -> None:
+    """Replace ``path`` whole (write a temporary file, then rename): a process killed mid-write
+    leaves the previous complete file."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
+    os.replace(tmp, path)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
     device = torch.device(args.device)
@@ -297,12 +349,12 @@ def main(argv: Optional[List[str]] = None) -> int:
               "to check the script on a CPU)", file=sys.stderr)
         return 2
     started = time.perf_counter()
-    model = build_model(args, device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
-    data = dict(device=name or device.type, dtype=str(args.dtype).replace("torch.", ""),
-                params=sum(p.numel() for p in model.parameters()),
+    data = dict(device=name or device.type, gpu=name if device.type == "cuda" else None,
+                dtype=str(args.dtype).replace("torch.", ""), params=None,
                 model=dict(MODEL_TINY if args.tiny else MODEL_1B),
                 prompt_len=args.prompt_len, new_tokens=args.new_tokens,
+                warmup_tokens=args.warmup_tokens, batches=args.batches,
                 num_cuda_graphs=args.num_cuda_graphs, versions=_versions(), runs=[],
                 notes=["engine modes time pure decode steps only; hf: (t(N) - t(1)) / (N - 1)",
                        "graph%: steps the context ran in a CUDA graph shape; see graph_info for "
@@ -311,42 +363,43 @@ def main(argv: Optional[List[str]] = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
 
     def save():
-        out.write_text(json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
-        out.with_suffix(".txt").write_text(_table(data) + "\n")
+        write_json(out, data)
+        if args.table_file:
+            Path(args.table_file).write_text(_table(data) + "\n")
 
-    for batch in args.batches:
-        prompts = make_prompts(batch, args.prompt_len, model.config.vocab_size, args.seed)
-        eager_outputs = None
-        for mode in args.modes:
-            if time.perf_counter() - started > args.max_seconds:
-                data["notes"].append(f"stopped at batch {batch} mode {mode}: --max-seconds "
-                                     f"{args.max_seconds} spent")
-                save()
-                print(_table(data))
-                return 0
-            run = dict(mode=mode, batch=batch)
-            try:
-                # Twice: the first run warms up (Triton compilation, the allocator).
-                for _ in range(2):
-                    if mode == "hf":
-                        numbers = run_hf(model, prompts, args, device)
-                    else:
-                        numbers = run_engine(model, prompts, args, device,
-                                             num_cuda_graphs=args.num_cuda_graphs
-                                             if mode != "eager" else None,
-                                             async_scheduling=mode == "graphs_async")
-                run.update(numbers)
-                outputs = run.pop("outputs")
-                if mode == "eager":
-                    eager_outputs = outputs
-                elif eager_outputs is not None:
-                    same = sum(a == b for a, b in zip(outputs, eager_outputs))
-                    run["same_tokens_as_eager"] = same / len(outputs)
-            except Exception as exc:  # keep the other runs' results
-                run["error"] = f"{type(exc).__name__}: {exc}"
-            data["runs"].append(run)
-            save()
-            print(_table(data).splitlines()[-1 - len(data["notes"])], flush=True)
+    save()
+    model = build_model(args, device)
+    data["params"] = sum(p.numel() for p in model.parameters())
+    save()
+    prompts = {batch: make_prompts(batch, args.prompt_len, model.config.vocab_size, args.seed)
+               for batch in args.batches}
+    eager_outputs: Dict[int, list] = {}
+    for batch, mode in run_order(args.batches, args.modes):
+        if time.perf_counter() - started > args.max_seconds:
+            data["notes"].append(f"stopped before batch {batch} mode {mode}: --max-seconds "
+                                 f"{args.max_seconds:g} spent")
+            break
+        run = dict(mode=mode, batch=batch)
+        try:
+            if mode == "hf":
+                numbers = run_hf(model, prompts[batch], args, device)
+            else:
+                numbers = run_engine(model, prompts[batch], args, device,
+                                     num_cuda_graphs=args.num_cuda_graphs
+                                     if mode != "eager" else None,
+                                     async_scheduling=mode == "graphs_async")
+            run.update(numbers)
+            outputs = run.pop("outputs")
+            if mode == "eager":
+                eager_outputs[batch] = outputs
+            elif batch in eager_outputs:
+                same = sum(a == b for a, b in zip(outputs, eager_outputs[batch]))
+                run["same_tokens_as_eager"] = same / len(outputs)
+        except Exception as exc:  # keep the other runs' results
+            run["error"] = f"{type(exc).__name__}: {exc}"
+        data["runs"].append(run)
+        save()
+        print(_table(data).splitlines()[-1 - len(data["notes"])], flush=True)
     data["total_s"] = time.perf_counter() - started
     save()
     print(_table(data))

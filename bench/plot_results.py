@@ -1,4 +1,4 @@
-"""Plot ``bench/results/<device>.json`` (written by ``python -m dynctx autotune bench``) as a PNG.
+"""Plot ``bench/results/<device>.json`` (``python -m dynctx autotune bench --out``) as a PNG.
 
 Left: achieved GB/s of each kernel key beside a device-to-device copy of the same bytes.
 Right: speedup over the torch reference (and over Megatron-Core's kv append where measured),

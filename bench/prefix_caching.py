@@ -16,9 +16,11 @@ the state there is snapshotted for every later request (docs/SEMANTICS.md §17).
 
 Usage::
 
-    python bench/prefix_caching.py                       # both models, writes the JSON below
+    python bench/prefix_caching.py                       # both models; prints the table
     python bench/prefix_caching.py --requests 8 --models llama   # a quick run
-    python bench/prefix_caching.py --json bench/results/prefix_caching_cpu.json
+    python bench/prefix_caching.py --json bench/results/prefix_caching_cpu.json  # the committed one
+
+Results are written only where ``--json`` points.
 """
 
 from __future__ import annotations
@@ -34,7 +36,6 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent
-DEFAULT_JSON = ROOT / "results" / "prefix_caching_cpu.json"
 
 
 def git_sha() -> str:
@@ -135,8 +136,7 @@ def main(argv=None) -> int:
     parser.add_argument("--models", nargs="+", default=["llama", "nemotron_h"],
                         choices=["llama", "nemotron_h"])
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--json", default=str(DEFAULT_JSON),
-                        help="write the results here ('' skips)")
+    parser.add_argument("--json", default=None, help="write the results here (JSON)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     out = {"workload": {k: getattr(args, k) for k in ("requests", "prefix", "suffix",

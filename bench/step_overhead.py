@@ -46,6 +46,7 @@ device tensor returns a host copy (as on CUDA).
 Usage::
 
     python bench/step_overhead.py [--requests 16,64,256,1024] [--steps 50] [--json PATH]
+    python bench/step_overhead.py --engine    # syncs per engine step instead
 
 runs every size in one process (one torch thread by default) and prints a summary line per size
 (``--tables`` adds each size's full table, ``--ops`` the per-op breakdown). The prompts spread
@@ -71,6 +72,7 @@ import subprocess
 import sys
 import time
 import types
+import weakref
 from collections import Counter
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
@@ -87,6 +89,7 @@ if str(ROOT / "tests") not in sys.path:
 import megatron_oracle as mo  # noqa: E402
 
 aten = torch.ops.aten
+GIB = 1024 ** 3
 
 # --------------------------------------------------------------------------------------------
 # The counter
@@ -167,9 +170,15 @@ class OverheadCounter:
     wrapped, for the duration, to count as one op each.
     """
 
-    def __init__(self, device, *, roots=(), launcher_modules=()):
+    def __init__(self, device, *, roots=(), launcher_modules=(), device_roots=None,
+                 host_tensors=(), device_tensors=()):
         self.device = torch.device(device)
         self.emulate = self.device.type != "cuda"
+        # With ``device_roots`` (CPU emulation of an engine step): the tensors reachable from
+        # them are the device's, and every other tensor that exists when counting starts is
+        # host memory (prompts, read-back buffers, ``torch.from_numpy`` arrays).
+        self._unknown_host = device_roots is not None
+        self._device_made: List[weakref.ref] = []
         self.ops: Counter = Counter()
         self.syncs: Counter = Counter()
         self.sync_ops: Counter = Counter()  # (kind, op) -> count, for the report
@@ -180,13 +189,29 @@ class OverheadCounter:
         self._launcher_modules = list(launcher_modules)
         for root in roots:
             self._scan(root)
+        seen: set = set()
+        found: List[torch.Tensor] = []
+        for root in device_roots or ():
+            self._scan(root, seen=seen, found=found)
         self._host_ranges.sort()
         self._starts = [r[0] for r in self._host_ranges]
+        for tensor in found:
+            # Tensors over numpy memory (the context's host mirrors; on a CPU its arena) stay
+            # host, as they are under ``roots``.
+            if self.emulate and not self._in_host_range(_storage_key(tensor)):
+                self._loc[_storage_key(tensor)] = False
+        for tensor in device_tensors:
+            if self.emulate:
+                self._loc[_storage_key(tensor)] = False
+                self._device_made.append(weakref.ref(tensor))
+        for tensor in host_tensors:
+            if self.emulate and isinstance(tensor, torch.Tensor):
+                self._loc[_storage_key(tensor)] = True
 
     # ---------------------------------------------------------------- bookkeeping
-    def _scan(self, root, depth=0, seen=None):
+    def _scan(self, root, depth=0, seen=None, found=None):
         seen = set() if seen is None else seen
-        if id(root) in seen or depth > 6:
+        if id(root) in seen or depth > (6 if found is None else 12):
             return
         seen.add(id(root))
         if isinstance(root, np.ndarray):
@@ -197,6 +222,8 @@ class OverheadCounter:
             self._host_ranges.append((ptr, ptr + max(base.nbytes, 1)))
             return
         if isinstance(root, torch.Tensor):
+            if found is not None:
+                found.append(root)
             return
         if isinstance(root, dict):
             items = list(root.values())
@@ -210,7 +237,7 @@ class OverheadCounter:
         else:
             return
         for item in items:
-            self._scan(item, depth + 1, seen)
+            self._scan(item, depth + 1, seen, found)
 
     def is_host(self, t: torch.Tensor) -> bool:
         if not self.emulate:
@@ -219,6 +246,9 @@ class OverheadCounter:
         loc = self._loc.get(key)
         if loc is not None:
             return loc
+        return self._in_host_range(key) or self._unknown_host
+
+    def _in_host_range(self, key: int) -> bool:
         i = bisect.bisect_right(self._starts, key) - 1
         return i >= 0 and key < self._host_ranges[i][1]
 
@@ -230,6 +260,21 @@ class OverheadCounter:
             key = _storage_key(t)
             if key not in keep_keys:
                 self._loc[key] = host
+                if not host and self._unknown_host:
+                    self._device_made.append(weakref.ref(t))
+
+    def device_made(self) -> List[weakref.ref]:
+        """Weak references to the device tensors made while counting (with ``device_roots``),
+        and to those it was given: the live ones are what a counter of the next step gets as
+        ``device_tensors``, so that a device tensor kept from one step to the next stays one."""
+        return list(self._device_made)
+
+    def _mark_launch(self, out, args, kwargs):
+        """With ``device_roots``: a launch's new outputs live where its inputs do (device if
+        any input is); without, unmarked outputs are device already."""
+        if self._unknown_host:
+            ins = _flat_tensors(args, []) + _flat_tensors(kwargs, [])
+            self._mark(out, all(self.is_host(t) for t in ins), keep=ins)
 
     def count_op(self, name: str, n: int = 1):
         self.ops[name] += n
@@ -261,7 +306,9 @@ class OverheadCounter:
                 return fn(*args, **kwargs)
             counter.count_op(name)
             with counter.suppressed():
-                return fn(*args, **kwargs)
+                out = fn(*args, **kwargs)
+            counter._mark_launch(out, args, kwargs)
+            return out
 
         launcher.__wrapped__ = fn
         return launcher
@@ -401,7 +448,9 @@ class _DispatchMode(TorchDispatchMode):
         if func.namespace == "dynctx":
             c.count_op(f"dynctx::{func._opname}")
             with c.suppressed():
-                return func(*args, **kwargs)
+                out = func(*args, **kwargs)
+            c._mark_launch(out, args, kwargs)
+            return out
         ins = _flat_tensors(args, []) + _flat_tensors(kwargs, [])
         dev_in = [t for t in ins if not c.is_host(t)]
         out = func(*args, **kwargs)
@@ -449,7 +498,10 @@ class _DispatchMode(TorchDispatchMode):
                 if not non_blocking:
                     c.count_sync("blocking_h2d", name)
             elif dst_host and not src_host:
-                c.count_sync("readback", name)
+                # A non-blocking copy into pinned memory (in the CPU emulation: any host
+                # buffer) does not wait: the host waits on its event when it reads the buffer.
+                if not (non_blocking and (c.emulate or dst.is_pinned())):
+                    c.count_sync("readback", name)
             return out
         if func is aten._to_copy.default and not c.emulate:
             target = kwargs.get("device")
@@ -626,6 +678,154 @@ def _count_run(kind: str, cfg: dict, *, requests: int, steps: int, max_prompt: i
             assert ctx.total_request_count - ctx.paused_request_count == requests
             per_step.append(step_rec)
     return per_step
+
+
+def _engine_modules() -> list:
+    """The engine's modules whose globals hold kernel launchers (counted as one op each)."""
+    import importlib
+    import pkgutil
+
+    import dynctx.engine
+
+    return [importlib.import_module(f"dynctx.engine.{info.name}")
+            for info in pkgutil.iter_modules(dynctx.engine.__path__)]
+
+
+@contextlib.contextmanager
+def _uncounted_forward(counter: OverheadCounter, owner, name: str, launched: list):
+    """``owner.<name>`` (the model's forward, a graph runner's replay) runs uncounted for the
+    duration, its outputs marked as device tensors, and ``launched`` notes that it ran: the
+    model's own reads are the model's business (the torch attention path reads lengths by
+    design); the engine's are counted."""
+    if owner is None:
+        yield
+        return
+    original = getattr(owner, name)
+    own = name in vars(owner)
+
+    def run(*args, **kwargs):
+        with counter.suppressed():
+            out = original(*args, **kwargs)
+        counter._mark(out, False)
+        launched.append(name)
+        return out
+
+    setattr(owner, name, run)
+    try:
+        yield
+    finally:
+        if own:
+            setattr(owner, name, original)
+        else:
+            delattr(owner, name)
+
+
+@contextlib.contextmanager
+def _readback_waits(counter: OverheadCounter, launched: list):
+    """Async scheduling's reads of a copy to the host (``TokenReadback.read``, a wait on the
+    copy's event): one after the step's forward was launched leaves the device busy (not a
+    sync); one before it, or in a step without a forward, waits for the device (a sync)."""
+    from dynctx.engine.overlap import TokenReadback
+
+    original = TokenReadback.read
+
+    def read(self, handle):
+        if not launched:
+            counter.count_sync("readback_wait", "TokenReadback.read before the forward")
+        return original(self, handle)
+
+    TokenReadback.read = read
+    try:
+        yield
+    finally:
+        TokenReadback.read = original
+
+
+def count_engine_steps(engine, steps: int) -> List[dict]:
+    """The ops and syncs of up to ``steps`` calls of ``engine.step()`` outside the model's
+    forward (admission, sampling, the finish mask, the context's calls and the engine's
+    bookkeeping), one dict per step: ``{"step", "idle", "ops", "syncs", "sync_counts",
+    "sync_sites"}``. Stops early once the engine has nothing left to do.
+
+    What is "device" (CPU emulation): what the context holds, as for the context's own count
+    (but for the id lists an update returns, CPU tensors on every device), the model's logits,
+    and what is computed from them; every other tensor that exists when a step starts is host
+    memory (prompts, the engine's read-back buffers, ``torch.from_numpy`` arrays); a device
+    tensor made in one step and still alive in the next stays one. A non-blocking copy from
+    the device into host memory is not a sync (on CUDA, into pinned memory); the wait on its
+    event when the host reads it is one unless the step's forward was launched before
+    (``_readback_waits``)."""
+    per_step = []
+    carried: List[weakref.ref] = []
+    for _ in range(steps):
+        if not engine.has_unfinished_requests():
+            break
+        ctx = engine.context
+        # The id lists an update hands back are CPU tensors on every device.
+        host = [getattr(ctx, name, None) for name in (
+            "newly_paused_request_ids", "evicted_request_ids", "max_length_finished_request_ids")]
+        counter = OverheadCounter(ctx.device, roots=[ctx], device_roots=[ctx], host_tensors=host,
+                                  device_tensors=[t for t in (r() for r in carried)
+                                                  if t is not None],
+                                  launcher_modules=_context_modules() + _engine_modules())
+        launched: List[str] = []
+        with _uncounted_forward(counter, engine.model, "forward", launched), \
+                _uncounted_forward(counter, engine.graph_runner, "run", launched), \
+                _readback_waits(counter, launched), counter.counting():
+            result = engine.step()
+        carried = [r for r in counter.device_made() if r() is not None]
+        per_step.append({"step": result.step, "idle": result.idle,
+                         "ops": sum(counter.ops.values()),
+                         "syncs": sum(counter.syncs.values()),
+                         "sync_counts": dict(counter.syncs),
+                         "sync_sites": {f"{k}:{o}": v for (k, o), v in counter.sync_ops.items()}})
+    return per_step
+
+
+def engine_syncs(requests: int = 8, new_tokens: int = 12) -> Dict[str, List[dict]]:
+    """``count_engine_steps`` over a tiny random Llama (fp32, CPU emulation), prompts of 3-40
+    tokens (chunked prefill), greedy and seeded temperature/top-k/top-p rows, synchronous and
+    with async scheduling."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from dynctx.context import DynamicInferenceRequest, SamplingParams
+    from dynctx.engine import Engine
+
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, max_position_embeddings=128))
+    out = {}
+    for mode in ("sync", "async"):
+        engine = Engine.from_transformers(hf.eval(), block_size_tokens=16, max_tokens=32,
+                                          buffer_size_gb=64 * 16 * 2 * 2 * 2 * 16 * 4 / GIB,
+                                          paused_buffer_size_gb=4 * 16 * 2 * 2 * 2 * 16 * 4 / GIB,
+                                          kernel_backend="torch",
+                                          async_scheduling=mode == "async")
+        for i in range(requests):
+            params = SamplingParams(temperature=0.0 if i % 3 == 0 else 0.8, top_k=4 * (i % 2),
+                                    top_p=0.9 if i % 4 == 3 else 0.0, seed=i,
+                                    num_tokens_to_generate=new_tokens)
+            prompt = [(7 * i + 3 * j) % 256 for j in range(3 + (i * 11) % 38)]
+            engine.add_request(DynamicInferenceRequest(request_id=i, prompt_tokens=prompt,
+                                                       sampling_params=params), i // 2)
+        out[mode] = count_engine_steps(engine, 1000)
+    return out
+
+
+def format_engine_syncs(runs: Dict[str, List[dict]]) -> str:
+    lines = ["syncs per engine step outside the model's forward (CPU emulation; tiny Llama)"]
+    for mode, steps in runs.items():
+        forwards = [s for s in steps if not s["idle"]]
+        sites: Counter = Counter()
+        for s in steps:
+            sites.update(s["sync_sites"])
+        lines.append(f"  {mode:5s}: {len(forwards)} forward steps, syncs per forward step "
+                     f"max {max(s['syncs'] for s in forwards)}, total "
+                     f"{sum(s['syncs'] for s in forwards)}; idle steps {len(steps) - len(forwards)}"
+                     f" with {sum(s['syncs'] for s in steps if s['idle'])}; sites "
+                     f"{dict(sites) or '{}'}")
+    return "\n".join(lines)
 
 
 def _crossing(ctx) -> int:
@@ -944,7 +1144,13 @@ def main(argv=None) -> int:
     parser.add_argument("--ops", action="store_true", help="also print the per-op breakdown")
     parser.add_argument("--tables", action="store_true",
                         help="also print each size's full table")
+    parser.add_argument("--engine", action="store_true",
+                        help="instead: syncs per engine step (a tiny random Llama, sync and "
+                             "async scheduling, count_engine_steps)")
     args = parser.parse_args(argv)
+    if args.engine:
+        print(format_engine_syncs(engine_syncs()))
+        return 0
     sizes = [int(n) for n in str(args.requests).split(",") if n.strip()]
     results = []
     for requests in sizes:

@@ -3,7 +3,7 @@
 ``pytest bench --benchmark-only`` (``make bench``). Each kernel key is one benchmark group with
 up to four members: ``triton`` (the kernel with its resolved config), ``torch`` (the reference),
 ``copy`` (a device-to-device copy of the same number of bytes) and, for ``kv_append``,
-``megatron_core`` (Megatron-Core 0.16.1's own kernel, bench/megatron_kv_append.py).
+``megatron_core`` (Megatron-Core 0.16.1's own kernel, loaded by ``dynctx.megatron_peer``).
 
 On a CUDA device the keys are the kernels' ``presets()`` and every call is followed by a
 synchronize. On a CPU only the torch references and the copy run, at scaled-down keys (the
@@ -15,14 +15,13 @@ of ``python -m dynctx autotune bench`` are the ones that go into bench/results/.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from dynctx import megatron_peer
 from dynctx.kernels import _autotune
 from dynctx.kernels import _registry as registry
 from dynctx.kernels._backend import triton_interpreting
@@ -68,14 +67,6 @@ def _cases() -> list:
     return params
 
 
-def _load_megatron_helper():
-    path = Path(__file__).with_name("megatron_kv_append.py")
-    spec = importlib.util.spec_from_file_location("_dynctx_bench_megatron_kv_append", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _synchronized(fn):
     if DEVICE.type != "cuda":
         return fn
@@ -108,11 +99,10 @@ def test_kernel(benchmark, name, key, impl):
         target_buffer = torch.empty_like(source_buffer)
         fn = lambda: target_buffer.copy_(source_buffer)  # noqa: E731
     else:
-        helper = _load_megatron_helper()
-        fn, why = helper.runner_from_case(case)
+        fn, why = megatron_peer.runner_from_case(case)
         if fn is None:
             pytest.skip(f"Megatron-Core's kv append is not available: {why}")
-        helper.check_against_ours(case, config)
+        megatron_peer.check_against_ours(case, config)
     fn()  # warm up (compilation) before pytest-benchmark's own calibration
     benchmark.group = f"{name} {registry.key_text(key)}"
     benchmark.extra_info.update(kernel=name, key=key, impl=impl, device=str(DEVICE),

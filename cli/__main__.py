@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 from dynctx import __version__
-from dynctx._cli_common import HelpFormatter, program_name, run_to_closed_stdout
+from dynctx._cli_common import ArgumentParser, HelpFormatter, program_name, run_to_closed_stdout
 
 COMMANDS = {
     "demo": "in-flight batching of a small random Llama through the context, checked\n"
@@ -15,9 +14,9 @@ COMMANDS = {
 }
 
 
-def build_parser(prog: str) -> argparse.ArgumentParser:
+def build_parser(prog: str) -> ArgumentParser:
     commands = "\n".join(f"  {name:<10}{text}" for name, text in COMMANDS.items())
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog=prog, formatter_class=HelpFormatter,
         description="dynctx: a dynamic inference context (paged KV cache + in-flight batching) "
                     "with Triton kernels.",
@@ -34,8 +33,11 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()
         return 0
+    if argv[0] == "--version":
+        parser.parse_args(argv[:1])
     if argv[0].startswith("-"):
-        parser.parse_args(argv[:1])  # --version, or an error naming the option
+        parser.error(f"unknown option {argv[0]}; the command comes first: "
+                     f"{', '.join(sorted(COMMANDS))}")
     command, rest = argv[0], argv[1:]
     if command == "demo":
         from dynctx.cli_demo import main as command_main

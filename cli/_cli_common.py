@@ -1,9 +1,11 @@
-"""Helpers shared by the command-line entry points: the program name, plain help text, and a
-quiet exit when the reader of stdout goes away (``... | head``)."""
+"""Helpers shared by the command-line entry points: the program name, plain help text, a parser
+whose errors are one line, argument types with ranges, and a quiet exit when the reader of
+stdout goes away (``... | head``)."""
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 import sys
@@ -51,3 +53,50 @@ def run_to_closed_stdout(run: Callable[[], int]) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return 1
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with a one-line error: ``prog: error: message (see 'prog --help')`` on stderr
+    and exit code 2, instead of the whole usage block first. The ``SystemExit`` it raises
+    carries the message as its text (``str(exc)``) and 2 as its code."""
+
+    def error(self, message: str):
+        self.exit_with_error(message)
+
+    def exit_with_error(self, message: str):
+        sys.stderr.write(f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+        exc = SystemExit(message)
+        exc.code = 2
+        raise exc
+
+
+def _number(text: str, kind: type, low, low_inclusive: bool, what: str):
+    try:
+        value = kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+    if kind is float and not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
+    if value < low or (value == low and not low_inclusive):
+        raise argparse.ArgumentTypeError(f"{text} is not {what}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an int >= 1."""
+    return _number(text, int, 1, True, "an integer >= 1")
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type: an int >= 0."""
+    return _number(text, int, 0, True, "an integer >= 0")
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite number > 0."""
+    return _number(text, float, 0.0, False, "a finite number > 0")
+
+
+def non_negative_float(text: str) -> float:
+    """argparse type: a finite number >= 0."""
+    return _number(text, float, 0.0, True, "a finite number >= 0")

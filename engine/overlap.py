@@ -33,24 +33,31 @@ synchronous engine has one every step): a request evicted by update n, whose rec
 checkpoint holds every generated token, is re-admitted only once its step n token is read;
 ``suspend()`` reads them first too. The sampled tokens' log probs travel with them (a second
 readback); prompt log probs are read before the update, as in the synchronous engine (that
-step does not overlap).
+step does not overlap). A row whose logits gave sampling no distribution (``REFUSED`` in the
+tokens read, ``engine/sampling.py``) is found when its token is read, and finishes as an error
+the way a stopping request does (retired while its row is in the context).
+
+``AsyncScheduling`` runs the pieces of ``engine/step.py``'s ``Stepper`` in this order and
+finishes requests through the same ``Delivery`` (``engine/results.py``) as the synchronous
+step.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set
+from typing import Any, Dict, List, Optional, Set
 
 import torch
 
 from dynctx.context import SamplingParams
 from dynctx.kernels import token_log_probs
+from dynctx.kernels.devices import indexed_device
 
-from .sampling import finish_reason
-
-if TYPE_CHECKING:  # pragma: no cover - imports for annotations only
-    from .engine import Engine, StepResult, _Batch, _Entry, _Row
+from .results import StepResult
+from .sampling import REFUSED, finish_reason
+from .state import RequestState, Row
+from .step import REFUSED_ERROR, Batch, Stepper
 
 # A retired row's junk token is sampled greedily: no draw from the engine's generator.
 RETIRED_PARAMS = SamplingParams(temperature=0.0, top_k=1)
@@ -72,55 +79,81 @@ def refuse_conflicts(*, context: Any, record_logits: bool) -> None:
             "other")
 
 
+@dataclass(eq=False)
+class Readback:
+    """A copy on its way to the host: the buffer it fills, its event (CUDA), its length."""
+
+    buffer: int
+    event: Any
+    count: int
+
+
 class TokenReadback:
     """A step's sampled tokens (or any 1-D ``dtype`` tensor of at most ``capacity`` values, such
     as their log probs) on their way to the host.
 
-    ``start(tokens)`` begins the copy and returns its handle: on CUDA, a non-blocking copy into
-    one of two pinned buffers (step n+1's copy starts before step n's is read, so they
-    alternate) and an event recorded behind it on the current stream; elsewhere the tensor
-    itself. ``read(handle)`` waits for that event only (not for the whole device) and returns
-    the tokens as ints; a handle never read is simply dropped.
+    ``start(tokens)`` copies them into one of two host buffers (pinned on CUDA, where the copy
+    does not block and an event is recorded behind it on the current stream) and returns the
+    copy's ``Readback``. ``read(readback)`` waits for that event only (not for the whole
+    device) and returns the values as Python numbers. A buffer is taken by ``start`` and
+    freed when its copy is read (or ``discard``-ed, for a copy that will never be read): step
+    n+1's copy starts before step n's is read, so the two alternate, and a copy never read
+    cannot be overwritten by a later ``start`` (that raises instead).
     """
 
     def __init__(self, device: torch.device, capacity: int, dtype: torch.dtype = torch.int64):
-        self.device = torch.device(device)
-        self._buffers: List[torch.Tensor] = []
-        if self.device.type == "cuda":
-            self._buffers = [torch.empty(max(1, capacity), dtype=dtype, pin_memory=True)
-                             for _ in range(2)]
-        self._next = 0
+        self.device = indexed_device(device)
+        pinned = self.device.type == "cuda"
+        self._buffers = [torch.empty(max(1, capacity), dtype=dtype, pin_memory=pinned)
+                         for _ in range(2)]
+        self._holders: List[Optional[Readback]] = [None, None]
         self.reads = 0
 
-    def start(self, tokens: torch.Tensor) -> tuple:
+    def start(self, tokens: torch.Tensor) -> Readback:
         count = int(tokens.shape[0])
-        if not self._buffers:
-            return (tokens, None, count)
-        buffer = self._buffers[self._next]
-        self._next ^= 1
-        if count > buffer.shape[0]:
+        capacity = self._buffers[0].shape[0]
+        if count > capacity:
             raise RuntimeError(f"internal: {count} sampled tokens exceed the readback buffer "
-                               f"of {buffer.shape[0]}")
-        buffer[:count].copy_(tokens, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        return (buffer, event, count)
+                               f"of {capacity}")
+        free = [i for i, holder in enumerate(self._holders) if holder is None]
+        if not free:
+            raise RuntimeError("internal: both readback buffers hold copies not read yet; "
+                               "read or discard one before starting another")
+        index = free[0]
+        self._buffers[index][:count].copy_(tokens, non_blocking=True)
+        event = None
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        handle = self._holders[index] = Readback(index, event, count)
+        return handle
 
-    def read(self, handle: tuple) -> list:
-        source, event, count = handle
-        if event is not None:
-            event.synchronize()
+    def read(self, handle: Readback) -> list:
+        self._check_holds(handle)
+        if handle.event is not None:
+            handle.event.synchronize()
+        values = self._buffers[handle.buffer][:handle.count].tolist()
+        self._holders[handle.buffer] = None
         self.reads += 1
-        return source[:count].tolist()
+        return values
+
+    def discard(self, handle: Optional[Readback]) -> None:
+        """A copy that will not be read: its buffer is free again (None: nothing)."""
+        if handle is not None and self._holders[handle.buffer] is handle:
+            self._holders[handle.buffer] = None
+
+    def _check_holds(self, handle: Readback) -> None:
+        if self._holders[handle.buffer] is not handle:
+            raise RuntimeError("internal: this readback was already read or discarded")
 
 
 @dataclass
 class _Delivery:
     """A row of step n whose token will be delivered: its index among the step's active
-    rows, its entry, and whether update n kept it in the context."""
+    rows, its state, and whether update n kept it in the context."""
 
     index: int
-    entry: "_Entry"
+    state: RequestState
     kept: bool
 
 
@@ -132,23 +165,25 @@ class _PendingStep:
     deliveries: List[_Delivery]
     evicted: Set[int]
     paused: Set[int]
-    handle: tuple
+    handle: Readback
     delivered_ids: Set[int]
-    log_prob_handle: Optional[tuple] = None
+    log_prob_handle: Optional[Readback] = None
 
 
 class AsyncScheduling:
-    """The async mode's state: the step whose tokens are in flight and the retired requests
-    (finished and delivered, their rows still in the context until the next update)."""
+    """The async mode over a ``Stepper``: the step whose tokens are in flight and the retired
+    requests (finished and delivered, their rows still in the context until the next
+    update)."""
 
-    def __init__(self, engine: "Engine"):
-        self.engine = engine
-        ctx = engine.context
+    def __init__(self, steps: Stepper):
+        self.steps = steps
+        ctx = steps.context
         self.readback = TokenReadback(ctx.device, ctx.max_requests)
         self.log_prob_readback = TokenReadback(ctx.device, ctx.max_requests, torch.float32)
         self.pending: Optional[_PendingStep] = None
-        self.retired: Dict[int, "_Entry"] = {}
-        # A retired request's finish (reason, time, step), applied when its row is released.
+        self.retired: Dict[int, RequestState] = {}
+        # A retired request's finish (reason, time, step, error), applied when its row is
+        # released.
         self._retired_finish: Dict[int, tuple] = {}
         # Tokens read outside a step (by ``suspend``): reported with the next step.
         self.carried_tokens: Dict[int, int] = {}
@@ -160,79 +195,86 @@ class AsyncScheduling:
         self.counts: Dict[str, int] = dict(early_reads=0, retired=0, retired_paused=0,
                                            retired_evicted=0, evicted_stops=0)
 
+    def has_work(self) -> bool:
+        """Tokens in flight or carried: a step still has something to deliver."""
+        return self.pending is not None or bool(self.carried_tokens)
+
     # ------------------------------------------------------------------ the step
-    def step(self, result: "StepResult") -> None:
-        eng = self.engine
-        ctx = eng.context
+    def step(self, result: StepResult) -> None:
+        steps = self.steps
         if self.carried_tokens:
             result.new_tokens.update(self.carried_tokens)
             self.carried_tokens = {}
         if self.pending is not None and self.pending.evicted:
             self.counts["early_reads"] += 1
             self.resolve(result.new_tokens)  # the recompute checkpoints need the tokens
-        eng._admit()
-        if ctx.active_token_count == 0:
+        steps.admit()
+        if steps.context.active_token_count == 0:
             # Nothing to run: the last step's tokens are read now (a flush).
             self.resolve(result.new_tokens)
-            eng.stats.generated_tokens += len(result.new_tokens)
-            eng._idle(result)
+            steps.stats.generated_tokens += len(result.new_tokens)
+            steps.idle(result)
             return
-        batch = eng._forward(result, read_tokens=False)
-        handles = (self.readback.start(batch.sampled),
+        batch = steps.forward(result, self)
+        handles = (self.readback.start(batch.readout),
                    None if batch.deferred_log_probs is None
                    else self.log_prob_readback.start(batch.deferred_log_probs))
-        if self.pending is not None:
-            self.resolve(result.new_tokens)
-        rows = self.outcomes(batch)
-        self.update(batch, rows, result, handles)
+        try:
+            if self.pending is not None:
+                self.resolve(result.new_tokens)
+            self.update(batch, self.outcomes(batch), result, handles)
+        finally:
+            if self.pending is None or self.pending.handle is not handles[0]:
+                # No delivery waits for this step's copies (or the step raised): free them.
+                self.readback.discard(handles[0])
+                self.log_prob_readback.discard(handles[1])
 
-    def generated_log_probs(self, last: torch.Tensor, sampled: torch.Tensor) -> torch.Tensor:
-        """The log probs of the sampled tokens, on the device (read with the tokens): a step
-        without prompt log probs needs no host read for them."""
-        ctx = self.engine.context
-        return token_log_probs(last, sampled, backend=ctx.kernel_backend)[0]
-
-    def params_for(self, entry: "_Entry") -> SamplingParams:
+    # ------------------------------------------------------------------ the forward's view
+    def params_for(self, state: RequestState) -> SamplingParams:
         """The sampling parameters of a row in this step's forward."""
-        return RETIRED_PARAMS if entry.request_id in self.retired else entry.params
+        return RETIRED_PARAMS if state.request_id in self.retired else state.params
 
-    def token_index(self, entry: "_Entry") -> int:
+    def token_index(self, state: RequestState) -> int:
         """How many tokens the request has generated before this step's sample, counting its
         token still in flight (a seeded draw depends on it: engine/sampling.py)."""
-        generated = len(entry.request.generated_tokens)
+        generated = len(state.request.generated_tokens)
         pending = self.pending
-        if pending is not None and entry.request_id in pending.delivered_ids:
+        if pending is not None and state.request_id in pending.delivered_ids:
             generated += 1
         return generated
 
-    def outcomes(self, batch: "_Batch") -> List["_Row"]:
+    def device_log_probs(self, last: torch.Tensor, sampled: torch.Tensor) -> torch.Tensor:
+        """The log probs of the sampled tokens, on the device (read with the tokens): a step
+        without prompt log probs needs no host read for them."""
+        ctx = self.steps.context
+        return token_log_probs(last, sampled, backend=ctx.kernel_backend)[0]
+
+    # ------------------------------------------------------------------ mask and update
+    def outcomes(self, batch: Batch) -> List[Row]:
         """Each row's mask decision from what the host knows now; log probs (read by the
         forward) recorded as the synchronous engine does. Retired rows are dropped."""
-        from .engine import _Row
-
-        eng = self.engine
-        rows: List[_Row] = []
+        rows: List[Row] = []
         cache: Dict[str, Any] = {}
-        for i, entry in enumerate(batch.entries):
-            row = _Row(entry)
+        for i, state in enumerate(batch.states):
+            row = Row(state)
             rows.append(row)
-            if entry.request_id in self.retired:
+            if state.request_id in self.retired:
                 row.finish = "retired"
                 continue
-            eng._row_log_probs(row, i, batch, cache)
-            if entry.request_id == batch.chunked_id:
+            self.steps.row_log_probs(row, i, batch, cache)
+            if state.request_id == batch.chunked_id:
                 continue  # a non-final chunk: its sample is junk, the context keeps it
-            generated = len(entry.request.generated_tokens) + 1
-            if generated >= entry.params.num_tokens_to_generate:
+            generated = len(state.request.generated_tokens) + 1
+            if generated >= state.params.num_tokens_to_generate:
                 row.finish = "length"  # ("stop" instead if the token is the termination id)
         return rows
 
-    def update(self, batch: "_Batch", rows: List["_Row"], result: "StepResult",
+    def update(self, batch: Batch, rows: List[Row], result: StepResult,
                handles: tuple) -> None:
         """``update_requests`` with a host mask and the device tokens, then the engine's side
         of it; the step's deliveries wait for the next step."""
-        eng = self.engine
-        ctx = eng.context
+        steps = self.steps
+        ctx = steps.context
         # A host mask: the context reads it without waiting for the device.
         mask = torch.tensor([r.keep for r in rows], dtype=torch.bool)
         paused = ctx.update_requests(mask, batch.sampled)
@@ -240,69 +282,71 @@ class AsyncScheduling:
         evicted_ids = [int(i) for i in ctx.evicted_request_ids.tolist()]
         deliveries = []
         for i, row in enumerate(rows):
-            rid = row.entry.request_id
+            request_id = row.state.request_id
             if row.finish == "retired":
-                self.release(rid)  # masked: its row is released
+                self.release(request_id)  # masked: its row is released
                 continue
-            eng._apply_log_probs(row)
-            if rid != batch.chunked_id:
-                deliveries.append(_Delivery(i, row.entry, row.keep))
+            row.apply_log_probs()
+            if request_id != batch.chunked_id:
+                deliveries.append(_Delivery(i, row.state, row.keep))
         result.paused_ids = [rid for rid in paused_ids if rid not in self.retired]
         evicted_live = []
-        for rid in evicted_ids:
-            if not self.release(rid):
-                evicted_live.append(rid)
+        for request_id in evicted_ids:
+            if not self.release(request_id):
+                evicted_live.append(request_id)
             else:
                 self.counts["retired_evicted"] += 1
         result.evicted_ids = evicted_live
         if deliveries:
             # Only the evicted rows of this step need their token before a re-admission.
-            delivered = {d.entry.request_id for d in deliveries}
-            self.pending = _PendingStep(step=eng.step_count, deliveries=deliveries,
+            delivered = {d.state.request_id for d in deliveries}
+            self.pending = _PendingStep(step=steps.step_count, deliveries=deliveries,
                                         evicted=set(evicted_live) & delivered,
                                         paused=set(result.paused_ids) & delivered,
                                         handle=handles[0], delivered_ids=delivered,
                                         log_prob_handle=handles[1])
-        eng._after_update(result)
+        steps.after_update(result)
 
     # ------------------------------------------------------------------ reading
     def resolve(self, new_tokens: Dict[int, int]) -> None:
-        """Read the pending step's tokens, append them, finish the requests that stop or reach
-        their length; a finished request still in the context retires."""
+        """Read the pending step's tokens, append them, finish the requests that stop, reach
+        their length or were refused by sampling; a finished request still in the context
+        retires."""
         pending, self.pending = self.pending, None
         if pending is None:
             return
-        eng = self.engine
+        delivery = self.steps.delivery
         tokens = self.readback.read(pending.handle)
         log_probs = None if pending.log_prob_handle is None \
             else self.log_prob_readback.read(pending.log_prob_handle)
         now = time.perf_counter()
-        for delivery in pending.deliveries:
-            entry = delivery.entry
-            token = int(tokens[delivery.index])
-            if log_probs is not None and entry.params.return_log_probs:
-                entry.generated_log_probs.append(log_probs[delivery.index])
-            request = entry.request
-            request.generated_tokens.append(token)
-            new_tokens[entry.request_id] = token
-            if entry.first_token_step is None:
-                entry.first_token_step, entry.first_token_time = pending.step, now
-            reason = finish_reason(entry.params, token, len(request.generated_tokens))
+        for item in pending.deliveries:
+            state = item.state
+            token = int(tokens[item.index])
+            error = None
+            if token == REFUSED:
+                reason, error = "error", REFUSED_ERROR
+            else:
+                if log_probs is not None and state.params.return_log_probs:
+                    state.generated_log_probs.append(log_probs[item.index])
+                delivery.append_token(state, token, new_tokens, now, step=pending.step)
+                reason = finish_reason(state.params, token,
+                                       len(state.request.generated_tokens))
             if reason is None:
                 continue
-            rid = entry.request_id
-            if delivery.kept and rid not in pending.evicted:
+            request_id = state.request_id
+            if item.kept and request_id not in pending.evicted:
                 # Its row is still in the context: the result comes once an update releases
                 # it (``release``), so that a delivered request has left the context and its
                 # id is free, as in the synchronous engine.
-                self.retired[rid] = entry
-                self._retired_finish[rid] = (reason, now, pending.step)
+                self.retired[request_id] = state
+                self._retired_finish[request_id] = (reason, now, pending.step, error)
                 self.counts["retired"] += 1
-                self.counts["retired_paused"] += rid in pending.paused
+                self.counts["retired_paused"] += request_id in pending.paused
                 continue
-            eng._finish(entry, reason, now, step=pending.step)
-            if delivery.kept:
-                eng.scheduler.discard(rid)  # re-queued for recompute: no longer wanted
+            delivery.finish(state, reason, now, step=pending.step, error=error)
+            if item.kept:
+                self.steps.scheduler.discard(request_id)  # re-queued for recompute: not wanted
                 self.counts["evicted_stops"] += 1
 
     def before_suspend(self) -> List[int]:
@@ -310,16 +354,16 @@ class AsyncScheduling:
         which the suspend drops instead of re-queueing."""
         self.resolve(self.carried_tokens)
         retired = list(self.retired)
-        for rid in retired:
-            self.release(rid)
+        for request_id in retired:
+            self.release(request_id)
         return retired
 
-    def release(self, rid: int) -> bool:
+    def release(self, request_id: int) -> bool:
         """A retired request's row left the context (masked, evicted, or suspended): its
-        result joins the undelivered ones. False when ``rid`` is not retired."""
-        entry = self.retired.pop(rid, None)
-        if entry is None:
+        result joins the undelivered ones. False when ``request_id`` is not retired."""
+        state = self.retired.pop(request_id, None)
+        if state is None:
             return False
-        reason, finished_at, step = self._retired_finish.pop(rid)
-        self.engine._finish(entry, reason, finished_at, step=step)
+        reason, finished_at, step, error = self._retired_finish.pop(request_id)
+        self.steps.delivery.finish(state, reason, finished_at, step=step, error=error)
         return True

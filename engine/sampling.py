@@ -8,16 +8,25 @@ token_index])`` when the request has a ``seed``: it depends only on the request 
 tokens it has generated, never on the batch, its row or the step, so a request re-run after an
 eviction draws the same tokens. Requests without a seed draw from the engine's generator.
 Every operation is row-wise, so a row's result does not depend on the other rows either.
+
+Sampling refuses a row that gives no distribution: logits holding NaN, all ``-inf``, or (under
+temperature) ``+inf``, whose probabilities are not finite. ``sample_checked`` returns, beside
+the tokens, the same tokens with ``REFUSED`` in those rows: the host reads that one tensor, so
+the refusal costs no extra read. The sampling parameters reach the device in one upload, from
+pinned memory without blocking the host on CUDA.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
 from dynctx.context import SamplingParams
+
+# The token read back for a row sampling refused (its probabilities are not finite).
+REFUSED = -1
 
 
 def finish_reason(params: SamplingParams, token: int, generated: int) -> Optional[str]:
@@ -58,29 +67,55 @@ def filter_sorted_logits(sorted_logits: torch.Tensor, top_k: torch.Tensor,
     return sorted_logits.masked_fill(~keep, float("-inf"))
 
 
-def sample(logits: torch.Tensor, params: Sequence[SamplingParams], token_indices: Sequence[int],
-           generator: np.random.Generator) -> torch.Tensor:
+def upload(values: np.ndarray, device: torch.device) -> torch.Tensor:
+    """``values`` on ``device`` without blocking the host: on CUDA a non-blocking copy from
+    pinned memory (PyTorch's pinned allocator keeps the block until the copy is done), on a
+    CPU the array itself."""
+    host = torch.from_numpy(values)
+    if torch.device(device).type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
+
+
+def sample_checked(logits: torch.Tensor, params: Sequence[SamplingParams],
+                   token_indices: Sequence[int],
+                   generator: np.random.Generator) -> Tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row of ``logits`` ``[rows, V]`` (any float dtype; the math is fp32).
 
     ``params[i]`` and ``token_indices[i]`` (tokens the request generated so far) belong to row
-    ``i``. Returns int64 ``[rows]`` on ``logits``' device.
+    ``i``. Returns ``(tokens, readout)``, both int64 ``[rows]`` on ``logits``' device:
+    ``tokens`` holds a valid id in every row (what the context may be given); ``readout`` is
+    ``tokens`` with ``REFUSED`` in each row whose logits give no distribution (NaN, all
+    ``-inf``, or ``+inf`` under temperature), what the host reads.
     """
     if logits.dim() != 2 or logits.shape[0] != len(params) or len(params) != len(token_indices):
         raise ValueError(f"logits {tuple(logits.shape)} needs one row per request "
                          f"({len(params)} params, {len(token_indices)} token indices)")
     logits = logits.float()
     tokens = logits.argmax(dim=-1)
+    # NaN and -inf maxima fail the comparison: no token to pick.
+    refused = ~(logits.amax(dim=-1) > float("-inf"))
     rows = [i for i, p in enumerate(params) if not is_greedy(p)]
-    if not rows:
-        return tokens
-    device = logits.device
-    index = torch.tensor(rows, dtype=torch.long, device=device)
+    if rows:
+        _sample_rows(logits, tokens, refused, rows, params, token_indices, generator)
+    return tokens, tokens.masked_fill(refused, REFUSED)
+
+
+def _sample_rows(logits: torch.Tensor, tokens: torch.Tensor, refused: torch.Tensor,
+                 rows: Sequence[int], params: Sequence[SamplingParams],
+                 token_indices: Sequence[int], generator: np.random.Generator) -> None:
+    """Draw the tokens of the sampled ``rows`` into ``tokens`` and mark in ``refused`` those
+    whose probabilities are not finite."""
     chosen = [params[i] for i in rows]
-    temperature = torch.tensor([p.temperature for p in chosen], dtype=torch.float32, device=device)
-    top_k = torch.tensor([p.top_k for p in chosen], dtype=torch.long, device=device)
-    top_p = torch.tensor([p.top_p for p in chosen], dtype=torch.float32, device=device)
-    uniforms = torch.tensor([uniform_draw(params[i].seed, token_indices[i], generator)
-                             for i in rows], dtype=torch.float32, device=device)
+    # One upload: rows, temperature, top-k, top-p and the uniform draw of each sampled row
+    # (float64 holds the ids and top-k exactly and rounds the floats to fp32 as before).
+    packed = np.array([rows, [p.temperature for p in chosen], [p.top_k for p in chosen],
+                       [p.top_p for p in chosen],
+                       [uniform_draw(params[i].seed, token_indices[i], generator)
+                        for i in rows]], dtype=np.float64)
+    values = upload(packed, logits.device)
+    index, top_k = values[0].long(), values[2].long()
+    temperature, top_p, uniforms = values[1].float(), values[3].float(), values[4].float()
     # Shifted by the row maximum first: a tiny temperature then scales to 0 and -large, never
     # to inf - inf (NaN).
     chosen_logits = logits[index]
@@ -91,8 +126,16 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], token_indices
     target = (uniforms * cdf[:, -1])[:, None].contiguous()
     position = torch.searchsorted(cdf, target, right=True).clamp_(max=cdf.shape[-1] - 1)
     # Never land on a masked entry through rounding at the top of the CDF; a row without any
-    # positive probability (NaN logits, unchecked) takes its best-ranked token, never index -1.
+    # positive probability (refused) takes its best-ranked token, never index -1.
     kept = (probs > 0).sum(dim=-1, keepdim=True) - 1
     position = torch.minimum(position, kept).clamp_(min=0)
     tokens[index] = order.gather(1, position).squeeze(1)
-    return tokens
+    # A NaN total mass (NaN or +inf logits) fails the comparison.
+    refused[index] = ~(cdf[:, -1] > 0)
+
+
+def sample(logits: torch.Tensor, params: Sequence[SamplingParams], token_indices: Sequence[int],
+           generator: np.random.Generator) -> torch.Tensor:
+    """The tokens of ``sample_checked`` (int64 ``[rows]`` on ``logits``' device, a valid id in
+    every row, also where sampling refused the row)."""
+    return sample_checked(logits, params, token_indices, generator)[0]

@@ -41,6 +41,22 @@ def check_int(name: str, value: Any, *, low: Optional[int] = None,
     return value
 
 
+def check_choice(name: str, value: Any, choices: Sequence[Any]) -> Any:
+    """``value`` when it is one of ``choices``, else ``ValueError`` naming the option, the value
+    and the choices."""
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"{name}={value!r} must be one of "
+                         f"{', '.join(repr(c) for c in choices)}")
+    return value
+
+
+def check_bool(name: str, value: Any) -> bool:
+    """``value`` as a bool (numpy's too), else ``TypeError`` naming the option."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name}={value!r} must be a bool")
+    return bool(value)
+
+
 def check_request_id(name: str, value: Any) -> int:
     return check_int(name, value, low=0, high=REQUEST_ID_LIMIT - 1)
 

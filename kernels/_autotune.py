@@ -3,7 +3,9 @@
 The runtime never benchmarks. ``resolve_config(name, key, device)`` returns ``(config, source)``
 looked up in this order:
 
-1. the override folder named by ``$DYNCTX_AUTOTUNE_DIR`` (``<dir>/<device>/<kernel>.json``);
+1. the override folder (``<dir>/<device>/<kernel>.json``): the one ``$DYNCTX_AUTOTUNE_DIR``
+   names (an error when it names no folder), else the per-user folder ``user_cache_dir()``
+   when it exists (where ``python -m dynctx autotune tune`` writes by default);
 2. the packaged ``autotune_cache/<device>/<kernel>.json``;
 
 in each file first the exact key, then the nearest token bucket with every other key field
@@ -227,12 +229,35 @@ def load_cache_file(path: Path) -> dict:
     return _load_file(str(path), stat.st_mtime_ns, stat.st_size)
 
 
+def user_cache_dir() -> Path:
+    """The per-user override folder: ``$XDG_CACHE_HOME/dynctx/autotune_cache``, by default
+    ``~/.cache/dynctx/autotune_cache``."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "dynctx" / "autotune_cache"
+
+
+def override_dir() -> Path | None:
+    """The override folder read before the packaged one: ``$DYNCTX_AUTOTUNE_DIR`` (a
+    ``ValueError`` when it is set but names no folder), else ``user_cache_dir()`` when it
+    exists, else None."""
+    value = os.environ.get(OVERRIDE_ENV)
+    if value:
+        path = Path(value)
+        if not path.is_dir():
+            what = "does not exist" if not path.exists() else "is not a folder"
+            raise ValueError(f"${OVERRIDE_ENV}={value} {what}: point it at a folder laid out like "
+                             "autotune_cache/ (<device>/<kernel>.json), or unset it")
+        return path
+    path = user_cache_dir()
+    return path if path.is_dir() else None
+
+
 def cache_paths(name: str, device: str) -> list[tuple[str, Path]]:
     """Candidate files for one kernel on one device, in lookup order."""
     paths = []
-    override = os.environ.get(OVERRIDE_ENV)
-    if override:
-        paths.append(("override", Path(override) / device / f"{name}.json"))
+    override = override_dir()
+    if override is not None:
+        paths.append(("override", override / device / f"{name}.json"))
     paths.append(("packaged", PACKAGED_DIR / device / f"{name}.json"))
     return paths
 
@@ -291,7 +316,9 @@ def resolve_config(name: str, key: dict, device: torch.device | str | None = Non
     """
     tuning = get_tuning(name)
     dev = device_name(device)
-    lookup = (name, dev, os.environ.get(OVERRIDE_ENV), PACKAGED_DIR, tuple(key.items()))
+    # The override folder is $DYNCTX_AUTOTUNE_DIR's, else the per-user one under XDG_CACHE_HOME.
+    lookup = (name, dev, os.environ.get(OVERRIDE_ENV), os.environ.get("XDG_CACHE_HOME"),
+              PACKAGED_DIR, tuple(key.items()))
     hit = _LOOKUPS.get(lookup)
     if hit is not None and hit[0] is tuning:
         return hit[1]

@@ -185,9 +185,14 @@ def fused_qk_rope_configs(key: dict) -> list[KernelConfig]:
 
 
 def fused_qk_rope_default_config(key: dict) -> KernelConfig:
+    """The shared rope default, moved to its other warp count where that config spills."""
     half_block = next_pow2(key["rot_dim"] // 2)
-    return rope_block_default(half_block, max(key["num_q_heads"], key["num_k_heads"]),
-                              key["num_tokens"])
+    config = rope_block_default(half_block, max(key["num_q_heads"], key["num_k_heads"]),
+                                key["num_tokens"])
+    if config in _SPILLING:
+        meta = dict(config.meta)
+        config = KernelConfig.make(**meta, num_warps=4 if config.num_warps == 1 else 1)
+    return config
 
 
 def fused_qk_rope_presets() -> list[dict]:

@@ -1,5 +1,8 @@
 """``python -m dynctx autotune``: refusals without a GPU, ``show`` and ``check`` on empty and
-temporary caches, and the tune/bench bookkeeping driven by a toy kernel with a fake clock.
+temporary caches, the folders they read and write (a missing ``--dir`` or
+``$DYNCTX_AUTOTUNE_DIR`` is an error; ``tune`` writes to the folder launchers read first;
+``bench`` writes only to ``--out``), the tune/bench bookkeeping driven by a toy kernel with a
+fake clock, and the Megatron-Core peer that ``bench`` loads from the package.
 
 Nothing here launches a Triton kernel or needs CUDA. The fake-GPU tests replace the device, the
 timer and the device name, so they check what ``tune`` and ``bench`` write, not what they time.
@@ -15,9 +18,16 @@ import sys
 import pytest
 import torch
 
+from dynctx import autotune_runs, megatron_peer
 from dynctx import cli_autotune as cli
-from dynctx.kernels import _autotune
+from dynctx.kernels import _autotune, _timing
 from dynctx.kernels._autotune import KernelConfig, KernelTuning, TuneCase
+from dynctx.kernels._registry import (
+    PRESET_MODULES,
+    import_kernel_modules,
+    module_of,
+    select_tunings,
+)
 
 TOY = "toy_cli_test_only_kernel"
 FAKE_DEVICE = "FAKE_GPU"
@@ -70,6 +80,7 @@ def toy(monkeypatch, tmp_path):
     monkeypatch.setattr(_autotune, "_WARNED", set())
     monkeypatch.setattr(_autotune, "PACKAGED_DIR", tmp_path / "packaged")
     monkeypatch.delenv(_autotune.OVERRIDE_ENV, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "user_cache"))
     return tuning
 
 
@@ -98,10 +109,10 @@ def fake_gpu(monkeypatch, toy):
             us = fake_us(case.last_config)
         return {"us": us, "method": "fake", "launches": 1, "replays": 1}
 
-    monkeypatch.setattr(cli, "_refuse_without_gpu", lambda command: False)
-    monkeypatch.setattr(cli, "_gpu_device", lambda: torch.device("cpu"))
-    monkeypatch.setattr(cli, "time_launches", fake_time)
-    monkeypatch.setattr(cli, "_cuda_alive", lambda: True)
+    monkeypatch.setattr(autotune_runs, "refuse_without_gpu", lambda command: False)
+    monkeypatch.setattr(autotune_runs, "gpu_device", lambda: torch.device("cpu"))
+    monkeypatch.setattr(_timing, "time_launches", fake_time)
+    monkeypatch.setattr(autotune_runs, "cuda_alive", lambda: True)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     monkeypatch.setattr(_autotune, "device_name", lambda device=None: FAKE_DEVICE)
@@ -148,6 +159,80 @@ def test_show_and_check_with_an_empty_cache(toy, capsys):
     assert "no committed configs" in capsys.readouterr().out
     assert cli.main(["check"]) == 0
     assert "0 files" in capsys.readouterr().out
+
+
+def _one_line_error(capsys, argv: list[str]) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    return err
+
+
+@pytest.mark.parametrize("command", ["check", "show"])
+def test_a_missing_dir_is_an_error(toy, tmp_path, capsys, command):
+    err = _one_line_error(capsys, [command, "--dir", str(tmp_path / "nonexistent")])
+    assert f"--dir {tmp_path / 'nonexistent'}: does not exist" in err
+    (tmp_path / "a_file").write_text("")
+    err = _one_line_error(capsys, [command, "--dir", str(tmp_path / "a_file")])
+    assert "is not a folder" in err
+
+
+def test_check_of_a_folder_without_config_files_is_an_error(toy, tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    err = _one_line_error(capsys, ["check", "--dir", str(tmp_path / "empty")])
+    assert "no <device>/<kernel>.json files under it" in err
+    path = write_toy_file(tmp_path / "root", [toy_entry(toy_key(8))])
+    err = _one_line_error(capsys, ["check", "--dir", str(path.parent)])  # the device folder
+    assert f"it holds {TOY}.json directly: pass its parent folder" in err
+    assert cli.main(["check", "--dir", str(tmp_path / "root")]) == 0
+
+
+@pytest.mark.parametrize("command", [["show"], ["check"], ["bench"]])
+def test_a_wrong_override_folder_is_an_error(toy, tmp_path, monkeypatch, capsys, command):
+    monkeypatch.setenv(_autotune.OVERRIDE_ENV, str(tmp_path / "typo"))
+    monkeypatch.setattr(autotune_runs, "refuse_without_gpu", lambda command: False)
+    err = _one_line_error(capsys, command)
+    assert f"$DYNCTX_AUTOTUNE_DIR={tmp_path / 'typo'} does not exist" in err
+
+
+def test_a_wrong_override_folder_fails_the_lookup_at_run_time(toy, tmp_path, monkeypatch):
+    monkeypatch.setenv(_autotune.OVERRIDE_ENV, str(tmp_path / "typo"))
+    with pytest.raises(ValueError, match=r"\$DYNCTX_AUTOTUNE_DIR=.*typo does not exist: point "
+                                         "it at a folder laid out like autotune_cache/"):
+        _autotune.resolve_config(TOY, toy_key(8), "cpu")
+    monkeypatch.setenv(_autotune.OVERRIDE_ENV, "")  # empty: unset
+    assert _autotune.resolve_config(TOY, toy_key(8), "cpu") == (SPACE[0], "default")
+
+
+def test_the_per_user_folder_is_read_when_no_override_is_set(toy, tmp_path, monkeypatch):
+    user = _autotune.user_cache_dir()
+    assert user == tmp_path / "user_cache" / "dynctx" / "autotune_cache"
+    assert _autotune.resolve_config(TOY, toy_key(8), "cpu") == (SPACE[0], "default")
+    path = write_toy_file(user, [toy_entry(toy_key(8))])
+    assert _autotune.resolve_config(TOY, toy_key(8), "cpu") == (
+        SPACE[2], f"override-exact:{path}")
+    # Another user folder is another lookup (resolved configs are cached per folder).
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "other_cache"))
+    assert _autotune.resolve_config(TOY, toy_key(8), "cpu") == (SPACE[0], "default")
+
+
+def test_tune_writes_to_the_folder_launchers_read_first(fake_gpu, tmp_path, monkeypatch,
+                                                        capsys):
+    assert cli.main(["tune", "--kernel", TOY]) == 0
+    user = _autotune.user_cache_dir()
+    out = capsys.readouterr().out
+    assert f"-> {user / FAKE_DEVICE} (the per-user folder launchers read first" in out
+    assert f"wrote 2 entries under {user / FAKE_DEVICE}" in out
+    assert (user / FAKE_DEVICE / f"{TOY}.json").is_file()
+    assert not (tmp_path / "packaged").exists()
+    assert _autotune.resolve_config(TOY, toy_key(1), FAKE_DEVICE)[1].startswith("override-exact")
+
+    monkeypatch.setenv(_autotune.OVERRIDE_ENV, str(tmp_path / "named"))
+    assert cli.main(["tune", "--kernel", TOY]) == 0
+    assert f"(${_autotune.OVERRIDE_ENV}, which launchers read first)" in capsys.readouterr().out
+    assert (tmp_path / "named" / FAKE_DEVICE / f"{TOY}.json").is_file()
 
 
 def test_show_lists_an_override_file(toy, tmp_path, monkeypatch, capsys):
@@ -287,12 +372,65 @@ def test_bench_writes_results_with_ratios(fake_gpu, tmp_path, capsys):
     assert "vs torch" in capsys.readouterr().out
 
 
+def test_bench_without_out_writes_nothing(fake_gpu, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    before = sorted(tmp_path.rglob("*"))
+    assert cli.main(["bench", "--kernel", TOY]) == 0
+    assert sorted(tmp_path.rglob("*")) == before
+    assert "results -> not written (no --out)" in capsys.readouterr().out
+
+
+@pytest.fixture
+def no_megatron(monkeypatch):
+    """megatron_peer with an empty cache and no installed megatron-core."""
+    monkeypatch.setattr(megatron_peer, "_CACHE", {})
+    monkeypatch.setattr(megatron_peer, "_installed_path", lambda: None)
+    for name in (megatron_peer.FILE_ENV, megatron_peer.WHEEL_DIR_ENV):
+        monkeypatch.delenv(name, raising=False)
+
+
+FAKE_KERNEL = "def triton_append_key_value_cache(*args):\n    CALLS.append(args)\nCALLS = []\n"
+
+
+def test_megatron_peer_names_what_it_looked_for(no_megatron):
+    module, why = megatron_peer.load()
+    assert module is None
+    assert "megatron-core is not installed" in why and megatron_peer.FILE_ENV in why
+
+
+def test_megatron_peer_from_a_named_file_and_from_a_wheel(no_megatron, tmp_path, monkeypatch):
+    import zipfile
+
+    path = tmp_path / "fused_kv_append_kernel.py"
+    path.write_text(FAKE_KERNEL)
+    monkeypatch.setenv(megatron_peer.FILE_ENV, str(path))
+    module, where = megatron_peer.load()
+    assert where == f"${megatron_peer.FILE_ENV} {path}" and module.CALLS == []
+
+    monkeypatch.setattr(megatron_peer, "_CACHE", {})
+    monkeypatch.delenv(megatron_peer.FILE_ENV)
+    with zipfile.ZipFile(tmp_path / "megatron_core-0.16.1-py3-none-any.whl", "w") as wheel:
+        wheel.writestr(megatron_peer.KERNEL_PATH, FAKE_KERNEL)
+    monkeypatch.setenv(megatron_peer.WHEEL_DIR_ENV, str(tmp_path))
+    module, where = megatron_peer.load()
+    assert where.startswith(f"wheel in ${megatron_peer.WHEEL_DIR_ENV}") and module is not None
+    runner, why = megatron_peer.runner(torch.zeros(2, 1, 2, 4, 1, 8), torch.zeros(1, 1, 8),
+                                       torch.zeros(1, 1, 8), torch.zeros(1, dtype=torch.int32),
+                                       torch.zeros(1, dtype=torch.int32))
+    assert runner is None and why == "Megatron-Core's kernel runs on CUDA tensors only"
+
+
+def test_megatron_peer_finds_the_installed_megatron_core():
+    path = megatron_peer._installed_path()  # the test extra installs megatron-core 0.16.1
+    assert path is not None and path.name == "fused_kv_append_kernel.py"
+
+
 def test_select_tunings_by_preset_and_name(toy):
-    cli.import_kernel_modules(quiet=True)
-    every = [t.name for t in cli.select_tunings(None, "all")]
+    import_kernel_modules(quiet=True)
+    every = [t.name for t in select_tunings(None, "all")]
     assert TOY in every  # a kernel outside KERNEL_MODULES still belongs to "all"
-    for preset, modules in cli.PRESET_MODULES.items():
-        assert all(cli.module_of(t) in modules for t in cli.select_tunings(None, preset))
-    assert [t.name for t in cli.select_tunings([TOY])] == [TOY]
+    for preset, modules in PRESET_MODULES.items():
+        assert all(module_of(t) in modules for t in select_tunings(None, preset))
+    assert [t.name for t in select_tunings([TOY])] == [TOY]
     with pytest.raises(SystemExit, match="no registered kernel"):
-        cli.select_tunings(["no_such_kernel"])
+        select_tunings(["no_such_kernel"])

@@ -48,7 +48,8 @@ def test_tiny_pipeline_on_cpu(tmp_path):
     out = tmp_path / "engine_graphs.json"
     assert geg.main(["--tiny", "--device", "cpu", "--batches", "3", "--new-tokens", "3",
                      "--prompt-len", "5", "--max-tokens", "64", "--buffer-gb", "0.01",
-                     "--num-cuda-graphs", "2", "--out", str(out)]) == 0
+                     "--num-cuda-graphs", "2", "--out", str(out),
+                     "--table-file", str(tmp_path / "table.txt")]) == 0
     data = json.loads(out.read_text())
     runs = {run["mode"]: run for run in data["runs"]}
     assert set(runs) == {"eager", "graphs", "graphs_async", "hf"}
@@ -66,4 +67,31 @@ def test_tiny_pipeline_on_cpu(tmp_path):
     # Async scheduling: the same tokens, read one step late.
     assert runs["graphs_async"]["same_tokens_as_eager"] == 1.0
     assert runs["graphs_async"]["graph_shape_steps"] >= runs["graphs_async"]["decode_steps"]
-    assert "mode" in out.with_suffix(".txt").read_text()
+    assert "mode" in (tmp_path / "table.txt").read_text()
+    # One engine per (mode, batch): the warm-up run replayed graphs too, the timed run did.
+    assert runs["graphs"]["graph_info"]["graph_replays_this_run"] > 0
+    assert runs["eager"]["graph_info"]["graph_replays_this_run"] == 0
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_engine_modes_run_first_and_transformers_last():
+    assert geg.run_order([1, 64], ["eager", "hf", "graphs"]) == [
+        (1, "eager"), (1, "graphs"), (64, "eager"), (64, "graphs"), (1, "hf"), (64, "hf")]
+
+
+def test_the_static_cache_baseline_does_not_compile(monkeypatch):
+    """transformers' static-cache generate compiles the forward per batch shape on CUDA unless
+    told not to (about a minute each): every generate call passes disable_compile=True."""
+    calls = []
+
+    class Model:
+        def generate(self, **kwargs):
+            calls.append(kwargs)
+            n = kwargs["max_new_tokens"]
+            return torch.zeros(2, 3 + n, dtype=torch.int64)
+
+    args = geg.parse_args(["--tiny", "--device", "cpu", "--new-tokens", "3"])
+    numbers = geg.run_hf(Model(), [[1, 2, 3], [4, 5, 6]], args, torch.device("cpu"))
+    assert calls and all(c["disable_compile"] is True and c["cache_implementation"] == "static"
+                         for c in calls)
+    assert numbers["decode_steps"] == 2 and len(numbers["outputs"]) == 2

@@ -38,6 +38,16 @@ def test_readme_has_the_usage_and_engine_blocks():
     assert any("engine.generate_requests(requests" in code for code in codes)
 
 
+def test_readme_names_every_engine_stats_field():
+    from dataclasses import fields
+
+    from dynctx.engine import EngineStats
+
+    text = README.read_text()
+    missing = [f.name for f in fields(EngineStats) if f"stats.{f.name}" not in text]
+    assert not missing, f"README.md does not name engine.stats fields {missing}"
+
+
 def test_skipped_blocks_say_why():
     for line, _, reason in python_blocks():
         assert reason is None or reason, f"README.md:{line}: a skipped block must give a reason"

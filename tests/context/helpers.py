@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from sizing_warning import built
 
 from dynctx.context import DynamicInferenceContext, DynamicInferenceRequest, SamplingParams
 from dynctx.context.dynamic_context import FIELD_BLOCKS
@@ -22,14 +23,21 @@ TOKEN_NAMES = ("token_to_input_ids", "token_to_pos_ids", "token_to_request_idx",
                "token_to_local_position_within_kv_block")
 
 
-def make_ctx(**overrides) -> DynamicInferenceContext:
-    """A small fp32 context: 2 layers, 2 heads of 8, block 4 tokens (BLOCK bytes per block)."""
+def context_args(**overrides) -> dict:
+    """The arguments of a small fp32 context: 2 layers, 2 heads of 8, block 4 tokens (BLOCK
+    bytes per block)."""
     args = dict(params_dtype=torch.float32, num_layers=2, kv_channels=8, num_attention_heads=2,
                 max_sequence_length=64, buffer_size_gb=40 * BLOCK / GIB,
                 paused_buffer_size_gb=8 * BLOCK / GIB, block_size_tokens=4, max_tokens=64,
                 max_requests=8, unified_memory_level=0, device="cpu")
     args.update(overrides)
-    return DynamicInferenceContext(**args)
+    return args
+
+
+def make_ctx(**overrides) -> DynamicInferenceContext:
+    """The small context of ``context_args(**overrides)``, its sizing warning asserted where
+    small buffers provoke it (``sizing_warning.built``)."""
+    return built(lambda: DynamicInferenceContext(**context_args(**overrides)))
 
 
 def request(rid: int, length: int, gen: int = 8,

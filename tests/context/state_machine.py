@@ -6,7 +6,7 @@ query and how many of its tokens have K/V in the cache. Each action takes its ra
 explicit arguments, so that two front ends drive the same machine:
 
 * ``tests/context/test_state_machine.py``: a hypothesis ``RuleBasedStateMachine`` (shrinking);
-* ``bench/soak.py``: a seeded ``random.Random`` for many thousands of steps (no shrinking).
+* ``tests/context/soak.py``: a seeded ``random.Random`` for many thousands of steps (no shrinking).
 
 The parts, in reading order:
 
@@ -41,6 +41,9 @@ content (the tokens up to the position, or those a state absorbed) instead of by
 a block or a state taken from the cache must hold exactly what the request would have written.
 ``check()`` adds the caching invariants (``InvariantChecks.check_prefix_cache``); a hybrid's
 hit is the step's continuation, resuming from a snapshot that must hold its prefix's state.
+The hits the driver expects come from its own model of the cache (``machine_prefix.py``: what
+the requests computed and published, with bounds where the context's eviction order decides),
+and every add's actual hit must be one of them.
 """
 
 from __future__ import annotations
@@ -67,6 +70,7 @@ from machine_model import (  # noqa: F401 (re-exported for the test and the soak
     require,
     sample_token,
 )
+from machine_prefix import Hit, PrefixModel
 
 from dynctx.context import (
     BlockOverflowError,
@@ -95,6 +99,8 @@ class ContextDriver(InvariantChecks):
         self.next_rid = 0
         self.next_uid = 0
         self.stats: Counter = Counter()
+        self.prefix = None if config.prefix_caching is None else PrefixModel(
+            config.block_size, config.prefix_caching, config.hybrid)
         self._generator = torch.Generator().manual_seed(1234)
         self.actions: List[str] = []
         self._poison_mamba()
@@ -126,17 +132,22 @@ class ContextDriver(InvariantChecks):
 
     def _prompt(self, length: int, salt: int) -> List[int]:
         if self.cfg.prefix_caching is not None:
-            salt %= 2  # two prompt families: prompts share prefixes
+            # Two prompt families: prompts share prefixes. Their tokens repeat every two
+            # blocks, so that equal blocks also follow different prefixes (a block must match
+            # as the end of its chain, never by its content alone).
+            period = 2 * self.cfg.block_size
+            return [((salt % 2) * 7919 + (i % period) * 104729 + 13) % VOCAB
+                    for i in range(length)]
         return [(salt * 7919 + i * 104729 + 13) % VOCAB for i in range(length)]
 
-    def _cached_prefix(self, t: Tracked, chunk: int) -> int:
-        """Prompt tokens a new request's add of ``chunk`` tokens takes from the prefix cache
-        (the context's own plan; check_kv and the Mamba checks verify the content)."""
-        ctx = self.ctx
-        if self.cfg.prefix_caching is None or t.req.finished_chunk_token_count:
-            return 0
-        return ctx.prefix_cache.plan_match(
-            t.req, t.rid, chunk, allow_hit=not wants_every_prompt_logit(t.req)).tokens
+    def _prefix_hits(self, t: Tracked, chunk: int) -> List[Hit]:
+        """The hits a new request's add of ``chunk`` tokens may take from the prefix cache, from
+        the driver's own model (``machine_prefix.py``; check_kv and the Mamba checks verify the
+        content); ``[Hit(0, 0)]`` without caching and for a continuation."""
+        if self.prefix is None or t.req.finished_chunk_token_count:
+            return [Hit(0, 0)]
+        return self.prefix.hits(t.prompt, chunk, not wants_every_prompt_logit(t.req),
+                                {x.uid for x in self.live.values()})
 
     def _active(self) -> List[Tracked]:
         return [t for t in self.live.values() if not t.paused]
@@ -154,7 +165,8 @@ class ContextDriver(InvariantChecks):
 
     # ------------------------------------------------------------------ adding
     def _expected_add_errors(self, t: Tracked, chunk: int, continuation: bool,
-                             duplicate: bool) -> set:
+                             duplicate: bool, hit: Hit) -> set:
+        """The errors ``add_request`` must raise if the cache gives the request ``hit``."""
         cfg, ctx = self.cfg, self.ctx
         errors = set()
         fin = t.req.finished_chunk_token_count
@@ -162,14 +174,9 @@ class ContextDriver(InvariantChecks):
         # is accepted and the request finished when it reaches max_sequence_length.
         if fin + t.req.remaining_prompt_length > cfg.max_sequence_length:
             errors.add(MaxSequenceLengthOverflowError)
+            hit = Hit(0, 0)  # refused before any lookup
         tokens = self._model_active_tokens() - (1 if continuation else 0)
-        skip, idle = 0, 0
-        if not continuation and self.cfg.prefix_caching is not None \
-                and fin + t.req.remaining_prompt_length <= cfg.max_sequence_length:
-            skip = self._cached_prefix(t, chunk)
-            if skip:
-                hit = ctx.prefix_cache.plan_match(t.req, t.rid, chunk)
-                idle = int(hit.idle.size)
+        skip, idle = hit.blocks * cfg.block_size, hit.idle
         if not continuation:
             if duplicate:
                 errors.add(ValueError)
@@ -192,8 +199,10 @@ class ContextDriver(InvariantChecks):
         """``add_request(t, chunk)``; True if added. An expected rejection leaves the state.
         ``advance=False``: the caller (the scheduler) advances ``t.req`` past the chunk."""
         ctx = self.ctx
-        expected = self._expected_add_errors(t, chunk, continuation, duplicate)
-        skip = 0 if expected or continuation else self._cached_prefix(t, chunk)
+        hits = [Hit(0, 0)] if continuation else self._prefix_hits(t, chunk)
+        options = {hit: self._expected_add_errors(t, chunk, continuation, duplicate, hit)
+                   for hit in hits}
+        expected = set().union(*options.values())
         before = snapshot(ctx)
         remaining = t.req.remaining_prompt_length
         arg = None if pass_none and chunk == remaining else chunk
@@ -216,10 +225,18 @@ class ContextDriver(InvariantChecks):
                     f"{self._slot_stack()}")
             self.stats["rejected_adds"] += 1
             return False
-        require(not expected, lambda: f"add_request(id={t.rid}, chunk={arg}, prompt="
-                f"{len(t.prompt)}, gen={t.gen}) succeeded; expected one of "
+        require(not all(options.values()), lambda: f"add_request(id={t.rid}, chunk={arg}, "
+                f"prompt={len(t.prompt)}, gen={t.gen}) succeeded; expected one of "
                 f"{sorted(e.__name__ for e in expected)}")
         fin = t.req.finished_chunk_token_count
+        row = ctx.host_request_ids().tolist().index(t.rid)
+        skip = int(ctx.request_kv_length_offsets[row]) - fin
+        allowed = sorted({h.blocks * self.cfg.block_size for h, errors in options.items()
+                          if not errors})
+        require(skip in allowed, lambda: f"add_request(id={t.rid}, chunk={chunk}) took {skip} "
+                f"tokens from the prefix cache; the model allows {allowed}")
+        if self.prefix is not None and not continuation:
+            self.prefix.took(t.uid, t.prompt, skip // self.cfg.block_size)
         if advance:
             t.req.remaining_prompt_tokens = t.req.remaining_prompt_tokens[chunk:]
             t.req.finished_chunk_token_count = fin + chunk
@@ -332,15 +349,13 @@ class ContextDriver(InvariantChecks):
         got = self.ctx.check_availability(t.req)
         remaining = t.req.remaining_prompt_length
         paused = any(x.paused for x in self.live.values())
-        skip, idle = self._cached_prefix(t, remaining), 0
-        if skip:
-            idle = int(self.ctx.prefix_cache.plan_match(t.req, t.rid, remaining).idle.size)
-        want = (len(self.live) < self.cfg.max_requests and not paused,
-                self._model_active_tokens() + remaining - skip <= self.cfg.max_tokens,
-                self._model_free_blocks() >= math.ceil(remaining / self.cfg.block_size)
-                - skip // self.cfg.block_size + idle)
-        require(tuple(got) == want, lambda: f"check_availability(id={t.rid}, remaining="
-                f"{remaining}) = {got}, expected {want}")
+        bs = self.cfg.block_size
+        wants = {(len(self.live) < self.cfg.max_requests and not paused,
+                  self._model_active_tokens() + remaining - hit.blocks * bs <= self.cfg.max_tokens,
+                  self._model_free_blocks() >= math.ceil(remaining / bs) - hit.blocks + hit.idle)
+                 for hit in self._prefix_hits(t, remaining)}
+        require(tuple(got) in wants, lambda: f"check_availability(id={t.rid}, remaining="
+                f"{remaining}) = {got}, expected one of {sorted(wants)}")
         return t.req
 
     def _scheduled_add(self, req: DynamicInferenceRequest, chunk_length: Optional[int]) -> None:
@@ -438,6 +453,9 @@ class ContextDriver(InvariantChecks):
         mask_tensor = torch.tensor(mask, dtype=torch.int32 if mask_as_int else torch.bool)
         newly = ctx.update_requests(mask_tensor, torch.tensor(samples, dtype=torch.int64))
         self.stats["steps"] += 1
+        if self.prefix is not None:
+            self.prefix.after_update([(t.uid, t.prompt, t.cached) for t in active],
+                                     {t.uid for t in self.live.values()})
 
         finished = {t.rid for t, keep in zip(active, mask) if not keep and not t.chunking}
         reported = ctx.max_length_finished_request_ids.tolist()
@@ -540,6 +558,8 @@ class ContextDriver(InvariantChecks):
         self.queued.update({t.rid: self._checkpoint(t) for t in rows})
         self.scheduler.requeue_suspended([t.rid for t in rows])
         self.live.clear()
+        if self.prefix is not None:
+            self.prefix.clear()
         self.chunked = None
         self.stats["suspends"] += 1
         self.check(device=True)
@@ -552,6 +572,8 @@ class ContextDriver(InvariantChecks):
         require(not self.cfg.hybrid or self._slot_stack() == list(range(self.cfg.max_requests)),
                 lambda: f"Mamba slots after reset(): {self._slot_stack()}")
         self.live.clear()
+        if self.prefix is not None:
+            self.prefix.clear()
         self.queued.clear()
         self.scheduler.clear()
         self.chunked = None

@@ -8,10 +8,10 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from helpers import BLOCK, GIB, add, make_ctx, request
+from helpers import BLOCK, GIB, add, context_args, make_ctx, request
 from triton_marks import needs_triton
 
-from dynctx.context import DynamicInferenceRequest, SamplingParams, sizing
+from dynctx.context import DynamicInferenceContext, DynamicInferenceRequest, SamplingParams, sizing
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without a GPU")
@@ -40,7 +40,7 @@ def test_huge_max_sequence_length_sizes_the_table_by_the_buffer():
     """A table row never needs more columns than the buffer has blocks (no MemoryError), and
     the active budget that cannot hold one full-length request is named."""
     with pytest.warns(UserWarning, match="max_sequence_length=1099511627776 needs"):
-        ctx = make_ctx(max_sequence_length=2 ** 40)
+        ctx = DynamicInferenceContext(**context_args(max_sequence_length=2 ** 40))
     assert ctx.max_kv_block_count == ctx.block_allocator.total_count - 1
     assert ctx.block_table_host.nbytes < 64 * 1024
     add(ctx, request(1, 5))

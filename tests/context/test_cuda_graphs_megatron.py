@@ -20,11 +20,8 @@ import itertools
 import random
 import warnings
 
-import pytest
-
-pytest.importorskip("megatron.core", reason="megatron-core==0.16.1 is a test dependency")
-
 import megatron_oracle as mo  # noqa: E402
+import pytest
 
 from dynctx.context import (  # noqa: E402
     DynamicInferenceContext,

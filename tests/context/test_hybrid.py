@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 from helpers import GIB, add, request, step
+from sizing_warning import built
 
 from dynctx.context import DynamicInferenceContext, MambaInferenceStateConfig
 
@@ -26,7 +27,7 @@ def make_hybrid(**overrides) -> DynamicInferenceContext:
                 device="cpu",
                 mamba_inference_state_config=MambaInferenceStateConfig(LAYERS, CONV, SSM))
     args.update(overrides)
-    return DynamicInferenceContext(**args)
+    return built(lambda: DynamicInferenceContext(**args))
 
 
 @pytest.mark.parametrize("kv,heads,gb,total,paused,active", [
@@ -48,7 +49,7 @@ def test_hybrid_block_counts_match_the_reference_examples(kv, heads, gb, total, 
 
 
 def test_hybrid_sizes_equal_megatron():
-    mo = pytest.importorskip("megatron_oracle")
+    import megatron_oracle as mo
     from megatron.core.inference.contexts.attention_context.mamba_metadata import (
         MambaInferenceStateConfig as MegatronConfig,
     )

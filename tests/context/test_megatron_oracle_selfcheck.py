@@ -4,12 +4,9 @@ pressure workloads really pause and evict. Every run also checks, step by step, 
 per-request lengths, positions and input ids against what the driver knows, its length-based
 finish test, and block ownership (see ``megatron_oracle.run_workload``)."""
 
+import megatron_oracle as mo  # noqa: E402
 import pytest
 import torch
-
-pytest.importorskip("megatron.core", reason="megatron-core==0.16.1 is a test dependency")
-
-import megatron_oracle as mo  # noqa: E402
 
 
 def _run(workload):

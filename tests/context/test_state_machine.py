@@ -2,7 +2,7 @@
 add / step / finish / pause / evict / chunk / suspend / resume / reset and checks every invariant
 after every rule, for plain, MLA and hybrid (Mamba + attention) contexts (the driver:
 ``state_machine.py``, which admits through the engine's ``Scheduler``; its invariants:
-``machine_checks.py``; the long run without shrinking: ``bench/soak.py``)."""
+``machine_checks.py``; the long run without shrinking: ``soak.py``)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from state_machine import CI_CONFIGS, ContextDriver, MachineConfig
 
 # Deterministic and sized for CI (the six configurations, two of them hybrids, together take
 # about 35 s of CPU on one core): no example database, derandomized generation, no deadline.
-# The long run is bench/soak.py.
+# The long run is soak.py (in this folder).
 SETTINGS = settings(max_examples=50, stateful_step_count=50, deadline=None, derandomize=True,
                     database=None, print_blob=False,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 import torch
 from helpers import BLOCK, GIB, add, make_ctx, request
+from sizing_warning import built
 from tolerances import LOG_SOFTMAX_TOLERANCE, assert_rope_close
 from triton_marks import needs_triton
 
@@ -293,13 +294,13 @@ CONV, SSM = (6, 4), (2, 3, 5)
 def _make_hybrid(backend: str) -> DynamicInferenceContext:
     block_bytes = 4 * 2 * 1 * 4 * 2 * 8
     mamba_bytes = 4 * (24 + 30)
-    return DynamicInferenceContext(
+    return built(lambda: DynamicInferenceContext(
         params_dtype=torch.float32, num_layers=2, kv_channels=8, num_attention_heads=2,
         max_sequence_length=64, buffer_size_gb=20 * (block_bytes + mamba_bytes) / GIB,
         paused_buffer_size_gb=4 * (block_bytes + mamba_bytes) / GIB, block_size_tokens=4,
         max_tokens=32, max_requests=8, unified_memory_level=0, device=DEVICE,
         kernel_backend=backend,
-        mamba_inference_state_config=MambaInferenceStateConfig(LAYERS, CONV, SSM))
+        mamba_inference_state_config=MambaInferenceStateConfig(LAYERS, CONV, SSM)))
 
 
 def test_hybrid_mamba_states_at_strided_slots_match_torch():

@@ -9,6 +9,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import pytest
 import torch
+from sizing_warning import built
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.utils import logging as hf_logging
 
@@ -62,11 +63,12 @@ def gib_for_blocks(hf, block_size: int, blocks: int,
 def build_engine(hf, *, block_size, blocks, paused_blocks, max_tokens, max_requests=None,
                  gib: Callable[..., float] = gib_for_blocks, **kwargs) -> Engine:
     """``Engine.from_transformers`` with ``blocks`` (``paused_blocks``) blocks of
-    ``block_size`` tokens, ``gib(hf, block_size, blocks)`` converting blocks to GiB."""
-    return Engine.from_transformers(
+    ``block_size`` tokens, ``gib(hf, block_size, blocks)`` converting blocks to GiB; the
+    context's sizing warning asserted where small buffers provoke it (``sizing_warning``)."""
+    return built(lambda: Engine.from_transformers(
         hf, block_size_tokens=block_size, buffer_size_gb=gib(hf, block_size, blocks),
         paused_buffer_size_gb=gib(hf, block_size, paused_blocks),
-        max_tokens=max_tokens, max_requests=max_requests, **kwargs)
+        max_tokens=max_tokens, max_requests=max_requests, **kwargs))
 
 
 def pressure_workload(hf, case: dict, base_lengths: Sequence[int], base_gens: Sequence[int]):

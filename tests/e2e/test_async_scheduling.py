@@ -21,9 +21,9 @@ from e2e_helpers import (
 )
 from test_llama_engine import BASE_GENS, BASE_LENGTHS
 
-import dynctx.engine.engine as engine_module
+import dynctx.engine.step as step_module
 from dynctx.context import DynamicInferenceRequest, SamplingParams
-from dynctx.engine.overlap import AsyncScheduling
+from dynctx.engine.overlap import AsyncScheduling, TokenReadback
 
 CASE = dict(block_size=16, blocks=14, paused_blocks=3, max_tokens=32, max_requests=None, scale=1)
 GRAPH_CASE = dict(CASE, max_requests=8)
@@ -108,42 +108,60 @@ def test_async_equals_sync_and_transformers_under_pressure(graphs):
 @pytest.mark.parametrize("log_probs", [False, True], ids=["tokens", "with-log-probs"])
 def test_tokens_are_read_only_after_the_next_forward_is_launched(monkeypatch, log_probs):
     """Every host read of a step's sampled tokens (tolist, item, numpy, cpu on any view of
-    them), and of their log probs when requests ask for them (without prompt log probs), comes
-    after the next step's forward was launched, except the last step's, read once nothing is
-    left to run; the synchronous engine reads them before."""
+    them, or the read of their copy to the host), and of their log probs when requests ask for
+    them (without prompt log probs), comes after the next step's forward was launched, except
+    the last step's, read once nothing is left to run; the synchronous engine reads them
+    before."""
     hf = tiny_llama(seed=3)
     prompts = make_prompts([4, 9, 2, 13, 6], hf.config.vocab_size, seed=4)
     gens = [6, 3, 8, 5, 7]
     log: List[tuple] = []
     sampled: List[torch.Tensor] = []
     watched: List[List[torch.Tensor]] = []  # per step; kept alive: their data_ptrs stay unique
-    real_sample = engine_module.sample
-    real_log_probs = AsyncScheduling.generated_log_probs
+    copies: List[tuple] = []  # (readback handle, step); the handles kept alive
+    real_sample = step_module.sample_checked
+    real_log_probs = AsyncScheduling.device_log_probs
+    real_start, real_read = TokenReadback.start, TokenReadback.read
 
     def watched_sample(*args, **kwargs):
-        tokens = real_sample(*args, **kwargs)
+        tokens, readout = real_sample(*args, **kwargs)
         sampled.append(tokens)
-        watched.append([tokens])
-        return tokens
+        watched.append([tokens, readout])
+        return tokens, readout
 
     def watched_log_probs(self, last, tokens):
         values = real_log_probs(self, last, tokens)
         watched[-1].append(values)
         return values
 
+    def step_of(tensor):
+        return next((k for k, tensors in enumerate(watched)
+                     if any(tensor.data_ptr() == t.data_ptr() for t in tensors)), None)
+
+    def watched_start(self, tensor):
+        handle = real_start(self, tensor)
+        copies.append((handle, step_of(tensor)))
+        return handle
+
+    def watched_read(self, handle):
+        log.extend(("read", k) for h, k in copies if h is handle and k is not None)
+        return real_read(self, handle)
+
     def reader(name):
         original = getattr(torch.Tensor, name)
 
         def read(self, *args, **kwargs):
             if self.numel():
-                for k, tensors in enumerate(watched):
-                    if any(self.data_ptr() == t.data_ptr() for t in tensors):
-                        log.append(("read", k))
+                k = step_of(self)
+                if k is not None:
+                    log.append(("read", k))
             return original(self, *args, **kwargs)
         return read
 
-    monkeypatch.setattr(engine_module, "sample", watched_sample)
-    monkeypatch.setattr(AsyncScheduling, "generated_log_probs", watched_log_probs)
+    monkeypatch.setattr(step_module, "sample_checked", watched_sample)
+    monkeypatch.setattr(AsyncScheduling, "device_log_probs", watched_log_probs)
+    monkeypatch.setattr(TokenReadback, "start", watched_start)
+    monkeypatch.setattr(TokenReadback, "read", watched_read)
     for name in ("tolist", "item", "numpy", "cpu"):
         monkeypatch.setattr(torch.Tensor, name, reader(name))
 
@@ -151,6 +169,7 @@ def test_tokens_are_read_only_after_the_next_forward_is_launched(monkeypatch, lo
         log.clear()
         sampled.clear()
         watched.clear()
+        copies.clear()
         engine = build_engine(hf, block_size=16, blocks=16, paused_blocks=4, max_tokens=32,
                               kernel_backend="torch", async_scheduling=async_scheduling)
         forward = engine.model.forward
@@ -180,7 +199,7 @@ def test_tokens_are_read_only_after_the_next_forward_is_launched(monkeypatch, lo
         assert masks and set(masks) == {"cpu"}
         if log_probs:
             assert all(len(r.generated_log_probs) == len(r.generated_tokens) for r in results)
-            assert not async_scheduling or all(len(w) == 2 for w in watched)
+            assert not async_scheduling or all(len(w) == 3 for w in watched)
         return [(r.generated_tokens, r.generated_log_probs) for r in results], list(log), \
             len(sampled)
 
@@ -338,7 +357,7 @@ def test_a_request_stopping_as_it_pauses_or_is_evicted(event):
     assert outcome(asynchronous) == outcome(sync)
     stopped = asynchronous[rid]
     assert stopped.finish_reason == "stop" and stopped.generated_tokens[-1] == token
-    counts = engine._overlap.counts
+    counts = engine.async_scheduling_counts
     if event == "paused":
         assert counts["retired_paused"] >= 1, counts
     else:
@@ -382,7 +401,7 @@ def test_prefix_caching_and_hybrid_models_equal_sync(model):
     _, sync = run(False)
     engine, asynchronous = run(True)
     assert outcome(asynchronous) == outcome(sync)
-    assert engine._overlap.counts["retired"] >= 3
+    assert engine.async_scheduling_counts["retired"] >= 3
     if model != "nemotron-h":
         assert engine.stats.pauses > 0
         assert engine.stats.prefix_cache["prefix_cache_hits"] >= 3

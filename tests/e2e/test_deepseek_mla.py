@@ -33,6 +33,7 @@ from e2e_helpers import (
 )
 from e2e_helpers import build_engine as build_engine_in_blocks
 from e2e_helpers import gib_for_blocks as gib_for_blocks_of
+from sizing_warning import built
 from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
 from triton_marks import needs_triton
 
@@ -116,11 +117,11 @@ def test_mla_attention_forms_and_rope_modes(form, rope, q_lora_rank):
     prompts = make_prompts([1, 23, 40, 9], hf.config.vocab_size, seed=4)
     gens = [16, 10, 14, 16]
     from dynctx.context import DynamicInferenceContext
-    ctx = DynamicInferenceContext(
+    ctx = built(lambda: DynamicInferenceContext(
         params_dtype=torch.float32, num_layers=2, kv_channels=model.head_dim,
         num_attention_heads=1, max_sequence_length=512, block_size_tokens=16,
         buffer_size_gb=gib_for_blocks(hf, 16, 10), paused_buffer_size_gb=gib_for_blocks(hf, 16, 2),
-        max_tokens=32, device="cpu", kernel_backend="torch", **model.context_kwargs)
+        max_tokens=32, device="cpu", kernel_backend="torch", **model.context_kwargs))
     engine = Engine(model, ctx, record_logits=True)
     results = engine.generate_requests(greedy_requests(prompts, gens), arrival_steps=[0, 0, 1, 3])
     assert engine.stats.chunked_prefills > 0

@@ -1,10 +1,13 @@
-"""``python -m dynctx demo``: runs, reports, plots, and fails on a mismatch."""
+"""``python -m dynctx demo``: runs, reports, plots, and fails on a mismatch; its context has the
+blocks its flags (and their defaults in ``--help``) ask for."""
 
 from __future__ import annotations
 
 import re
 import subprocess
 import sys
+
+import pytest
 
 from dynctx import cli_demo
 
@@ -18,6 +21,8 @@ def test_demo_runs_and_matches_transformers(tmp_path, capsys):
     assert cli_demo.main(["--plot", str(plot), "--no-progress"]) == 0
     out = capsys.readouterr().out
     assert "check             OK: 24/24 outputs match" in out
+    # --help: --buffer-blocks (default: 13), --paused-blocks (default: 3)
+    assert "context: 13 KV blocks of 16 tokens (active budget 10, paused budget 3)" in out
     assert summary_count(out, "pauses") > 0
     assert summary_count(out, "evictions") > 0
     assert summary_count(out, "chunked prefills") > 0
@@ -25,16 +30,30 @@ def test_demo_runs_and_matches_transformers(tmp_path, capsys):
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_demo_exit_code_on_mismatch(tmp_path, capsys, monkeypatch):
-    import dynctx.engine.engine as engine_module
+@pytest.mark.parametrize("flags, blocks", [
+    (["--buffer-blocks", "9", "--paused-blocks", "2"], "9 KV blocks of 16 tokens (active budget "
+                                                       "7, paused budget 2)"),
+    (["--buffer-size-gb", "1e-4"], "12 KV blocks of 16 tokens (active budget 9, paused budget "
+                                   "3)"),  # 13 blocks of 8 KiB fit, one is the padding block
+], ids=["blocks", "gib"])
+def test_the_context_has_the_blocks_the_flags_ask_for(capsys, flags, blocks):
+    assert cli_demo.main(["--requests", "2", "--max-new-tokens", "2", "--plot", "",
+                          "--no-progress", *flags]) == 0
+    out = capsys.readouterr().out
+    assert f"context: {blocks}" in out and "check             OK: 2/2" in out
 
-    real_sample = engine_module.sample
+
+def test_demo_exit_code_on_mismatch(tmp_path, capsys, monkeypatch):
+    import dynctx.engine.step as step_module
+
+    real_sample = step_module.sample_checked
 
     def off_by_one(logits, params, token_indices, generator):
-        tokens = real_sample(logits, params, token_indices, generator)
-        return (tokens + 1) % logits.shape[-1]
+        tokens, _ = real_sample(logits, params, token_indices, generator)
+        tokens = (tokens + 1) % logits.shape[-1]
+        return tokens, tokens
 
-    monkeypatch.setattr(engine_module, "sample", off_by_one)
+    monkeypatch.setattr(step_module, "sample_checked", off_by_one)
     code = cli_demo.main(["--requests", "4", "--max-new-tokens", "4", "--plot", "",
                           "--no-progress"])
     assert code == 1

@@ -13,6 +13,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -360,6 +362,41 @@ def test_sampling_never_indexes_minus_one_on_nan_logits():
     assert int(tokens[2]) == int(logits[2].argmax())
 
 
+def seeded_requests(prompts, temperature=0.8):
+    return [DynamicInferenceRequest(request_id=i, prompt_tokens=list(p),
+                                    sampling_params=SamplingParams(
+                                        temperature=temperature, seed=40 + i,
+                                        num_tokens_to_generate=g))
+            for i, (p, g) in enumerate(zip(prompts, GENS))]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("bad_id, from_step", [(0, 2), (3, 0)], ids=["decoding", "chunked"])
+def test_sampling_refuses_nan_logits_without_validate(hf, prompts, bad_id, from_step,
+                                                     async_scheduling):
+    """Without ``validate``, NaN logits reach sampling (``temperature=0.8``): that request
+    finishes with an error saying so (before, it got token 0 every step, silently), its
+    tokens before the NaN kept; the others draw what they draw in a clean run."""
+    clean = small_engine(hf, async_scheduling=async_scheduling).generate_requests(
+        seeded_requests(prompts))
+    engine = small_engine(hf, async_scheduling=async_scheduling)
+    engine.model = NaNLogits(engine.model, bad_id, from_step)
+    results = engine.generate_requests(seeded_requests(prompts))
+    bad = results[bad_id]
+    assert bad.finish_reason == "error" and "sampling refused the request" in bad.error
+    assert "NaN" in bad.error and engine.stats.errors == 1
+    # The forwards before the NaN gave their tokens (request 3's chunks give none).
+    kept = 0 if bad_id == 3 else from_step
+    assert bad.generated_tokens == clean[bad_id].generated_tokens[:kept]
+    for other, reference in zip(results, clean):
+        if other.request_id != bad_id:
+            assert other.finish_reason == "length"
+            assert other.generated_tokens == reference.generated_tokens, other.request_id
+    ctx = engine.context
+    assert not engine.has_unfinished_requests() and ctx.total_request_count == 0
+    assert ctx.block_allocator.total_avail == ctx.block_allocator.total_count - 1
+
+
 def test_vocab_size_as_a_context_keyword(hf, prompts, greedy):
     engine = small_engine(hf, vocab_size=VOCAB)
     assert engine.context.vocab_size == VOCAB
@@ -476,3 +513,64 @@ def test_engine_arguments_are_checked(hf):
              r"default_termination_id=1.5 must be an int")]:
         with pytest.raises(error, match=message):
             Engine(engine.model, engine.context, **kwargs)
+
+
+INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+BAD_ENGINE_OPTIONS = [
+    pytest.param(dict(attention_backend="flash"), ValueError,
+                 r"attention_backend='flash' must be one of 'auto', 'torch', 'torch_static', "
+                 r"'triton', 'flashinfer', 'flash_attn'", id="attention_backend_name"),
+    pytest.param(dict(attention_backend="triton"), RuntimeError,
+                 r"attention_backend='triton': .*cannot run: device is cpu", id="triton_on_cpu",
+                 marks=pytest.mark.skipif(INTERPRETING,
+                                          reason="under TRITON_INTERPRET=1 it runs on a CPU")),
+    pytest.param(dict(attention_backend="flashinfer"), RuntimeError,
+                 r"attention_backend='flashinfer': .*fp16/bf16, not torch.float32",
+                 id="flashinfer_fp32"),
+    pytest.param(dict(attention_backend="flash_attn"), RuntimeError,
+                 r"attention_backend='flash_attn': .*fp16/bf16, not torch.float32",
+                 id="flash_attn_fp32"),
+    pytest.param(dict(rope="bogus"), ValueError, r"rope='bogus' must be one of", id="rope"),
+    pytest.param(dict(prefix_caching_eviction_policy="fifo", enable_prefix_caching=True),
+                 ValueError, r"prefix_caching_eviction_policy='fifo' must be one of",
+                 id="eviction_policy"),
+    pytest.param(dict(enable_prefix_caching="yes"), TypeError, r"enable_prefix_caching",
+                 id="prefix_caching_flag"),
+    pytest.param(dict(enable_chunked_prefill=None), TypeError,
+                 r"enable_chunked_prefill=None must be a bool", id="chunked_prefill"),
+    pytest.param(dict(cuda_graphs="no"), TypeError, r"cuda_graphs='no' must be a bool",
+                 id="cuda_graphs"),
+    pytest.param(dict(async_scheduling=1), TypeError, r"async_scheduling=1 must be a bool",
+                 id="async_scheduling"),
+    pytest.param(dict(record_logits="yes"), TypeError, r"record_logits='yes' must be a bool",
+                 id="record_logits"),
+    pytest.param(dict(seed=-1), ValueError, r"seed=-1 must lie in \[0, inf\]", id="seed"),
+    pytest.param(dict(history_window=-1), ValueError,
+                 r"history_window=-1 must lie in \[0, inf\]", id="history_window"),
+    pytest.param(dict(step_callback=3), TypeError, r"step_callback=3 must be callable",
+                 id="step_callback"),
+    pytest.param(dict(kernel_backend="nope"), ValueError,
+                 r"'nope' is not a kernel backend; expected one of", id="kernel_backend"),
+]
+
+
+@pytest.mark.parametrize("options, error, message", BAD_ENGINE_OPTIONS)
+def test_every_engine_option_is_checked_when_the_engine_is_built(hf, options, error, message):
+    """A bad option raises from ``from_transformers`` itself, naming the option, the value and
+    the choices (or why it cannot run here); before, ``attention_backend="flash"`` built an
+    engine whose first ``generate`` failed deep inside the forward."""
+    options = dict(dict(kernel_backend="torch"), **options)
+    with pytest.raises(error, match=message):
+        build_engine(hf, block_size=16, blocks=10, paused_blocks=2, max_tokens=24,
+                     max_sequence_length=96, **options)
+
+
+def test_an_adapter_whose_attention_cannot_run_is_refused_by_the_engine(hf):
+    """``Engine(model, context)`` resolves the model's attention for the context at once."""
+    from dynctx.models import LlamaAdapter
+
+    context = small_engine(hf).context
+    model = LlamaAdapter.from_transformers(hf, attention_backend="flashinfer")
+    with pytest.raises(RuntimeError, match=r"attention_backend='flashinfer': .*fp16/bf16"):
+        Engine(model, context)
+

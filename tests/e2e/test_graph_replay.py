@@ -2,8 +2,9 @@
 the capture dummies, the steps the context puts in a graph replay it, the others run eagerly,
 and the tokens and every step's logits equal transformers' (engine/graphs.py).
 
-On a CPU the stand-in runner replays (the forward on the static inputs, the output in a static
-buffer per graph, every input checked to be at its captured address); the ``gpu`` cases run
+On a CPU the stand-in runner replays (the forward on the static inputs under a check of every
+launch against the capture's, tests/e2e/test_graph_freeze.py; the output in a static buffer per
+graph; every input checked to be at its captured address); the ``gpu`` cases run
 ``torch.cuda.CUDAGraph`` capture and replay on a CUDA device."""
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from dynctx.engine import Engine
 from dynctx.engine.graphs import (
     CudaGraphRunner,
     GraphStepContext,
+    LaunchRecorder,
     StandInGraphRunner,
     static_plan_values,
 )
@@ -309,11 +311,15 @@ def test_graphs_replay_the_triton_kernels(monkeypatch):
 def test_cuda_runner_protocol_with_torch_cuda_faked(monkeypatch):
     """The CUDA runner's control flow on a CPU, torch.cuda's graph API faked: warm-up runs on a
     side stream (the first one checked for host syncs), every graph is captured into the one
-    shared pool, and a graph step replays its graph and returns its output's real rows. (The
-    real capture runs only on a GPU: test_cuda_graphs_capture_replay_and_match_eager.)"""
+    shared pool, and a graph step replays its graph and returns its output's real rows, whose
+    tokens are transformers'. The fake graph records the captured forward's launches
+    (``LaunchRecorder``) and its replay runs the forward again under their check, writing into
+    the captured output, as a CUDA graph writes into its own buffers. (The real capture runs
+    only on a GPU: test_cuda_graphs_capture_replay_and_match_eager.)"""
     from dynctx.engine import graphs as graphs_module
 
     events = []
+    calls = []   # (view, last_token_only, output) of every forward, in order
 
     class FakeStream:
         def __init__(self, device=None):
@@ -323,8 +329,14 @@ def test_cuda_runner_protocol_with_torch_cuda_faked(monkeypatch):
             pass
 
     class FakeGraph:
+        tape, captured = None, None
+
         def replay(self):
             events.append(("replay", id(self)))
+            view, last_token_only, output = self.captured
+            with LaunchRecorder(self.tape, label="the fake CUDA graph"):
+                fresh = model.forward(view, last_token_only=last_token_only)
+            output.copy_(fresh)
 
     @contextlib.contextmanager
     def fake_stream(stream):
@@ -334,7 +346,10 @@ def test_cuda_runner_protocol_with_torch_cuda_faked(monkeypatch):
     @contextlib.contextmanager
     def fake_graph(graph, pool=None):
         events.append(("capture", id(graph), pool))
-        yield
+        recorder = LaunchRecorder()
+        with recorder:
+            yield
+        graph.tape, graph.captured = recorder.launches, calls[-1]
 
     monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
     monkeypatch.setattr(torch.cuda, "stream", fake_stream)
@@ -357,7 +372,9 @@ def test_cuda_runner_protocol_with_torch_cuda_faked(monkeypatch):
 
         def forward(self, ctx, *, last_token_only=True):
             forwards.append(type(ctx).__name__)
-            return model.forward(ctx, last_token_only=last_token_only)
+            output = model.forward(ctx, last_token_only=last_token_only)
+            calls.append((ctx, last_token_only, output))
+            return output
 
     # The device check refuses a CPU context: build the runner past it.
     runner = CudaGraphRunner.__new__(CudaGraphRunner)
@@ -374,10 +391,11 @@ def test_cuda_runner_protocol_with_torch_cuda_faked(monkeypatch):
     assert events.count("side stream") == len(ladder)
 
     engine.graph_runner = runner
-    engine.generate(make_prompts([4, 6], hf.config.vocab_size), max_new_tokens=3,
-                    ignore_eos=True)
+    prompts, gens = make_prompts([4, 6, 3], hf.config.vocab_size), [5, 3, 6]
+    results = engine.generate_requests(greedy_requests(prompts, gens))
     replayed = [e for e in events if isinstance(e, tuple) and e[0] == "replay"]
     assert len(replayed) == sum(runner.replays.values()) > 0
+    assert_requests_match_greedy(hf, greedy_requests(prompts, gens), prompts, results)
     assert {graph_id for _, graph_id in replayed} <= {id(g.graph) for g in runner.graphs.values()}
     runner.release()
     assert runner.graphs == {} and runner._pool is None

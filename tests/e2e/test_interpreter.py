@@ -15,6 +15,7 @@ from e2e_helpers import (
     refuse_torch_references,
     tiny_llama,
 )
+from sizing_warning import built
 from triton_marks import needs_triton
 
 from dynctx.engine import Engine
@@ -47,11 +48,11 @@ def test_triton_kernels_compose_through_the_engine(rope, fused, no_torch_referen
     hf = hf.to(device)
     prompts = make_prompts([3, 20, 1], hf.config.vocab_size, seed=22)
     gens = [6, 5, 6]
-    engine = Engine.from_transformers(
+    engine = built(lambda: Engine.from_transformers(
         hf, rope=rope, block_size_tokens=16, buffer_size_gb=gib_for_blocks(hf, 16, 6),
         paused_buffer_size_gb=gib_for_blocks(hf, 16, 1), max_tokens=16, max_requests=4,
         kernel_backend="triton", fused_rope_kv_append=fused, attention_backend="torch",
-        record_logits=True)
+        record_logits=True))
     assert engine.context.kernel_backend == "triton"
     results = engine.generate_requests(greedy_requests(prompts, gens), arrival_steps=[0, 0, 2])
     assert engine.stats.chunked_prefills == 1

@@ -51,6 +51,23 @@ def kernel_backend(device: str) -> str:
     return "torch" if device == "cpu" else "triton"
 
 
+def auto_attention_backend(device: str) -> str:
+    """What ``attention_backend="auto"`` runs: the torch paged attention on a CPU, our Triton
+    kernels on CUDA (models/paged_attention.py, ``resolve_attention_backend``)."""
+    return "torch" if device == "cpu" else "triton"
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_the_expected_attention_backend_is_what_auto_resolves_to(device):
+    """The pressure test's expectation on each device is what "auto" picks there (resolution
+    reads the device type only: no CUDA device is needed to ask)."""
+    from dynctx.models import resolve_attention_backend
+
+    for dtype in (torch.float32, torch.bfloat16):
+        assert resolve_attention_backend("auto", torch.device(device), 16, dtype) == \
+            auto_attention_backend(device)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", PRESSURE_CASES)
 def test_pressure_workload_matches_transformers(case, device):
@@ -63,7 +80,7 @@ def test_pressure_workload_matches_transformers(case, device):
 
     assert_pressure_stats(engine.stats, results)
     assert max(r.first_scheduled_step for r in results) > 0
-    assert engine.model.attention_backend == "torch"
+    assert engine.model.attention_backend == auto_attention_backend(device)
     assert not engine.context.has_unfinished_requests()
     assert engine.context.block_allocator.total_avail == case["blocks"] - 1
 

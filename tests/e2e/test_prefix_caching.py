@@ -243,7 +243,7 @@ def test_engine_refuses_a_bad_salt_and_keeps_a_good_one():
     good = greedy_requests([[5, 6, 7]], [2])[0]
     good.prefix_caching_salt = "tenant"
     engine.add_request(good)
-    assert engine._entries[0].request.prefix_caching_salt == "tenant"
+    assert engine._intake.states[0].request.prefix_caching_salt == "tenant"
     with pytest.raises(TypeError, match="enable_prefix_caching"):
         build_engine(hf, block_size=16, blocks=8, paused_blocks=1, max_tokens=32,
                      enable_prefix_caching="yes")
@@ -298,7 +298,7 @@ def test_prefix_caching_with_graphs_suspend_and_log_probs_matches_caching_off():
 
 
 def test_prefix_caching_fuzz_smoke(capsys):
-    """bench/prefix_caching_fuzz.py on three seeds: caching on agrees with caching off."""
+    """tests/e2e/prefix_caching_fuzz.py on three seeds: caching on agrees with caching off."""
     import prefix_caching_fuzz
 
     assert prefix_caching_fuzz.main(["--seeds", "0", "3", "--models", "llama"]) == 0

@@ -5,10 +5,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 from e2e_helpers import gib_for_blocks, make_prompts, tiny_llama
+from sizing_warning import built
 
 from dynctx.context import DynamicInferenceRequest, SamplingParams
 from dynctx.engine import Engine
-from dynctx.engine.sampling import filter_sorted_logits, sample
+from dynctx.engine.sampling import REFUSED, filter_sorted_logits, sample, sample_checked
 
 
 def test_greedy_rows_take_the_argmax():
@@ -18,6 +19,28 @@ def test_greedy_rows_take_the_argmax():
               SamplingParams(temperature=0.0)]
     tokens = sample(logits, params, [0] * 5, np.random.default_rng(0))
     assert torch.equal(tokens, logits.argmax(-1))
+
+
+def test_rows_without_a_distribution_are_refused_in_the_readout():
+    """NaN logits (greedy or sampled), all -inf, and +inf under temperature give no finite
+    probabilities: the readout holds REFUSED there; the tokens stay valid ids (what the
+    context is given) and the other rows are as ``sample`` draws them."""
+    logits = torch.randn(7, 30, generator=torch.Generator().manual_seed(4))
+    logits[0, 3] = float("nan")                    # greedy, NaN
+    logits[1, 5] = float("nan")                    # sampled, NaN
+    logits[2] = float("-inf")                      # sampled, nothing allowed
+    logits[3, 7] = float("inf")                    # sampled, +inf under temperature
+    logits[4, 9] = float("inf")                    # greedy, +inf: that token (legal)
+    params = [SamplingParams(top_k=1), SamplingParams(temperature=0.8, seed=1),
+              SamplingParams(temperature=0.8, seed=2), SamplingParams(temperature=0.5, seed=3),
+              SamplingParams(top_k=1), SamplingParams(temperature=0.9, seed=4),
+              SamplingParams(top_k=1)]
+    tokens, readout = sample_checked(logits, params, [0] * 7, np.random.default_rng(0))
+    assert readout.tolist()[:4] == [REFUSED] * 4
+    assert int(readout[4]) == 9 and tokens.min() >= 0 and tokens.max() < 30
+    assert torch.equal(readout[4:], tokens[4:])
+    assert torch.equal(tokens, sample(logits, params, [0] * 7, np.random.default_rng(0)))
+    assert int(tokens[6]) == int(logits[6].argmax())
 
 
 def test_seeded_draws_do_not_depend_on_the_batch():
@@ -69,9 +92,9 @@ def test_seeded_requests_match_alone_and_under_memory_pressure():
                                            num_tokens_to_generate=32))
             for i, prompt in enumerate(prompts)]
 
-    busy = Engine.from_transformers(
+    busy = built(lambda: Engine.from_transformers(
         hf, block_size_tokens=16, buffer_size_gb=gib_for_blocks(hf, 16, 12),
-        paused_buffer_size_gb=gib_for_blocks(hf, 16, 2), max_tokens=32, kernel_backend="torch")
+        paused_buffer_size_gb=gib_for_blocks(hf, 16, 2), max_tokens=32, kernel_backend="torch"))
     crowded = busy.generate_requests(requests(), arrival_steps=[i // 3 for i in range(10)])
     assert busy.stats.pauses + busy.stats.evictions > 0 and busy.stats.chunked_prefills > 0
     for i, request in enumerate(requests()):

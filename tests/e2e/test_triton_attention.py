@@ -18,6 +18,7 @@ from e2e_helpers import (
     refuse_torch_references,
     tiny_llama,
 )
+from sizing_warning import built
 from triton_marks import needs_triton
 
 from dynctx.engine import Engine
@@ -47,10 +48,10 @@ def test_triton_attention_through_the_engine(monkeypatch):
     # next to a decode request (a mixed step), then decode-only steps.
     prompts = make_prompts([3, 21, 1], hf.config.vocab_size, seed=32)
     gens = [4, 3, 4]
-    engine = Engine.from_transformers(
+    engine = built(lambda: Engine.from_transformers(
         hf, block_size_tokens=8, buffer_size_gb=gib_for_blocks(hf, 8, 12),
         paused_buffer_size_gb=gib_for_blocks(hf, 8, 1), max_tokens=16, max_requests=4,
-        attention_backend="triton", record_logits=True)
+        attention_backend="triton", record_logits=True))
     results = engine.generate_requests(greedy_requests(prompts, gens), arrival_steps=[0, 0, 1])
     assert engine.model.attention_backend == "triton"
     assert engine.stats.chunked_prefills == 1

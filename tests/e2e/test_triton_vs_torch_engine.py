@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from e2e_helpers import gib_for_blocks, greedy_requests, make_prompts, tiny_llama
+from sizing_warning import built
 from tolerances import LOG_SOFTMAX_TOLERANCE
 from triton_marks import needs_triton
 
@@ -21,10 +22,10 @@ pytestmark = [
 
 
 def _run(hf, backend: str, prompts, gens):
-    engine = Engine.from_transformers(
+    engine = built(lambda: Engine.from_transformers(
         hf, rope="table", block_size_tokens=8, buffer_size_gb=gib_for_blocks(hf, 8, 8),
         paused_buffer_size_gb=gib_for_blocks(hf, 8, 2), max_tokens=16, max_requests=4,
-        kernel_backend=backend, attention_backend="torch", record_logits=True)
+        kernel_backend=backend, attention_backend="torch", record_logits=True))
     assert engine.context.kernel_backend == backend
     results = engine.generate_requests(greedy_requests(prompts, gens), arrival_steps=[0, 0, 1])
     return results, engine.stats

@@ -37,6 +37,7 @@ def toy(monkeypatch, tmp_path):
     monkeypatch.setitem(_autotune._TUNINGS, TOY, tuning)
     monkeypatch.setattr(_autotune, "_WARNED", set())
     monkeypatch.setattr(_autotune, "PACKAGED_DIR", tmp_path / "packaged")
+    (tmp_path / "override").mkdir()  # a $DYNCTX_AUTOTUNE_DIR that names no folder is an error
     monkeypatch.setenv(_autotune.OVERRIDE_ENV, str(tmp_path / "override"))
     return tuning
 

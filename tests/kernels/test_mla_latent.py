@@ -135,8 +135,18 @@ def test_every_config(config, dtype):
 
 
 @pytest.mark.parametrize("case", SHAPES[1:5])
-def test_torch_backend_matches_reference(case):
-    check_against_reference(case, torch.bfloat16, backend="torch")
+def test_torch_backend_matches_a_token_by_token_copy(case):
+    """The torch backend runs ``mla_latent_append_ref``: compared with a copy written
+    independently (token ``t``'s latent then rope key into ``(block_ids[t], slots[t])``), so a
+    wrong reference fails here."""
+    buffer, kv_latent, k_rope, block_ids, slots = build(case, torch.bfloat16)
+    expected = buffer.clone()
+    cache, rank = cache_view(expected), kv_latent.shape[-1]
+    for t, (block, slot) in enumerate(zip(block_ids.tolist(), slots.tolist())):
+        cache[block, slot, :rank] = kv_latent[t].reshape(rank)
+        cache[block, slot, rank:] = k_rope[t].reshape(-1)
+    mla_latent_append(cache_view(buffer), kv_latent, k_rope, block_ids, slots, backend="torch")
+    assert torch.equal(bits(buffer), bits(expected))
 
 
 def test_default_config_in_space_and_key_buckets():

@@ -9,9 +9,6 @@ import time
 
 import pytest
 import torch
-
-pytest.importorskip("megatron.core", reason="the ported Megatron-Core tests need megatron-core")
-
 from mcore_port import IMPLS, ROUNDER_ATTRS, load_impl, run_ranks  # noqa: E402
 
 

@@ -9,12 +9,14 @@ attention models, whose Mamba slots and per-request state patterns are checked t
 violation (or any unexpected exception) is counted, its first message is printed, and the run
 continues with a fresh context.
 
-    python bench/soak.py --steps 10000            # prints a table; exit code 1 on a violation
-    python bench/soak.py --steps 2000 --seeds 0 1 --configs bs4-paused4 mla-bs8-paused3
-    python bench/soak.py --steps 4000 --configs hyb-bs4-paused4 hyb-bs8-half hyb-bs4-paused0
+    python -P tests/context/soak.py --steps 10000  # prints a table; exit code 1 on a violation
+    python -P tests/context/soak.py --steps 2000 --seeds 0 1 --configs bs4-paused4 mla-bs8-paused3
+    python -P tests/context/soak.py --steps 4000 --configs hyb-bs4-paused4 hyb-bs8-half
 
 ``--steps`` is the total number of forward steps (``initialize_attention_state`` +
-``update_requests``), split evenly over the (configuration, seed) runs.
+``update_requests``), split evenly over the (configuration, seed) runs. It is a test driver, not
+a benchmark, so it lives beside the state machine it drives (and puts this folder and
+``tests/``, not the checkout, on ``sys.path``; run it from any folder).
 """
 
 from __future__ import annotations
@@ -27,8 +29,10 @@ import traceback
 from collections import Counter
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests" / "context"))
+HERE = Path(__file__).resolve().parent
+for folder in (HERE.parent, HERE):  # tests/ (sizing_warning), then tests/context/ first
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
 
 import torch  # noqa: E402
 from state_machine import CONFIGS, ContextDriver  # noqa: E402

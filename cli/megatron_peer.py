@@ -1,14 +1,16 @@
 """Megatron-Core 0.16.1's own Triton KV-append kernel, as a peer for ``kv_append`` on a GPU.
 
-Megatron-Core ships it as ``megatron/core/inference/contexts/fused_kv_append_kernel.py``
+``python -m dynctx autotune bench`` and ``bench/test_kernels_bench.py`` time it on the very
+buffers of a ``kv_append`` tune case. Megatron-Core ships it as
+``megatron/core/inference/contexts/fused_kv_append_kernel.py``
 (``triton_append_key_value_cache``). That file imports only ``triton`` and ``torch``, so it is
 loaded by itself, without executing ``megatron/core/__init__.py`` and its dependencies, from the
 first of:
 
 1. the file named by ``$DYNCTX_MEGATRON_KV_APPEND``;
 2. an installed ``megatron-core`` (found with ``importlib.util.find_spec``, nothing imported);
-3. a ``megatron_core-*.whl`` in ``$DYNCTX_MEGATRON_WHEEL_DIR`` or the checkout's ``.whl/``
-   (read out of the zip: the GPU machine has no registry, and the 2.5 MB wheel can be carried).
+3. a ``megatron_core-*.whl`` in ``$DYNCTX_MEGATRON_WHEEL_DIR`` (read out of the zip: the GPU
+   machine has no registry, and the 2.5 MB wheel can be carried).
 
 Its contract (read from that file): ``triton_append_key_value_cache(layer_number, key, value,
 memory_buffer, padded_active_token_count, token_to_block_idx,
@@ -31,7 +33,8 @@ from typing import Callable
 import torch
 
 KERNEL_PATH = "megatron/core/inference/contexts/fused_kv_append_kernel.py"
-REPO_ROOT = Path(__file__).resolve().parent.parent
+FILE_ENV = "DYNCTX_MEGATRON_KV_APPEND"
+WHEEL_DIR_ENV = "DYNCTX_MEGATRON_WHEEL_DIR"
 _CACHE: dict[str, tuple[ModuleType | None, str]] = {}
 
 
@@ -40,6 +43,11 @@ def _load_file(path: Path) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _named_path() -> Path | None:
+    value = os.environ.get(FILE_ENV)
+    return Path(value) if value else None
 
 
 def _installed_path() -> Path | None:
@@ -55,16 +63,16 @@ def _installed_path() -> Path | None:
 
 
 def _wheel_path() -> Path | None:
-    folders = [os.environ.get("DYNCTX_MEGATRON_WHEEL_DIR", ""), str(REPO_ROOT / ".whl")]
-    for folder in filter(None, folders):
-        for wheel in sorted(glob.glob(os.path.join(folder, "megatron_core-*.whl"))):
-            with zipfile.ZipFile(wheel) as archive:
-                if KERNEL_PATH not in archive.namelist():
-                    continue
-                target = (Path(tempfile.mkdtemp(prefix="dynctx_megatron_"))
-                          / "fused_kv_append_kernel.py")
-                target.write_bytes(archive.read(KERNEL_PATH))
-                return target
+    folder = os.environ.get(WHEEL_DIR_ENV)
+    if not folder:
+        return None
+    for wheel in sorted(glob.glob(os.path.join(folder, "megatron_core-*.whl"))):
+        with zipfile.ZipFile(wheel) as archive:
+            if KERNEL_PATH not in archive.namelist():
+                continue
+            target = Path(tempfile.mkdtemp(prefix="dynctx_megatron_")) / "fused_kv_append_kernel.py"
+            target.write_bytes(archive.read(KERNEL_PATH))
+            return target
     return None
 
 
@@ -72,11 +80,11 @@ def load() -> tuple[ModuleType | None, str]:
     """``(module, where it came from)``, or ``(None, why not)``."""
     if "module" in _CACHE:
         return _CACHE["module"]
-    sources = [("$DYNCTX_MEGATRON_KV_APPEND", lambda: Path(os.environ["DYNCTX_MEGATRON_KV_APPEND"])
-                if os.environ.get("DYNCTX_MEGATRON_KV_APPEND") else None),
-               ("installed megatron-core", _installed_path), ("carried wheel", _wheel_path)]
-    result: tuple[ModuleType | None, str] = (None, "megatron-core is neither installed nor carried "
-                                             "(.whl/megatron_core-*.whl)")
+    sources = [(f"${FILE_ENV}", _named_path), ("installed megatron-core", _installed_path),
+               (f"wheel in ${WHEEL_DIR_ENV}", _wheel_path)]
+    result: tuple[ModuleType | None, str] = (
+        None, f"megatron-core is not installed, and neither ${FILE_ENV} nor ${WHEEL_DIR_ENV} "
+              "names a carried copy")
     for label, find in sources:
         path = find()
         if path is None or not Path(path).is_file():

@@ -10,7 +10,10 @@ the CUDA-graph stand-in runner half the time; on the NemotronH hybrid, a Mamba s
 run without; a difference or an exception is reported with the seed and the engine's arguments.
 The exit status is 1 when any seed failed.
 
-    python -P bench/prefix_caching_fuzz.py --seeds 0 200 --models llama nemotron_h deepseek
+    python -P tests/e2e/prefix_caching_fuzz.py --seeds 0 200 --models llama nemotron_h deepseek
+
+A test driver, not a benchmark: it lives beside the end-to-end helpers it builds its engines
+with (and puts this folder and ``tests/``, not the checkout, on ``sys.path``).
 """
 
 from __future__ import annotations
@@ -25,9 +28,10 @@ import traceback
 import warnings
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests" / "e2e"))
-sys.path.insert(0, str(ROOT / "tests"))
+HERE = Path(__file__).resolve().parent
+for folder in (HERE.parent, HERE):  # tests/ (triton_marks), then tests/e2e/ first
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
 
 MODELS = ("llama", "nemotron_h", "deepseek")
 

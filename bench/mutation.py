@@ -1,0 +1,668 @@
+"""Mutation testing: plant small bugs in the modules where a bug silently corrupts output, run
+the tests that should catch them, and report per module how many the tests killed.
+
+Each mutant changes one thing in a function body of the module (never a docstring, a string, an
+error message, an assert or module-level code):
+
+* operator: ``+`` <-> ``-``, ``*`` -> ``+``, ``//`` -> ``*``, ``%`` -> ``//``, ``<<`` <-> ``>>``,
+  ``&`` <-> ``|``, comparisons (``<`` <-> ``<=``, ``>`` <-> ``>=``, ``==`` <-> ``!=``, ``is`` <->
+  ``is not``, ``in`` <-> ``not in``), ``and`` <-> ``or``, a ``not`` / unary ``-`` / ``~`` dropped;
+* constant: an int ``n`` -> ``n + 1`` (0 -> 1, 1 -> 0), ``True`` <-> ``False``, a float + 1;
+* statement: an assignment, augmented assignment, call statement, ``break`` or ``continue``
+  replaced by ``pass``.
+
+The mutated source keeps every line where it was (operators and constants are replaced in place,
+a removed statement leaves blank lines), so tracebacks, coverage and Triton's kernel source
+(the interpreter re-reads it) line up with the original.
+
+How a module is tested: ``TARGETS`` maps its path (relative to the repository root, as the code
+moves: update the mapping, ``tests/test_mutation_targets.py`` checks that every path exists) to
+the test files that should kill its mutants, whether they need the Triton interpreter, and
+optionally the functions to mutate (the kernels' index arithmetic, not their tuning tables).
+Per module: one run of its tests unmutated (they must pass) that also records the lines they
+execute; then, for each mutant (all, or a seeded sample), a fork of a process that has imported
+torch, numpy, pytest and (for the kernels) Triton, where the mutated file replaces the module
+(an import hook) before pytest runs its tests with ``-x``. A mutant on a line the tests never
+execute survives without a run. Verdicts: ``killed`` (a test failed or the tests could not even
+import it), ``timeout`` (over the limit: killed too), ``survived``.
+
+    python -P bench/mutation.py                          # every module, every mutant
+    python -P bench/mutation.py --sample 40 --seed 0     # 40 mutants per module
+    python -P bench/mutation.py --modules engine/sampling.py --sample 20
+    python -P bench/mutation.py --list                   # the mutants, without running
+
+One thread (``OMP_NUM_THREADS=1``), one mutant at a time. The report (``--out``, default
+``bench/results/mutation.json``) holds per module the score, the survivors (line, mutation and
+source line) and how long it took; the text table goes to stdout. Not run in CI (hours for every
+mutant); equivalent survivors are named in CONTRIBUTING.md ("Mutation testing").
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import datetime
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """How one module is mutated and tested."""
+
+    tests: Tuple[str, ...]                 # test files (or ``file::test``), fastest killers first
+    interpreter: bool = False              # the tests run Triton kernels (TRITON_INTERPRET=1)
+    functions: Optional[Tuple[str, ...]] = None   # only these functions (``name`` or
+    #                                               ``Class.method``); None: every function
+    keyword: Optional[str] = None          # pytest ``-k``: leave out slow tests of other code
+
+
+# The context's unit tests first (fast), then the random workloads (a few seconds each), then
+# the capture dummies against megatron-core (12 s of importing it); the Megatron rope and
+# hybrid-size comparisons test no bookkeeping.
+CONTEXT_TESTS = ("tests/context/test_block_allocator.py",
+                 "tests/context/test_update_plan_stack.py", "tests/context/test_reset_state.py",
+                 "tests/context/test_context.py", "tests/context/test_prefix_cache.py",
+                 "tests/context/test_prefix_chains.py", "tests/context/test_hybrid.py",
+                 "tests/context/test_cuda_graphs.py", "tests/context/test_error_snapshots.py",
+                 "tests/context/test_decode_path.py", "tests/context/test_decode_path_review.py",
+                 "tests/context/test_cuda_graphs_megatron.py::test_capture_dummies_equal_megatron")
+CONTEXT_KEYWORD = "not rotary_methods_match_megatron and not sizes_equal_megatron"
+TARGETS: Dict[str, Target] = {
+    "context/update_plan.py": Target(CONTEXT_TESTS, keyword=CONTEXT_KEYWORD),
+    "context/request_table.py": Target(CONTEXT_TESTS, keyword=CONTEXT_KEYWORD),
+    "context/block_allocator.py": Target(CONTEXT_TESTS, keyword=CONTEXT_KEYWORD),
+    "context/prefix_cache.py": Target(("tests/context/test_prefix_chains.py",
+                                       "tests/context/test_prefix_cache.py")),
+    "engine/sampling.py": Target(("tests/e2e/test_finish_rule.py::test_finish_reason",
+                                  "tests/e2e/test_sampling.py", "tests/e2e/test_finish_rule.py")),
+    "kernels/kv_append.py": Target(("tests/kernels/test_kv_append.py",), interpreter=True,
+                                   functions=("_kv_append_kernel", "kv_append")),
+    "kernels/compaction.py": Target(("tests/kernels/test_compaction.py",), interpreter=True,
+                                    functions=("_compact_requests_kernel", "compact_requests")),
+    "kernels/paged_attention.py": Target(
+        ("tests/kernels/test_paged_attention.py",), interpreter=True,
+        functions=("_attend_key_tile", "_paged_attention_decode_kernel",
+                   "_paged_attention_merge_kernel", "_paged_attention_varlen_kernel",
+                   "paged_attention", "_common_args", "_launch_decode", "_launch_varlen")),
+}
+RESULTS = ROOT / "bench" / "results" / "mutation.json"
+
+
+# ---------------------------------------------------------------- mutants
+@dataclasses.dataclass(frozen=True)
+class Mutant:
+    path: str          # module path, relative to the repository root
+    index: int         # position in the module's list
+    line: int
+    kind: str          # "operator", "constant" or "statement"
+    description: str   # e.g. "+ -> -"
+    begin: int         # character offsets of the replaced text in the source
+    finish: int
+    replacement: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.path}:{self.line} {self.kind} {self.description}"
+
+
+BINARY = {ast.Add: ("+", "-"), ast.Sub: ("-", "+"), ast.Mult: ("*", "+"), ast.FloorDiv: ("//", "*"),
+          ast.Div: ("/", "*"), ast.Mod: ("%", "//"), ast.LShift: ("<<", ">>"),
+          ast.RShift: (">>", "<<"), ast.BitAnd: ("&", "|"), ast.BitOr: ("|", "&"),
+          ast.BitXor: ("^", "&"), ast.Pow: ("**", "*")}
+COMPARE = {ast.Lt: ("<", "<="), ast.LtE: ("<=", "<"), ast.Gt: (">", ">="), ast.GtE: (">=", ">"),
+           ast.Eq: ("==", "!="), ast.NotEq: ("!=", "=="), ast.Is: ("is not", "is"),
+           ast.IsNot: ("is not", "is"), ast.In: ("not in", "in"), ast.NotIn: ("not in", "in")}
+BOOLEAN = {ast.And: ("and", "or"), ast.Or: ("or", "and")}
+UNARY = {ast.Not: "not", ast.USub: "-", ast.Invert: "~"}
+
+
+def _offsets(source: str) -> List[int]:
+    """Character offset of the start of each line (index 0: line 1)."""
+    starts, total = [], 0
+    for line in source.splitlines(keepends=True):
+        starts.append(total)
+        total += len(line)
+    starts.append(total)
+    return starts
+
+
+class _Collector(ast.NodeVisitor):
+    """Finds the mutation points of the function bodies in ``functions`` (None: all)."""
+
+    def __init__(self, source: str, functions: Optional[Sequence[str]]):
+        self.source = source
+        self.lines = source.splitlines(keepends=True)
+        self.offsets = _offsets(source)
+        self.functions = set(functions) if functions is not None else None
+        self.points: List[Tuple[str, int, str, Tuple[int, int], Tuple[int, int], str]] = []
+        self._scope: List[str] = []
+        self._active = 0
+
+    # -- helpers
+    def _pos(self, line: int, col: int) -> int:
+        """Character offset of (line, byte column) (ast columns count UTF-8 bytes)."""
+        text = self.lines[line - 1].encode()[:col].decode(errors="ignore")
+        return self.offsets[line - 1] + len(text)
+
+    def _segment(self, start: Tuple[int, int], end: Tuple[int, int]) -> str:
+        return self.source[self._pos(*start):self._pos(*end)]
+
+    def _operator_between(self, left: ast.AST, right: ast.AST, symbol: str,
+                          new: str, kind: str = "operator") -> None:
+        """Replace ``symbol`` in the text between ``left`` and ``right`` (parentheses,
+        comments and whitespace aside) by ``new``."""
+        start, end = (left.end_lineno, left.end_col_offset), (right.lineno, right.col_offset)
+        gap = self._segment(start, end)
+        # Comments blanked (same length), so positions in ``bare`` are positions in ``gap``.
+        bare = re.sub(r"#[^\n]*", lambda m: " " * len(m.group()), gap)
+        tokens = bare.replace("(", " ").replace(")", " ").split()
+        if " ".join(tokens) != symbol:
+            return
+        at = re.search(r"(?<![\w=<>!*/])" + r"\s+".join(map(re.escape, symbol.split()))
+                       + r"(?![\w=*/])", bare)
+        if at is None:
+            return
+        begin = self._pos(*start) + at.start()
+        finish = self._pos(*start) + at.end()
+        self._add_span(kind, left.end_lineno, f"{symbol} -> {new}", begin, finish, new)
+
+    def _add_span(self, kind, line, description, begin, finish, replacement) -> None:
+        self.points.append((kind, line, description, begin, finish, replacement))
+
+    # -- scopes
+    def _visit_function(self, node) -> None:
+        self._scope.append(node.name)
+        name = ".".join(self._scope[-2:]) if len(self._scope) > 1 else node.name
+        chosen = self.functions is None or node.name in self.functions or \
+            name in self.functions
+        self._active += chosen
+        body = node.body
+        if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
+                and isinstance(body[0].value.value, str):
+            body = body[1:]   # the docstring
+        for statement in body:
+            self.visit(statement)
+        self._active -= chosen
+        self._scope.pop()
+
+    visit_FunctionDef = visit_AsyncFunctionDef = _visit_function
+
+    def visit_ClassDef(self, node) -> None:
+        self._scope.append(node.name)
+        for statement in node.body:
+            if isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                self.visit(statement)
+        self._scope.pop()
+
+    def visit_Module(self, node) -> None:
+        for statement in node.body:
+            if isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                self.visit(statement)
+            elif isinstance(statement, ast.If):   # ``if HAS_TRITON:`` around the kernels
+                for inner in statement.body + statement.orelse:
+                    if isinstance(inner, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                        self.visit(inner)
+
+    # -- what is never mutated
+    def visit_Raise(self, node) -> None:
+        pass
+
+    def visit_Assert(self, node) -> None:
+        pass
+
+    def visit_JoinedStr(self, node) -> None:
+        pass
+
+    # -- statements
+    def _statement(self, node) -> None:
+        if self._active and not self._is_logging(node):
+            begin = self._pos(node.lineno, node.col_offset)
+            finish = self._pos(node.end_lineno, node.end_col_offset)
+            blank = "pass" + "\n" * (node.end_lineno - node.lineno)
+            self._add_span("statement", node.lineno, f"{type(node).__name__} -> pass", begin,
+                           finish, blank)
+        self.generic_visit(node)
+
+    @staticmethod
+    def _is_logging(node) -> bool:
+        value = getattr(node, "value", None)
+        func = getattr(value, "func", None)
+        owner = getattr(func, "value", None)
+        return isinstance(owner, ast.Name) and owner.id in ("logger", "logging", "warnings")
+
+    def visit_Assign(self, node) -> None:
+        self._statement(node)
+
+    def visit_AugAssign(self, node) -> None:
+        self._statement(node)
+        if self._active and type(node.op) in BINARY:
+            symbol, new = BINARY[type(node.op)]
+            self._operator_between(node.target, node.value, symbol + "=", new + "=")
+
+    def visit_AnnAssign(self, node) -> None:
+        if node.value is not None:
+            self._statement(node)
+
+    def visit_Expr(self, node) -> None:
+        if isinstance(node.value, ast.Call):
+            self._statement(node)
+        else:
+            self.generic_visit(node)
+
+    def visit_Break(self, node) -> None:
+        self._statement(node)
+
+    def visit_Continue(self, node) -> None:
+        self._statement(node)
+
+    # -- expressions
+    def visit_BinOp(self, node) -> None:
+        if self._active and type(node.op) in BINARY:
+            symbol, new = BINARY[type(node.op)]
+            self._operator_between(node.left, node.right, symbol, new)
+        self.generic_visit(node)
+
+    def visit_Compare(self, node) -> None:
+        if self._active:
+            left = node.left
+            for op, right in zip(node.ops, node.comparators):
+                symbol, new = COMPARE[type(op)]
+                if isinstance(op, (ast.Is, ast.In)):
+                    symbol, new = new, symbol   # is -> is not, in -> not in
+                self._operator_between(left, right, symbol, new)
+                left = right
+        self.generic_visit(node)
+
+    def visit_BoolOp(self, node) -> None:
+        if self._active:
+            symbol, new = BOOLEAN[type(node.op)]
+            self._operator_between(node.values[0], node.values[1], symbol, new)
+        self.generic_visit(node)
+
+    def visit_UnaryOp(self, node) -> None:
+        if self._active and type(node.op) in UNARY:
+            begin = self._pos(node.lineno, node.col_offset)
+            finish = self._pos(node.operand.lineno, node.operand.col_offset)
+            symbol = UNARY[type(node.op)]
+            if self.source[begin:finish].strip() == symbol:
+                self._add_span("operator", node.lineno, f"{symbol} dropped", begin, finish, "")
+        self.generic_visit(node)
+
+    def visit_Constant(self, node) -> None:
+        if not self._active:
+            return
+        value = node.value
+        if isinstance(value, bool):
+            new = repr(not value)
+        elif isinstance(value, int):
+            new = {0: "1", 1: "0"}.get(value, repr(value + 1))
+        elif isinstance(value, float):
+            new = repr(value + 1.0)
+        else:
+            return
+        begin = self._pos(node.lineno, node.col_offset)
+        finish = self._pos(node.end_lineno, node.end_col_offset)
+        self._add_span("constant", node.lineno, f"{self.source[begin:finish]} -> {new}", begin,
+                       finish, f"({new})" if new.startswith("-") else new)
+
+
+def find_mutants(path: str, source: str, functions: Optional[Sequence[str]] = None
+                 ) -> List[Mutant]:
+    """Every mutant of ``source`` (the module at ``path``), in source order."""
+    collector = _Collector(source, functions)
+    collector.visit(ast.parse(source))
+    points = sorted(collector.points, key=lambda p: (p[3], p[4], p[2]))
+    return [Mutant(path=path, index=i, line=line, kind=kind, description=description,
+                   begin=begin, finish=finish, replacement=replacement)
+            for i, (kind, line, description, begin, finish, replacement) in enumerate(points)]
+
+
+def mutated_source(source: str, mutant: Mutant) -> str:
+    return source[:mutant.begin] + mutant.replacement + source[mutant.finish:]
+
+
+def check_mutant_compiles(source: str, mutant: Mutant) -> bool:
+    try:
+        compile(mutated_source(source, mutant), mutant.path, "exec")
+    except SyntaxError:
+        return False
+    return True
+
+
+# ---------------------------------------------------------------- the module map
+def package_dirs() -> Dict[str, Path]:
+    """pyproject's ``package-dir`` mapping: import package -> folder of this checkout."""
+    import tomllib
+
+    with open(ROOT / "pyproject.toml", "rb") as handle:
+        package_dir = tomllib.load(handle)["tool"]["setuptools"]["package-dir"]
+    return {package: ROOT / folder for package, folder in package_dir.items()}
+
+
+def module_name(path: str) -> str:
+    """The import name of the file at ``path`` (pyproject's ``package-dir`` mapping)."""
+    folders = {folder.relative_to(ROOT).as_posix(): package
+               for package, folder in package_dirs().items()}
+    parts = Path(path).with_suffix("").parts
+    if parts[0] not in folders:
+        raise ValueError(f"{path}: its folder {parts[0]!r} is not a package in pyproject.toml")
+    return ".".join((folders[parts[0]],) + parts[1:])
+
+
+class _CheckoutFinder:
+    """Imports the ``dynctx`` packages from this checkout, whatever is installed (so that a
+    copy of the repository can be mutated while the working tree changes)."""
+
+    def __init__(self):
+        self.dirs = package_dirs()
+
+    def find_spec(self, name, path=None, target=None):
+        import importlib.util
+
+        if name in self.dirs:
+            folder = self.dirs[name]
+            return importlib.util.spec_from_file_location(
+                name, folder / "__init__.py", submodule_search_locations=[str(folder)])
+        parent, _, leaf = name.rpartition(".")
+        if parent in self.dirs and (self.dirs[parent] / f"{leaf}.py").is_file():
+            return importlib.util.spec_from_file_location(name, self.dirs[parent] / f"{leaf}.py")
+        return None
+
+
+# ---------------------------------------------------------------- running
+@dataclasses.dataclass
+class Outcome:
+    verdict: str         # "killed", "timeout", "survived", "not covered"
+    seconds: float
+    detail: str = ""     # the first failing test, or why
+
+
+def _warm_imports(interpreter: bool) -> None:
+    """What every run imports, loaded once before the forks (never dynctx itself)."""
+    import numpy  # noqa: F401
+    import pytest  # noqa: F401
+    import torch
+
+    torch.set_num_threads(1)
+    import hypothesis  # noqa: F401
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        pass
+    if interpreter:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+
+
+class _MutantFinder:
+    """Serves ``name`` from ``path`` (the mutated copy) to every import."""
+
+    def __init__(self, name: str, path: str):
+        self.name, self.path = name, path
+
+    def find_spec(self, name, path=None, target=None):
+        if name != self.name:
+            return None
+        import importlib.util
+
+        return importlib.util.spec_from_file_location(name, self.path)
+
+
+def _child(tests: Sequence[str], keyword: Optional[str], name: Optional[str],
+           mutant_file: Optional[str], trace_file: Optional[str], lines_out: Optional[str],
+           log: str) -> None:
+    """In the forked child: install the mutant, run pytest, exit with its code."""
+    sys.dont_write_bytecode = True
+    sys.meta_path.insert(0, _CheckoutFinder())
+    if mutant_file is not None:
+        sys.meta_path.insert(0, _MutantFinder(name, mutant_file))
+    executed = set()
+    if trace_file is not None:
+        def local(frame, event, arg):
+            if event == "line":
+                executed.add(frame.f_lineno)
+            return local
+
+        def tracer(frame, event, arg):
+            if frame.f_code.co_filename == trace_file:
+                executed.add(frame.f_lineno)
+                return local
+            return None
+
+        sys.settrace(tracer)
+        import threading
+
+        threading.settrace(tracer)
+    import pytest
+
+    interpreter = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    # The markers of tests/run_tests.sh's process for this kind of test.
+    markers = "interpreter and not slow" if interpreter else \
+        "not interpreter and not gpu and not slow"
+    with open(log, "w") as out:
+        os.dup2(out.fileno(), 1)
+        os.dup2(out.fileno(), 2)
+        selection = ["-k", keyword] if keyword else []
+        code = pytest.main(["-x", "-q", "-p", "no:cacheprovider", "--hypothesis-seed=0",
+                            "-o", "addopts=-rfE --strict-markers", "-m", markers, *selection,
+                            *tests])
+    sys.settrace(None)
+    if lines_out is not None:
+        with open(lines_out, "w") as handle:
+            json.dump(sorted(executed), handle)
+    os._exit(int(code))
+
+
+def _run(tests, keyword, name, mutant_file, timeout, trace_file=None
+         ) -> Tuple[Optional[int], float, str, list]:
+    """Fork, run the tests; ``(exit code or None on timeout, seconds, log tail, lines)``."""
+    with tempfile.TemporaryDirectory() as scratch:
+        log, lines_out = os.path.join(scratch, "log"), os.path.join(scratch, "lines.json")
+        start = time.perf_counter()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                _child(tests, keyword, name, mutant_file, trace_file,
+                       lines_out if trace_file else None, log)
+            finally:
+                os._exit(70)
+        code = None
+        while time.perf_counter() - start < timeout:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                code = os.waitstatus_to_exitcode(status)
+                break
+            time.sleep(0.05)
+        if code is None:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        seconds = time.perf_counter() - start
+        tail = Path(log).read_text(errors="replace")[-4000:] if os.path.exists(log) else ""
+        lines = json.loads(Path(lines_out).read_text()) if os.path.exists(lines_out) else []
+        return code, seconds, tail, lines
+
+
+def _first_failure(log: str) -> str:
+    for line in log.splitlines():
+        if line.startswith(("FAILED ", "ERROR ")):
+            return line.split(" - ")[0]
+    for line in reversed(log.splitlines()):
+        if line.strip():
+            return line.strip()[:200]
+    return ""
+
+
+def run_module(path: str, target: Target, *, sample: Optional[int], seed: int,
+               timeout_factor: float, min_timeout: float, max_seconds: Optional[float]) -> dict:
+    """Baseline and mutants of one module (in this process: the caller set the environment)."""
+    source = (ROOT / path).read_text()
+    name = module_name(path)
+    mutants = [m for m in find_mutants(path, source, target.functions)
+               if check_mutant_compiles(source, m)]
+    total = len(mutants)
+    if sample is not None and sample < total:
+        mutants = sorted(random.Random(f"{seed}:{path}").sample(mutants, sample),
+                         key=lambda m: m.index)
+    tests = [str(ROOT / t) for t in target.tests]
+    print(f"== {path} ({name}): {total} mutants, {len(mutants)} to run; tests: "
+          f"{' '.join(target.tests)}", flush=True)
+    code, baseline, log, lines = _run(tests, target.keyword, name, None, 3600,
+                                      trace_file=str(ROOT / path))
+    if code != 0:
+        raise SystemExit(f"{path}: the tests fail unmutated (exit {code}):\n{log}")
+    covered = set(lines)
+    timeout = max(min_timeout, timeout_factor * baseline)
+    print(f"   baseline {baseline:.1f} s, {len(covered)} lines executed; per-mutant limit "
+          f"{timeout:.0f} s", flush=True)
+    results = []
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory() as scratch:
+        mutant_file = os.path.join(scratch, Path(path).name)
+        for number, mutant in enumerate(mutants, 1):
+            if max_seconds is not None and time.perf_counter() - started > max_seconds:
+                print(f"   time budget spent after {number - 1} mutants", flush=True)
+                break
+            if mutant.line not in covered:
+                outcome = Outcome("not covered", 0.0, "no test executes this line")
+            else:
+                Path(mutant_file).write_text(mutated_source(source, mutant))
+                code, seconds, log, _ = _run(tests, target.keyword, name, mutant_file, timeout)
+                if code is None:
+                    outcome = Outcome("timeout", seconds, f"over {timeout:.0f} s")
+                elif code == 0:
+                    outcome = Outcome("survived", seconds)
+                elif code == 5:
+                    outcome = Outcome("killed", seconds, "no tests collected")
+                else:
+                    outcome = Outcome("killed", seconds, _first_failure(log))
+            results.append((mutant, outcome))
+            mark = {"killed": ".", "timeout": "T", "survived": "S", "not covered": "N"}
+            print(f"   [{number}/{len(mutants)}] {mark[outcome.verdict]} {mutant.name} "
+                  f"({outcome.seconds:.1f} s) {outcome.detail}", flush=True)
+    lines_of = source.splitlines()
+    counts = {v: sum(o.verdict == v for _, o in results)
+              for v in ("killed", "timeout", "survived", "not covered")}
+    run = len(results)
+    return {
+        "module": path, "import": name, "tests": list(target.tests), "keyword": target.keyword,
+        "functions": list(target.functions) if target.functions else None,
+        "interpreter": target.interpreter, "mutants": total, "run": run, **counts,
+        "score": round((counts["killed"] + counts["timeout"]) / run, 4) if run else None,
+        "baseline_seconds": round(baseline, 1),
+        "seconds": round(sum(o.seconds for _, o in results), 1),
+        "survivors": [{"line": m.line, "mutation": f"{m.kind} {m.description}",
+                       "verdict": o.verdict, "source": lines_of[m.line - 1].strip()}
+                      for m, o in results if o.verdict in ("survived", "not covered")],
+        "killed_by": sorted({o.detail for _, o in results if o.verdict == "killed"}),
+    }
+
+
+def _revision() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
+                              text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return os.environ.get("DYNCTX_GIT_REVISION", "unknown")
+
+
+def table(modules: List[dict]) -> str:
+    rows = [f"{'module':32} {'mutants':>7} {'run':>5} {'killed':>6} {'timeout':>7} "
+            f"{'survived':>8} {'uncovered':>9} {'score':>6}"]
+    for m in modules:
+        score = "-" if m["score"] is None else f"{100 * m['score']:.1f}%"
+        rows.append(f"{m['module']:32} {m['mutants']:7} {m['run']:5} {m['killed']:6} "
+                    f"{m['timeout']:7} {m['survived']:8} {m['not covered']:9} {score:>6}")
+    return "\n".join(rows)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--modules", nargs="+", default=list(TARGETS), choices=list(TARGETS))
+    parser.add_argument("--sample", type=int, default=None,
+                        help="mutants per module, drawn with --seed (default: all)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout-factor", type=float, default=2.0,
+                        help="per-mutant limit as a multiple of the baseline run")
+    parser.add_argument("--min-timeout", type=float, default=60.0)
+    parser.add_argument("--max-seconds", type=float, default=None,
+                        help="time budget per module for its mutants")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--list", action="store_true", help="print the mutants and exit")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+
+    if args.list:
+        for path in args.modules:
+            source = (ROOT / path).read_text()
+            for m in find_mutants(path, source, TARGETS[path].functions):
+                if check_mutant_compiles(source, m):
+                    print(m.name)
+        return 0
+    if args.worker:
+        interpreter = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+        _warm_imports(interpreter)
+        modules = [run_module(p, TARGETS[p], sample=args.sample, seed=args.seed,
+                              timeout_factor=args.timeout_factor, min_timeout=args.min_timeout,
+                              max_seconds=args.max_seconds) for p in args.modules]
+        json.dump(modules, sys.stdout if args.out == Path("-") else open(args.out, "w"))
+        return 0
+
+    # One worker process per interpreter setting: TRITON_INTERPRET is read at import.
+    started = time.perf_counter()
+    modules: List[dict] = []
+    for interpreter in (False, True):
+        paths = [p for p in args.modules if TARGETS[p].interpreter == interpreter]
+        if not paths:
+            continue
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONHASHSEED="0")
+        env["TRITON_INTERPRET"] = "1" if interpreter else "0"
+        with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as handle:
+            part = handle.name
+        command = [sys.executable, "-P", str(Path(__file__).resolve()), "--worker",
+                   "--modules", *paths, "--seed", str(args.seed),
+                   "--timeout-factor", str(args.timeout_factor),
+                   "--min-timeout", str(args.min_timeout), "--out", part]
+        if args.sample is not None:
+            command += ["--sample", str(args.sample)]
+        if args.max_seconds is not None:
+            command += ["--max-seconds", str(args.max_seconds)]
+        subprocess.run(command, env=env, check=True, cwd=ROOT)
+        modules += json.loads(Path(part).read_text())
+        os.unlink(part)
+    order = {p: i for i, p in enumerate(args.modules)}
+    modules.sort(key=lambda m: order[m["module"]])
+    report = {
+        "tool": "bench/mutation.py",
+        "command": "python -P bench/mutation.py " + " ".join(argv if argv is not None
+                                                             else sys.argv[1:]),
+        "git_revision": _revision(),
+        "date": datetime.date.today().isoformat(),
+        "sample": args.sample, "seed": args.seed,
+        "wall_seconds": round(time.perf_counter() - started, 1),
+        "modules": modules,
+    }
+    if args.out != Path("-"):
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+    print(table(modules))
+    return 0
+
+
+__all__ = ["TARGETS", "Target", "Mutant", "find_mutants", "module_name", "mutated_source",
+           "run_module"]
+
+if __name__ == "__main__":
+    sys.exit(main())

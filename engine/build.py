@@ -1,0 +1,171 @@
+"""Construction from ``transformers``: the model adapter, a context sized for it, the engine.
+
+``build_from_transformers`` is ``Engine.from_transformers`` (its docstring says what each
+argument does). It checks the engine's own options first, picks the adapter by the model's
+class, else the generic path (``transformers_adapter``), and decides the context's sizes by
+computing them: the context's default ``max_requests`` (about one per KV block,
+``context/sizing.py``) is capped at ``max_tokens`` when it would exceed it.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import warnings
+from typing import Any, Callable, Dict, Optional
+
+import torch
+
+from dynctx.context import DynamicInferenceContext
+from dynctx.context import sizing as context_sizing
+from dynctx.context.parallel import parallel_groups
+from dynctx.kernels.devices import indexed_device
+from dynctx.models.paged_attention import BACKENDS as ATTENTION_BACKENDS
+
+from .graphs import graph_attention_backend
+from .validation import check_choice
+
+
+def transformers_adapters() -> Dict[str, Callable[..., Any]]:
+    """The dedicated adapters by model class; every other model takes the generic path."""
+    from dynctx.models import DeepseekV2Adapter, LlamaAdapter, NemotronHAdapter
+
+    return {"NemotronHForCausalLM": NemotronHAdapter.from_transformers,
+            "LlamaForCausalLM": LlamaAdapter.from_transformers,
+            "DeepseekV2ForCausalLM": DeepseekV2Adapter.from_transformers,
+            "DeepseekV3ForCausalLM": DeepseekV2Adapter.from_transformers}
+
+
+INTEGRATIONS = ("auto", "generic")
+
+
+def transformers_adapter(hf_model: Any, attention_backend: str, graphs: bool,
+                         integration: str = "auto") -> tuple:
+    """``(build, attention_backend)``: the dedicated adapter of ``hf_model``'s class (unless
+    ``integration="generic"``), else the generic transformers path (``models/generic.py``),
+    whose ``"auto"`` attention is the padded torch version with CUDA graphs when the model has
+    windows or sinks."""
+    from dynctx.models import GenericAdapter
+
+    if integration not in INTEGRATIONS:
+        raise ValueError(f"integration={integration!r} must be one of {INTEGRATIONS}")
+    adapters = transformers_adapters()
+    name = type(hf_model).__name__
+    if name in adapters and integration == "auto":
+        return adapters[name], attention_backend
+    if graphs and attention_backend == "auto" and GenericAdapter.needs_window_backend(hf_model):
+        attention_backend = "torch_static"
+    return GenericAdapter.from_transformers, attention_backend
+
+
+def _context_default(name: str) -> Any:
+    return inspect.signature(DynamicInferenceContext).parameters[name].default
+
+
+def derived_max_requests(kwargs: Dict[str, Any], tp: int) -> Optional[int]:
+    """The ``max_requests`` the context would derive from ``kwargs`` (its constructor's
+    arguments, ``max_requests`` not given), computed by the context's own sizing without
+    allocating; None when the arguments do not size (the context then raises its own error)."""
+    get = kwargs.get
+    try:
+        dtype = get("params_dtype")
+        layers = context_sizing.layer_layout(get("num_layers"),
+                                             get("mamba_inference_state_config"), dtype)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the context warns when it is built
+            layout = context_sizing.memory_layout(
+                layers=layers, params_dtype=dtype,
+                block_size_tokens=get("block_size_tokens", _context_default("block_size_tokens")),
+                heads_per_partition=max(1, get("num_attention_heads") // tp),
+                kv_channels=get("kv_channels"),
+                cache_mla_latent=bool(get("cache_mla_latent", False)),
+                kv_lora_rank=get("kv_lora_rank"), qk_pos_emb_head_dim=get("qk_pos_emb_head_dim"),
+                unified_memory_level=get("unified_memory_level",
+                                         _context_default("unified_memory_level")),
+                device=indexed_device(get("device")), buffer_size_gb=get("buffer_size_gb"),
+                paused_buffer_size_gb=get("paused_buffer_size_gb"), max_requests=None,
+                # No token budget binds here: the derived count is what is asked for.
+                max_tokens=2 ** 62, default_max_tokens=2 ** 62,
+                max_sequence_length=get("max_sequence_length"), tp=tp,
+                request_rounder=DynamicInferenceContext.REQUEST_ROUNDER)
+    except (TypeError, ValueError, NotImplementedError):
+        return None
+    return layout.max_requests
+
+
+def request_rows(kwargs: Dict[str, Any], tp: int) -> Optional[int]:
+    """``max_requests`` for the engine's context: the context's default (None) when it fits
+    ``max_tokens``, else ``max_tokens`` rounded down to the request rounder (and to ``tp``)."""
+    if kwargs.get("max_requests") is not None:
+        return kwargs["max_requests"]
+    max_tokens = kwargs.get("max_tokens") or DynamicInferenceContext.DEFAULT_MAX_TOKENS
+    derived = derived_max_requests(kwargs, tp)
+    if derived is None or derived <= max_tokens:
+        return None
+    rounder = math.lcm(DynamicInferenceContext.REQUEST_ROUNDER, tp)
+    return max(rounder, max_tokens - max_tokens % rounder)
+
+
+def build_from_transformers(engine_class: type, hf_model: Any, *, rope: str,
+                            attention_backend: str, enable_chunked_prefill: bool, seed: int,
+                            record_logits: bool, step_callback: Any,
+                            history_window: Optional[int], cuda_graphs: bool,
+                            async_scheduling: bool, enable_prefix_caching: bool,
+                            prefix_caching_eviction_policy: str, integration: str,
+                            **context_kwargs: Any) -> Any:
+    """``Engine.from_transformers`` (see there)."""
+    from dynctx.models import TensorParallel
+
+    check_choice("attention_backend", attention_backend, ATTENTION_BACKENDS)
+    graphs = bool(cuda_graphs and context_kwargs.get("num_cuda_graphs"))
+    build, attention_backend = transformers_adapter(hf_model, attention_backend, graphs,
+                                                    integration)
+    config = hf_model.config
+    param = next(hf_model.parameters())
+    kwargs = dict(context_kwargs, enable_prefix_caching=enable_prefix_caching,
+                  prefix_caching_eviction_policy=prefix_caching_eviction_policy)
+    # Tensor parallelism: this rank's shard of the weights, over the group the context
+    # resolves (pg_collection.tp, Megatron-Core's parallel_state, or the default group).
+    groups = parallel_groups(
+        tensor_model_parallel_size=kwargs.get("tensor_model_parallel_size"),
+        pipeline_model_parallel_size=kwargs.get("pipeline_model_parallel_size"),
+        pg_collection=kwargs.get("pg_collection"))
+    if groups.pp > 1:
+        raise NotImplementedError(
+            f"pipeline_model_parallel_size={groups.pp}: the engine runs every layer of the "
+            "model on every rank; pipeline stages are supported by the context (model code "
+            "that owns its stage's layers builds one context per stage), not by the engine")
+    tp = TensorParallel.from_group(groups.tp, groups.tp_group)
+    if tp.size > 1:
+        kwargs["tensor_model_parallel_size"] = tp.size
+    device = indexed_device(kwargs.pop("device", None) or param.device)
+    dtype = kwargs.pop("params_dtype", None) or param.dtype
+    if cuda_graphs and kwargs.get("num_cuda_graphs"):
+        block_size = kwargs.get("block_size_tokens") or _context_default("block_size_tokens")
+        attention_backend = graph_attention_backend(attention_backend, device, block_size,
+                                                    dtype)
+    model = build(hf_model, device=device, dtype=dtype, rope=rope,
+                  attention_backend=attention_backend,
+                  **({"tensor_parallel": tp} if tp.size > 1 else {}))
+    kwargs.setdefault("num_layers", model.num_layers)
+    kwargs.setdefault("kv_channels", model.head_dim)
+    kwargs.setdefault("num_attention_heads",
+                      getattr(model, "context_kv_heads", model.num_kv_heads))
+    for key, value in getattr(model, "context_kwargs", {}).items():  # e.g. the MLA cache
+        kwargs.setdefault(key, value)
+    if getattr(model, "mamba_inference_state_config", None) is not None:
+        kwargs.setdefault("mamba_inference_state_config", model.mamba_inference_state_config)
+    kwargs.setdefault("max_sequence_length", config.max_position_embeddings)
+    kwargs.setdefault("buffer_size_gb", 1.0)
+    kwargs.update(params_dtype=dtype, device=device)
+    kwargs["max_requests"] = request_rows(kwargs, tp.size)
+    context = DynamicInferenceContext(**kwargs)
+    eos = getattr(getattr(hf_model, "generation_config", None), "eos_token_id", None)
+    if eos is None:
+        eos = getattr(config, "eos_token_id", None)
+    if isinstance(eos, (list, tuple)):
+        eos = eos[0] if eos else None
+    return engine_class(model, context, enable_chunked_prefill=enable_chunked_prefill, seed=seed,
+                        default_termination_id=eos, record_logits=record_logits,
+                        step_callback=step_callback, history_window=history_window,
+                        cuda_graphs=cuda_graphs, async_scheduling=async_scheduling)
