@@ -250,7 +250,7 @@ def main(argv=None) -> int:
         args.heads, args.kv_heads, args.head_dim, args.block_size = 4, 2, 16, 16
         args.dtype, args.calls = "float32", 2
 
-    from dynctx.kernels._backend import triton_interpreting
+    from dynctx.kernels.backend import triton_interpreting
     from dynctx.kernels.paged_attention import paged_attention
 
     if args.backend is None and triton_interpreting():

@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from dynctx.kernels import _registry as registry
+    from dynctx.kernels import registry
 
     if not torch.cuda.is_available():
         print("check_all_configs: needs a CUDA device", file=sys.stderr)

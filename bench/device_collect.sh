@@ -54,12 +54,12 @@ if [ -f "$SRC/autotune_cache.tar" ]; then
 import json, sys
 from pathlib import Path
 
-from dynctx.kernels import _autotune
+from dynctx.kernels import autotune
 
 for new_path in sorted(Path(sys.argv[1]).glob("*/*.json")):
     new = json.loads(new_path.read_text())
-    _autotune.validate_cache_data(new, str(new_path))
-    target = _autotune.PACKAGED_DIR / new_path.parent.name / new_path.name
+    autotune.validate_cache_data(new, str(new_path))
+    target = autotune.PACKAGED_DIR / new_path.parent.name / new_path.name
     entries = {}
     if target.is_file():
         for entry in json.loads(target.read_text())["entries"]:
@@ -67,9 +67,9 @@ for new_path in sorted(Path(sys.argv[1]).glob("*/*.json")):
     kept = len(entries)
     for entry in new["entries"]:
         entries[json.dumps(entry["key"], sort_keys=True)] = entry
-    _autotune.write_cache_file(target, device=new["device"], kernel=new["kernel"],
+    autotune.write_cache_file(target, device=new["device"], kernel=new["kernel"],
                                entries=list(entries.values()), versions=new["versions"])
-    print(f"{target.relative_to(_autotune.PACKAGED_DIR.parent)}: {len(new['entries'])} in the "
+    print(f"{target.relative_to(autotune.PACKAGED_DIR.parent)}: {len(new['entries'])} in the "
           f"run, {len(entries)} in all ({kept} before)")
 PYEOF
 else

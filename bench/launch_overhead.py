@@ -28,8 +28,8 @@ import time
 
 import torch
 
-from dynctx.kernels import _autotune, _registry
-from dynctx.kernels._backend import HAS_TRITON, triton_interpreting
+from dynctx.kernels import autotune, registry
+from dynctx.kernels.backend import HAS_TRITON, triton_interpreting
 
 # Counts of each key made small: the host path does not depend on them (the grid aside).
 SMALL_COUNTS = {"num_tokens": 4, "num_requests": 4, "num_rows": 4, "max_seqlen_k": 300}
@@ -81,26 +81,26 @@ def measure(calls: int, repeats: int) -> dict:
     def _empty_kernel():
         pass
 
-    _registry.import_kernel_modules(quiet=True)
+    registry.import_kernel_modules(quiet=True)
     rows = []
     with stub_driver(record_launches=False):
         _empty_kernel[(1,)]()
         floor = per_call_us(lambda: _empty_kernel[(1,)](), calls, repeats)
-        for tuning in _registry.select_tunings(None):
+        for tuning in registry.select_tunings(None):
             key = small_key(tuning.presets()[0])
             case = tuning.make_case(key, torch.device("cpu"))
             case.run(None)  # compiles
             launch = per_call_us(lambda: case.run(None), calls, repeats)
             dispatch = per_call_us(recorded_dispatch(lambda: case.run(None)), calls, repeats)
-            lookup = per_call_us(lambda: _autotune.resolve_config(tuning.name, key, "cpu"),
+            lookup = per_call_us(lambda: autotune.resolve_config(tuning.name, key, "cpu"),
                                  calls, repeats)
 
             def uncached():
-                _autotune.clear_lookup_cache()
-                _autotune.resolve_config(tuning.name, key, "cpu")
+                autotune.clear_lookup_cache()
+                autotune.resolve_config(tuning.name, key, "cpu")
 
             lookup_uncached = per_call_us(uncached, max(1, calls // 10), repeats)
-            rows.append({"kernel": tuning.name, "key": _registry.key_text(key),
+            rows.append({"kernel": tuning.name, "key": registry.key_text(key),
                          "launch_us": round(launch, 2), "over_floor_us": round(launch - floor, 2),
                          "dispatch_us": round(dispatch, 2),
                          "over_dispatch_us": round(launch - dispatch, 2),

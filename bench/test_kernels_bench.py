@@ -22,9 +22,8 @@ import pytest
 import torch
 
 from dynctx import megatron_peer
-from dynctx.kernels import _autotune
-from dynctx.kernels import _registry as registry
-from dynctx.kernels._backend import triton_interpreting
+from dynctx.kernels import autotune, registry
+from dynctx.kernels.backend import triton_interpreting
 
 DEVICE = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 ON_GPU = DEVICE.type == "cuda" and not triton_interpreting()
@@ -85,9 +84,9 @@ def test_kernel(benchmark, name, key, impl):
         pytest.skip("the Triton kernels and Megatron-Core's are timed on CUDA only (this run: "
                     f"{DEVICE.type}{', TRITON_INTERPRET set' if triton_interpreting() else ''}); "
                     "the torch references ran at scaled-down keys")
-    tuning = _autotune.get_tuning(name)
+    tuning = autotune.get_tuning(name)
     case = tuning.make_case(key, DEVICE)
-    config, source = _autotune.resolve_config(name, key, DEVICE)
+    config, source = autotune.resolve_config(name, key, DEVICE)
     if impl == "triton":
         case.check(config)
         fn = lambda: case.run(config)  # noqa: E731

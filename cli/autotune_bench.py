@@ -14,9 +14,9 @@ import torch
 from dynctx import autotune_runs as runs
 from dynctx import megatron_peer
 from dynctx.autotune_files import cache_roots, print_table
-from dynctx.kernels import _autotune, _timing
-from dynctx.kernels._autotune import KernelConfig, KernelTuning
-from dynctx.kernels._registry import key_text
+from dynctx.kernels import autotune, timing
+from dynctx.kernels.autotune import KernelConfig, KernelTuning
+from dynctx.kernels.registry import key_text
 
 
 def peers(tuning: KernelTuning, case, config: KernelConfig) -> dict[str, dict]:
@@ -34,11 +34,11 @@ def peers(tuning: KernelTuning, case, config: KernelConfig) -> dict[str, dict]:
 
 
 def _time(fn, args, **kwargs) -> dict:
-    return _timing.time_launches(fn, warmup=args.warmup, rep=args.rep, **kwargs)
+    return timing.time_launches(fn, warmup=args.warmup, rep=args.rep, **kwargs)
 
 
 def bench_key(tuning: KernelTuning, key: dict, device: torch.device, args) -> dict:
-    config, source = _autotune.resolve_config(tuning.name, key, device)
+    config, source = autotune.resolve_config(tuning.name, key, device)
     result = {"kernel": tuning.name, "key": key, "config": str(config),
               "config_source": source.split(":", 1)[0]}
     case = tuning.make_case(key, device)
@@ -85,8 +85,9 @@ def bench_key(tuning: KernelTuning, key: dict, device: torch.device, args) -> di
             if peer["check"] is not None:
                 peer["check"]()
                 record["check"] = "passed"
-            timing = _time(peer["run"], args)
-            record.update(us=round(timing["us"], 3), speedup=round(timing["us"] / kernel["us"], 3))
+            measured = _time(peer["run"], args)
+            record.update(us=round(measured["us"], 3),
+                          speedup=round(measured["us"] / kernel["us"], 3))
         except Exception as exc:
             record["error"] = runs.first_line(exc)
             if not runs.cuda_alive():
@@ -112,7 +113,7 @@ def cmd_bench(args) -> int:
         if skipped:
             data["skipped"] = skipped
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(_autotune.canonical_json(data))
+        out.write_text(autotune.canonical_json(data))
 
     for tuning in tunings:
         keys = tuning.presets() if tuning.presets and tuning.make_case else []

@@ -14,9 +14,9 @@ import json
 from pathlib import Path
 
 from dynctx.autotune_runs import first_line
-from dynctx.kernels import _autotune
-from dynctx.kernels._autotune import KernelConfig, KernelTuning
-from dynctx.kernels._registry import import_kernel_modules, key_text
+from dynctx.kernels import autotune
+from dynctx.kernels.autotune import KernelConfig, KernelTuning
+from dynctx.kernels.registry import import_kernel_modules, key_text
 
 EXIT_BAD_FOLDER = 2
 
@@ -30,11 +30,11 @@ def cache_roots(extra: list[str] | None = None) -> list[tuple[str, Path]]:
     then each of ``extra``; ``FolderError`` when ``$DYNCTX_AUTOTUNE_DIR`` or an ``extra``
     folder is not a folder."""
     try:
-        override = _autotune.override_dir()
+        override = autotune.override_dir()
     except ValueError as exc:
         raise FolderError(str(exc)) from None
     roots = [] if override is None else [("override", override)]
-    roots.append(("packaged", _autotune.PACKAGED_DIR))
+    roots.append(("packaged", autotune.PACKAGED_DIR))
     return roots + [("dir", checked_root(folder, "--dir")) for folder in extra or []]
 
 
@@ -75,7 +75,7 @@ def cmd_show(args) -> int:
             print()
         shown += 1
         try:
-            data = _autotune.load_cache_file(path)
+            data = autotune.load_cache_file(path)
         except ValueError as exc:
             print(f"{path.parent.name}  {path.stem}  ({origin})  INVALID: {exc}")
             continue
@@ -149,7 +149,7 @@ def check_file(path: Path) -> list[str]:
     except (OSError, ValueError) as exc:
         return [f"{path}: not valid JSON ({exc})"]
     try:
-        _autotune.validate_cache_data(data, str(path))
+        autotune.validate_cache_data(data, str(path))
     except ValueError as exc:
         return [str(exc)]
     if data["kernel"] != path.stem:
@@ -157,10 +157,10 @@ def check_file(path: Path) -> list[str]:
     if data["device"] != path.parent.name:
         problems.append(f"{path}: device {data['device']!r} does not match the folder name")
     ordered = sorted(data["entries"], key=lambda e: json.dumps(e["key"], sort_keys=True))
-    if text != _autotune.canonical_json({**data, "entries": ordered}):
-        problems.append(f"{path}: not canonical (rewrite it with _autotune.write_cache_file: "
+    if text != autotune.canonical_json({**data, "entries": ordered}):
+        problems.append(f"{path}: not canonical (rewrite it with autotune.write_cache_file: "
                         "sorted keys and entries, 2-space indent, final newline)")
-    tuning = _autotune.registered().get(data["kernel"])
+    tuning = autotune.registered().get(data["kernel"])
     if tuning is None:
         problems.append(f"{path}: no registered kernel named {data['kernel']!r}")
         return problems
@@ -174,7 +174,7 @@ def check_file(path: Path) -> list[str]:
             continue
         tokens = key.get(tuning.token_field)
         if not isinstance(tokens, int) or isinstance(tokens, bool) or \
-                _autotune.bucket_tokens(max(tokens, 0)) != tokens:
+                autotune.bucket_tokens(max(tokens, 0)) != tokens:
             problems.append(f"{where}: {tuning.token_field}={tokens!r} is not a power-of-two "
                             "bucket")
         config = KernelConfig.from_dict(entry["config"])

@@ -12,14 +12,14 @@ import time
 
 import torch
 
-from dynctx.kernels import _autotune
-from dynctx.kernels._backend import HAS_TRITON, triton_interpreting
-from dynctx.kernels._registry import import_kernel_modules, select_tunings
+from dynctx.kernels import autotune
+from dynctx.kernels.backend import HAS_TRITON, triton_interpreting
+from dynctx.kernels.registry import import_kernel_modules, select_tunings
 
 EXIT_NO_GPU = 2
 # The folder this package was installed from: a checkout in an editable install, else
 # site-packages (where `git` finds nothing and the revision is "unknown").
-SOURCE_ROOT = _autotune.PACKAGED_DIR.parent
+SOURCE_ROOT = autotune.PACKAGED_DIR.parent
 
 
 def note(message: str) -> None:
@@ -100,7 +100,7 @@ def start_gpu_run(args):
     import_kernel_modules()
     tunings = select_tunings(args.kernel, args.preset)
     device = gpu_device()
-    return started, tunings, device, _autotune.device_name(device)
+    return started, tunings, device, autotune.device_name(device)
 
 
 def progress(items: list, description: str):

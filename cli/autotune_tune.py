@@ -2,7 +2,7 @@
 the ones that pass under CUDA graphs, and merge the fastest into ``<out>/<device>/<kernel>.json``.
 
 ``--out`` defaults to the override folder the launchers read first: ``$DYNCTX_AUTOTUNE_DIR``
-when it is set, else the per-user folder (``_autotune.user_cache_dir()``), so that what a run
+when it is set, else the per-user folder (``autotune.user_cache_dir()``), so that what a run
 tunes is used at once and survives a reinstall. ``--out autotune_cache`` in a checkout writes the
 packaged files, to commit them (CONTRIBUTING.md, "Tuning kernels and committing configs").
 """
@@ -19,24 +19,24 @@ from pathlib import Path
 import torch
 
 from dynctx import autotune_runs as runs
-from dynctx.kernels import _autotune, _timing
-from dynctx.kernels._autotune import KernelConfig, KernelTuning
-from dynctx.kernels._registry import key_text
+from dynctx.kernels import autotune, timing
+from dynctx.kernels.autotune import KernelConfig, KernelTuning
+from dynctx.kernels.registry import key_text
 
 
 def default_out_dir() -> tuple[Path, str]:
     """``(folder, why there)``: where ``tune`` writes without ``--out``."""
-    override = os.environ.get(_autotune.OVERRIDE_ENV)
+    override = os.environ.get(autotune.OVERRIDE_ENV)
     if override:
-        return Path(override), f"${_autotune.OVERRIDE_ENV}, which launchers read first"
-    return (_autotune.user_cache_dir(), "the per-user folder launchers read first while "
-            f"${_autotune.OVERRIDE_ENV} is unset")
+        return Path(override), f"${autotune.OVERRIDE_ENV}, which launchers read first"
+    return (autotune.user_cache_dir(), "the per-user folder launchers read first while "
+            f"${autotune.OVERRIDE_ENV} is unset")
 
 
 def read_existing(path: Path) -> list[dict]:
     if not path.is_file():
         return []
-    return copy.deepcopy(_autotune.load_cache_file(path)["entries"])
+    return copy.deepcopy(autotune.load_cache_file(path)["entries"])
 
 
 def merge_write(path: Path, device: str, kernel: str, new_entries: list[dict],
@@ -44,7 +44,7 @@ def merge_write(path: Path, device: str, kernel: str, new_entries: list[dict],
     entries = {json.dumps(e["key"], sort_keys=True): e for e in read_existing(path)}
     for entry in new_entries:
         entries[json.dumps(entry["key"], sort_keys=True)] = entry
-    _autotune.write_cache_file(path, device=device, kernel=kernel, entries=list(entries.values()),
+    autotune.write_cache_file(path, device=device, kernel=kernel, entries=list(entries.values()),
                                versions=run_versions)
 
 
@@ -73,16 +73,16 @@ def tune_key(tuning: KernelTuning, key: dict, device: torch.device, args,
                 raise _lost(tuning, name, rejected[name])
             continue
         try:
-            timing = _timing.time_launches(functools.partial(case.run, config),
-                                           warmup=args.warmup, rep=args.rep)
+            measured = timing.time_launches(functools.partial(case.run, config),
+                                             warmup=args.warmup, rep=args.rep)
         except Exception as exc:
             rejected[name] = "timing: " + runs.first_line(exc)
             if not runs.cuda_alive():
                 raise _lost(tuning, name, rejected[name])
             continue
-        times[name] = round(timing["us"], 3)
-        methods[name] = timing["method"]
-        launches[name] = timing["launches"]
+        times[name] = round(measured["us"], 3)
+        methods[name] = measured["method"]
+        launches[name] = measured["launches"]
     del case
     torch.cuda.empty_cache()
     if not times:

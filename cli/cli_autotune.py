@@ -11,8 +11,8 @@
   reference and a device-to-device copy of the same bytes; writes the results to ``--out``.
 
 The kernels are found by importing ``dynctx.kernels.<module>`` for every name of
-``KERNEL_MODULES`` (``dynctx.kernels._registry``, shared with ``bench/``): each module registers
-its ``KernelTuning`` with ``_autotune.register``. Each command lives in its own module:
+``KERNEL_MODULES`` (``dynctx.kernels.registry``, shared with ``bench/``): each module registers
+its ``KernelTuning`` with ``autotune.register``. Each command lives in its own module:
 ``dynctx.autotune_tune``, ``dynctx.autotune_files`` (show, check), ``dynctx.autotune_bench``;
 ``dynctx.autotune_runs`` holds what tune and bench share.
 """
@@ -35,8 +35,8 @@ from dynctx.autotune_bench import cmd_bench
 from dynctx.autotune_files import FolderError, check_file, cmd_check, cmd_show
 from dynctx.autotune_files import key_fields as _key_fields  # noqa: F401 (tests read it here)
 from dynctx.autotune_tune import cmd_tune
-from dynctx.kernels import _autotune
-from dynctx.kernels._registry import PRESET_MODULES
+from dynctx.kernels import autotune
+from dynctx.kernels.registry import PRESET_MODULES
 
 __all__ = ["build_parser", "check_file", "main"]
 
@@ -79,9 +79,9 @@ def build_parser(prog: str = "python -m dynctx autotune") -> ArgumentParser:
     tune = add("tune")
     add_selection(tune)
     tune.add_argument("--out", metavar="DIR", default=None,
-                      help=f"root folder of the configs; default ${_autotune.OVERRIDE_ENV}, else "
+                      help=f"root folder of the configs; default ${autotune.OVERRIDE_ENV}, else "
                            "the per-user folder "
-                           f"({_autotune.user_cache_dir()}); launchers read either first. "
+                           f"({autotune.user_cache_dir()}); launchers read either first. "
                            "--out autotune_cache writes the packaged files of a checkout")
     tune.add_argument("--skip-existing", action="store_true",
                       help="keep keys already present in the output files instead of re-tuning")

@@ -201,7 +201,7 @@ def _distributed_initialized() -> bool:
 def _check_device_and_backends(args) -> Optional[str]:
     import torch
 
-    from dynctx.kernels import _backend
+    from dynctx.kernels import backend
     from dynctx.models.paged_attention import resolve_attention_backend
 
     try:
@@ -215,14 +215,14 @@ def _check_device_and_backends(args) -> Optional[str]:
             return (f"--device {args.device}: only {torch.cuda.device_count()} CUDA device(s) "
                     "are visible")
     flag = ("--kernel-backend" if args.kernel_backend is not None
-            else f"${_backend.BACKEND_ENV}")
+            else f"${backend.BACKEND_ENV}")
     try:
-        kernels = _backend.check_backend_name(args.kernel_backend)
-        _backend.resolve_backend(kernels, device)
+        kernels = backend.check_backend_name(args.kernel_backend)
+        backend.resolve_backend(kernels, device)
     except ValueError as exc:
         return str(exc)
     except RuntimeError:
-        if not _backend.HAS_TRITON:
+        if not backend.HAS_TRITON:
             return f"{flag} triton: triton is not installed (use torch)"
         return (f"{flag} triton on device {device}: the Triton kernels run on CUDA, or on a "
                 "CPU under TRITON_INTERPRET=1 set before Python starts (or use torch)")

@@ -301,7 +301,7 @@ def run(args, rank: int, world: int) -> int:
 def _summary(args, engine, results, elapsed: float, world: int, say) -> None:
     """The summary lines: requests, tokens, steps, time, KV use, pauses, evictions, chunks,
     the prefix cache and the backends (``engine.stats`` holds the counts)."""
-    from dynctx.kernels import _backend
+    from dynctx.kernels import backend
 
     ctx = engine.context
     alloc = ctx.block_allocator
@@ -335,7 +335,7 @@ def _summary(args, engine, results, elapsed: float, world: int, say) -> None:
             "suspends count), "
             f"{cache['prefix_cache_prefill_skipped_tokens']} prompt tokens served from "
             f"the cache ({100 * cache['prefix_cache_token_hit_rate']:.0f}% of prefill)")
-    kernels = _backend.resolve_backend(ctx.kernel_backend, ctx.device)
+    kernels = backend.resolve_backend(ctx.kernel_backend, ctx.device)
     say(f"attention         {engine.model.attention_backend} paged attention; kernels: {kernels}")
     if world > 1:
         say(f"tensor parallel   {world} ranks: {engine.model.num_q_heads} query heads and "

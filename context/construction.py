@@ -19,7 +19,7 @@ from typing import Any, NamedTuple, Optional, Tuple
 
 import torch
 
-from dynctx.kernels import _backend
+from dynctx.kernels.backend import check_backend_name, resolve_backend
 from dynctx.kernels.devices import indexed_device
 
 from . import compat
@@ -163,8 +163,8 @@ def settle(*, agreement: CountAgreement, groups: ParallelGroups, default_max_tok
     prefix_caching = check_prefix_caching_args(
         enable_prefix_caching, prefix_caching_eviction_policy, prefix_caching_mamba_gb)
     device = resolve_device(device)
-    _backend.check_backend_name(kernel_backend)
-    backend = _backend.resolve_backend(kernel_backend, device)
+    check_backend_name(kernel_backend)
+    backend = resolve_backend(kernel_backend, device)
     if use_flashinfer_fused_rope is True:
         from dynctx.kernels.rope_flashinfer import flashinfer_rope_available
 

@@ -14,8 +14,6 @@ import math
 import warnings
 from typing import Any, Callable, Dict, Optional
 
-import torch
-
 from dynctx.context import DynamicInferenceContext
 from dynctx.context import sizing as context_sizing
 from dynctx.context.parallel import parallel_groups

@@ -1,7 +1,7 @@
 """Triton kernels for every hot path of the dynamic context: launchers only.
 
 Each module holds the ``@triton.jit`` kernel(s), the launcher and a torch reference
-``<name>_ref``. Launchers take ``backend=None|"auto"|"triton"|"torch"`` (see ``_backend``) and
+``<name>_ref``. Launchers take ``backend=None|"auto"|"triton"|"torch"`` (see ``backend``) and
 an optional ``config`` (else the autotune registry resolves one). Importing a module also
 registers its launcher as a ``torch.ops.dynctx`` custom op.
 """

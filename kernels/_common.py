@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ._autotune import KernelConfig, TuneCase
+from .autotune import KernelConfig, TuneCase
 from .devices import same_device
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)

@@ -1,7 +1,7 @@
 """The model shapes the kernels are tuned for: the one table every ``<kernel>_presets()`` reads.
 
 ``python -m dynctx autotune tune|bench`` and ``bench/`` reach these shapes through the
-presets (``dynctx.kernels._registry``), so a shape changed here changes what is tuned, timed
+presets (``dynctx.kernels.registry``), so a shape changed here changes what is tuned, timed
 and benchmarked, everywhere at once. Dimensions are per tensor-parallel rank with
 ``tensor_model_parallel_size=1``; token counts stay in each kernel's presets (they bucket to
 powers of two). Plain values, no imports.

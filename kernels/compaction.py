@@ -26,10 +26,10 @@ from __future__ import annotations
 
 import torch
 
-from . import _autotune
-from ._autotune import KernelConfig, KernelTuning, TuneCase, bucket_tokens
-from ._backend import HAS_TRITON, resolve_backend
+from . import autotune
 from ._common import check_tensor, check_writable, custom_op
+from .autotune import KernelConfig, KernelTuning, TuneCase, bucket_tokens
+from .backend import HAS_TRITON, resolve_backend
 from .devices import same_device
 
 if HAS_TRITON:
@@ -189,7 +189,7 @@ def compact_requests(dst_block_table: torch.Tensor, src_block_table: torch.Tenso
         return
     if config is None:
         key = compact_requests_tune_key(max_blocks=max_blocks, num_rows=end_rows)
-        config, _ = _autotune.resolve_config("compact_requests", key, device)
+        config, _ = autotune.resolve_config("compact_requests", key, device)
     meta = config.kwargs
     grid = (triton.cdiv(end_rows, meta["BLOCK_R"]), triton.cdiv(max_blocks, meta["BLOCK_C"]))
     _compact_requests_kernel[grid](
@@ -317,7 +317,7 @@ def _compaction_presets() -> list[dict]:
             for b in (128, 256) for r in (64, 256, 1024)]
 
 
-_autotune.register(KernelTuning(
+autotune.register(KernelTuning(
     name="compact_requests", configs=compact_requests_configs,
     default_config=compact_requests_default_config, tune_key=compact_requests_tune_key,
     token_field="num_rows", make_case=_CompactionCase, presets=_compaction_presets))

@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _autotune
-from ._autotune import KernelConfig, KernelTuning
-from ._backend import HAS_TRITON, resolve_backend
+from . import autotune
 from ._common import (
     FLOAT_DTYPES,
     BufferWriteCase,
@@ -24,6 +22,8 @@ from ._common import (
     squeeze_singleton,
 )
 from ._shapes import LLAMA_3_8B
+from .autotune import KernelConfig, KernelTuning
+from .backend import HAS_TRITON, resolve_backend
 
 NAME = "kv_append"
 
@@ -138,7 +138,7 @@ def kv_append(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Ten
     if config is None:
         tune_key = kv_append_tune_key(num_tokens=n, num_heads=num_heads, head_dim=head_dim,
                                       dtype=key_cache.dtype)
-        config, _ = _autotune.resolve_config(NAME, tune_key, key_cache.device)
+        config, _ = autotune.resolve_config(NAME, tune_key, key_cache.device)
     meta = config.kwargs
     grid = (-(-n // meta["BLOCK_T"]), -(-num_heads // meta["BLOCK_H"]))
     _kv_append_kernel[grid](
@@ -204,8 +204,8 @@ def kv_append_default_config(key: dict) -> KernelConfig:
 
 def kv_append_tune_key(*, num_tokens: int, num_heads: int, head_dim: int, dtype) -> dict:
     """Heads, head dim and dtype exact; the token count bucketed to a power of two."""
-    dtype = dtype if isinstance(dtype, str) else _autotune.dtype_name(dtype)
-    return {"num_tokens": _autotune.bucket_tokens(num_tokens), "num_heads": int(num_heads),
+    dtype = dtype if isinstance(dtype, str) else autotune.dtype_name(dtype)
+    return {"num_tokens": autotune.bucket_tokens(num_tokens), "num_heads": int(num_heads),
             "head_dim": int(head_dim), "dtype": dtype}
 
 
@@ -220,7 +220,7 @@ def _make_case(key: dict, device: torch.device) -> "KvAppendCase":
     return KvAppendCase(key, device)
 
 
-_autotune.register(KernelTuning(
+autotune.register(KernelTuning(
     name=NAME, configs=kv_append_configs, default_config=kv_append_default_config,
     tune_key=kv_append_tune_key, make_case=_make_case, presets=kv_append_presets,
 ))

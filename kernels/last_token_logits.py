@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import torch
 
-from . import _autotune
-from ._autotune import KernelConfig, KernelTuning, TuneCase, bucket_tokens, dtype_name
-from ._backend import HAS_TRITON, resolve_backend
+from . import autotune
 from ._common import FLOAT_DTYPES, check_writable, custom_op
 from ._shapes import LLAMA_3_8B
+from .autotune import KernelConfig, KernelTuning, TuneCase, bucket_tokens, dtype_name
+from .backend import HAS_TRITON, resolve_backend
 from .devices import same_device
 
 if HAS_TRITON:
@@ -186,7 +186,7 @@ def last_token_logits(logits: torch.Tensor, cu_query_lengths: torch.Tensor, num_
     if config is None:
         key = last_token_logits_tune_key(vocab_size=vocab_size, dtype=logits.dtype,
                                           num_requests=num_requests, log_softmax=log_softmax)
-        config, _ = _autotune.resolve_config("last_token_logits", key, logits.device)
+        config, _ = autotune.resolve_config("last_token_logits", key, logits.device)
     if log_softmax:
         _row_log_softmax_kernel[(num_requests,)](
             full_ptr=out, token_log_probs_ptr=None, logits_ptr=logits,
@@ -246,7 +246,7 @@ def token_log_probs(logits: torch.Tensor, token_ids: torch.Tensor, *, return_ful
     if config is None:
         key = token_log_probs_tune_key(vocab_size=vocab_size, dtype=logits.dtype,
                                        num_tokens=num_tokens, return_full=return_full)
-        config, _ = _autotune.resolve_config("token_log_probs", key, logits.device)
+        config, _ = autotune.resolve_config("token_log_probs", key, logits.device)
     _row_log_softmax_kernel[(num_tokens,)](
         full_ptr=full, token_log_probs_ptr=log_probs, logits_ptr=logits,
         cu_query_lengths_ptr=None, token_ids_ptr=token_ids,
@@ -432,13 +432,13 @@ def _token_log_probs_presets() -> list[dict]:
                                             return_full=True)]
 
 
-_autotune.register(KernelTuning(
+autotune.register(KernelTuning(
     name="last_token_logits", configs=last_token_logits_configs,
     default_config=last_token_logits_default_config, tune_key=last_token_logits_tune_key,
     token_field="num_requests", make_case=_last_token_case, presets=_last_token_presets))
 
 
-_autotune.register(KernelTuning(
+autotune.register(KernelTuning(
     name="token_log_probs", configs=token_log_probs_configs,
     default_config=token_log_probs_default_config, tune_key=token_log_probs_tune_key,
     token_field="num_tokens", make_case=_token_log_probs_case, presets=_token_log_probs_presets))

@@ -13,11 +13,11 @@ import math
 
 import torch
 
-from . import _autotune
-from ._autotune import KernelConfig, KernelTuning, TuneCase
-from ._backend import HAS_TRITON, resolve_backend
+from . import autotune
 from ._common import FLOAT_DTYPES, bits, check_writable, custom_op, next_pow2
 from ._shapes import MAMBA2_CONV_STATE, MAMBA2_MIXER, MAMBA2_SSM_STATE
+from .autotune import KernelConfig, KernelTuning, TuneCase
+from .backend import HAS_TRITON, resolve_backend
 from .devices import same_device
 
 GATHER, SCATTER = "mamba_state_gather", "mamba_state_scatter"
@@ -147,7 +147,7 @@ def _resolve(name: str, config, states: torch.Tensor, n: int) -> KernelConfig:
     if config is not None:
         return config
     key = mamba_state_tune_key(num_requests=n, state_shape=states.shape[1:], dtype=states.dtype)
-    return _autotune.resolve_config(name, key, states.device)[0]
+    return autotune.resolve_config(name, key, states.device)[0]
 
 
 def mamba_state_gather(states: torch.Tensor, slot_ids: torch.Tensor,
@@ -272,8 +272,8 @@ def mamba_state_default_config(key: dict) -> KernelConfig:
 
 def mamba_state_tune_key(*, num_requests: int, state_shape, dtype) -> dict:
     """Row length (``prod(state_shape)``) and dtype exact; the request count bucketed."""
-    dtype = dtype if isinstance(dtype, str) else _autotune.dtype_name(dtype)
-    return {"num_requests": _autotune.bucket_tokens(num_requests),
+    dtype = dtype if isinstance(dtype, str) else autotune.dtype_name(dtype)
+    return {"num_requests": autotune.bucket_tokens(num_requests),
             "row_elems": int(math.prod(state_shape)), "dtype": dtype}
 
 
@@ -284,7 +284,7 @@ def mamba_state_presets() -> list[dict]:
 
 
 for _name in (GATHER, SCATTER):
-    _autotune.register(KernelTuning(
+    autotune.register(KernelTuning(
         name=_name, configs=mamba_state_configs, default_config=mamba_state_default_config,
         tune_key=mamba_state_tune_key, token_field="num_requests",
         make_case=lambda key, device, _name=_name: MambaStateCase(_name, key, device),

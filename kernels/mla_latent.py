@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _autotune
-from ._autotune import KernelConfig, KernelTuning
-from ._backend import HAS_TRITON, resolve_backend
+from . import autotune
 from ._common import (
     FLOAT_DTYPES,
     BufferWriteCase,
@@ -23,6 +21,8 @@ from ._common import (
     squeeze_singleton,
 )
 from ._shapes import DEEPSEEK_V2_LITE
+from .autotune import KernelConfig, KernelTuning
+from .backend import HAS_TRITON, resolve_backend
 
 NAME = "mla_latent_append"
 
@@ -122,7 +122,7 @@ def mla_latent_append(latent_cache: torch.Tensor, kv_latent: torch.Tensor, k_rop
     if config is None:
         tune_key = mla_latent_append_tune_key(num_tokens=n, kv_lora_rank=rank, rope_dim=rope_dim,
                                               dtype=latent_cache.dtype)
-        config, _ = _autotune.resolve_config(NAME, tune_key, latent_cache.device)
+        config, _ = autotune.resolve_config(NAME, tune_key, latent_cache.device)
     meta = config.kwargs
     grid = (-(-n // meta["BLOCK_T"]), -(-(rank + rope_dim) // meta["BLOCK_C"]))
     _mla_latent_append_kernel[grid](
@@ -177,8 +177,8 @@ def mla_latent_append_default_config(key: dict) -> KernelConfig:
 
 def mla_latent_append_tune_key(*, num_tokens: int, kv_lora_rank: int, rope_dim: int, dtype) -> dict:
     """Latent rank, rope dim and dtype exact; the token count bucketed to a power of two."""
-    dtype = dtype if isinstance(dtype, str) else _autotune.dtype_name(dtype)
-    return {"num_tokens": _autotune.bucket_tokens(num_tokens), "kv_lora_rank": int(kv_lora_rank),
+    dtype = dtype if isinstance(dtype, str) else autotune.dtype_name(dtype)
+    return {"num_tokens": autotune.bucket_tokens(num_tokens), "kv_lora_rank": int(kv_lora_rank),
             "rope_dim": int(rope_dim), "dtype": dtype}
 
 
@@ -194,7 +194,7 @@ def _make_case(key: dict, device: torch.device) -> "MlaLatentAppendCase":
     return MlaLatentAppendCase(key, device)
 
 
-_autotune.register(KernelTuning(
+autotune.register(KernelTuning(
     name=NAME, configs=mla_latent_append_configs, default_config=mla_latent_append_default_config,
     tune_key=mla_latent_append_tune_key, make_case=_make_case, presets=mla_latent_append_presets,
 ))

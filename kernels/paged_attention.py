@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import torch
 
-from . import _autotune
-from ._autotune import KernelConfig, KernelTuning, TuneCase
-from ._backend import resolve_backend
+from . import autotune
 from ._common import FLOAT_DTYPES, check_same_device, custom_op
+from .autotune import KernelConfig, KernelTuning, TuneCase
+from .backend import resolve_backend
 from .devices import same_device
 from .paged_attention_decode import (
     launch_decode,
@@ -297,12 +297,12 @@ def _varlen_case(key: dict, device: torch.device) -> TuneCase:
     return _AttentionCase(key, device, decode=False)
 
 
-_autotune.register(KernelTuning(
+autotune.register(KernelTuning(
     name="paged_attention_decode", configs=paged_attention_decode_configs,
     default_config=paged_attention_decode_default_config,
     tune_key=paged_attention_decode_tune_key, token_field="num_requests",
     make_case=_decode_case, presets=paged_attention_decode_presets))
-_autotune.register(KernelTuning(
+autotune.register(KernelTuning(
     name="paged_attention_varlen", configs=paged_attention_varlen_configs,
     default_config=paged_attention_varlen_default_config,
     tune_key=paged_attention_varlen_tune_key, token_field="num_tokens",

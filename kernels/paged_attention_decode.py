@@ -14,10 +14,10 @@ import math
 
 import torch
 
-from . import _autotune
-from ._autotune import KernelConfig, bucket_tokens, dtype_name
-from ._backend import HAS_TRITON
+from . import autotune
 from ._common import check_grid, next_pow2
+from .autotune import KernelConfig, bucket_tokens, dtype_name
+from .backend import HAS_TRITON
 from .paged_attention_merge import merge_attention_splits
 from .paged_attention_tile import LLAMA_HEADS, kernel_args, scaled_down_key  # noqa: F401
 
@@ -107,7 +107,7 @@ def launch_decode(*, query, key_cache, value_cache, out, scale, config, cu_query
         key = paged_attention_decode_tune_key(
             num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
             dtype=query.dtype, num_requests=num_requests, max_seqlen_k=max_seqlen_k)
-        config, _ = _autotune.resolve_config("paged_attention_decode", key, query.device)
+        config, _ = autotune.resolve_config("paged_attention_decode", key, query.device)
     args = kernel_args(query, key_cache, value_cache, cu_query_lengths, kv_seq_lengths,
                        block_table, scale)
     num_splits = triton.cdiv(max_seqlen_k, config.kwargs["SPLIT_TOKENS"])

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from ._backend import HAS_TRITON
 from ._common import next_pow2
 from ._shapes import LLAMA_3_8B
+from .backend import HAS_TRITON
 
 if HAS_TRITON:
     import triton

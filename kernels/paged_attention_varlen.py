@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import torch
 
-from . import _autotune
-from ._autotune import KernelConfig, bucket_tokens, dtype_name
-from ._backend import HAS_TRITON
+from . import autotune
 from ._common import check_grid, next_pow2
+from .autotune import KernelConfig, bucket_tokens, dtype_name
+from .backend import HAS_TRITON
 from .paged_attention_tile import LLAMA_HEADS, kernel_args, scaled_down_key  # noqa: F401
 
 if HAS_TRITON:
@@ -101,7 +101,7 @@ def launch_varlen(*, query, key_cache, value_cache, out, scale, config, cu_query
         key = paged_attention_varlen_tune_key(num_q_heads=num_q_heads,
                                               num_kv_heads=key_cache.shape[2], head_dim=head_dim,
                                               dtype=query.dtype, num_tokens=num_tokens)
-        config, _ = _autotune.resolve_config("paged_attention_varlen", key, query.device)
+        config, _ = autotune.resolve_config("paged_attention_varlen", key, query.device)
     args = kernel_args(query, key_cache, value_cache, cu_query_lengths, kv_seq_lengths,
                        block_table, scale)
     block_g = next_pow2(args["group_size"])

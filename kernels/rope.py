@@ -18,11 +18,11 @@ from typing import Optional
 
 import torch
 
-from . import _autotune
-from ._autotune import KernelConfig, KernelTuning
-from ._backend import HAS_TRITON, resolve_backend
+from . import autotune
 from ._common import custom_op, next_pow2
 from ._shapes import DEEPSEEK_V2_LITE, LLAMA_3_8B
+from .autotune import KernelConfig, KernelTuning
+from .backend import HAS_TRITON, resolve_backend
 
 # The rotation's names models and tests reach through this module, the rope launcher's.
 from .rope_rotation import (  # noqa: F401
@@ -109,7 +109,7 @@ def fused_qk_rope(query: Optional[torch.Tensor], key: Optional[torch.Tensor],
                           interleaved=interleaved, mscale=mscale, mla_layout=mla_layout)
         return
     if config is None:
-        config, _ = _autotune.resolve_config("fused_qk_rope", problem.tune_key(), device)
+        config, _ = autotune.resolve_config("fused_qk_rope", problem.tune_key(), device)
     block_t, block_h = config.kwargs["BLOCK_T"], config.kwargs["BLOCK_H"]
     q, k = problem.query, problem.key
     grid = (triton.cdiv(problem.num_tokens, block_t),
@@ -246,7 +246,7 @@ class _FusedQKRopeCase(RopeTuneCase):
                 tune_check_rotation(got, want, 1.0, name)
 
 
-_autotune.register(KernelTuning(
+autotune.register(KernelTuning(
     name="fused_qk_rope", configs=fused_qk_rope_configs,
     default_config=fused_qk_rope_default_config, tune_key=fused_qk_rope_tune_key,
     make_case=lambda key, device: _FusedQKRopeCase(key, torch.device(device)),

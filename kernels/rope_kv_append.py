@@ -13,11 +13,11 @@ from typing import Optional
 
 import torch
 
-from . import _autotune
-from ._autotune import KernelConfig, KernelTuning
-from ._backend import HAS_TRITON, resolve_backend
+from . import autotune
 from ._common import check_writable, custom_op, next_pow2
 from ._shapes import LLAMA_3_8B
+from .autotune import KernelConfig, KernelTuning
+from .backend import HAS_TRITON, resolve_backend
 from .devices import same_device
 from .rope import fused_qk_rope_ref
 from .rope_rotation import (
@@ -175,7 +175,7 @@ def rope_kv_append(query: Optional[torch.Tensor], key: torch.Tensor, value: torc
                            mscale=mscale, mla_layout=mla_layout)
         return
     if config is None:
-        config, _ = _autotune.resolve_config("rope_kv_append", problem.tune_key(), device)
+        config, _ = autotune.resolve_config("rope_kv_append", problem.tune_key(), device)
     block_t, block_h = config.kwargs["BLOCK_T"], config.kwargs["BLOCK_H"]
     q, dim, rot = problem.query, problem.head_dim, problem.rot_dim
     grid = (triton.cdiv(n, block_t),
@@ -305,7 +305,7 @@ class _RopeKVAppendCase(RopeTuneCase):
             raise AssertionError("value_cache does not hold the value bit for bit")
 
 
-_autotune.register(KernelTuning(
+autotune.register(KernelTuning(
     name="rope_kv_append", configs=rope_kv_append_configs,
     default_config=rope_kv_append_default_config, tune_key=rope_kv_append_tune_key,
     make_case=lambda key, device: _RopeKVAppendCase(key, torch.device(device)),

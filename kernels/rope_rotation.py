@@ -13,9 +13,9 @@ from typing import Optional
 
 import torch
 
-from ._autotune import KernelConfig, TuneCase, bucket_tokens, dtype_name
-from ._backend import HAS_TRITON
 from ._common import FLOAT_DTYPES, check_writable, next_pow2
+from .autotune import KernelConfig, TuneCase, bucket_tokens, dtype_name
+from .backend import HAS_TRITON
 from .devices import same_device
 
 if HAS_TRITON:

@@ -28,11 +28,11 @@ from __future__ import annotations
 
 import torch
 
-from . import _autotune
-from ._autotune import KernelConfig, KernelTuning, TuneCase, bucket_tokens
-from ._backend import HAS_TRITON, resolve_backend
+from . import autotune
 from ._common import check_tensor, check_writable, custom_op
 from ._shapes import BLOCK_SIZE
+from .autotune import KernelConfig, KernelTuning, TuneCase, bucket_tokens
+from .backend import HAS_TRITON, resolve_backend
 
 if HAS_TRITON:
     import triton
@@ -277,7 +277,7 @@ def step_metadata(token_to_input_ids: torch.Tensor, token_to_pos_ids: torch.Tens
         key = step_metadata_tune_key(max_blocks=max_blocks, block_size=block_size,
                                      num_tokens=padded_tokens, num_requests=num_requests,
                                      prefill=num_prefill > 0)
-        config, _ = _autotune.resolve_config("step_metadata", key, device)
+        config, _ = autotune.resolve_config("step_metadata", key, device)
     block_t = config.kwargs["BLOCK_T"]
     num_decode_programs = triton.cdiv(num_decode, block_t)
     num_prefill_programs = triton.cdiv(active_tokens - num_decode, block_t) if num_prefill else 0
@@ -467,7 +467,7 @@ def _step_metadata_presets() -> list[dict]:
     return keys
 
 
-_autotune.register(KernelTuning(
+autotune.register(KernelTuning(
     name="step_metadata", configs=step_metadata_configs,
     default_config=step_metadata_default_config, tune_key=step_metadata_tune_key,
     token_field="num_tokens", make_case=_StepMetadataCase, presets=_step_metadata_presets))

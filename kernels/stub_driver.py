@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from ._backend import HAS_TRITON
 from ._common import GRID_LIMITS  # noqa: F401  (the build test checks launches against them)
+from .backend import HAS_TRITON
 
 # Each stub gets a device key of its own in the kernels' JIT caches: a kernel compiled under
 # one stub keeps that stub's launcher, which records into that stub's record.
@@ -103,7 +103,7 @@ if HAS_TRITON:
     class StubDriver(DriverBase):
         """Triton's driver interface for ``target``, with a launcher that records and returns."""
 
-        # _backend.stub_driver_active() looks for this attribute on Triton's active driver.
+        # backend.stub_driver_active() looks for this attribute on Triton's active driver.
         COMPILE_ONLY = True
 
         def __init__(self, target=None, shared_limit: int = SM90_SHARED_LIMIT,

@@ -50,7 +50,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ..kernels._backend import HAS_TRITON, triton_interpreting
+from ..kernels.backend import HAS_TRITON, triton_interpreting
 from ..kernels.devices import indexed_device
 
 BACKENDS = ("auto", "torch", "torch_static", "triton", "flashinfer", "flash_attn")

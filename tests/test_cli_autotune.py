@@ -20,9 +20,9 @@ import torch
 
 from dynctx import autotune_runs, megatron_peer
 from dynctx import cli_autotune as cli
-from dynctx.kernels import _autotune, _timing
-from dynctx.kernels._autotune import KernelConfig, KernelTuning, TuneCase
-from dynctx.kernels._registry import (
+from dynctx.kernels import autotune, timing
+from dynctx.kernels.autotune import KernelConfig, KernelTuning, TuneCase
+from dynctx.kernels.registry import (
     PRESET_MODULES,
     import_kernel_modules,
     module_of,
@@ -36,7 +36,7 @@ BROKEN = KernelConfig.make(BLOCK=64, num_warps=8)  # the toy's check rejects thi
 
 
 def toy_key(num_tokens: int, width: int = 8) -> dict:
-    return {"num_tokens": _autotune.bucket_tokens(num_tokens), "width": width, "dtype": "float32"}
+    return {"num_tokens": autotune.bucket_tokens(num_tokens), "width": width, "dtype": "float32"}
 
 
 class ToyCase(TuneCase):
@@ -76,10 +76,10 @@ def toy(monkeypatch, tmp_path):
                           tune_key=lambda **shapes: toy_key(**shapes),
                           make_case=lambda key, device: ToyCase(key, device),
                           presets=lambda: [toy_key(1), toy_key(64)])
-    monkeypatch.setitem(_autotune._TUNINGS, TOY, tuning)
-    monkeypatch.setattr(_autotune, "_WARNED", set())
-    monkeypatch.setattr(_autotune, "PACKAGED_DIR", tmp_path / "packaged")
-    monkeypatch.delenv(_autotune.OVERRIDE_ENV, raising=False)
+    monkeypatch.setitem(autotune._TUNINGS, TOY, tuning)
+    monkeypatch.setattr(autotune, "_WARNED", set())
+    monkeypatch.setattr(autotune, "PACKAGED_DIR", tmp_path / "packaged")
+    monkeypatch.delenv(autotune.OVERRIDE_ENV, raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "user_cache"))
     return tuning
 
@@ -94,7 +94,7 @@ def fake_gpu(monkeypatch, toy):
         cases.append(real_make_case(key, device))
         return cases[-1]
 
-    monkeypatch.setitem(_autotune._TUNINGS, TOY, KernelTuning(
+    monkeypatch.setitem(autotune._TUNINGS, TOY, KernelTuning(
         name=TOY, configs=toy.configs, default_config=toy.default_config, tune_key=toy.tune_key,
         make_case=make_case, presets=toy.presets))
 
@@ -111,18 +111,18 @@ def fake_gpu(monkeypatch, toy):
 
     monkeypatch.setattr(autotune_runs, "refuse_without_gpu", lambda command: False)
     monkeypatch.setattr(autotune_runs, "gpu_device", lambda: torch.device("cpu"))
-    monkeypatch.setattr(_timing, "time_launches", fake_time)
+    monkeypatch.setattr(timing, "time_launches", fake_time)
     monkeypatch.setattr(autotune_runs, "cuda_alive", lambda: True)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
-    monkeypatch.setattr(_autotune, "device_name", lambda device=None: FAKE_DEVICE)
+    monkeypatch.setattr(autotune, "device_name", lambda device=None: FAKE_DEVICE)
     monkeypatch.setenv("DYNCTX_GIT_REVISION", "test-revision")
     return cases
 
 
 def write_toy_file(root, entries, device="cpu"):
     path = root / device / f"{TOY}.json"
-    _autotune.write_cache_file(path, device=device, kernel=TOY, entries=entries,
+    autotune.write_cache_file(path, device=device, kernel=TOY, entries=entries,
                                versions={"torch": "test"})
     return path
 
@@ -191,52 +191,52 @@ def test_check_of_a_folder_without_config_files_is_an_error(toy, tmp_path, capsy
 
 @pytest.mark.parametrize("command", [["show"], ["check"], ["bench"]])
 def test_a_wrong_override_folder_is_an_error(toy, tmp_path, monkeypatch, capsys, command):
-    monkeypatch.setenv(_autotune.OVERRIDE_ENV, str(tmp_path / "typo"))
+    monkeypatch.setenv(autotune.OVERRIDE_ENV, str(tmp_path / "typo"))
     monkeypatch.setattr(autotune_runs, "refuse_without_gpu", lambda command: False)
     err = _one_line_error(capsys, command)
     assert f"$DYNCTX_AUTOTUNE_DIR={tmp_path / 'typo'} does not exist" in err
 
 
 def test_a_wrong_override_folder_fails_the_lookup_at_run_time(toy, tmp_path, monkeypatch):
-    monkeypatch.setenv(_autotune.OVERRIDE_ENV, str(tmp_path / "typo"))
+    monkeypatch.setenv(autotune.OVERRIDE_ENV, str(tmp_path / "typo"))
     with pytest.raises(ValueError, match=r"\$DYNCTX_AUTOTUNE_DIR=.*typo does not exist: point "
                                          "it at a folder laid out like autotune_cache/"):
-        _autotune.resolve_config(TOY, toy_key(8), "cpu")
-    monkeypatch.setenv(_autotune.OVERRIDE_ENV, "")  # empty: unset
-    assert _autotune.resolve_config(TOY, toy_key(8), "cpu") == (SPACE[0], "default")
+        autotune.resolve_config(TOY, toy_key(8), "cpu")
+    monkeypatch.setenv(autotune.OVERRIDE_ENV, "")  # empty: unset
+    assert autotune.resolve_config(TOY, toy_key(8), "cpu") == (SPACE[0], "default")
 
 
 def test_the_per_user_folder_is_read_when_no_override_is_set(toy, tmp_path, monkeypatch):
-    user = _autotune.user_cache_dir()
+    user = autotune.user_cache_dir()
     assert user == tmp_path / "user_cache" / "dynctx" / "autotune_cache"
-    assert _autotune.resolve_config(TOY, toy_key(8), "cpu") == (SPACE[0], "default")
+    assert autotune.resolve_config(TOY, toy_key(8), "cpu") == (SPACE[0], "default")
     path = write_toy_file(user, [toy_entry(toy_key(8))])
-    assert _autotune.resolve_config(TOY, toy_key(8), "cpu") == (
+    assert autotune.resolve_config(TOY, toy_key(8), "cpu") == (
         SPACE[2], f"override-exact:{path}")
     # Another user folder is another lookup (resolved configs are cached per folder).
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "other_cache"))
-    assert _autotune.resolve_config(TOY, toy_key(8), "cpu") == (SPACE[0], "default")
+    assert autotune.resolve_config(TOY, toy_key(8), "cpu") == (SPACE[0], "default")
 
 
 def test_tune_writes_to_the_folder_launchers_read_first(fake_gpu, tmp_path, monkeypatch,
                                                         capsys):
     assert cli.main(["tune", "--kernel", TOY]) == 0
-    user = _autotune.user_cache_dir()
+    user = autotune.user_cache_dir()
     out = capsys.readouterr().out
     assert f"-> {user / FAKE_DEVICE} (the per-user folder launchers read first" in out
     assert f"wrote 2 entries under {user / FAKE_DEVICE}" in out
     assert (user / FAKE_DEVICE / f"{TOY}.json").is_file()
     assert not (tmp_path / "packaged").exists()
-    assert _autotune.resolve_config(TOY, toy_key(1), FAKE_DEVICE)[1].startswith("override-exact")
+    assert autotune.resolve_config(TOY, toy_key(1), FAKE_DEVICE)[1].startswith("override-exact")
 
-    monkeypatch.setenv(_autotune.OVERRIDE_ENV, str(tmp_path / "named"))
+    monkeypatch.setenv(autotune.OVERRIDE_ENV, str(tmp_path / "named"))
     assert cli.main(["tune", "--kernel", TOY]) == 0
-    assert f"(${_autotune.OVERRIDE_ENV}, which launchers read first)" in capsys.readouterr().out
+    assert f"(${autotune.OVERRIDE_ENV}, which launchers read first)" in capsys.readouterr().out
     assert (tmp_path / "named" / FAKE_DEVICE / f"{TOY}.json").is_file()
 
 
 def test_show_lists_an_override_file(toy, tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv(_autotune.OVERRIDE_ENV, str(tmp_path / "override"))
+    monkeypatch.setenv(autotune.OVERRIDE_ENV, str(tmp_path / "override"))
     write_toy_file(tmp_path / "override", [toy_entry(toy_key(8))])
     assert cli.main(["show"]) == 0
     out = capsys.readouterr().out
@@ -246,7 +246,7 @@ def test_show_lists_an_override_file(toy, tmp_path, monkeypatch, capsys):
 
 
 def test_check_accepts_a_good_override_file(toy, tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv(_autotune.OVERRIDE_ENV, str(tmp_path / "override"))
+    monkeypatch.setenv(autotune.OVERRIDE_ENV, str(tmp_path / "override"))
     write_toy_file(tmp_path / "override", [toy_entry(toy_key(8)), toy_entry(toy_key(1), SPACE[0])])
     assert cli.main(["check"]) == 0, capsys.readouterr().out
     assert "1 files" in capsys.readouterr().out
@@ -277,7 +277,7 @@ def test_check_reports_non_canonical_text_and_bad_names(toy, tmp_path, capsys):
     path.write_text(json.dumps(data))  # one line, no final newline
     wrong_folder = tmp_path / "scratch" / "other_device" / f"{TOY}.json"
     wrong_folder.parent.mkdir()
-    wrong_folder.write_text(_autotune.canonical_json(data))
+    wrong_folder.write_text(autotune.canonical_json(data))
     assert cli.main(["check", "--dir", str(tmp_path / "scratch")]) == 1
     out = capsys.readouterr().out
     assert "not canonical" in out and "does not match the folder name" in out
@@ -287,7 +287,7 @@ def test_check_reports_a_malformed_file_and_an_unknown_kernel(toy, tmp_path, cap
     root = tmp_path / "scratch"
     (root / "cpu").mkdir(parents=True)
     (root / "cpu" / f"{TOY}.json").write_text("{oops")
-    _autotune.write_cache_file(root / "cpu" / "no_such_kernel.json", device="cpu",
+    autotune.write_cache_file(root / "cpu" / "no_such_kernel.json", device="cpu",
                                kernel="no_such_kernel", entries=[toy_entry(toy_key(1))],
                                versions={})
     assert cli.main(["check", "--dir", str(root)]) == 1
@@ -301,7 +301,7 @@ def test_tune_writes_the_fastest_passing_config(fake_gpu, tmp_path, capsys):
     path = out_dir / FAKE_DEVICE / f"{TOY}.json"
     text = path.read_text()
     data = json.loads(text)
-    assert text == _autotune.canonical_json(data)
+    assert text == autotune.canonical_json(data)
     assert [e["key"] for e in data["entries"]] == [toy_key(1), toy_key(64)]
     for entry in data["entries"]:
         assert KernelConfig.from_dict(entry["config"]) == KernelConfig.make(BLOCK=32, num_warps=4)

@@ -39,7 +39,6 @@ import functools
 import megatron_oracle as mo  # noqa: E402
 import pytest
 import torch
-
 from sizing_warning import built  # noqa: E402
 
 from dynctx.context import (  # noqa: E402

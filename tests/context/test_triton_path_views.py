@@ -26,7 +26,7 @@ from tolerances import LOG_SOFTMAX_TOLERANCE, assert_rope_close
 from triton_marks import needs_triton
 
 from dynctx.context import DynamicInferenceContext, MambaInferenceStateConfig
-from dynctx.kernels import _backend
+from dynctx.kernels import backend
 from dynctx.kernels.rope import make_rope_tables
 
 pytestmark = [
@@ -35,7 +35,7 @@ pytestmark = [
 ]
 
 # Compiled Triton on a GPU, the interpreter on a CPU (the Triton backend needs one of them).
-DEVICE = torch.device("cuda" if torch.cuda.is_available() and not _backend.triton_interpreting()
+DEVICE = torch.device("cuda" if torch.cuda.is_available() and not backend.triton_interpreting()
                       else "cpu")
 VOCAB = 160  # above every prompt token of helpers.request (100 + id + position)
 HEADS, DIM = 2, 8

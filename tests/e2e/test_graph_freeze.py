@@ -16,7 +16,7 @@ from e2e_helpers import build_engine, case_engine_sizes, make_prompts, tiny_llam
 
 from dynctx.engine import graphs
 from dynctx.engine.graphs import GraphReplayMismatch, GraphStepContext, LaunchRecorder
-from dynctx.kernels._backend import triton_interpreting
+from dynctx.kernels.backend import triton_interpreting
 from dynctx.kernels.kv_append import kv_append
 from dynctx.kernels.last_token_logits import last_token_logits
 

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from dynctx.kernels._backend import HAS_TRITON, triton_interpreting
+from dynctx.kernels.backend import HAS_TRITON, triton_interpreting
 from dynctx.models.paged_attention import (
     PagedAttention,
     paged_attention_torch,

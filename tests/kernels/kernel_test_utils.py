@@ -13,7 +13,7 @@ import pytest
 import torch
 from tolerances import assert_rope_close
 
-from dynctx.kernels import _autotune
+from dynctx.kernels import autotune
 from dynctx.kernels._common import bits
 
 __all__ = ["DEVICE", "DTYPES", "POISONS", "assert_only_views_written", "assert_raises_naming",
@@ -102,7 +102,7 @@ def assert_raises_naming(call, name: str, backend: str, monkeypatch) -> None:
 
 def preset_configs(name: str) -> list:
     """Every config of kernel ``name``'s search spaces over its presets, without repeats."""
-    tuning = _autotune.get_tuning(name)
+    tuning = autotune.get_tuning(name)
     configs = []
     for key in tuning.presets():
         configs += [c for c in tuning.configs(key) if c not in configs]

@@ -56,15 +56,15 @@ def build_job(job: tuple[str, str]) -> dict:
     committed config at its own key. Returns the counts and the problems found."""
     import torch
 
-    from dynctx.kernels import _autotune, _registry
-    from dynctx.kernels._autotune import KernelConfig
+    from dynctx.kernels import autotune, registry
+    from dynctx.kernels.autotune import KernelConfig
     from dynctx.kernels.stub_driver import stub_driver
 
-    _registry.import_kernel_modules(quiet=True)
+    registry.import_kernel_modules(quiet=True)
     kind, what = job
     cases = []  # (tuning, key, configs)
     if kind == "tuning":
-        tuning = _autotune.get_tuning(what)
+        tuning = autotune.get_tuning(what)
         for key in tuning.presets():
             space = tuning.configs(key)
             if space != tuning.configs(build_key(key)):
@@ -73,7 +73,7 @@ def build_job(job: tuple[str, str]) -> dict:
             cases.append((tuning, key, space))
     else:
         data = json.loads(open(what, encoding="utf-8").read())
-        tuning = _autotune.get_tuning(data["kernel"])
+        tuning = autotune.get_tuning(data["kernel"])
         cases = [(tuning, e["key"], [KernelConfig.from_dict(e["config"])])
                  for e in data["entries"]]
     configs, made_by = 0, {}
@@ -85,7 +85,7 @@ def build_job(job: tuple[str, str]) -> dict:
                 case.run(config)
                 configs += 1
                 for index in range(before, len(stub.record.builds)):
-                    made_by[index] = f"{config} at {_registry.key_text(key)}"
+                    made_by[index] = f"{config} at {registry.key_text(key)}"
     problems, usages = _problems(stub, made_by)
     return {"job": job, "configs": configs, "builds": len(stub.record.builds),
             "launches": len(stub.record.launches), "usages": usages, "problems": problems}

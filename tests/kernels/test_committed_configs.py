@@ -20,21 +20,21 @@ import pytest
 import torch
 
 from dynctx import cli_autotune as cli
-from dynctx.kernels import _autotune, _registry
-from dynctx.kernels._autotune import KernelConfig
-from dynctx.kernels._backend import triton_interpreting
+from dynctx.kernels import autotune, registry
+from dynctx.kernels.autotune import KernelConfig
+from dynctx.kernels.backend import triton_interpreting
 
 # The kernel tests' rule: CUDA when there is one and the interpreter is off; the environment
 # variable forces a choice (bench/device_check.sh sets it to cuda).
 TEST_DEVICE = os.environ.get("DYNCTX_TEST_DEVICE") or (
     "cuda" if torch.cuda.is_available() and not triton_interpreting() else "cpu")
-FILES = sorted(_autotune.PACKAGED_DIR.glob("*/*.json"))
+FILES = sorted(autotune.PACKAGED_DIR.glob("*/*.json"))
 NO_FILES = ("no committed autotune configs under autotune_cache/*/ yet: nothing to check "
             "(`python -m dynctx autotune tune` on a GPU writes them)")
 PARAMS = [pytest.param(p, id=f"{p.parent.name}/{p.stem}") for p in FILES] or [
     pytest.param(None, id="no-committed-files")]
 
-_registry.import_kernel_modules(quiet=True)
+registry.import_kernel_modules(quiet=True)
 
 
 def _load(path):
@@ -44,9 +44,9 @@ def _load(path):
 
 
 def _tuning(data):
-    tuning = _autotune.registered().get(data["kernel"])
+    tuning = autotune.registered().get(data["kernel"])
     assert tuning is not None, (f"committed configs for {data['kernel']!r}, which no kernel module "
-                                f"registers (known: {sorted(_autotune.registered())})")
+                                f"registers (known: {sorted(autotune.registered())})")
     return tuning
 
 
@@ -62,13 +62,13 @@ def scaled_down_key(tuning, key: dict) -> dict:
 @pytest.mark.parametrize("path", PARAMS)
 def test_file_is_valid_and_canonical(path):
     data = _load(path)
-    _autotune.validate_cache_data(data, str(path))
+    autotune.validate_cache_data(data, str(path))
     assert data["kernel"] == path.stem
     assert data["device"] == path.parent.name
     text = path.read_text(encoding="utf-8")
     ordered = sorted(data["entries"], key=lambda e: json.dumps(e["key"], sort_keys=True))
-    assert text == _autotune.canonical_json({**data, "entries": ordered}), (
-        f"{path} is not canonical: rewrite it with _autotune.write_cache_file")
+    assert text == autotune.canonical_json({**data, "entries": ordered}), (
+        f"{path} is not canonical: rewrite it with autotune.write_cache_file")
     assert {"torch", "triton", "git_revision"} <= set(data["versions"])
 
 
@@ -83,7 +83,7 @@ def test_configs_are_inside_the_search_space(path):
             assert set(key) == fields, (
                 f"{path}: key {key} has not the fields of {tuning.name}'s keys")
         tokens = key[tuning.token_field]
-        assert _autotune.bucket_tokens(tokens) == tokens, f"{path}: raw token count in key {key}"
+        assert autotune.bucket_tokens(tokens) == tokens, f"{path}: raw token count in key {key}"
         assert config in tuning.configs(key), (
             f"{path}: committed config {config} for {key} is outside {tuning.name}'s search space; "
             "re-tune it (python -m dynctx autotune tune) or widen the search space")
@@ -96,14 +96,14 @@ def test_lookup_returns_the_committed_config(path, tmp_path, monkeypatch):
     """Served through the override folder, every committed key resolves to its config."""
     data = _load(path)
     tuning = _tuning(data)
-    device = _autotune.device_name("cpu")
+    device = autotune.device_name("cpu")
     target = tmp_path / device / path.name
     target.parent.mkdir(parents=True)
     shutil.copy(path, target)
-    monkeypatch.setenv(_autotune.OVERRIDE_ENV, str(tmp_path))
-    monkeypatch.setattr(_autotune, "PACKAGED_DIR", tmp_path / "nothing-packaged")
+    monkeypatch.setenv(autotune.OVERRIDE_ENV, str(tmp_path))
+    monkeypatch.setattr(autotune, "PACKAGED_DIR", tmp_path / "nothing-packaged")
     for entry in data["entries"]:
-        config, source = _autotune.resolve_config(tuning.name, entry["key"], "cpu")
+        config, source = autotune.resolve_config(tuning.name, entry["key"], "cpu")
         assert config == KernelConfig.from_dict(entry["config"])
         assert source == f"override-exact:{target}"
 
@@ -126,6 +126,6 @@ def test_committed_configs_match_the_reference(path):
         key = entry["key"] if device.type == "cuda" else scaled_down_key(tuning, entry["key"])
         assert config in tuning.configs(key), (
             f"{tuning.name}: {config} is in the space of {entry['key']} but not of the scaled-down "
-            f"key {key}; give kernels/{_registry.module_of(tuning)}.py a scaled_down_key(key) "
+            f"key {key}; give kernels/{registry.module_of(tuning)}.py a scaled_down_key(key) "
             "that keeps the dimensions its search space depends on")
         tuning.make_case(key, device).check(config)

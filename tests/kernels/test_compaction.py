@@ -10,7 +10,7 @@ import pytest
 import torch
 from kernel_test_utils import DEVICE, POISONS, assert_raises_naming, check_tune_case, poisoned
 
-from dynctx.kernels import _autotune
+from dynctx.kernels import autotune
 from dynctx.kernels.compaction import (
     compact_requests,
     compact_requests_configs,
@@ -153,7 +153,7 @@ def test_default_config_is_in_search_space():
 
 
 def test_tune_cases_check_at_scaled_down_presets():
-    tuning = _autotune.get_tuning("compact_requests")
+    tuning = autotune.get_tuning("compact_requests")
     for key in tuning.presets():
         check_tune_case(tuning, {**key, "num_rows": min(key["num_rows"], 4)})
 

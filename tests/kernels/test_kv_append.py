@@ -18,7 +18,7 @@ from kernel_test_utils import (
     token_layout,
 )
 
-from dynctx.kernels import _autotune
+from dynctx.kernels import autotune
 from dynctx.kernels.kv_append import (
     kv_append,
     kv_append_configs,
@@ -164,12 +164,12 @@ def test_default_config_in_space_and_key_buckets():
         for n in (1, 37, 4096):
             key = kv_append_tune_key(num_tokens=n, num_heads=heads, head_dim=dim,
                                      dtype=torch.float16)
-            assert key["num_tokens"] == _autotune.bucket_tokens(n)
+            assert key["num_tokens"] == autotune.bucket_tokens(n)
             assert kv_append_default_config(key) in kv_append_configs(key)
 
 
 def test_tune_case_checks_and_runs():
-    tuning = _autotune.get_tuning("kv_append")
+    tuning = autotune.get_tuning("kv_append")
     check_tune_case(tuning, tuning.tune_key(num_tokens=5, num_heads=2, head_dim=16,
                                             dtype=torch.bfloat16))
 
@@ -237,14 +237,14 @@ def test_override_file_config_is_launched(tmp_path, monkeypatch):
     key = kv_append_tune_key(num_tokens=12, num_heads=5, head_dim=96, dtype=torch.float16)
     chosen = next(c for c in kv_append_configs(key) if c != kv_append_default_config(key)
                   and c.kwargs["BLOCK_T"] == 4 and c.kwargs["BLOCK_H"] == 2)
-    monkeypatch.setenv(_autotune.OVERRIDE_ENV, str(tmp_path))
-    device = _autotune.device_name(DEVICE)
-    _autotune.write_cache_file(tmp_path / device / "kv_append.json", device=device,
+    monkeypatch.setenv(autotune.OVERRIDE_ENV, str(tmp_path))
+    device = autotune.device_name(DEVICE)
+    autotune.write_cache_file(tmp_path / device / "kv_append.json", device=device,
                                kernel="kv_append",
                                entries=[{"key": key, "config": chosen.to_dict(),
                                          "times_us": {"triton": 1.0}}],
                                versions={"triton": "test", "torch": "test"})
-    config, source = _autotune.resolve_config("kv_append", key, DEVICE)
+    config, source = autotune.resolve_config("kv_append", key, DEVICE)
     assert config == chosen and source.startswith("override-exact")
     spy = _LaunchSpy(kv_module._kv_append_kernel)
     monkeypatch.setattr(kv_module, "_kv_append_kernel", spy)
@@ -254,7 +254,7 @@ def test_override_file_config_is_launched(tmp_path, monkeypatch):
     assert {k: kwargs[k] for k in chosen.launch_kwargs()} == chosen.launch_kwargs()
     assert grid == (3, 3)  # 12 tokens / BLOCK_T 4, 5 heads / BLOCK_H 2
     # Another token count of the same shape takes the nearest bucket's entry.
-    assert _autotune.resolve_config("kv_append", {**key, "num_tokens": 64}, DEVICE)[0] == chosen
+    assert autotune.resolve_config("kv_append", {**key, "num_tokens": 64}, DEVICE)[0] == chosen
 
 
 def _op_args(dtype=torch.float32):

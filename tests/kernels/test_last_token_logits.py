@@ -11,7 +11,7 @@ import torch
 from kernel_test_utils import DEVICE, DTYPES, assert_raises_naming, check_tune_case, poisoned
 from tolerances import LOG_SOFTMAX_TOLERANCE
 
-from dynctx.kernels import _autotune
+from dynctx.kernels import autotune
 from dynctx.kernels.last_token_logits import (
     last_token_logits,
     last_token_logits_configs,
@@ -225,7 +225,7 @@ def test_custom_ops_match_reference():
 
 @pytest.mark.parametrize("name", ["last_token_logits", "token_log_probs"])
 def test_tune_cases_check_at_scaled_down_presets(name):
-    tuning = _autotune.get_tuning(name)
+    tuning = autotune.get_tuning(name)
     for key in tuning.presets():
         small = scaled_down_key(key)
         assert tuning.configs(small) == tuning.configs(key)

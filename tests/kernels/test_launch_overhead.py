@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from dynctx.kernels import _autotune, _registry
-from dynctx.kernels._backend import HAS_TRITON, triton_interpreting
+from dynctx.kernels import autotune, registry
+from dynctx.kernels.backend import HAS_TRITON, triton_interpreting
 
 pytestmark = [
     pytest.mark.build,
@@ -21,11 +21,11 @@ pytestmark = [
 def test_every_launcher_gets_a_row(capsys):
     import launch_overhead
 
-    _registry.import_kernel_modules(quiet=True)
+    registry.import_kernel_modules(quiet=True)
     result = launch_overhead.measure(calls=2, repeats=1)
     assert [row["kernel"] for row in result["rows"]] == [
-        t.name for t in _registry.select_tunings(None)]
-    assert sorted(row["kernel"] for row in result["rows"]) == sorted(_autotune.registered())
+        t.name for t in registry.select_tunings(None)]
+    assert sorted(row["kernel"] for row in result["rows"]) == sorted(autotune.registered())
     assert result["floor_us"] > 0
     for row in result["rows"]:
         assert row["launch_us"] > 0 and row["dispatch_us"] > 0

@@ -35,7 +35,7 @@ from dynctx.kernels import (
     step_metadata,
     token_log_probs,
 )
-from dynctx.kernels._autotune import KernelConfig
+from dynctx.kernels.autotune import KernelConfig
 from dynctx.kernels.rope import make_rope_tables
 
 pytestmark = pytest.mark.interpreter

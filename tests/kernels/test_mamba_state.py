@@ -10,7 +10,7 @@ import pytest
 import torch
 from kernel_test_utils import DEVICE, DTYPES, bits, check_presets_share_space, check_tune_case
 
-from dynctx.kernels import _autotune
+from dynctx.kernels import autotune
 from dynctx.kernels.mamba_state import (
     mamba_state_configs,
     mamba_state_default_config,
@@ -185,13 +185,13 @@ def test_default_config_in_space_and_key_buckets():
     for shape in ((5,), (4, 300), CONV, SSM, (6144, 4), (64, 64, 128), (128, 64, 256)):
         for n in (1, 37, 300):
             key = mamba_state_tune_key(num_requests=n, state_shape=shape, dtype=torch.float32)
-            assert key["num_requests"] == _autotune.bucket_tokens(n)
+            assert key["num_requests"] == autotune.bucket_tokens(n)
             assert mamba_state_default_config(key) in mamba_state_configs(key)
 
 
 @pytest.mark.parametrize("name", ["mamba_state_gather", "mamba_state_scatter"])
 def test_tune_case_checks_and_runs(name):
-    tuning = _autotune.get_tuning(name)
+    tuning = autotune.get_tuning(name)
     key = tuning.tune_key(num_requests=3, state_shape=(4, 300), dtype=torch.bfloat16)
     check_tune_case(tuning, key, tuning.configs(key))
 

@@ -16,7 +16,7 @@ from kernel_test_utils import (
     token_layout,
 )
 
-from dynctx.kernels import _autotune
+from dynctx.kernels import autotune
 from dynctx.kernels.mla_latent import (
     mla_latent_append,
     mla_latent_append_configs,
@@ -154,12 +154,12 @@ def test_default_config_in_space_and_key_buckets():
         for n in (1, 37, 4096):
             key = mla_latent_append_tune_key(num_tokens=n, kv_lora_rank=rank, rope_dim=rope,
                                              dtype=torch.float16)
-            assert key["num_tokens"] == _autotune.bucket_tokens(n)
+            assert key["num_tokens"] == autotune.bucket_tokens(n)
             assert mla_latent_append_default_config(key) in mla_latent_append_configs(key)
 
 
 def test_tune_case_checks_and_runs():
-    tuning = _autotune.get_tuning("mla_latent_append")
+    tuning = autotune.get_tuning("mla_latent_append")
     check_tune_case(tuning, tuning.tune_key(num_tokens=5, kv_lora_rank=40, rope_dim=8,
                                             dtype=torch.bfloat16))
 

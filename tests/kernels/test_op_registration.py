@@ -36,7 +36,7 @@ SCRIPT = textwrap.dedent("""
     # What transformers' probe for the Hugging Face "kernels" library does, and more: the
     # checkout's folder is imported as a top-level package, every kernel module with it.
     shadow = importlib.import_module("kernels")
-    from dynctx.kernels._registry import KERNEL_MODULES
+    from dynctx.kernels.registry import KERNEL_MODULES
     for module in KERNEL_MODULES:
         importlib.import_module("kernels." + module)
     # The second execution really happened (this is the situation under test).

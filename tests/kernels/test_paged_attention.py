@@ -19,8 +19,8 @@ import pytest
 import torch
 from kernel_test_utils import DEVICE, assert_raises_naming, byte_view, check_tune_case
 
-from dynctx.kernels import _autotune
-from dynctx.kernels._autotune import KernelConfig
+from dynctx.kernels import autotune
+from dynctx.kernels.autotune import KernelConfig
 from dynctx.kernels.paged_attention import paged_attention, paged_attention_ref
 from dynctx.kernels.paged_attention_decode import (
     paged_attention_decode_configs,
@@ -227,7 +227,7 @@ def test_default_configs_are_in_search_space():
 
 @pytest.mark.parametrize("name", ["paged_attention_decode", "paged_attention_varlen"])
 def test_tune_cases_check_at_scaled_down_presets(name):
-    tuning = _autotune.get_tuning(name)
+    tuning = autotune.get_tuning(name)
     keys = []
     for key in tuning.presets():
         small = scaled_down_key(key)

@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dynctx.kernels import _autotune, _registry
-from dynctx.kernels._backend import HAS_TRITON, triton_interpreting
+from dynctx.kernels import autotune, registry
+from dynctx.kernels.backend import HAS_TRITON, triton_interpreting
 
 pytestmark = [
     pytest.mark.build,
@@ -22,7 +22,7 @@ pytestmark = [
                        reason="needs triton, compiled (TRITON_INTERPRET unset)"),
 ]
 
-_registry.import_kernel_modules(quiet=True)
+registry.import_kernel_modules(quiet=True)
 
 COUNTS = (1, 2, 5, 16, 33)
 # Keys per request: the paged-attention cases size their block table (blocks of 256) from it,
@@ -39,11 +39,11 @@ def builds_per_kernel(stub) -> dict[str, int]:
     return builds
 
 
-@pytest.mark.parametrize("name", sorted(_autotune.registered()))
+@pytest.mark.parametrize("name", sorted(autotune.registered()))
 def test_changing_counts_compile_each_kernel_once(name):
     from dynctx.kernels.stub_driver import stub_driver
 
-    tuning = _autotune.get_tuning(name)
+    tuning = autotune.get_tuning(name)
     base = tuning.presets()[0]
     config = tuning.default_config(base)
     # A varlen step of one token is a decode step (it runs the decode kernel).

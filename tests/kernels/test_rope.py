@@ -22,8 +22,8 @@ import torch
 from kernel_test_utils import assert_only_views_written, assert_rotated_heads, preset_configs
 from tolerances import assert_rope_close
 
-from dynctx.kernels import _autotune
-from dynctx.kernels._backend import triton_interpreting
+from dynctx.kernels import autotune
+from dynctx.kernels.backend import triton_interpreting
 from dynctx.kernels.rope import (
     cos_sin_cache_from_freqs,
     fused_qk_rope,
@@ -186,7 +186,7 @@ def test_every_config(config):
 
 
 def test_defaults_lie_in_search_space():
-    tuning = _autotune.get_tuning("fused_qk_rope")
+    tuning = autotune.get_tuning("fused_qk_rope")
     keys = tuning.presets() + [
         rope.fused_qk_rope_tune_key(num_tokens=n, num_q_heads=hq, num_k_heads=hk, head_dim=d,
                                     rot_dim=r, layout="gptj", table="cos_sin", dtype=torch.float16)

@@ -25,8 +25,8 @@ from kernel_test_utils import (
 )
 from tolerances import assert_rope_close
 
-from dynctx.kernels import _autotune
-from dynctx.kernels._backend import triton_interpreting
+from dynctx.kernels import autotune
+from dynctx.kernels.backend import triton_interpreting
 from dynctx.kernels.rope import LAYOUTS, TABLES, fused_qk_rope, make_rope_tables
 from dynctx.kernels.rope_kv_append import rope_kv_append, rope_kv_append_ref
 
@@ -194,7 +194,7 @@ def test_every_config(config):
 
 
 def test_defaults_lie_in_search_space():
-    tuning = _autotune.get_tuning("rope_kv_append")
+    tuning = autotune.get_tuning("rope_kv_append")
     keys = tuning.presets() + [
         tuning.tune_key(num_tokens=n, num_q_heads=hq, num_k_heads=hk, head_dim=d, rot_dim=r,
                         layout="neox", table="freqs", dtype="float16")

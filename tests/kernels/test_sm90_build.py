@@ -21,8 +21,8 @@ import pytest
 import sm90_builds
 import torch
 
-from dynctx.kernels import _autotune, _registry
-from dynctx.kernels._backend import HAS_TRITON, triton_interpreting
+from dynctx.kernels import autotune, registry
+from dynctx.kernels.backend import HAS_TRITON, triton_interpreting
 
 pytestmark = [
     pytest.mark.build,
@@ -30,9 +30,9 @@ pytestmark = [
                        reason="needs triton, compiled (TRITON_INTERPRET unset)"),
 ]
 
-_registry.import_kernel_modules(quiet=True)
-TUNINGS = sorted(_autotune.registered())
-COMMITTED = sorted(str(p) for p in _autotune.PACKAGED_DIR.glob("*/*.json"))
+registry.import_kernel_modules(quiet=True)
+TUNINGS = sorted(autotune.registered())
+COMMITTED = sorted(str(p) for p in autotune.PACKAGED_DIR.glob("*/*.json"))
 JOBS = [("tuning", name) for name in TUNINGS] + [("file", path) for path in COMMITTED]
 
 
@@ -65,7 +65,7 @@ def test_merge_of_2048_splits_builds_without_spill():
     query = torch.empty(1, heads, dim, dtype=torch.bfloat16)
     table = torch.arange(keys // block_size, dtype=torch.int32)[None]
     lengths = torch.tensor([keys], dtype=torch.int32)
-    config = _autotune.KernelConfig.make(BLOCK_N=64, SPLIT_TOKENS=128, num_warps=4)
+    config = autotune.KernelConfig.make(BLOCK_N=64, SPLIT_TOKENS=128, num_warps=4)
     with stub_driver() as stub:
         paged_attention(query, cache, cache, torch.tensor([0, 1], dtype=torch.int32), lengths,
                         table, max_seqlen_q=1, max_seqlen_k=keys, config=config,

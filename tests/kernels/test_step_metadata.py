@@ -10,7 +10,7 @@ import pytest
 import torch
 from kernel_test_utils import DEVICE, POISONS, assert_raises_naming, check_tune_case, poisoned
 
-from dynctx.kernels import _autotune
+from dynctx.kernels import autotune
 from dynctx.kernels.step_metadata import (
     TOKEN_OUTPUTS,
     scaled_down_key,
@@ -178,7 +178,7 @@ def test_default_config_is_in_search_space():
 
 
 def test_tune_cases_check_at_scaled_down_presets():
-    tuning = _autotune.get_tuning("step_metadata")
+    tuning = autotune.get_tuning("step_metadata")
     for key in tuning.presets():
         check_tune_case(tuning, scaled_down_key(key))
 

@@ -1,6 +1,6 @@
 """The kernel registry: which modules declare kernels, in what order, and how to pick them.
 
-Importing ``dynctx.kernels.<module>`` registers its ``KernelTuning`` with ``_autotune.register``;
+Importing ``dynctx.kernels.<module>`` registers its ``KernelTuning`` with ``autotune.register``;
 this module lists those modules and selects among their tunings. The autotune command line
 (``python -m dynctx autotune``), ``bench/`` and the tests read it from here, so that none of them
 needs the other (``bench/`` does not import the command line).
@@ -11,8 +11,8 @@ from __future__ import annotations
 import importlib
 import sys
 
-from . import _autotune
-from ._autotune import KernelTuning
+from . import autotune
+from .autotune import KernelTuning
 
 # Kernel modules in tuning order. `--preset` picks groups of modules: "llama" is the attention
 # path every model shares, "mla" and "mamba" the kernels only those models add.
@@ -53,7 +53,7 @@ def module_of(tuning: KernelTuning) -> str:
 
 def select_tunings(kernels: list[str] | None, preset: str = "all") -> list[KernelTuning]:
     """Registered tunings in ``KERNEL_MODULES`` order, filtered by name and preset group."""
-    tunings = _autotune.registered()
+    tunings = autotune.registered()
     modules = KERNEL_MODULES if preset == "all" else PRESET_MODULES[preset]
     rank = {m: i for i, m in enumerate(KERNEL_MODULES)}
     chosen = [t for t in tunings.values()

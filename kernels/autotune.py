@@ -35,7 +35,7 @@ from typing import Any, Callable
 
 import torch
 
-from ._backend import triton_interpreting
+from .backend import triton_interpreting
 
 logger = logging.getLogger("dynctx.autotune")
 
