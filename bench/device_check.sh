@@ -158,7 +158,7 @@ section_smoke() {
 pytest_section() {
     local name=$1 seconds=$2 workers=$3 markers=$4
     shift 4
-    local opts=(-v -p no:cacheprovider -rfE --durations=10 -m "$markers")
+    local opts=(-v -p no:cacheprovider -rfEs --durations=10 -m "$markers")
     if have_module xdist && (( workers > 1 )); then
         opts+=(-n "$workers" --dist loadfile)
     fi
@@ -170,7 +170,9 @@ pytest_section() {
         opts+=(--timeout "$per_test")
     fi
     echo "=== section $name: pytest ${opts[*]} $* ===" >>"$TESTS_LOG"
-    "$PY" -P -m pytest "${opts[@]}" "$@" >>"$TESTS_LOG" 2>&1
+    # Skips are expected here (no megatron-core on the GPU image; the CUDA cases of a dry run on a
+    # CPU), and -rfEs lists them: the CI rule that fails a skip (tests/conftest.py) stays off.
+    DYNCTX_STRICT_SKIPS=0 "$PY" -P -m pytest "${opts[@]}" "$@" >>"$TESTS_LOG" 2>&1
 }
 
 section_kernels() {
