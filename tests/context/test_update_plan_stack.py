@@ -1,4 +1,4 @@
-"""The update plan's simulation of the block allocator (``update_plan._StackSim``, and
+"""The update plan's simulation of the block allocator (``block_allocator.StackSimulation``, and
 ``AllocatorSimulation`` for the "lru" prefix caching policy): a plan decides on the stack as it
 would be after its own releases and allocations, without touching the allocator, and the
 commit then replays them. Any sequence of releases (of blocks held when the plan starts, each
@@ -10,8 +10,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dynctx.context.block_allocator import AllocatorSimulation, BlockAllocator
-from dynctx.context.update_plan import _StackSim
+from dynctx.context.block_allocator import AllocatorSimulation, BlockAllocator, StackSimulation
 
 TOTAL, PAUSED = 14, 2
 
@@ -40,7 +39,7 @@ operation = st.one_of(st.tuples(st.just("allocate"), st.integers(0, 5)),
 def test_the_simulation_gives_what_the_allocator_gives(held_counts, extra_refs, ops, lru):
     allocator, held = start(held_counts, extra_refs)
     before = (allocator.block_bag.copy(), allocator.ref_counts.copy(), allocator.total_avail)
-    sim = AllocatorSimulation(allocator) if lru else _StackSim(allocator)
+    sim = AllocatorSimulation(allocator) if lru else StackSimulation(allocator)
     real = allocator.clone()
     for kind, arg in ops:
         if kind == "allocate":
