@@ -77,8 +77,9 @@ def test_context_edge_checks_take_tensors_made_on_its_gpu(fake_cuda):
 def test_engine_from_transformers_stores_an_indexed_device(fake_cuda, monkeypatch):
     """``Engine.from_transformers(device="cuda")`` hands its adapter (and so its context) the
     indexed device."""
-    transformers = pytest.importorskip("transformers")
-    from dynctx.engine import engine as engine_module
+    import transformers
+
+    from dynctx.engine import Engine, build
 
     hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
@@ -92,8 +93,7 @@ def test_engine_from_transformers_stores_an_indexed_device(fake_cuda, monkeypatc
         seen.append(device)
         raise Stop
 
-    monkeypatch.setattr(engine_module, "_transformers_adapters",
-                        lambda: {"LlamaForCausalLM": adapter})
+    monkeypatch.setattr(build, "transformers_adapters", lambda: {"LlamaForCausalLM": adapter})
     with pytest.raises(Stop):
-        engine_module.Engine.from_transformers(hf, device="cuda", buffer_size_gb=0.001)
+        Engine.from_transformers(hf, device="cuda", buffer_size_gb=0.001)
     assert seen == [torch.device("cuda", 0)]

@@ -5,7 +5,7 @@ limit, and changes nothing."""
 
 import pytest
 import torch
-from helpers import BLOCK, GIB, add, make_ctx, request, step
+from helpers import BLOCK, GIB, add, context_args, make_ctx, request, step
 
 from dynctx.context import DynamicInferenceContext, sizing
 from dynctx.context.device_state import DeviceState
@@ -56,7 +56,7 @@ def test_no_request_can_run_names_the_argument_and_how_much(buffer_blocks, pause
                  paused_buffer_size_gb=(None if paused_blocks is None
                                         else paused_blocks * BLOCK / GIB))
     with pytest.warns(UserWarning, match="no request can run"):  # the constructor foresees it
-        ctx = make_ctx(**sizes)
+        ctx = DynamicInferenceContext(**context_args(**sizes))
     with pytest.raises(RuntimeError, match=r"no request can run: .*: request 1 needs \d+ blocks "
                                            r"of the active budget .*, 13 to reach its 51 tokens: "
                                            r"raise buffer_size_gb to at least ") as caught:
