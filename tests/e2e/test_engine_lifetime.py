@@ -58,9 +58,6 @@ def test_the_engine_and_its_parts_die_with_the_last_reference(no_gc, async_sched
     assert context() is None and kv_buffer() is None
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "the context's own cycle: the block allocator's usage lambdas close over the context "
-    "(context/dynamic_context.py), which branch ctxparts removes; drop this mark then"))
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_the_context_and_its_kv_buffer_die_with_the_engine(no_gc, async_scheduling):
     engine = run_engine(tiny_llama(seed=2), async_scheduling)
