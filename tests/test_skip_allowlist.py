@@ -4,14 +4,20 @@ fails the run; an allowlisted reason and an xfail stay as they are."""
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
-import conftest
 import pytest
 
 pytest_plugins = ["pytester"]
 
-CONFTEST = (Path(__file__).parent / "conftest.py").read_text()
+CONFTEST_PATH = Path(__file__).parent / "conftest.py"
+CONFTEST = CONFTEST_PATH.read_text()
+# By path: several test folders have a conftest.py, and the module named ``conftest`` is
+# whichever pytest imported last.
+_spec = importlib.util.spec_from_file_location("dynctx_tests_conftest", CONFTEST_PATH)
+conftest = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(conftest)
 TESTS = '''
 import pytest
 
