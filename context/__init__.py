@@ -24,6 +24,7 @@ from .errors import (
     get_mem_size_str,
 )
 from .inference_request import compute_block_hashes_batched
+from .megatron019 import MAX_INTERMEDIATE_OFFSETS_PER_REQUEST, ConfigAssertionError
 from .prefix_cache import PrefixCachingEvictionPolicy
 from .requests import DEFAULT_METADATA_TYPES, DynamicInferenceRequest, SamplingParams
 
@@ -41,3 +42,5 @@ __all__ += [
     "AsyncScheduleMode", "CudaGraphSizingDistribution", "InferenceConfig",
     "KVCacheManagementMode", "PrefixCachingCoordinatorPolicy", "compute_block_hashes_batched",
 ]
+# Megatron-Core 0.19's constructor (context/megatron019.py).
+__all__ += ["ConfigAssertionError", "MAX_INTERMEDIATE_OFFSETS_PER_REQUEST"]

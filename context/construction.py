@@ -88,8 +88,8 @@ def settle(*, agreement: CountAgreement, groups: ParallelGroups, default_max_tok
            metrics_writer: Any, request_metadata_types: Any, device: Any,
            kernel_backend: Optional[str], fused_rope_kv_append: bool,
            vocab_size: Optional[int], validate: bool, enable_prefix_caching: Any,
-           prefix_caching_eviction_policy: Any, prefix_caching_mamba_gb: Any
-           ) -> ContextSettings:
+           prefix_caching_eviction_policy: Any, prefix_caching_mamba_gb: Any,
+           block_counts: Optional[Tuple[int, int]] = None) -> ContextSettings:
     """Check and settle ``DynamicInferenceContext``'s arguments (``agreement``, ``groups``: the
     ranks' agreement and the parallel groups, from ``parallel.parallel_groups``;
     ``default_max_tokens``, ``request_rounder``: the class's).
@@ -151,6 +151,8 @@ def settle(*, agreement: CountAgreement, groups: ParallelGroups, default_max_tok
         enable_prefix_caching, prefix_caching_eviction_policy ("ref_zero" or "lru"),
             prefix_caching_mamba_gb: prefix caching, off by default (docs/SEMANTICS.md §17).
         The options of ``compat.OPTIONS`` are Megatron-Core's and raise or warn as listed there.
+    ``block_counts``: this rank's ``(blocks, paused blocks)`` as Megatron-Core 0.19's form
+    derives them (``megatron019.constructor_arguments``), instead of the buffer's division.
     """
     args = check_scalars(
         params_dtype=params_dtype, num_layers=num_layers, kv_channels=kv_channels,
@@ -198,7 +200,8 @@ def settle(*, agreement: CountAgreement, groups: ParallelGroups, default_max_tok
         buffer_size_gb=buffer_size_gb, paused_buffer_size_gb=paused_buffer_size_gb,
         max_requests=max_requests, max_tokens=max_tokens, default_max_tokens=default_max_tokens,
         max_sequence_length=args["max_sequence_length"], tp=tp,
-        request_rounder=request_rounder, reduce_counts=agreement if groups.groups else None)
+        request_rounder=request_rounder, reduce_counts=agreement if groups.groups else None,
+        block_counts=block_counts)
     # CUDA graph batch dimensions: Megatron's ladder (context/graph_ladder.py).
     ladder = context_cuda_graph_ladder(
         num_cuda_graphs=num_cuda_graphs, max_requests=memory.max_requests,

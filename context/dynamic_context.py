@@ -14,10 +14,9 @@ import logging
 import warnings
 from typing import Any, List, Optional, Sequence, Tuple
 
-import numpy as np
 import torch
 
-from . import admission, compat
+from . import admission, compat, megatron019
 from ._fields import (  # noqa: F401 (re-exported: FIELD_* are imported from here)
     FIELD_BLOCKS,
     FIELD_IDS,
@@ -31,6 +30,7 @@ from ._fields import (  # noqa: F401 (re-exported: FIELD_* are imported from her
 from .batch_dimensions import InferenceBatchDimensions, MambaInferenceStateConfig
 from .construction import build_parts, from_config, settle
 from .errors import get_mem_size_str
+from .facade import _Part, _row_field, _step_tensor, _table_count
 from .forward_pass import EMPTY_IDS, ForwardPass
 from .inputs import check_new_tokens, read_mask
 from .parallel import CountAgreement, joins_agreement_on_failure, parallel_groups
@@ -41,65 +41,14 @@ from .step_builder import REQUEST_ROUNDER, TOKEN_ROUNDER, rounded
 logger = logging.getLogger("dynctx.context")
 
 
-class _Part:
-    """A Megatron method whose whole work is ``function`` on one part: ``ctx.<name>`` is
-    ``function`` bound to ``ctx.<part>`` (a method of the part, or a function of the part's
-    module taking it first), so ``help`` and ``inspect`` show the function's docstring and
-    signature, and a call costs what a call of the part's method does."""
-
-    def __init__(self, part: str, function: Any):
-        self.part, self.function, self.__doc__ = part, function, function.__doc__
-
-    def __get__(self, ctx: Any, owner: Any = None) -> Any:
-        if ctx is None:
-            return self.function
-        return self.function.__get__(getattr(ctx, self.part))
-
-
-def _table_count(field: str, limit: str, doc: str) -> property:
-    """A count of the request table, settable by hand as Megatron-Core code sets its attributes
-    (its tests build states that way); ``limit`` names the context attribute bounding it."""
-
-    def set(self, value: int) -> None:
-        name = doc.split(":")[0]
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-            raise TypeError(f"{name}={value!r} must be an int")
-        high = getattr(self, limit)
-        if not 0 <= value <= high:
-            raise ValueError(f"{name}={value} must lie in [0, {limit}={high}]")
-        setattr(self._table, field, int(value))
-        # A state written by hand is the caller's: update_requests takes it as forwarded.
-        self._hand_written = True
-
-    return property(lambda self: getattr(self._table, field), set, doc=doc)
-
-
-def _step_tensor(name: str) -> property:
-    """A per-token array of the step (``DeviceState``; None while suspended). Read before
-    ``initialize_attention_state`` of this step, it builds the step first (Megatron-Core fills
-    these arrays in ``add_request``/``update_requests``); after it, one check and no work."""
-
-    def get(self):
-        device = self._device
-        if self._step is None and device.allocated:
-            self._materialize_step()
-        return getattr(device, name)
-
-    return property(get, doc=f"{name}: per-token array of the step, [max_tokens]")
-
-
-def _row_field(field: int, doc: str) -> property:
-    """One per-request field, int32 ``[max_requests]`` (``DeviceState.field_view``: a host
-    view on a CPU device, the device mirror on CUDA)."""
-    return property(lambda self: self._device.field_view(self._table, field), doc=doc)
-
-
 class DynamicInferenceContext:
     """Paged KV cache plus in-flight batching bookkeeping (Megatron-Core's API).
 
-    Its keyword arguments are Megatron-Core's, plus ``device``, ``kernel_backend``,
-    ``fused_rope_kv_append``, ``vocab_size``, ``validate`` and the prefix caching options;
-    ``construction.settle`` documents each one, docs/SEMANTICS.md §2 the construction.
+    Megatron-Core 0.19's form ``DynamicInferenceContext(model_config, inference_config)``
+    (``megatron019.constructor_arguments``), or 0.16's keywords: Megatron-Core's plus
+    ``device``, ``kernel_backend``, ``fused_rope_kv_append``, ``vocab_size``, ``validate`` and
+    the prefix caching options; ``construction.settle`` documents each one, docs/SEMANTICS.md
+    §2 the construction (§16: 0.19's form).
     """
 
     DEFAULT_MAX_TOKENS = 16384
@@ -108,8 +57,10 @@ class DynamicInferenceContext:
 
     @joins_agreement_on_failure
     def __init__(
-        self, *, params_dtype: torch.dtype, num_layers: int, kv_channels: int,
-        num_attention_heads: int, max_sequence_length: int, buffer_size_gb: float,
+        self, model_config: Any = None, inference_config: Any = None, *,
+        params_dtype: Optional[torch.dtype] = None, num_layers: Optional[int] = None,
+        kv_channels: Optional[int] = None, num_attention_heads: Optional[int] = None,
+        max_sequence_length: Optional[int] = None, buffer_size_gb: Optional[float] = None,
         paused_buffer_size_gb: Optional[float] = None, max_requests: Optional[int] = None,
         max_tokens: int = DEFAULT_MAX_TOKENS, block_size_tokens: int = 256,
         tensor_model_parallel_size: Optional[int] = None,
@@ -134,6 +85,11 @@ class DynamicInferenceContext:
     ):
         arguments = dict(locals())  # every argument, as given or defaulted
         del arguments["self"]
+        # Megatron-Core 0.19's form (model_config, inference_config) as the 0.16 keywords.
+        form = megatron019.constructor_arguments(
+            arguments, DynamicInferenceContext.__init__, request_rounder=self.REQUEST_ROUNDER,
+            default_max_tokens=self.DEFAULT_MAX_TOKENS)
+        arguments = form.keywords
         # Everything is validated before anything is allocated.
         compat.check_options({name: arguments.pop(name) for name in compat.REFUSED},
                              stacklevel=4)
@@ -144,7 +100,8 @@ class DynamicInferenceContext:
         self._agreement = CountAgreement(groups.groups)
         settings = settle(agreement=self._agreement, groups=groups,
                           default_max_tokens=self.DEFAULT_MAX_TOKENS,
-                          request_rounder=self.REQUEST_ROUNDER, **arguments)
+                          request_rounder=self.REQUEST_ROUNDER,
+                          block_counts=form.block_counts, **arguments)
         # Megatron-Core's plain attributes (the device, the sizes, the layer layout, the flags).
         self.__dict__.update(settings.attributes)
         self._layers, self._request_rows = settings.layers, settings.memory.max_requests
@@ -152,8 +109,10 @@ class DynamicInferenceContext:
         self._table, self._device, self._kv, self._steps, self._forward, self._mamba = parts[:6]
         self.mamba_metadata = parts.mamba_metadata
         self.block_allocator, self.prefix_cache = self._table.allocator, self._table.prefix_cache
+        self.kv_block_allocator = self.block_allocator  # Megatron-Core 0.19's name, the same one
         self.is_symmetric_memory_initialized = False
         self._step = None
+        form.finish(self)
         self.allocate_all_tensors(is_init=True)
         active = self.block_allocator.active_count
         logger.info("allocated context with active buffer size %s (%d blocks)",
@@ -464,6 +423,10 @@ class DynamicInferenceContext:
         return False
 
     def is_decode_only(self) -> bool:
+        """Whether this step runs decode requests only: of the padded step under a CUDA graph
+        (Megatron-Core 0.19), else of the real one."""
+        if self._using_cuda_graph_this_step:
+            return self.padded_batch_dimensions.prefill_req_count == 0
         return self.num_prefill_requests == 0
 
     def using_cuda_graph_this_step(self) -> bool:

@@ -12,7 +12,7 @@ import math
 import os
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Tuple
 
 import numpy as np
 import torch
@@ -190,15 +190,17 @@ def memory_layout(*, layers: LayerLayout, params_dtype: torch.dtype, block_size_
                   buffer_size_gb: float, paused_buffer_size_gb: Optional[float],
                   max_requests: Optional[int], max_tokens: Optional[int], default_max_tokens: int,
                   max_sequence_length: int, tp: int, request_rounder: int,
-                  reduce_counts: Optional[Callable[[list, dict], list]] = None
-                  ) -> MemoryLayout:
+                  reduce_counts: Optional[Callable[[list, dict], list]] = None,
+                  block_counts: Optional[Tuple[int, int]] = None) -> MemoryLayout:
     """The block, request, token and block-table counts of the constructor's arguments.
 
     ``reduce_counts(counts, same)`` (tensor or pipeline parallelism) maps this rank's
     ``[block count, paused block count]`` to the ones every rank uses (the minimum over the
     tensor and pipeline groups; Megatron-Core reduces the block count over the pipeline), and
     checks that the values of ``same`` (the explicit ``max_requests``, ``max_tokens``, ...) are
-    equal on every rank, so that all ranks allocate, pause and evict alike."""
+    equal on every rank, so that all ranks allocate, pause and evict alike. ``block_counts``
+    ``(blocks, paused blocks)``: this rank's counts as a caller derived them (Megatron-Core
+    0.19's form: ``context/megatron019.py``), instead of the buffer sizes' division."""
     itemsize = torch.empty((), dtype=params_dtype).element_size()
     kv_reduced_dim = None
     if cache_mla_latent:
@@ -217,6 +219,8 @@ def memory_layout(*, layers: LayerLayout, params_dtype: torch.dtype, block_size_
     block_count = buffer_bytes // bytes_per_block
     paused_count = (None if paused_buffer_size_gb is None
                     else int(paused_buffer_size_gb * GIB) // bytes_per_block)
+    if block_counts is not None:
+        block_count, paused_count = block_counts
     if reduce_counts is not None:
         same = dict(max_requests=-1 if max_requests is None else max_requests,
                     max_tokens=max_tokens or default_max_tokens,

@@ -112,8 +112,6 @@ GAPS: Dict[str, str] = {
                         "KVBlockAllocator",
     "ContextGPUView": "megatron/core/inference/contexts/gpu_view.py, class ContextGPUView",
     "TorchSampling": "megatron/core/inference/sampling/torch_sampling.py, class TorchSampling",
-    "MAX_INTERMEDIATE_OFFSETS_PER_REQUEST": "megatron/core/inference/contexts/"
-                                            "mamba_slot_allocator.py, module constant",
 }
 
 
@@ -160,6 +158,7 @@ def _dynctx_names() -> Dict[str, Any]:
             "PrefixCachingCoordinatorPolicy",
             "DynamicInferenceContext", "RequestOverflowError", "TokenOverflowError",
             "DynamicInferenceRequest", "compute_block_hashes_batched", "SamplingParams",
+            "MAX_INTERMEDIATE_OFFSETS_PER_REQUEST",
         )
     }
     import warnings
