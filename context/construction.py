@@ -282,10 +282,11 @@ class ContextParts(NamedTuple):
         self.forward.reset_attention_state()
         self.forward.step = self.steps.prepared = None
 
-    def reset(self) -> None:
-        """Every row, block and slot free; the step forgotten (the KV bytes are kept)."""
+    def reset(self, keep_cache: bool = False) -> None:
+        """Every row, block and slot free; the step forgotten (the KV bytes are kept);
+        ``keep_cache``: the allocator and the prefix cache kept (``RequestTable.reset``)."""
         self.steps.prepared = None
-        self.table.reset()
+        self.table.reset(keep_cache)
         self.device.reset()
         self.forward.reset_attention_state()
         self.forward.step = None

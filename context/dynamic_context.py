@@ -30,7 +30,7 @@ from ._fields import (  # noqa: F401 (re-exported: FIELD_* are imported from her
 from .batch_dimensions import InferenceBatchDimensions, MambaInferenceStateConfig
 from .construction import build_parts, from_config, settle
 from .errors import get_mem_size_str
-from .facade import _Part, _row_field, _step_tensor, _table_count
+from .facade import _Part, _prefix_stat, _row_field, _step_tensor, _table_count
 from .forward_pass import EMPTY_IDS, ForwardPass
 from .inputs import check_new_tokens, read_mask
 from .parallel import CountAgreement, joins_agreement_on_failure, parallel_groups
@@ -144,15 +144,34 @@ class DynamicInferenceContext:
     def _check_allocated(self, request_id: Optional[int] = None) -> None:
         self._device.check_allocated(request_id)
 
-    def reset(self) -> None:
-        """Empty the context: counters, bookkeeping and blocks (the KV buffer keeps its bytes)."""
+    def reset(self, preserve_prefix_cache: bool = False, *,
+              preserve_counters: bool = False) -> None:
+        """Empty the context: counters, bookkeeping and blocks (the KV buffer keeps its bytes).
+        Megatron-Core 0.19's options: ``preserve_prefix_cache`` keeps the cached blocks (with
+        prefix caching on; no row may hold a block but the dummy one, else ``RuntimeError``
+        and nothing changes), ``preserve_counters`` keeps ``step_count``,
+        ``prefix_cache_lru_clock``, ``lifetime_prefill_token_count`` and the async counters."""
         self._check_allocated()
+        keep = bool(preserve_prefix_cache) and self.enable_prefix_caching
+        if keep and self._table.holds_blocks():
+            raise RuntimeError("reset(preserve_prefix_cache=True) needs every request released "
+                               "first (only dummy requests may remain): dynctx releases blocks "
+                               "through update_requests, not in reset")
         self.has_explicit_chunked_prefill_req = self._hand_written = False
         self._step = None
         self._set_step_counts(None)
         self.newly_paused_request_ids = self.evicted_request_ids = EMPTY_IDS
         self.max_length_finished_request_ids = EMPTY_IDS
-        self._parts.reset()
+        self._parts.reset(keep)
+        if not preserve_counters:  # Megatron-Core 0.19's counters (the engine's to advance)
+            self.step_count = self.prefix_cache_lru_clock = self.lifetime_prefill_token_count = 0
+            self.async_sched_step_count = self.async_sched_compaction_step_count = 0
+
+    # Megatron-Core 0.19's prefix-cache counters: views of the prefix cache's statistics.
+    prefix_cache_hits = _prefix_stat("prefix_cache_hits")
+    prefix_cache_blocks_matched = _prefix_stat("prefix_cache_blocks_matched")
+    prefix_cache_prefill_computed_tokens = _prefix_stat("prefix_cache_prefill_computed_tokens")
+    prefix_cache_prefill_skipped_tokens = _prefix_stat("prefix_cache_prefill_skipped_tokens")
 
     def maybe_initialize_symmetric_memory(self) -> None:
         """Megatron-Core sets up a global symmetric-memory buffer for the model's all-reduce
@@ -181,17 +200,25 @@ class DynamicInferenceContext:
     from_config = classmethod(from_config)
 
     # ------------------------------------------------------------------ admission
-    def add_request(self, req: DynamicInferenceRequest, chunk_length: Optional[int] = None) -> None:
+    def add_request(self, req: DynamicInferenceRequest,
+                    prefill_chunk_length: Optional[int] = None, *,
+                    chunk_length: Optional[int] = None) -> None:
         """Add a request (or the next chunk of the chunked prefill request): every check first
         (``admission.plan_add``), then the host rows; the device sees them at the next
         ``initialize_attention_state``. The caller advances ``req.remaining_prompt_tokens``
-        and ``req.finished_chunk_token_count``."""
+        and ``req.finished_chunk_token_count``. The chunk's length is ``prefill_chunk_length``
+        (0.19's name) or ``chunk_length`` (0.16's), not both."""
         self._check_allocated(getattr(req, "request_id", None))
+        if prefill_chunk_length is not None and chunk_length is not None:
+            raise TypeError(f"add_request() takes prefill_chunk_length={prefill_chunk_length} "
+                            f"or chunk_length={chunk_length} (the same argument), not both")
+        chunk_length = prefill_chunk_length if chunk_length is None else chunk_length
         plan = self._table.plan_add(req, chunk_length,
                                     max_sequence_length=self.max_sequence_length,
                                     metadata_types=self.request_metadata_types,
                                     device=self.device, vocab_size=self.vocab_size)
         self._table.commit_add(plan)
+        self.lifetime_prefill_token_count += plan.chunk
         self._device.arena.dirty = True
         self._step = None
 
@@ -224,6 +251,13 @@ class DynamicInferenceContext:
                                            max_sequence_length=self.max_sequence_length)
         self.add_dummy_requests_parallel(decode, count_as_prefill=False)
         self.add_dummy_requests_parallel(prefill)
+
+    def add_dummy_requests_for_expert_parallel_step(
+            self, graph_dimensions: InferenceBatchDimensions) -> None:
+        """Megatron-Core 0.19's fast path for an expert-parallel rank without requests: the
+        state ``add_dummy_requests_for_cudagraph_capture`` leaves, which here is already one
+        batched admission (no per-request work to skip)."""
+        self.add_dummy_requests_for_cudagraph_capture(graph_dimensions)
 
     # Queries of the request table (admission's, the table's own).
     check_availability = _Part("_table", admission.check_availability)

@@ -68,3 +68,25 @@ def _row_field(field: int, doc: str) -> property:
     """One per-request field, int32 ``[max_requests]`` (``DeviceState.field_view``: a host
     view on a CPU device, the device mirror on CUDA)."""
     return property(lambda self: self._device.field_view(self._table, field), doc=doc)
+
+
+def _prefix_stat(name: str) -> property:
+    """One of Megatron-Core 0.19's prefix-cache counters: a view of the prefix cache's
+    statistics (``PrefixCacheStats``), settable as 0.19's engine drains them; 0 without prefix
+    caching, where a write is kept on the context."""
+
+    def get(self) -> int:
+        cache = self.__dict__.get("prefix_cache")
+        return getattr(cache.stats, name) if cache is not None else self.__dict__.get(
+            f"_bare_{name}", 0)
+
+    def set(self, value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+            raise ValueError(f"{name}={value!r} must be an int >= 0")
+        cache = self.__dict__.get("prefix_cache")
+        if cache is None:
+            self.__dict__[f"_bare_{name}"] = int(value)
+        else:
+            setattr(cache.stats, name, int(value))
+
+    return property(get, set, doc=f"{name}: Megatron-Core 0.19's prefix-cache counter")

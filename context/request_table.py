@@ -146,8 +146,10 @@ class RequestTable:
         # Prefix caching on hybrids: (slot, snapshot) copies before each build of the step.
         self.mamba_restores: list = []
 
-    def reset(self) -> None:
-        """Every row free, every block and slot free (the KV bytes are kept)."""
+    def reset(self, keep_cache: bool = False) -> None:
+        """Every row free, every block and slot free (the KV bytes are kept); ``keep_cache``:
+        the allocator and the prefix cache as they are (no row may hold a block then:
+        ``holds_blocks``)."""
         self._clear_counts()
         self.rows[:] = 0
         for field, value in _FIELD_RESET.items():
@@ -155,11 +157,17 @@ class RequestTable:
         for values in self.metadata.values():
             values[:] = 0
         self.block_table.fill(-1)
-        self.allocator.reset()
-        if self.prefix_cache is not None:
+        if not keep_cache:
+            self.allocator.reset()
+        if self.prefix_cache is not None and not keep_cache:
             self.prefix_cache.reset()
         if self.slots is not None:
             self.slots.reset()
+
+    def holds_blocks(self) -> bool:
+        """Whether a row in use holds a block other than the dummy block."""
+        held = self.block_table[:self.total]
+        return bool(((held != -1) & (held != self.allocator.dummy_block_idx)).any())
 
     def reset_slots(self) -> None:
         """Every Mamba slot free (no live request may hold one)."""

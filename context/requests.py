@@ -9,6 +9,8 @@ from typing import Any, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
+from .inference_request import compute_block_hashes_batched
+
 MetadataTypes = List[Tuple[str, torch.dtype, bool]]
 
 
@@ -143,6 +145,11 @@ class DynamicInferenceRequest:
     caller (the engine), not the context, advances them after each ``add_request``.
     ``prefix_caching_salt`` (None, str, bytes or int): requests share cached prompt blocks only
     with requests of the same salt (prefix caching, docs/SEMANTICS.md §17).
+    Megatron-Core 0.19's prefix-caching fields: with ``enable_prefix_caching`` and
+    ``block_size_tokens``, ``precomputed_block_hashes`` are 0.19's hashes of the prompt's full
+    blocks (``compute_block_hashes_batched``; kept when given); ``num_cached_tokens`` is 0.19's
+    count of prompt tokens served from the cache. dynctx's context matches on its own salted
+    digests (docs/SEMANTICS.md §16).
     """
 
     request_id: int
@@ -158,6 +165,10 @@ class DynamicInferenceRequest:
     status: Optional[str] = None
     events: List[Any] = field(default_factory=list)
     prefix_caching_salt: Optional[Any] = None
+    block_size_tokens: Optional[int] = None
+    enable_prefix_caching: bool = False
+    num_cached_tokens: int = 0
+    precomputed_block_hashes: List[int] = field(default_factory=list)
 
     def __post_init__(self):
         self.sampling_params = copy.deepcopy(self.sampling_params) or SamplingParams()
@@ -165,6 +176,10 @@ class DynamicInferenceRequest:
             self.prompt_tokens = _as_token_tensor(self.prompt_tokens, "prompt_tokens")
             if self.remaining_prompt_tokens is None:
                 self.remaining_prompt_tokens = self.prompt_tokens.clone()
+        if (self.enable_prefix_caching and self.block_size_tokens is not None
+                and self.prompt_tokens is not None and not self.precomputed_block_hashes):
+            self.precomputed_block_hashes = compute_block_hashes_batched(
+                self.prompt_tokens, self.block_size_tokens)
 
     @property
     def remaining_prompt_length(self) -> int:
@@ -200,4 +215,6 @@ class DynamicInferenceRequest:
             request_id=self.request_id,
             prompt_tokens=torch.cat([self.prompt_tokens.cpu(), generated]),
             sampling_params=params, prefix_caching_salt=self.prefix_caching_salt,
+            block_size_tokens=self.block_size_tokens,
+            enable_prefix_caching=self.enable_prefix_caching,
         )

@@ -194,3 +194,60 @@ def test_is_decode_only_follows_the_padded_step_under_a_cuda_graph(graph, prefil
     ctx.num_prefill_requests = prefill
     ctx.padded_batch_dimensions = SimpleNamespace(prefill_req_count=padded_prefill)
     assert ctx.is_decode_only() is expected
+
+
+def _lru_context_with_a_cached_prefix():
+    """Prefix caching ("lru", block 4): request 1 (9 tokens) forwarded and finished, so its
+    two full blocks are cached and idle."""
+    from helpers import add, make_ctx
+
+    from dynctx.context import DynamicInferenceRequest, SamplingParams
+
+    ctx = make_ctx(enable_prefix_caching=True, prefix_caching_eviction_policy="lru")
+    prompt = torch.tensor([5, 9, 13, 17, 21, 25, 29, 33, 37])
+
+    def request(rid):
+        return DynamicInferenceRequest(request_id=rid, prompt_tokens=prompt.clone(),
+                                       sampling_params=SamplingParams(num_tokens_to_generate=4))
+
+    add(ctx, request(1))
+    ctx.initialize_attention_state()
+    ctx.update_requests(torch.tensor([0]), torch.tensor([3]))
+    return ctx, request
+
+
+def test_reset_keeps_the_prefix_cache_and_the_counters_when_asked():
+    ctx, request = _lru_context_with_a_cached_prefix()
+    assert ctx.lifetime_prefill_token_count == 9 and ctx.prefix_cache_prefill_computed_tokens == 9
+    ctx.step_count, ctx.prefix_cache_lru_clock = 5, 7
+    ctx.reset(preserve_prefix_cache=True, preserve_counters=True)
+    assert (ctx.step_count, ctx.prefix_cache_lru_clock, ctx.lifetime_prefill_token_count) == \
+        (5, 7, 9)
+    ctx.add_request(request(2), prefill_chunk_length=9)
+    assert ctx.prefix_cache_hits == 1 and ctx.prefix_cache_blocks_matched == 2
+    assert ctx.prefix_cache_prefill_skipped_tokens == 8
+    assert ctx.lifetime_prefill_token_count == 10  # 9 + the one token not cached
+    ctx.prefix_cache_hits = 0  # 0.19's engine drains the counters by hand
+    assert ctx.get_prefix_cache_stats()["prefix_cache_hits"] == 0
+    ctx.reset()
+    assert (ctx.step_count, ctx.prefix_cache_lru_clock, ctx.lifetime_prefill_token_count) == \
+        (0, 0, 0)
+    ctx.add_request(request(3))
+    assert ctx.prefix_cache_blocks_matched == 2  # the plain reset forgot the cached blocks
+
+
+def test_expert_parallel_dummies_are_the_capture_dummies():
+    from helpers import make_ctx
+
+    from dynctx.context import InferenceBatchDimensions
+
+    dims = InferenceBatchDimensions(token_count=4, prefill_req_count=0, decode_req_count=4)
+    fast, slow = make_ctx(), make_ctx()
+    fast.add_dummy_requests_for_expert_parallel_step(dims)
+    slow.add_dummy_requests_for_cudagraph_capture(dims)
+    fast.initialize_attention_state()
+    slow.initialize_attention_state()
+    assert (fast.total_request_count, fast.active_token_count) == (4, 4)
+    for name in ("request_query_lengths", "request_kv_length_offsets", "request_to_kv_block_ids",
+                 "token_to_block_idx", "token_to_local_position_within_kv_block"):
+        assert torch.equal(getattr(fast, name), getattr(slow, name)), name

@@ -347,6 +347,13 @@ CASES = [
      lambda c: c.add_request(req(2, tokens=T9)), ValueError, "request_id=2", True),
     (f"{A}/prefix-caching-prompt-outside-vocab", s_cache_pending,
      lambda c: c.add_request(req(9, tokens=T9 + [VOCAB])), ValueError, "vocab", True),
+    # Megatron-Core 0.19's names: the chunk length under both names; reset keeping the cache
+    # while a request holds blocks (context/megatron019.py, docs/SEMANTICS.md §16).
+    (f"{A}/prefill_chunk_length-and-chunk_length", s_prefill,
+     lambda c: c.add_request(req(9), 2, chunk_length=2), TypeError, "not both", True),
+    ("reset/preserve_prefix_cache-with-held-blocks", s_cache_pending,
+     lambda c: c.reset(preserve_prefix_cache=True), RuntimeError, "preserve_prefix_cache",
+     True),
 ]
 
 
