@@ -8,6 +8,11 @@
   step, causal, in tiles of query tokens. In a mixed step the leading ``num_decode_requests``
   (the context puts decode requests first) still take the decode kernel.
 
+A layer may ask for a sliding ``window`` ``W`` (a query at position ``p`` sees the keys ``j``
+with ``p - j < W``, its own included; 0 for all, a runtime argument, so no build per ``W``),
+and per-head ``sinks`` (gpt-oss: one logit per query head that joins the softmax denominator
+and carries no value). Both kernels skip the key tiles wholly outside a window.
+
 Both walk keys with ``_attend_key_tile`` (``paged_attention_tile.py``) and read only the slots
 ``< kv_seq_lengths[i]`` of a request: block-table entries past them (``-1`` or stale) are never
 dereferenced, and stale or NaN bytes in the cache never reach an output. Scores, softmax and
@@ -59,8 +64,24 @@ def _check_index(name: str, tensor, dims: int, min_rows: int) -> None:
         raise ValueError(f"{name} must have a contiguous last dim, got strides {tensor.stride()}")
 
 
+def _check_window_and_sinks(window, sinks, query) -> None:
+    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+        raise ValueError(f"window={window!r} must be an int >= 0 (keys a query sees, its own "
+                         "included; 0 for all)")
+    if sinks is None:
+        return
+    num_q_heads = query.shape[1]
+    if not isinstance(sinks, torch.Tensor) or sinks.dim() != 1 or sinks.shape[0] != num_q_heads:
+        raise ValueError(f"sinks must be a [{num_q_heads}] tensor (one logit per query head), "
+                         f"got {_describe(sinks)}")
+    if sinks.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"sinks must be float32, float16 or bfloat16, got {sinks.dtype}")
+    if not same_device(sinks.device, query.device):
+        raise ValueError(f"sinks is on {sinks.device}, query on {query.device}")
+
+
 def _check_inputs(query, key_cache, value_cache, cu_query_lengths, kv_seq_lengths, block_table,
-                  num_requests, max_seqlen_q, max_seqlen_k, out) -> int:
+                  num_requests, max_seqlen_q, max_seqlen_k, out, window, sinks) -> int:
     """Validate the launcher's arguments (shapes, dtypes, devices, limits); return num_requests."""
     if not isinstance(query, torch.Tensor) or query.dim() != 3:
         raise ValueError(f"query must be [n, Hq, D], got {_describe(query)}")
@@ -114,6 +135,7 @@ def _check_inputs(query, key_cache, value_cache, cu_query_lengths, kv_seq_length
             raise ValueError(f"out is on {out.device}, query on {query.device}")
         if out.stride(-1) != 1:
             raise ValueError(f"out must have a contiguous last dim, got strides {out.stride()}")
+    _check_window_and_sinks(window, sinks, query)
     return num_requests
 
 
@@ -121,10 +143,12 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                     cu_query_lengths: torch.Tensor, kv_seq_lengths: torch.Tensor,
                     block_table: torch.Tensor, *, max_seqlen_q: int, max_seqlen_k: int,
                     softmax_scale: float | None = None, num_requests: int | None = None,
-                    num_decode_requests: int = 0, out: torch.Tensor | None = None,
+                    num_decode_requests: int = 0, window: int = 0,
+                    sinks: torch.Tensor | None = None, out: torch.Tensor | None = None,
                     config: KernelConfig | None = None, backend: str | None = None
                     ) -> torch.Tensor:
-    """Causal GQA attention of packed queries over a paged KV cache.
+    """Causal GQA attention of packed queries over a paged KV cache, optionally within a
+    sliding window and with per-head sinks.
 
     Args:
         query: ``[n, Hq, D]`` float32/float16/bfloat16, last dim contiguous; request ``i`` owns
@@ -145,13 +169,19 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
             puts decode requests first). In a step with longer queries they still run through
             the split-KV decode kernel, the rest through the varlen one. ``config`` then must be
             None (each kernel resolves its own).
+        window: a query at position ``p`` sees the keys at ``p - window < j <= p``; 0 (the
+            default) for every key up to ``p``. A host int fixed per layer: no build per value
+            and nothing read back, so a CUDA graph captures it.
+        sinks: optional ``[Hq]`` float logits, one per query head, that join the softmax
+            denominator (scaled scores and sinks share one softmax) and carry no value.
         out: optional ``[n, Hq, D]`` output in query's dtype, written in place for the
             requests' tokens only (padding rows keep their bytes).
 
     Returns ``[n, Hq, D]`` in query's dtype; padding rows are zero when the launcher allocates.
     """
     num_requests = _check_inputs(query, key_cache, value_cache, cu_query_lengths, kv_seq_lengths,
-                                 block_table, num_requests, max_seqlen_q, max_seqlen_k, out)
+                                 block_table, num_requests, max_seqlen_q, max_seqlen_k, out,
+                                 window, sinks)
     max_seqlen_q, max_seqlen_k = int(max_seqlen_q), int(max_seqlen_k)
     num_tokens, num_q_heads, head_dim = query.shape
     scale = head_dim ** -0.5 if softmax_scale is None else float(softmax_scale)
@@ -165,7 +195,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     if resolve_backend(backend, query.device) == "torch":
         result = paged_attention_ref(query, key_cache, value_cache, cu_query_lengths,
                                      kv_seq_lengths, block_table, softmax_scale=scale,
-                                     num_requests=num_requests)
+                                     num_requests=num_requests, window=window, sinks=sinks)
         if out is None:
             return result
         real = int(cu_query_lengths[num_requests])
@@ -177,7 +207,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         return out
     decode = num_requests if max_seqlen_q == 1 else num_decode_requests
     launch = dict(query=query, key_cache=key_cache, value_cache=value_cache, out=out,
-                  scale=scale, config=config)
+                  scale=scale, window=window, sinks=sinks, config=config)
     index = dict(cu_query_lengths=cu_query_lengths, kv_seq_lengths=kv_seq_lengths,
                  block_table=block_table)
     if decode:
@@ -193,9 +223,10 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
 def paged_attention_ref(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                         cu_query_lengths: torch.Tensor, kv_seq_lengths: torch.Tensor,
                         block_table: torch.Tensor, *, softmax_scale: float | None = None,
-                        num_requests: int | None = None) -> torch.Tensor:
+                        num_requests: int | None = None, window: int = 0,
+                        sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Torch reference of ``paged_attention``: one request at a time, fp32, GQA by repeating
-    K/V per query head; padding rows are zero."""
+    K/V per query head, the sinks as one more column of the softmax; padding rows are zero."""
     num_q_heads, head_dim = query.shape[1:]
     group = num_q_heads // key_cache.shape[2]
     block_size = key_cache.shape[1]
@@ -216,14 +247,22 @@ def paged_attention_ref(query: torch.Tensor, key_cache: torch.Tensor, value_cach
         scores = torch.einsum("qhd,khd->hqk", q, k) * scale
         query_positions = kv_len - q_len + torch.arange(q_len, device=query.device)
         causal = positions[None, :] <= query_positions[:, None]                 # [q, kv]
-        probs = scores.masked_fill(~causal, float("-inf")).softmax(dim=-1)
+        if window:
+            causal &= query_positions[:, None] - positions[None, :] < window
+        scores = scores.masked_fill(~causal, float("-inf"))
+        if sinks is None:
+            probs = scores.softmax(dim=-1)
+        else:
+            sink = sinks.float().view(-1, 1, 1).expand(-1, q_len, 1)            # [Hq, q, 1]
+            probs = torch.cat((scores, sink), dim=-1).softmax(dim=-1)[..., :-1]
         out[q_start:q_start + q_len] = torch.einsum("hqk,khd->qhd", probs, v)
     return out.to(query.dtype)
 
 
 class _AttentionCase(TuneCase):
     """Scratch paged cache for one key: ``decode`` requests of ``max_seqlen_k`` cached tokens
-    and one query each, or ``varlen`` prompts of at most 512 tokens filling ``num_tokens``.
+    and one query each, or ``varlen`` prompts of at most 512 tokens filling ``num_tokens``
+    (within the key's ``window``).
     Blocks of 256 tokens (Megatron's default), handed out in a shuffled order."""
 
     BLOCK_SIZE = 256
@@ -270,7 +309,8 @@ class _AttentionCase(TuneCase):
         return paged_attention(self.query, self.key_cache, self.value_cache,
                                self.cu_query_lengths, self.kv_seq_lengths, self.block_table,
                                max_seqlen_q=self.max_seqlen_q, max_seqlen_k=self.max_seqlen_k,
-                               out=out, config=config, backend=backend)
+                               window=self.key.get("window", 0), out=out, config=config,
+                               backend=backend)
 
     def run(self, config: KernelConfig) -> None:
         self._call(config, "triton", self.out)
@@ -314,14 +354,15 @@ def _paged_attention_op(query: torch.Tensor, key_cache: torch.Tensor, value_cach
                         cu_query_lengths: torch.Tensor, kv_seq_lengths: torch.Tensor,
                         block_table: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
                         softmax_scale: float, num_requests: int,
-                        num_decode_requests: int = 0) -> torch.Tensor:
+                        num_decode_requests: int = 0, window: int = 0,
+                        sinks: torch.Tensor | None = None) -> torch.Tensor:
     return paged_attention(query, key_cache, value_cache, cu_query_lengths, kv_seq_lengths,
                            block_table, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                            softmax_scale=softmax_scale, num_requests=num_requests,
-                           num_decode_requests=num_decode_requests)
+                           num_decode_requests=num_decode_requests, window=window, sinks=sinks)
 
 
 @_paged_attention_op.register_fake
 def _(query, key_cache, value_cache, cu_query_lengths, kv_seq_lengths, block_table, max_seqlen_q,
-      max_seqlen_k, softmax_scale, num_requests, num_decode_requests=0):
+      max_seqlen_k, softmax_scale, num_requests, num_decode_requests=0, window=0, sinks=None):
     return torch.empty_like(query)

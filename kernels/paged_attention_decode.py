@@ -19,7 +19,12 @@ from ._common import check_grid, next_pow2
 from .autotune import KernelConfig, bucket_tokens, dtype_name
 from .backend import HAS_TRITON
 from .paged_attention_merge import merge_attention_splits
-from .paged_attention_tile import LLAMA_HEADS, kernel_args, scaled_down_key  # noqa: F401
+from .paged_attention_tile import (  # noqa: F401
+    LLAMA_HEADS,
+    kernel_args,
+    scaled_down_key,
+    sink_args,
+)
 
 if HAS_TRITON:
     import triton
@@ -30,12 +35,12 @@ if HAS_TRITON:
 
 if HAS_TRITON:
 
-    @triton.jit(do_not_specialize=["num_splits"])
+    @triton.jit(do_not_specialize=["num_splits", "window"])
     def _paged_attention_decode_kernel(
         partial_out_ptr, partial_lse_ptr,
         query_ptr, key_cache_ptr, value_cache_ptr,
         cu_query_lengths_ptr, kv_seq_lengths_ptr, block_table_ptr,
-        num_splits, group_size, head_dim, block_size, softmax_scale,
+        num_splits, group_size, head_dim, block_size, softmax_scale, window,
         stride_query_token, stride_query_head,
         stride_kc_block, stride_kc_slot, stride_kc_head,
         stride_vc_block, stride_vc_slot, stride_vc_head,
@@ -44,8 +49,9 @@ if HAS_TRITON:
         SPLIT_TOKENS: tl.constexpr, IEEE_DOT: tl.constexpr,
     ):
         """One (request, KV head, split): online softmax of the group's queries over the split's
-        keys. ``partial_out`` is contiguous ``[requests, heads, num_splits, head_dim]``,
-        ``partial_lse`` contiguous ``[requests, heads, num_splits]``."""
+        keys (of the last ``window`` keys; 0: all). ``partial_out`` is contiguous
+        ``[requests, heads, num_splits, head_dim]``, ``partial_lse`` contiguous
+        ``[requests, heads, num_splits]``."""
         request = tl.program_id(0).to(tl.int64)
         kv_head = tl.program_id(1).to(tl.int64)
         split = tl.program_id(2).to(tl.int64)
@@ -55,7 +61,10 @@ if HAS_TRITON:
         kv_len = tl.load(kv_seq_lengths_ptr + request).to(tl.int64)
         # A request without a query has no output: its keys are not walked.
         kv_len = tl.where(q_len > 0, kv_len, 0)
-        split_start = split * SPLIT_TOKENS
+        # The splits cover the keys the query sees: from the window's first one on, so keys
+        # outside the window cost nothing (and the launcher sizes the grid to the window).
+        first_key = tl.where(window > 0, tl.maximum(kv_len - window, 0), 0)
+        split_start = first_key + split * SPLIT_TOKENS
         split_end = tl.minimum(split_start + SPLIT_TOKENS, kv_len)
 
         offs_g = tl.arange(0, BLOCK_G)
@@ -97,23 +106,28 @@ if HAS_TRITON:
         tl.store(partial_lse_ptr + rows, lse, mask=mask_g)
 
 
-def launch_decode(*, query, key_cache, value_cache, out, scale, config, cu_query_lengths,
-                  kv_seq_lengths, block_table, num_requests, max_seqlen_k) -> None:
+def launch_decode(*, query, key_cache, value_cache, out, scale, window, sinks, config,
+                  cu_query_lengths, kv_seq_lengths, block_table, num_requests,
+                  max_seqlen_k) -> None:
     """Split-KV decode of the first ``num_requests`` requests (at most one query each), then
-    the merge of the splits into ``out``. ``paged_attention`` checked every argument."""
+    the merge of the splits into ``out`` (which folds the sinks in). ``paged_attention``
+    checked every argument."""
     num_q_heads, head_dim = query.shape[1:]
     num_kv_heads = key_cache.shape[2]
+    # A window bounds the keys a query walks: the grid and the tuning key take that bound.
+    walked = min(max_seqlen_k, window) if window else max_seqlen_k
     if config is None:
         key = paged_attention_decode_tune_key(
             num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-            dtype=query.dtype, num_requests=num_requests, max_seqlen_k=max_seqlen_k)
+            dtype=query.dtype, num_requests=num_requests, max_seqlen_k=walked)
         config, _ = autotune.resolve_config("paged_attention_decode", key, query.device)
     args = kernel_args(query, key_cache, value_cache, cu_query_lengths, kv_seq_lengths,
-                       block_table, scale)
-    num_splits = triton.cdiv(max_seqlen_k, config.kwargs["SPLIT_TOKENS"])
+                       block_table, scale, window)
+    num_splits = triton.cdiv(walked, config.kwargs["SPLIT_TOKENS"])
     grid = (num_requests, num_kv_heads, num_splits)
     check_grid("paged_attention decode", grid,
-               f"max_seqlen_k={max_seqlen_k} in splits of {config.kwargs['SPLIT_TOKENS']}")
+               f"max_seqlen_k={max_seqlen_k} (window {window}) in splits of "
+               f"{config.kwargs['SPLIT_TOKENS']}")
     partial = torch.empty(num_requests, num_q_heads, num_splits, head_dim, dtype=torch.float32,
                           device=query.device)
     lse = torch.empty(num_requests, num_q_heads, num_splits, dtype=torch.float32,
@@ -122,7 +136,8 @@ def launch_decode(*, query, key_cache, value_cache, out, scale, config, cu_query
     _paged_attention_decode_kernel[grid](
         partial_out_ptr=partial, partial_lse_ptr=lse, num_splits=num_splits, **args,
         BLOCK_G=max(16, next_pow2(args["group_size"])), **config.launch_kwargs())
-    merge_attention_splits(out, partial, lse, cu_query_lengths, block_d=args["BLOCK_D"])
+    merge_attention_splits(out, partial, lse, cu_query_lengths, block_d=args["BLOCK_D"],
+                           sinks=sinks)
 
 
 # Tile width, tokens per split and warps of the search space.
@@ -155,6 +170,9 @@ def paged_attention_decode_default_config(key: dict) -> KernelConfig:
 def paged_attention_decode_tune_key(*, num_q_heads: int, num_kv_heads: int, head_dim: int,
                                     dtype: torch.dtype, num_requests: int, max_seqlen_k: int
                                     ) -> dict:
+    """``max_seqlen_k``: the keys a query walks, so a window ``W`` keys at ``min(kv, W)``
+    (the decode kernel walks a window exactly as it walks that many keys; sinks add one term
+    in the merge and are not in the key)."""
     return {"num_q_heads": int(num_q_heads), "num_kv_heads": int(num_kv_heads),
             "head_dim": int(head_dim), "dtype": dtype_name(dtype),
             "num_requests": bucket_tokens(num_requests),

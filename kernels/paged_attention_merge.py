@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from .backend import HAS_TRITON
+from .paged_attention_tile import sink_args
 
 if HAS_TRITON:
     import triton
@@ -26,16 +27,17 @@ _CHUNK_VALUES = 8192
 
 if HAS_TRITON:
 
-    @triton.jit(do_not_specialize=["num_splits"])
+    @triton.jit(do_not_specialize=["num_splits", "num_sinks"])
     def _merge_attention_splits_kernel(
         out_ptr,
         partial_out_ptr, partial_lse_ptr,
-        cu_query_lengths_ptr,
-        num_splits, head_dim,
-        stride_out_token, stride_out_head,
+        cu_query_lengths_ptr, sinks_ptr,
+        num_splits, head_dim, num_sinks,
+        stride_out_token, stride_out_head, stride_sinks,
         BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
     ):
-        """One (request, head): ``out[token] = sum_s w_s partial[s]`` over chunks of splits.
+        """One (request, head): ``out[token] = sum_s w_s partial[s]`` over chunks of splits,
+        the head's sink logit (heads ``< num_sinks``) one more weight, of no value.
 
         ``partial_out`` is ``[requests, heads, num_splits, head_dim]`` and ``partial_lse``
         ``[requests, heads, num_splits]``, both contiguous fp32 (the launcher allocates them)."""
@@ -71,6 +73,14 @@ if HAS_TRITON:
                 acc = acc * correction + tl.sum(partial * weights[:, None], axis=0)
                 running_max = new_max
                 start += BLOCK_S
+            # The sink: one more term of the denominator (-inf, nothing, without one).
+            sink = tl.load(sinks_ptr + head * stride_sinks, mask=head < num_sinks,
+                           other=float("-inf")).to(tl.float32)
+            new_max = tl.maximum(running_max, sink)
+            shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+            correction = tl.exp(running_max - shift)
+            running_sum = running_sum * correction + tl.exp(sink - shift)
+            acc = acc * correction
             result = acc / tl.where(running_sum > 0, running_sum, 1.0)
             tl.store(out_ptr + q_start * stride_out_token + head * stride_out_head + offs_d,
                      result.to(out_ptr.dtype.element_ty), mask=mask_d)
@@ -83,26 +93,33 @@ def merge_chunk(block_d: int) -> int:
 
 def merge_attention_splits(out: torch.Tensor, partial_out: torch.Tensor,
                            partial_lse: torch.Tensor, cu_query_lengths: torch.Tensor, *,
-                           block_d: int) -> None:
+                           block_d: int, sinks: torch.Tensor | None = None) -> None:
     """Write ``out[cu_query_lengths[i]]`` for every request ``i`` with a query, in place.
 
     ``out``: ``[n, H, D]``, last dim contiguous; ``partial_out``: contiguous fp32
     ``[R, H, num_splits, D]``; ``partial_lse``: contiguous fp32 ``[R, H, num_splits]``;
     ``cu_query_lengths``: int32 ``[>= R + 1]``, at most one query per request. ``block_d`` is
-    the padded head dim the decode kernel used. The caller (``paged_attention``) checked
-    everything; this launches only."""
+    the padded head dim the decode kernel used; ``sinks``: ``[H]`` logits, or None. The caller
+    (``paged_attention``) checked everything; this launches only."""
     num_requests, num_heads, num_splits, head_dim = partial_out.shape
     _merge_attention_splits_kernel[(num_requests, num_heads)](
         out_ptr=out, partial_out_ptr=partial_out, partial_lse_ptr=partial_lse,
         cu_query_lengths_ptr=cu_query_lengths, num_splits=num_splits, head_dim=head_dim,
-        stride_out_token=out.stride(0), stride_out_head=out.stride(1),
+        stride_out_token=out.stride(0), stride_out_head=out.stride(1), **sink_args(out, sinks),
         BLOCK_S=merge_chunk(block_d), BLOCK_D=block_d)
 
 
-def merge_attention_splits_ref(partial_out: torch.Tensor, partial_lse: torch.Tensor
-                               ) -> torch.Tensor:
+def merge_attention_splits_ref(partial_out: torch.Tensor, partial_lse: torch.Tensor,
+                               sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Torch reference of the merge: ``[R, H, D]`` fp32 from ``[R, H, S, D]`` and ``[R, H, S]``
-    (a row whose splits are all empty gives zeros)."""
+    (a row whose splits are all empty gives zeros); a head's sink is one more split of zero
+    output and log-sum-exp ``sinks[h]``."""
+    if sinks is not None:
+        rows, heads, _, dim = partial_out.shape
+        sink_lse = sinks.float().view(1, heads, 1).expand(rows, heads, 1)
+        partial_lse = torch.cat((partial_lse.float(), sink_lse), dim=-1)
+        partial_out = torch.cat((partial_out.float(), partial_out.new_zeros(rows, heads, 1, dim)
+                                 .float()), dim=-2)
     finite = torch.isfinite(partial_lse).any(dim=-1, keepdim=True)
     weights = torch.where(finite, partial_lse, torch.zeros_like(partial_lse)).softmax(dim=-1)
     weights = torch.where(torch.isfinite(partial_lse), weights, torch.zeros_like(weights))

@@ -3,8 +3,10 @@
 ``_attend_key_tile`` gathers one tile of keys and values of a request through its block-table
 row and folds it into an online softmax. The decode kernel (``paged_attention_decode.py``) and
 the varlen kernel (``paged_attention_varlen.py``) differ only in which rows they hold and which
-keys each row may see (``allowed``); a change to what a key contributes (a sliding window, an
-attention sink, dequantised FP8 blocks) belongs here, once for both.
+keys each row may see (``allowed``, where a sliding window narrows it); a change to what a key
+contributes (dequantised FP8 blocks) belongs here, once for both. ``_fold_sinks`` adds each
+row's sink logit to its softmax denominator (the varlen kernel; the decode splits' merge folds
+it the same way).
 """
 
 from __future__ import annotations
@@ -58,8 +60,11 @@ if HAS_TRITON:
             scores = tl.dot(q, tl.trans(k))
         scores = tl.where(allowed, scores * softmax_scale, float("-inf"))     # [rows, BLOCK_N]
         new_max = tl.maximum(running_max, tl.max(scores, axis=1))
-        correction = tl.exp(running_max - new_max)
-        probs = tl.exp(scores - new_max[:, None])
+        # A row may see no key yet (a sliding window starts past this tile): shift by 0 there,
+        # so its sum and accumulator stay 0 instead of exp(-inf - -inf) = NaN.
+        shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+        correction = tl.exp(running_max - shift)
+        probs = tl.exp(scores - shift[:, None])
         running_sum = running_sum * correction + tl.sum(probs, axis=1)
         if IEEE_DOT:
             update = tl.dot(probs.to(v.dtype), v, input_precision="ieee")
@@ -67,15 +72,31 @@ if HAS_TRITON:
             update = tl.dot(probs.to(v.dtype), v)
         return acc * correction[:, None] + update, new_max, running_sum
 
+    @triton.jit
+    def _fold_sinks(acc, running_max, running_sum, sinks_ptr, heads, num_sinks, stride_sinks):
+        """Fold each row's sink logit (``sinks[heads]``, fp32; ``-inf`` for heads at or past
+        ``num_sinks``, so ``num_sinks = 0`` adds nothing) into its softmax denominator: the
+        sink takes probability mass and gives no value. Returns ``(acc, running_max,
+        running_sum)``."""
+        sink = tl.load(sinks_ptr + heads * stride_sinks, mask=heads < num_sinks,
+                       other=float("-inf")).to(tl.float32)
+        new_max = tl.maximum(running_max, sink)
+        shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+        correction = tl.exp(running_max - shift)
+        running_sum = running_sum * correction + tl.exp(sink - shift)
+        return acc * correction[:, None], new_max, running_sum
+
 
 def kernel_args(query, key_cache, value_cache, cu_query_lengths, kv_seq_lengths, block_table,
-                scale) -> dict:
-    """The arguments both kernels take, named as in their signatures."""
+                scale, window) -> dict:
+    """The arguments both kernels take, named as in their signatures (``window``: keys a query
+    sees, its own included; 0 for all)."""
     num_q_heads, head_dim = query.shape[1:]
     return dict(query_ptr=query, key_cache_ptr=key_cache, value_cache_ptr=value_cache,
                 cu_query_lengths_ptr=cu_query_lengths, kv_seq_lengths_ptr=kv_seq_lengths,
                 block_table_ptr=block_table, group_size=num_q_heads // key_cache.shape[2],
                 head_dim=head_dim, block_size=key_cache.shape[1], softmax_scale=scale,
+                window=window,
                 stride_query_token=query.stride(0), stride_query_head=query.stride(1),
                 stride_kc_block=key_cache.stride(0), stride_kc_slot=key_cache.stride(1),
                 stride_kc_head=key_cache.stride(2), stride_vc_block=value_cache.stride(0),
@@ -83,6 +104,15 @@ def kernel_args(query, key_cache, value_cache, cu_query_lengths, kv_seq_lengths,
                 stride_table_row=block_table.stride(0),
                 # tl.dot wants a reduction dim of at least 16; fp32 products stay IEEE.
                 BLOCK_D=max(16, next_pow2(head_dim)), IEEE_DOT=query.dtype == torch.float32)
+
+
+def sink_args(query, sinks) -> dict:
+    """The sink arguments of the kernels that fold them (varlen, merge): ``sinks`` ``[Hq]``, or
+    None (then no head has a sink: ``num_sinks = 0``, and ``query`` stands in for the pointer,
+    never read)."""
+    if sinks is None:
+        return dict(sinks_ptr=query, num_sinks=0, stride_sinks=0)
+    return dict(sinks_ptr=sinks, num_sinks=sinks.shape[0], stride_sinks=sinks.stride(0))
 
 
 def scaled_down_key(key: dict) -> dict:

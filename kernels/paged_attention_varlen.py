@@ -16,33 +16,39 @@ from . import autotune
 from ._common import check_grid, next_pow2
 from .autotune import KernelConfig, bucket_tokens, dtype_name
 from .backend import HAS_TRITON
-from .paged_attention_tile import LLAMA_HEADS, kernel_args, scaled_down_key  # noqa: F401
+from .paged_attention_tile import (  # noqa: F401
+    LLAMA_HEADS,
+    kernel_args,
+    scaled_down_key,
+    sink_args,
+)
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from .paged_attention_tile import _attend_key_tile
+    from .paged_attention_tile import _attend_key_tile, _fold_sinks
 
 
 if HAS_TRITON:
 
-    @triton.jit(do_not_specialize=["first_request"])
+    @triton.jit(do_not_specialize=["first_request", "window", "num_sinks"])
     def _paged_attention_varlen_kernel(
         out_ptr,
         query_ptr, key_cache_ptr, value_cache_ptr,
-        cu_query_lengths_ptr, kv_seq_lengths_ptr, block_table_ptr,
-        first_request, group_size, head_dim, block_size, softmax_scale,
+        cu_query_lengths_ptr, kv_seq_lengths_ptr, block_table_ptr, sinks_ptr,
+        first_request, group_size, head_dim, block_size, softmax_scale, window, num_sinks,
         stride_out_token, stride_out_head,
         stride_query_token, stride_query_head,
         stride_kc_block, stride_kc_slot, stride_kc_head,
         stride_vc_block, stride_vc_slot, stride_vc_head,
-        stride_table_row,
+        stride_table_row, stride_sinks,
         BLOCK_M: tl.constexpr, TILE_TOKENS: tl.constexpr, BLOCK_G: tl.constexpr,
         BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE_DOT: tl.constexpr,
     ):
         """TILE_TOKENS query tokens of request ``first_request + program_id(0)`` x the G query
-        heads of one KV head, causal.
+        heads of one KV head, causal, within the last ``window`` keys of each row's position
+        (0: all), with each head's sink logit in the denominator (heads ``< num_sinks``).
 
         BLOCK_M (the config's row count) sets TILE_TOKENS = max(1, BLOCK_M // BLOCK_G) on the
         host."""
@@ -65,34 +71,43 @@ if HAS_TRITON:
             q = tl.load(query_ptr + (q_start + offs_q)[:, None] * stride_query_token
                         + heads[:, None] * stride_query_head + offs_d[None, :],
                         mask=mask_r[:, None] & mask_d[None, :], other=0.0)  # [rows, BLOCK_D]
-            # Causal: a row sees the keys up to its own position; every row sees key 0.
+            # Causal: a row sees the keys up to its own position, and with a window only those
+            # after row_floor; every row sees its own key.
             row_position = kv_len - q_len + offs_q                             # [rows]
+            row_floor = tl.where(window > 0, row_position - window, -1)
             last_key = tl.minimum(kv_len, kv_len - q_len + (tile + 1) * TILE_TOKENS)
+            # Keys before the tile's first row's window are no row's: the walk skips them.
+            first_key = tl.where(window > 0,
+                                 tl.maximum(kv_len - q_len + tile * TILE_TOKENS - window + 1, 0),
+                                 0)
 
             running_max = tl.full((TILE_TOKENS * BLOCK_G,), float("-inf"), tl.float32)
             running_sum = tl.zeros((TILE_TOKENS * BLOCK_G,), tl.float32)
             acc = tl.zeros((TILE_TOKENS * BLOCK_G, BLOCK_D), tl.float32)
             table_row = block_table_ptr + request * stride_table_row
             # (A while loop: Triton 3.6's interpreter cannot take runtime bounds in range().)
-            start = last_key * 0
+            start = first_key + last_key * 0
             while start < last_key:
                 positions = start + offs_n
                 mask_n = positions < last_key
-                allowed = mask_n[None, :] & (positions[None, :] <= row_position[:, None])
+                allowed = mask_n[None, :] & (positions[None, :] <= row_position[:, None]) \
+                    & (positions[None, :] > row_floor[:, None])
                 acc, running_max, running_sum = _attend_key_tile(
                     q, acc, running_max, running_sum, positions, mask_n, allowed,
                     table_row, key_cache_ptr, value_cache_ptr, kv_head, block_size,
                     softmax_scale, stride_kc_block, stride_kc_slot, stride_kc_head,
                     stride_vc_block, stride_vc_slot, stride_vc_head, offs_d, mask_d, IEEE_DOT)
                 start += BLOCK_N
+            acc, running_max, running_sum = _fold_sinks(acc, running_max, running_sum, sinks_ptr,
+                                                        heads, num_sinks, stride_sinks)
             result = acc / tl.where(running_sum > 0, running_sum, 1.0)[:, None]
             tl.store(out_ptr + (q_start + offs_q)[:, None] * stride_out_token
                      + heads[:, None] * stride_out_head + offs_d[None, :],
                      result.to(out_ptr.dtype.element_ty), mask=mask_r[:, None] & mask_d[None, :])
 
 
-def launch_varlen(*, query, key_cache, value_cache, out, scale, config, cu_query_lengths,
-                  kv_seq_lengths, block_table, first_request, num_requests,
+def launch_varlen(*, query, key_cache, value_cache, out, scale, window, sinks, config,
+                  cu_query_lengths, kv_seq_lengths, block_table, first_request, num_requests,
                   max_seqlen_q) -> None:
     """Causal attention of every query token of requests ``[first_request, first_request +
     num_requests)``, in tiles of query tokens. ``paged_attention`` checked every argument."""
@@ -100,17 +115,19 @@ def launch_varlen(*, query, key_cache, value_cache, out, scale, config, cu_query
     if config is None:
         key = paged_attention_varlen_tune_key(num_q_heads=num_q_heads,
                                               num_kv_heads=key_cache.shape[2], head_dim=head_dim,
-                                              dtype=query.dtype, num_tokens=num_tokens)
+                                              dtype=query.dtype, num_tokens=num_tokens,
+                                              window=window)
         config, _ = autotune.resolve_config("paged_attention_varlen", key, query.device)
     args = kernel_args(query, key_cache, value_cache, cu_query_lengths, kv_seq_lengths,
-                       block_table, scale)
+                       block_table, scale, window)
     block_g = next_pow2(args["group_size"])
     tile_tokens = max(1, config.kwargs["BLOCK_M"] // block_g)
     grid = (num_requests, triton.cdiv(max_seqlen_q, tile_tokens), key_cache.shape[2])
     check_grid("paged_attention varlen", grid,
                f"max_seqlen_q={max_seqlen_q} in tiles of {tile_tokens} tokens")
     _paged_attention_varlen_kernel[grid](
-        out_ptr=out, first_request=first_request, **args, stride_out_token=out.stride(0),
+        out_ptr=out, first_request=first_request, **args, **sink_args(query, sinks),
+        stride_out_token=out.stride(0),
         stride_out_head=out.stride(1), TILE_TOKENS=tile_tokens, BLOCK_G=block_g,
         **config.launch_kwargs())
 
@@ -139,12 +156,20 @@ def paged_attention_varlen_default_config(key: dict) -> KernelConfig:
 
 
 def paged_attention_varlen_tune_key(*, num_q_heads: int, num_kv_heads: int, head_dim: int,
-                                    dtype: torch.dtype, num_tokens: int) -> dict:
+                                    dtype: torch.dtype, num_tokens: int, window: int = 0
+                                    ) -> dict:
+    """A sliding window (exact, like a model dimension; 0: none) bounds the keys of a query
+    tile, and with them which tile shape wins; sinks add one term per row and are not in it."""
     return {"num_q_heads": int(num_q_heads), "num_kv_heads": int(num_kv_heads),
             "head_dim": int(head_dim), "dtype": dtype_name(dtype),
-            "num_tokens": bucket_tokens(num_tokens)}
+            "num_tokens": bucket_tokens(num_tokens), "window": int(window)}
+
+
+# A window shorter than the presets' prompts of 512 tokens (gpt-oss's is 128).
+_PRESET_WINDOW = 128
 
 
 def paged_attention_varlen_presets() -> list[dict]:
-    return [paged_attention_varlen_tune_key(**LLAMA_HEADS, dtype=torch.bfloat16, num_tokens=n)
-            for n in (512, 2048, 8192)]
+    return [paged_attention_varlen_tune_key(**LLAMA_HEADS, dtype=torch.bfloat16, num_tokens=n,
+                                            window=window)
+            for n, window in ((512, 0), (2048, 0), (8192, 0), (8192, _PRESET_WINDOW))]

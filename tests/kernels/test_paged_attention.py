@@ -87,17 +87,20 @@ def poisoned_out(query):
 
 
 def check_against_reference(case, q_lens, kv_lens, *, config=None, num_requests=None,
-                            num_decode_requests=0):
+                            num_decode_requests=0, window=0, sinks=None, reference_case=None,
+                            out=None):
+    """The kernels on ``case`` (into ``out``, poisoned, when given) against the reference on
+    ``reference_case`` (default: ``case``)."""
     query, key_cache, value_cache, cu, kv, table = case
-    out = poisoned_out(query)
+    out = poisoned_out(query) if out is None else out
     before = out.clone()
     got = paged_attention(query, key_cache, value_cache, cu, kv, table,
                           max_seqlen_q=max(q_lens, default=0), max_seqlen_k=max(kv_lens, default=0),
                           num_requests=num_requests, num_decode_requests=num_decode_requests,
-                          out=out, config=config, backend="triton")
+                          window=window, sinks=sinks, out=out, config=config, backend="triton")
     assert got is out
-    expected = paged_attention_ref(query, key_cache, value_cache, cu, kv, table,
-                                   num_requests=num_requests)
+    expected = paged_attention_ref(*(reference_case or case), num_requests=num_requests,
+                                   window=window, sinks=sinks)
     real = int(cu[len(q_lens)])
     assert not got[:real].isnan().any(), "a trap (NaN) reached a request's output"
     torch.testing.assert_close(got[:real].float(), expected[:real].float(),
