@@ -17,6 +17,7 @@ from typing import Any, Callable, Dict, Optional
 from dynctx.context import DynamicInferenceContext
 from dynctx.context import sizing as context_sizing
 from dynctx.context.parallel import parallel_groups
+from dynctx.kernels.backend import HAS_TRITON
 from dynctx.kernels.devices import indexed_device
 from dynctx.models.paged_attention import BACKENDS as ATTENTION_BACKENDS
 
@@ -41,8 +42,9 @@ def transformers_adapter(hf_model: Any, attention_backend: str, graphs: bool,
                          integration: str = "auto") -> tuple:
     """``(build, attention_backend)``: the dedicated adapter of ``hf_model``'s class (unless
     ``integration="generic"``), else the generic transformers path (``models/generic.py``),
-    whose ``"auto"`` attention is the padded torch version with CUDA graphs when the model has
-    windows or sinks."""
+    whose ``"auto"`` attention with CUDA graphs is the padded torch version when the model has
+    windows or sinks and Triton is not installed (flash-attn, the other graph fallback, has
+    neither)."""
     from dynctx.models import GenericAdapter
 
     if integration not in INTEGRATIONS:
@@ -51,7 +53,8 @@ def transformers_adapter(hf_model: Any, attention_backend: str, graphs: bool,
     name = type(hf_model).__name__
     if name in adapters and integration == "auto":
         return adapters[name], attention_backend
-    if graphs and attention_backend == "auto" and GenericAdapter.needs_window_backend(hf_model):
+    if graphs and attention_backend == "auto" and not HAS_TRITON \
+            and GenericAdapter.needs_window_backend(hf_model):
         attention_backend = "torch_static"
     return GenericAdapter.from_transformers, attention_backend
 

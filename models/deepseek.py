@@ -47,7 +47,7 @@ Attention forms (``attention_form=``):
 Both run in torch on any device (``attention_backend`` must be ``"auto"``, ``"torch"`` or
 ``"torch_static"``: the one torch path there is already the padded, capturable one); the index
 work per step (which tokens of which request see which cached positions) is the torch paged
-attention's (``paged_attention._TorchRowGroup``), built once per step.
+attention's (``paged_attention_torch.TorchRowGroup``), built once per step.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ from ._common import (
     static_rotary,
     weight_taker,
 )
-from .paged_attention import _TorchRowGroup, torch_row_groups
+from .paged_attention_torch import TorchRowGroup, torch_row_groups
 
 ATTENTION_FORMS = ("decompress", "absorbed")
 _TOPK_METHODS = ("greedy", "group_limited_greedy")
@@ -142,7 +142,7 @@ class MlaPagedAttention:
         out = torch.einsum("nhr,hvr->nhv", attended[:n, :, :self.rank], w_uv)
         return out.to(q_nope.dtype)
 
-    def _attend_decompressed(self, group: _TorchRowGroup, q_nope: torch.Tensor,
+    def _attend_decompressed(self, group: TorchRowGroup, q_nope: torch.Tensor,
                              q_pe: torch.Tensor, latent_cache: torch.Tensor, w_uk: torch.Tensor,
                              w_uv: torch.Tensor, out: torch.Tensor) -> None:
         rows = group.blocks.shape[0]

@@ -60,7 +60,7 @@ ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
 # of several requests they would differ from the same request alone.
 BATCH_DEPENDENT_ROPE_TYPES = ("dynamic", "longrope")
 # Backends that compute sliding windows and sinks (models/paged_attention.py).
-WINDOW_BACKENDS = ("torch", "torch_static")
+WINDOW_BACKENDS = ("torch", "torch_static", "triton")
 
 
 def _paged_attention_forward(module: Any, query: torch.Tensor, key: torch.Tensor,
@@ -343,13 +343,14 @@ class GenericAdapter(PagedMhaAdapter):
 
     @staticmethod
     def needs_window_backend(hf_model: Any) -> bool:
-        """Whether ``hf_model`` has sliding windows or sinks (which only the torch attention
-        computes yet)."""
+        """Whether ``hf_model`` has sliding windows or sinks (which FlashInfer and flash-attn do
+        not compute; our Triton kernels and the torch versions do)."""
         return any(w is not None for w in layer_windows(hf_model)) or _has_sinks(hf_model)
 
     def _backend_for(self, requested: str) -> str:
         """``requested``, except that ``"auto"`` takes the torch attention where the auto choice
-        has no windows or sinks; an explicit such backend raises ``NotImplementedError``."""
+        has no windows or sinks (``WINDOW_BACKENDS`` have them); an explicit such backend raises
+        ``NotImplementedError``."""
         needs = [what for what, given in (
             ("sliding windows (layers "
              f"{[i for i, w in enumerate(self.windows) if w is not None]})",
@@ -363,8 +364,8 @@ class GenericAdapter(PagedMhaAdapter):
         if requested not in WINDOW_BACKENDS:
             raise NotImplementedError(
                 f"{self.model_name} has {' and '.join(needs)}, which attention backend "
-                f"{requested!r} does not compute yet; use 'torch' (or 'torch_static' under CUDA "
-                "graphs), or 'auto'")
+                f"{requested!r} does not compute; use 'triton', 'torch' (or 'torch_static' under "
+                "CUDA graphs), or 'auto'")
         return requested
 
     # ------------------------------------------------------------------ context checks

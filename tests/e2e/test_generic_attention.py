@@ -127,11 +127,43 @@ def test_other_backends_refuse_windows_and_sinks():
     attention = PagedAttention(num_q_heads=2, num_kv_heads=1, head_dim=4, block_size=4,
                                device="cpu", backend="torch")
     # The refusal sits before any kernel is touched: a backend name set after construction
-    # reaches it on a CPU.
-    attention.backend = "triton"
+    # reaches it on a CPU (our Triton kernels compute both: tests/kernels).
+    attention.backend = "flash_attn"
     attention.plan(cu_query_lengths=cu_q, kv_seq_lengths=kv, block_table=table, max_seqlen_q=3,
                    max_seqlen_k=3, num_tokens=3)
-    with pytest.raises(NotImplementedError, match="'triton' has no sliding windows yet"):
+    with pytest.raises(NotImplementedError, match="'flash_attn' has no sliding windows:"):
         attention(query, key_cache, value_cache, window=2)
     with pytest.raises(NotImplementedError, match="sliding windows or attention sinks"):
         attention(query, key_cache, value_cache, window=2, sinks=torch.zeros(2))
+
+
+@pytest.mark.parametrize("backend", ["torch", "torch_static"])
+def test_released_blocks_before_the_window_are_never_read(backend):
+    """A windowed KV group frees the blocks wholly before the window of every query: their
+    table entries are -1 and their bytes another request's (NaN here). The output is the same
+    as with them in place."""
+    bs, heads, kv_heads, dim, window = 4, 4, 2, 8, 5
+    q_lens, kv_lens = [1, 1, 6, 3], [23, 9, 6, 17]
+    query, key_cache, value_cache, cu_q, kv, table = make_case(
+        q_lens, kv_lens, padded_requests=5, padded_tokens=12, bs=bs, heads=heads,
+        kv_heads=kv_heads, dim=dim, dtype=torch.float32, seed=3)
+    expected = dense_reference(query, key_cache, value_cache, q_lens, kv_lens,
+                               table[:len(q_lens)], 0.3, window)
+    released_k, released_v, released_table = key_cache.clone(), value_cache.clone(), table.clone()
+    dropped = 0
+    for request, (q_len, kv_len) in enumerate(zip(q_lens, kv_lens)):
+        first_seen = max(0, kv_len - q_len - window + 1)
+        for b in range(first_seen // bs):
+            released_k[table[request, b]] = float("nan")
+            released_v[table[request, b]] = float("nan")
+            released_table[request, b] = -1
+            dropped += 1
+    assert dropped >= 5
+    attention = PagedAttention(num_q_heads=heads, num_kv_heads=kv_heads, head_dim=dim,
+                               block_size=bs, device="cpu", backend=backend)
+    attention.plan(cu_query_lengths=cu_q, kv_seq_lengths=kv, block_table=released_table,
+                   max_seqlen_q=max(q_lens), max_seqlen_k=max(kv_lens),
+                   num_tokens=query.shape[0], num_decode_requests=2)
+    out = attention(query, released_k, released_v, softmax_scale=0.3, window=window)
+    real = sum(q_lens)
+    torch.testing.assert_close(out[:real], expected[:real], atol=1e-5, rtol=1e-5)

@@ -80,7 +80,7 @@ def test_explicit_backends_without_windows_are_refused():
     model = tiny_family("gpt_oss")
     with pytest.raises(NotImplementedError, match="GptOssForCausalLM has sliding windows "
                                                   r"\(layers \[0\]\) and attention sinks"):
-        GenericAdapter.from_transformers(model, attention_backend="triton")
+        GenericAdapter.from_transformers(model, attention_backend="flash_attn")
     assert GenericAdapter.from_transformers(model).attention_backend_request == "torch"
 
 

@@ -1,8 +1,7 @@
 """The generic transformers path through the Triton kernels (``TRITON_INTERPRET=1`` on a CPU,
 compiled on CUDA; tests/run_tests.sh runs this file in its interpreter process): the context's
-kernels and, for a family without windows or sinks, the paged attention kernels, with the torch
-references made to raise; a windowed family refuses the Triton attention instead of giving
-other tokens."""
+kernels and the paged attention kernels, with the torch references made to raise, for families
+with and without sliding windows and sinks."""
 
 from __future__ import annotations
 
@@ -32,30 +31,46 @@ def engine_for(hf, **kwargs):
         max_requests=4, kernel_backend="triton", record_logits=True, **kwargs)
 
 
-@pytest.mark.parametrize("family, attention", [("olmo2", "triton"), ("gemma3", "torch")],
-                         ids=["olmo2-triton_attention", "gemma3-torch_attention"])
-def test_generic_path_on_the_triton_kernels(family, attention, monkeypatch):
-    references = list(REFERENCES)
-    if attention == "triton":
-        references.append(("dynctx.kernels.paged_attention", "paged_attention_ref"))
+# (family, layers): a family without windows, the two with sliding and full layers alternating
+# (gpt-oss with sinks), and Mistral's window on its one layer. The window (6 tokens) is shorter
+# than the prompt of 21, so a window the kernels ignored would give other tokens.
+TRITON_FAMILIES = [("olmo2", 1), ("gemma3", 2), ("gpt_oss", 2), ("mistral", 1)]
+
+
+@pytest.mark.parametrize("family, layers", TRITON_FAMILIES,
+                         ids=[family for family, _ in TRITON_FAMILIES])
+def test_generic_path_on_the_triton_kernels(family, layers, monkeypatch):
+    references = list(REFERENCES) + [("dynctx.kernels.paged_attention", "paged_attention_ref")]
     refuse_torch_references(monkeypatch, references)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    # One layer where the interpreter runs the attention kernels (about half a millisecond per
-    # program instance).
-    layers = dict(num_hidden_layers=1) if attention == "triton" else {}
-    hf = tiny_family(family, **layers).to(device)
+    # Few layers: the interpreter runs the attention kernels at about half a millisecond per
+    # program instance.
+    hf = tiny_family(family, num_hidden_layers=layers).to(device)
     # A prompt longer than the token budget: a chunked prefill beside a decode request.
     prompts = make_prompts([3, 21, 1], VOCAB, seed=32)
     gens = [4, 3, 4]
-    engine = engine_for(hf, attention_backend=attention)
+    engine = engine_for(hf, attention_backend="triton")
     assert engine.model.path == "generic" and engine.context.kernel_backend == "triton"
     results = engine.generate_requests(greedy_requests(prompts, gens), arrival_steps=[0, 0, 1])
-    assert engine.model.attention_backend == attention
+    assert engine.model.attention_backend == "triton"
     assert engine.stats.chunked_prefills == 1
     monkeypatch.undo()
     assert_matches_transformers(hf.cpu(), prompts, gens, results)
 
 
-def test_a_windowed_family_refuses_the_triton_attention():
-    with pytest.raises(NotImplementedError, match="Gemma3ForCausalLM has sliding windows"):
-        engine_for(tiny_family("gemma3"), attention_backend="triton")
+def test_a_windowed_family_replays_graphs_on_the_triton_attention(monkeypatch):
+    """gpt-oss's sliding layer (with sinks) under graphs: the stand-in runner (the CUDA graph
+    runner on a GPU) captures the forward with the Triton attention, whose window and sinks
+    read nothing back, and replays it; a prompt longer than the window."""
+    refuse_torch_references(monkeypatch, list(REFERENCES)
+                            + [("dynctx.kernels.paged_attention", "paged_attention_ref")])
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    hf = tiny_family("gpt_oss", num_hidden_layers=1, layer_types=["sliding_attention"]).to(device)
+    prompts = make_prompts([3, 10], VOCAB, seed=33)
+    gens = [3, 4]
+    engine = engine_for(hf, attention_backend="triton", num_cuda_graphs=2)
+    results = engine.generate_requests(greedy_requests(prompts, gens), arrival_steps=[0, 0])
+    assert engine.model.attention_backend == "triton"
+    assert engine.graph_replays > 0
+    monkeypatch.undo()
+    assert_matches_transformers(hf.cpu(), prompts, gens, results)
