@@ -270,3 +270,13 @@ def test_a_refused_call_writes_nothing():
         paged_attention(*case, max_seqlen_q=1, max_seqlen_k=5, window=-3, out=out,
                         backend="triton")
     assert torch.equal(out.view(torch.uint8), before.view(torch.uint8))
+
+
+def test_custom_op_takes_window_and_sinks():
+    q_lens, kv_lens = [1, 7], [12, 7]
+    case = make_case(q_lens, kv_lens, padded_requests=2, padded_tokens=8, block_size=4, heads=2,
+                     kv_heads=1, dim=8, dtype=torch.float32, seed=9)
+    sinks = sinks_for(2)
+    expected = paged_attention_ref(*case, softmax_scale=0.25, window=3, sinks=sinks)
+    got = torch.ops.dynctx.paged_attention(*case, 7, 12, 0.25, 2, 1, 3, sinks)
+    torch.testing.assert_close(got, expected, **ATTENTION_TOLERANCE[torch.float32])
