@@ -8,8 +8,9 @@ from dynctx import __version__
 from dynctx._cli_common import ArgumentParser, HelpFormatter, program_name, run_to_closed_stdout
 
 COMMANDS = {
-    "demo": "in-flight batching of a small random Llama through the context, checked\n"
-            "            against transformers (needs pip install 'dynctx[demo]')",
+    "demo": "in-flight batching of a small random model (Llama, or --model NAME) through\n"
+            "            the context, checked against transformers (needs pip install "
+            "'dynctx[demo]')",
     "autotune": "tune (GPU), show, check and bench the kernels' launch configs",
 }
 

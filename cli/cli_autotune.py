@@ -59,9 +59,11 @@ def build_parser(prog: str = "python -m dynctx autotune") -> ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     def add(name: str):
-        return commands.add_parser(name, formatter_class=HelpFormatter,
-                                   help=DESCRIPTIONS[name].split(":")[0].rstrip("."),
-                                   description=DESCRIPTIONS[name])
+        sub = commands.add_parser(name, formatter_class=HelpFormatter,
+                                  help=DESCRIPTIONS[name].split(":")[0].rstrip("."),
+                                  description=DESCRIPTIONS[name])
+        sub.set_defaults(parser=sub)  # its errors name the command: "... autotune check: error"
+        return sub
 
     def add_selection(sub):
         sub.add_argument("--kernel", action="append", metavar="NAME",
@@ -115,7 +117,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     try:
         return args.run(args)
     except FolderError as exc:
-        parser.exit_with_error(str(exc))
+        args.parser.exit_with_error(str(exc))
 
 
 if __name__ == "__main__":

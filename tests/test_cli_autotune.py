@@ -173,6 +173,8 @@ def _one_line_error(capsys, argv: list[str]) -> str:
 @pytest.mark.parametrize("command", ["check", "show"])
 def test_a_missing_dir_is_an_error(toy, tmp_path, capsys, command):
     err = _one_line_error(capsys, [command, "--dir", str(tmp_path / "nonexistent")])
+    assert err.startswith(f"python -m dynctx autotune {command}: error: ")
+    assert err.rstrip().endswith(f"(see 'python -m dynctx autotune {command} --help')")
     assert f"--dir {tmp_path / 'nonexistent'}: does not exist" in err
     (tmp_path / "a_file").write_text("")
     err = _one_line_error(capsys, [command, "--dir", str(tmp_path / "a_file")])
