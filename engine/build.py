@@ -89,7 +89,8 @@ def derived_max_requests(kwargs: Dict[str, Any], tp: int) -> Optional[int]:
                 max_tokens=2 ** 62, default_max_tokens=2 ** 62,
                 max_sequence_length=get("max_sequence_length"), tp=tp,
                 request_rounder=DynamicInferenceContext.REQUEST_ROUNDER)
-    except (TypeError, ValueError, NotImplementedError):
+    except (TypeError, ValueError, ZeroDivisionError, NotImplementedError):
+        # (block_size_tokens=0 divides by a zero block size before any check.)
         return None
     return layout.max_requests
 

@@ -565,6 +565,21 @@ def test_every_engine_option_is_checked_when_the_engine_is_built(hf, options, er
                      max_sequence_length=96, **options)
 
 
+@pytest.mark.parametrize("options, message", [
+    (dict(block_size_tokens=0), r"block_size_tokens=0 must be a positive integer"),
+    (dict(block_size_tokens=-16), r"block_size_tokens=-16 must be a positive integer"),
+    (dict(max_sequence_length=0), r"max_sequence_length=0 must be a positive integer"),
+    (dict(buffer_size_gb=-1), r"buffer_size_gb=-1 must be a positive number"),
+    (dict(max_requests=0), r"max_requests=0 must be a positive integer"),
+])
+def test_a_bad_context_size_is_the_contexts_error(hf, options, message):
+    """The engine sizes ``max_requests`` through the context's sizing before building it; a
+    bad size reaches the context's own check (``block_size_tokens=0`` used to stop at a
+    ZeroDivisionError in that sizing)."""
+    with pytest.raises(ValueError, match=message):
+        Engine.from_transformers(hf, kernel_backend="torch", **options)
+
+
 def test_an_adapter_whose_attention_cannot_run_is_refused_by_the_engine(hf):
     """``Engine(model, context)`` resolves the model's attention for the context at once."""
     from dynctx.models import LlamaAdapter

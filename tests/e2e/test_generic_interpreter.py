@@ -15,6 +15,7 @@ from e2e_helpers import (
     refuse_torch_references,
 )
 from generic_families import VOCAB, kv_block_bytes, tiny_family
+from sizing_warning import built
 from test_interpreter import REFERENCES
 from triton_marks import needs_triton
 
@@ -24,11 +25,13 @@ pytestmark = [pytest.mark.interpreter, needs_triton]
 
 
 def engine_for(hf, **kwargs):
+    """12 blocks of 8 tokens, short of one request of max_position_embeddings (256): the
+    sizing warning is asserted (``built``); the prompts and generations stay within 25 tokens."""
     block_bytes = kv_block_bytes(hf)
-    return Engine.from_transformers(
+    return built(lambda: Engine.from_transformers(
         hf, block_size_tokens=8, buffer_size_gb=gib_for_blocks(hf, 8, 12, block_bytes),
         paused_buffer_size_gb=gib_for_blocks(hf, 8, 1, block_bytes), max_tokens=16,
-        max_requests=4, kernel_backend="triton", record_logits=True, **kwargs)
+        max_requests=4, kernel_backend="triton", record_logits=True, **kwargs))
 
 
 # (family, layers): a family without windows, the two with sliding and full layers alternating
