@@ -72,3 +72,50 @@ def test_readme_python_blocks_run(monkeypatch, tmp_path):
     results = namespace["results"]
     assert [r.request_id for r in results] == list(range(len(prompts)))
     assert all(r.finish_reason in ("stop", "length") for r in results)
+
+
+MAKEFILE = README.with_name("Makefile")
+
+
+def make_rules() -> dict[str, tuple[str, list[str]]]:
+    """``target -> (prerequisites, recipe lines)`` of the Makefile's rules."""
+    rules: dict[str, tuple[str, list[str]]] = {}
+    current = None
+    for line in MAKEFILE.read_text().splitlines():
+        rule = re.match(r"^([^\s:#=]+):(?!=)(.*)$", line)
+        if rule:
+            current = rule.group(1)
+            rules[current] = (rule.group(2).strip(), [])
+        elif line.startswith("\t") and current is not None:
+            rules[current][1].append(line.strip())
+        elif line.strip() and not line.startswith("#"):
+            current = None
+    return rules
+
+
+def test_every_make_target_the_readme_names_is_phony_and_does_something():
+    """``make test-fast`` was once listed in .PHONY with no rule: every .PHONY target has a
+    recipe or prerequisites, and every ``make X`` of the README is one of them."""
+    rules = make_rules()
+    phony = rules.pop(".PHONY")[0].split()
+    assert [name for name in phony if not any(rules.get(name, ("", [])))] == []
+    named = set(re.findall(r"\bmake ([a-z][\w-]*)", README.read_text()))
+    assert {"demo", "test", "test-fast"} <= named
+    assert named <= set(phony), f"README.md names make targets {named - set(phony)}"
+
+
+def test_the_commands_the_readme_names_parse():
+    """Every ``python -m dynctx demo ...`` of the README is a flag set the demo accepts, and
+    ``autotune tune|show|check|bench`` lists the autotune commands there are."""
+    from dynctx import cli_autotune, cli_demo
+
+    text = README.read_text()
+    demos = re.findall(r"python -m dynctx demo((?: --?[\w-]+(?: [^\s`-][^\s`]*)?)*)", text)
+    assert len(demos) >= 2 and any(demos)
+    for flags in demos:
+        cli_demo.build_parser().parse_args(flags.split())  # SystemExit(2) on an unknown flag
+    listed = re.search(r"python -m dynctx autotune ([\w|]+)", text).group(1).split("|")
+    parser = cli_autotune.build_parser()
+    commands = next(action.choices for action in parser._actions
+                    if hasattr(action, "choices") and isinstance(action.choices, dict))
+    assert listed == list(commands)
