@@ -80,6 +80,7 @@ CONTEXT_TESTS = ("tests/context/test_block_allocator.py",
                  "tests/context/test_decode_path.py", "tests/context/test_decode_path_review.py",
                  "tests/context/test_cuda_graphs_megatron.py::test_capture_dummies_equal_megatron")
 CONTEXT_KEYWORD = "not rotary_methods_match_megatron and not sizes_equal_megatron"
+ATTENTION_TESTS = ("tests/kernels/test_paged_attention.py",)
 TARGETS: Dict[str, Target] = {
     "context/update_plan.py": Target(CONTEXT_TESTS, keyword=CONTEXT_KEYWORD),
     "context/request_table.py": Target(CONTEXT_TESTS, keyword=CONTEXT_KEYWORD),
@@ -92,11 +93,21 @@ TARGETS: Dict[str, Target] = {
                                    functions=("_kv_append_kernel", "kv_append")),
     "kernels/compaction.py": Target(("tests/kernels/test_compaction.py",), interpreter=True,
                                     functions=("_compact_requests_kernel", "compact_requests")),
-    "kernels/paged_attention.py": Target(
-        ("tests/kernels/test_paged_attention.py",), interpreter=True,
-        functions=("_attend_key_tile", "_paged_attention_decode_kernel",
-                   "_paged_attention_merge_kernel", "_paged_attention_varlen_kernel",
-                   "paged_attention", "_common_args", "_launch_decode", "_launch_varlen")),
+    # Paged attention: the launcher (validation aside) and, per file since the split, the
+    # kernels and launchers' index arithmetic (the config tables and tuning cases are not).
+    "kernels/paged_attention.py": Target(ATTENTION_TESTS, interpreter=True,
+                                         functions=("paged_attention",)),
+    "kernels/paged_attention_tile.py": Target(ATTENTION_TESTS, interpreter=True,
+                                              functions=("_attend_key_tile", "kernel_args")),
+    "kernels/paged_attention_decode.py": Target(
+        ATTENTION_TESTS, interpreter=True,
+        functions=("_paged_attention_decode_kernel", "launch_decode")),
+    "kernels/paged_attention_varlen.py": Target(
+        ATTENTION_TESTS, interpreter=True,
+        functions=("_paged_attention_varlen_kernel", "launch_varlen")),
+    "kernels/paged_attention_merge.py": Target(
+        ATTENTION_TESTS, interpreter=True,
+        functions=("_merge_attention_splits_kernel", "merge_chunk", "merge_attention_splits")),
 }
 RESULTS = ROOT / "bench" / "results" / "mutation.json"
 
@@ -563,7 +574,8 @@ def run_module(path: str, target: Target, *, sample: Optional[int], seed: int,
         "score": round((counts["killed"] + counts["timeout"]) / run, 4) if run else None,
         "baseline_seconds": round(baseline, 1),
         "seconds": round(sum(o.seconds for _, o in results), 1),
-        "survivors": [{"line": m.line, "mutation": f"{m.kind} {m.description}",
+        "survivors": [{"line": m.line, "column": m.begin - _offsets(source)[m.line - 1],
+                       "mutation": f"{m.kind} {m.description}",
                        "verdict": o.verdict, "source": lines_of[m.line - 1].strip()}
                       for m, o in results if o.verdict in ("survived", "not covered")],
         "killed_by": sorted({o.detail for _, o in results if o.verdict == "killed"}),
