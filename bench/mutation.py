@@ -30,6 +30,15 @@ import it), ``timeout`` (over the limit: killed too), ``survived``.
     python -P bench/mutation.py --sample 40 --seed 0     # 40 mutants per module
     python -P bench/mutation.py --modules engine/sampling.py --sample 20
     python -P bench/mutation.py --list                   # the mutants, without running
+    python -P bench/mutation.py --rerun OLD.json         # OLD's survivors again, after new tests
+
+A run reads the checkout it sits in (``_CheckoutFinder``), whatever is installed: copy the
+repository (``git worktree add`` or a copy of the tracked files) and run the copy's
+``bench/mutation.py``, so that editing the working tree meanwhile changes nothing; the copy has
+no ``.git``, so pass its revision as ``DYNCTX_GIT_REVISION``. ``--rerun`` takes one or more
+earlier reports (of different modules), runs only their survivors against today's tests and
+writes one report of the same mutants scored again, each module's earlier score kept as
+``before`` and the mutants the new tests killed as ``killed_since``.
 
 One thread (``OMP_NUM_THREADS=1``), one mutant at a time. The report (``--out``, default
 ``bench/results/mutation.json``) holds per module the score, the survivors (line, mutation and
@@ -123,6 +132,7 @@ class Mutant:
     begin: int         # character offsets of the replaced text in the source
     finish: int
     replacement: str
+    line_offset: int = 0   # character offset of the start of ``line``
 
     @property
     def name(self) -> str:
@@ -336,8 +346,10 @@ def find_mutants(path: str, source: str, functions: Optional[Sequence[str]] = No
     collector = _Collector(source, functions)
     collector.visit(ast.parse(source))
     points = sorted(collector.points, key=lambda p: (p[3], p[4], p[2]))
+    starts = _offsets(source)
     return [Mutant(path=path, index=i, line=line, kind=kind, description=description,
-                   begin=begin, finish=finish, replacement=replacement)
+                   begin=begin, finish=finish, replacement=replacement,
+                   line_offset=starts[line - 1])
             for i, (kind, line, description, begin, finish, replacement) in enumerate(points)]
 
 
@@ -516,15 +528,41 @@ def _first_failure(log: str) -> str:
     return ""
 
 
+def survivor_key(line: int, column: Optional[int], mutation: str) -> Tuple[int, int, str]:
+    return line, -1 if column is None else column, mutation
+
+
+def select_survivors(mutants: Sequence[Mutant], survivors: Sequence[dict]) -> List[Mutant]:
+    """The mutants an earlier report lists as survivors (by line, column and mutation; a
+    survivor recorded without its column matches every column of its line)."""
+    wanted = {survivor_key(s["line"], s.get("column"), s["mutation"]) for s in survivors}
+    chosen = []
+    for m in mutants:
+        column = m.begin - m.line_offset
+        mutation = f"{m.kind} {m.description}"
+        if survivor_key(m.line, column, mutation) in wanted or \
+                survivor_key(m.line, None, mutation) in wanted:
+            chosen.append(m)
+    return chosen
+
+
 def run_module(path: str, target: Target, *, sample: Optional[int], seed: int,
-               timeout_factor: float, min_timeout: float, max_seconds: Optional[float]) -> dict:
-    """Baseline and mutants of one module (in this process: the caller set the environment)."""
+               timeout_factor: float, min_timeout: float, max_seconds: Optional[float],
+               survivors: Optional[Sequence[dict]] = None) -> dict:
+    """Baseline and mutants of one module (in this process: the caller set the environment);
+    with ``survivors`` (an earlier report's), only those mutants."""
     source = (ROOT / path).read_text()
     name = module_name(path)
     mutants = [m for m in find_mutants(path, source, target.functions)
                if check_mutant_compiles(source, m)]
     total = len(mutants)
-    if sample is not None and sample < total:
+    if survivors is not None:
+        mutants = select_survivors(mutants, survivors)
+        missing = len(survivors) - len(mutants)
+        if missing:
+            print(f"   {missing} of {len(survivors)} survivors no longer exist (the code "
+                  "changed): run the module again", flush=True)
+    elif sample is not None and sample < total:
         mutants = sorted(random.Random(f"{seed}:{path}").sample(mutants, sample),
                          key=lambda m: m.index)
     tests = [str(ROOT / t) for t in target.tests]
@@ -574,12 +612,63 @@ def run_module(path: str, target: Target, *, sample: Optional[int], seed: int,
         "score": round((counts["killed"] + counts["timeout"]) / run, 4) if run else None,
         "baseline_seconds": round(baseline, 1),
         "seconds": round(sum(o.seconds for _, o in results), 1),
-        "survivors": [{"line": m.line, "column": m.begin - _offsets(source)[m.line - 1],
+        "survivors": [{"line": m.line, "column": m.begin - m.line_offset,
                        "mutation": f"{m.kind} {m.description}",
                        "verdict": o.verdict, "source": lines_of[m.line - 1].strip()}
                       for m, o in results if o.verdict in ("survived", "not covered")],
         "killed_by": sorted({o.detail for _, o in results if o.verdict == "killed"}),
+        "verdicts": [{"line": m.line, "column": m.begin - m.line_offset,
+                      "mutation": f"{m.kind} {m.description}", "verdict": o.verdict,
+                      "detail": o.detail} for m, o in results],
     }
+
+
+def combine_reports(reports: Sequence[dict]) -> dict:
+    """Earlier reports as one: their modules (each module in one report only) and, as
+    ``runs``, the command, revision and date of each (a rerun's: those of the runs it redid)."""
+    modules, runs = [], []
+    for report in reports:
+        modules += report["modules"]
+        runs += report.get("rerun_of") or [{k: report[k] for k in ("command", "git_revision",
+                                                                   "date", "sample", "seed")}]
+    names = [m["module"] for m in modules]
+    if len(set(names)) != len(names):
+        raise SystemExit(f"--rerun: a module is in several reports: {sorted(names)}")
+    samples = {report["sample"] for report in reports}
+    return {"modules": modules, "runs": runs,
+            "sample": samples.pop() if len(samples) == 1 else sorted(samples, key=str),
+            "seed": reports[0]["seed"]}
+
+
+def merge_rerun(before: dict, rerun: Optional[dict]) -> dict:
+    """One module of an earlier report with its survivors' new verdicts (``rerun``: the
+    ``run_module`` result over them, None when it had none): the same mutants, scored again,
+    with the earlier score kept as ``before``."""
+    merged = dict(before)
+    merged["before"] = {k: before[k] for k in ("score", "run", "survived", "not covered")}
+    if rerun is None:
+        return merged
+    verdicts = {survivor_key(v["line"], v["column"], v["mutation"]): v
+                for v in rerun["verdicts"]}
+    survivors, newly = [], []
+    for survivor in before["survivors"]:
+        found = verdicts.get(survivor_key(survivor["line"], survivor.get("column"),
+                                          survivor["mutation"]))
+        if found is None or found["verdict"] in ("survived", "not covered"):
+            survivors.append(survivor if found is None else dict(survivor,
+                                                                  verdict=found["verdict"]))
+        else:
+            newly.append(dict(survivor, verdict=found["verdict"], detail=found["detail"]))
+    counts = {v: before[v] for v in ("killed", "timeout")}
+    for item in newly:
+        counts[item["verdict"]] += 1
+    run = before["run"]
+    merged.update(counts, survivors=survivors, killed_since=newly,
+                  survived=sum(s["verdict"] == "survived" for s in survivors),
+                  tests=rerun["tests"], keyword=rerun["keyword"])
+    merged["not covered"] = sum(s["verdict"] == "not covered" for s in survivors)
+    merged["score"] = round((counts["killed"] + counts["timeout"]) / run, 4) if run else None
+    return merged
 
 
 def _revision() -> str:
@@ -591,18 +680,23 @@ def _revision() -> str:
 
 
 def table(modules: List[dict]) -> str:
-    rows = [f"{'module':32} {'mutants':>7} {'run':>5} {'killed':>6} {'timeout':>7} "
-            f"{'survived':>8} {'uncovered':>9} {'score':>6}"]
+    def percent(score):
+        return "-" if score is None else f"{100 * score:.1f}%"
+
+    rows = [f"{'module':34} {'mutants':>7} {'run':>5} {'killed':>6} {'timeout':>7} "
+            f"{'survived':>8} {'uncovered':>9} {'score':>6} {'before':>6}"]
     for m in modules:
-        score = "-" if m["score"] is None else f"{100 * m['score']:.1f}%"
-        rows.append(f"{m['module']:32} {m['mutants']:7} {m['run']:5} {m['killed']:6} "
-                    f"{m['timeout']:7} {m['survived']:8} {m['not covered']:9} {score:>6}")
+        before = percent(m["before"]["score"]) if "before" in m else ""
+        rows.append(f"{m['module']:34} {m['mutants']:7} {m['run']:5} {m['killed']:6} "
+                    f"{m['timeout']:7} {m['survived']:8} {m['not covered']:9} "
+                    f"{percent(m['score']):>6} {before:>6}")
     return "\n".join(rows)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--modules", nargs="+", default=list(TARGETS), choices=list(TARGETS))
+    parser.add_argument("--modules", nargs="+", default=None, choices=list(TARGETS),
+                        help="default: every module (with --rerun: every module of the report)")
     parser.add_argument("--sample", type=int, default=None,
                         help="mutants per module, drawn with --seed (default: all)")
     parser.add_argument("--seed", type=int, default=0)
@@ -613,8 +707,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="time budget per module for its mutants")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--list", action="store_true", help="print the mutants and exit")
+    parser.add_argument("--rerun", type=Path, nargs="+", default=None,
+                        help="earlier reports (of different modules): run their survivors "
+                             "again (after new tests) and write one report of the same "
+                             "mutants scored again, the earlier scores as 'before'")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    earlier = None if args.rerun is None else \
+        combine_reports([json.loads(path.read_text()) for path in args.rerun])
+    if args.modules is None:
+        args.modules = list(TARGETS) if earlier is None else \
+            [m["module"] for m in earlier["modules"]]
+    survivors_of = {} if earlier is None else \
+        {m["module"]: m["survivors"] for m in earlier["modules"]}
 
     if args.list:
         for path in args.modules:
@@ -628,7 +733,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         _warm_imports(interpreter)
         modules = [run_module(p, TARGETS[p], sample=args.sample, seed=args.seed,
                               timeout_factor=args.timeout_factor, min_timeout=args.min_timeout,
-                              max_seconds=args.max_seconds) for p in args.modules]
+                              max_seconds=args.max_seconds,
+                              survivors=survivors_of[p] if earlier is not None else None)
+                   for p in args.modules if earlier is None or survivors_of.get(p)]
         json.dump(modules, sys.stdout if args.out == Path("-") else open(args.out, "w"))
         return 0
 
@@ -636,7 +743,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     started = time.perf_counter()
     modules: List[dict] = []
     for interpreter in (False, True):
-        paths = [p for p in args.modules if TARGETS[p].interpreter == interpreter]
+        paths = [p for p in args.modules if TARGETS[p].interpreter == interpreter
+                 and (earlier is None or survivors_of.get(p))]
         if not paths:
             continue
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONHASHSEED="0")
@@ -651,9 +759,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             command += ["--sample", str(args.sample)]
         if args.max_seconds is not None:
             command += ["--max-seconds", str(args.max_seconds)]
+        if args.rerun is not None:
+            command += ["--rerun", *(str(path.resolve()) for path in args.rerun)]
         subprocess.run(command, env=env, check=True, cwd=ROOT)
         modules += json.loads(Path(part).read_text())
         os.unlink(part)
+    if earlier is not None:
+        rerun = {m["module"]: m for m in modules}
+        modules = [merge_rerun(m, rerun.get(m["module"])) for m in earlier["modules"]
+                   if m["module"] in args.modules]
     order = {p: i for i, p in enumerate(args.modules)}
     modules.sort(key=lambda m: order[m["module"]])
     report = {
@@ -666,6 +780,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "wall_seconds": round(time.perf_counter() - started, 1),
         "modules": modules,
     }
+    if earlier is not None:
+        report.update(sample=earlier["sample"], seed=earlier["seed"],
+                      rerun_of=earlier["runs"])
     if args.out != Path("-"):
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")

@@ -71,3 +71,49 @@ def test_functions_limit_what_is_mutated():
     mutants = mutation.find_mutants("example.py", SOURCE + "\ndef g():\n    return 1 + 1\n",
                                     functions=("g",))
     assert {m.line for m in mutants} == {14}
+
+
+def test_a_rerun_finds_the_survivors_by_line_column_and_mutation():
+    mutants = mutation.find_mutants("example.py", SOURCE)
+    plus = next(m for m in mutants if m.description == "+ -> -")
+    times = next(m for m in mutants if m.description == "* -> +")
+    assert plus.line == times.line == 4 and plus.begin - plus.line_offset == 14
+    survivors = [{"line": 4, "column": 14, "mutation": "operator + -> -"},
+                 {"line": 4, "column": None, "mutation": "operator * -> +"},
+                 {"line": 4, "column": 13, "mutation": "operator * -> +"}]
+    assert mutation.select_survivors(mutants, survivors) == [plus, times]
+    assert mutation.select_survivors(mutants, survivors[2:]) == []
+
+
+def test_a_rerun_scores_the_same_mutants_again_and_keeps_the_earlier_score():
+    first = {"line": 4, "column": 13, "mutation": "operator + -> -", "verdict": "survived"}
+    second = {"line": 9, "column": 12, "mutation": "statement Continue -> pass",
+              "verdict": "not covered"}
+    before = {"module": "example.py", "run": 10, "killed": 7, "timeout": 1, "survived": 1,
+              "not covered": 1, "score": 0.8, "survivors": [first, second],
+              "tests": ["old.py"], "keyword": None}
+    rerun = {"tests": ["old.py", "new.py"], "keyword": None,
+             "verdicts": [dict(first, verdict="killed", detail="FAILED new.py::test"),
+                          dict(second, verdict="survived", detail="")]}
+    merged = mutation.merge_rerun(before, rerun)
+    assert (merged["killed"], merged["timeout"], merged["survived"], merged["not covered"],
+            merged["score"], merged["run"]) == (8, 1, 1, 0, 0.9, 10)
+    assert merged["before"] == {"score": 0.8, "run": 10, "survived": 1, "not covered": 1}
+    assert merged["survivors"] == [dict(second, verdict="survived")]
+    assert merged["killed_since"] == [dict(first, verdict="killed",
+                                           detail="FAILED new.py::test")]
+    assert merged["tests"] == ["old.py", "new.py"]
+    unchanged = mutation.merge_rerun(before, None)
+    assert unchanged["score"] == 0.8 and unchanged["before"]["score"] == 0.8
+
+
+def test_reports_of_different_modules_combine_and_a_module_twice_is_refused():
+    one = {"modules": [{"module": "a.py"}], "command": "c1", "git_revision": "r1",
+           "date": "d", "sample": 20, "seed": 0}
+    two = dict(one, modules=[{"module": "b.py"}], command="c2", sample=10)
+    combined = mutation.combine_reports([one, two])
+    assert [m["module"] for m in combined["modules"]] == ["a.py", "b.py"]
+    assert [r["command"] for r in combined["runs"]] == ["c1", "c2"]
+    assert combined["sample"] == [10, 20]
+    with pytest.raises(SystemExit, match="several reports"):
+        mutation.combine_reports([one, one])
