@@ -20,9 +20,10 @@ moves: update the mapping, ``tests/test_mutation_targets.py`` checks that every 
 the test files that should kill its mutants, whether they need the Triton interpreter, and
 optionally the functions to mutate (the kernels' index arithmetic, not their tuning tables).
 Per module: one run of its tests unmutated (they must pass) that also records the lines they
-execute; then, for each mutant (all, or a seeded sample), a fork of a process that has imported
-torch, numpy, pytest and (for the kernels) Triton, where the mutated file replaces the module
-(an import hook) before pytest runs its tests with ``-x``. A mutant on a line the tests never
+execute; then, for each mutant (all, or a seeded sample), per test file in order until one
+fails, a fork of a process that has imported torch, numpy, pytest and (for the kernels) Triton,
+where the mutated file replaces the module (an import hook) before pytest runs that file with
+``-x``. A mutant on a line the tests never
 execute survives without a run. Verdicts: ``killed`` (a test failed or the tests could not even
 import it), ``timeout`` (over the limit: killed too), ``survived``.
 
@@ -546,6 +547,22 @@ def select_survivors(mutants: Sequence[Mutant], survivors: Sequence[dict]) -> Li
     return chosen
 
 
+def _run_stages(tests: Sequence[str], keyword: Optional[str], name: str, mutant_file: str,
+                timeout: float) -> "Outcome":
+    """One mutant against ``tests``, each test file in its own fork, in order, up to the first
+    failure: a mutant the first files kill costs their collection only, not every file's
+    (collecting the context's files alone takes about 10 s). ``timeout`` bounds them all."""
+    spent = 0.0
+    for test in tests:
+        code, seconds, log, _ = _run([test], keyword, name, mutant_file, timeout - spent)
+        spent += seconds
+        if code is None:
+            return Outcome("timeout", spent, f"over {timeout:.0f} s")
+        if code not in (0, 5):   # 5: the keyword or the markers left no test of this file
+            return Outcome("killed", spent, _first_failure(log))
+    return Outcome("survived", spent)
+
+
 def run_module(path: str, target: Target, *, sample: Optional[int], seed: int,
                timeout_factor: float, min_timeout: float, max_seconds: Optional[float],
                survivors: Optional[Sequence[dict]] = None) -> dict:
@@ -588,15 +605,7 @@ def run_module(path: str, target: Target, *, sample: Optional[int], seed: int,
                 outcome = Outcome("not covered", 0.0, "no test executes this line")
             else:
                 Path(mutant_file).write_text(mutated_source(source, mutant))
-                code, seconds, log, _ = _run(tests, target.keyword, name, mutant_file, timeout)
-                if code is None:
-                    outcome = Outcome("timeout", seconds, f"over {timeout:.0f} s")
-                elif code == 0:
-                    outcome = Outcome("survived", seconds)
-                elif code == 5:
-                    outcome = Outcome("killed", seconds, "no tests collected")
-                else:
-                    outcome = Outcome("killed", seconds, _first_failure(log))
+                outcome = _run_stages(tests, target.keyword, name, mutant_file, timeout)
             results.append((mutant, outcome))
             mark = {"killed": ".", "timeout": "T", "survived": "S", "not covered": "N"}
             print(f"   [{number}/{len(mutants)}] {mark[outcome.verdict]} {mutant.name} "
