@@ -98,6 +98,8 @@ TARGETS: Dict[str, Target] = {
     "context/prefix_cache.py": Target(("tests/context/test_prefix_chains.py",
                                        "tests/context/test_prefix_cache.py")),
     "engine/sampling.py": Target(("tests/e2e/test_finish_rule.py::test_finish_reason",
+                                  "tests/e2e/test_sampling_oracle.py",
+                                  "tests/e2e/test_sampling_edges.py",
                                   "tests/e2e/test_sampling.py", "tests/e2e/test_finish_rule.py")),
     "kernels/kv_append.py": Target(("tests/kernels/test_kv_append.py",), interpreter=True,
                                    functions=("_kv_append_kernel", "kv_append")),
