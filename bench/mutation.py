@@ -63,7 +63,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -506,15 +506,17 @@ def _run(tests, keyword, name, mutant_file, timeout, trace_file=None
             finally:
                 os._exit(70)
         code = None
-        while time.perf_counter() - start < timeout:
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                code = os.waitstatus_to_exitcode(status)
-                break
-            time.sleep(0.05)
-        if code is None:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
+        try:
+            while time.perf_counter() - start < timeout:
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    code = os.waitstatus_to_exitcode(status)
+                    break
+                time.sleep(0.05)
+        finally:   # over time, or the worker stopped (SIGTERM): the tests go too
+            if code is None:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
         seconds = time.perf_counter() - start
         tail = Path(log).read_text(errors="replace")[-4000:] if os.path.exists(log) else ""
         lines = json.loads(Path(lines_out).read_text()) if os.path.exists(lines_out) else []
@@ -567,9 +569,11 @@ def _run_stages(tests: Sequence[str], keyword: Optional[str], name: str, mutant_
 
 def run_module(path: str, target: Target, *, sample: Optional[int], seed: int,
                timeout_factor: float, min_timeout: float, max_seconds: Optional[float],
-               survivors: Optional[Sequence[dict]] = None) -> dict:
+               survivors: Optional[Sequence[dict]] = None,
+               progress: Optional[Callable[[dict], None]] = None) -> dict:
     """Baseline and mutants of one module (in this process: the caller set the environment);
-    with ``survivors`` (an earlier report's), only those mutants."""
+    with ``survivors`` (an earlier report's), only those mutants. ``progress`` gets the
+    module's report so far after each mutant."""
     source = (ROOT / path).read_text()
     name = module_name(path)
     mutants = [m for m in find_mutants(path, source, target.functions)
@@ -612,6 +616,16 @@ def run_module(path: str, target: Target, *, sample: Optional[int], seed: int,
             mark = {"killed": ".", "timeout": "T", "survived": "S", "not covered": "N"}
             print(f"   [{number}/{len(mutants)}] {mark[outcome.verdict]} {mutant.name} "
                   f"({outcome.seconds:.1f} s) {outcome.detail}", flush=True)
+            if progress is not None:
+                progress(_summary(path, target, total, baseline, source, results,
+                                  complete=False))
+    return _summary(path, target, total, baseline, source, results, complete=True)
+
+
+def _summary(path: str, target: Target, total: int, baseline: float, source: str,
+             results: Sequence[Tuple[Mutant, "Outcome"]], complete: bool) -> dict:
+    """One module's part of the report (``complete``: False while its run goes on)."""
+    name = module_name(path)
     lines_of = source.splitlines()
     counts = {v: sum(o.verdict == v for _, o in results)
               for v in ("killed", "timeout", "survived", "not covered")}
@@ -620,6 +634,7 @@ def run_module(path: str, target: Target, *, sample: Optional[int], seed: int,
         "module": path, "import": name, "tests": list(target.tests), "keyword": target.keyword,
         "functions": list(target.functions) if target.functions else None,
         "interpreter": target.interpreter, "mutants": total, "run": run, **counts,
+        "complete": complete,
         "score": round((counts["killed"] + counts["timeout"]) / run, 4) if run else None,
         "baseline_seconds": round(baseline, 1),
         "seconds": round(sum(o.seconds for _, o in results), 1),
@@ -740,18 +755,30 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     print(m.name)
         return 0
     if args.worker:
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
         interpreter = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
         _warm_imports(interpreter)
-        modules = [run_module(p, TARGETS[p], sample=args.sample, seed=args.seed,
-                              timeout_factor=args.timeout_factor, min_timeout=args.min_timeout,
-                              max_seconds=args.max_seconds,
-                              survivors=survivors_of[p] if earlier is not None else None)
-                   for p in args.modules if earlier is None or survivors_of.get(p)]
-        json.dump(modules, sys.stdout if args.out == Path("-") else open(args.out, "w"))
+        # The part file holds every finished module and the current one so far, rewritten
+        # after each mutant: a run stopped early keeps what it measured.
+        modules: List[dict] = []
+
+        def write(current: Optional[dict] = None) -> None:
+            args.out.write_text(json.dumps(modules + ([current] if current else [])))
+
+        for p in args.modules:
+            if earlier is None or survivors_of.get(p):
+                modules.append(run_module(
+                    p, TARGETS[p], sample=args.sample, seed=args.seed,
+                    timeout_factor=args.timeout_factor, min_timeout=args.min_timeout,
+                    max_seconds=args.max_seconds, progress=write,
+                    survivors=survivors_of[p] if earlier is not None else None))
+                write()
+        write()
         return 0
 
     # One worker process per interpreter setting: TRITON_INTERPRET is read at import.
     started = time.perf_counter()
+    stopped = False
     modules: List[dict] = []
     for interpreter in (False, True):
         paths = [p for p in args.modules if TARGETS[p].interpreter == interpreter
@@ -772,9 +799,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             command += ["--max-seconds", str(args.max_seconds)]
         if args.rerun is not None:
             command += ["--rerun", *(str(path.resolve()) for path in args.rerun)]
-        subprocess.run(command, env=env, check=True, cwd=ROOT)
-        modules += json.loads(Path(part).read_text())
+        worker = subprocess.Popen(command, env=env, cwd=ROOT)
+        try:
+            code = worker.wait()
+        except KeyboardInterrupt:   # stopped: report what was measured, marked incomplete
+            worker.terminate()
+            code = worker.wait()
+            stopped = True
+        text = Path(part).read_text()
         os.unlink(part)
+        if code != 0 and not stopped:
+            raise SystemExit(f"the worker failed (exit {code})")
+        modules += json.loads(text) if text else []
+        if stopped:
+            break
     if earlier is not None:
         rerun = {m["module"]: m for m in modules}
         modules = [merge_rerun(m, rerun.get(m["module"])) for m in earlier["modules"]
@@ -790,6 +828,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "sample": args.sample, "seed": args.seed,
         "wall_seconds": round(time.perf_counter() - started, 1),
         "modules": modules,
+        "complete": not stopped and all(m.get("complete", True) for m in modules),
     }
     if earlier is not None:
         report.update(sample=earlier["sample"], seed=earlier["seed"],

@@ -7,6 +7,7 @@ exactly one thing, compiles, and keeps every line where it was."""
 from __future__ import annotations
 
 import importlib
+import json
 from pathlib import Path
 
 import mutation
@@ -117,3 +118,30 @@ def test_reports_of_different_modules_combine_and_a_module_twice_is_refused():
     assert combined["sample"] == [10, 20]
     with pytest.raises(SystemExit, match="several reports"):
         mutation.combine_reports([one, one])
+
+
+def test_the_worker_writes_what_it_measured_after_each_mutant(monkeypatch, tmp_path):
+    """A run stopped early keeps its finished modules and the current one so far."""
+    import signal
+
+    seen = []
+
+    def fake_run_module(path, target, *, progress, **kwargs):
+        partial = {"module": path, "run": 1, "complete": False}
+        progress(partial)
+        seen.append(json.loads(out.read_text()))
+        return dict(partial, run=2, complete=True)
+
+    out = tmp_path / "part.json"
+    monkeypatch.setattr(mutation, "run_module", fake_run_module)
+    monkeypatch.setattr(mutation, "_warm_imports", lambda interpreter: None)
+    handler = signal.getsignal(signal.SIGTERM)
+    try:
+        assert mutation.main(["--worker", "--modules", "engine/sampling.py",
+                              "context/prefix_cache.py", "--out", str(out)]) == 0
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+    assert seen == [[{"module": "engine/sampling.py", "run": 1, "complete": False}],
+                    [{"module": "engine/sampling.py", "run": 2, "complete": True},
+                     {"module": "context/prefix_cache.py", "run": 1, "complete": False}]]
+    assert [m["run"] for m in json.loads(out.read_text())] == [2, 2]
