@@ -82,7 +82,8 @@ class Target:
 # The context's unit tests first (fast), then the random workloads (a few seconds each), then
 # the capture dummies against megatron-core (12 s of importing it); the Megatron rope and
 # hybrid-size comparisons test no bookkeeping.
-CONTEXT_TESTS = ("tests/context/test_block_allocator.py",
+CONTEXT_TESTS = ("tests/context/test_request_table_unbound.py",
+                 "tests/context/test_block_allocator.py",
                  "tests/context/test_update_plan_stack.py", "tests/context/test_reset_state.py",
                  "tests/context/test_context.py", "tests/context/test_prefix_cache.py",
                  "tests/context/test_prefix_chains.py", "tests/context/test_hybrid.py",
