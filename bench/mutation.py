@@ -738,8 +738,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="earlier reports (of different modules): run their survivors "
                              "again (after new tests) and write one report of the same "
                              "mutants scored again, the earlier scores as 'before'")
+    parser.add_argument("--join", type=Path, nargs="+", default=None,
+                        help="reports of separate runs (different modules, run side by side): "
+                             "write them as one report, running nothing")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.join is not None:
+        joined = combine_reports([json.loads(path.read_text()) for path in args.join])
+        report = {"tool": "bench/mutation.py", "runs": joined["runs"],
+                  "command": "python -P bench/mutation.py " + " ".join(
+                      argv if argv is not None else sys.argv[1:]),
+                  "git_revision": sorted({run["git_revision"] for run in joined["runs"]}),
+                  "date": datetime.date.today().isoformat(), "sample": joined["sample"],
+                  "seed": joined["seed"], "modules": joined["modules"],
+                  "complete": all(m.get("complete", True) for m in joined["modules"])}
+        args.out.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+        print(table(joined["modules"]))
+        return 0
     earlier = None if args.rerun is None else \
         combine_reports([json.loads(path.read_text()) for path in args.rerun])
     if args.modules is None:

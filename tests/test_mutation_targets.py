@@ -145,3 +145,21 @@ def test_the_worker_writes_what_it_measured_after_each_mutant(monkeypatch, tmp_p
                     [{"module": "engine/sampling.py", "run": 2, "complete": True},
                      {"module": "context/prefix_cache.py", "run": 1, "complete": False}]]
     assert [m["run"] for m in json.loads(out.read_text())] == [2, 2]
+
+
+def test_join_writes_separate_runs_as_one_report_and_runs_nothing(tmp_path):
+    parts = []
+    for number, module in enumerate(["a.py", "b.py"]):
+        part = tmp_path / f"{number}.json"
+        part.write_text(json.dumps({
+            "modules": [{"module": module, "mutants": 9, "run": 2, "killed": 2, "timeout": 0,
+                         "survived": 0, "not covered": 0, "score": 1.0}],
+            "command": f"run {module}", "git_revision": "abc", "date": "d", "sample": 20,
+            "seed": 0}))
+        parts.append(str(part))
+    out = tmp_path / "joined.json"
+    assert mutation.main(["--join", *parts, "--out", str(out)]) == 0
+    joined = json.loads(out.read_text())
+    assert [m["module"] for m in joined["modules"]] == ["a.py", "b.py"]
+    assert [r["command"] for r in joined["runs"]] == ["run a.py", "run b.py"]
+    assert joined["git_revision"] == ["abc"] and joined["complete"] is True
