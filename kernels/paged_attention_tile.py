@@ -21,15 +21,8 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-# fp32 is exact to rounding; fp16/bf16 products round p to the cache dtype before P @ V.
-ATTENTION_TOLERANCE = {torch.float32: dict(atol=2e-5, rtol=2e-5),
-                       torch.float16: dict(atol=4e-3, rtol=4e-3),
-                       torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}
 MAX_HEAD_DIM = 256
 MAX_GROUP = 64
-# The heads both tunings' presets use: Llama-3-8B's attention (kernels/_shapes.py).
-LLAMA_HEADS = dict(num_q_heads=LLAMA_3_8B["num_attention_heads"],
-                   num_kv_heads=LLAMA_3_8B["num_key_value_heads"], head_dim=LLAMA_3_8B["head_dim"])
 
 
 if HAS_TRITON:
@@ -113,6 +106,17 @@ def sink_args(query, sinks) -> dict:
     if sinks is None:
         return dict(sinks_ptr=query, num_sinks=0, stride_sinks=0)
     return dict(sinks_ptr=sinks, num_sinks=sinks.shape[0], stride_sinks=sinks.stride(0))
+
+
+# What both tunings share: the tolerance a candidate config is checked to, the preset heads
+# and the interpreter's scaled-down key.
+# fp32 is exact to rounding; fp16/bf16 products round p to the cache dtype before P @ V.
+ATTENTION_TOLERANCE = {torch.float32: dict(atol=2e-5, rtol=2e-5),
+                       torch.float16: dict(atol=4e-3, rtol=4e-3),
+                       torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}
+# The heads both tunings' presets use: Llama-3-8B's attention (kernels/_shapes.py).
+LLAMA_HEADS = dict(num_q_heads=LLAMA_3_8B["num_attention_heads"],
+                   num_kv_heads=LLAMA_3_8B["num_key_value_heads"], head_dim=LLAMA_3_8B["head_dim"])
 
 
 def scaled_down_key(key: dict) -> dict:
