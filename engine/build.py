@@ -21,7 +21,7 @@ from dynctx.kernels.backend import HAS_TRITON
 from dynctx.kernels.devices import indexed_device
 from dynctx.models.paged_attention import BACKENDS as ATTENTION_BACKENDS
 
-from .graphs import graph_attention_backend
+from .replay_inputs import graph_attention_backend
 from .validation import check_choice
 
 

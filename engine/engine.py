@@ -15,8 +15,10 @@ read one step late, after the next step's forward is launched (``engine/overlap.
 * ``engine/step.py``: the step (forward, sampling, the finish mask, ``update_requests``);
 * ``engine/overlap.py``: the same pieces with the tokens read one step late;
 * ``engine/results.py``: finished results and their delivery, for both modes;
-* ``engine/sampling.py``, ``engine/graphs.py``, ``engine/lockstep.py``: sampling, CUDA graph
-  capture and replay, tensor-parallel lockstep.
+* ``engine/graphs.py``: CUDA graph capture and replay (the runners), over
+  ``engine/replay_inputs.py`` (what a replay reads), ``engine/launch_tape.py`` (the CPU
+  stand-in's check of every launch) and ``engine/sync_guard.py`` (host syncs refused);
+* ``engine/sampling.py``, ``engine/lockstep.py``: sampling, tensor-parallel lockstep.
 
 Requests are isolated from each other:
 
@@ -211,7 +213,7 @@ class Engine:
         ``num_cuda_graphs`` (a context argument) with ``cuda_graphs=True``: the engine captures
         and replays the forward per graph batch dimension (``Engine``'s ``cuda_graphs``), and
         ``attention_backend="auto"`` picks among the backends a graph can capture
-        (``engine.graphs.graph_attention_backend``). ``enable_prefix_caching`` and
+        (``engine.replay_inputs.graph_attention_backend``). ``enable_prefix_caching`` and
         ``prefix_caching_eviction_policy`` (and ``prefix_caching_mamba_gb``, a context
         argument) turn prefix caching on (docs/SEMANTICS.md §17); ``stats.prefix_cache`` then
         gives its counters and hit rates. ``async_scheduling``: as ``Engine``'s.

@@ -1,4 +1,4 @@
-"""The stand-in graph replay freezes what a CUDA graph freezes (engine/graphs.py,
+"""The stand-in graph replay freezes what a CUDA graph freezes (engine/launch_tape.py,
 ``LaunchRecorder``): a replay whose launches differ from the capture's in anything a graph bakes
 in (a Python scalar, a shape, the address of a tensor that existed before the forward, which
 launch made an intermediate, a kernel call's arguments, a Triton grid) fails on a CPU, as its
@@ -15,7 +15,8 @@ import torch
 from e2e_helpers import build_engine, case_engine_sizes, make_prompts, tiny_llama
 
 from dynctx.engine import graphs
-from dynctx.engine.graphs import GraphReplayMismatch, GraphStepContext, LaunchRecorder
+from dynctx.engine.launch_tape import GraphReplayMismatch, LaunchRecorder
+from dynctx.engine.replay_inputs import GraphStepContext
 from dynctx.kernels.backend import triton_interpreting
 from dynctx.kernels.kv_append import kv_append
 from dynctx.kernels.last_token_logits import last_token_logits

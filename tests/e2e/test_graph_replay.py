@@ -33,13 +33,9 @@ from triton_marks import needs_triton
 
 from dynctx.context import SamplingParams
 from dynctx.engine import Engine
-from dynctx.engine.graphs import (
-    CudaGraphRunner,
-    GraphStepContext,
-    LaunchRecorder,
-    StandInGraphRunner,
-    static_plan_values,
-)
+from dynctx.engine.graphs import CudaGraphRunner, StandInGraphRunner
+from dynctx.engine.launch_tape import LaunchRecorder
+from dynctx.engine.replay_inputs import GraphStepContext, static_plan_values
 
 CASE = dict(block_size=16, blocks=14, paused_blocks=3, max_tokens=32, max_requests=8, scale=1)
 
@@ -224,15 +220,15 @@ def test_cuda_graphs_capture_replay_and_match_eager(device):
 
 
 def test_graph_attention_backend_keeps_explicit_choices_and_avoids_flashinfer(monkeypatch):
-    from dynctx.engine import graphs
+    from dynctx.engine import replay_inputs
 
     cpu = torch.device("cpu")
-    assert graphs.graph_attention_backend("auto", cpu, 16, torch.float32) == "torch_static"
-    assert graphs.graph_attention_backend("flashinfer", cpu, 16, torch.bfloat16) == "flashinfer"
-    monkeypatch.setattr(graphs, "resolve_attention_backend", lambda *args: "flashinfer")
-    monkeypatch.setattr(graphs, "flash_attn_available", lambda device, block: block % 256 == 0)
-    assert graphs.graph_attention_backend("auto", cpu, 256, torch.bfloat16) == "flash_attn"
-    assert graphs.graph_attention_backend("auto", cpu, 16, torch.bfloat16) == "torch_static"
+    assert replay_inputs.graph_attention_backend("auto", cpu, 16, torch.float32) == "torch_static"
+    assert replay_inputs.graph_attention_backend("flashinfer", cpu, 16, torch.bfloat16) == "flashinfer"
+    monkeypatch.setattr(replay_inputs, "resolve_attention_backend", lambda *args: "flashinfer")
+    monkeypatch.setattr(replay_inputs, "flash_attn_available", lambda device, block: block % 256 == 0)
+    assert replay_inputs.graph_attention_backend("auto", cpu, 256, torch.bfloat16) == "flash_attn"
+    assert replay_inputs.graph_attention_backend("auto", cpu, 16, torch.bfloat16) == "torch_static"
 
 
 class _SyncingLlama:
@@ -378,7 +374,7 @@ def test_cuda_runner_protocol_with_torch_cuda_faked(monkeypatch):
 
     # The device check refuses a CPU context: build the runner past it.
     runner = CudaGraphRunner.__new__(CudaGraphRunner)
-    graphs_module._GraphRunner.__init__(runner, CountingModel(), engine.context,
+    graphs_module.GraphRunner.__init__(runner, CountingModel(), engine.context,
                                         last_token_only=True)
     runner.warmup_steps, runner._pool = 2, None
     runner.capture_all()
