@@ -58,30 +58,30 @@ class DeviceState:
         self.max_requests, self.max_tokens = max_requests, max_tokens
         self.max_kv_block_count = max_kv_block_count
         self.hybrid = hybrid
-        R = max_requests
-        sections = [("req", torch.int32, (NUM_FIELDS, R))]
-        sections += [(f"meta:{label}", dtype, (R,)) for label, dtype, _ in metadata_types]
-        sections += [("attn_query_lengths", torch.int32, (R,)),
-                     ("attn_cu_query", torch.int32, (R + 1,)),
-                     ("attn_cu_kv", torch.int32, (R + 1,)),
-                     ("attn_kv_lengths", torch.int32, (R,)),
-                     ("plan_src", torch.int32, (R,)),
-                     ("plan_col", torch.int32, (R,)),
-                     ("plan_block", torch.int32, (R,))]
+        rows = max_requests   # request rows
+        sections = [("req", torch.int32, (NUM_FIELDS, rows))]
+        sections += [(f"meta:{label}", dtype, (rows,)) for label, dtype, _ in metadata_types]
+        sections += [("attn_query_lengths", torch.int32, (rows,)),
+                     ("attn_cu_query", torch.int32, (rows + 1,)),
+                     ("attn_cu_kv", torch.int32, (rows + 1,)),
+                     ("attn_kv_lengths", torch.int32, (rows,)),
+                     ("plan_src", torch.int32, (rows,)),
+                     ("plan_col", torch.int32, (rows,)),
+                     ("plan_block", torch.int32, (rows,))]
         if hybrid:
-            sections += [("mamba_decode_slots", torch.int32, (R,)),
-                         ("mamba_prefill_slots", torch.int32, (R,)),
+            sections += [("mamba_decode_slots", torch.int32, (rows,)),
+                         ("mamba_prefill_slots", torch.int32, (rows,)),
                          ("mamba_chunked_slot", torch.int32, (1,)),
-                         ("mamba_cu_seqlens", torch.int32, (R + 1,)),
-                         ("mamba_zero_slots", torch.int64, (R,))]
+                         ("mamba_cu_seqlens", torch.int32, (rows + 1,)),
+                         ("mamba_zero_slots", torch.int64, (rows,))]
         self._sections = sections
         self.metadata_labels = [label for label, _, _ in metadata_types]
         # Whether the bookkeeping tensors handed out are host views (a CPU device; tests set it
         # False to run the CUDA path on a CPU: the arena then stops sharing the host buffer).
         self.host_views = device.type == "cpu"
         # Row numbers 0..R-1 and -1s: a decode update's identity plan, written from these.
-        self.row_numbers = np.arange(R, dtype=np.int32)
-        self.no_append = np.full(R, -1, dtype=np.int32)
+        self.row_numbers = np.arange(rows, dtype=np.int32)
+        self.no_append = np.full(rows, -1, dtype=np.int32)
         self.allocated = False
         for name in _ALLOCATED:
             setattr(self, name, None)
@@ -89,30 +89,31 @@ class DeviceState:
     def nbytes(self) -> int:
         """Device bytes ``allocate`` takes (about: the arena, the three block tables, the next
         tokens and the step's token arrays)."""
-        R, T, C = self.max_requests, self.max_tokens, self.max_kv_block_count
+        rows, tokens, row_blocks = self.max_requests, self.max_tokens, self.max_kv_block_count
         arena = sum(int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
                     for _, dtype, shape in self._sections)
-        return arena + 3 * 4 * R * C + 2 * 8 * R + (len(TOKEN_ARRAYS) + 1) * 8 * T
+        return (arena + 3 * 4 * rows * row_blocks + 2 * 8 * rows
+                + (len(TOKEN_ARRAYS) + 1) * 8 * tokens)
 
     def allocate(self) -> None:
         """Allocate every tensor (at construction, and on resume after a suspend)."""
-        R, T, C = self.max_requests, self.max_tokens, self.max_kv_block_count
+        rows, tokens, row_blocks = self.max_requests, self.max_tokens, self.max_kv_block_count
         device = self.device
         self.arena = HostArena(self._sections, device)
-        capacity = self.arena.nbytes + 4 * R * C + 2 * 8 * T + 4096
+        capacity = self.arena.nbytes + 4 * rows * row_blocks + 2 * 8 * tokens + 4096
         self.h2d = HostToDevice(device, capacity)
-        self.block_tables = [torch.full((R, C), -1, dtype=torch.int32, device=device)
+        self.block_tables = [torch.full((rows, row_blocks), -1, dtype=torch.int32, device=device)
                              for _ in range(2)]
-        self.next_tokens = [torch.zeros(R, dtype=torch.int64, device=device) for _ in range(2)]
+        self.next_tokens = [torch.zeros(rows, dtype=torch.int64, device=device) for _ in range(2)]
         self.current = 0
         self.rows_used = [0, 0]
         # A CPU context hands out host views of the block table: once one was handed out, the
         # next step (or update) refreshes the device table from the host, then clears this.
         self.host_table_written = False
-        self.attn_block_table = torch.full((R, C), -1, dtype=torch.int32, device=device)
+        self.attn_block_table = torch.full((rows, row_blocks), -1, dtype=torch.int32, device=device)
         for name in TOKEN_ARRAYS:
-            setattr(self, name, torch.zeros(T, dtype=torch.int64, device=device))
-        self.prompt_tokens = torch.zeros(T, dtype=torch.int64, device=device)
+            setattr(self, name, torch.zeros(tokens, dtype=torch.int64, device=device))
+        self.prompt_tokens = torch.zeros(tokens, dtype=torch.int64, device=device)
         # Between updates, rows [0, identity_plan_rows) of the arena's plan hold the identity
         # plan (0: unknown).
         self.identity_plan_rows = 0
@@ -236,8 +237,8 @@ class DeviceState:
             self.h2d.copy(self.prompt_tokens[:num_prompt], table.prompt[:num_prompt])
         for tensor, offset in device_prompts:
             self.prompt_tokens[offset:offset + tensor.numel()].copy_(tensor)
-        P = step.paused
-        block_table, query_lengths, kv_offsets, next_tokens = self.step_views(P, step.total)
+        paused = step.paused
+        block_table, query_lengths, kv_offsets, next_tokens = self.step_views(paused, step.total)
         step_metadata(
             self.token_to_input_ids, self.token_to_pos_ids, self.token_to_request_idx,
             self.token_to_block_idx, self.token_to_position_in_request,
@@ -245,7 +246,7 @@ class DeviceState:
             query_lengths, kv_offsets, self.arena.device["attn_cu_query"], next_tokens,
             self.prompt_tokens, num_requests=step.active, num_decode=step.fed_from_pending,
             active_tokens=step.active_tokens, padded_tokens=step.padded_tokens,
-            padded_requests=step.padded_requests, row_offset=P, block_size=table.block_size,
+            padded_requests=step.padded_requests, row_offset=paused, block_size=table.block_size,
             dummy_block=table.allocator.dummy_block_idx, backend=self.backend, check=False)
 
     def attention_metadata(self, step) -> SimpleNamespace:

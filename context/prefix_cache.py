@@ -358,15 +358,15 @@ class PrefixCache:
         """The pending blocks the step just computed (active rows only); pure."""
         if not self.pending:
             return PublishPlan()
-        P, T = table.paused, table.total
-        ids = table.rows[FIELD_IDS, P:T]
+        paused, total = table.paused, table.total
+        ids = table.rows[FIELD_IDS, paused:total]
         items, progress, snapshots = [], [], []
         snapshotting = self.mamba is not None and self.mamba.count > 0
         for rid, pending in self.pending.items():
             where = np.flatnonzero(ids == rid)
             if where.size == 0:
                 continue
-            row = P + int(where[0])
+            row = paused + int(where[0])
             computed = int(table.rows[FIELD_KV_OFFSET, row]) + int(table.rows[FIELD_QUERY, row])
             full = min(computed // self.block_size, len(pending.links))
             if snapshotting and full and computed == full * self.block_size:

@@ -99,12 +99,13 @@ class RequestTable:
         """Take the arena's host views (int32 ``[NUM_FIELDS, R]`` rows, ``label -> [R]``
         metadata, int64 ``[R]`` Mamba zero-slot list) and allocate the host-only arrays."""
         self.rows, self.metadata, self._zero_slots = rows, metadata, zero_slots
-        R, C = self.max_requests, self.max_kv_block_count
-        self.block_table = np.full((R, C), -1, dtype=np.int32)
-        # The block table as R opaque rows (moving rows is then a one-dimensional copy, several
-        # times faster than a two-dimensional fancy index).
-        self.block_rows = self.block_table.view(np.dtype((np.void, 4 * C))).reshape(R)
-        self.row_numbers = np.arange(R)
+        num_rows, row_blocks = self.max_requests, self.max_kv_block_count
+        self.block_table = np.full((num_rows, row_blocks), -1, dtype=np.int32)
+        # The block table as one opaque value per row (moving rows is then a one-dimensional
+        # copy, several times faster than a two-dimensional fancy index).
+        self.block_rows = self.block_table.view(np.dtype((np.void, 4 * row_blocks))).reshape(
+            num_rows)
+        self.row_numbers = np.arange(num_rows)
         self.prompt = np.zeros(self.max_tokens, dtype=np.int64)
         # The bytes of int32 ones (a decode step's query lengths, one memcmp) and of an int32
         # block_size - 1 (a full block's last offset, which plan_decode finds as bytes).
@@ -229,18 +230,19 @@ class RequestTable:
     def get_kvcache_utilization_stats(self) -> dict:
         """Block usage of the buffer and of the active requests; host only."""
         self.check_bound()
-        alloc, P, T = self.allocator, self.paused, self.total
+        alloc, num_paused, num_total = self.allocator, self.paused, self.total
         total = max(alloc.total_count - 1, 1)
         allocated = alloc.total_count - 1 - alloc.total_avail
-        rows = self.block_table[P:T]
+        rows = self.block_table[num_paused:num_total]
         active_unique = int(np.unique(rows[rows >= 0]).size)
         return {
             "total_blocks": total, "allocated_blocks": allocated,
             "active_unique_blocks": active_unique, "allocated_utilization": allocated / total,
-            "active_utilization": active_unique / total, "active_request_count": T - P,
-            "paused_request_count": P, "paused_blocks": self.paused_used_blocks(),
+            "active_utilization": active_unique / total, "active_request_count":
+                num_total - num_paused,
+            "paused_request_count": num_paused, "paused_blocks": self.paused_used_blocks(),
             "block_count_avail": alloc.total_avail, "active_token_count": self.active_tokens,
-            "total_request_count": T, "max_requests": self.request_limit,
+            "total_request_count": num_total, "max_requests": self.request_limit,
         }
 
     def set_chunked_id(self, value) -> None:

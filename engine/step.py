@@ -112,12 +112,12 @@ class Stepper:
         """``update_requests`` with the rows' mask (on the host: the context reads it without
         waiting for the device), then the rows applied to the engine."""
         ctx = self.context
-        if batch.chunked_id != -1 and any(r.finish == "error" and r.state.request_id ==
-                                          batch.chunked_id for r in rows):
+        if batch.chunked_id != -1 and any(row.finish == "error" and row.state.request_id ==
+                                          batch.chunked_id for row in rows):
             # A chunked prefill that failed ends now: the mask releases it like any other.
             ctx.chunked_prefill_request_id = -1
             self.scheduler.discard(batch.chunked_id)
-        mask = torch.from_numpy(np.fromiter((r.keep for r in rows), dtype=np.bool_,
+        mask = torch.from_numpy(np.fromiter((row.keep for row in rows), dtype=np.bool_,
                                             count=len(rows)))
         paused = ctx.update_requests(mask, batch.sampled)
         result.paused_ids = [int(i) for i in paused.tolist()]
@@ -191,7 +191,7 @@ class Stepper:
         result.active_requests, result.paused_requests = total - paused, paused
         result.tokens = ctx.active_token_count
         result.kv_utilization = ctx.get_kvcache_utilization_stats()["allocated_utilization"]
-        want_prompt_lp = any(s.wants_prompt_log_probs for s in states[num_decode:])
+        want_prompt_lp = any(state.wants_prompt_log_probs for state in states[num_decode:])
         # Every token's logits also when the context checks logits (vocab_size, validate): the
         # model's last-token path picks hidden-state rows through ``last_token_logits``, whose
         # checks are meant for logits.
@@ -207,17 +207,17 @@ class Stepper:
             output = torch.nan_to_num(output, nan=0.0, posinf=0.0, neginf=float("-inf"))
         last = ctx.last_token_logits(output) if full else output
         if in_flight is None:
-            params = [s.params for s in states]
-            indices = [len(s.request.generated_tokens) for s in states]
+            params = [state.params for state in states]
+            indices = [len(state.request.generated_tokens) for state in states]
         else:
-            params = [in_flight.params_for(s) for s in states]
-            indices = [in_flight.token_index(s) for s in states]
+            params = [in_flight.params_for(state) for state in states]
+            indices = [in_flight.token_index(state) for state in states]
         sampled, readout = sample_checked(last, params, indices, self.rng)
         batch = Batch(states=states, num_decode=num_decode,
                       chunked_id=ctx.chunked_prefill_request_id, sampled=sampled,
                       readout=readout, tokens=readout.tolist() if in_flight is None else [],
                       failed=failed, want_prompt_log_probs=want_prompt_lp)
-        if any(s.params.return_log_probs for s in states):
+        if any(state.params.return_log_probs for state in states):
             if want_prompt_lp:
                 batch.log_prob_lists, batch.full_log_probs = ctx.calculate_log_probs(
                     output, sampled)
