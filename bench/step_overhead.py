@@ -744,8 +744,9 @@ def _readback_waits(counter: OverheadCounter, launched: list):
 def count_engine_steps(engine, steps: int) -> List[dict]:
     """The ops and syncs of up to ``steps`` calls of ``engine.step()`` outside the model's
     forward (admission, sampling, the finish mask, the context's calls and the engine's
-    bookkeeping), one dict per step: ``{"step", "idle", "ops", "syncs", "sync_counts",
-    "sync_sites"}``. Stops early once the engine has nothing left to do.
+    bookkeeping), one dict per step: ``{"step", "idle", "replayed", "ops", "syncs",
+    "sync_counts", "sync_sites"}`` (``replayed``: graphs the step replayed). Stops early once
+    the engine has nothing left to do.
 
     What is "device" (CPU emulation): what the context holds, as for the context's own count
     (but for the id lists an update returns, CPU tensors on every device), the model's logits,
@@ -769,12 +770,15 @@ def count_engine_steps(engine, steps: int) -> List[dict]:
                                                   if t is not None],
                                   launcher_modules=_context_modules() + _engine_modules())
         launched: List[str] = []
+        runner = engine.graph_runner
+        replays_before = 0 if runner is None else sum(runner.replays.values())
         with _uncounted_forward(counter, engine.model, "forward", launched), \
                 _uncounted_forward(counter, engine.graph_runner, "run", launched), \
                 _readback_waits(counter, launched), counter.counting():
             result = engine.step()
         carried = [r for r in counter.device_made() if r() is not None]
-        per_step.append({"step": result.step, "idle": result.idle,
+        replayed = 0 if runner is None else sum(runner.replays.values()) - replays_before
+        per_step.append({"step": result.step, "idle": result.idle, "replayed": replayed,
                          "ops": sum(counter.ops.values()),
                          "syncs": sum(counter.syncs.values()),
                          "sync_counts": dict(counter.syncs),
@@ -782,10 +786,15 @@ def count_engine_steps(engine, steps: int) -> List[dict]:
     return per_step
 
 
+# The engine modes ``engine_syncs`` counts: eager and CUDA graphs, synchronous and async.
+ENGINE_MODES = ("sync", "graphs", "async", "graphs_async")
+
+
 def engine_syncs(requests: int = 8, new_tokens: int = 12) -> Dict[str, List[dict]]:
     """``count_engine_steps`` over a tiny random Llama (fp32, CPU emulation), prompts of 3-40
-    tokens (chunked prefill), greedy and seeded temperature/top-k/top-p rows, synchronous and
-    with async scheduling."""
+    tokens (chunked prefill), greedy and seeded temperature/top-k/top-p rows, in each of
+    ``ENGINE_MODES``: eager, CUDA graphs (on a CPU the stand-in runner, whose replay is not
+    counted, as an eager forward is not), and both with async scheduling."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from dynctx.context import DynamicInferenceRequest, SamplingParams
@@ -796,12 +805,13 @@ def engine_syncs(requests: int = 8, new_tokens: int = 12) -> Dict[str, List[dict
                                       num_hidden_layers=2, num_attention_heads=4,
                                       num_key_value_heads=2, max_position_embeddings=128))
     out = {}
-    for mode in ("sync", "async"):
+    for mode in ENGINE_MODES:
         engine = Engine.from_transformers(hf.eval(), block_size_tokens=16, max_tokens=32,
                                           buffer_size_gb=64 * 16 * 2 * 2 * 2 * 16 * 4 / GIB,
                                           paused_buffer_size_gb=4 * 16 * 2 * 2 * 2 * 16 * 4 / GIB,
                                           kernel_backend="torch",
-                                          async_scheduling=mode == "async")
+                                          num_cuda_graphs=4 if "graphs" in mode else None,
+                                          async_scheduling=mode.endswith("async"))
         for i in range(requests):
             params = SamplingParams(temperature=0.0 if i % 3 == 0 else 0.8, top_k=4 * (i % 2),
                                     top_p=0.9 if i % 4 == 3 else 0.0, seed=i,
@@ -820,8 +830,9 @@ def format_engine_syncs(runs: Dict[str, List[dict]]) -> str:
         sites: Counter = Counter()
         for s in steps:
             sites.update(s["sync_sites"])
-        lines.append(f"  {mode:5s}: {len(forwards)} forward steps, syncs per forward step "
-                     f"max {max(s['syncs'] for s in forwards)}, total "
+        replays = sum(s.get("replayed", 0) for s in steps)
+        lines.append(f"  {mode:12s}: {len(forwards)} forward steps ({replays} replayed), "
+                     f"syncs per forward step max {max(s['syncs'] for s in forwards)}, total "
                      f"{sum(s['syncs'] for s in forwards)}; idle steps {len(steps) - len(forwards)}"
                      f" with {sum(s['syncs'] for s in steps if s['idle'])}; sites "
                      f"{dict(sites) or '{}'}")
@@ -829,15 +840,11 @@ def format_engine_syncs(runs: Dict[str, List[dict]]) -> str:
 
 
 def _crossing(ctx) -> int:
-    """How many active requests fill their last block in this step (pause + resume path)."""
-    P, T = ctx.paused_request_count, ctx.total_request_count
-    if hasattr(ctx, "_h_req"):  # ours: read the host mirror, no device access
-        from dynctx.context.dynamic_context import FIELD_LAST_OFFSET
-
-        offs = ctx._h_req[FIELD_LAST_OFFSET, P:T]
-    else:
-        offs = ctx.request_last_kv_block_offset[P:T].cpu().numpy()
-    return int((offs == ctx.block_size_tokens - 1).sum())
+    """How many active requests fill their last block in this step (pause + resume path); read
+    outside the counting, through the public tensors of either side."""
+    paused, total = ctx.paused_request_count, ctx.total_request_count
+    offsets = ctx.request_last_kv_block_offset[paused:total].cpu().numpy()
+    return int((offsets == ctx.block_size_tokens - 1).sum())
 
 
 @contextlib.contextmanager
