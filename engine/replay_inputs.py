@@ -28,10 +28,9 @@ from dynctx.context.graph_ladder import graph_attention_maxima
 from dynctx.kernels.last_token_logits import last_token_logits as last_token_rows
 from dynctx.models.paged_attention import flash_attn_available, resolve_attention_backend
 
-# Attention backends whose forward has no host sync or data-dependent shape once planned with
-# static maxima; FlashInfer's plan reads lengths back (models/paged_attention.py).
-# The attention backends whose plan and forward read nothing back: "torch" (grouped by length on
-# the host) is not one of them, its padded form "torch_static" is.
+# The attention backends whose plan and forward read nothing back once planned with static
+# maxima: FlashInfer's plan reads lengths back (models/paged_attention.py), and "torch" groups by
+# length on the host, where its padded form "torch_static" does not.
 GRAPH_SAFE_ATTENTION_BACKENDS = ("torch_static", "triton", "flash_attn")
 
 
