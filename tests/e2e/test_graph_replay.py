@@ -222,13 +222,16 @@ def test_cuda_graphs_capture_replay_and_match_eager(device):
 def test_graph_attention_backend_keeps_explicit_choices_and_avoids_flashinfer(monkeypatch):
     from dynctx.engine import replay_inputs
 
+    choose = replay_inputs.graph_attention_backend
+
     cpu = torch.device("cpu")
-    assert replay_inputs.graph_attention_backend("auto", cpu, 16, torch.float32) == "torch_static"
-    assert replay_inputs.graph_attention_backend("flashinfer", cpu, 16, torch.bfloat16) == "flashinfer"
+    assert choose("auto", cpu, 16, torch.float32) == "torch_static"
+    assert choose("flashinfer", cpu, 16, torch.bfloat16) == "flashinfer"
     monkeypatch.setattr(replay_inputs, "resolve_attention_backend", lambda *args: "flashinfer")
-    monkeypatch.setattr(replay_inputs, "flash_attn_available", lambda device, block: block % 256 == 0)
-    assert replay_inputs.graph_attention_backend("auto", cpu, 256, torch.bfloat16) == "flash_attn"
-    assert replay_inputs.graph_attention_backend("auto", cpu, 16, torch.bfloat16) == "torch_static"
+    monkeypatch.setattr(replay_inputs, "flash_attn_available",
+                        lambda device, block: block % 256 == 0)
+    assert choose("auto", cpu, 256, torch.bfloat16) == "flash_attn"
+    assert choose("auto", cpu, 16, torch.bfloat16) == "torch_static"
 
 
 class _SyncingLlama:
