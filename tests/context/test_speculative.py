@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 from helpers import BLOCK, GIB, add, assert_same, check_invariants, make_ctx, request, snapshot
+from triton_marks import needs_triton
 
 from dynctx.context.batch_dimensions import InferenceBatchDimensions as Dims
 from dynctx.context.errors import SpeculativeConfigError, StepShapeError
@@ -19,6 +20,7 @@ from dynctx.context.graph_ladder import (
     eager_padded_dimensions,
     graph_attention_maxima,
 )
+from dynctx.kernels import backend
 
 
 def _decode_step(ctx, k: int):
@@ -305,16 +307,58 @@ def test_random_speculative_workload_keeps_every_invariant(k, block_size, blocks
     what a paused row's kept tokens need), the step's ids and positions, the pending tokens and
     drafts of paused rows, and the K/V of every kept token. ``host_views=False`` runs the
     CUDA path's separate device mirrors on the CPU."""
+    stats = _random_workload(k, block_size, blocks, paused, seed, host_views=host_views)[0]
+    assert stats["steps"] > 20 and stats["rewound_blocks"] > 0, stats
+    if blocks < 15:   # the tight budgets pause (or evict at once) requests
+        assert stats["pauses"] + stats["evictions"] > 0, stats
+
+
+@pytest.mark.interpreter
+@needs_triton
+def test_triton_path_gives_the_torch_path_steps():
+    """The same random workload on ``kernel_backend="triton"`` (the interpreter on a CPU),
+    its drafts and accepted counts handed in as strided views, step for step equal to the torch
+    references' (token arrays, block tables, logit rows; each run checks its kept K/V): the
+    kernels see the speculative rows."""
+    device = torch.device("cuda" if torch.cuda.is_available()
+                          and not backend.triton_interpreting() else "cpu")
+    kw = dict(k=2, block_size=4, blocks=14, paused=3, seed=5, host_views=True, steps=8)
+    _, torch_trace = _random_workload(**kw, kernel_backend="torch", device=device)
+    _, triton_trace = _random_workload(**kw, kernel_backend="triton", device=device,
+                                       strided=True)
+    assert len(torch_trace) == len(triton_trace) > 5
+    for a, b in zip(torch_trace, triton_trace):
+        assert a.keys() == b.keys()
+        for key in a:
+            assert torch.equal(a[key], b[key]), key
+
+
+def _strided(values: torch.Tensor) -> torch.Tensor:
+    """``values`` as a non-contiguous view (every other element of a larger buffer)."""
+    buffer = torch.full([2 * s for s in values.shape], -9, dtype=values.dtype,
+                        device=values.device)
+    view = buffer[tuple(slice(0, 2 * s, 2) for s in values.shape)]
+    view.copy_(values)
+    return view
+
+
+def _random_workload(k, block_size, blocks, paused, seed, *, host_views, steps=60,
+                     kernel_backend=None, device="cpu", strided=False):
+    """The seeded workload of the random test; returns ``(stats, trace)``, the trace holding
+    each step's token arrays, attention block table and logit rows."""
     rng = np.random.default_rng(seed)
     block_bytes = BLOCK * block_size // 4
     ctx = make_ctx(num_speculative_tokens=k, block_size_tokens=block_size,
                    buffer_size_gb=blocks * block_bytes / GIB,
-                   paused_buffer_size_gb=paused * block_bytes / GIB, max_tokens=32)
+                   paused_buffer_size_gb=paused * block_bytes / GIB, max_tokens=32,
+                   kernel_backend=kernel_backend, device=device)
     # False: the device mirrors are separate buffers, as on CUDA (check_invariants compares).
     ctx._host_views = host_views
+    on = ctx.device
     live, next_rid, chunked = {}, 0, None
     stats = dict(pauses=0, evictions=0, rewound_blocks=0, chunks=0, steps=0)
-    for step in range(60):
+    trace = []
+    for step in range(steps):
         # Admission: the chunked request continues first, then new requests while nothing is
         # paused (a whole prompt, or its first chunk).
         if chunked is not None:
@@ -383,15 +427,22 @@ def test_random_speculative_workload_keeps_every_invariant(k, block_size, blocks
         for i, (pos, tok) in enumerate(zip(positions, tokens)):
             rid = ids[ctx.token_to_request_idx[i].item()]
             key[i] = _kv_value(rid, pos, tok)
+        key = key.to(on)
         for layer in (1, 2):
             ctx.append_key_value_cache(layer, key, key + 0.5)
+        trace.append({name: getattr(ctx, name)[:padded].cpu().clone() for name in (
+            "token_to_input_ids", "token_to_pos_ids", "token_to_request_idx",
+            "token_to_block_idx", "token_to_local_position_within_kv_block")})
+        trace[-1]["block_table"] = ctx.active_attn_metadata.block_table.cpu().clone()
+        trace[-1]["logit_rows"] = ctx.speculative_required_logit_indices().cpu().clone()
         # Verification: a random number of drafts accepted per decode row.
         accepted = np.full(len(active), -1)
         for i, m in enumerate(active):
             if m.pending is not None:
                 accepted[i] = int(rng.integers(0, k + 1))
         avail = ctx.block_allocator.total_avail
-        released = ctx.rewind_kv_cache(torch.from_numpy(accepted))
+        accepted_tensor = torch.from_numpy(accepted).to(on)
+        released = ctx.rewind_kv_cache(_strided(accepted_tensor) if strided else accepted_tensor)
         assert ctx.block_allocator.total_avail == avail + released.numel()
         stats["rewound_blocks"] += released.numel()
         check_invariants(ctx)
@@ -411,7 +462,9 @@ def test_random_speculative_workload_keeps_every_invariant(k, block_size, blocks
             new_tokens.append(int(rng.integers(0, 1000)))
         drafts = torch.from_numpy(rng.integers(0, 1000, size=(k, len(active))))
         old_paused = set(ids[:P])
-        ctx.update_requests(torch.tensor(mask), torch.tensor(new_tokens), drafts)
+        handed = drafts.to(on)
+        ctx.update_requests(torch.tensor(mask, device=on), torch.tensor(new_tokens, device=on),
+                            _strided(handed) if strided else handed)
         for i, m in enumerate(active):
             if not mask[i]:
                 del live[m.rid]
@@ -441,12 +494,10 @@ def test_random_speculative_workload_keeps_every_invariant(k, block_size, blocks
             assert ctx.paused_speculative_tokens.T.tolist() == [live[rid].drafts
                                                                 for rid in ids[:P]]
         # The K/V of every kept token is what its step wrote.
-        cache, _ = ctx.key_value_cache(1)
+        cache = ctx.key_value_cache(1)[0].cpu()
         for row, rid in enumerate(ids):
             m = live[rid]
             for pos, tok in enumerate(m.kept):
                 block = ctx.block_table_host[row, pos // block_size]
                 assert cache[block, pos % block_size, 0, 0].item() == _kv_value(rid, pos, tok)
-    assert stats["steps"] > 20 and stats["rewound_blocks"] > 0, stats
-    if blocks < 15:   # the tight budgets pause (or evict at once) requests
-        assert stats["pauses"] + stats["evictions"] > 0, stats
+    return stats, trace
