@@ -329,7 +329,8 @@ def build_parts(settings: ContextSettings) -> ContextParts:
             warn_without_snapshots(settings.snapshots, mamba_gb, layers.mamba_bytes_per_request)
         mamba = MambaStates(layers, max_requests=rows, max_tokens=tokens, device=device,
                             kernel_backend=attrs["kernel_backend"],
-                            snapshot_count=settings.snapshots)
+                            snapshot_count=settings.snapshots,
+                            speculative=attrs["num_speculative_tokens"])
     table = RequestTable(
         total_blocks=memory.total_blocks, paused_blocks=memory.paused_blocks, max_requests=rows,
         max_kv_block_count=memory.max_kv_block_count, block_size=attrs["block_size_tokens"],

@@ -31,7 +31,7 @@ import torch
 from . import logits as step_logits
 from . import rotary
 from . import speculative as spec
-from ._fields import FIELD_QUERY
+from ._fields import FIELD_MAMBA_SLOT, FIELD_QUERY
 from .errors import NotHybridError
 from .inputs import check_logits, check_new_tokens, check_rope_call
 
@@ -159,7 +159,8 @@ class ForwardPass:
         (``[active]`` integers; decode rows: drafts accepted, in ``[0, k]``; prefill rows:
         ignored) lowers each decode row's KV offset and last-block offset by ``k - accepted``,
         and a last block that then holds nothing goes back to the allocator (0.19's
-        ``rewind_kv_cache``, on the host rows: docs/SEMANTICS.md §19). Once per step, between
+        ``rewind_kv_cache``, on the host rows: docs/SEMANTICS.md §19); on a hybrid each decode
+        row's Mamba state becomes its intermediate state after the accepted tokens. Once per step, between
         the forward pass and ``update_requests``; every check runs first. Returns the blocks
         released (int64 CPU)."""
         self.require("rewind_kv_cache")
@@ -171,6 +172,9 @@ class ForwardPass:
         accepted = spec.check_accepted_counts(accepted_counts, k, self.step.drafted, table.active)
         plan = spec.plan_rewind(table, accepted, k)
         table.commit_rewind(plan)
+        if self.mamba is not None:
+            # The state after the accepted tokens, from the intermediate states.
+            self.mamba.restore_accepted(table.rows[FIELD_MAMBA_SLOT, plan.rows], accepted)
         if plan.dropped.size:
             self.device.host_table_written = True
         self.device.arena.dirty = True
@@ -347,11 +351,20 @@ class ForwardPass:
                                  "(mamba_inference_state_config)")
         return self.layers.index(layer_number, "M")
 
-    def mamba_states_cache(self, layer_number: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    def mamba_states_cache(self, layer_number: int, intermediate: bool = False
+                           ) -> Tuple[torch.Tensor, torch.Tensor]:
         """``(conv [max_requests, *conv_shape], ssm [max_requests, *ssm_shape])`` views of one
         Mamba layer; a request reaches its state through its slot
-        (``mamba_metadata.request_to_mamba_state_idx`` and the batch indices)."""
+        (``mamba_metadata.request_to_mamba_state_idx`` and the batch indices). With
+        ``intermediate`` (``num_speculative_tokens = k > 0``), the ``[max_requests, k + 1,
+        ...]`` states after each token of a decode step, which ``rewind_kv_cache`` restores
+        from (docs/SEMANTICS.md §19)."""
         layer = self._mamba_layer(layer_number)
+        if intermediate:
+            if not self.speculative:
+                raise ValueError("mamba_states_cache(intermediate=True) needs "
+                                 "num_speculative_tokens > 0")
+            return self.mamba.intermediate(layer)
         return self.mamba.layer(layer)
 
     def gather_mamba_states(self, layer_number: int, slots: torch.Tensor

@@ -501,3 +501,68 @@ def _random_workload(k, block_size, blocks, paused, seed, *, host_views, steps=6
                 block = ctx.block_table_host[row, pos // block_size]
                 assert cache[block, pos % block_size, 0, 0].item() == _kv_value(rid, pos, tok)
     return stats, trace
+
+
+# ---------------------------------------------------------------------------- hybrids
+def _hybrid(k: int, kernel_backend: str = "torch"):
+    from test_hybrid import make_hybrid
+
+    return make_hybrid(num_speculative_tokens=k, kernel_backend=kernel_backend)
+
+
+def test_mamba_intermediate_states_have_one_plus_k_entries_per_slot():
+    ctx = _hybrid(2)
+    layer = ctx.layer_types.index("M") + 1
+    conv, ssm = ctx.mamba_states_cache(layer)
+    inter_conv, inter_ssm = ctx.mamba_states_cache(layer, intermediate=True)
+    assert inter_conv.shape == (conv.shape[0], 3, *conv.shape[1:])
+    assert inter_ssm.shape == (ssm.shape[0], 3, *ssm.shape[1:])
+    with pytest.raises(ValueError, match="num_speculative_tokens > 0"):
+        _hybrid(0).mamba_states_cache(layer, intermediate=True)
+
+
+def _rewind_restores(kernel_backend: str) -> None:
+    k = 2
+    ctx = _hybrid(k, kernel_backend)
+    layer = ctx.layer_types.index("M") + 1
+    add(ctx, request(1, 5))
+    add(ctx, request(2, 3))
+    ctx.initialize_attention_state()
+    ctx.update_requests(torch.ones(2, dtype=torch.bool), torch.tensor([10, 20]),
+                        torch.zeros(k, 2, dtype=torch.int64))
+    add(ctx, request(3, 4))   # a prefill row: its state is not rewound
+    ctx.initialize_attention_state()
+    conv, ssm = ctx.mamba_states_cache(layer)
+    inter_conv, inter_ssm = ctx.mamba_states_cache(layer, intermediate=True)
+    # The forward pass: every slot's state and intermediate states take distinct values.
+    conv.copy_(torch.arange(conv.numel(), dtype=conv.dtype).view(conv.shape))
+    ssm.copy_(-torch.arange(ssm.numel(), dtype=ssm.dtype).view(ssm.shape))
+    inter_conv.copy_(1000 + torch.arange(inter_conv.numel(), dtype=conv.dtype)
+                     .view(inter_conv.shape))
+    inter_ssm.copy_(-1000 - torch.arange(inter_ssm.numel(), dtype=ssm.dtype)
+                    .view(inter_ssm.shape))
+    before_conv, before_ssm = conv.clone(), ssm.clone()
+    slots = ctx.mamba_metadata.request_to_mamba_state_idx[:3].tolist()
+    accepted = [2, 0, -1]
+    ctx.rewind_kv_cache(torch.tensor(accepted))
+    for row, slot in enumerate(slots):
+        if row < 2:
+            assert torch.equal(conv[slot], inter_conv[slot, accepted[row]])
+            assert torch.equal(ssm[slot], inter_ssm[slot, accepted[row]])
+        else:
+            assert torch.equal(conv[slot], before_conv[slot])
+            assert torch.equal(ssm[slot], before_ssm[slot])
+    others = [s for s in range(conv.shape[0]) if s not in slots]
+    assert torch.equal(conv[others], before_conv[others])
+    assert torch.equal(ssm[others], before_ssm[others])
+    check_invariants(ctx)
+
+
+def test_hybrid_rewind_restores_the_state_at_the_accepted_token():
+    _rewind_restores("torch")
+
+
+@pytest.mark.interpreter
+@needs_triton
+def test_hybrid_rewind_restores_the_state_on_the_triton_path():
+    _rewind_restores("triton")
