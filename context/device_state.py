@@ -252,8 +252,10 @@ class DeviceState:
         else:
             self.flush_block_rows(table)
         num_prompt = step.prompt_tokens
-        if num_prompt > 0:
-            self.h2d.copy(self.prompt_tokens[:num_prompt], table.prompt[:num_prompt])
+        # Speculative steps: the drafted rows' tokens are written on the device below.
+        start = step.drafted * (1 + self.speculative)
+        if num_prompt > start:
+            self.h2d.copy(self.prompt_tokens[start:num_prompt], table.prompt[start:num_prompt])
         for tensor, offset in device_prompts:
             self.prompt_tokens[offset:offset + tensor.numel()].copy_(tensor)
         P = step.paused

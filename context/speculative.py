@@ -73,7 +73,8 @@ def check_accepted_counts(accepted_counts, k: int, decode_rows: int, active: int
         if accepted_counts.dtype.is_floating_point or accepted_counts.dtype == torch.bool:
             raise TypeError(f"accepted_counts must be an integer tensor, got "
                             f"{accepted_counts.dtype}")
-        host = accepted_counts.detach().to("cpu").numpy()
+        host = (accepted_counts.detach().numpy() if accepted_counts.device.type == "cpu"
+                else accepted_counts.detach().cpu().numpy())
     else:
         host = np.asarray(accepted_counts)
         if host.dtype.kind not in "iu":
