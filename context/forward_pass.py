@@ -160,9 +160,9 @@ class ForwardPass:
         ignored) lowers each decode row's KV offset and last-block offset by ``k - accepted``,
         and a last block that then holds nothing goes back to the allocator (0.19's
         ``rewind_kv_cache``, on the host rows: docs/SEMANTICS.md §19); on a hybrid each decode
-        row's Mamba state becomes its intermediate state after the accepted tokens. Once per step, between
-        the forward pass and ``update_requests``; every check runs first. Returns the blocks
-        released (int64 CPU)."""
+        row's Mamba state becomes its intermediate state after the accepted tokens. Once per
+        step, between the forward pass and ``update_requests``; every check runs first. Returns
+        the blocks released (int64 CPU)."""
         self.require("rewind_kv_cache")
         k, table = self.speculative, self.table
         if not k:
