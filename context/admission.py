@@ -241,8 +241,10 @@ def plan_add(table, req: Any, chunk_length: Optional[int], *, max_sequence_lengt
     if table.hybrid and not is_continuation and table.slots.free_count == 0:
         raise ContextOverflowError(request_id, "No Mamba slots available")
     # Decode rows take their pending token; dummy decode rows (fed_decode) read the prompt
-    # buffer like prefills, ahead of them.
-    num_decode = table.num_decode - table.fed_decode - (1 if is_continuation else 0)
+    # buffer like prefills, ahead of them. Speculative steps feed every row from the prompt
+    # buffer (the device writes the decode rows' tokens there): its offsets are the tokens'.
+    num_decode = 0 if table.speculative else \
+        table.num_decode - table.fed_decode - (1 if is_continuation else 0)
     return AddPlan(request_id=request_id, row=row, is_continuation=is_continuation,
                    chunk=chunk, finished=finished, gen=gen, already=already, needed=needed,
                    tokens_before=tokens_before, prompt_offset=tokens_before - num_decode,
@@ -328,7 +330,7 @@ def plan_dummies(table, requests: Any, count_as_prefill: bool, *, max_sequence_l
         raise ContextOverflowError(last, f"No Mamba slots available ({table.slots.free_count} "
                                          f"free for {n} dummy requests)")
     lengths = np.asarray(lengths, dtype=np.int64)
-    real_decode = table.num_decode - table.fed_decode
+    real_decode = 0 if table.speculative else table.num_decode - table.fed_decode
     return DummyPlan(
         row=table.total, ids=np.asarray(ids, dtype=np.int64), lengths=lengths,
         gens=np.asarray(gens, dtype=np.int64), blocks=-(-lengths // table.block_size),
@@ -392,8 +394,9 @@ def capture_requests(table, graph_dimensions: InferenceBatchDimensions, *,
         raise RuntimeError(
             f"add_dummy_requests_for_cudagraph_capture needs an empty context, it holds "
             f"{table.total} requests (call reset() first)")
-    decode, prefill_lengths = dummy_request_plan(graph_dimensions)
-    count, tokens = decode + len(prefill_lengths), decode + sum(prefill_lengths)
+    per_decode = table.decode_query
+    decode, prefill_lengths = dummy_request_plan(graph_dimensions, per_decode)
+    count, tokens = decode + len(prefill_lengths), decode * per_decode + sum(prefill_lengths)
     if count > table.request_limit:
         raise RequestOverflowError(count - 1, f"graph {graph_dimensions} needs {count} "
                                               f"requests > max_requests ({table.request_limit})")
@@ -409,8 +412,9 @@ def capture_requests(table, graph_dimensions: InferenceBatchDimensions, *,
                                               "Mamba slots; No Mamba slots available")
     # Megatron's dummies: prompts of token 0, one token to generate, no termination id.
     params = SamplingParams(num_tokens_to_generate=1, termination_id=-1)
-    zeros = torch.zeros(max([1] + prefill_lengths), dtype=torch.int64)
-    decode_requests = [DynamicInferenceRequest(request_id=i, prompt_tokens=zeros[:1],
+    zeros = torch.zeros(max([per_decode] + prefill_lengths), dtype=torch.int64)
+    # A decode dummy holds 1 + num_speculative_tokens tokens (0.19's capture dummies).
+    decode_requests = [DynamicInferenceRequest(request_id=i, prompt_tokens=zeros[:per_decode],
                                                sampling_params=params) for i in range(decode)]
     prefill_requests = [DynamicInferenceRequest(request_id=decode + i,
                                                 prompt_tokens=zeros[:length],

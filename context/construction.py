@@ -14,7 +14,7 @@ counting alone.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, NamedTuple, Optional, Tuple
 
 import torch
@@ -44,6 +44,7 @@ from .sizing import (
     memory_layout,
     positive_int,
 )
+from .speculative import check_speculative_tokens
 from .staging import numpy_dtype
 from .step_builder import StepBuilder
 
@@ -89,7 +90,8 @@ def settle(*, agreement: CountAgreement, groups: ParallelGroups, default_max_tok
            kernel_backend: Optional[str], fused_rope_kv_append: bool,
            vocab_size: Optional[int], validate: bool, enable_prefix_caching: Any,
            prefix_caching_eviction_policy: Any, prefix_caching_mamba_gb: Any,
-           block_counts: Optional[Tuple[int, int]] = None) -> ContextSettings:
+           block_counts: Optional[Tuple[int, int]] = None,
+           num_speculative_tokens: Any = 0) -> ContextSettings:
     """Check and settle ``DynamicInferenceContext``'s arguments (``agreement``, ``groups``: the
     ranks' agreement and the parallel groups, from ``parallel.parallel_groups``;
     ``default_max_tokens``, ``request_rounder``: the class's).
@@ -150,6 +152,9 @@ def settle(*, agreement: CountAgreement, groups: ParallelGroups, default_max_tok
             NaN/inf logits); off by default so that a decode step keeps its one sync.
         enable_prefix_caching, prefix_caching_eviction_policy ("ref_zero" or "lru"),
             prefix_caching_mamba_gb: prefix caching, off by default (docs/SEMANTICS.md §17).
+        num_speculative_tokens: draft tokens a decode request forwards beside its pending one
+            (Megatron-Core 0.19; ``< block_size_tokens``; 0: none), docs/SEMANTICS.md §19: the
+            block table gets one more column, decode steps ``1 + k`` tokens a request.
         The options of ``compat.OPTIONS`` are Megatron-Core's and raise or warn as listed there.
     ``block_counts``: this rank's ``(blocks, paused blocks)`` as Megatron-Core 0.19's form
     derives them (``megatron019.constructor_arguments``), instead of the buffer's division.
@@ -162,6 +167,7 @@ def settle(*, agreement: CountAgreement, groups: ParallelGroups, default_max_tok
         unified_memory_level=unified_memory_level, cache_mla_latent=cache_mla_latent,
         kv_lora_rank=kv_lora_rank, qk_pos_emb_head_dim=qk_pos_emb_head_dim)
     compat.check_options(dict(cuda_graph_max_tokens=cuda_graph_max_tokens), stacklevel=5)
+    speculative = check_speculative_tokens(num_speculative_tokens, args["block_size_tokens"])
     prefix_caching = check_prefix_caching_args(
         enable_prefix_caching, prefix_caching_eviction_policy, prefix_caching_mamba_gb)
     device = resolve_device(device)
@@ -189,6 +195,7 @@ def settle(*, agreement: CountAgreement, groups: ParallelGroups, default_max_tok
     agreement.same = dict(
         zip(("enable_prefix_caching", "prefix_caching_eviction_policy"), prefix_caching),
         num_cuda_graphs=num_cuda_graphs, validate=bool(validate), vocab_size=vocab_size,
+        num_speculative_tokens=speculative,
         use_cuda_graphs_for_non_decode_steps=use_cuda_graphs_for_non_decode_steps,
         cuda_graph_mixed_prefill_count=cuda_graph_mixed_prefill_count)
     memory = memory_layout(
@@ -202,12 +209,16 @@ def settle(*, agreement: CountAgreement, groups: ParallelGroups, default_max_tok
         max_sequence_length=args["max_sequence_length"], tp=tp,
         request_rounder=request_rounder, reduce_counts=agreement if groups.groups else None,
         block_counts=block_counts)
+    if speculative:
+        # 0.19: a block taken early may lie one past what max_sequence_length needs.
+        memory = replace(memory, max_kv_block_count=memory.max_kv_block_count + 1)
     # CUDA graph batch dimensions: Megatron's ladder (context/graph_ladder.py).
     ladder = context_cuda_graph_ladder(
         num_cuda_graphs=num_cuda_graphs, max_requests=memory.max_requests,
         max_tokens=memory.max_tokens, max_sequence_length=args["max_sequence_length"],
         tp_size=tp, use_cuda_graphs_for_non_decode_steps=use_cuda_graphs_for_non_decode_steps,
-        cuda_graph_mixed_prefill_count=cuda_graph_mixed_prefill_count)
+        cuda_graph_mixed_prefill_count=cuda_graph_mixed_prefill_count,
+        tokens_per_decode=1 + speculative)
 
     attributes = dict(
         device=device, kernel_backend=kernel_backend, request_metadata_types=types,
@@ -231,7 +242,7 @@ def settle(*, agreement: CountAgreement, groups: ParallelGroups, default_max_tok
         use_cuda_graphs_for_non_decode_steps=use_cuda_graphs_for_non_decode_steps,
         cuda_graph_mixed_prefill_count=cuda_graph_mixed_prefill_count,
         metrics_writer=metrics_writer, fused_rope_kv_append=bool(fused_rope_kv_append),
-        vocab_size=vocab_size, validate=bool(validate),
+        vocab_size=vocab_size, validate=bool(validate), num_speculative_tokens=speculative,
         enable_prefix_caching=prefix_caching[0],
         prefix_caching_eviction_policy=prefix_caching[1],
         prefix_caching_mamba_gb=prefix_caching[2],
@@ -318,7 +329,8 @@ def build_parts(settings: ContextSettings) -> ContextParts:
             warn_without_snapshots(settings.snapshots, mamba_gb, layers.mamba_bytes_per_request)
         mamba = MambaStates(layers, max_requests=rows, max_tokens=tokens, device=device,
                             kernel_backend=attrs["kernel_backend"],
-                            snapshot_count=settings.snapshots)
+                            snapshot_count=settings.snapshots,
+                            speculative=attrs["num_speculative_tokens"])
     table = RequestTable(
         total_blocks=memory.total_blocks, paused_blocks=memory.paused_blocks, max_requests=rows,
         max_kv_block_count=memory.max_kv_block_count, block_size=attrs["block_size_tokens"],
@@ -326,11 +338,13 @@ def build_parts(settings: ContextSettings) -> ContextParts:
                                             attrs["request_metadata_types"]],
         hybrid=layers.is_hybrid_model, slots=None if mamba is None else mamba.slots,
         prefix_caching=policy if enable else None,
-        snapshots=None if mamba is None else mamba.snapshots, budget_advice=memory.advice)
+        snapshots=None if mamba is None else mamba.snapshots, budget_advice=memory.advice,
+        speculative=attrs["num_speculative_tokens"])
     state = DeviceState(device=device, backend=settings.backend, max_requests=rows,
                         max_tokens=tokens, max_kv_block_count=memory.max_kv_block_count,
                         metadata_types=attrs["request_metadata_types"],
-                        hybrid=layers.is_hybrid_model)
+                        hybrid=layers.is_hybrid_model,
+                        speculative=attrs["num_speculative_tokens"])
     mla = attrs["cache_mla_latent"]
     kv = KVCache(layers=layers.num_attention_layers, total_blocks=memory.total_blocks,
                  block_size=attrs["block_size_tokens"],
@@ -338,7 +352,8 @@ def build_parts(settings: ContextSettings) -> ContextParts:
                  dtype=attrs["params_dtype"], device=device, backend=settings.backend,
                  kernel_backend=attrs["kernel_backend"],
                  mla=(attrs["kv_lora_rank"], attrs["qk_pos_emb_head_dim"]) if mla else None)
-    steps = StepBuilder(rows, settings.ladder)
+    steps = StepBuilder(rows, settings.ladder,
+                        tokens_per_decode=1 + attrs["num_speculative_tokens"])
     # Megatron-Core builds it with the context; its step fields are filled per step.
     metadata = None if mamba is None else MambaMetadata(mamba, table, state)
     forward = ForwardPass(table=table, device=state, steps=steps, kv=kv, layers=layers,

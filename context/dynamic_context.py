@@ -81,7 +81,7 @@ class DynamicInferenceContext:
         fused_rope_kv_append: bool = False, vocab_size: Optional[int] = None,
         validate: bool = False, enable_prefix_caching: bool = False,
         prefix_caching_eviction_policy: str = "ref_zero",
-        prefix_caching_mamba_gb: Optional[float] = None,
+        prefix_caching_mamba_gb: Optional[float] = None, num_speculative_tokens: int = 0,
     ):
         arguments = dict(locals())  # every argument, as given or defaulted
         del arguments["self"]
@@ -303,8 +303,8 @@ class DynamicInferenceContext:
                                     doc="The step's attention metadata (block table, lengths)")
     reset_attention_state = _Part("_forward", ForwardPass.reset_attention_state)
 
-    def update_requests(self, active_requests_mask: torch.Tensor,
-                        new_tokens: torch.Tensor) -> torch.Tensor:
+    def update_requests(self, active_requests_mask: torch.Tensor, new_tokens: torch.Tensor,
+                        new_speculative_tokens: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Advance the state after a forward pass (docs/SEMANTICS.md §9, the fixed version).
 
         ``active_requests_mask[i]`` (bool/0-1, one per active request) keeps request i; 0
@@ -327,7 +327,7 @@ class DynamicInferenceContext:
         mask = read_mask(active_requests_mask, active, self.device)  # None: every request kept
         (self.newly_paused_request_ids, self.evicted_request_ids,
          self.max_length_finished_request_ids) = self._forward.update(
-            mask, new_tokens, self._step, self._limits(), self.max_sequence_length)
+            mask, new_tokens, self._step, self._limits(), new_speculative_tokens)
         self.has_explicit_chunked_prefill_req = self._hand_written = False
         self._step = None
         if self.metrics_writer is not None:
@@ -365,6 +365,10 @@ class DynamicInferenceContext:
     gather_mamba_states = _Part("_forward", ForwardPass.gather_mamba_states)
     scatter_mamba_states = _Part("_forward", ForwardPass.scatter_mamba_states)
     reset_mamba_state = _Part("_forward", ForwardPass.reset_mamba_state)
+    rewind_kv_cache = _Part("_forward", ForwardPass.rewind_kv_cache)
+    speculative_required_logit_indices = _Part("_forward", ForwardPass.logit_indices)
+    num_last_token_logits = property(lambda self: self._forward.num_last_token_logits())
+    paused_speculative_tokens = property(lambda self: self._forward.paused_drafts())
 
     def calculate_log_probs(self, logits: torch.Tensor, new_tokens: torch.Tensor,
                             only_last_token_logits: Optional[bool] = False
@@ -432,8 +436,7 @@ class DynamicInferenceContext:
 
     def _move_book_keeping_tensors(self, src_idxs: Any, dst_idxs: Any,
                                    next_tokens: Optional[torch.Tensor], swap: bool = False) -> None:
-        """Rows ``dst_idxs`` take the bookkeeping of rows ``src_idxs`` (Megatron-Core's helper
-        of ``update_requests``: ``ContextParts.move_rows``); the counts are the caller's."""
+        """Rows ``dst_idxs`` take rows ``src_idxs``' bookkeeping (``ContextParts.move_rows``)."""
         self._parts.move_rows(src_idxs, dst_idxs, next_tokens, swap)
         self._step = None
 
@@ -488,6 +491,6 @@ class DynamicInferenceContext:
         return -1 if self.chunked_prefill_request_id == -1 else self.total_request_count - 1
 
     def __repr__(self) -> str:
-        return (f"DynamicInferenceContext(requests {self.total_request_count}/"
-                f"{self.max_requests}, paused {self.paused_request_count}, tokens "
-                f"{self.active_token_count}/{self.max_tokens}, {self.block_allocator})")
+        return (f"DynamicInferenceContext(requests {self.total_request_count}/{self.max_requests}"
+                f", paused {self.paused_request_count}, tokens {self.active_token_count}/"
+                f"{self.max_tokens}, {self.block_allocator})")

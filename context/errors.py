@@ -48,6 +48,11 @@ class StepShapeError(ValueError, AssertionError):
     Megatron-Core asserts these shapes, code written for it catches ``AssertionError``."""
 
 
+class SpeculativeConfigError(ValueError, AssertionError):
+    """``num_speculative_tokens`` out of range (not below ``block_size_tokens``). A
+    ``ValueError``, and an ``AssertionError`` as Megatron-Core 0.19 asserts it."""
+
+
 class NotHybridError(RuntimeError, AssertionError):
     """A Mamba method called on a context without Mamba layers. A ``RuntimeError``, and an
     ``AssertionError`` as Megatron-Core asserts it."""

@@ -30,7 +30,8 @@ import torch
 
 from . import logits as step_logits
 from . import rotary
-from ._fields import FIELD_QUERY
+from . import speculative as spec
+from ._fields import FIELD_MAMBA_SLOT, FIELD_QUERY
 from .errors import NotHybridError
 from .inputs import check_logits, check_new_tokens, check_rope_call
 
@@ -57,10 +58,15 @@ class ForwardPass:
         self.validate, self.vocab_size = settings["validate"], settings["vocab_size"]
         self.use_flashinfer = settings["use_flashinfer_fused_rope"]
         self.mla = settings["cache_mla_latent"]
+        self.max_sequence_length = settings["max_sequence_length"]
         # The steady decode update's shortcut (update_plan.plan_decode); False makes every
         # update take plan_update (tests compare the two).
         self.decode_shortcut = True
         self.step = self.attention = None
+        # Speculative steps: the step's logit rows (``speculative.num_logit_rows``), and
+        # whether its rejected drafts were rewound already (once a step).
+        self.speculative = table.speculative
+        self.logit_count, self.rewound = 0, False
 
     # ------------------------------------------------------------------ the step
     def begin(self, limits: tuple):
@@ -78,6 +84,10 @@ class ForwardPass:
                                                               device.h2d))
             # Hybrid prefix cache hits: their slots take their snapshots (at every build).
             mamba.restore_snapshots(table.mamba_restores)
+        if self.speculative:
+            self.logit_count = spec.num_logit_rows(step, self.speculative)
+            device.upload_logit_rows(step, device.arena.host["attn_cu_query"], self.logit_count)
+            self.rewound = False
         device.end_step()
         self.step, self.attention = step, device.attention_metadata(step)
         return step
@@ -90,12 +100,17 @@ class ForwardPass:
             self.mamba_metadata.reset_varlen_metadata()
 
     def update(self, mask: Optional[np.ndarray], new_tokens: torch.Tensor, step, limits: tuple,
-               max_sequence_length: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               new_drafts: Optional[torch.Tensor] = None
+               ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Apply one update: ``mask`` (host bool ``[active]``, None: every request kept) and the
-        checked ``new_tokens``, after ``step`` (the context's current step: None once anything
-        changed since it was built). Returns the ids ``(newly paused, evicted, finished at
-        max_sequence_length)``; the step ends."""
+        checked ``new_tokens`` (and ``new_drafts [k, active]`` with speculative steps), after
+        ``step`` (the context's current step: None once anything changed since it was built).
+        Returns the ids ``(newly paused, evicted, finished at max_sequence_length)``; the step
+        ends."""
         table, device, steps = self.table, self.device, self.steps
+        new_drafts = spec.check_draft_tokens(new_drafts, self.speculative, table.active,
+                                             self.where)
+        max_sequence_length = self.max_sequence_length
         chunked_id = table.chunked_id
         decode = None
         if mask is None and self.decode_shortcut and table.prefix_cache is None:
@@ -119,7 +134,7 @@ class ForwardPass:
             if table.prefix_cache is not None:
                 table.prefix_cache.drop_done(table.live_ids)
             steps.prepare(table, device.arena.host, limits)
-            device.apply_update(plan, table, new_tokens)
+            device.apply_update(plan, table, new_tokens, new_drafts)
             ids = (torch.from_numpy(plan.newly_paused_ids), torch.from_numpy(plan.evicted_ids),
                    torch.from_numpy(plan.max_length_ids))
         self.reset_attention_state()
@@ -138,6 +153,55 @@ class ForwardPass:
         if snapshots:
             self.mamba.save_snapshots(snapshots)
         return plan
+
+    def rewind_kv_cache(self, accepted_counts) -> torch.Tensor:
+        """Rewind the rejected drafts of this step's decode requests: ``accepted_counts``
+        (``[active]`` integers; decode rows: drafts accepted, in ``[0, k]``; prefill rows:
+        ignored) lowers each decode row's KV offset and last-block offset by ``k - accepted``,
+        and a last block that then holds nothing goes back to the allocator (0.19's
+        ``rewind_kv_cache``, on the host rows: docs/SEMANTICS.md §19); on a hybrid each decode
+        row's Mamba state becomes its intermediate state after the accepted tokens. Once per
+        step, between the forward pass and ``update_requests``; every check runs first. Returns
+        the blocks released (int64 CPU)."""
+        self.require("rewind_kv_cache")
+        k, table = self.speculative, self.table
+        if not k:
+            raise RuntimeError("rewind_kv_cache() needs num_speculative_tokens > 0")
+        if self.rewound:
+            raise RuntimeError("rewind_kv_cache() was called already in this step")
+        accepted = spec.check_accepted_counts(accepted_counts, k, self.step.drafted, table.active)
+        plan = spec.plan_rewind(table, accepted, k)
+        table.commit_rewind(plan)
+        if self.mamba is not None:
+            # The state after the accepted tokens, from the intermediate states.
+            self.mamba.restore_accepted(table.rows[FIELD_MAMBA_SLOT, plan.rows], accepted)
+        if plan.dropped.size:
+            self.device.host_table_written = True
+        self.device.arena.dirty = True
+        self.steps.prepared = None
+        self.rewound = True
+        return torch.from_numpy(plan.released)
+
+    def logit_indices(self) -> torch.Tensor:
+        """int64 ``[num_last_token_logits]``: the token rows verification needs, every decode
+        token (``1 + k`` a decode request) then each prefill's last token (0.19's; under a
+        CUDA graph, padded to its dimensions with padding token rows)."""
+        self.require("speculative_required_logit_indices")
+        if not self.speculative:
+            return self.attention.cu_query_seq_lengths[1:self.table.active + 1].long() - 1
+        return self.device.logit_rows[:self.logit_count]
+
+    def num_last_token_logits(self) -> int:
+        """Rows ``last_token_logits`` gives: one per request, ``1 + k`` per decode request with
+        speculative steps (0.19; a CUDA graph step counts its padded dimensions)."""
+        self.require("num_last_token_logits")
+        return spec.num_logit_rows(self.step, self.speculative)
+
+    def paused_drafts(self) -> Optional[torch.Tensor]:
+        """``paused_speculative_tokens``: int64 ``[k, paused]`` view of the drafts each paused
+        request resumes with, or None (none paused, or k = 0)."""
+        self.device.check_allocated()
+        return self.device.paused_drafts(self.table.paused)
 
     def require(self, method: str):
         """The step's attention metadata; ``RuntimeError`` outside a step."""
@@ -253,6 +317,9 @@ class ForwardPass:
         if logits.shape[0] != padded:
             raise ValueError(f"logits has {logits.shape[0]} token rows, the step has "
                              f"{padded} (padded_active_token_count)")
+        if self.speculative:
+            # Every decode token's row and each prefill's last (0.19's speculative gather).
+            return logits.index_select(0, self.device.logit_rows[:self.logit_count])
         return step_logits.last_rows(logits, meta.cu_query_seq_lengths, self.table.active,
                                      validate=self.validate, backend=self.kernel_backend)
 
@@ -262,6 +329,10 @@ class ForwardPass:
         """Log probs of the sampled tokens (decode) and of the prompt tokens (prefill), one list
         per active request; also returns the fp32 log-softmax of the rows used."""
         meta = self.require("calculate_log_probs")
+        if self.speculative:
+            raise NotImplementedError(
+                "calculate_log_probs() with num_speculative_tokens > 0: the log probs of "
+                "verified drafts are the engine's (Megatron-Core 0.19's controller computes them)")
         logits, table = check_logits(logits, self.where, self.vocab_size), self.table
         new_tokens = check_new_tokens(new_tokens, table.active, self.where,
                                       validate=self.validate, vocab_size=self.vocab_size)
@@ -280,11 +351,20 @@ class ForwardPass:
                                  "(mamba_inference_state_config)")
         return self.layers.index(layer_number, "M")
 
-    def mamba_states_cache(self, layer_number: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    def mamba_states_cache(self, layer_number: int, intermediate: bool = False
+                           ) -> Tuple[torch.Tensor, torch.Tensor]:
         """``(conv [max_requests, *conv_shape], ssm [max_requests, *ssm_shape])`` views of one
         Mamba layer; a request reaches its state through its slot
-        (``mamba_metadata.request_to_mamba_state_idx`` and the batch indices)."""
+        (``mamba_metadata.request_to_mamba_state_idx`` and the batch indices). With
+        ``intermediate`` (``num_speculative_tokens = k > 0``), the ``[max_requests, k + 1,
+        ...]`` states after each token of a decode step, which ``rewind_kv_cache`` restores
+        from (docs/SEMANTICS.md §19)."""
         layer = self._mamba_layer(layer_number)
+        if intermediate:
+            if not self.speculative:
+                raise ValueError("mamba_states_cache(intermediate=True) needs "
+                                 "num_speculative_tokens > 0")
+            return self.mamba.intermediate(layer)
         return self.mamba.layer(layer)
 
     def gather_mamba_states(self, layer_number: int, slots: torch.Tensor

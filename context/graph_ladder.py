@@ -98,16 +98,18 @@ def cuda_graph_token_counts(tp_size: int, num_cuda_graphs: int,
 
 
 def is_valid_graph_dimensions(dims: InferenceBatchDimensions, max_requests: int,
-                              max_sequence_length: int) -> bool:
+                              max_sequence_length: int, tokens_per_decode: int = 1) -> bool:
     """Megatron's ``InferenceBatchDimensions.is_valid``: the shape fits the request budget,
-    its counts are non-negative, every request has a token, no prefill is longer than
+    its counts are non-negative, every request has its tokens (``tokens_per_decode`` a decode
+    request: ``1 + num_speculative_tokens``, as 0.19 counts them), no prefill is longer than
     ``max_sequence_length``, and a chunked-prefill flag comes with a prefill."""
     requests = dims.prefill_req_count + dims.decode_req_count
+    decode_tokens = dims.decode_req_count * tokens_per_decode
     return not (
         requests > max_requests
         or dims.prefill_req_count < 0 or dims.decode_req_count < 0
-        or dims.token_count < requests
-        or dims.token_count > dims.prefill_req_count * max_sequence_length + dims.decode_req_count
+        or dims.token_count < dims.prefill_req_count + decode_tokens
+        or dims.token_count > dims.prefill_req_count * max_sequence_length + decode_tokens
         or (dims.prefill_req_count == 0 and dims.has_explicit_chunked_prefill_req)
     )
 
@@ -188,8 +190,15 @@ def build_cuda_graph_ladder(*, num_cuda_graphs: Optional[int], max_requests: int
                             max_tokens: int, max_sequence_length: int, tp_size: int = 1,
                             use_cuda_graphs_for_non_decode_steps: bool = True,
                             cuda_graph_mixed_prefill_count: Optional[int] = 16,
-                            cuda_graph_max_tokens: Optional[int] = None) -> CUDAGraphLadder:
+                            cuda_graph_max_tokens: Optional[int] = None,
+                            tokens_per_decode: int = 1) -> CUDAGraphLadder:
     """Megatron's ``CUDAGraphBatchDimensionBuilder.generate_cuda_graph_batch_dimensions_list``.
+
+    ``tokens_per_decode``: a decode request's tokens in a step, ``1 + num_speculative_tokens``
+    (0.19's builder): decode graphs hold ``n // tokens_per_decode`` requests of that many tokens
+    each (up to ``max_requests * tokens_per_decode`` tokens), a mixed graph's decode slots are
+    what its tokens leave after the prefills, and the sort counts prefill tokens as
+    ``token_count - decode_req_count * tokens_per_decode``. 1 is megatron-core 0.16.1's ladder.
 
     ``cuda_graph_max_tokens`` outside ``(0, max_tokens]`` (or None) becomes ``max_tokens``;
     ``num_cuda_graphs`` is clamped to ``[1, cuda_graph_max_tokens]`` (Megatron's clamping: 0
@@ -197,6 +206,7 @@ def build_cuda_graph_ladder(*, num_cuda_graphs: Optional[int], max_requests: int
     ``<= 0``, or ``use_cuda_graphs_for_non_decode_steps=False``, gives decode-only graphs.
     """
     tp_size = _int_arg("tp_size", tp_size, minimum=1)
+    per_decode = _int_arg("tokens_per_decode", tokens_per_decode, minimum=1)
     max_requests = _int_arg("max_requests", max_requests, minimum=1)
     max_tokens = _int_arg("max_tokens", max_tokens, minimum=1)
     max_sequence_length = _int_arg("max_sequence_length", max_sequence_length, minimum=1)
@@ -212,15 +222,16 @@ def build_cuda_graph_ladder(*, num_cuda_graphs: Optional[int], max_requests: int
         cuda_graph_max_tokens = max_tokens
     num_cuda_graphs = min(max(num_cuda_graphs, 1), cuda_graph_max_tokens)
     prefill_counts = cuda_graph_token_counts(tp_size, num_cuda_graphs, cuda_graph_max_tokens)
-    # Decode graphs need no more tokens than requests: one token each.
-    decode_cap = min(cuda_graph_max_tokens, max_requests)
+    # Decode graphs need no more tokens than their requests' tokens, per_decode each.
+    decode_cap = min(cuda_graph_max_tokens, max_requests * per_decode)
     if num_cuda_graphs > decode_cap:
         # Megatron raises here too (a zero step in range()); its context, which caps the
         # graphs at max_requests tokens, never gets here.
         raise ValueError(
             f"num_cuda_graphs={num_cuda_graphs} (after clamping to cuda_graph_max_tokens="
             f"{cuda_graph_max_tokens}) is more than the decode graphs' token cap "
-            f"min(cuda_graph_max_tokens, max_requests={max_requests}) = {decode_cap}: ask for "
+            f"min(cuda_graph_max_tokens, max_requests={max_requests} * tokens_per_decode="
+            f"{per_decode}) = {decode_cap}: ask for "
             f"at most {decode_cap} graphs")
     decode_counts = cuda_graph_token_counts(tp_size, num_cuda_graphs, decode_cap)
 
@@ -228,26 +239,33 @@ def build_cuda_graph_ladder(*, num_cuda_graphs: Optional[int], max_requests: int
 
     def add_if_valid(token_count: int, prefill_req_count: int, decode_req_count: int) -> None:
         dims = InferenceBatchDimensions(token_count, prefill_req_count, decode_req_count)
-        if is_valid_graph_dimensions(dims, max_requests, max_sequence_length):
+        if is_valid_graph_dimensions(dims, max_requests, max_sequence_length, per_decode):
             shapes.append(dims)
 
     mixed = cuda_graph_mixed_prefill_count
     if mixed is not None and mixed > 0 and use_cuda_graphs_for_non_decode_steps:
         prefills = min(mixed, max_requests)
         for size in prefill_counts:
-            add_if_valid(size, prefills, min(size, max_requests) - prefills)
+            add_if_valid(size, prefills,
+                         min((size - prefills) // per_decode, max_requests - prefills))
             # Enough prefills that none is longer than max_sequence_length - 1 (one decode
             # token of each dummy prefill request goes to building it).
             fewest = max(mixed, math.ceil(size / max(1, max_sequence_length - 1)))
             if fewest < max_requests:
                 add_if_valid(size, max(fewest, min(max_requests, size)), 0)
     for size in decode_counts:
-        add_if_valid(min(size, max_requests), 0, min(size, max_requests))
+        decode = min(size // per_decode, max_requests)
+        # 0.19 keeps a speculative decode graph's tokens a multiple of the TP size.
+        tokens = decode * per_decode
+        if per_decode > 1:
+            tokens = tokens // tp_size * tp_size
+        add_if_valid(tokens, 0, decode)
 
     # Megatron dedups through a set; shapes are distinct per sort key in practice, and a tie
     # keeps the set's iteration order, which hashing the same fields reproduces.
     unique = list(set(shapes))
-    unique.sort(key=lambda d: (d.token_count - d.decode_req_count, d.decode_req_count),
+    unique.sort(key=lambda d: (d.token_count - d.decode_req_count * per_decode,
+                               d.decode_req_count),
                 reverse=True)
     if not unique:
         return CUDAGraphLadder((), None)
@@ -258,16 +276,18 @@ def build_cuda_graph_ladder(*, num_cuda_graphs: Optional[int], max_requests: int
 def context_cuda_graph_ladder(*, num_cuda_graphs: Optional[int], max_requests: int,
                               max_tokens: int, max_sequence_length: int, tp_size: int = 1,
                               use_cuda_graphs_for_non_decode_steps: bool = True,
-                              cuda_graph_mixed_prefill_count: Optional[int] = 16
-                              ) -> CUDAGraphLadder:
-    """The ladder Megatron's context builds in its constructor: capped at ``max_requests``
-    tokens (its deprecated ``cuda_graph_max_tokens`` argument is ignored)."""
+                              cuda_graph_mixed_prefill_count: Optional[int] = 16,
+                              tokens_per_decode: int = 1) -> CUDAGraphLadder:
+    """The ladder Megatron's context builds in its constructor: capped at ``max_requests *
+    tokens_per_decode`` tokens (its deprecated ``cuda_graph_max_tokens`` argument is
+    ignored; ``tokens_per_decode``: 0.19's decode bound, ``1 + num_speculative_tokens``)."""
     return build_cuda_graph_ladder(
         num_cuda_graphs=num_cuda_graphs, max_requests=max_requests, max_tokens=max_tokens,
         max_sequence_length=max_sequence_length, tp_size=tp_size,
         use_cuda_graphs_for_non_decode_steps=use_cuda_graphs_for_non_decode_steps,
         cuda_graph_mixed_prefill_count=cuda_graph_mixed_prefill_count,
-        cuda_graph_max_tokens=max_requests)
+        cuda_graph_max_tokens=min(max_tokens, max_requests * tokens_per_decode),
+        tokens_per_decode=tokens_per_decode)
 
 
 def match_cuda_graph(step: InferenceBatchDimensions,
@@ -287,8 +307,13 @@ def match_cuda_graph(step: InferenceBatchDimensions,
 
 def eager_padded_dimensions(step: InferenceBatchDimensions, *, max_requests: int,
                             max_tokens: int, tp_size: int = 1, token_rounder: int = 64,
-                            request_rounder: int = 4) -> InferenceBatchDimensions:
+                            request_rounder: int = 4,
+                            tokens_per_decode: int = 1) -> InferenceBatchDimensions:
     """A step's padded dimensions when it runs eager.
+
+    Speculative decode-only steps (``tokens_per_decode > 1``, 0.19): decode slots rounded up
+    to ``request_rounder`` and capped at ``max_requests``, ``tokens_per_decode`` tokens each
+    (never below the step's tokens, at most ``max_tokens``).
 
     Decode-only: tokens rounded up to ``token_rounder``, capped at ``max_requests`` (never
     below the step's tokens: dummy decode rows of ``add_dummy_requests_parallel`` may carry
@@ -298,6 +323,10 @@ def eager_padded_dimensions(step: InferenceBatchDimensions, *, max_requests: int
     prefill step's tokens and can pad past its token buffer (docs/SEMANTICS.md §8); this is the
     one place where the two differ.
     """
+    if step.prefill_req_count == 0 and tokens_per_decode > 1:
+        slots = min(max_requests, _round_up(step.decode_req_count, request_rounder, tp_size))
+        tokens = min(max_tokens, max(step.token_count, slots * tokens_per_decode))
+        return InferenceBatchDimensions(tokens, 0, slots, False)
     tokens = _round_up(step.token_count, token_rounder, tp_size)
     if step.prefill_req_count == 0:
         tokens = min(max_tokens, max(step.token_count, min(max_requests, tokens)))
@@ -343,17 +372,19 @@ def attention_batch_dimensions(step: InferenceBatchDimensions,
 def select_step_dimensions(step: InferenceBatchDimensions,
                            graphs: Union[CUDAGraphLadder, Sequence[InferenceBatchDimensions]],
                            *, strict: bool, max_requests: int, max_tokens: int, tp_size: int = 1,
-                           token_rounder: int = 64, request_rounder: int = 4
-                           ) -> StepBatchDimensions:
+                           token_rounder: int = 64, request_rounder: int = 4,
+                           tokens_per_decode: int = 1) -> StepBatchDimensions:
     """Megatron's per-step choice in ``initialize_attention_state``: the matching graph's
     dimensions, or the eager padding (``eager_padded_dimensions``) when none fits.
 
     ``strict``: the context is a hybrid (Mamba) model. A ``CUDAGraphLadder`` remembers the
     choice for the step's counts, so a repeated step costs a dict lookup.
+    ``tokens_per_decode``: ``1 + num_speculative_tokens`` (``eager_padded_dimensions``).
     """
     memo = graphs._choices if isinstance(graphs, CUDAGraphLadder) else None
     if memo is not None:
-        key = (step, strict, max_requests, max_tokens, tp_size, token_rounder, request_rounder)
+        key = (step, strict, max_requests, max_tokens, tp_size, token_rounder, request_rounder,
+               tokens_per_decode)
         choice = memo.get(key)
         if choice is not None:
             return choice
@@ -361,7 +392,8 @@ def select_step_dimensions(step: InferenceBatchDimensions,
     if graph is None:
         padded = eager_padded_dimensions(step, max_requests=max_requests, max_tokens=max_tokens,
                                          tp_size=tp_size, token_rounder=token_rounder,
-                                         request_rounder=request_rounder)
+                                         request_rounder=request_rounder,
+                                         tokens_per_decode=tokens_per_decode)
     else:
         padded = graph
     choice = StepBatchDimensions(step, padded, graph is not None,
@@ -373,22 +405,26 @@ def select_step_dimensions(step: InferenceBatchDimensions,
     return choice
 
 
-def graph_attention_maxima(padded: InferenceBatchDimensions,
-                           max_sequence_length: int) -> Tuple[int, int]:
+def graph_attention_maxima(padded: InferenceBatchDimensions, max_sequence_length: int,
+                           tokens_per_decode: int = 1) -> Tuple[int, int]:
     """``(max_seqlen_q, max_seqlen_k)`` as Megatron's graphed attention metadata reports them
     for a step in graph ``padded``: static per graph, so a captured forward can bake them in.
-    ``max_seqlen_q`` is 1 for a decode-only graph, else ``max(2, token_count)`` (the prefill
+    ``max_seqlen_q`` is ``tokens_per_decode`` (``1 + num_speculative_tokens``) for a
+    decode-only graph, else ``max(2, token_count)`` (the prefill
     kernel is always the one launched); ``max_seqlen_k`` is ``max_sequence_length``. An eager
     step reports the real maxima instead."""
-    max_q = 1 if padded.prefill_req_count == 0 else max(2, padded.token_count)
+    max_q = tokens_per_decode if padded.prefill_req_count == 0 else max(2, padded.token_count)
     return max_q, max_sequence_length
 
 
-def dummy_request_plan(graph: InferenceBatchDimensions) -> Tuple[int, List[int]]:
+def dummy_request_plan(graph: InferenceBatchDimensions,
+                       tokens_per_decode: int = 1) -> Tuple[int, List[int]]:
     """The requests Megatron's ``add_dummy_requests_for_cudagraph_capture`` adds to capture
-    ``graph``: ``decode_req_count`` one-token decode requests (ids ``0..D-1``), then
+    ``graph``: ``decode_req_count`` decode requests of ``tokens_per_decode`` tokens each (ids
+    ``0..D-1``; one token, or 0.19's ``1 + num_speculative_tokens``), then
     ``prefill_req_count`` prefills (ids ``D..``) sharing the graph's prefill tokens
-    (``token_count - decode_req_count``), the remainder one each to the first ones.
+    (``token_count - decode_req_count * tokens_per_decode``), the remainder one each to the
+    first ones.
 
     Returns ``(decode request count, prefill lengths)``.
     """
@@ -397,12 +433,12 @@ def dummy_request_plan(graph: InferenceBatchDimensions) -> Tuple[int, List[int]]
                          "for one")
     if graph.prefill_req_count < 0 or graph.decode_req_count < 0:
         raise ValueError(f"graph {graph} has a negative request count")
-    prefill_tokens = graph.token_count - graph.decode_req_count
+    prefill_tokens = graph.token_count - graph.decode_req_count * tokens_per_decode
     if graph.prefill_req_count == 0:
         if prefill_tokens != 0:
             raise ValueError(f"graph {graph}: a decode-only graph needs token_count == "
-                             f"decode_req_count, got {graph.token_count} tokens for "
-                             f"{graph.decode_req_count} decode requests")
+                             f"decode_req_count * {tokens_per_decode}, got {graph.token_count} "
+                             f"tokens for {graph.decode_req_count} decode requests")
         return graph.decode_req_count, []
     each, rest = divmod(prefill_tokens, graph.prefill_req_count)
     if each <= 0:

@@ -130,10 +130,13 @@ class MambaStates:
         device: where the states live; kernel_backend: the backend of the gather/scatter
             launches.
         snapshot_count: prefix caching's state snapshots (``prefix_snapshot_count``; -1: none).
+        speculative: ``num_speculative_tokens`` (k); k > 0 adds 0.19's intermediate states,
+            ``[layers, max_requests, k + 1, *shape]``: the state after each of a decode step's
+            ``1 + k`` tokens, which the model writes and a rewind restores from.
     """
 
     def __init__(self, layers, *, max_requests: int, max_tokens: int, device: torch.device,
-                 kernel_backend: Optional[str], snapshot_count: int = -1):
+                 kernel_backend: Optional[str], snapshot_count: int = -1, speculative: int = 0):
         self.layers, self.device, self.kernel_backend = layers, device, kernel_backend
         self.max_requests, self.max_tokens = max_requests, max_tokens
         count = layers.num_mamba_layers
@@ -146,6 +149,9 @@ class MambaStates:
             layers.mamba_ssm_states_dtype, device)
         self.conv_states: Optional[torch.Tensor] = None
         self.ssm_states: Optional[torch.Tensor] = None
+        self.speculative = speculative
+        self.intermediate_conv = self.intermediate_ssm = None
+        self.scratch_conv = self.scratch_ssm = None
         self.seq_idx: Optional[torch.Tensor] = None
         self.host_seq_idx: Optional[np.ndarray] = None
 
@@ -155,6 +161,8 @@ class MambaStates:
         conv = torch.empty((), dtype=layers.mamba_conv_states_dtype).element_size()
         ssm = torch.empty((), dtype=layers.mamba_ssm_states_dtype).element_size()
         rows = self.max_requests + (self.snapshots.count if self.snapshots is not None else 0)
+        if self.speculative:  # the intermediate states and the rewind's scratch rows
+            rows += self.max_requests * (self.speculative + 1) + self.max_requests
         per_row = (conv * math.prod(self.conv_shape[2:])
                    + ssm * math.prod(self.ssm_shape[2:])) * layers.num_mamba_layers
         return rows * per_row + 4 * self.max_tokens
@@ -169,12 +177,26 @@ class MambaStates:
                                       device=device)
         self.seq_idx = torch.full((self.max_tokens,), -1, dtype=torch.int32, device=device)
         self.host_seq_idx = np.full(self.max_tokens, -1, dtype=np.int32)
+        if self.speculative:
+            count, rows, steps = self.conv_shape[0], self.max_requests, self.speculative + 1
+            self.intermediate_conv = torch.zeros(
+                (count, rows, steps, *self.conv_shape[2:]),
+                dtype=layers.mamba_conv_states_dtype, device=device)
+            self.intermediate_ssm = torch.zeros(
+                (count, rows, steps, *self.ssm_shape[2:]),
+                dtype=layers.mamba_ssm_states_dtype, device=device)
+            self.scratch_conv = torch.empty(self.conv_shape[1:],
+                                            dtype=layers.mamba_conv_states_dtype, device=device)
+            self.scratch_ssm = torch.empty(self.ssm_shape[1:],
+                                           dtype=layers.mamba_ssm_states_dtype, device=device)
         self.slots.reset()
         if self.snapshots is not None:
             self.snapshots.allocate()
 
     def release(self) -> None:
         self.conv_states = self.ssm_states = self.seq_idx = self.host_seq_idx = None
+        self.intermediate_conv = self.intermediate_ssm = None
+        self.scratch_conv = self.scratch_ssm = None
         self.slots.reset()
         if self.snapshots is not None:
             self.snapshots.release()
@@ -183,6 +205,33 @@ class MambaStates:
         """``(conv [max_requests, *conv_shape], ssm [max_requests, *ssm_shape])`` of the Mamba
         layer ``index`` (0-based among the Mamba layers)."""
         return self.conv_states[index], self.ssm_states[index]
+
+    def intermediate(self, index: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``(conv [max_requests, k + 1, *conv_shape], ssm [max_requests, k + 1, *ssm_shape])``
+        intermediate states of the Mamba layer ``index``: entry ``[slot, j]`` is the state after
+        the ``j``-th token of the slot's decode step (0.19's layout)."""
+        return self.intermediate_conv[index], self.intermediate_ssm[index]
+
+    def restore_accepted(self, slots: np.ndarray, accepted: np.ndarray) -> None:
+        """Rewind: each slot's state becomes its intermediate state after its accepted
+        tokens (``current[l, slot] = intermediate[l, slot, accepted]``, 0.19's
+        ``mamba_state_selective_copy``), for every Mamba layer: one gather into scratch rows
+        and one scatter per layer and state (the state kernels; two small uploads)."""
+        n = slots.size
+        if not n:
+            return
+        steps = self.speculative + 1
+        index = torch.from_numpy(slots.astype(np.int64) * steps + accepted).to(self.device)
+        slot_ids = torch.from_numpy(slots.astype(np.int64)).to(self.device)
+        backend = self.kernel_backend
+        for states, inter, scratch in ((self.conv_states, self.intermediate_conv,
+                                        self.scratch_conv),
+                                       (self.ssm_states, self.intermediate_ssm,
+                                        self.scratch_ssm)):
+            for layer in range(states.shape[0]):
+                rows = inter[layer].flatten(0, 1)   # [max_requests * (k + 1), *shape]
+                mamba_state_gather(rows, index, scratch[:n], backend=backend)
+                mamba_state_scatter(states[layer], slot_ids, scratch[:n], backend=backend)
 
     def zero(self, slots: np.ndarray) -> None:
         """Zero the states of ``slots`` (every layer)."""

@@ -27,7 +27,10 @@ attributes 0.19's context has beyond 0.16's (``attributes``). The derivations ar
 * 0.19's assertions, with its messages, raise ``ConfigAssertionError`` (a ``ValueError`` and
   an ``AssertionError``, as 0.19 asserts them) before anything is built.
 
-What 0.19 supports that dynctx does not yet (speculative tokens, GDN layers) raises
+``num_speculative_tokens`` goes to the speculative steps (docs/SEMANTICS.md §19); a hybrid's
+Mamba memory per request then counts 0.19's ``k + 1`` intermediate states too.
+
+What 0.19 supports that dynctx does not yet (GDN layers) raises
 ``NotImplementedError`` naming the field; docs/SEMANTICS.md §16 lists every difference.
 """
 
@@ -159,10 +162,6 @@ def _from_configs(model_config: Any, config: Any, arguments: Dict[str, Any], *,
     k = config.num_speculative_tokens
     _check(k < block_size, f"num_speculative_tokens ({k}) must be < block_size_tokens "
            f"({block_size})")
-    if k:
-        raise NotImplementedError(
-            f"inference_config.num_speculative_tokens={k}: speculative steps are not supported "
-            "yet (docs/SEMANTICS.md §16); pass 0")
     mamba = config.mamba_inference_state_config
     if mamba is not None and "G" in list(mamba.layer_type_list):
         raise NotImplementedError("GDN layers are not supported for inference.")
@@ -181,7 +180,7 @@ def _from_configs(model_config: Any, config: Any, arguments: Dict[str, Any], *,
     else:
         block_bytes = (itemsize * 2 * layers.num_attention_layers * block_size * per_partition
                        * model_config.kv_channels)
-    blocks, paused, mamba_max = _block_counts(config, layers, block_bytes)
+    blocks, paused, mamba_max = _block_counts(config, layers, block_bytes, k)
     max_requests = config.max_requests
     if max_requests is None and mamba_max < blocks - 1 + (paused if
                                                          config.unified_memory_level else 0):
@@ -216,7 +215,7 @@ def _from_configs(model_config: Any, config: Any, arguments: Dict[str, Any], *,
         request_metadata_types=config.request_metadata_types,
         enable_prefix_caching=config.enable_prefix_caching,
         prefix_caching_eviction_policy=config.prefix_caching_eviction_policy,
-        prefix_caching_mamba_gb=config.prefix_caching_mamba_gb)
+        prefix_caching_mamba_gb=config.prefix_caching_mamba_gb, num_speculative_tokens=k)
     attributes = {name: getattr(model_config, name, default)
                   for name, default in MODEL_FIELDS_019.items()}
     attributes.update(
@@ -239,13 +238,15 @@ def max_mamba_intermediate_states_per_step(max_tokens: int, block_size_tokens: i
                MAX_INTERMEDIATE_OFFSETS_PER_REQUEST * max_requests)
 
 
-def _block_counts(config: Any, layers: Any, block_bytes: int) -> Tuple[int, int, float]:
+def _block_counts(config: Any, layers: Any, block_bytes: int,
+                  speculative: int = 0) -> Tuple[int, int, float]:
     """0.19's ``(block count, paused block count, Mamba request cap)`` of this rank, before
-    the ranks' MIN (module docstring)."""
+    the ranks' MIN (module docstring); ``speculative`` (k > 0) adds the ``k + 1``
+    intermediate Mamba states to a request's Mamba memory, as 0.19 does."""
     buffer_bytes = int(config.buffer_size_gb * GIB)
     paused_bytes = (0 if config.paused_buffer_size_gb is None
                     else int(config.paused_buffer_size_gb * GIB))
-    mamba_bytes = layers.mamba_bytes_per_request
+    mamba_bytes = layers.mamba_bytes_per_request * (speculative + 2 if speculative else 1)
     mamba_max = math.inf
     ratio = config.mamba_memory_ratio
     if ratio is not None:

@@ -64,13 +64,16 @@ class RequestTable:
             None; snapshots: a hybrid's Mamba state snapshots for it.
         budget_advice: ``sizing.MemoryLayout.advice`` (which argument gives the active budget
             the blocks an update where no request can run lacks).
+        speculative: ``num_speculative_tokens`` (k): a decode row holds ``1 + k`` tokens a
+            step and takes its next block early (docs/SEMANTICS.md §19).
     """
 
     def __init__(self, *, total_blocks: int, paused_blocks: int, max_requests: int,
                  max_kv_block_count: int, block_size: int, metadata_labels: list, hybrid: bool,
                  max_tokens: int, slots: Optional[SlotAllocator] = None,
                  prefix_caching: Optional[str] = None,
-                 snapshots: Optional[MambaSnapshots] = None, budget_advice=None):
+                 snapshots: Optional[MambaSnapshots] = None, budget_advice=None,
+                 speculative: int = 0):
         digests = None if prefix_caching is None else DigestTable()
         self.allocator = BlockAllocator(
             total_blocks, paused_blocks, usage=self, keeps_idle_blocks=prefix_caching == "lru",
@@ -86,6 +89,8 @@ class RequestTable:
         self.metadata_labels = list(metadata_labels)
         self.hybrid = hybrid
         self.max_tokens = max_tokens
+        self.speculative = speculative
+        self.decode_query = 1 + speculative
         self.rows: Optional[np.ndarray] = None
         self.block_table: Optional[np.ndarray] = None
         self.metadata: dict = {}
@@ -450,6 +455,20 @@ class RequestTable:
             self.device_prompts = []
         self.dirty_from = self.max_requests
         return appended
+
+    def commit_rewind(self, plan) -> None:
+        """Apply a ``speculative.RewindPlan`` made from this table: the rewound rows' offsets,
+        block counts and last blocks, the dropped blocks cleared from their rows and released
+        (with prefix caching, a reference each: such a block is never published, as only the
+        prompt's blocks are)."""
+        rows = plan.rows
+        self.rows[FIELD_KV_OFFSET, rows] = plan.kv_offsets
+        self.rows[FIELD_LAST_OFFSET, rows] = plan.last_offsets
+        self.rows[FIELD_BLOCKS, rows] = plan.block_counts
+        self.rows[FIELD_LAST_BLOCK, rows] = plan.last_blocks
+        if plan.dropped.size:
+            self.block_table[plan.dropped, self.rows[FIELD_BLOCKS, plan.dropped]] = -1
+            self.allocator.release_memory_blocks(plan.released)
 
     def permute_rows(self, dst: np.ndarray, src: np.ndarray) -> None:
         """Rows ``dst`` take the fields, metadata and block-table rows of rows ``src`` (read

@@ -72,6 +72,9 @@ class Step(NamedTuple):
     mamba: Optional[MambaStep]
     fed_decode: int = 0        # dummy decode rows fed from the prompt buffer (after the decodes)
     one_token_rows: bool = False  # every active row holds one token (a decode step)
+    # Speculative steps: the first ``drafted`` decode rows forward their pending token and
+    # drafts, which the device writes into the prompt buffer (then every decode row is fed).
+    drafted: int = 0
 
     @property
     def active(self) -> int:
@@ -105,8 +108,11 @@ class StepBuilder:
 
     _MAX_REMEMBERED = 4096
 
-    def __init__(self, max_request_rows: int, ladder: CUDAGraphLadder):
+    def __init__(self, max_request_rows: int, ladder: CUDAGraphLadder,
+                 tokens_per_decode: int = 1):
         self.ladder = ladder
+        # ``1 + num_speculative_tokens``: a decode row's tokens (graph_ladder's padding).
+        self.tokens_per_decode = tokens_per_decode
         self.row_numbers = np.arange(max_request_rows + 1, dtype=np.int32)
         # The bytes of int32 ones (a decode step's query lengths) and of the row numbers (their
         # sums), compared in one memcmp each.
@@ -191,7 +197,7 @@ class StepBuilder:
             choice = select_step_dimensions(
                 real, self.ladder, strict=strict, max_requests=max_requests,
                 max_tokens=max_tokens, tp_size=tp, token_rounder=token_rounder,
-                request_rounder=request_rounder)
+                request_rounder=request_rounder, tokens_per_decode=self.tokens_per_decode)
             if len(self._choices) >= self._MAX_REMEMBERED:
                 self._choices.clear()
             self._choices[key] = choice
@@ -263,14 +269,19 @@ class StepBuilder:
         if table.hybrid:
             mamba = _mamba_host(table, arena, seq_idx, paused, requests, decode, prefill, chunked,
                                 padded, cu_q, zero_count)
+        fed_decode, drafted = table.fed_decode, 0
+        if self.tokens_per_decode > 1:
+            # Speculative: the device writes the drafted rows' tokens into the prompt buffer
+            # (DeviceState.begin_step), so that the kernel feeds every decode row from it.
+            fed_decode, drafted = decode, decode - table.fed_decode
         return Step(paused=paused, total=total, active_tokens=tokens, prefill=prefill,
                     decode=decode, batch_dimensions=choice.batch_dimensions, padded=padded,
                     using_cuda_graph=choice.using_cuda_graph_this_step,
                     max_seqlen_q=max_seqlen_q,
                     max_seqlen_k=(max_seqlen_k if max_seqlen_k is not None
                                   else int(np.maximum.reduce(kv)) if requests else 1),
-                    mamba=mamba, fed_decode=table.fed_decode, one_token_rows=max_seqlen_q == 1
-                    and prefill == 0 and tokens == requests)
+                    mamba=mamba, fed_decode=fed_decode, one_token_rows=max_seqlen_q == 1
+                    and prefill == 0 and tokens == requests, drafted=drafted)
 
 
 def _mamba_host(table, arena: dict, seq_idx: np.ndarray, paused: int, requests: int,

@@ -168,9 +168,14 @@ class _Scratch:
         self.clear(rows)
 
     def resume(self, paused: int, active: int, active_budget: int) -> Tuple[int, int]:
-        """Resume paused requests, right-most first (LIFO), each with one new block."""
+        """Resume paused requests, right-most first (LIFO), each with one new block (with
+        speculative steps, those whose last offset reached ``block_size - 1 - k``; at most
+        ``max_tokens // (1 + k)`` rows active, as 0.19)."""
         if paused == 0:
             return paused, active
+        table = self.table
+        if table.speculative:
+            return self._resume_speculative(paused, active, active_budget)
         counts = self.fields[FIELD_BLOCKS]
         if self.distinct:
             # Each paused row (LIFO order) needs the blocks no active row and no row resumed
@@ -194,6 +199,39 @@ class _Scratch:
         self.append_block[rows] = blocks
         counts[rows] += 1
         self.fields[FIELD_LAST_BLOCK, rows] = blocks
+        return paused - resumed, active + resumed
+
+    def _resume_speculative(self, paused: int, active: int, active_budget: int
+                            ) -> Tuple[int, int]:
+        """``resume`` with ``num_speculative_tokens = k > 0`` (0.19's ``resume_paused_requests``):
+        a row needs a block only when its last offset reached ``block_size - 1 - k``."""
+        table, counts = self.table, self.fields[FIELD_BLOCKS]
+        order = np.arange(paused - 1, -1, -1)
+        needs_block = (self.fields[FIELD_LAST_OFFSET, order]
+                       >= table.block_size - 1 - table.speculative).astype(np.int64)
+        if self.distinct:
+            held_active = self.active_blocks(paused, active)
+            avail_active = active_budget - held_active.size
+            needs = first_holder_counts(self.held(order), held_active) + needs_block
+        else:
+            avail_active = active_budget - int(counts[paused:paused + active].sum())
+            needs = counts[order].astype(np.int64) + needs_block
+        resumed = int(np.count_nonzero(np.cumsum(needs) <= avail_active))
+        resumed = min(resumed, self.stack.total_avail,
+                      max(0, table.max_tokens // table.decode_query - active))
+        if resumed == 0:
+            if self.blocked is None:
+                self.blocked = (self.fields[:, paused - 1].copy(), int(needs[0]))
+            return paused, active
+        rows = np.arange(paused - resumed, paused)
+        growing = rows[needs_block[:resumed][::-1] > 0]
+        if growing.size:
+            self._check_columns(growing, counts[growing])
+            blocks = self.stack.allocate(growing.size)
+            self.append_col[growing] = counts[growing]
+            self.append_block[growing] = blocks
+            counts[growing] += 1
+            self.fields[FIELD_LAST_BLOCK, growing] = blocks
         return paused - resumed, active + resumed
 
     def _check_columns(self, rows: np.ndarray, columns: np.ndarray) -> None:
@@ -288,7 +326,8 @@ def plan_decode(table, *, chunked_id: int, max_sequence_length: int,
     state after state). Changes nothing.
     """
     total = table.total
-    if table.paused or chunked_id != -1 or not total:
+    if table.paused or chunked_id != -1 or not total or table.speculative:
+        # Speculative steps take plan_update (their rows take blocks early).
         return None
     rows = table.rows
     # A request whose next token would lie at max_sequence_length or beyond is finished, which
@@ -422,7 +461,15 @@ def plan_update(table, mask: np.ndarray, *, chunked_id: int, max_sequence_length
                     scratch.clear(movers)
         total = paused + active
         if active > 0:
-            need = fields[FIELD_LAST_OFFSET, paused:total] == table.block_size - 1
+            if table.speculative:
+                # A step's 1 + k tokens must fit: the block is taken early (0.19), and rows
+                # past max_tokens // (1 + k) pause (without a chunked prefill, as 0.19).
+                need = (fields[FIELD_LAST_OFFSET, paused:total]
+                        >= table.block_size - 1 - table.speculative)
+                if chunked_id == -1:
+                    need[table.max_tokens // table.decode_query:] = True
+            else:
+                need = fields[FIELD_LAST_OFFSET, paused:total] == table.block_size - 1
             if chunked_id != -1:
                 need &= fields[FIELD_IDS, paused:total] != chunked_id
             filled = int(need.sum())
@@ -444,11 +491,15 @@ def plan_update(table, mask: np.ndarray, *, chunked_id: int, max_sequence_length
             row = paused + int(np.flatnonzero(fields[FIELD_IDS, paused:total] == chunked_id)[0])
             if row != total - 1:
                 scratch.move(np.array([row, total - 1]), np.array([total - 1, row]))
-        # The next step is a pure decode unless requests are added.
+        # The next step is a pure decode unless requests are added: 1 + k tokens a row (the
+        # chunked request keeps one placeholder token until its next chunk).
+        per_row = table.decode_query
         fields[FIELD_KV_OFFSET, paused:total] += fields[FIELD_QUERY, paused:total]
-        fields[FIELD_QUERY, paused:total] = 1
+        fields[FIELD_QUERY, paused:total] = per_row
         fields[FIELD_LAST_OFFSET, paused:total] = \
-            (fields[FIELD_LAST_OFFSET, paused:total] + 1) % table.block_size
+            (fields[FIELD_LAST_OFFSET, paused:total] + per_row) % table.block_size
+        if per_row > 1 and chunked_id != -1:
+            fields[FIELD_QUERY, total - 1] = 1
     newly_paused = _EMPTY
     if paused and paused_now.size:
         still_paused = fields[FIELD_IDS, :paused].astype(np.int64)
@@ -456,7 +507,8 @@ def plan_update(table, mask: np.ndarray, *, chunked_id: int, max_sequence_length
     slots = np.concatenate(scratch.slots) if scratch.slots else np.empty(0, dtype=np.int32)
     return UpdatePlan(
         old_paused=old_paused, old_total=old_total, paused=paused, total=total,
-        active_tokens=total - paused,
+        active_tokens=int(fields[FIELD_QUERY, paused:total].sum()) if table.speculative
+        else total - paused,
         origin=scratch.origin, rows=fields, append_col=scratch.append_col,
         append_block=scratch.append_block, allocator_ops=tuple(scratch.stack.ops),
         released_slots=slots, finished_ids=finished_ids, evicted_ids=evicted,

@@ -307,7 +307,7 @@ class InvariantChecks(BudgetChecks, Patterns):
                 f"expected {want_cu_kv.tolist()}")
         want_kv = np.concatenate([kv_lens, np.zeros(R - A, dtype=kv_lens.dtype)])
         require(np.array_equal(kv_seq, want_kv), lambda: f"kv_seq_lengths {kv_seq.tolist()}")
-        require(max_q >= q_lens.max() and (prefill > 0 or max_q == 1),
+        require(max_q >= q_lens.max() and (prefill > 0 or max_q == 1 + cfg.speculative),
                 lambda: f"max_seqlen_q {max_q} for query lengths {q_lens.tolist()}")
         require(max_k >= kv_lens.max(), lambda: f"max_seqlen_k {max_k} < {kv_lens.max()}")
         attn_table = ctx.active_attn_metadata.block_table.numpy()
@@ -331,6 +331,23 @@ class InvariantChecks(BudgetChecks, Patterns):
         logits = torch.randn(1, n, VOCAB, generator=self._generator)
         last_index = np.cumsum([len(t.query) for t in active]) - 1
         last = ctx.last_token_logits(logits)
+        if self.cfg.speculative:
+            # Every token of a decode request (its pending token and drafts, to verify), the
+            # last of a prefill.
+            rows = [j for t, end in zip(active, last_index)
+                    for j in (range(end - len(t.query) + 1, end + 1) if not t.prefill
+                              else (end,))]
+            require(torch.equal(last, logits[0, rows]) and ctx.num_last_token_logits == len(rows)
+                    and ctx.speculative_required_logit_indices().tolist() == rows,
+                    lambda: f"speculative logit rows {ctx.speculative_required_logit_indices()},"
+                    f" expected {rows}")
+            if logprobs:
+                try:
+                    ctx.calculate_log_probs(logits, torch.tensor(samples))
+                except NotImplementedError:
+                    return
+                raise Violation("calculate_log_probs with speculative steps did not refuse")
+            return
         require(torch.equal(last, logits[0, last_index]), "last_token_logits picked wrong rows")
         if not logprobs:
             return
@@ -398,10 +415,13 @@ class InvariantChecks(BudgetChecks, Patterns):
                     lambda: f"{where}: output length {h[FIELD_OUTPUT, row]}, expected "
                     f"{t.req.finished_chunk_token_count + t.gen}")
             if t.paused:
-                require(offset + q == t.cached and t.cached % bs == 0
-                        and h[FIELD_LAST_OFFSET, row] == bs - 1,
+                # Paused: its next 1 + k tokens cross into a new block (k = 0: its last block
+                # is full), which it could not get.
+                last = h[FIELD_LAST_OFFSET, row]
+                require(offset + q == t.cached and last == (t.cached - 1) % bs
+                        and last >= bs - 1 - cfg.speculative,
                         lambda: f"paused {where}: offset {offset} + query {q} != cached "
-                        f"{t.cached} or its last block is not full")
+                        f"{t.cached} or its next step fits its last block (offset {last})")
             else:
                 require(offset == t.query_start and q == len(t.query),
                         lambda: f"{where}: offset {offset}, query {q}; model {t.query_start}, "
@@ -468,6 +488,12 @@ class InvariantChecks(BudgetChecks, Patterns):
             require((pending is None and P == 0) or (pending is not None
                     and pending.tolist() == want), lambda: f"paused_tokens "
                     f"{None if pending is None else pending.tolist()}, expected {want}")
+            if cfg.speculative:
+                drafts = ctx.paused_speculative_tokens
+                want = [t.drafts for t in rows[:P]]
+                require((drafts is None and P == 0) or (drafts is not None
+                        and drafts.T.tolist() == want), lambda: f"paused_speculative_tokens "
+                        f"{None if drafts is None else drafts.T.tolist()}, expected {want}")
         if cfg.hybrid:
             self.check_mamba(rows, device)
         self.check_kv()

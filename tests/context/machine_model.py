@@ -72,6 +72,9 @@ class MachineConfig:
     # Hybrids with prefix caching: the Mamba state snapshots the budget buys (1: a tiny budget,
     # several snapshots of one update compete for it).
     prefix_snapshots: int = PREFIX_SNAPSHOTS
+    # Speculative steps (docs/SEMANTICS.md §19): a decode request forwards its pending token and
+    # this many drafts; the driver accepts a chosen number of them and rewinds the rest.
+    speculative: int = 0
 
     @property
     def hybrid(self) -> bool:
@@ -119,7 +122,8 @@ class MachineConfig:
                     max_sequence_length=self.max_sequence_length,
                     buffer_size_gb=self.buffer_blocks * self.block_bytes / GIB,
                     block_size_tokens=self.block_size, max_tokens=self.max_tokens,
-                    max_requests=self.max_requests, unified_memory_level=0, device="cpu")
+                    max_requests=self.max_requests, unified_memory_level=0, device="cpu",
+                    num_speculative_tokens=self.speculative)
         if self.paused_blocks is not None:
             args["paused_buffer_size_gb"] = self.paused_blocks * self.block_bytes / GIB
         if self.mla:
@@ -168,10 +172,23 @@ CONFIGS = {c.name: c for c in [
                   paused_blocks=4, layer_types=HYBRID_LAYERS, prefix_caching="ref_zero"),
     MachineConfig("pc-hyb-lru-bs4-snap1", block_size=4, buffer_blocks=24, paused_blocks=None,
                   layer_types=HYBRID_LAYERS, prefix_caching="lru", prefix_snapshots=1),
+    # Speculative steps: 1 + k tokens a decode request, blocks taken early, drafts rewound.
+    MachineConfig("spec2-bs4-paused4", block_size=4, buffer_blocks=16, paused_blocks=4,
+                  speculative=2),
+    MachineConfig("spec3-mla-bs8-paused3", block_size=8, buffer_blocks=12, paused_blocks=3,
+                  mla=True, speculative=3),
+    MachineConfig("spec1-hyb-bs4-paused4", block_size=4, buffer_blocks=16, paused_blocks=4,
+                  layer_types=HYBRID_LAYERS, speculative=1),
+    MachineConfig("spec2-pc-lru-bs4-paused4", block_size=4, buffer_blocks=16, paused_blocks=4,
+                  prefix_caching="lru", speculative=2),
+    MachineConfig("spec3-pc-hyb-lru-bs4-half", block_size=4, buffer_blocks=24,
+                  paused_blocks=None, layer_types=HYBRID_LAYERS, prefix_caching="lru",
+                  speculative=3),
 ]}
 CI_CONFIGS = [CONFIGS[n] for n in ("bs4-paused4", "bs8-half", "bs4-paused0", "mla-bs8-paused3",
                                    "hyb-bs4-paused4", "hyb-bs8-half", "pc-lru-bs4-paused4",
-                                   "pc-hyb-lru-bs4-half")]
+                                   "pc-hyb-lru-bs4-half", "spec2-bs4-paused4",
+                                   "spec1-hyb-bs4-paused4", "spec2-pc-lru-bs4-paused4")]
 
 
 def sample_token(rid: int, position: int) -> int:
@@ -209,6 +226,8 @@ class Tracked:
     mamba_writes: int = 0         # hybrids: steps whose Mamba state pattern it holds
     mamba_len: int = 0            # hybrids with prefix caching: tokens its state absorbed
     continued: bool = False       # the pending query is a continuation chunk (added this step)
+    drafts: List[int] = field(default_factory=list)  # speculative: the query's tokens after
+    #                               the pending one (its drafts, not yet generated)
 
     def expected_blocks(self, block_size: int) -> int:
         if self.paused or self.placeholder:

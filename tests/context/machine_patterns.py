@@ -25,7 +25,7 @@ class Patterns:
         and a block shared from the cache must hold exactly what the request would write."""
         if self.cfg.prefix_caching is None:
             return np.full(len(positions), t.uid)
-        sequence = tuple(t.prompt + t.generated)
+        sequence = tuple(t.prompt + t.generated + t.drafts)
         ids = self.__dict__.setdefault("_content_ids", {})
         return np.array([ids.setdefault(sequence[:p + 1], len(ids)) for p in positions.tolist()],
                         dtype=np.int64)

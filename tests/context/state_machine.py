@@ -35,6 +35,12 @@ request's state back, and a new request's state must read zero after its first
 ``initialize_attention_state``. Nothing is added after a hybrid's continuation chunk in the
 same step (the scheduler stops there).
 
+Speculative configurations (``MachineConfig.speculative = k``, names ``spec*``) forward each
+decode request's pending token and ``k`` drafts, accept a chosen number of them (``_rewind``:
+``rewind_kv_cache``, its released blocks checked; a hybrid's Mamba state restored from the
+intermediate states the driver writes), pass the next drafts to ``update_requests`` and check
+them on paused rows; every other check holds as it is, with the query ``1 + k`` tokens long.
+
 Prefix caching configurations (``MachineConfig.prefix_caching``, names ``pc-*``) draw prompts
 from two token families so that they share prefixes, and key the K/V and Mamba patterns by
 content (the tokens up to the position, or those a state absorbed) instead of by incarnation:
@@ -241,6 +247,7 @@ class ContextDriver(InvariantChecks):
             t.req.remaining_prompt_tokens = t.req.remaining_prompt_tokens[chunk:]
             t.req.finished_chunk_token_count = fin + chunk
         t.query_start, t.query = fin + skip, t.prompt[fin + skip:fin + chunk]
+        t.drafts = []
         t.cached = fin + skip
         if skip:
             self.stats["prefix_hits"] += 1
@@ -431,8 +438,11 @@ class ContextDriver(InvariantChecks):
         if cfg.hybrid:
             self._step_mamba(rows, P, active)
         self._write_kv(active, layout)
-        for t in active:
-            t.cached = t.query_start + len(t.query)
+        if cfg.speculative:
+            self._rewind(active, choice)
+        else:
+            for t in active:
+                t.cached = t.query_start + len(t.query)
         self.check_kv()
         samples = [sample_token(t.rid, t.cached) for t in active]
         self._check_logits(active, samples, logprobs)
@@ -451,7 +461,12 @@ class ContextDriver(InvariantChecks):
         old_blocks = {t.rid: table[row, :counts[row]].tolist() for row, t in enumerate(rows)}
         old_paused = {t.rid for t in rows[:P]}
         mask_tensor = torch.tensor(mask, dtype=torch.int32 if mask_as_int else torch.bool)
-        newly = ctx.update_requests(mask_tensor, torch.tensor(samples, dtype=torch.int64))
+        k = cfg.speculative
+        drafts = [[(sample_token(t.rid, t.cached + 1 + j) + 1 + j) % VOCAB for j in range(k)]
+                  for t in active]
+        newly = ctx.update_requests(mask_tensor, torch.tensor(samples, dtype=torch.int64),
+                                    torch.tensor(drafts, dtype=torch.int64).reshape(
+                                        len(active), k).T if k else None)
         self.stats["steps"] += 1
         if self.prefix is not None:
             self.prefix.after_update([(t.uid, t.prompt, t.cached) for t in active],
@@ -464,18 +479,21 @@ class ContextDriver(InvariantChecks):
         finished |= at_max_length
         self.stats["max_length_finished"] += len(at_max_length)
         eligible = set()
-        for t, token in zip(active, samples):
+        for t, token, draft in zip(active, samples, drafts):
             t.continued = False
             if t.rid in finished:
                 del self.live[t.rid]
                 continue
-            t.query_start, t.query, t.prefill = t.cached, [token], False
+            t.query_start, t.query, t.prefill, t.drafts = t.cached, [token], False, []
             if t.chunking:
                 t.placeholder = True  # the sampled token of a non-final chunk is junk
             else:
                 t.generated.append(token)
-                if t.cached % cfg.block_size == 0:
-                    eligible.add(t.rid)  # its last block is full: it may pause
+                t.query, t.drafts = [token] + draft, draft
+                # Its next 1 + k tokens cross into a new block (k = 0: its last block is
+                # full): it may pause.
+                if (t.cached - 1) % cfg.block_size >= cfg.block_size - 1 - k:
+                    eligible.add(t.rid)
         self.stats["finished"] += len(finished)
 
         evicted = ctx.evicted_request_ids.tolist()
@@ -581,6 +599,63 @@ class ContextDriver(InvariantChecks):
 
 
     # ------------------------------------------------------------------ writes
+    def _rewind(self, active: List[Tracked], choice: int) -> None:
+        """Speculative steps: accept a chosen number of each decode request's drafts (the
+        verification), set a hybrid's Mamba states up as its model would (the state after each
+        token in the intermediate states), and ``rewind_kv_cache`` the rest; check the blocks it
+        released (a decode row's blocks past its kept tokens, in row order)."""
+        ctx, cfg = self.ctx, self.cfg
+        k, bs = cfg.speculative, cfg.block_size
+        accepted = [-1 if t.prefill else (choice + 7 * t.rid + t.query_start) % (k + 1)
+                    for t in active]
+        self.note(f"rewind(accepted={accepted})")
+        P = ctx.paused_request_count
+        counts, table = ctx.kv_block_counts_host, ctx.block_table_host
+        held = [table[P + i, :counts[P + i]].tolist() for i in range(len(active))]
+        if cfg.hybrid:
+            self._speculative_mamba(active, accepted)
+        released = ctx.rewind_kv_cache(torch.tensor(accepted)).tolist()
+        expected = []
+        for t, a, blocks in zip(active, accepted, held):
+            if a < 0:
+                t.cached = t.query_start + len(t.query)
+                continue
+            t.cached = t.query_start + 1 + a
+            t.generated += t.drafts[:a]
+            keep = math.ceil(t.cached / bs)
+            expected += blocks[keep:]
+            t.blocks = t.blocks[:keep]
+            self.stats["accepted_drafts"] += a
+            self.stats["rejected_drafts"] += k - a
+        require(released == expected, lambda: f"rewind_kv_cache released {released}, expected "
+                f"{expected} (the blocks past each decode row's kept tokens)")
+        self.stats["rewound_blocks"] += len(released)
+        lengths = ctx.get_active_sequence_lengths().tolist()
+        require(lengths == [t.cached for t in active], lambda: f"after the rewind the active "
+                f"lengths are {lengths}, expected {[t.cached for t in active]}")
+
+    def _speculative_mamba(self, active: List[Tracked], accepted: List[int]) -> None:
+        """What a hybrid's Mamba layers leave after a speculative step: each decode request's
+        intermediate state after its accepted tokens holds the pattern the rewind must restore;
+        its other intermediate states and its current state (after all ``1 + k`` tokens) are
+        poisoned."""
+        ctx, cfg = self.ctx, self.cfg
+        rows = [(t, a) for t, a in zip(active, accepted) if a >= 0]
+        if not rows:
+            return
+        for t, a in rows:
+            t.mamba_len = t.query_start + 1 + a
+        patterns = self.mamba_pattern(*self.mamba_keys([t for t, _ in rows])[:2])
+        slots = torch.tensor([t.slot for t, _ in rows])
+        steps = torch.tensor([a for _, a in rows])
+        for layer, number in enumerate(cfg.mamba_layers):
+            current = ctx.mamba_states_cache(number)
+            intermediate = ctx.mamba_states_cache(number, intermediate=True)
+            for state, inter, pattern in zip(current, intermediate, patterns):
+                inter[slots] = _POISON
+                inter[slots, steps] = torch.from_numpy(pattern[:, layer]).to(inter.dtype)
+                state[slots] = _POISON
+
     def _write_kv(self, active: List[Tracked], layout: int) -> None:
         ctx, cfg = self.ctx, self.cfg
         n = ctx.padded_active_token_count

@@ -145,9 +145,11 @@ def test_hybrid_mamba_budget_larger_than_the_buffer_is_refused():
                                          max_tokens=8192))
 
 
-def test_speculative_tokens_are_refused_until_supported():
-    with pytest.raises(NotImplementedError, match="num_speculative_tokens=2"):
-        build(inference_config=inference(num_speculative_tokens=2))
+def test_speculative_tokens_reach_the_speculative_steps():
+    ctx = build(inference_config=inference(num_speculative_tokens=2))
+    assert ctx.num_speculative_tokens == 2 and ctx.config.num_speculative_tokens == 2
+    assert ctx.max_kv_block_count == math.ceil(ctx.max_sequence_length
+                                               / ctx.block_size_tokens) + 1
 
 
 def test_argument_errors_of_the_two_forms():

@@ -20,8 +20,9 @@ from hypothesis.stateful import (
 )
 from state_machine import CI_CONFIGS, ContextDriver, MachineConfig
 
-# Deterministic and sized for CI (the six configurations, two of them hybrids, together take
-# about 35 s of CPU on one core): no example database, derandomized generation, no deadline.
+# Deterministic and sized for CI (the eleven configurations, four of them hybrids and three
+# speculative, together take about a minute of CPU on one core): no example database,
+# derandomized generation, no deadline.
 # The long run is soak.py (in this folder).
 SETTINGS = settings(max_examples=50, stateful_step_count=50, deadline=None, derandomize=True,
                     database=None, print_blob=False,
@@ -137,7 +138,9 @@ def test_driver_reaches_pause_evict_chunk_and_suspend(config, one_thread):
             driver.check()
             assert driver.ctx.total_request_count > 0, "re-added requests must run on"
     stats = driver.stats
-    assert stats["steps"] >= 20 and stats["chunks"] >= 2 and stats["suspends"] == 1
+    # One scripted suspend, beside those that recover from a stalled continuation.
+    assert stats["steps"] >= 20 and stats["chunks"] >= 2
+    assert stats["suspends"] == 1 + stats["stalls"], dict(stats)
     assert stats["pauses"] + stats["evictions"] > 0, dict(stats)
     if config.prefix_caching is not None:
         assert stats["prefix_hits"] > 0, dict(stats)

@@ -50,8 +50,8 @@ def test_a_live_decode_request_count_fails_the_replay(monkeypatch, mixed):
                         property(lambda self: self._ctx.num_decode_requests))
     hf = tiny_llama(max_positions=128)
     engine = graph_engine(hf, cuda_graph_mixed_prefill_count=mixed)
-    with pytest.raises(GraphReplayMismatch,
-                       match=r"graph .*models/paged_attention_torch\.py:\d+.* captured \d+, now \d+"):
+    mismatch = r"graph .*models/paged_attention_torch\.py:\d+.* captured \d+, now \d+"
+    with pytest.raises(GraphReplayMismatch, match=mismatch):
         engine.generate(make_prompts([5, 9, 3], hf.config.vocab_size), max_new_tokens=4,
                         ignore_eos=True)
 

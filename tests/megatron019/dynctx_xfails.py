@@ -51,12 +51,6 @@ PREFILL_FLAGS = (
 
 XFAILS: Dict[str, Dict[str, str]] = {
     'test_mcore019_dynamic_context.py': {
-        'TestDynamicContext::test_add_dummy_requests_for_expert_parallel_step_matches_slow_path[3--1-False]': SPECULATIVE,
-        'TestDynamicContext::test_add_dummy_requests_for_expert_parallel_step_matches_slow_path[3--1-True]': SPECULATIVE,
-        'TestDynamicContext::test_add_dummy_requests_for_expert_parallel_step_matches_slow_path[3-16-False]': SPECULATIVE,
-        'TestDynamicContext::test_add_dummy_requests_for_expert_parallel_step_matches_slow_path[3-16-True]': SPECULATIVE,
-        'TestDynamicContext::test_add_dummy_requests_for_expert_parallel_step_matches_slow_path[3-32-False]': SPECULATIVE,
-        'TestDynamicContext::test_add_dummy_requests_for_expert_parallel_step_matches_slow_path[3-32-True]': SPECULATIVE,
         'TestDynamicContext::test_add_dummy_requests_parallel_hybrid_allocates_mamba': TRANSFER,
         'TestDynamicContext::test_async_sched_can_prepare_requests_exact_block_demand[0-last_block_offsets0-0-True]': PREFILL_FLAGS,
         'TestDynamicContext::test_async_sched_can_prepare_requests_exact_block_demand[0-last_block_offsets1-0-False]': PREFILL_FLAGS,
@@ -89,17 +83,14 @@ XFAILS: Dict[str, Dict[str, str]] = {
         'TestDynamicContext::test_initialize_attention_state_bookkeeping_transfer_event': TRANSFER,
         'TestDynamicContext::test_last_token_logits_selects_correct_values_speculative': SPECULATIVE,
         'TestDynamicContext::test_mamba_memory_ratio_allocation': MAX_REQUESTS_ZERO,
-        'TestDynamicContext::test_oom_during_speculative_boundary_crossing': SPECULATIVE,
         'TestDynamicContext::test_pad_active_slices_no_speculative_tokens': SPECULATIVE_API,
         'TestDynamicContext::test_pad_active_slices_speculative_all_prefill': SPECULATIVE,
         'TestDynamicContext::test_pad_active_slices_speculative_decode_only': SPECULATIVE,
         'TestDynamicContext::test_pad_active_slices_speculative_mixed_batch': SPECULATIVE,
-        'TestDynamicContext::test_paused_speculative_tokens_tracking': SPECULATIVE,
         'TestDynamicContext::test_prefix_caching_check_availability_with_speculative': SPECULATIVE,
         'TestDynamicContext::test_prefix_match_exact_block_boundary': MAX_REQUESTS_ZERO,
         'TestDynamicContext::test_release_memory_blocks_for_finished_requests': PREFILL_FLAGS,
         'TestDynamicContext::test_speculative_boundary_crossing': SPECULATIVE,
-        'TestDynamicContext::test_speculative_boundary_crossing_at_max_kv_block_count': SPECULATIVE,
         'TestDynamicContext::test_speculative_boundary_crossing_with_prefix_caching': SPECULATIVE,
         'TestDynamicContext::test_speculative_required_logit_indices_matches_active_logit_idxs': SPECULATIVE,
         'TestDynamicContext::test_speculative_update_then_release_with_prefix_caching': SPECULATIVE,
@@ -107,7 +98,6 @@ XFAILS: Dict[str, Dict[str, str]] = {
         'TestDynamicContext::test_speculative_with_prefix_caching_shared_blocks': SPECULATIVE,
         'TestDynamicContext::test_swap_book_keeping_tensors_with_speculative_tokens': SPECULATIVE,
         'TestDynamicContext::test_transfer_bookkeeping_to_gpu_can_skip_input_token_ids': GPU_VIEW,
-        'TestDynamicContext::test_update_requests_speculative': SPECULATIVE,
         'TestDynamicContext::test_update_requests_with_finished_requests_and_speculative_tokens': SPECULATIVE,
     },
     'test_mcore019_dynamic_prefix_caching.py': {

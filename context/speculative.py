@@ -1,0 +1,155 @@
+"""Speculative steps (Megatron-Core 0.19's ``num_speculative_tokens``), docs/SEMANTICS.md §19.
+
+With ``num_speculative_tokens = k > 0`` a decode request forwards ``1 + k`` tokens a step: its
+pending token and ``k`` draft tokens, at consecutive positions. The request takes its next
+block early (when the last kept token's offset reaches ``block_size - 1 - k``), so the step's
+``1 + k`` tokens always fit in the blocks it holds; after the forward pass the engine verifies
+the drafts and ``rewind_kv_cache`` lowers the offsets by the rejected ones, releasing a block
+that then holds nothing (0.19's ``mtp_utils_pytorch.rewind_kv_cache``). ``update_requests``
+then advances every row by its ``1 + k`` query tokens, so a request gains ``1 + accepted``
+tokens a step.
+
+This module is the part's pure host work: the argument checks, the rewind plan, and the
+logit rows a step's verification needs; ``RequestTable.commit_rewind`` and the device state
+apply them. Nothing here touches the device. k = 0 never reaches it.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import numpy as np
+import torch
+
+from ._fields import FIELD_BLOCKS, FIELD_KV_OFFSET, FIELD_LAST_OFFSET
+from .errors import SpeculativeConfigError, StepShapeError
+
+
+def check_speculative_tokens(num_speculative_tokens, block_size_tokens: int) -> int:
+    """``num_speculative_tokens`` as an int in ``[0, block_size_tokens)`` (0.19's assertion and
+    message: a step's ``1 + k`` tokens must fit in two blocks)."""
+    k = num_speculative_tokens
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)):
+        raise TypeError(f"num_speculative_tokens={k!r} must be an int")
+    if k < 0:
+        raise SpeculativeConfigError(f"num_speculative_tokens ({k}) must be >= 0")
+    if k >= block_size_tokens:
+        raise SpeculativeConfigError(f"num_speculative_tokens ({k}) must be < "
+                                     f"block_size_tokens ({block_size_tokens})")
+    return int(k)
+
+
+def check_draft_tokens(new_speculative_tokens: Optional[torch.Tensor], k: int, active: int,
+                       device: torch.device) -> Optional[torch.Tensor]:
+    """``update_requests``' ``new_speculative_tokens``: None when ``k == 0``; else an integer
+    tensor ``[k, active]`` on the context's device (0.19's layout: draft ``j`` of request
+    ``i`` at ``[j, i]``). Raises before anything changes."""
+    if k == 0:
+        if new_speculative_tokens is not None:
+            raise ValueError("new_speculative_tokens was given, but the context has "
+                             "num_speculative_tokens=0")
+        return None
+    if new_speculative_tokens is None:
+        raise ValueError(f"new_speculative_tokens [num_speculative_tokens={k}, {active}] is "
+                         "required: the next step forwards each decode request's drafts")
+    tokens = new_speculative_tokens
+    if not isinstance(tokens, torch.Tensor):
+        raise TypeError(f"new_speculative_tokens must be a torch.Tensor, got {type(tokens)}")
+    if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
+        raise TypeError(f"new_speculative_tokens must be an integer tensor, got {tokens.dtype}")
+    if tuple(tokens.shape) != (k, active):
+        raise StepShapeError(f"new_speculative_tokens has shape {tuple(tokens.shape)}, expected "
+                             f"[num_speculative_tokens={k}, active requests={active}]")
+    if tokens.device != device:
+        raise ValueError(f"new_speculative_tokens is on {tokens.device}, the context on {device}")
+    return tokens
+
+
+def check_accepted_counts(accepted_counts, k: int, decode_rows: int, active: int) -> np.ndarray:
+    """``rewind_kv_cache``'s ``accepted_counts`` as host int64 ``[active]``: for the first
+    ``decode_rows`` active rows (the decode requests that forwarded drafts) the drafts
+    accepted, in ``[0, k]``; entries of prefill rows are ignored (0.19 ignores them too)."""
+    if isinstance(accepted_counts, torch.Tensor):
+        if accepted_counts.dtype.is_floating_point or accepted_counts.dtype == torch.bool:
+            raise TypeError(f"accepted_counts must be an integer tensor, got "
+                            f"{accepted_counts.dtype}")
+        host = (accepted_counts.detach().numpy() if accepted_counts.device.type == "cpu"
+                else accepted_counts.detach().cpu().numpy())
+    else:
+        host = np.asarray(accepted_counts)
+        if host.dtype.kind not in "iu":
+            raise TypeError(f"accepted_counts must hold integers, got dtype {host.dtype}")
+    if host.shape != (active,):
+        raise StepShapeError(f"accepted_counts has shape {tuple(host.shape)}, expected "
+                             f"[active requests={active}]")
+    decode = host[:decode_rows].astype(np.int64)
+    bad = np.flatnonzero((decode < 0) | (decode > k))
+    if bad.size:
+        raise ValueError(f"accepted_counts[{int(bad[0])}]={int(decode[bad[0]])} must lie in "
+                         f"[0, num_speculative_tokens={k}] (a decode request's accepted drafts)")
+    return decode
+
+
+class RewindPlan(NamedTuple):
+    """What ``rewind_kv_cache`` changes, decided before anything changes: ``rows`` (absolute
+    rows rewound, ascending), their new ``FIELD_KV_OFFSET``, ``FIELD_LAST_OFFSET``,
+    ``FIELD_BLOCKS``, ``FIELD_LAST_BLOCK``; ``dropped``: the rows (a subset of ``rows``) whose
+    last block now holds nothing, and ``released``: those blocks, in row order."""
+
+    rows: np.ndarray
+    kv_offsets: np.ndarray
+    last_offsets: np.ndarray
+    block_counts: np.ndarray
+    last_blocks: np.ndarray
+    dropped: np.ndarray
+    released: np.ndarray
+
+
+def plan_rewind(table, accepted: np.ndarray, k: int) -> RewindPlan:
+    """The rewind of the first ``accepted.size`` active rows of ``table`` (decode rows that
+    forwarded ``1 + k`` tokens), ``k - accepted`` tokens each; changes nothing (0.19's
+    ``rewind_kv_cache``, vectorised: offsets lowered, a block that now holds nothing dropped).
+    """
+    rows = table.paused + np.arange(accepted.size)
+    fields = table.rows
+    rewind = (k - accepted).astype(np.int64)
+    kv = fields[FIELD_KV_OFFSET, rows].astype(np.int64) - rewind
+    diff = fields[FIELD_LAST_OFFSET, rows].astype(np.int64) - rewind
+    crossed = diff < 0
+    counts = fields[FIELD_BLOCKS, rows].astype(np.int64) - crossed
+    if (counts < 1).any():
+        row = int(rows[np.flatnonzero(counts < 1)[0]])
+        raise RuntimeError(f"row {row} would rewind past its first block (its offsets were "
+                           "written by hand?); nothing was changed")
+    dropped = rows[crossed]
+    released = table.block_table[dropped, counts[crossed]].astype(np.int64)
+    if ((released < 0) | (released == table.allocator.dummy_block_idx)).any():
+        raise RuntimeError(f"rows {dropped.tolist()} would release blocks {released.tolist()}, "
+                           "which they do not own (written by hand?); nothing was changed")
+    last_blocks = table.block_table[rows, counts - 1].astype(np.int64)
+    return RewindPlan(rows, kv, diff % table.block_size, counts, last_blocks, dropped, released)
+
+
+def logit_rows(decode: int, prefill: int, k: int, cu_query: np.ndarray, out: np.ndarray,
+               active_tokens: int, padded_tokens: int, count: int) -> None:
+    """Write ``speculative_required_logit_indices`` into ``out[:count]``: every token of the
+    ``decode`` decode rows (``1 + k`` each, first; a dummy decode row, its prompt), then
+    each prefill's last token (from the
+    step's cumulative query lengths), then, under a CUDA graph's larger ``count``, padding
+    token rows (``active_tokens`` on, capped at the last padded token)."""
+    drafted = int(cu_query[decode])
+    out[:drafted] = np.arange(drafted)
+    out[drafted:drafted + prefill] = cu_query[decode + 1:decode + prefill + 1] - 1
+    real = drafted + prefill
+    if count > real:
+        out[real:count] = np.minimum(np.arange(active_tokens, active_tokens + count - real),
+                                     max(padded_tokens - 1, 0))
+
+
+def num_logit_rows(step, k: int) -> int:
+    """0.19's ``num_last_token_logits``: ``1 + k`` rows per decode request plus one per prefill,
+    counted on the padded dimensions under a CUDA graph."""
+    dims = step.padded if step.using_cuda_graph else step.batch_dimensions
+    if k == 0:
+        return dims.req_count if step.using_cuda_graph else step.active
+    return dims.decode_req_count * (1 + k) + dims.prefill_req_count
