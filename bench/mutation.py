@@ -94,6 +94,7 @@ CONTEXT_KEYWORD = "not rotary_methods_match_megatron and not sizes_equal_megatro
 ATTENTION_TESTS = ("tests/kernels/test_paged_attention.py",)
 TARGETS: Dict[str, Target] = {
     "context/update_plan.py": Target(CONTEXT_TESTS, keyword=CONTEXT_KEYWORD),
+    "context/plan_scratch.py": Target(CONTEXT_TESTS, keyword=CONTEXT_KEYWORD),
     "context/request_table.py": Target(CONTEXT_TESTS, keyword=CONTEXT_KEYWORD),
     "context/block_allocator.py": Target(CONTEXT_TESTS, keyword=CONTEXT_KEYWORD),
     "context/prefix_cache.py": Target(("tests/context/test_prefix_chains.py",

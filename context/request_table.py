@@ -38,15 +38,9 @@ from .block_allocator import BlockAllocator
 from .errors import TensorStateDeallocatedError
 from .inputs import check_chunked_id, check_request_limit
 from .mamba_states import MambaSnapshots, SlotAllocator
+from .plan_scratch import distinct_blocks, held_blocks
 from .prefix_cache import DigestTable, PrefixCache
-from .update_plan import (
-    DecodePlan,
-    UpdatePlan,
-    distinct_blocks,
-    held_blocks,
-    plan_decode,
-    plan_update,
-)
+from .update_plan import DecodePlan, UpdatePlan, plan_decode, plan_update
 
 
 class RequestTable:

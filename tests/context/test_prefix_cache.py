@@ -452,7 +452,7 @@ def test_distinct_block_counts_equal_a_plain_python_count():
     """``distinct_blocks`` and ``first_holder_counts`` (the budgets' distinct counts, linear in
     the entries) against the definitions written as plain Python, over random tables with
     shared ids, the -1 padding, empty shapes and exclusions beyond the largest id."""
-    from dynctx.context.update_plan import distinct_blocks, first_holder_counts
+    from dynctx.context.plan_scratch import distinct_blocks, first_holder_counts
 
     rng = np.random.default_rng(0)
     for _ in range(500):
