@@ -83,10 +83,11 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT / "tests") not in sys.path:
-    sys.path.insert(0, str(ROOT / "tests"))
+# Under -P the script's own folder is not on sys.path; its sibling megatron_cpu is the peer.
+if str(ROOT / "bench") not in sys.path:
+    sys.path.insert(0, str(ROOT / "bench"))
 
-import megatron_oracle as mo  # noqa: E402
+import megatron_cpu as mo  # noqa: E402
 
 aten = torch.ops.aten
 GIB = 1024 ** 3
@@ -593,7 +594,7 @@ def _make_context(kind: str, cfg: dict, device):
         return DynamicInferenceContext(**cfg, device=device)
     if torch.device(device).type == "cpu":
         return mo.make_megatron_context(**cfg).raw
-    mdc, _, _ = mo._import_megatron()
+    mdc, _, _ = mo.import_megatron()
     ctx = mdc.DynamicInferenceContext(**cfg)
     ctx.reset()
     return ctx
@@ -604,7 +605,7 @@ def _factory(kind: str):
         from dynctx.context import DynamicInferenceRequest, SamplingParams
 
         return mo.make_request_factory(DynamicInferenceRequest, SamplingParams)
-    _, mir, msp = mo._import_megatron()
+    _, mir, msp = mo.import_megatron()
     return mo.make_request_factory(mir.DynamicInferenceRequest, msp.SamplingParams)
 
 
@@ -621,7 +622,7 @@ def _prefill(ctx, kind: str, cfg: dict, requests: int, steps: int, max_prompt: i
     while pending:
         while pending and ctx.active_token_count + pending[0][1] <= ctx.max_tokens:
             rid, p = pending.pop(0)
-            prompt = torch.tensor([mo.prompt_token(rid, i) for i in range(p)], dtype=torch.long)
+            prompt = (torch.arange(p, dtype=torch.long) * 104729 + rid * 7919 + 13) % 32000
             ctx.add_request(factory(rid, prompt, steps + 8))
         ctx.initialize_attention_state()
         a = ctx.total_request_count - ctx.paused_request_count
