@@ -35,12 +35,12 @@ TORCH_ATTENTION = [
 
 def test_triton_attention_through_the_engine(monkeypatch):
     refuse_torch_references(monkeypatch, TORCH_ATTENTION)
-    from dynctx.models import paged_attention as models_attention
+    from dynctx.models.paged_attention_torch import SdpaStep
 
     def refuse(*args, **kwargs):
         raise AssertionError("the torch attention path ran: the Triton kernels should have")
 
-    monkeypatch.setattr(models_attention._SdpaStep, "attend", refuse)
+    monkeypatch.setattr(SdpaStep, "attend", refuse)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     hf = tiny_llama(seed=31, vocab=128, hidden=32, layers=1, intermediate=64,
                     max_positions=128).to(device)

@@ -26,12 +26,12 @@ LOG_PROB_ATOL = 1e-4
 def test_two_layers_every_prompt_log_prob_and_tokens_match_transformers(monkeypatch):
     refuse_torch_references(monkeypatch, [("dynctx.kernels.paged_attention",
                                            "paged_attention_ref")])
-    from dynctx.models import paged_attention as models_attention
+    from dynctx.models.paged_attention_torch import SdpaStep
 
     def refuse(*args, **kwargs):
         raise AssertionError("the torch attention path ran: the Triton kernels should have")
 
-    monkeypatch.setattr(models_attention._SdpaStep, "attend", refuse)
+    monkeypatch.setattr(SdpaStep, "attend", refuse)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     hf = tiny_llama(seed=41, vocab=128, hidden=32, layers=2, intermediate=64,
                     max_positions=64).to(device)
