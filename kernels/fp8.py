@@ -38,6 +38,8 @@ class Fp8Format(NamedTuple):
 FP8_FORMATS = {torch.float8_e4m3fn: Fp8Format(3, -6, 448.0),
                torch.float8_e5m2: Fp8Format(2, -14, 57344.0)}
 FP8_DTYPES = tuple(FP8_FORMATS)
+# What an FP8 cache takes in: K/V in any of the float dtypes.
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def is_fp8(dtype: torch.dtype) -> bool:
