@@ -278,9 +278,15 @@ def rope_kv_append_ref(query, key, value, positions, key_cache, value_cache, blo
     _kv_append_ref(key_cache, value_cache, key, value, block_ids, slots, key_scale, value_scale)
 
 
-def rope_kv_append_tune_key(**shapes) -> dict:
-    """The ``fused_qk_rope`` key: ``num_k_heads`` is also the value/cache head count."""
-    return fused_qk_rope_tune_key(**shapes)
+def rope_kv_append_tune_key(kv_dtype=None, **shapes) -> dict:
+    """The ``fused_qk_rope`` key: ``num_k_heads`` is also the value/cache head count;
+    ``kv_dtype``, the cache's, only where it differs (an FP8 cache)."""
+    key = fused_qk_rope_tune_key(**shapes)
+    if kv_dtype is not None:
+        name = kv_dtype if isinstance(kv_dtype, str) else autotune.dtype_name(kv_dtype)
+        if name != key["dtype"]:
+            key["kv_dtype"] = name
+    return key
 
 
 def rope_kv_append_configs(key: dict) -> list[KernelConfig]:
@@ -304,6 +310,8 @@ def rope_kv_append_presets() -> list[dict]:
     keys = [rope_kv_append_tune_key(num_tokens=n, table="freqs", **llama)
             for n in (1, 16, 64, 256, 2048, 8192)]
     keys += [rope_kv_append_tune_key(num_tokens=64, table="cos_sin", **llama)]
+    keys += [rope_kv_append_tune_key(num_tokens=n, table="freqs", kv_dtype="float8_e4m3fn",
+                                     **llama) for n in (1, 2048)]
     return keys
 
 
@@ -321,8 +329,12 @@ class _RopeKVAppendCase(RopeTuneCase):
         self.originals = [None if heads == 0 else
                           (torch.rand(n, heads, dim, generator=generator) * 2 - 1).to(device, dtype)
                           for heads in (heads_q, heads_kv, heads_kv)]
-        self.buffer = torch.zeros(2, 1, num_blocks, block_size, heads_kv, dim, dtype=dtype,
-                                  device=device)
+        kv_dtype = getattr(torch, key.get("kv_dtype", key["dtype"]))
+        self.buffer = torch.zeros(2, 1, num_blocks, block_size, heads_kv, dim,
+                                  device=device).to(kv_dtype)
+        self.scales = {} if not is_fp8(kv_dtype) else dict(
+            key_scale=torch.full((heads_kv,), 1 / 256, device=device),
+            value_scale=torch.full((heads_kv,), 1 / 256, device=device))
         self.tensors = [None if x is None else x.clone() for x in self.originals]
         itemsize = self.buffer.element_size()
         self.bytes_moved = itemsize * n * (2 * heads_q * key["rot_dim"] + 2 * heads_kv * dim
@@ -332,7 +344,8 @@ class _RopeKVAppendCase(RopeTuneCase):
         query, key, value = tensors
         rope_kv_append(query, key, value, self.positions, buffer[0, 0], buffer[1, 0],
                        self.block_ids, self.slots, interleaved=self.interleaved,
-                       mla_layout=self.mla_layout, config=config, backend=backend, **self.table)
+                       mla_layout=self.mla_layout, config=config, backend=backend, **self.table,
+                       **self.scales)
 
     def run(self, config: KernelConfig) -> None:
         self._launch(self.tensors, self.buffer, config, "triton")
@@ -344,6 +357,17 @@ class _RopeKVAppendCase(RopeTuneCase):
         actual = [None if x is None else x.clone() for x in self.originals]
         expected = [None if x is None else x.float() for x in self.originals]
         buffer = torch.full_like(self.buffer, float("nan"))
+        if self.scales:
+            # An FP8 cache holds exactly quantize_ref of what the kernel left in key and value.
+            self._launch(actual, buffer, config, "triton")
+            for index, (source, scale) in enumerate(((actual[1], self.scales["key_scale"]),
+                                                     (self.originals[2],
+                                                      self.scales["value_scale"]))):
+                want = quantize_ref(source, scale[:, None], buffer.dtype)
+                got = buffer[index, 0, self.block_ids, self.slots]
+                if not torch.equal(got.view(torch.uint8), want.view(torch.uint8)):
+                    raise AssertionError(f"FP8 cache {index} is not quantize_ref of the input")
+            return
         expected_buffer = buffer.float()
         self._launch(actual, buffer, config, "triton")
         self._launch(expected, expected_buffer, None, "torch")

@@ -104,3 +104,23 @@ def test_fp8_cache_without_scales_is_refused():
         rope_kv_append(query, key, value, positions, buffer[0], buffer[1], block_ids, slots,
                        **_kwargs(case), backend="triton")
     assert torch.equal(base, snapshot), "a refused call rotated query/key"
+
+
+def test_tune_case_checks_every_config_of_an_fp8_key():
+    from dynctx.kernels import autotune
+    from dynctx.kernels.rope_kv_append import rope_kv_append_tune_key
+    from kernel_test_utils import check_tune_case
+
+    tuning = autotune.get_tuning("rope_kv_append")
+    key = rope_kv_append_tune_key(num_tokens=5, num_q_heads=2, num_k_heads=2, head_dim=16,
+                                  rot_dim=16, layout="neox", table="freqs",
+                                  dtype=torch.float16, kv_dtype=torch.float8_e4m3fn)
+    assert key["kv_dtype"] == "float8_e4m3fn"
+    assert any(k.get("kv_dtype") == "float8_e4m3fn" for k in tuning.presets())
+    # One config per tile shape (warps change no result under the interpreter).
+    configs, seen = [], set()
+    for config in tuning.configs(key):
+        if torch.cuda.is_available() or config.meta not in seen:
+            seen.add(config.meta)
+            configs.append(config)
+    check_tune_case(tuning, key, configs=configs)
