@@ -158,10 +158,12 @@ _DECODE_TARGET_PROGRAMS = 264
 
 
 def paged_attention_decode_configs(key: dict) -> list[KernelConfig]:
-    # Tiles of 128 keys at 2 warps spill on sm_90 (tests/kernels/test_sm90_build.py).
+    # Tiles of 128 keys at 2 warps spill on sm_90 (tests/kernels/test_sm90_build.py), and so
+    # does every 2-warp config reading an FP8 cache (its conversions need the registers).
+    warps = _DECODE_WARPS if "kv_dtype" not in key else tuple(w for w in _DECODE_WARPS if w > 2)
     return [KernelConfig.make(BLOCK_N=n, SPLIT_TOKENS=s, num_warps=w)
             for n in _DECODE_BLOCK_N for s in _DECODE_SPLIT_TOKENS if s >= n
-            for w in _DECODE_WARPS if n <= 32 * w]
+            for w in warps if n <= 32 * w]
 
 
 def paged_attention_decode_default_config(key: dict) -> KernelConfig:
