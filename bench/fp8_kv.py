@@ -236,7 +236,8 @@ def print_table(rows: list, cap: dict | None) -> None:
     for row in rows:
         print(f"{row['setting']:30} {100 * row['rel_logit_error_mean']:13.2f}% "
               f"{100 * row['rel_logit_error_p99']:6.2f}% {100 * row['argmax_agreement']:7.2f}% "
-              f"{100 * row['confident_agreement']:18.2f}% {row['max_prompt_log_prob_change']:12.4f}")
+              f"{100 * row['confident_agreement']:18.2f}% "
+              f"{row['max_prompt_log_prob_change']:12.4f}")
     if cap is None:
         return
     print(f"\ncapacity at buffer_size_gb={cap['buffer_size_gb']:.6f} ({cap['requests']} requests "

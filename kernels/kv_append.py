@@ -23,10 +23,10 @@ from ._common import (
     paged_targets,
     squeeze_singleton,
 )
-from .fp8 import FP8_DTYPES, check_head_scale, fp8_constexprs, is_fp8, quantize_ref
 from ._shapes import LLAMA_3_8B
 from .autotune import KernelConfig, KernelTuning
 from .backend import HAS_TRITON, resolve_backend
+from .fp8 import FP8_DTYPES, check_head_scale, fp8_constexprs, is_fp8, quantize_ref
 
 NAME = "kv_append"
 
@@ -182,7 +182,8 @@ def kv_append(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Ten
         block_ids_ptr=block_ids, slots_ptr=slots,
         # Without scales the kernel reads none: any pointer stands in.
         key_scale_ptr=key if key_scale is None else key_scale,
-        value_scale_ptr=value if value_scale is None else value_scale, num_tokens=n, num_heads=num_heads, head_dim=head_dim,
+        value_scale_ptr=value if value_scale is None else value_scale,
+        num_tokens=n, num_heads=num_heads, head_dim=head_dim,
         stride_key_cache_block=key_cache.stride(0), stride_key_cache_slot=key_cache.stride(1),
         stride_key_cache_head=key_cache.stride(2), stride_key_cache_dim=key_cache.stride(3),
         stride_value_cache_block=value_cache.stride(0),

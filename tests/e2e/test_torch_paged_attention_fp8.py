@@ -21,7 +21,8 @@ def fp8_case(case, kv_dtype):
     key_q = quantize_ref(key_cache * 2, key_scale[:, None], kv_dtype)
     value_q = quantize_ref(value_cache, value_scale[:, None], kv_dtype)
     return (query, key_q, value_q, cu_q, kv, table, key_scale, value_scale,
-            dequantize_ref(key_q, key_scale[:, None]), dequantize_ref(value_q, value_scale[:, None]))
+            dequantize_ref(key_q, key_scale[:, None]),
+            dequantize_ref(value_q, value_scale[:, None]))
 
 
 @pytest.mark.parametrize("backend", ["torch", "torch_static"])

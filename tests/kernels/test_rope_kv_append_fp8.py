@@ -12,8 +12,17 @@ from __future__ import annotations
 import pytest
 import torch
 from kernel_test_utils import byte_view
-from test_rope_kv_append import BLOCK_SIZE, DEVICE, LAYER, LAYERS, MAX_POS, Case, _inputs, \
-    _kwargs, _targets
+from test_rope_kv_append import (
+    BLOCK_SIZE,
+    DEVICE,
+    LAYER,
+    LAYERS,
+    MAX_POS,
+    Case,
+    _inputs,
+    _kwargs,
+    _targets,
+)
 
 from dynctx.kernels.fp8 import FP8_FORMATS, quantize_ref
 from dynctx.kernels.rope_kv_append import rope_kv_append, rope_kv_append_ref
@@ -57,7 +66,10 @@ def run(case: Case, kv_dtype, backend: str):
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 def test_cache_holds_the_quantized_rotated_key_and_value(case, kv_dtype, backend):
     buffer, before, key, value, block_ids, slots, ks, vs = run(case, kv_dtype, backend)
-    squeeze = (lambda t: t[:, 0] if t.dim() == 4 else t)
+
+    def squeeze(t):
+        return t[:, 0] if t.dim() == 4 else t
+
     keep = (block_ids >= 0) & (slots >= 0)
     blocks, slots_kept = block_ids[keep], slots[keep]
     expected = before.clone()
@@ -107,9 +119,10 @@ def test_fp8_cache_without_scales_is_refused():
 
 
 def test_tune_case_checks_every_config_of_an_fp8_key():
+    from kernel_test_utils import check_tune_case
+
     from dynctx.kernels import autotune
     from dynctx.kernels.rope_kv_append import rope_kv_append_tune_key
-    from kernel_test_utils import check_tune_case
 
     tuning = autotune.get_tuning("rope_kv_append")
     key = rope_kv_append_tune_key(num_tokens=5, num_q_heads=2, num_k_heads=2, head_dim=16,
