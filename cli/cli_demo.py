@@ -101,6 +101,9 @@ def build_parser(prog: str = "python -m dynctx demo") -> ArgumentParser:
                           "cache's hit rate")
     ctx.add_argument("--fused-rope-kv-append", action="store_true",
                      help="rotate K and append K/V to the cache in one launch")
+    ctx.add_argument("--kv-cache-dtype", choices=["params", "fp8"], default="params",
+                     help="the KV cache's dtype: the model's (--dtype), or fp8 (e4m3 with "
+                          "dynamic per-layer scales: twice the blocks of bf16 per GiB)")
     run_group = parser.add_argument_group("run")
     run_group.add_argument("--dtype", choices=sorted(DTYPES), default="fp32",
                            help="model and KV cache dtype; fp16/bf16 accept divergence at "

@@ -175,7 +175,10 @@ def run(args, rank: int, world: int) -> int:
         window=args.block_size, seed=args.seed).to(device=device, dtype=dtype)
     # Blocks of one rank (its share of the KV heads, or an MLA model's latent row), checked
     # against the longest request before the context is built.
-    sizing = kv_sizing(args, kv_block_bytes(hf_model, args.block_size, world))
+    block_bytes = kv_block_bytes(hf_model, args.block_size, world)
+    if args.kv_cache_dtype == "fp8":  # one byte per cached value, whatever --dtype is
+        block_bytes //= next(hf_model.parameters()).element_size()
+    sizing = kv_sizing(args, block_bytes)
     problem = buffer_problem(args, sizing)
     if problem:
         raise FlagError(problem)
@@ -187,6 +190,7 @@ def run(args, rank: int, world: int) -> int:
                           max_tokens=args.max_tokens,
                           max_requests=args.max_requests, kernel_backend=args.kernel_backend,
                           fused_rope_kv_append=args.fused_rope_kv_append,
+                          kv_cache_dtype="fp8" if args.kv_cache_dtype == "fp8" else None,
                           enable_prefix_caching=args.prefix_caching != "off",
                           prefix_caching_eviction_policy=(
                               "ref_zero" if args.prefix_caching == "off"
@@ -264,7 +268,8 @@ def run(args, rank: int, world: int) -> int:
                             desc="checking against transformers")
     for request, result in zip(requests, results):
         verdict = against_transformers(hf_model, request, result, eos, device,
-                                       half=args.dtype != "fp32")
+                                       half=args.dtype != "fp32",
+                                       fp8=args.kv_cache_dtype == "fp8")
         if verdict == "exact":
             exact += 1
         elif verdict == "near-tie":
@@ -289,7 +294,8 @@ def run(args, rank: int, world: int) -> int:
             say(f"plot              {path}")
     checked = f"{exact}/{len(results)} outputs match transformers' greedy generate exactly"
     if near_tie:
-        checked += f", {near_tie} diverge at a near-tie ({args.dtype}, accepted)"
+        cause = args.dtype + (", fp8 KV cache" if args.kv_cache_dtype == "fp8" else "")
+        checked += f", {near_tie} diverge at a near-tie ({cause}, accepted)"
     if mismatched:
         say(f"MISMATCH: {checked}; {len(mismatched)} differ (request, first differing "
             f"token): {mismatched}")

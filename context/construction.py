@@ -29,6 +29,7 @@ from .forward_pass import ForwardPass
 from .graph_ladder import CUDAGraphLadder, context_cuda_graph_ladder
 from .inputs import check_row_moves
 from .kv_cache import KVCache
+from .kv_scales import check_kv_scales, resolve_kv_cache_dtype
 from .mamba_states import MambaMetadata, MambaStates
 from .parallel import CountAgreement, ParallelGroups
 from .prefix_cache import check_prefix_caching_args, prefix_snapshot_count, warn_without_snapshots
@@ -91,7 +92,8 @@ def settle(*, agreement: CountAgreement, groups: ParallelGroups, default_max_tok
            vocab_size: Optional[int], validate: bool, enable_prefix_caching: Any,
            prefix_caching_eviction_policy: Any, prefix_caching_mamba_gb: Any,
            block_counts: Optional[Tuple[int, int]] = None,
-           num_speculative_tokens: Any = 0) -> ContextSettings:
+           num_speculative_tokens: Any = 0, kv_cache_dtype: Any = None,
+           kv_scales: Any = "dynamic") -> ContextSettings:
     """Check and settle ``DynamicInferenceContext``'s arguments (``agreement``, ``groups``: the
     ranks' agreement and the parallel groups, from ``parallel.parallel_groups``;
     ``default_max_tokens``, ``request_rounder``: the class's).
@@ -155,6 +157,12 @@ def settle(*, agreement: CountAgreement, groups: ParallelGroups, default_max_tok
         num_speculative_tokens: draft tokens a decode request forwards beside its pending one
             (Megatron-Core 0.19; ``< block_size_tokens``; 0: none), docs/SEMANTICS.md §19: the
             block table gets one more column, decode steps ``1 + k`` tokens a request.
+        kv_cache_dtype: None (``params_dtype``), ``"fp8"`` / ``torch.float8_e4m3fn`` or
+            ``torch.float8_e5m2``: the KV (or MLA latent) buffer's dtype; ``buffer_size_gb``
+            counts blocks in it. Mamba states keep their own dtypes.
+        kv_scales: an FP8 cache's scales: ``"dynamic"`` (per layer, from the first prefill),
+            ``"dynamic_per_head"``, or given ``[2, layers(, heads)]`` (``context/kv_scales.py``,
+            docs/SEMANTICS.md §20).
         The options of ``compat.OPTIONS`` are Megatron-Core's and raise or warn as listed there.
     ``block_counts``: this rank's ``(blocks, paused blocks)`` as Megatron-Core 0.19's form
     derives them (``megatron019.constructor_arguments``), instead of the buffer's division.
@@ -188,6 +196,11 @@ def settle(*, agreement: CountAgreement, groups: ParallelGroups, default_max_tok
     layers = layer_layout(args["num_layers"], mamba_inference_state_config, params_dtype)
     # KV heads per rank; a rank holds one (replicated) head when tp exceeds them.
     heads_per_partition = max(1, args["num_attention_heads"] // tp)
+    kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, params_dtype)
+    # (The MLA latent has one scale per layer for each of its two parts.)
+    scale_spec = check_kv_scales(kv_scales, kv_dtype, layers.num_attention_layers,
+                                 1 if cache_mla_latent else heads_per_partition,
+                                 bool(cache_mla_latent))
 
     # The settings that steer the bookkeeping agree over the ranks, and the hybrid prefix
     # cache's snapshot count is reduced with the block counts (one all-reduce).
@@ -199,7 +212,7 @@ def settle(*, agreement: CountAgreement, groups: ParallelGroups, default_max_tok
         use_cuda_graphs_for_non_decode_steps=use_cuda_graphs_for_non_decode_steps,
         cuda_graph_mixed_prefill_count=cuda_graph_mixed_prefill_count)
     memory = memory_layout(
-        layers=layers, params_dtype=params_dtype, block_size_tokens=args["block_size_tokens"],
+        layers=layers, kv_dtype=kv_dtype, block_size_tokens=args["block_size_tokens"],
         heads_per_partition=heads_per_partition, kv_channels=args["kv_channels"],
         cache_mla_latent=bool(cache_mla_latent), kv_lora_rank=args["kv_lora_rank"],
         qk_pos_emb_head_dim=args["qk_pos_emb_head_dim"],
@@ -222,7 +235,8 @@ def settle(*, agreement: CountAgreement, groups: ParallelGroups, default_max_tok
 
     attributes = dict(
         device=device, kernel_backend=kernel_backend, request_metadata_types=types,
-        params_dtype=params_dtype, num_layers=args["num_layers"],
+        params_dtype=params_dtype, kv_cache_dtype=kv_dtype, kv_scales_spec=scale_spec,
+        num_layers=args["num_layers"],
         layer_map=layers.layer_map, num_attention_layers=layers.num_attention_layers,
         num_mamba_layers=layers.num_mamba_layers, is_hybrid_model=layers.is_hybrid_model,
         mamba_conv_states_shape=layers.mamba_conv_states_shape,
@@ -351,7 +365,8 @@ def build_parts(settings: ContextSettings) -> ContextParts:
                  heads=attrs["num_attention_heads_per_partition"], head_dim=attrs["kv_channels"],
                  dtype=attrs["params_dtype"], device=device, backend=settings.backend,
                  kernel_backend=attrs["kernel_backend"],
-                 mla=(attrs["kv_lora_rank"], attrs["qk_pos_emb_head_dim"]) if mla else None)
+                 mla=(attrs["kv_lora_rank"], attrs["qk_pos_emb_head_dim"]) if mla else None,
+                 kv_dtype=attrs["kv_cache_dtype"], scales=attrs["kv_scales_spec"])
     steps = StepBuilder(rows, settings.ladder,
                         tokens_per_decode=1 + attrs["num_speculative_tokens"])
     # Megatron-Core builds it with the context; its step fields are filled per step.

@@ -82,6 +82,7 @@ class DynamicInferenceContext:
         validate: bool = False, enable_prefix_caching: bool = False,
         prefix_caching_eviction_policy: str = "ref_zero",
         prefix_caching_mamba_gb: Optional[float] = None, num_speculative_tokens: int = 0,
+        kv_cache_dtype: Optional[torch.dtype | str] = None, kv_scales: Any = "dynamic",
     ):
         arguments = dict(locals())  # every argument, as given or defaulted
         del arguments["self"]
@@ -296,7 +297,8 @@ class DynamicInferenceContext:
         self._check_allocated()
         if construct_graph_dimensions is not None:
             self.add_dummy_requests_for_cudagraph_capture(construct_graph_dimensions)
-        self._step = self._forward.begin(self._limits())
+        self._step = self._forward.begin(self._limits(),
+                                         capture=construct_graph_dimensions is not None)
         self._set_step_counts(self._step)
 
     active_attn_metadata = property(lambda self: self._forward.attention,
@@ -355,6 +357,7 @@ class DynamicInferenceContext:
     cu_kv_lengths = _Part("_forward", ForwardPass.cu_kv_lengths)
     append_key_value_cache = _Part("_forward", ForwardPass.append_key_value_cache)
     key_value_cache = _Part("_forward", ForwardPass.key_value_cache)
+    key_value_cache_scales = _Part("_forward", ForwardPass.key_value_cache_scales)
     apply_rotary_emb_query = _Part("_forward", ForwardPass.apply_rotary_emb_query)
     apply_rotary_emb_key = _Part("_forward", ForwardPass.apply_rotary_emb_key)
     apply_fused_qk_rotary_emb = _Part("_forward", ForwardPass.apply_fused_qk_rotary_emb)

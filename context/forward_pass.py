@@ -69,8 +69,10 @@ class ForwardPass:
         self.logit_count, self.rewound = 0, False
 
     # ------------------------------------------------------------------ the step
-    def begin(self, limits: tuple):
-        """Build the step about to run, on the device; returns its ``Step``."""
+    def begin(self, limits: tuple, capture: bool = False):
+        """Build the step about to run, on the device; returns its ``Step`` (``capture``: a CUDA
+        graph capture step of dummies). A step that calibrates dynamic FP8 scales
+        (``KVCache.begin_step``) runs eagerly, not as a CUDA graph replay."""
         table, device, mamba = self.table, self.device, self.mamba
         if table.chunked_id != -1:
             table.check_step_ready()
@@ -78,6 +80,8 @@ class ForwardPass:
         step = self.steps.take(table, device.arena.host, limits,
                                seq_idx=None if mamba is None else mamba.host_seq_idx,
                                zero_count=zero_count, device_prompts=device_prompts)
+        if self.kv.begin_step(step.active_tokens, capture) and step.using_cuda_graph:
+            step = step._replace(using_cuda_graph=False)
         device.begin_step(step, table, device_prompts)
         if step.mamba:
             self.mamba_metadata.update_step(mamba.step_fields(step, device.arena.device,
@@ -240,6 +244,14 @@ class ForwardPass:
         is ``active_attn_metadata.block_table``."""
         self.device.check_allocated()
         return self.kv.views(self.layers.index(layer_number))
+
+    def key_value_cache_scales(self, layer_number: int
+                               ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """Extension: an FP8 cache's ``(K scales, V scales)`` of one layer, fp32 ``[H]`` device
+        views (MLA: the latent and rope scales ``[1]``); a stored value reads back as ``q *
+        scale``. ``(None, None)`` when the cache is in ``params_dtype``."""
+        self.device.check_allocated()
+        return self.kv.layer_scales(self.layers.index(layer_number))
 
     # ------------------------------------------------------------------ rotary embeddings
     def _rope(self, name: str, tensor: torch.Tensor, table_name: str = "",

@@ -183,7 +183,7 @@ def _warn_level1_once(paused_bytes: int) -> None:
         "(Shown once per process.)", stacklevel=6)
 
 
-def memory_layout(*, layers: LayerLayout, params_dtype: torch.dtype, block_size_tokens: int,
+def memory_layout(*, layers: LayerLayout, kv_dtype: torch.dtype, block_size_tokens: int,
                   heads_per_partition: int, kv_channels: int, cache_mla_latent: bool,
                   kv_lora_rank: Optional[int], qk_pos_emb_head_dim: Optional[int],
                   unified_memory_level: Optional[int], device: torch.device,
@@ -200,8 +200,9 @@ def memory_layout(*, layers: LayerLayout, params_dtype: torch.dtype, block_size_
     checks that the values of ``same`` (the explicit ``max_requests``, ``max_tokens``, ...) are
     equal on every rank, so that all ranks allocate, pause and evict alike. ``block_counts``
     ``(blocks, paused blocks)``: this rank's counts as a caller derived them (Megatron-Core
-    0.19's form: ``context/megatron019.py``), instead of the buffer sizes' division."""
-    itemsize = torch.empty((), dtype=params_dtype).element_size()
+    0.19's form: ``context/megatron019.py``), instead of the buffer sizes' division. Blocks are
+    sized in ``kv_dtype``, the cache's (an FP8 cache's blocks take half the bytes of bf16's)."""
+    itemsize = torch.empty((), dtype=kv_dtype).element_size()
     kv_reduced_dim = None
     if cache_mla_latent:
         kv_reduced_dim = kv_lora_rank + qk_pos_emb_head_dim

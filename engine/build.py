@@ -16,6 +16,7 @@ from typing import Any, Callable, Dict, Optional
 
 from dynctx.context import DynamicInferenceContext
 from dynctx.context import sizing as context_sizing
+from dynctx.context.kv_scales import resolve_kv_cache_dtype
 from dynctx.context.parallel import parallel_groups
 from dynctx.kernels.backend import HAS_TRITON
 from dynctx.kernels.devices import indexed_device
@@ -75,7 +76,7 @@ def derived_max_requests(kwargs: Dict[str, Any], tp: int) -> Optional[int]:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the context warns when it is built
             layout = context_sizing.memory_layout(
-                layers=layers, params_dtype=dtype,
+                layers=layers, kv_dtype=resolve_kv_cache_dtype(get("kv_cache_dtype"), dtype),
                 block_size_tokens=get("block_size_tokens", _context_default("block_size_tokens")),
                 heads_per_partition=max(1, get("num_attention_heads") // tp),
                 kv_channels=get("kv_channels"),

@@ -57,7 +57,7 @@ def next_pow2(x: int) -> int:
 
 def bits(tensor: torch.Tensor) -> torch.Tensor:
     """Integer view of the same bytes, so NaN payloads and -0.0 compare exactly."""
-    return tensor.view({4: torch.int32, 2: torch.int16}[tensor.element_size()])
+    return tensor.view({4: torch.int32, 2: torch.int16, 1: torch.uint8}[tensor.element_size()])
 
 
 def squeeze_singleton(name: str, tensor: torch.Tensor, dims: int, layout: str) -> torch.Tensor:

@@ -1,7 +1,9 @@
 """MLA latent caching: write each token's compressed KV latent and rope key into the latent cache.
 
 ``latent_cache[block_ids[t], slots[t]] = cat(kv_latent[t], k_rope[t])`` for every ``t < n`` with
-``n = block_ids.numel()``, one launch. Pure data movement: bit-exact in every dtype.
+``n = block_ids.numel()``, one launch. Pure data movement: bit-exact in every dtype. An FP8
+cache (``kernels/fp8.py``) takes a ``latent_scale`` and a ``rope_scale`` (fp32 ``[1]``) and
+stores both parts quantized in the kernel, bit-exact against ``quantize_ref``.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from ._common import (
 from ._shapes import DEEPSEEK_V2_LITE
 from .autotune import KernelConfig, KernelTuning
 from .backend import HAS_TRITON, resolve_backend
+from .fp8 import FP8_DTYPES, check_head_scale, fp8_constexprs, is_fp8, quantize_ref
 
 NAME = "mla_latent_append"
 
@@ -31,17 +34,20 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
+    from .fp8 import round_to_fp8
+
     @triton.jit(do_not_specialize=["num_tokens"])
     def _mla_latent_append_kernel(
         latent_cache_ptr, kv_latent_ptr, k_rope_ptr, block_ids_ptr, slots_ptr,
-        num_tokens, kv_lora_rank, rope_dim,
+        latent_scale_ptr, rope_scale_ptr, num_tokens, kv_lora_rank, rope_dim,
         stride_cache_block, stride_cache_slot, stride_cache_col,
         stride_latent_token, stride_latent_dim, stride_rope_token, stride_rope_dim,
         stride_block_ids, stride_slots,
         BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+        FP8_MANTISSA: tl.constexpr, FP8_MIN_EXP: tl.constexpr, FP8_MAX: tl.constexpr,
     ):
         """Copy a [BLOCK_T, BLOCK_C] tile of cache rows; column c < rank comes from the latent,
-        the others from the rope key."""
+        the others from the rope key (an FP8 cache: each quantized with its part's scale)."""
         pid_t = tl.program_id(0).to(tl.int64)
         pid_c = tl.program_id(1).to(tl.int64)
         offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -61,17 +67,24 @@ if HAS_TRITON:
                        mask=mask_t[:, None] & is_rope[None, :])
         dst = ((block * stride_cache_block + slot * stride_cache_slot)[:, None]
                + offs_c[None, :] * stride_cache_col)
-        tl.store(latent_cache_ptr + dst, tl.where(is_latent[None, :], latent, rope),
+        row = tl.where(is_latent[None, :], latent, rope)
+        if FP8_MAX > 0:
+            scale = tl.where(is_latent, tl.load(latent_scale_ptr), tl.load(rope_scale_ptr))
+            row = round_to_fp8(row.to(tl.float32) / scale[None, :], FP8_MANTISSA, FP8_MIN_EXP,
+                               FP8_MAX)
+        tl.store(latent_cache_ptr + dst, row.to(latent_cache_ptr.dtype.element_ty),
                  mask=mask_t[:, None] & (is_latent | is_rope)[None, :])
 
 
-def _check_inputs(latent_cache, kv_latent, k_rope, block_ids, slots):
+def _check_inputs(latent_cache, kv_latent, k_rope, block_ids, slots, latent_scale=None,
+                  rope_scale=None):
     """Validate the contract; return ``kv_latent``, ``k_rope`` as 2-D views."""
     if latent_cache.dim() != 3:
         raise ValueError("latent_cache must be [num_blocks, block_size, kv_lora_rank + rope_dim], "
                          f"got {tuple(latent_cache.shape)}")
-    if latent_cache.dtype not in FLOAT_DTYPES:
-        raise ValueError(f"latent_cache dtype {latent_cache.dtype} is not one of {FLOAT_DTYPES}")
+    if latent_cache.dtype not in FLOAT_DTYPES + FP8_DTYPES:
+        raise ValueError(f"latent_cache dtype {latent_cache.dtype} is not one of "
+                         f"{FLOAT_DTYPES + FP8_DTYPES}")
     check_writable(("latent_cache", latent_cache))
     kv_latent = squeeze_singleton("kv_latent", kv_latent, 2, "dim")
     k_rope = squeeze_singleton("k_rope", k_rope, 2, "dim")
@@ -82,9 +95,21 @@ def _check_inputs(latent_cache, kv_latent, k_rope, block_ids, slots):
     for name, tensor in (("kv_latent", kv_latent), ("k_rope", k_rope)):
         if tensor.shape[0] < n:
             raise ValueError(f"{name} has {tensor.shape[0]} rows, fewer than the {n} tokens")
-        if tensor.dtype != latent_cache.dtype:
+        if is_fp8(latent_cache.dtype):
+            if tensor.dtype not in FLOAT_DTYPES:
+                raise ValueError(f"{name} dtype {tensor.dtype} is not one of {FLOAT_DTYPES}")
+        elif tensor.dtype != latent_cache.dtype:
             raise ValueError(f"{name} dtype {tensor.dtype} != latent_cache dtype "
                              f"{latent_cache.dtype}")
+    if is_fp8(latent_cache.dtype):
+        if latent_scale is None or rope_scale is None:
+            raise ValueError(f"an {latent_cache.dtype} latent cache needs latent_scale and "
+                             "rope_scale")
+        check_head_scale("latent_scale", latent_scale, 1, latent_cache.device)
+        check_head_scale("rope_scale", rope_scale, 1, latent_cache.device)
+    elif latent_scale is not None or rope_scale is not None:
+        raise ValueError(f"latent_scale/rope_scale are for an FP8 cache, not "
+                         f"{latent_cache.dtype}")
     check_block_slots(block_ids, slots)
     check_same_device((("kv_latent", kv_latent), ("k_rope", k_rope), ("block_ids", block_ids),
                        ("slots", slots)), "latent_cache", latent_cache)
@@ -93,13 +118,17 @@ def _check_inputs(latent_cache, kv_latent, k_rope, block_ids, slots):
 
 def mla_latent_append(latent_cache: torch.Tensor, kv_latent: torch.Tensor, k_rope: torch.Tensor,
                       block_ids: torch.Tensor, slots: torch.Tensor, *,
+                      latent_scale: torch.Tensor | None = None,
+                      rope_scale: torch.Tensor | None = None,
                       config: KernelConfig | None = None, backend: str | None = None,
                       check: bool = True) -> None:
     """Write the latent and rope key of ``n = block_ids.numel()`` tokens into the cache, in place.
 
     - ``latent_cache``: ``[num_blocks, block_size, kv_lora_rank + rope_dim]`` fp32/fp16/bf16, any
       strides (usually a view ``buf[layer]`` of ``[L, blocks, bs, rank + rope]``).
-      Written in place: columns ``[:rank]`` take the latent, ``[rank:]`` the rope key.
+      Written in place: columns ``[:rank]`` take the latent, ``[rank:]`` the rope key. Or
+      float8_e4m3fn/float8_e5m2, with ``latent_scale`` and ``rope_scale`` fp32 ``[1]``: stored
+      as ``fp8(clamp(x / scale))``, K/V of any float dtype.
     - ``kv_latent``: ``[>=n, rank]`` or ``[>=n, 1, rank]``; ``k_rope``: ``[>=n, rope]`` or
       ``[>=n, 1, rope]``; the cache's dtype, each with its own strides; rows past ``n`` ignored.
     - ``block_ids``, ``slots``: ``[n]`` int32/int64, any stride, in range (not checked: that
@@ -111,40 +140,52 @@ def mla_latent_append(latent_cache: torch.Tensor, kv_latent: torch.Tensor, k_rop
     copied at the edge. Every argument is checked before anything is written.
     """
     if check:
-        kv_latent, k_rope = _check_inputs(latent_cache, kv_latent, k_rope, block_ids, slots)
+        kv_latent, k_rope = _check_inputs(latent_cache, kv_latent, k_rope, block_ids, slots,
+                                          latent_scale, rope_scale)
     n = block_ids.numel()
     if n == 0:
         return
     if resolve_backend(backend, latent_cache.device) == "torch":
-        mla_latent_append_ref(latent_cache, kv_latent, k_rope, block_ids, slots)
+        mla_latent_append_ref(latent_cache, kv_latent, k_rope, block_ids, slots,
+                              latent_scale=latent_scale, rope_scale=rope_scale)
         return
     rank, rope_dim = kv_latent.shape[1], k_rope.shape[1]
     if config is None:
         tune_key = mla_latent_append_tune_key(num_tokens=n, kv_lora_rank=rank, rope_dim=rope_dim,
-                                              dtype=latent_cache.dtype)
+                                              dtype=kv_latent.dtype, kv_dtype=latent_cache.dtype)
         config, _ = autotune.resolve_config(NAME, tune_key, latent_cache.device)
     meta = config.kwargs
     grid = (-(-n // meta["BLOCK_T"]), -(-(rank + rope_dim) // meta["BLOCK_C"]))
     _mla_latent_append_kernel[grid](
         latent_cache_ptr=latent_cache, kv_latent_ptr=kv_latent, k_rope_ptr=k_rope,
         block_ids_ptr=block_ids, slots_ptr=slots,
+        # Without scales the kernel reads none: any pointer stands in.
+        latent_scale_ptr=kv_latent if latent_scale is None else latent_scale,
+        rope_scale_ptr=kv_latent if rope_scale is None else rope_scale,
         num_tokens=n, kv_lora_rank=rank, rope_dim=rope_dim,
         stride_cache_block=latent_cache.stride(0), stride_cache_slot=latent_cache.stride(1),
         stride_cache_col=latent_cache.stride(2),
         stride_latent_token=kv_latent.stride(0), stride_latent_dim=kv_latent.stride(1),
         stride_rope_token=k_rope.stride(0), stride_rope_dim=k_rope.stride(1),
         stride_block_ids=block_ids.stride(0), stride_slots=slots.stride(0),
-        **config.launch_kwargs(),
+        **fp8_constexprs(latent_cache.dtype), **config.launch_kwargs(),
     )
 
 
 def mla_latent_append_ref(latent_cache: torch.Tensor, kv_latent: torch.Tensor, k_rope: torch.Tensor,
-                          block_ids: torch.Tensor, slots: torch.Tensor) -> None:
-    """Reference: concatenate latent and rope key, then one advanced-index assignment."""
+                          block_ids: torch.Tensor, slots: torch.Tensor, *,
+                          latent_scale: torch.Tensor | None = None,
+                          rope_scale: torch.Tensor | None = None) -> None:
+    """Reference: concatenate latent and rope key (an FP8 cache: each ``quantize_ref``'d with
+    its scale), then one advanced-index assignment."""
     n = block_ids.numel()
     kv_latent = kv_latent[:, 0] if kv_latent.dim() == 3 else kv_latent
     k_rope = k_rope[:, 0] if k_rope.dim() == 3 else k_rope
-    rows = torch.cat([kv_latent[:n], k_rope[:n]], dim=-1)
+    kv_latent, k_rope = kv_latent[:n], k_rope[:n]
+    if is_fp8(latent_cache.dtype):
+        kv_latent = quantize_ref(kv_latent, latent_scale, latent_cache.dtype)
+        k_rope = quantize_ref(k_rope, rope_scale, latent_cache.dtype)
+    rows = torch.cat([kv_latent, k_rope], dim=-1)
     latent_cache[block_ids.long(), slots.long()] = rows
 
 
@@ -175,19 +216,27 @@ def mla_latent_append_default_config(key: dict) -> KernelConfig:
     return config if config in space else space[0]
 
 
-def mla_latent_append_tune_key(*, num_tokens: int, kv_lora_rank: int, rope_dim: int, dtype) -> dict:
-    """Latent rank, rope dim and dtype exact; the token count bucketed to a power of two."""
+def mla_latent_append_tune_key(*, num_tokens: int, kv_lora_rank: int, rope_dim: int, dtype,
+                               kv_dtype=None) -> dict:
+    """Latent rank, rope dim and dtype exact; the token count bucketed to a power of two;
+    ``kv_dtype``, the cache's, only where it differs (an FP8 cache)."""
     dtype = dtype if isinstance(dtype, str) else autotune.dtype_name(dtype)
-    return {"num_tokens": autotune.bucket_tokens(num_tokens), "kv_lora_rank": int(kv_lora_rank),
-            "rope_dim": int(rope_dim), "dtype": dtype}
+    key = {"num_tokens": autotune.bucket_tokens(num_tokens), "kv_lora_rank": int(kv_lora_rank),
+           "rope_dim": int(rope_dim), "dtype": dtype}
+    kv_dtype = kv_dtype if kv_dtype is None or isinstance(kv_dtype, str) \
+        else autotune.dtype_name(kv_dtype)
+    if kv_dtype is not None and kv_dtype != dtype:
+        key["kv_dtype"] = kv_dtype
+    return key
 
 
 def mla_latent_append_presets() -> list[dict]:
-    """DeepSeek-V2-Lite MLA (kv_lora_rank 512, rope 64, bf16) at decode and prefill sizes."""
+    """DeepSeek-V2-Lite MLA (kv_lora_rank 512, rope 64, bf16) at decode and prefill sizes, into
+    a bf16 and an e4m3 cache."""
     return [mla_latent_append_tune_key(num_tokens=n, kv_lora_rank=DEEPSEEK_V2_LITE["kv_lora_rank"],
                                        rope_dim=DEEPSEEK_V2_LITE["qk_rope_head_dim"],
-                                       dtype=DEEPSEEK_V2_LITE["dtype"])
-            for n in (1, 16, 64, 256, 2048, 8192)]
+                                       dtype=DEEPSEEK_V2_LITE["dtype"], kv_dtype=kv_dtype)
+            for kv_dtype in (None, "float8_e4m3fn") for n in (1, 16, 64, 256, 2048, 8192)]
 
 
 def _make_case(key: dict, device: torch.device) -> "MlaLatentAppendCase":
@@ -209,11 +258,15 @@ class MlaLatentAppendCase(BufferWriteCase):
     def __init__(self, key: dict, device: torch.device):
         n, rank, rope_dim = key["num_tokens"], key["kv_lora_rank"], key["rope_dim"]
         dtype = getattr(torch, key["dtype"])
+        kv_dtype = getattr(torch, key.get("kv_dtype", key["dtype"]))
         bs = self.BLOCK_SIZE
         gen = torch.Generator().manual_seed(0)
         num_blocks, block_ids, slots = paged_targets(n, bs, gen)
         self.buffer = torch.randn(1, num_blocks, bs, rank + rope_dim,
-                                  generator=gen).to(device, dtype)
+                                  generator=gen).to(device, kv_dtype)
+        self.scales = {} if not is_fp8(kv_dtype) else dict(
+            latent_scale=torch.full((1,), 1 / 64, device=device),
+            rope_scale=torch.full((1,), 1 / 32, device=device))
         self.initial = self.buffer.clone()
         self.kv_latent = torch.randn(n, rank, generator=gen).to(device, dtype)
         self.k_rope = torch.randn(n, rope_dim, generator=gen).to(device, dtype)
@@ -225,20 +278,24 @@ class MlaLatentAppendCase(BufferWriteCase):
         return (self.buffer[0], self.kv_latent, self.k_rope, self.block_ids, self.slots)
 
     def run(self, config: KernelConfig) -> None:
-        mla_latent_append(*self._args(), config=config, backend="triton")
+        mla_latent_append(*self._args(), **self.scales, config=config, backend="triton")
 
     def run_reference(self) -> None:
-        mla_latent_append_ref(*self._args())
+        mla_latent_append_ref(*self._args(), **self.scales)
 
 
 @custom_op("dynctx::mla_latent_append", mutates_args=("latent_cache",))
 def _mla_latent_append_op(latent_cache: torch.Tensor, kv_latent: torch.Tensor, k_rope: torch.Tensor,
-                          block_ids: torch.Tensor, slots: torch.Tensor) -> None:
-    mla_latent_append(latent_cache, kv_latent, k_rope, block_ids, slots, backend=None)
+                          block_ids: torch.Tensor, slots: torch.Tensor,
+                          latent_scale: torch.Tensor | None = None,
+                          rope_scale: torch.Tensor | None = None) -> None:
+    mla_latent_append(latent_cache, kv_latent, k_rope, block_ids, slots,
+                      latent_scale=latent_scale, rope_scale=rope_scale, backend=None)
 
 
 @_mla_latent_append_op.register_fake
-def _mla_latent_append_fake(latent_cache, kv_latent, k_rope, block_ids, slots) -> None:
+def _mla_latent_append_fake(latent_cache, kv_latent, k_rope, block_ids, slots, latent_scale=None,
+                            rope_scale=None) -> None:
     return None
 
 

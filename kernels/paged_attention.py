@@ -17,7 +17,9 @@ Both walk keys with ``_attend_key_tile`` (``paged_attention_tile.py``) and read 
 ``< kv_seq_lengths[i]`` of a request: block-table entries past them (``-1`` or stale) are never
 dereferenced, and stale or NaN bytes in the cache never reach an output. Scores, softmax and
 accumulation are fp32; the two matrix products take the cache dtype (fp32 products are exact
-IEEE, never TF32). Rows of padding tokens (from ``cu_query_lengths[num_requests]`` on) are not
+IEEE, never TF32). An FP8 cache (``kernels/fp8.py``) is read in the query's dtype, exactly,
+with its per-KV-head K scale folded into the softmax scale and its V scale into the output.
+Rows of padding tokens (from ``cu_query_lengths[num_requests]`` on) are not
 written: zeros when the launcher allocates the output, the caller's bytes when it passes ``out``.
 This file also holds the torch reference, the tune case both tunings share and their
 registration.
@@ -32,6 +34,7 @@ from ._common import FLOAT_DTYPES, check_same_device, custom_op
 from .autotune import KernelConfig, KernelTuning, TuneCase
 from .backend import resolve_backend
 from .devices import same_device
+from .fp8 import check_head_scale, dequantize_ref, is_fp8
 from .paged_attention_decode import (
     launch_decode,
     paged_attention_decode_configs,
@@ -81,7 +84,8 @@ def _check_window_and_sinks(window, sinks, query) -> None:
 
 
 def _check_inputs(query, key_cache, value_cache, cu_query_lengths, kv_seq_lengths, block_table,
-                  num_requests, max_seqlen_q, max_seqlen_k, out, window, sinks) -> int:
+                  num_requests, max_seqlen_q, max_seqlen_k, out, window, sinks, key_scale=None,
+                  value_scale=None) -> int:
     """Validate the launcher's arguments (shapes, dtypes, devices, limits); return num_requests."""
     if not isinstance(query, torch.Tensor) or query.dim() != 3:
         raise ValueError(f"query must be [n, Hq, D], got {_describe(query)}")
@@ -90,8 +94,11 @@ def _check_inputs(query, key_cache, value_cache, cu_query_lengths, kv_seq_length
     for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
         if not isinstance(cache, torch.Tensor) or cache.dim() != 4:
             raise ValueError(f"{name} must be [num_blocks, block_size, Hkv, D]")
-        if cache.dtype != query.dtype:
-            raise ValueError(f"{name} dtype {cache.dtype} != query dtype {query.dtype}")
+        if cache.dtype != query.dtype and not is_fp8(cache.dtype):
+            raise ValueError(f"{name} dtype {cache.dtype} != query dtype {query.dtype} (nor "
+                             "float8_e4m3fn/float8_e5m2)")
+        if cache.dtype != key_cache.dtype:
+            raise ValueError(f"{name} dtype {cache.dtype} != key_cache dtype {key_cache.dtype}")
         if cache.stride(-1) != 1:
             raise ValueError(f"{name} must have a contiguous last dim, "
                              f"got strides {cache.stride()}")
@@ -100,6 +107,13 @@ def _check_inputs(query, key_cache, value_cache, cu_query_lengths, kv_seq_length
                          f"{tuple(key_cache.shape)}")
     num_q_heads, head_dim = query.shape[1:]
     num_kv_heads = key_cache.shape[2]
+    if is_fp8(key_cache.dtype):
+        if key_scale is None or value_scale is None:
+            raise ValueError(f"an {key_cache.dtype} cache needs key_scale and value_scale")
+        check_head_scale("key_scale", key_scale, num_kv_heads, query.device)
+        check_head_scale("value_scale", value_scale, num_kv_heads, query.device)
+    elif key_scale is not None or value_scale is not None:
+        raise ValueError(f"key_scale/value_scale are for an FP8 cache, not {key_cache.dtype}")
     if key_cache.shape[3] != head_dim:
         raise ValueError(f"key_cache head dim {key_cache.shape[3]} != query head dim {head_dim}")
     if not 1 <= head_dim <= MAX_HEAD_DIM:
@@ -145,6 +159,8 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                     softmax_scale: float | None = None, num_requests: int | None = None,
                     num_decode_requests: int = 0, window: int = 0,
                     sinks: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                    key_scale: torch.Tensor | None = None,
+                    value_scale: torch.Tensor | None = None,
                     config: KernelConfig | None = None, backend: str | None = None
                     ) -> torch.Tensor:
     """Causal GQA attention of packed queries over a paged KV cache, optionally within a
@@ -153,8 +169,9 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     Args:
         query: ``[n, Hq, D]`` float32/float16/bfloat16, last dim contiguous; request ``i`` owns
             tokens ``[cu_query_lengths[i], cu_query_lengths[i + 1])``.
-        key_cache, value_cache: ``[num_blocks, block_size, Hkv, D]`` in query's dtype, last dim
-            contiguous, this step's K/V already written. ``Hq`` is a multiple of ``Hkv``
+        key_cache, value_cache: ``[num_blocks, block_size, Hkv, D]`` in query's dtype (or both
+            float8_e4m3fn/float8_e5m2, read as ``q * scale``), last dim contiguous, this step's
+            K/V already written. ``Hq`` is a multiple of ``Hkv``
             (query head ``h`` reads KV head ``h // (Hq // Hkv)``).
         cu_query_lengths: int32 ``[>= num_requests + 1]``.
         kv_seq_lengths: int32 ``[>= num_requests]``: cached tokens of each request, its own
@@ -176,12 +193,13 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
             denominator (scaled scores and sinks share one softmax) and carry no value.
         out: optional ``[n, Hq, D]`` output in query's dtype, written in place for the
             requests' tokens only (padding rows keep their bytes).
+        key_scale, value_scale: fp32 ``[Hkv]``, with an FP8 cache only (any stride).
 
     Returns ``[n, Hq, D]`` in query's dtype; padding rows are zero when the launcher allocates.
     """
     num_requests = _check_inputs(query, key_cache, value_cache, cu_query_lengths, kv_seq_lengths,
                                  block_table, num_requests, max_seqlen_q, max_seqlen_k, out,
-                                 window, sinks)
+                                 window, sinks, key_scale, value_scale)
     max_seqlen_q, max_seqlen_k = int(max_seqlen_q), int(max_seqlen_k)
     num_tokens, num_q_heads, head_dim = query.shape
     scale = head_dim ** -0.5 if softmax_scale is None else float(softmax_scale)
@@ -195,7 +213,8 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     if resolve_backend(backend, query.device) == "torch":
         result = paged_attention_ref(query, key_cache, value_cache, cu_query_lengths,
                                      kv_seq_lengths, block_table, softmax_scale=scale,
-                                     num_requests=num_requests, window=window, sinks=sinks)
+                                     num_requests=num_requests, window=window, sinks=sinks,
+                                     key_scale=key_scale, value_scale=value_scale)
         if out is None:
             return result
         real = int(cu_query_lengths[num_requests])
@@ -207,7 +226,8 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         return out
     decode = num_requests if max_seqlen_q == 1 else num_decode_requests
     launch = dict(query=query, key_cache=key_cache, value_cache=value_cache, out=out,
-                  scale=scale, window=window, sinks=sinks, config=config)
+                  scale=scale, window=window, sinks=sinks, config=config, key_scale=key_scale,
+                  value_scale=value_scale)
     index = dict(cu_query_lengths=cu_query_lengths, kv_seq_lengths=kv_seq_lengths,
                  block_table=block_table)
     if decode:
@@ -224,9 +244,11 @@ def paged_attention_ref(query: torch.Tensor, key_cache: torch.Tensor, value_cach
                         cu_query_lengths: torch.Tensor, kv_seq_lengths: torch.Tensor,
                         block_table: torch.Tensor, *, softmax_scale: float | None = None,
                         num_requests: int | None = None, window: int = 0,
-                        sinks: torch.Tensor | None = None) -> torch.Tensor:
+                        sinks: torch.Tensor | None = None, key_scale: torch.Tensor | None = None,
+                        value_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Torch reference of ``paged_attention``: one request at a time, fp32, GQA by repeating
-    K/V per query head, the sinks as one more column of the softmax; padding rows are zero."""
+    K/V per query head (an FP8 cache dequantized first: ``q * scale[head]``), the sinks as one
+    more column of the softmax; padding rows are zero."""
     num_q_heads, head_dim = query.shape[1:]
     group = num_q_heads // key_cache.shape[2]
     block_size = key_cache.shape[1]
@@ -241,8 +263,11 @@ def paged_attention_ref(query: torch.Tensor, key_cache: torch.Tensor, value_cach
             continue
         positions = torch.arange(kv_len, device=query.device)
         blocks = block_table[request].long()[positions // block_size]
-        k = key_cache[blocks, positions % block_size].float().repeat_interleave(group, dim=1)
-        v = value_cache[blocks, positions % block_size].float().repeat_interleave(group, dim=1)
+        k = dequantize_ref(key_cache[blocks, positions % block_size],
+                           None if key_scale is None else key_scale[:, None])
+        v = dequantize_ref(value_cache[blocks, positions % block_size],
+                           None if value_scale is None else value_scale[:, None])
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         q = query[q_start:q_start + q_len].float()                             # [q, Hq, D]
         scores = torch.einsum("qhd,khd->hqk", q, k) * scale
         query_positions = kv_len - q_len + torch.arange(q_len, device=query.device)
@@ -284,8 +309,13 @@ class _AttentionCase(TuneCase):
         num_blocks = sum(blocks_per_request) + 1
         heads, kv_heads, dim = key["num_q_heads"], key["num_kv_heads"], key["head_dim"]
         shape = (num_blocks, bs, kv_heads, dim)
-        self.key_cache = torch.randn(shape, generator=gen, device=device, dtype=dtype)
-        self.value_cache = torch.randn(shape, generator=gen, device=device, dtype=dtype)
+        kv_dtype = getattr(torch, key.get("kv_dtype", key["dtype"]))
+        self.key_cache = torch.randn(shape, generator=gen, device=device).to(kv_dtype)
+        self.value_cache = torch.randn(shape, generator=gen, device=device).to(kv_dtype)
+        # An FP8 cache holds N(0, 1) values at scales of 1/4 and 1/2.
+        self.scales = {} if not is_fp8(kv_dtype) else dict(
+            key_scale=torch.full((kv_heads,), 0.25, device=device),
+            value_scale=torch.full((kv_heads,), 0.5, device=device))
         order = torch.randperm(num_blocks - 1, generator=torch.Generator().manual_seed(0))
         table = torch.full((len(kv_lens), max(blocks_per_request)), -1, dtype=torch.int32)
         used = 0
@@ -302,15 +332,15 @@ class _AttentionCase(TuneCase):
         self.out = torch.empty_like(self.query)
         self._expected = None
         self.max_seqlen_q, self.max_seqlen_k = max(q_lens), max(kv_lens)
-        item = self.query.element_size()
-        self.bytes_moved = (2 * sum(kv_lens) * kv_heads * dim + 2 * cu[-1] * heads * dim) * item
+        self.bytes_moved = (2 * sum(kv_lens) * kv_heads * dim * self.key_cache.element_size()
+                            + 2 * cu[-1] * heads * dim * self.query.element_size())
 
     def _call(self, config, backend, out=None):
         return paged_attention(self.query, self.key_cache, self.value_cache,
                                self.cu_query_lengths, self.kv_seq_lengths, self.block_table,
                                max_seqlen_q=self.max_seqlen_q, max_seqlen_k=self.max_seqlen_k,
                                window=self.key.get("window", 0), out=out, config=config,
-                               backend=backend)
+                               backend=backend, **self.scales)
 
     def run(self, config: KernelConfig) -> None:
         self._call(config, "triton", self.out)
@@ -355,14 +385,17 @@ def _paged_attention_op(query: torch.Tensor, key_cache: torch.Tensor, value_cach
                         block_table: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
                         softmax_scale: float, num_requests: int,
                         num_decode_requests: int = 0, window: int = 0,
-                        sinks: torch.Tensor | None = None) -> torch.Tensor:
+                        sinks: torch.Tensor | None = None, key_scale: torch.Tensor | None = None,
+                        value_scale: torch.Tensor | None = None) -> torch.Tensor:
     return paged_attention(query, key_cache, value_cache, cu_query_lengths, kv_seq_lengths,
                            block_table, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                            softmax_scale=softmax_scale, num_requests=num_requests,
-                           num_decode_requests=num_decode_requests, window=window, sinks=sinks)
+                           num_decode_requests=num_decode_requests, window=window, sinks=sinks,
+                           key_scale=key_scale, value_scale=value_scale)
 
 
 @_paged_attention_op.register_fake
 def _(query, key_cache, value_cache, cu_query_lengths, kv_seq_lengths, block_table, max_seqlen_q,
-      max_seqlen_k, softmax_scale, num_requests, num_decode_requests=0, window=0, sinks=None):
+      max_seqlen_k, softmax_scale, num_requests, num_decode_requests=0, window=0, sinks=None,
+      key_scale=None, value_scale=None):
     return torch.empty_like(query)

@@ -24,6 +24,7 @@ from .paged_attention_tile import (  # noqa: F401
     kernel_args,
     scaled_down_key,
     sink_args,
+    with_kv_dtype,
 )
 
 if HAS_TRITON:
@@ -40,13 +41,14 @@ if HAS_TRITON:
         partial_out_ptr, partial_lse_ptr,
         query_ptr, key_cache_ptr, value_cache_ptr,
         cu_query_lengths_ptr, kv_seq_lengths_ptr, block_table_ptr,
+        key_scale_ptr, value_scale_ptr, stride_key_scale, stride_value_scale,
         num_splits, group_size, head_dim, block_size, softmax_scale, window,
         stride_query_token, stride_query_head,
         stride_kc_block, stride_kc_slot, stride_kc_head,
         stride_vc_block, stride_vc_slot, stride_vc_head,
         stride_table_row,
         BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-        SPLIT_TOKENS: tl.constexpr, IEEE_DOT: tl.constexpr,
+        SPLIT_TOKENS: tl.constexpr, IEEE_DOT: tl.constexpr, KV_SCALED: tl.constexpr,
     ):
         """One (request, KV head, split): online softmax of the group's queries over the split's
         keys (of the last ``window`` keys; 0: all). ``partial_out`` is contiguous
@@ -79,6 +81,12 @@ if HAS_TRITON:
         q = tl.load(query_ptr + q_start * stride_query_token + heads[:, None] * stride_query_head
                     + offs_d[None, :], mask=mask_q[:, None] & mask_d[None, :], other=0.0)
 
+        if KV_SCALED:
+            # FP8 K/V: the K scale folds into the softmax scale, the V scale into the output.
+            softmax_scale = softmax_scale * tl.load(key_scale_ptr + kv_head * stride_key_scale)
+            value_scale = tl.load(value_scale_ptr + kv_head * stride_value_scale)
+        else:
+            value_scale = 1.0
         running_max = tl.full((BLOCK_G,), float("-inf"), tl.float32)
         running_sum = tl.zeros((BLOCK_G,), tl.float32)
         acc = tl.zeros((BLOCK_G, BLOCK_D), tl.float32)
@@ -102,13 +110,13 @@ if HAS_TRITON:
         lse = tl.where(has_keys, running_max + tl.log(safe_sum), float("-inf"))
         rows = (request * num_heads + heads) * num_splits + split               # [BLOCK_G]
         tl.store(partial_out_ptr + rows[:, None] * head_dim + offs_d[None, :],
-                 acc / safe_sum[:, None], mask=mask_g[:, None] & mask_d[None, :])
+                 acc * (value_scale / safe_sum)[:, None], mask=mask_g[:, None] & mask_d[None, :])
         tl.store(partial_lse_ptr + rows, lse, mask=mask_g)
 
 
 def launch_decode(*, query, key_cache, value_cache, out, scale, window, sinks, config,
                   cu_query_lengths, kv_seq_lengths, block_table, num_requests,
-                  max_seqlen_k) -> None:
+                  max_seqlen_k, key_scale=None, value_scale=None) -> None:
     """Split-KV decode of the first ``num_requests`` requests (at most one query each), then
     the merge of the splits into ``out`` (which folds the sinks in). ``paged_attention``
     checked every argument."""
@@ -119,10 +127,11 @@ def launch_decode(*, query, key_cache, value_cache, out, scale, window, sinks, c
     if config is None:
         key = paged_attention_decode_tune_key(
             num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-            dtype=query.dtype, num_requests=num_requests, max_seqlen_k=walked)
+            dtype=query.dtype, num_requests=num_requests, max_seqlen_k=walked,
+            kv_dtype=key_cache.dtype)
         config, _ = autotune.resolve_config("paged_attention_decode", key, query.device)
     args = kernel_args(query, key_cache, value_cache, cu_query_lengths, kv_seq_lengths,
-                       block_table, scale, window)
+                       block_table, scale, window, key_scale, value_scale)
     num_splits = triton.cdiv(walked, config.kwargs["SPLIT_TOKENS"])
     grid = (num_requests, num_kv_heads, num_splits)
     check_grid("paged_attention decode", grid,
@@ -149,10 +158,12 @@ _DECODE_TARGET_PROGRAMS = 264
 
 
 def paged_attention_decode_configs(key: dict) -> list[KernelConfig]:
-    # Tiles of 128 keys at 2 warps spill on sm_90 (tests/kernels/test_sm90_build.py).
+    # Tiles of 128 keys at 2 warps spill on sm_90 (tests/kernels/test_sm90_build.py), and so
+    # does every 2-warp config reading an FP8 cache (its conversions need the registers).
+    warps = _DECODE_WARPS if "kv_dtype" not in key else tuple(w for w in _DECODE_WARPS if w > 2)
     return [KernelConfig.make(BLOCK_N=n, SPLIT_TOKENS=s, num_warps=w)
             for n in _DECODE_BLOCK_N for s in _DECODE_SPLIT_TOKENS if s >= n
-            for w in _DECODE_WARPS if n <= 32 * w]
+            for w in warps if n <= 32 * w]
 
 
 def paged_attention_decode_default_config(key: dict) -> KernelConfig:
@@ -168,18 +179,20 @@ def paged_attention_decode_default_config(key: dict) -> KernelConfig:
 
 
 def paged_attention_decode_tune_key(*, num_q_heads: int, num_kv_heads: int, head_dim: int,
-                                    dtype: torch.dtype, num_requests: int, max_seqlen_k: int
-                                    ) -> dict:
+                                    dtype: torch.dtype, num_requests: int, max_seqlen_k: int,
+                                    kv_dtype=None) -> dict:
     """``max_seqlen_k``: the keys a query walks, so a window ``W`` keys at ``min(kv, W)``
     (the decode kernel walks a window exactly as it walks that many keys; sinks add one term
-    in the merge and are not in the key)."""
-    return {"num_q_heads": int(num_q_heads), "num_kv_heads": int(num_kv_heads),
-            "head_dim": int(head_dim), "dtype": dtype_name(dtype),
-            "num_requests": bucket_tokens(num_requests),
-            "max_seqlen_k": bucket_tokens(max_seqlen_k)}
+    in the merge and are not in the key). ``kv_dtype``, the cache's, only where it differs
+    from the query's (an FP8 cache)."""
+    return with_kv_dtype({"num_q_heads": int(num_q_heads), "num_kv_heads": int(num_kv_heads),
+                          "head_dim": int(head_dim), "dtype": dtype_name(dtype),
+                          "num_requests": bucket_tokens(num_requests),
+                          "max_seqlen_k": bucket_tokens(max_seqlen_k)}, kv_dtype)
 
 
 def paged_attention_decode_presets() -> list[dict]:
     return [paged_attention_decode_tune_key(**LLAMA_HEADS, dtype=torch.bfloat16, num_requests=r,
-                                            max_seqlen_k=k)
+                                            max_seqlen_k=k, kv_dtype=kv_dtype)
+            for kv_dtype in (None, torch.float8_e4m3fn)
             for r in (1, 8, 64, 256) for k in (1024, 4096, 16384)]

@@ -15,6 +15,7 @@ import torch
 
 from ._common import next_pow2
 from ._shapes import LLAMA_3_8B
+from .autotune import dtype_name
 from .backend import HAS_TRITON
 
 if HAS_TRITON:
@@ -41,12 +42,13 @@ if HAS_TRITON:
         blocks = tl.load(table_row + positions // block_size, mask=mask_n, other=0).to(tl.int64)
         slots = positions % block_size
         mask_kv = mask_n[:, None] & mask_d[None, :]
+        # An FP8 cache is read in the query's dtype (exact); its scales are applied outside.
         k = tl.load(key_cache_ptr + blocks[:, None] * stride_kc_block
                     + slots[:, None] * stride_kc_slot + kv_head * stride_kc_head
-                    + offs_d[None, :], mask=mask_kv, other=0.0)                 # [BLOCK_N, BLOCK_D]
+                    + offs_d[None, :], mask=mask_kv, other=0.0).to(q.dtype)     # [BLOCK_N, BLOCK_D]
         v = tl.load(value_cache_ptr + blocks[:, None] * stride_vc_block
                     + slots[:, None] * stride_vc_slot + kv_head * stride_vc_head
-                    + offs_d[None, :], mask=mask_kv, other=0.0)
+                    + offs_d[None, :], mask=mask_kv, other=0.0).to(q.dtype)
         if IEEE_DOT:
             scores = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -81,11 +83,18 @@ if HAS_TRITON:
 
 
 def kernel_args(query, key_cache, value_cache, cu_query_lengths, kv_seq_lengths, block_table,
-                scale, window) -> dict:
+                scale, window, key_scale=None, value_scale=None) -> dict:
     """The arguments both kernels take, named as in their signatures (``window``: keys a query
-    sees, its own included; 0 for all)."""
+    sees, its own included; 0 for all). An FP8 cache comes with fp32 ``[Hkv]`` ``key_scale``
+    (folded into the softmax scale) and ``value_scale`` (into the output); without them the
+    kernels read no scale (any pointer stands in)."""
     num_q_heads, head_dim = query.shape[1:]
-    return dict(query_ptr=query, key_cache_ptr=key_cache, value_cache_ptr=value_cache,
+    scaled = key_scale is not None
+    return dict(key_scale_ptr=key_scale if scaled else query,
+                value_scale_ptr=value_scale if scaled else query,
+                stride_key_scale=key_scale.stride(0) if scaled else 0,
+                stride_value_scale=value_scale.stride(0) if scaled else 0, KV_SCALED=scaled,
+                query_ptr=query, key_cache_ptr=key_cache, value_cache_ptr=value_cache,
                 cu_query_lengths_ptr=cu_query_lengths, kv_seq_lengths_ptr=kv_seq_lengths,
                 block_table_ptr=block_table, group_size=num_q_heads // key_cache.shape[2],
                 head_dim=head_dim, block_size=key_cache.shape[1], softmax_scale=scale,
@@ -108,6 +117,16 @@ def sink_args(query, sinks) -> dict:
     return dict(sinks_ptr=sinks, num_sinks=sinks.shape[0], stride_sinks=sinks.stride(0))
 
 
+def with_kv_dtype(key: dict, kv_dtype) -> dict:
+    """``key`` with the cache's dtype as ``kv_dtype`` where it differs from the query's ``dtype``
+    (an FP8 cache); the keys of a cache in the query's dtype stay as they were."""
+    if kv_dtype is not None:
+        name = kv_dtype if isinstance(kv_dtype, str) else dtype_name(kv_dtype)
+        if name != key["dtype"]:
+            key["kv_dtype"] = name
+    return key
+
+
 # What both tunings share: the tolerance a candidate config is checked to, the preset heads
 # and the interpreter's scaled-down key.
 # fp32 is exact to rounding; fp16/bf16 products round p to the cache dtype before P @ V.
@@ -126,6 +145,7 @@ def scaled_down_key(key: dict) -> dict:
     group = key["num_q_heads"] // key["num_kv_heads"]
     small = {**key, "num_q_heads": 2 * group, "num_kv_heads": 2,
              "head_dim": min(key["head_dim"], 32)}
+    # (An FP8 "kv_dtype" stays: the interpreter reads fp8 exactly.)
     if small["dtype"] == "bfloat16":
         small["dtype"] = "float16"
     if "num_requests" in small:

@@ -21,6 +21,7 @@ from .paged_attention_tile import (  # noqa: F401
     kernel_args,
     scaled_down_key,
     sink_args,
+    with_kv_dtype,
 )
 
 if HAS_TRITON:
@@ -37,6 +38,7 @@ if HAS_TRITON:
         out_ptr,
         query_ptr, key_cache_ptr, value_cache_ptr,
         cu_query_lengths_ptr, kv_seq_lengths_ptr, block_table_ptr, sinks_ptr,
+        key_scale_ptr, value_scale_ptr, stride_key_scale, stride_value_scale,
         first_request, group_size, head_dim, block_size, softmax_scale, window, num_sinks,
         stride_out_token, stride_out_head,
         stride_query_token, stride_query_head,
@@ -45,6 +47,7 @@ if HAS_TRITON:
         stride_table_row, stride_sinks,
         BLOCK_M: tl.constexpr, TILE_TOKENS: tl.constexpr, BLOCK_G: tl.constexpr,
         BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE_DOT: tl.constexpr,
+        KV_SCALED: tl.constexpr,
     ):
         """TILE_TOKENS query tokens of request ``first_request + program_id(0)`` x the G query
         heads of one KV head, causal, within the last ``window`` keys of each row's position
@@ -81,6 +84,13 @@ if HAS_TRITON:
                                  tl.maximum(kv_len - q_len + tile * TILE_TOKENS - window + 1, 0),
                                  0)
 
+            if KV_SCALED:
+                # FP8 K/V: the K scale folds into the softmax scale, the V scale into the output.
+                softmax_scale = softmax_scale * tl.load(key_scale_ptr
+                                                        + kv_head * stride_key_scale)
+                value_scale = tl.load(value_scale_ptr + kv_head * stride_value_scale)
+            else:
+                value_scale = 1.0
             running_max = tl.full((TILE_TOKENS * BLOCK_G,), float("-inf"), tl.float32)
             running_sum = tl.zeros((TILE_TOKENS * BLOCK_G,), tl.float32)
             acc = tl.zeros((TILE_TOKENS * BLOCK_G, BLOCK_D), tl.float32)
@@ -100,7 +110,7 @@ if HAS_TRITON:
                 start += BLOCK_N
             acc, running_max, running_sum = _fold_sinks(acc, running_max, running_sum, sinks_ptr,
                                                         heads, num_sinks, stride_sinks)
-            result = acc / tl.where(running_sum > 0, running_sum, 1.0)[:, None]
+            result = acc * (value_scale / tl.where(running_sum > 0, running_sum, 1.0))[:, None]
             tl.store(out_ptr + (q_start + offs_q)[:, None] * stride_out_token
                      + heads[:, None] * stride_out_head + offs_d[None, :],
                      result.to(out_ptr.dtype.element_ty), mask=mask_r[:, None] & mask_d[None, :])
@@ -108,7 +118,7 @@ if HAS_TRITON:
 
 def launch_varlen(*, query, key_cache, value_cache, out, scale, window, sinks, config,
                   cu_query_lengths, kv_seq_lengths, block_table, first_request, num_requests,
-                  max_seqlen_q) -> None:
+                  max_seqlen_q, key_scale=None, value_scale=None) -> None:
     """Causal attention of every query token of requests ``[first_request, first_request +
     num_requests)``, in tiles of query tokens. ``paged_attention`` checked every argument."""
     num_tokens, num_q_heads, head_dim = query.shape
@@ -116,10 +126,10 @@ def launch_varlen(*, query, key_cache, value_cache, out, scale, window, sinks, c
         key = paged_attention_varlen_tune_key(num_q_heads=num_q_heads,
                                               num_kv_heads=key_cache.shape[2], head_dim=head_dim,
                                               dtype=query.dtype, num_tokens=num_tokens,
-                                              window=window)
+                                              window=window, kv_dtype=key_cache.dtype)
         config, _ = autotune.resolve_config("paged_attention_varlen", key, query.device)
     args = kernel_args(query, key_cache, value_cache, cu_query_lengths, kv_seq_lengths,
-                       block_table, scale, window)
+                       block_table, scale, window, key_scale, value_scale)
     block_g = next_pow2(args["group_size"])
     tile_tokens = max(1, config.kwargs["BLOCK_M"] // block_g)
     grid = (num_requests, triton.cdiv(max_seqlen_q, tile_tokens), key_cache.shape[2])
@@ -142,10 +152,12 @@ _VARLEN_STAGES = (1, 2)
 
 
 def paged_attention_varlen_configs(key: dict) -> list[KernelConfig]:
-    # 128 rows at 4 warps spill on sm_90 (tests/kernels/test_sm90_build.py).
+    # 128 rows at 4 warps spill on sm_90 (tests/kernels/test_sm90_build.py), and so do 32 rows
+    # x 64 keys at 4 warps reading an FP8 cache (its conversions need the registers).
+    fp8 = "kv_dtype" in key
     return [KernelConfig.make(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s)
             for m in _VARLEN_BLOCK_M for n in _VARLEN_BLOCK_N for w in _VARLEN_WARPS
-            for s in _VARLEN_STAGES if m <= 16 * w]
+            for s in _VARLEN_STAGES if m <= 16 * w and not (fp8 and (m, n, w) == (32, 64, 4))]
 
 
 def paged_attention_varlen_default_config(key: dict) -> KernelConfig:
@@ -156,13 +168,15 @@ def paged_attention_varlen_default_config(key: dict) -> KernelConfig:
 
 
 def paged_attention_varlen_tune_key(*, num_q_heads: int, num_kv_heads: int, head_dim: int,
-                                    dtype: torch.dtype, num_tokens: int, window: int = 0
-                                    ) -> dict:
+                                    dtype: torch.dtype, num_tokens: int, window: int = 0,
+                                    kv_dtype=None) -> dict:
     """A sliding window (exact, like a model dimension; 0: none) bounds the keys of a query
-    tile, and with them which tile shape wins; sinks add one term per row and are not in it."""
-    return {"num_q_heads": int(num_q_heads), "num_kv_heads": int(num_kv_heads),
-            "head_dim": int(head_dim), "dtype": dtype_name(dtype),
-            "num_tokens": bucket_tokens(num_tokens), "window": int(window)}
+    tile, and with them which tile shape wins; sinks add one term per row and are not in it.
+    ``kv_dtype``, the cache's, only where it differs from the query's (an FP8 cache)."""
+    return with_kv_dtype({"num_q_heads": int(num_q_heads), "num_kv_heads": int(num_kv_heads),
+                          "head_dim": int(head_dim), "dtype": dtype_name(dtype),
+                          "num_tokens": bucket_tokens(num_tokens), "window": int(window)},
+                         kv_dtype)
 
 
 # A window shorter than the presets' prompts of 512 tokens (gpt-oss's is 128).
@@ -171,5 +185,6 @@ _PRESET_WINDOW = 128
 
 def paged_attention_varlen_presets() -> list[dict]:
     return [paged_attention_varlen_tune_key(**LLAMA_HEADS, dtype=torch.bfloat16, num_tokens=n,
-                                            window=window)
+                                            window=window, kv_dtype=kv_dtype)
+            for kv_dtype in (None, torch.float8_e4m3fn)
             for n, window in ((512, 0), (2048, 0), (8192, 0), (8192, _PRESET_WINDOW))]

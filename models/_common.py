@@ -373,7 +373,9 @@ class PagedMhaAdapter(PagedAdapter):
         appended): ``[n, Hq * D]``."""
         Hq, D = self.num_q_heads, self.head_dim
         key_cache, value_cache = ctx.key_value_cache(layer_number)
-        attn = attention(query.reshape(n, Hq, D), key_cache, value_cache)      # [n, Hq, D]
+        key_scale, value_scale = ctx.key_value_cache_scales(layer_number)     # FP8 only
+        attn = attention(query.reshape(n, Hq, D), key_cache, value_cache,
+                         key_scale=key_scale, value_scale=value_scale)         # [n, Hq, D]
         return attn.reshape(n, Hq * D)
 
 

@@ -117,12 +117,18 @@ class MlaPagedAttention:
             block_size=self.block_size)
 
     def __call__(self, q_nope: torch.Tensor, q_pe: torch.Tensor, latent_cache: torch.Tensor,
-                 kv_b: torch.Tensor) -> torch.Tensor:
+                 kv_b: torch.Tensor, latent_scales: tuple = (None, None)) -> torch.Tensor:
         """``q_nope`` ``[n, H, nope]``, ``q_pe`` ``[n, H, rope]`` (rotated), ``latent_cache``
         ``[blocks, bs, rank + rope]`` (this step's rows appended), ``kv_b`` the ``kv_b_proj``
-        weight ``[H * (nope + v), rank]`` -> ``[n, H, v]`` in ``q_nope``'s dtype."""
+        weight ``[H * (nope + v), rank]`` -> ``[n, H, v]`` in ``q_nope``'s dtype. An FP8 cache
+        comes with ``latent_scales``, the latent's and the rope part's ``[1]`` scales
+        (``ctx.key_value_cache_scales``): its rows are read as ``q * scale``."""
         if self._groups is None:
             raise RuntimeError("MlaPagedAttention: call plan() for the step first")
+        if latent_scales[0] is not None:
+            columns = torch.cat((latent_scales[0].expand(self.rank),
+                                 latent_scales[1].expand(self.rope)))
+            latent_cache = latent_cache.float() * columns
         n, H = q_nope.shape[0], self.num_heads
         w = kv_b.float().view(H, self.nope + self.v_dim, self.rank)
         w_uk, w_uv = w[:, :self.nope], w[:, self.nope:]               # [H, nope|v, rank]
@@ -436,7 +442,8 @@ class DeepseekV2Adapter(PagedAdapter):
             row = torch.cat((latent, k_pe[:, 0]), dim=-1).unsqueeze(1)          # [n, 1, r + p]
             ctx.append_key_value_cache(layer_number, row, None)
             latent_cache, _ = ctx.key_value_cache(layer_number)
-            attn = attention(q_nope, q_pe, latent_cache, w.kv_b)                # [n, H, v]
+            attn = attention(q_nope, q_pe, latent_cache, w.kv_b,
+                             ctx.key_value_cache_scales(layer_number))          # [n, H, v]
             hidden = hidden + self.tp.row_linear(attn.reshape(n, H * self.v_head_dim), w.o,
                                                  w.o_bias)
             x = rms_norm(hidden, w.post_norm, self.eps)

@@ -168,9 +168,11 @@ class _SeamStep:
         if query.dim() != 4 or query.shape[0] != 1 or query.shape[2] != self.n:
             raise ValueError(f"{name}: query of shape {tuple(query.shape)}, expected [1, heads, "
                              f"{self.n}, head_dim]")
+        key_scale, value_scale = self.ctx.key_value_cache_scales(layer + 1)   # FP8 only
         out = self.attention(query[0].transpose(0, 1), key, value,
                              softmax_scale=None if scaling is None else float(scaling),
-                             window=sliding_window, sinks=sinks)           # [n, Hq, D]
+                             window=sliding_window, sinks=sinks, key_scale=key_scale,
+                             value_scale=value_scale)                      # [n, Hq, D]
         return out.unsqueeze(0)
 
     def check_complete(self) -> None:

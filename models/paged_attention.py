@@ -52,6 +52,7 @@ from .paged_attention_torch import SdpaStep, torch_row_groups
 BACKENDS = ("auto", "torch", "torch_static", "triton", "flashinfer", "flash_attn")
 _FLASHINFER_WORKSPACE_BYTES = 128 * 1024 * 1024
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16)
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def flashinfer_available(device: torch.device) -> bool:
@@ -196,8 +197,11 @@ class PagedAttention:
 
     def __call__(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                  *, softmax_scale: Optional[float] = None, window: Optional[int] = None,
-                 sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+                 sinks: Optional[torch.Tensor] = None, key_scale: Optional[torch.Tensor] = None,
+                 value_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``query`` ``[n, Hq, D]`` -> attention output ``[n, Hq, D]`` in ``query``'s dtype.
+        An FP8 cache comes with its fp32 ``[Hkv]`` ``key_scale`` and ``value_scale``
+        (``ctx.key_value_cache_scales``); the torch versions and our kernels read it.
 
         Per layer: ``softmax_scale`` (default: the one given at construction), a sliding
         ``window`` of keys (an int >= 1, or None) and ``sinks`` (``[Hq]`` logits, or None);
@@ -218,13 +222,20 @@ class PagedAttention:
             raise ValueError(f"sinks must be a [{self.num_q_heads}] tensor (one logit per "
                              f"query head), got {shape}")
         scale = self.scale if softmax_scale is None else float(softmax_scale)
+        if (key_scale is None) != (value_scale is None) \
+                or (key_scale is None) == (key_cache.dtype in _FP8_DTYPES):
+            raise ValueError(f"key_scale and value_scale come with an FP8 cache, and only with "
+                             f"one: cache {key_cache.dtype}, key_scale "
+                             f"{'given' if key_scale is not None else None}, value_scale "
+                             f"{'given' if value_scale is not None else None}")
+        fp8 = dict(key_scale=key_scale, value_scale=value_scale)
         if self.backend == "torch":
-            return plan["sdpa"].attend(query, key_cache, value_cache, scale, window, sinks)
+            return plan["sdpa"].attend(query, key_cache, value_cache, scale, window, sinks, **fp8)
         if self.backend == "torch_static":
             # One spare row takes the writes of empty query slots.
             out = query.new_zeros(query.shape[0] + 1, self.num_q_heads, self.head_dim)
             for group in plan["groups"]:
-                group.attend(query, key_cache, value_cache, out, scale, window, sinks)
+                group.attend(query, key_cache, value_cache, out, scale, window, sinks, **fp8)
             return out[:-1]
         if self.backend == "triton":
             from ..kernels.paged_attention import paged_attention
@@ -235,13 +246,17 @@ class PagedAttention:
                 max_seqlen_k=plan["max_seqlen_k"], softmax_scale=scale,
                 num_requests=plan["num_requests"],
                 num_decode_requests=plan["num_decode_requests"], window=window or 0,
-                sinks=sinks, backend="triton")
+                sinks=sinks, backend="triton", **fp8)
         missing = [name for name, given in (("sliding windows", window is not None),
                                             ("attention sinks", sinks is not None)) if given]
         if missing:
             raise NotImplementedError(
                 f"attention backend {self.backend!r} has no {' or '.join(missing)}: use "
                 "attention_backend='triton' or 'torch' (or 'torch_static' under CUDA graphs)")
+        if key_scale is not None:
+            raise NotImplementedError(
+                f"attention backend {self.backend!r} does not read dynctx's FP8 cache (per KV "
+                "head scales): use 'auto', 'triton', 'torch' or 'torch_static'")
         if self.backend == "flashinfer" and scale != self.scale:
             raise NotImplementedError(
                 f"attention backend 'flashinfer' plans one softmax scale per step ({self.scale}); "
@@ -279,7 +294,9 @@ def paged_attention_torch(query: torch.Tensor, key_cache: torch.Tensor, value_ca
                           block_table: torch.Tensor, *, max_seqlen_q: int, max_seqlen_k: int,
                           softmax_scale: Optional[float] = None,
                           num_decode_requests: int = 0, window: Optional[int] = None,
-                          sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+                          sinks: Optional[torch.Tensor] = None,
+                          key_scale: Optional[torch.Tensor] = None,
+                          value_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """One-shot torch paged attention (see the module docstring), with an optional sliding
     ``window`` and per-head ``sinks``; returns ``[n, Hq, D]``."""
     attention = PagedAttention(num_q_heads=query.shape[1], num_kv_heads=key_cache.shape[2],
@@ -289,4 +306,5 @@ def paged_attention_torch(query: torch.Tensor, key_cache: torch.Tensor, value_ca
     attention.plan(cu_query_lengths=cu_query_lengths, kv_seq_lengths=kv_seq_lengths,
                    block_table=block_table, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                    num_tokens=query.shape[0], num_decode_requests=num_decode_requests)
-    return attention(query, key_cache, value_cache, window=window, sinks=sinks)
+    return attention(query, key_cache, value_cache, window=window, sinks=sinks,
+                     key_scale=key_scale, value_scale=value_scale)

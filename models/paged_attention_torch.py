@@ -3,7 +3,8 @@
 builds on.
 
 Both compute in fp32 from the same inputs as the kernels (the module docstring of
-models/paged_attention.py), with a layer's sliding ``window`` and per-head ``sinks``:
+models/paged_attention.py), with a layer's sliding ``window`` and per-head ``sinks``, and an
+FP8 cache read with its per-KV-head ``key_scale`` and ``value_scale``:
 
 * ``SdpaStep`` (``"torch"``) computes attention with ``scaled_dot_product_attention`` and no
   copy of K/V per query head: the query heads of a KV head become that head's queries
@@ -76,7 +77,8 @@ class TorchRowGroup:
 
     def attend(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                out: torch.Tensor, scale: float, window: Optional[int] = None,
-               sinks: Optional[torch.Tensor] = None) -> None:
+               sinks: Optional[torch.Tensor] = None, key_scale: Optional[torch.Tensor] = None,
+               value_scale: Optional[torch.Tensor] = None) -> None:
         rows = self.blocks.shape[0]
         num_q_heads, num_kv_heads = query.shape[1], key_cache.shape[2]
         q = query[self.gather_tokens].float()                                  # [rows, q, Hq, D]
@@ -87,6 +89,9 @@ class TorchRowGroup:
         zero = torch.zeros((), dtype=torch.float32, device=query.device)
         k = torch.where(self.key_valid, k[:, :self.max_k].float(), zero)       # [rows, k, Hkv, D]
         v = torch.where(self.key_valid, v[:, :self.max_k].float(), zero)
+        if key_scale is not None:
+            # An FP8 cache, dequantized per KV head (x = q * scale).
+            k, v = k * key_scale[:, None], v * value_scale[:, None]
         group = num_q_heads // num_kv_heads
         if group > 1:
             k = k.repeat_interleave(group, dim=2)                              # [rows, k, Hq, D]
@@ -245,7 +250,8 @@ class SdpaStep:
 
     def attend(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                scale: float, window: Optional[int] = None,
-               sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+               sinks: Optional[torch.Tensor] = None, key_scale: Optional[torch.Tensor] = None,
+               value_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
         n, num_q_heads, head_dim = query.shape
         num_kv_heads = key_cache.shape[2]
         group = num_q_heads // num_kv_heads
@@ -254,21 +260,28 @@ class SdpaStep:
         sink = None if sinks is None else sinks.float().view(num_kv_heads, group, 1)
         # fp32 math in every dtype, as the kernels do.
         compute = torch.float32
+        # An FP8 cache, as the kernels read it: the K scale of each KV head folds into its
+        # queries (the softmax scale), the V scale into its output.
+        q_fold = None if key_scale is None else key_scale.view(num_kv_heads, 1, 1)
+        o_fold = None if value_scale is None else value_scale.view(num_kv_heads, 1, 1)
         out = query.new_zeros(n, num_q_heads, head_dim)
         for (tokens, slots, _, _), mask in zip(self.decode, decode_masks):
             rows, keys = slots.shape
             q = query.index_select(0, tokens).to(compute).view(rows, num_kv_heads, group, head_dim)
+            q = q if q_fold is None else q * q_fold
             k = _gather_rows(key_cache, slots).to(compute).transpose(1, 2)     # [g, Hkv, L, D]
             v = _gather_rows(value_cache, slots).to(compute).transpose(1, 2)
             if sink is None:
                 o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
             else:
                 o = _attend_with_sinks(q, k, v, mask, scale, sink)
+            o = o if o_fold is None else o * o_fold
             out.index_copy_(0, tokens, o.reshape(rows, num_q_heads, head_dim).to(out.dtype))
         for (first, q_len, slots), (mask, causal) in zip(self.prefill, prefill_masks):
             q = query[first:first + q_len].to(compute).reshape(q_len, num_kv_heads, group,
                                                                head_dim)
             q = q.permute(1, 2, 0, 3).reshape(1, num_kv_heads, group * q_len, head_dim)
+            q = q if q_fold is None else q * q_fold
             k = _gather_rows(key_cache, slots).to(compute).transpose(0, 1)[None]  # [1, Hkv, kv, D]
             v = _gather_rows(value_cache, slots).to(compute).transpose(0, 1)[None]
             if sink is None:
@@ -278,6 +291,7 @@ class SdpaStep:
                 rows_sink = sink[:, :, None].expand(-1, -1, q_len, -1).reshape(
                     num_kv_heads, group * q_len, 1)
                 o = _attend_with_sinks(q, k, v, mask, scale, rows_sink)
+            o = o if o_fold is None else o * o_fold
             o = o.view(num_kv_heads, group, q_len, head_dim).permute(2, 0, 1, 3)
             out[first:first + q_len] = o.reshape(q_len, num_q_heads, head_dim).to(out.dtype)
         return out
