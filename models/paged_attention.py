@@ -189,11 +189,40 @@ class PagedAttention:
                                     device=self.device)
             self._flashinfer_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
                 workspace, kv_layout="NHD")
-        self._flashinfer_wrapper.plan(
-            cu_q, indptr, indices, last_page_len, self.num_q_heads, self.num_kv_heads,
-            self.head_dim, self.block_size, causal=True, sm_scale=self.scale,
-            q_data_type=dtype, kv_data_type=dtype)
+        # The wrapper's plan is made at the step's first layer call, which knows the cache's
+        # dtype (an FP8 cache takes FlashInfer's FP8 path).
+        args["flashinfer_plan"] = (cu_q, indptr, indices, last_page_len, dtype)
+        args["flashinfer_kv_dtype"] = None
         args["flashinfer_tokens"] = int(cu_q[-1]) if num_real else 0
+
+    def _flashinfer(self, query: torch.Tensor, key_cache: torch.Tensor,
+                    value_cache: torch.Tensor, key_scale: Optional[torch.Tensor],
+                    value_scale: Optional[torch.Tensor]) -> torch.Tensor:
+        """FlashInfer's paged prefill over the step's planned requests. An FP8 cache is read by
+        FlashInfer's FP8 path (``kv_data_type`` e4m3/e5m2, upcast in its kernel); the per KV
+        head scales are applied around it, on the device: ``q . (s_k k) = (s_k q) . k`` folds
+        the K scale into the query of each head's group and the V scale multiplies the output
+        (no host read of a scale, per-head scales kept)."""
+        plan = self._plan
+        if plan["flashinfer_kv_dtype"] != key_cache.dtype:
+            cu_q, indptr, indices, last_page_len, dtype = plan["flashinfer_plan"]
+            self._flashinfer_wrapper.plan(
+                cu_q, indptr, indices, last_page_len, self.num_q_heads, self.num_kv_heads,
+                self.head_dim, self.block_size, causal=True, sm_scale=self.scale,
+                q_data_type=dtype, kv_data_type=key_cache.dtype)
+            plan["flashinfer_kv_dtype"] = key_cache.dtype
+        out = query.new_zeros(query.shape)
+        tokens = plan["flashinfer_tokens"]
+        if not tokens:
+            return out
+        query, group = query[:tokens], self.num_q_heads // self.num_kv_heads
+        if key_scale is not None:
+            query = query * key_scale.repeat_interleave(group)[:, None].to(query.dtype)
+        attended = self._flashinfer_wrapper.run(query.contiguous(), (key_cache, value_cache))
+        if value_scale is not None:
+            attended = attended * value_scale.repeat_interleave(group)[:, None].to(attended.dtype)
+        out[:tokens] = attended
+        return out
 
     def __call__(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                  *, softmax_scale: Optional[float] = None, window: Optional[int] = None,
@@ -201,7 +230,8 @@ class PagedAttention:
                  value_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``query`` ``[n, Hq, D]`` -> attention output ``[n, Hq, D]`` in ``query``'s dtype.
         An FP8 cache comes with its fp32 ``[Hkv]`` ``key_scale`` and ``value_scale``
-        (``ctx.key_value_cache_scales``); the torch versions and our kernels read it.
+        (``ctx.key_value_cache_scales``); the torch versions, our kernels and FlashInfer read it
+        (flash-attn refuses it).
 
         Per layer: ``softmax_scale`` (default: the one given at construction), a sliding
         ``window`` of keys (an int >= 1, or None) and ``sinks`` (``[Hq]`` logits, or None);
@@ -253,21 +283,16 @@ class PagedAttention:
             raise NotImplementedError(
                 f"attention backend {self.backend!r} has no {' or '.join(missing)}: use "
                 "attention_backend='triton' or 'torch' (or 'torch_static' under CUDA graphs)")
-        if key_scale is not None:
-            raise NotImplementedError(
-                f"attention backend {self.backend!r} does not read dynctx's FP8 cache (per KV "
-                "head scales): use 'auto', 'triton', 'torch' or 'torch_static'")
         if self.backend == "flashinfer" and scale != self.scale:
             raise NotImplementedError(
                 f"attention backend 'flashinfer' plans one softmax scale per step ({self.scale}); "
                 f"this layer asks for {scale}")
         if self.backend == "flashinfer":
-            out = query.new_zeros(query.shape)
-            tokens = plan["flashinfer_tokens"]
-            if tokens:
-                out[:tokens] = self._flashinfer_wrapper.run(query[:tokens].contiguous(),
-                                                            (key_cache, value_cache))
-            return out
+            return self._flashinfer(query, key_cache, value_cache, key_scale, value_scale)
+        if key_scale is not None:
+            raise NotImplementedError(
+                "attention backend 'flash_attn' does not read dynctx's FP8 cache (per KV head "
+                "scales): use 'auto', 'triton', 'flashinfer', 'torch' or 'torch_static'")
         return self._flash_attn(query, key_cache, value_cache, plan, scale)
 
     def _flash_attn(self, query, key_cache, value_cache, plan, scale) -> torch.Tensor:
