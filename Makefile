@@ -49,7 +49,7 @@ test-legacy: venv-legacy
 	TRITON_INTERPRET=1 $(LEGACY_PY) -P -m pytest -q -m interpreter tests/kernels
 	$(LEGACY_PY) -P -m pytest -q -m build tests/kernels
 
-# The first of make test's two processes alone: no interpreted Triton kernels, no slow tests.
+# make test's plain tests in one process: no interpreted Triton kernels, no slow tests.
 test-fast: venv
 	$(PY) -P -m pytest -q -m "not interpreter and not gpu and not slow and not mcore019"
 

@@ -1,12 +1,13 @@
-"""The last line of tests/run_tests.sh: both pytest processes added up.
+"""The last line of tests/run_tests.sh: its pytest processes added up.
 
-``python tests/combined_summary.py PLAIN_LOG INTERPRETER_LOG`` prints one line such as
-``both pytest processes: 1210 passed, 0 failed, 0 skipped, 345 not run here (gpu, slow,
-mcore019) in 912 s``: passed, failed and skipped always, errors, xfailed, xpassed and warnings
-when there are any, how many collected tests neither process selected, which process left no
-pytest summary (it crashed or was killed) and which stopped early (a collection error). Both
-processes collect the same tests, so the first one's selected plus deselected is the number
-collected.
+``python tests/combined_summary.py LOG...`` (a log per process, named by its file name) prints
+one line such as ``3 pytest processes: 1210 passed, 0 failed, 0 skipped, 345 not run here (gpu,
+slow, mcore019); the longest took 612 s``: passed, failed and skipped always, errors, xfailed,
+xpassed and warnings when there are any, how many collected tests no process selected, which
+process left no pytest summary (it crashed or was killed) and which stopped early (a collection
+error). The processes run side by side, so the time shown is the longest one's. Shards collect
+parts of the suite and the interpreter process all of it: the largest selected plus deselected
+count of one process is the number collected.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def final_counts(log: str) -> Optional[tuple]:
 def combined_line(logs: Dict[str, str]) -> str:
     """The one line for the logs of the processes, keyed by their names (``plain``, ...)."""
     totals: Dict[str, int] = {}
-    seconds, selected, collected, missing, stopped = 0.0, 0, None, [], []
+    seconds, selected, collected, missing, stopped = 0.0, 0, 0, [], []
     for name, log in logs.items():
         interrupted = INTERRUPTED.search(log)
         if interrupted:
@@ -55,20 +56,20 @@ def combined_line(logs: Dict[str, str]) -> str:
             totals[word] = totals.get(word, 0) + number
         ran = sum(counts.get(word, 0) for word in RAN)
         selected += ran
-        if collected is None:
-            collected = ran + counts.get("deselected", 0)
-        seconds += took
+        collected = max(collected, ran + counts.get("deselected", 0))
+        seconds = max(seconds, took)
     shown = []
     for word in (*RAN, "warnings"):
         number = totals.get(word, 0)
         if number or word in ("passed", "failed", "skipped"):
             shown.append(f"{number} {word[:-1] if number == 1 and word.endswith('s') else word}")
-    if collected is not None and not stopped:
+    if not missing and not stopped:
         shown.append(f"{collected - selected} not run here (gpu, slow, mcore019)")
     if missing:
         shown.append(f"no summary from the {' and '.join(missing)} process")
     shown += stopped
-    return f"both pytest processes: {', '.join(shown)} in {seconds:.0f} s"
+    return (f"{len(logs)} pytest processes: {', '.join(shown)}; the longest took "
+            f"{seconds:.0f} s")
 
 
 if __name__ == "__main__":

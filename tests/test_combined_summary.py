@@ -1,4 +1,4 @@
-"""tests/run_tests.sh ends with one line adding both pytest processes up (combined_summary)."""
+"""tests/run_tests.sh ends with one line adding its pytest processes up (combined_summary)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ SKIPPED [1] tests/kernels/test_x.py:3: the interpreter has no bf16 arithmetic
 INTERPRETER = """\
 ....F..                                                                  [100%]
 FAILED tests/kernels/test_y.py::test_z - AssertionError
-1 failed, 300 passed, 1 xfailed, 1 warning, 1255 deselected in 300.10s (0:05:00)
+1 failed, 300 passed, 1 xfailed, 1 warning, 1254 deselected in 300.10s (0:05:00)
 """
 STOPPED = """\
 ERROR tests/context/test_update_plan_stack.py
@@ -27,25 +27,38 @@ ERROR tests/context/test_update_plan_stack.py
 """
 
 
-def test_both_processes_add_up_with_singular_words_and_what_neither_ran():
+SHARD = """\
+....                                                                     [100%]
+4 passed, 2 deselected in 700.00s (0:11:40)
+"""
+
+
+def test_the_processes_add_up_with_singular_words_and_what_none_ran():
     line = combined_line({"plain": PLAIN, "interpreter": INTERPRETER})
-    # 1556 collected (1111 run + 445 deselected in the first), 1413 run in both.
-    assert line == ("both pytest processes: 1410 passed, 1 failed, 1 skipped, 1 xfailed, "
-                    "3 warnings, 143 not run here (gpu, slow, mcore019) in 912 s")
+    # 1556 collected (1111 run + 445 deselected in each), 1413 run in both.
+    assert line == ("2 pytest processes: 1410 passed, 1 failed, 1 skipped, 1 xfailed, "
+                    "3 warnings, 143 not run here (gpu, slow, mcore019); the longest took 612 s")
+
+
+def test_a_shard_adds_its_tests_and_the_whole_suite_is_counted_once():
+    # The shard collected 6 of the 1556 tests the interpreter process collected: 4 more ran.
+    line = combined_line({"plain": PLAIN, "plain_e2e": SHARD, "interpreter": INTERPRETER})
+    assert line == ("3 pytest processes: 1414 passed, 1 failed, 1 skipped, 1 xfailed, "
+                    "3 warnings, 139 not run here (gpu, slow, mcore019); the longest took 700 s")
 
 
 def test_a_process_without_a_summary_is_named():
     line = combined_line({"plain": PLAIN, "interpreter": "Killed\n"})
-    assert line.endswith("no summary from the interpreter process in 612 s")
-    assert line.startswith("both pytest processes: 1110 passed, 0 failed, 1 skipped, 2 warnings")
+    assert line == ("2 pytest processes: 1110 passed, 0 failed, 1 skipped, 2 warnings, no "
+                    "summary from the interpreter process; the longest took 612 s")
 
 
 def test_a_collection_error_is_named_instead_of_a_count_of_tests_not_run():
     line = combined_line({"plain": STOPPED, "interpreter": STOPPED})
-    assert line == ("both pytest processes: 0 passed, 0 failed, 2 errors, 0 skipped, "
+    assert line == ("2 pytest processes: 0 passed, 0 failed, 2 errors, 0 skipped, "
                     "38 warnings, the plain process stopped early (Interrupted: 1 error during "
                     "collection), the interpreter process stopped early (Interrupted: 1 error "
-                    "during collection) in 114 s")
+                    "during collection); the longest took 57 s")
 
 
 def test_the_script_prints_the_line_for_log_files(tmp_path):
@@ -62,5 +75,6 @@ def test_run_tests_sh_prints_it_last():
     script = (Path(__file__).with_name("run_tests.sh")).read_text()
     calls = [line for line in script.splitlines() if "combined_summary.py" in line
              and not line.startswith("#")]
-    assert calls == ['"$PY" -P tests/combined_summary.py "$logs/plain" "$logs/interpreter"']
+    assert calls == ['"$PY" -P tests/combined_summary.py "$logs/plain" "$logs/plain_e2e" '
+                     '"$logs/interpreter"']
     assert script.rstrip().splitlines()[-2:] == [calls[0], "exit $status"]
