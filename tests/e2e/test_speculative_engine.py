@@ -303,3 +303,23 @@ def test_draft_model_drafter_gives_the_greedy_outputs_and_accepts_drafts():
         spec = engine.stats.speculative
         assert spec["acceptance_rate"] >= rate, spec
     assert spec["tokens_per_forward"] > 3
+
+
+# ---------------------------------------------------------------------------- the demo
+@pytest.mark.parametrize("drafter", ["ngram", "draft"])
+def test_demo_speculative_matches_transformers(capsys, drafter):
+    from dynctx import cli_demo
+
+    assert cli_demo.main(["--requests", "4", "--max-new-tokens", "8", "--plot", "",
+                          "--no-progress", "--speculative", drafter]) == 0
+    out = capsys.readouterr().out
+    assert "check             OK: 4/4 outputs match" in out
+    assert f"speculative       {drafter} drafter, k=3: " in out
+
+
+def test_demo_refuses_speculative_flags_that_do_not_combine(capsys):
+    from dynctx import cli_demo
+
+    with pytest.raises(SystemExit, match="--speculative-tokens 16 must be below --block-size "
+                                         "16"):
+        cli_demo.main(["--speculative", "ngram", "--speculative-tokens", "16", "--plot", ""])
