@@ -11,9 +11,10 @@ The drafter interface (how an MTP head or any other proposer plugs in) is three 
   as an integer array or tensor ``[len(request_ids), k]`` of ids in ``[0, vocabulary)``.
   Drafts are proposals only: a wrong one costs compute, never a different output. The drafts
   are deterministic, so verification treats them as one-hot proposals (``q``).
-* ``release(request_ids)``: those requests left the target's context (finished, evicted for
-  recompute, or suspended with the engine); a drafter that keeps per-request state drops it.
-  A request that comes back is proposed for from its whole history again.
+* ``release(request_ids)``: those requests left the target's context (finished, or evicted
+  for recompute); a drafter that keeps per-request state drops it.
+  A request that comes back (re-added after an eviction, or after the engine's suspend and
+  resume) is proposed for from its whole history again.
 
 ``NgramDrafter`` is prompt lookup: the longest recent n-gram of the request's own tokens that
 occurred before proposes the tokens that followed it. ``make_drafter`` resolves

@@ -323,3 +323,33 @@ def test_demo_refuses_speculative_flags_that_do_not_combine(capsys):
     with pytest.raises(SystemExit, match="--speculative-tokens 16 must be below --block-size "
                                          "16"):
         cli_demo.main(["--speculative", "ngram", "--speculative-tokens", "16", "--plot", ""])
+
+
+# ---------------------------------------------------------------------------- graphs, suspend
+def test_graph_replays_of_speculative_steps_and_suspend_resume_keep_the_outputs():
+    """Decode graphs of 1 + k tokens a request, replayed by the stand-in runner (every launch
+    checked against the capture), and a suspend / resume in the middle: greedy outputs as
+    transformers'."""
+    hf = tiny_llama(vocab=64)
+    prompts = [[1, 2, 3, 4, 1, 2, 3, 4, 1, 2], [5, 6, 7, 5, 6, 7], [9]]
+    expected = [hf_greedy(hf, p, 12) for p in prompts]
+    oracle = OracleDrafter([p + e for p, e in zip(prompts, expected)], 64)
+    engine = Engine.from_transformers(hf, block_size_tokens=8, buffer_size_gb=0.01,
+                                      max_tokens=64, kernel_backend="torch", num_cuda_graphs=4,
+                                      num_speculative_tokens=2, drafter=oracle)
+    assert engine.graph_runner is not None
+    decode_graphs = [d for d in engine.context.cuda_graph_batch_dimensions_list
+                     if d.prefill_req_count == 0]
+    assert all(d.token_count == 3 * d.decode_req_count for d in decode_graphs)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(DynamicInferenceRequest(
+            request_id=i, prompt_tokens=prompt,
+            sampling_params=SamplingParams(temperature=0.0, num_tokens_to_generate=12)))
+    results = []
+    for _ in range(3):
+        results += engine.step().finished
+    engine.suspend()
+    engine.resume()
+    results += engine.run()
+    assert {r.request_id: r.generated_tokens for r in results} == dict(enumerate(expected))
+    assert engine.graph_replays > 0 and engine.stats.speculative["accepted_tokens"] > 0
