@@ -264,7 +264,7 @@ class SpeculativeStepper(Stepper):
             return drafts
         ids = [rows[i].state.request_id for i in going]
         histories = [np.concatenate([
-            rows[i].state.request.prompt_tokens.numpy().astype(np.int64, copy=False),
+            rows[i].state.request.prompt_tokens.cpu().numpy().astype(np.int64, copy=False),
             np.asarray(rows[i].state.request.generated_tokens + rows[i].tokens,
                        dtype=np.int64)]) for i in going]
         proposed = self.drafter.propose(ids, histories, k)
