@@ -104,6 +104,11 @@ def build_parser(prog: str = "python -m dynctx demo") -> ArgumentParser:
     ctx.add_argument("--kv-cache-dtype", choices=["params", "fp8"], default="params",
                      help="the KV cache's dtype: the model's (--dtype), or fp8 (e4m3 with "
                           "dynamic per-layer scales: twice the blocks of bf16 per GiB)")
+    ctx.add_argument("--speculative", choices=["off", "ngram", "draft"], default="off",
+                     help="speculative decoding: drafts from n-gram prompt lookup or from a "
+                          "draft model (a truncated copy of the model), verified exactly")
+    ctx.add_argument("--speculative-tokens", type=positive_int, default=3,
+                     help="draft tokens a decode request forwards per step (k)")
     run_group = parser.add_argument_group("run")
     run_group.add_argument("--dtype", choices=sorted(DTYPES), default="fp32",
                            help="model and KV cache dtype; fp16/bf16 accept divergence at "
@@ -180,6 +185,11 @@ def _check_requests(args) -> Optional[str]:
 
 
 def _check_run(args) -> Optional[str]:
+    from dynctx.demo_speculative import check_speculative
+
+    problem = check_speculative(args)
+    if problem:
+        return problem
     if args.async_scheduling and args.dtype != "fp32":
         return (f"--async-scheduling with --dtype {args.dtype}: the half-precision check records "
                 "every step's logits (record_logits), which async scheduling refuses; use "

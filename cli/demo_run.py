@@ -14,6 +14,7 @@ from typing import List, Optional
 
 from dynctx.demo_check import against_transformers, ranks_agree
 from dynctx.demo_plot import StepRecord, plot_history
+from dynctx.demo_speculative import speculative_summary
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 GIB = 1024 ** 3
@@ -160,6 +161,7 @@ def run(args, rank: int, world: int) -> int:
     from transformers.utils import logging as hf_logging
 
     from dynctx.context import DynamicInferenceRequest, SamplingParams
+    from dynctx.demo_speculative import speculative_options
     from dynctx.engine import Engine
     from dynctx.models.random_models import kv_block_bytes, random_causal_lm
 
@@ -197,6 +199,10 @@ def run(args, rank: int, world: int) -> int:
                               else args.prefix_caching))
     if world > 1:
         context_kwargs["tensor_model_parallel_size"] = world
+    context_kwargs.update(speculative_options(args, hf_model, lambda layers: random_causal_lm(
+        args.model, vocab=args.vocab, hidden=args.hidden, layers=layers, heads=args.heads,
+        kv_heads=args.kv_heads, intermediate=args.intermediate, max_positions=args.max_seq,
+        window=args.block_size, seed=args.seed)))
     engine = Engine.from_transformers(hf_model, rope=args.rope,
                                       attention_backend=args.attention_backend,
                                       seed=args.seed, record_logits=args.dtype != "fp32",
@@ -333,6 +339,8 @@ def _summary(args, engine, results, elapsed: float, world: int, say) -> None:
     say(f"pauses            {stats.pauses}")
     say(f"evictions         {stats.evictions}")
     say(f"chunked prefills  {stats.chunked_prefills} prompts in {stats.prefill_chunks} chunks")
+    if speculative_summary(args, stats):
+        say(speculative_summary(args, stats))
     if stats.prefix_cache:
         cache = stats.prefix_cache
         say(f"prefix cache      {args.prefix_caching}: {cache['prefix_cache_hits']} hits of "

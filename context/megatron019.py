@@ -124,7 +124,7 @@ def constructor_arguments(arguments: Dict[str, Any], init: Any, *, request_round
 
 
 def _counters_only() -> Dict[str, Any]:
-    return dict(config=None, num_speculative_tokens=0)
+    return dict(config=None)  # num_speculative_tokens: the construction's own attribute
 
 
 def _layers_of_this_stage(model_config: Any, pg_collection: Any, pp_size: int) -> int:

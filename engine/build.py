@@ -115,17 +115,21 @@ def build_from_transformers(engine_class: type, hf_model: Any, *, rope: str,
                             history_window: Optional[int], cuda_graphs: bool,
                             async_scheduling: bool, enable_prefix_caching: bool,
                             prefix_caching_eviction_policy: str, integration: str,
+                            num_speculative_tokens: int = 0, drafter: Any = None,
                             **context_kwargs: Any) -> Any:
     """``Engine.from_transformers`` (see there)."""
     from dynctx.models import TensorParallel
 
     check_choice("attention_backend", attention_backend, ATTENTION_BACKENDS)
+    drafter = speculative_options(engine_class, hf_model, num_speculative_tokens, drafter,
+                                  context_kwargs)
     graphs = bool(cuda_graphs and context_kwargs.get("num_cuda_graphs"))
     build, attention_backend = transformers_adapter(hf_model, attention_backend, graphs,
                                                     integration)
     config = hf_model.config
     param = next(hf_model.parameters())
-    kwargs = dict(context_kwargs, enable_prefix_caching=enable_prefix_caching,
+    kwargs = dict(context_kwargs, num_speculative_tokens=num_speculative_tokens,
+                  enable_prefix_caching=enable_prefix_caching,
                   prefix_caching_eviction_policy=prefix_caching_eviction_policy)
     # Tensor parallelism: this rank's shard of the weights, over the group the context
     # resolves (pg_collection.tp, Megatron-Core's parallel_state, or the default group).
@@ -171,4 +175,37 @@ def build_from_transformers(engine_class: type, hf_model: Any, *, rope: str,
     return engine_class(model, context, enable_chunked_prefill=enable_chunked_prefill, seed=seed,
                         default_termination_id=eos, record_logits=record_logits,
                         step_callback=step_callback, history_window=history_window,
-                        cuda_graphs=cuda_graphs, async_scheduling=async_scheduling)
+                        cuda_graphs=cuda_graphs, async_scheduling=async_scheduling,
+                        drafter=drafter)
+
+
+# The target's context options a draft model's engine shares (engine/draft_model.py).
+DRAFT_SHARED_OPTIONS = ("block_size_tokens", "buffer_size_gb", "paused_buffer_size_gb",
+                        "max_tokens", "kernel_backend", "device")
+
+
+def speculative_options(engine_class: type, hf_model: Any, k: Any, drafter: Any,
+                        context_kwargs: Dict[str, Any]) -> Any:
+    """The drafter for ``num_speculative_tokens=k`` (None without speculation), every option
+    checked before anything is built: ``k`` an int, 0 or in ``[1, block_size_tokens)``; a
+    drafter only with ``k >= 1`` (``"ngram"`` by default), of the target's vocabulary. A draft
+    model's engine takes the target's ``DRAFT_SHARED_OPTIONS``."""
+    from .draft_model import draft_model_drafter
+    from .drafters import is_transformers_model, make_drafter
+
+    block_size = context_kwargs.get("block_size_tokens") or _context_default("block_size_tokens")
+    if isinstance(k, bool) or not isinstance(k, int):
+        raise TypeError(f"num_speculative_tokens={k!r} must be an int")
+    if k == 0:
+        if drafter is not None:
+            raise ValueError(f"drafter={drafter!r} needs num_speculative_tokens >= 1 (got 0)")
+        return None
+    if not 1 <= k < block_size:
+        raise ValueError(f"num_speculative_tokens={k} must be >= 1 and < block_size_tokens "
+                         f"({block_size}): a step's 1 + k tokens must fit in two blocks")
+    vocab = getattr(hf_model.config, "vocab_size", None)
+    if is_transformers_model(drafter):
+        shared = {name: context_kwargs[name] for name in DRAFT_SHARED_OPTIONS
+                  if context_kwargs.get(name) is not None}
+        return draft_model_drafter(drafter, vocab, engine_class, **shared)
+    return make_drafter("ngram" if drafter is None else drafter, vocab)

@@ -70,7 +70,7 @@ from .results import (
     deferred_metrics,
 )
 from .scheduler import Scheduler
-from .step import Stepper
+from .speculative_step import stepper_for
 from .validation import check_bool, check_int, vocab_limit
 
 __all__ = ["DEFAULT_HISTORY_WINDOW", "Engine", "EngineStats", "RequestResult", "StepResult"]
@@ -119,6 +119,8 @@ class Engine:
             outputs equal the synchronous engine's. Refused (``ValueError``) with the context's
             ``validate=True`` and with ``record_logits=True``; log probs work (a step with
             prompt log probs reads them on the host before the update).
+        drafter: with a context of ``num_speculative_tokens >= 1``, what proposes the drafts
+            (``engine/drafters.py``): required then, refused otherwise.
 
     Every option is checked here (``TypeError``/``ValueError`` naming it), and the model's
     attention backend is resolved for the context: one that cannot run raises now.
@@ -130,7 +132,8 @@ class Engine:
                  default_termination_id: Optional[int] = None, record_logits: bool = False,
                  step_callback: Optional[StepCallback] = None,
                  history_window: Optional[int] = DEFAULT_HISTORY_WINDOW,
-                 cuda_graphs: bool = True, async_scheduling: bool = False):
+                 cuda_graphs: bool = True, async_scheduling: bool = False,
+                 drafter: Any = None):
         tp = getattr(model, "tp", None)
         if tp is not None and tp.size > 1:
             # A rank whose arguments fail below still joins the agreement (as failed), so that
@@ -170,7 +173,9 @@ class Engine:
         self._delivery = Delivery(states, self.stats, record_logits=record_logits)
         self._intake = Intake(context, self.scheduler, self._delivery, states,
                               vocab_size=self.vocab_size)
-        self._steps = Stepper(model=model, context=context, scheduler=self.scheduler,
+        stepper = stepper_for(context, drafter, async_scheduling=async_scheduling,
+                              record_logits=record_logits)
+        self._steps = stepper(model=model, context=context, scheduler=self.scheduler,
                               intake=self._intake, delivery=self._delivery, stats=self.stats,
                               rng=np.random.default_rng(seed), record_logits=record_logits)
         self._async = AsyncScheduling(self._steps) if async_scheduling else None
@@ -192,7 +197,8 @@ class Engine:
                           cuda_graphs: bool = True, async_scheduling: bool = False,
                           enable_prefix_caching: bool = False,
                           prefix_caching_eviction_policy: str = "ref_zero",
-                          integration: str = "auto", **context_kwargs: Any) -> "Engine":
+                          integration: str = "auto", num_speculative_tokens: int = 0,
+                          drafter: Any = None, **context_kwargs: Any) -> "Engine":
         """Build the adapter for a ``transformers`` causal LM and a context sized for it
         (``engine/build.py``): the dedicated one of its class (Llama, DeepSeek-V2/V3,
         NemotronH), else the generic path that runs the model's own code through transformers'
@@ -223,6 +229,10 @@ class Engine:
         .TensorParallel``) and a context of its shard, and every rank must then call the
         engine's methods in the same order: rank 0's requests are broadcast and every rank
         returns the same outputs (docs/SEMANTICS.md §18).
+        ``num_speculative_tokens=k`` (1 <= k < ``block_size_tokens``) decodes speculatively:
+        ``drafter`` (default ``"ngram"``; a transformers causal LM of the same vocabulary; or an
+        object with the drafter interface of ``engine/drafters.py``) proposes ``k`` tokens a
+        step that the model verifies (``engine/speculative_step.py``, docs/SEMANTICS.md §19).
         """
         return build_from_transformers(
             cls, hf_model, rope=rope, attention_backend=attention_backend,
@@ -231,7 +241,8 @@ class Engine:
             history_window=history_window, cuda_graphs=cuda_graphs,
             async_scheduling=async_scheduling, enable_prefix_caching=enable_prefix_caching,
             prefix_caching_eviction_policy=prefix_caching_eviction_policy,
-            integration=integration, **context_kwargs)
+            integration=integration, num_speculative_tokens=num_speculative_tokens,
+            drafter=drafter, **context_kwargs)
 
     # ------------------------------------------------------------------ parts and settings
     @property

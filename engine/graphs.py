@@ -138,7 +138,10 @@ class GraphRunner:
         output = self._replay(dims, graph)
         self.replays[dims] += 1
         if self.last_token_only:
-            return output[:self.context.get_active_request_count()]
+            # A speculative step's decode requests have 1 + k rows each (docs/SEMANTICS.md §19).
+            ctx = self.context
+            return output[:ctx.get_active_request_count()
+                          + getattr(ctx, "num_speculative_tokens", 0) * ctx.num_decode_requests]
         return output
 
     def _check_addresses(self, dims: InferenceBatchDimensions, captured: Dict[str, int]) -> None:

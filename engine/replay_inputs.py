@@ -55,7 +55,9 @@ def static_plan_values(ctx: Any, dims: InferenceBatchDimensions) -> Tuple[int, i
     Megatron's graphed metadata values (``graph_attention_maxima``), with the key bound capped
     at what a block-table row can hold (the context sizes its rows by the blocks that can exist,
     which may be fewer than ``max_sequence_length`` needs)."""
-    max_q, max_k = graph_attention_maxima(dims, int(ctx.max_sequence_length))
+    # A speculative decode request forwards 1 + k tokens (docs/SEMANTICS.md §19).
+    per_decode = 1 + int(getattr(ctx, "num_speculative_tokens", 0) or 0)
+    max_q, max_k = graph_attention_maxima(dims, int(ctx.max_sequence_length), per_decode)
     max_k = min(max_k, int(ctx.max_kv_block_count) * int(ctx.block_size_tokens))
     return max_q, max_k, (dims.decode_req_count if dims.prefill_req_count == 0 else 0)
 
@@ -93,7 +95,8 @@ class GraphStepContext:
 
     def last_token_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """``[graph requests, vocab]``: row ``i`` is the last token of request ``i``; rows past
-        the step's real requests repeat the last real token's row (their query length is 0)."""
+        the step's real requests repeat the last real token's row (their query length is 0).
+        With speculative steps, the context's ``speculative_required_logit_indices`` rows."""
         ctx, dims = self._ctx, self.graph_dimensions
         meta = ctx.active_attn_metadata
         if meta is None:
@@ -103,6 +106,10 @@ class GraphStepContext:
         if rows.shape[0] != dims.token_count:
             raise ValueError(f"logits has {rows.shape[0]} token rows, graph {dims} has "
                              f"{dims.token_count}")
+        if getattr(ctx, "num_speculative_tokens", 0):
+            # Speculative steps: every decode token's row, then each prefill's last, padded to
+            # the graph (the context's index, refreshed in place each step: §19).
+            return rows.index_select(0, ctx.speculative_required_logit_indices())
         return last_token_rows(rows, meta.cu_query_seq_lengths, dims.req_count,
                                backend=ctx.kernel_backend)
 

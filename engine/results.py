@@ -83,6 +83,9 @@ class StepResult:
     kv_utilization: float = 0.0
     idle: bool = False
     time_s: float = 0.0
+    # Speculative decoding: every token each request gained this step (up to 1 + k, in
+    # order; ``new_tokens`` holds the last); empty without speculation.
+    all_new_tokens: Dict[int, List[int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -108,6 +111,9 @@ class EngineStats:
     # The context's prefix caching counters (``get_prefix_cache_stats``), refreshed each step;
     # empty without caching. ``prefix_cache_hit_rate``: hits per new request added.
     prefix_cache: Dict[str, float] = field(default_factory=dict)
+    # Speculative decoding's counters (``engine/speculative.py``, ``SpeculativeStats``);
+    # empty without speculation.
+    speculative: Dict[str, float] = field(default_factory=dict)
     history: Deque[StepResult] = field(
         default_factory=lambda: deque(maxlen=DEFAULT_HISTORY_WINDOW))
 
@@ -209,7 +215,8 @@ class Delivery:
         result.time_s = time.perf_counter() - started
         result.finished = list(self._waiting)
         if self.stats.history.maxlen != 0:
-            self.stats.history.append(replace(result, new_tokens={}, finished=[]))
+            self.stats.history.append(replace(result, new_tokens={}, finished=[],
+                                                     all_new_tokens={}))
         if callback is not None:
             try:
                 callback(result)

@@ -324,10 +324,13 @@ class PagedAdapter:
         n = ctx.current_input_and_position_ids()[0].shape[1]
         attention = self.attention_for(ctx)
         extra = dict(dtype=self.dtype) if self._plan_with_dtype else {}
+        # The decode paths take one query a request: a speculative step's decode requests
+        # (1 + k queries each, docs/SEMANTICS.md §19) run on the varlen path with the prefills.
+        decode = 0 if getattr(ctx, "num_speculative_tokens", 0) else ctx.num_decode_requests
         attention.plan(cu_query_lengths=meta.cu_query_seq_lengths,
                        kv_seq_lengths=meta.kv_seq_lengths, block_table=meta.block_table,
                        max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_k,
-                       num_tokens=n, num_decode_requests=ctx.num_decode_requests, **extra)
+                       num_tokens=n, num_decode_requests=decode, **extra)
         return n, attention
 
     def _start_step(self, ctx: Any) -> tuple[torch.Tensor, int, Any]:

@@ -270,20 +270,23 @@ class NemotronHAdapter(PagedMhaAdapter):
         group, regular prefills and the continuation chunk another."""
         meta = ctx.mamba_metadata
         num_decode, num_regular = (int(v) for v in meta.device_decode_prefill)
+        # Speculative steps (docs/SEMANTICS.md §19): a decode row forwards 1 + k tokens.
+        per_decode = 1 + int(getattr(ctx, "num_speculative_tokens", 0) or 0)
+        decode_tokens = num_decode * per_decode
         groups = []
         if num_decode:
-            groups.append((meta.batch_indices_decode[:num_decode], list(range(num_decode)),
-                           [1] * num_decode))
+            groups.append((meta.batch_indices_decode[:num_decode],
+                           list(range(0, decode_tokens, per_decode)), [per_decode] * num_decode))
         slots, starts, lengths = [], [], []
         if num_regular:
             cu = meta.cu_seqlens[:num_regular + 1].tolist()
             slots.append(meta.batch_indices_prefill[:num_regular])
-            starts += [num_decode + c for c in cu[:-1]]
+            starts += [decode_tokens + c for c in cu[:-1]]
             lengths += [b - a for a, b in zip(cu[:-1], cu[1:])]
         if meta.batch_indices_chunked_prefill is not None:
             offset, count = (int(v) for v in meta.device_chunked_prefill)
             slots.append(meta.batch_indices_chunked_prefill[:1])
-            starts.append(num_decode + offset)
+            starts.append(decode_tokens + offset)
             lengths.append(count)
         if slots:
             groups.append((torch.cat(slots), starts, lengths))
@@ -291,7 +294,7 @@ class NemotronHAdapter(PagedMhaAdapter):
 
     def _mamba_group(self, ctx: Any, layer_number: int, w: NemotronHLayerWeights,
                      proj: torch.Tensor, out: torch.Tensor, slots: torch.Tensor,
-                     starts: List[int], lengths: List[int]) -> None:
+                     starts: List[int], lengths: List[int], intermediate: bool = False) -> None:
         """Run sequences ``starts[i]:starts[i] + lengths[i]`` of ``proj`` (the in_proj output
         ``[n, d_inner + conv_dim + nheads]``) from their slot states; write the gated, normed
         SSM output ``[.., d_inner]`` into ``out`` and the final states back to the slots."""
@@ -325,12 +328,21 @@ class NemotronHAdapter(PagedMhaAdapter):
         dt = F.softplus(dt.float() + w.dt_bias.float()).clamp(min=self.dt_min)   # [R, L, H]
         dA = torch.exp(dt * w.A)                                                 # [R, L, H]
         state = ssm_state.float()                                                # [R, H, P, N]
-        ys = []
+        ys, states = [], []
         for t in range(L):
             new = state * dA[:, t, :, None, None] \
                 + (dt[:, t, :, None] * x[:, t])[..., None] * B[:, t, :, None, :]
             state = torch.where(valid[:, t, None, None, None], new, state)
+            states.append(state)
             ys.append(torch.einsum("rhpn,rhn->rhp", state, C[:, t]))
+        if intermediate:
+            # Speculative decode rows: the state after each of their 1 + k tokens, for the
+            # rewind to restore the one after the accepted tokens (docs/SEMANTICS.md §19).
+            inter_conv, inter_ssm = ctx.mamba_states_cache(layer_number, intermediate=True)
+            windows = history.unfold(2, K, 1)[:, :, 1:L + 1]                     # [R, C, L, K]
+            slot_ids = slots.long()
+            inter_conv[slot_ids] = windows.transpose(1, 2).to(inter_conv.dtype)
+            inter_ssm[slot_ids] = torch.stack(states, dim=1).to(inter_ssm.dtype)
         y = torch.stack(ys, dim=1) + x * w.D.float()[:, None]                   # [R, L, H, P]
         y = _gated_group_rms_norm(y.reshape(R, L, self.d_inner), gate, w.norm_weight,
                                   w.norm_group, w.norm_eps)
@@ -343,8 +355,13 @@ class NemotronHAdapter(PagedMhaAdapter):
         n = x.shape[0]
         proj = F.linear(x, w.in_proj, w.in_proj_bias)
         out = x.new_zeros(n, self.d_inner)         # padding tokens stay zero
-        for slots, starts, lengths in groups:
-            self._mamba_group(ctx, layer_number, w, proj, out, slots, starts, lengths)
+        speculative = bool(getattr(ctx, "num_speculative_tokens", 0))
+        for index, (slots, starts, lengths) in enumerate(groups):
+            # The decode group (first, when there is one) of a speculative step keeps its
+            # intermediate states.
+            decode_group = index == 0 and ctx.num_decode_requests > 0
+            self._mamba_group(ctx, layer_number, w, proj, out, slots, starts, lengths,
+                              intermediate=speculative and decode_group)
         return self.tp.row_linear(out, w.out_proj, w.out_proj_bias)
 
     # ------------------------------------------------------------------ forward

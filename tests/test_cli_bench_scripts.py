@@ -49,6 +49,8 @@ BENCHES = {
                            "--warmup", "0"], True),
     "async_scheduling": (["--requests", "2", "--new-tokens", "2", "--repeats", "1"], False),
     "engine_add_request": (["--queued", "1", "--batch", "2", "--repeats", "1"], False),
+    "speculative": (["--requests", "1", "--prompt", "8", "--new-tokens", "3", "--hidden", "32",
+                     "--layers", "1", "--repeats", "0", "--workloads", "random"], True),
     "fp8_kv": (["--seq", "24", "--sequences", "1", "--layers", "1", "--hidden", "32",
                 "--heads", "2", "--kv-heads", "1", "--vocab", "64", "--requests", "3",
                 "--prompt", "16", "--new-tokens", "1"], True),

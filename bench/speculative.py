@@ -1,0 +1,153 @@
+"""Speculative decoding in the engine against the same engine without it, same run, on a CPU.
+
+The target is a tiny random Llama (``--hidden`` 256, ``--layers`` 4, vocabulary 512) through
+the reference ``Engine`` on one torch thread; ``--requests`` greedy requests of ``--prompt``
+tokens generate ``--new-tokens`` tokens each, all at once. Workloads:
+
+* ``repetitive``: each prompt is a random 8-token phrase repeated, and the target's weights are
+  drawn at transformers' init scale (0.02), whose greedy continuations loop (where n-grams
+  shine);
+* ``random``: random prompts and weights drawn at 0.1, whose continuations do not repeat (where
+  n-grams must not cost much: the goal is at most 10 % slower).
+
+Each workload runs without speculation, with the n-gram drafter (``k = --k`` and 1), and with
+a draft model a
+quarter of the target's size (its embedding, first ``layers / 4`` layers and LM head: a
+truncated copy, so that its guesses relate to the target's), ``num_speculative_tokens=--k``.
+Reported per run: forward passes of the target (engine steps that ran the model), forward
+passes per generated token, wall time, tokens/s, the acceptance rate, the draft model's own
+forward passes, and whether every output is identical to the run without speculation (it must
+be: greedy verification is exact). Each run is timed best of ``--repeats`` after a warm-up.
+
+Usage::
+
+    OMP_NUM_THREADS=1 python bench/speculative.py [--requests 8] [--k 3] [--json PATH]
+
+Results are written only where ``--json`` points.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+
+import torch
+
+VOCAB = 512
+
+
+# The weights' init scale per workload: transformers' 0.02 gives a tiny random model whose
+# greedy continuations fall into loops (repetitive outputs), 0.1 one whose outputs do not.
+INIT = {"repetitive": 0.02, "random": 0.1}
+
+
+def models(hidden: int, layers: int, init: float):
+    """``(target, draft)``: the random target and its truncated quarter-size copy."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    torch.manual_seed(0)
+    config = dict(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                  initializer_range=init)
+    target = LlamaForCausalLM(LlamaConfig(num_hidden_layers=layers, **config)).eval()
+    draft = LlamaForCausalLM(LlamaConfig(num_hidden_layers=max(1, layers // 4), **config)).eval()
+    draft.load_state_dict(target.state_dict(), strict=False)
+    return target, draft
+
+
+def prompts(kind: str, requests: int, length: int):
+    generator = torch.Generator().manual_seed(1)
+    if kind == "repetitive":
+        phrases = [torch.randint(3, VOCAB, (8,), generator=generator).tolist()
+                   for _ in range(requests)]
+        return [(phrase * (length // 8 + 1))[:length] for phrase in phrases]
+    return [torch.randint(3, VOCAB, (length,), generator=generator).tolist()
+            for _ in range(requests)]
+
+
+def run(target, prompt_list, new_tokens: int, k: int, make_drafter, repeats: int) -> dict:
+    """One configuration, best of ``repeats`` runs after a warm-up; each run builds a fresh
+    engine (and drafter: ``make_drafter()``, None without speculation)."""
+    from dynctx.engine import Engine
+
+    best = float("inf")
+    for _ in range(repeats + 1):   # the first run warms up
+        drafter = make_drafter() if k else None
+        options = dict(num_speculative_tokens=k, drafter=drafter) if k else {}
+        engine = Engine.from_transformers(target, block_size_tokens=16, buffer_size_gb=0.05,
+                                          max_tokens=512, kernel_backend="torch",
+                                          cuda_graphs=False, **options)
+        start = time.perf_counter()
+        outputs = engine.generate(prompt_list, max_new_tokens=new_tokens, ignore_eos=True)
+        best = min(best, time.perf_counter() - start)
+    generated = sum(len(tokens) for tokens in outputs)
+    draft_engine = getattr(drafter, "engine", None)
+    return dict(forward_passes=engine.stats.forward_steps, generated_tokens=generated,
+                forward_passes_per_token=engine.stats.forward_steps / generated,
+                wall_s=best, tokens_per_s=generated / best,
+                acceptance_rate=engine.stats.speculative.get("acceptance_rate"),
+                draft_forward_passes=None if draft_engine is None
+                else draft_engine.stats.forward_steps, outputs=outputs)
+
+
+def draft_model_drafter(draft):
+    """A fresh draft-model drafter over ``draft`` (its own engine and context)."""
+    from dynctx.engine import Engine
+    from dynctx.engine.draft_model import DraftModelDrafter
+
+    return DraftModelDrafter(draft, Engine, block_size_tokens=16, buffer_size_gb=0.05,
+                             max_tokens=512, kernel_backend="torch")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=8)
+    parser.add_argument("--prompt", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--k", type=int, default=3)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--workloads", default="repetitive,random")
+    parser.add_argument("--json", default=None, help="write the results here")
+    args = parser.parse_args(argv)
+    rows = []
+    for kind in args.workloads.split(","):
+        target, draft = models(args.hidden, args.layers, INIT[kind])
+        prompt_list = prompts(kind, args.requests, args.prompt)
+        plain = run(target, prompt_list, args.new_tokens, 0, None, args.repeats)
+        for name, k, make in (("plain", 0, None), ("ngram", args.k, lambda: "ngram"),
+                              ("ngram", 1, lambda: "ngram"),
+                              ("draft_model", args.k, lambda: draft_model_drafter(draft))):
+            result = plain if k == 0 else run(target, prompt_list, args.new_tokens, k, make,
+                                              args.repeats)
+            result = dict(result, workload=kind, drafter=name, k=k,
+                          identical=result["outputs"] == plain["outputs"],
+                          speedup=result["tokens_per_s"] / plain["tokens_per_s"])
+            del result["outputs"]
+            rows.append(result)
+    print(f"{'workload':<11} {'drafter':<12} {'k':>2} {'fwd':>5} {'fwd/tok':>8} {'tok/s':>8} "
+          f"{'vs plain':>8} {'accept':>7} {'draft fwd':>9} identical")
+    for r in rows:
+        accept = "" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.2f}"
+        print(f"{r['workload']:<11} {r['drafter']:<12} {r['k']:>2} {r['forward_passes']:>5} "
+              f"{r['forward_passes_per_token']:>8.3f} {r['tokens_per_s']:>8.1f} "
+              f"{r['speedup']:>7.2f}x {accept:>7} {r['draft_forward_passes'] or '':>9} "
+              f"{r['identical']}")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as out:
+            json.dump(dict(args=vars(args), torch=torch.__version__,
+                           machine=platform.machine(), rows=rows), out, indent=2,
+                      sort_keys=True)
+            out.write("\n")
+    return 0 if all(r["identical"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    sys.exit(main())
