@@ -66,6 +66,10 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 ROOT = Path(__file__).resolve().parent.parent
+# Under -P the script's own folder is not on sys.path; its sibling holds the per-test coverage.
+if str(ROOT / "bench") not in sys.path:
+    sys.path.insert(0, str(ROOT / "bench"))
+from mutation_coverage import CoverageMap, PerTestTracer, map_file, source_hashes, stages  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -416,6 +420,7 @@ class Outcome:
     verdict: str         # "killed", "timeout", "survived", "not covered"
     seconds: float
     detail: str = ""     # the first failing test, or why
+    tests: int = 0       # how many tests execute the mutant's line
 
 
 def _warm_imports(interpreter: bool) -> None:
@@ -450,30 +455,17 @@ class _MutantFinder:
 
 
 def _child(tests: Sequence[str], keyword: Optional[str], name: Optional[str],
-           mutant_file: Optional[str], trace_file: Optional[str], lines_out: Optional[str],
-           log: str) -> None:
-    """In the forked child: install the mutant, run pytest, exit with its code."""
+           mutant_file: Optional[str], trace_files: Optional[Sequence[str]],
+           coverage_out: Optional[str], log: str) -> None:
+    """In the forked child: install the mutant, run pytest, exit with its code; with
+    ``trace_files``, write per test the lines of those files it executes to ``coverage_out``."""
     sys.dont_write_bytecode = True
     sys.meta_path.insert(0, _CheckoutFinder())
     if mutant_file is not None:
         sys.meta_path.insert(0, _MutantFinder(name, mutant_file))
-    executed = set()
-    if trace_file is not None:
-        def local(frame, event, arg):
-            if event == "line":
-                executed.add(frame.f_lineno)
-            return local
-
-        def tracer(frame, event, arg):
-            if frame.f_code.co_filename == trace_file:
-                executed.add(frame.f_lineno)
-                return local
-            return None
-
-        sys.settrace(tracer)
-        import threading
-
-        threading.settrace(tracer)
+    tracer = PerTestTracer(trace_files) if trace_files else None
+    if tracer is not None:
+        tracer.start()
     import pytest
 
     interpreter = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -486,25 +478,25 @@ def _child(tests: Sequence[str], keyword: Optional[str], name: Optional[str],
         selection = ["-k", keyword] if keyword else []
         code = pytest.main(["-x", "-q", "-p", "no:cacheprovider", "--hypothesis-seed=0",
                             "-o", "addopts=-rfE --strict-markers", "-m", markers, *selection,
-                            *tests])
-    sys.settrace(None)
-    if lines_out is not None:
-        with open(lines_out, "w") as handle:
-            json.dump(sorted(executed), handle)
+                            *tests], plugins=[tracer] if tracer is not None else [])
+    if tracer is not None:
+        tracer.stop()
+        with open(coverage_out, "w") as handle:
+            json.dump(tracer.as_json(ROOT), handle)
     os._exit(int(code))
 
 
-def _run(tests, keyword, name, mutant_file, timeout, trace_file=None
-         ) -> Tuple[Optional[int], float, str, list]:
-    """Fork, run the tests; ``(exit code or None on timeout, seconds, log tail, lines)``."""
+def _run(tests, keyword, name, mutant_file, timeout, trace_files=None
+         ) -> Tuple[Optional[int], float, str, Optional[dict]]:
+    """Fork, run the tests; ``(exit code or None on timeout, seconds, log tail, per-test
+    coverage of trace_files or None)``."""
     with tempfile.TemporaryDirectory() as scratch:
-        log, lines_out = os.path.join(scratch, "log"), os.path.join(scratch, "lines.json")
+        log, coverage_out = os.path.join(scratch, "log"), os.path.join(scratch, "cover.json")
         start = time.perf_counter()
         pid = os.fork()
         if pid == 0:
             try:
-                _child(tests, keyword, name, mutant_file, trace_file,
-                       lines_out if trace_file else None, log)
+                _child(tests, keyword, name, mutant_file, trace_files, coverage_out, log)
             finally:
                 os._exit(70)
         code = None
@@ -521,8 +513,9 @@ def _run(tests, keyword, name, mutant_file, timeout, trace_file=None
                 os.waitpid(pid, 0)
         seconds = time.perf_counter() - start
         tail = Path(log).read_text(errors="replace")[-4000:] if os.path.exists(log) else ""
-        lines = json.loads(Path(lines_out).read_text()) if os.path.exists(lines_out) else []
-        return code, seconds, tail, lines
+        traced = json.loads(Path(coverage_out).read_text()) \
+            if os.path.exists(coverage_out) else None
+        return code, seconds, tail, traced
 
 
 def _first_failure(log: str) -> str:
@@ -553,14 +546,16 @@ def select_survivors(mutants: Sequence[Mutant], survivors: Sequence[dict]) -> Li
     return chosen
 
 
-def _run_stages(tests: Sequence[str], keyword: Optional[str], name: str, mutant_file: str,
-                timeout: float) -> "Outcome":
-    """One mutant against ``tests``, each test file in its own fork, in order, up to the first
-    failure: a mutant the first files kill costs their collection only, not every file's
-    (collecting the context's files alone takes about 10 s). ``timeout`` bounds them all."""
+def _run_stages(parts: Sequence[Sequence[str]], keyword: Optional[str], name: str,
+                mutant_file: str, timeout: float) -> "Outcome":
+    """One mutant against the tests of ``parts`` (node ids, or test files), each part in its
+    own fork, in order, up to the first failure: a mutant the first part kills costs the
+    collection of that part's files only, not every file's (collecting the context's files
+    alone takes about 10 s). ``timeout`` bounds them all."""
     spent = 0.0
-    for test in tests:
-        code, seconds, log, _ = _run([test], keyword, name, mutant_file, timeout - spent)
+    for part in parts:
+        code, seconds, log, _ = _run([str(ROOT / t) for t in part], keyword, name,
+                                     mutant_file, timeout - spent)
         spent += seconds
         if code is None:
             return Outcome("timeout", spent, f"over {timeout:.0f} s")
@@ -569,13 +564,56 @@ def _run_stages(tests: Sequence[str], keyword: Optional[str], name: str, mutant_
     return Outcome("survived", spent)
 
 
+def group_of(path: str) -> List[str]:
+    """The mapped modules tested like ``path`` (same tests, keyword and interpreter setting):
+    one traced run of those tests maps them all."""
+    target = TARGETS[path]
+    return sorted(p for p, t in TARGETS.items() if (t.tests, t.keyword, t.interpreter) ==
+                  (target.tests, target.keyword, target.interpreter))
+
+
+def coverage_for(path: str, folder: Optional[Path],
+                 cache: Dict[str, CoverageMap]) -> CoverageMap:
+    """The per-test coverage of ``path``'s tests over its group's modules: from ``cache`` (this
+    process), else from ``folder`` (an earlier run's map, its missing test files traced now),
+    else one traced run of the tests unmutated (they must pass)."""
+    target, group = TARGETS[path], group_of(path)
+    key = group[0]
+    if key in cache:
+        return cache[key]
+    sources = source_hashes(ROOT, group)
+    file = map_file(folder, group, target.tests, target.keyword, target.interpreter) \
+        if folder is not None else None
+    found = CoverageMap(json.loads(file.read_text())) if file and file.exists() else None
+    if found is None or not found.fits(sources, target.keyword):
+        found = CoverageMap.empty(sources, target.keyword)
+    missing = found.missing(target.tests)
+    if missing:
+        print(f"   tracing {len(missing)} test files unmutated over {' '.join(group)}",
+              flush=True)
+        code, seconds, log, traced = _run([str(ROOT / t) for t in missing], target.keyword,
+                                          None, None, 4 * 3600,
+                                          trace_files=[str(ROOT / p) for p in group])
+        if code not in (0, 5) or traced is None:
+            raise SystemExit(f"{path}: the tests fail unmutated (exit {code}):\n{log}")
+        found.add(missing, traced, seconds)
+        if file is not None:
+            found.save(file)
+    cache[key] = found
+    return found
+
+
 def run_module(path: str, target: Target, *, sample: Optional[int], seed: int,
                timeout_factor: float, min_timeout: float, max_seconds: Optional[float],
                survivors: Optional[Sequence[dict]] = None,
-               progress: Optional[Callable[[dict], None]] = None) -> dict:
+               progress: Optional[Callable[[dict], None]] = None,
+               coverage_dir: Optional[Path] = None,
+               cache: Optional[Dict[str, CoverageMap]] = None) -> dict:
     """Baseline and mutants of one module (in this process: the caller set the environment);
-    with ``survivors`` (an earlier report's), only those mutants. ``progress`` gets the
-    module's report so far after each mutant."""
+    with ``survivors`` (an earlier report's), only those mutants. Each mutant runs the tests
+    that execute its line (per-test coverage of the unmutated run), fastest first; one whose
+    line only the collection executes runs every test file. ``progress`` gets the module's
+    report so far after each mutant."""
     source = (ROOT / path).read_text()
     name = module_name(path)
     mutants = [m for m in find_mutants(path, source, target.functions)
@@ -590,17 +628,14 @@ def run_module(path: str, target: Target, *, sample: Optional[int], seed: int,
     elif sample is not None and sample < total:
         mutants = sorted(random.Random(f"{seed}:{path}").sample(mutants, sample),
                          key=lambda m: m.index)
-    tests = [str(ROOT / t) for t in target.tests]
     print(f"== {path} ({name}): {total} mutants, {len(mutants)} to run; tests: "
           f"{' '.join(target.tests)}", flush=True)
-    code, baseline, log, lines = _run(tests, target.keyword, name, None, 3600,
-                                      trace_file=str(ROOT / path))
-    if code != 0:
-        raise SystemExit(f"{path}: the tests fail unmutated (exit {code}):\n{log}")
-    covered = set(lines)
-    timeout = max(min_timeout, timeout_factor * baseline)
-    print(f"   baseline {baseline:.1f} s, {len(covered)} lines executed; per-mutant limit "
-          f"{timeout:.0f} s", flush=True)
+    coverage = coverage_for(path, coverage_dir, {} if cache is None else cache)
+    covered = coverage.lines(path)
+    collected = set(coverage.data["outside"].get(path, ()))
+    baseline, overhead = coverage.data["seconds"], coverage.overhead()
+    print(f"   baseline {baseline:.1f} s ({overhead:.1f} s outside the tests), "
+          f"{len(coverage.data['tests'])} tests, {len(covered)} lines executed", flush=True)
     results = []
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as scratch:
@@ -609,15 +644,19 @@ def run_module(path: str, target: Target, *, sample: Optional[int], seed: int,
             if max_seconds is not None and time.perf_counter() - started > max_seconds:
                 print(f"   time budget spent after {number - 1} mutants", flush=True)
                 break
+            tests = coverage.covering(path, mutant.line)
             if mutant.line not in covered:
                 outcome = Outcome("not covered", 0.0, "no test executes this line")
             else:
+                parts = stages(tests) if mutant.line not in collected else [list(target.tests)]
+                timeout = max(min_timeout, timeout_factor * (coverage.seconds(tests) + overhead))
                 Path(mutant_file).write_text(mutated_source(source, mutant))
-                outcome = _run_stages(tests, target.keyword, name, mutant_file, timeout)
+                outcome = _run_stages(parts, target.keyword, name, mutant_file, timeout)
+            outcome.tests = len(tests)
             results.append((mutant, outcome))
             mark = {"killed": ".", "timeout": "T", "survived": "S", "not covered": "N"}
             print(f"   [{number}/{len(mutants)}] {mark[outcome.verdict]} {mutant.name} "
-                  f"({outcome.seconds:.1f} s) {outcome.detail}", flush=True)
+                  f"({outcome.seconds:.1f} s, {len(tests)} tests) {outcome.detail}", flush=True)
             if progress is not None:
                 progress(_summary(path, target, total, baseline, source, results,
                                   complete=False))
@@ -647,7 +686,7 @@ def _summary(path: str, target: Target, total: int, baseline: float, source: str
         "killed_by": sorted({o.detail for _, o in results if o.verdict == "killed"}),
         "verdicts": [{"line": m.line, "column": m.begin - m.line_offset,
                       "mutation": f"{m.kind} {m.description}", "verdict": o.verdict,
-                      "detail": o.detail} for m, o in results],
+                      "detail": o.detail, "covering_tests": o.tests} for m, o in results],
     }
 
 
@@ -734,6 +773,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--max-seconds", type=float, default=None,
                         help="time budget per module for its mutants")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--coverage-dir", type=Path, default=None,
+                        help="keep the per-test coverage maps here, and read them again: a "
+                             "later run (a --rerun after new tests) traces only the test files "
+                             "a map lacks")
     parser.add_argument("--list", action="store_true", help="print the mutants and exit")
     parser.add_argument("--rerun", type=Path, nargs="+", default=None,
                         help="earlier reports (of different modules): run their survivors "
@@ -778,6 +821,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         # The part file holds every finished module and the current one so far, rewritten
         # after each mutant: a run stopped early keeps what it measured.
         modules: List[dict] = []
+        maps: Dict[str, CoverageMap] = {}
 
         def write(current: Optional[dict] = None) -> None:
             args.out.write_text(json.dumps(modules + ([current] if current else [])))
@@ -788,7 +832,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     p, TARGETS[p], sample=args.sample, seed=args.seed,
                     timeout_factor=args.timeout_factor, min_timeout=args.min_timeout,
                     max_seconds=args.max_seconds, progress=write,
-                    survivors=survivors_of[p] if earlier is not None else None))
+                    survivors=survivors_of[p] if earlier is not None else None,
+                    coverage_dir=args.coverage_dir, cache=maps))
                 write()
         write()
         return 0
@@ -814,6 +859,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             command += ["--sample", str(args.sample)]
         if args.max_seconds is not None:
             command += ["--max-seconds", str(args.max_seconds)]
+        if args.coverage_dir is not None:
+            command += ["--coverage-dir", str(args.coverage_dir.resolve())]
         if args.rerun is not None:
             command += ["--rerun", *(str(path.resolve()) for path in args.rerun)]
         worker = subprocess.Popen(command, env=env, cwd=ROOT)
