@@ -163,3 +163,66 @@ def test_join_writes_separate_runs_as_one_report_and_runs_nothing(tmp_path):
     assert [m["module"] for m in joined["modules"]] == ["a.py", "b.py"]
     assert [r["command"] for r in joined["runs"]] == ["run a.py", "run b.py"]
     assert joined["git_revision"] == ["abc"] and joined["complete"] is True
+
+
+def test_the_tracer_records_per_test_lines_and_what_runs_outside_the_tests(tmp_path):
+    import importlib.util
+
+    from mutation_coverage import PerTestTracer
+
+    module = tmp_path / "traced.py"
+    module.write_text("def one():\n    return 1\n\n\ndef two():\n    x = 2\n    return x\n")
+    spec = importlib.util.spec_from_file_location("traced_example", module)
+    traced = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(traced)
+    tracer = PerTestTracer([str(module)])
+
+    class Item:
+        def __init__(self, nodeid):
+            self.nodeid = nodeid
+
+    def run_test(nodeid, function):
+        hook = tracer.pytest_runtest_protocol(Item(nodeid), None)
+        next(hook)
+        function()
+        with pytest.raises(StopIteration):
+            next(hook)
+
+    tracer.start()
+    try:
+        traced.one()                    # collection time: outside every test
+        run_test("t.py::a", traced.two)
+        run_test("t.py::b", lambda: None)
+    finally:
+        tracer.stop()
+    recorded = tracer.as_json(tmp_path)
+    assert recorded["outside"] == {"traced.py": [2]}
+    assert recorded["tests"]["t.py::a"]["lines"] == {"traced.py": [6, 7]}
+    assert recorded["tests"]["t.py::b"]["lines"] == {}
+
+
+def test_a_mutant_runs_the_tests_that_cover_its_line_fastest_first(tmp_path):
+    from mutation_coverage import CoverageMap, map_file, stages
+
+    cover = CoverageMap.empty({"m.py": "hash"}, None)
+    cover.add(["t1.py"], {"tests": {"t1.py::slow": {"seconds": 3.0, "lines": {"m.py": [5, 6]}},
+                                    "t1.py::fast": {"seconds": 0.5, "lines": {"m.py": [6]}}},
+                          "outside": {"m.py": [2]}}, 5.0)
+    assert cover.missing(["t1.py", "t2.py"]) == ["t2.py"]
+    cover.add(["t2.py"], {"tests": {"t2.py::mid": {"seconds": 1.0, "lines": {"m.py": [6, 9]}}},
+                          "outside": {}}, 2.0)
+    assert cover.covering("m.py", 6) == ["t1.py::fast", "t2.py::mid", "t1.py::slow"]
+    assert cover.covering("m.py", 9) == ["t2.py::mid"] and cover.covering("m.py", 7) == []
+    assert cover.lines("m.py") == {2, 5, 6, 9}
+    assert cover.seconds(["t1.py::slow", "t2.py::mid"]) == 4.0
+    assert cover.overhead() == 7.0 - 4.5
+    assert stages([str(i) for i in range(10)], first=8) == [[str(i) for i in range(8)],
+                                                            ["8", "9"]]
+    assert stages(["a"]) == [["a"]]
+    # Kept and read again only while the traced sources are the same.
+    file = map_file(tmp_path, ["m.py"], ("t1.py", "t2.py"), None, False)
+    cover.save(file)
+    again = CoverageMap(json.loads(file.read_text()))
+    assert again.fits({"m.py": "hash"}, None) and not again.fits({"m.py": "other"}, None)
+    assert again.covering("m.py", 6) == cover.covering("m.py", 6)
+    assert map_file(tmp_path, ["m.py"], ("t1.py",), None, False) != file
