@@ -69,7 +69,8 @@ ROOT = Path(__file__).resolve().parent.parent
 # Under -P the script's own folder is not on sys.path; its sibling holds the per-test coverage.
 if str(ROOT / "bench") not in sys.path:
     sys.path.insert(0, str(ROOT / "bench"))
-from mutation_coverage import CoverageMap, PerTestTracer, map_file, source_hashes, stages  # noqa: E402
+from mutation_coverage import (CoverageMap, PerTestTracer, find_map, map_file,  # noqa: E402
+                               source_hashes, stages)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,7 +103,8 @@ TARGETS: Dict[str, Target] = {
     "context/request_table.py": Target(CONTEXT_TESTS, keyword=CONTEXT_KEYWORD),
     "context/block_allocator.py": Target(CONTEXT_TESTS, keyword=CONTEXT_KEYWORD),
     "context/prefix_cache.py": Target(("tests/context/test_prefix_chains.py",
-                                       "tests/context/test_prefix_cache.py")),
+                                       "tests/context/test_prefix_cache.py",
+                                       "tests/context/test_prefix_cache_mutants.py")),
     "engine/sampling.py": Target(("tests/e2e/test_finish_rule.py::test_finish_reason",
                                   "tests/e2e/test_sampling_oracle.py",
                                   "tests/e2e/test_sampling_edges.py",
@@ -582,11 +584,10 @@ def coverage_for(path: str, folder: Optional[Path],
     if key in cache:
         return cache[key]
     sources = source_hashes(ROOT, group)
-    file = map_file(folder, group, target.tests, target.keyword, target.interpreter) \
-        if folder is not None else None
-    found = CoverageMap(json.loads(file.read_text())) if file and file.exists() else None
-    if found is None or not found.fits(sources, target.keyword):
-        found = CoverageMap.empty(sources, target.keyword)
+    found = None if folder is None else \
+        find_map(folder, sources, target.keyword, target.interpreter, target.tests)
+    if found is None:
+        found = CoverageMap.empty(sources, target.keyword, target.interpreter)
     missing = found.missing(target.tests)
     if missing:
         print(f"   tracing {len(missing)} test files unmutated over {' '.join(group)}",
@@ -597,8 +598,8 @@ def coverage_for(path: str, folder: Optional[Path],
         if code not in (0, 5) or traced is None:
             raise SystemExit(f"{path}: the tests fail unmutated (exit {code}):\n{log}")
         found.add(missing, traced, seconds)
-        if file is not None:
-            found.save(file)
+        if folder is not None:
+            found.save(map_file(folder, group, target.keyword, target.interpreter))
     cache[key] = found
     return found
 

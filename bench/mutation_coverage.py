@@ -81,8 +81,10 @@ class CoverageMap:
         self.data = data
 
     @classmethod
-    def empty(cls, sources: Dict[str, str], keyword: Optional[str]) -> "CoverageMap":
-        return cls({"sources": sources, "keyword": keyword, "test_args": [], "tests": {},
+    def empty(cls, sources: Dict[str, str], keyword: Optional[str],
+              interpreter: bool) -> "CoverageMap":
+        return cls({"sources": sources, "keyword": keyword, "interpreter": interpreter,
+                    "test_args": [], "tests": {},
                     "outside": {}, "seconds": 0.0})
 
     def add(self, test_args: Sequence[str], traced: dict, seconds: float) -> None:
@@ -97,8 +99,9 @@ class CoverageMap:
     def missing(self, test_args: Sequence[str]) -> List[str]:
         return [t for t in test_args if t not in self.data["test_args"]]
 
-    def fits(self, sources: Dict[str, str], keyword: Optional[str]) -> bool:
-        return self.data["sources"] == sources and self.data["keyword"] == keyword
+    def fits(self, sources: Dict[str, str], keyword: Optional[str], interpreter: bool) -> bool:
+        return self.data["sources"] == sources and self.data["keyword"] == keyword and \
+            self.data.get("interpreter", interpreter) == interpreter
 
     def lines(self, path: str) -> Set[int]:
         """Every line of ``path`` some test (or the collection) executes."""
@@ -126,10 +129,25 @@ class CoverageMap:
         file.write_text(json.dumps(self.data, sort_keys=True) + "\n")
 
 
-def map_file(folder: Path, paths: Sequence[str], tests: Sequence[str], keyword: Optional[str],
+def map_file(folder: Path, paths: Sequence[str], keyword: Optional[str],
              interpreter: bool) -> Path:
-    key = json.dumps([sorted(paths), list(tests), keyword, interpreter])
+    """Where the map of a group of modules is kept (its tests may grow: see ``find_map``)."""
+    key = json.dumps([sorted(paths), keyword, interpreter])
     return folder / f"coverage-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+
+
+def find_map(folder: Path, sources: Dict[str, str], keyword: Optional[str], interpreter: bool,
+             tests: Sequence[str]) -> Optional[CoverageMap]:
+    """A kept map of these sources (same hashes), keyword and interpreter setting whose test
+    files are all still among ``tests`` (a map of a test since dropped would point mutants at
+    it); the one that lacks the fewest."""
+    found = []
+    for file in sorted(folder.glob("coverage-*.json")) if folder.is_dir() else ():
+        cover = CoverageMap(json.loads(file.read_text()))
+        if cover.fits(sources, keyword, interpreter) and \
+                set(cover.data["test_args"]) <= set(tests):
+            found.append((len(cover.missing(tests)), file.name, cover))
+    return min(found, key=lambda f: f[:2])[2] if found else None
 
 
 def stages(nodeids: Sequence[str], first: int = FIRST_STAGE) -> List[List[str]]:
@@ -139,4 +157,4 @@ def stages(nodeids: Sequence[str], first: int = FIRST_STAGE) -> List[List[str]]:
     return [part for part in (ordered[:first], ordered[first:]) if part]
 
 
-__all__ = ["CoverageMap", "PerTestTracer", "map_file", "source_hashes", "stages"]
+__all__ = ["CoverageMap", "PerTestTracer", "find_map", "map_file", "source_hashes", "stages"]

@@ -202,9 +202,9 @@ def test_the_tracer_records_per_test_lines_and_what_runs_outside_the_tests(tmp_p
 
 
 def test_a_mutant_runs_the_tests_that_cover_its_line_fastest_first(tmp_path):
-    from mutation_coverage import CoverageMap, map_file, stages
+    from mutation_coverage import CoverageMap, find_map, map_file, stages
 
-    cover = CoverageMap.empty({"m.py": "hash"}, None)
+    cover = CoverageMap.empty({"m.py": "hash"}, None, False)
     cover.add(["t1.py"], {"tests": {"t1.py::slow": {"seconds": 3.0, "lines": {"m.py": [5, 6]}},
                                     "t1.py::fast": {"seconds": 0.5, "lines": {"m.py": [6]}}},
                           "outside": {"m.py": [2]}}, 5.0)
@@ -219,10 +219,11 @@ def test_a_mutant_runs_the_tests_that_cover_its_line_fastest_first(tmp_path):
     assert stages([str(i) for i in range(10)], first=8) == [[str(i) for i in range(8)],
                                                             ["8", "9"]]
     assert stages(["a"]) == [["a"]]
-    # Kept and read again only while the traced sources are the same.
-    file = map_file(tmp_path, ["m.py"], ("t1.py", "t2.py"), None, False)
-    cover.save(file)
-    again = CoverageMap(json.loads(file.read_text()))
-    assert again.fits({"m.py": "hash"}, None) and not again.fits({"m.py": "other"}, None)
+    # Kept and read again while the traced sources are the same and its tests still mapped.
+    cover.save(map_file(tmp_path, ["m.py"], None, False))
+    again = find_map(tmp_path, {"m.py": "hash"}, None, False, ["t0.py", "t1.py", "t2.py"])
     assert again.covering("m.py", 6) == cover.covering("m.py", 6)
-    assert map_file(tmp_path, ["m.py"], ("t1.py",), None, False) != file
+    assert again.missing(["t0.py", "t1.py", "t2.py"]) == ["t0.py"]
+    assert find_map(tmp_path, {"m.py": "other"}, None, False, ["t1.py", "t2.py"]) is None
+    assert find_map(tmp_path, {"m.py": "hash"}, None, True, ["t1.py", "t2.py"]) is None
+    assert find_map(tmp_path, {"m.py": "hash"}, None, False, ["t1.py"]) is None
