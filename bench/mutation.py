@@ -19,12 +19,15 @@ How a module is tested: ``TARGETS`` maps its path (relative to the repository ro
 moves: update the mapping, ``tests/test_mutation_targets.py`` checks that every path exists) to
 the test files that should kill its mutants, whether they need the Triton interpreter, and
 optionally the functions to mutate (the kernels' index arithmetic, not their tuning tables).
-Per module: one run of its tests unmutated (they must pass) that also records the lines they
-execute; then, for each mutant (all, or a seeded sample), per test file in order until one
-fails, a fork of a process that has imported torch, numpy, pytest and (for the kernels) Triton,
-where the mutated file replaces the module (an import hook) before pytest runs that file with
-``-x``. A mutant on a line the tests never
-execute survives without a run. Verdicts: ``killed`` (a test failed or the tests could not even
+Per group of modules with the same tests (the four context modules share theirs; the five
+paged-attention files theirs): one traced run of the tests unmutated (they must pass) that
+records, per test, the lines of each module it executes and its seconds
+(``bench/mutation_coverage.py``). Then, for each mutant (all, or a seeded sample), the tests that
+execute its line, fastest first, in a fork of a process that has imported torch, numpy, pytest
+and (for the kernels) Triton, where the mutated file replaces the module (an import hook)
+before pytest runs them with ``-x``: the fastest 8 in one fork, the rest in a second (a mutant
+whose line runs while collecting runs every mapped file). A mutant on a line no test executes
+survives without a run. Verdicts: ``killed`` (a test failed or the tests could not even
 import it), ``timeout`` (over the limit: killed too), ``survived``.
 
     python -P bench/mutation.py                          # every module, every mutant
@@ -32,6 +35,7 @@ import it), ``timeout`` (over the limit: killed too), ``survived``.
     python -P bench/mutation.py --modules engine/sampling.py --sample 20
     python -P bench/mutation.py --list                   # the mutants, without running
     python -P bench/mutation.py --rerun OLD.json         # OLD's survivors again, after new tests
+    python -P bench/mutation.py --coverage-dir /tmp/cov ...   # keep the traced maps, reuse them
 
 A run reads the checkout it sits in (``_CheckoutFinder``), whatever is installed: copy the
 repository (``git worktree add`` or a copy of the tracked files) and run the copy's
@@ -94,6 +98,7 @@ CONTEXT_TESTS = ("tests/context/test_request_table_unbound.py",
                  "tests/context/test_prefix_chains.py", "tests/context/test_hybrid.py",
                  "tests/context/test_cuda_graphs.py", "tests/context/test_error_snapshots.py",
                  "tests/context/test_decode_path.py", "tests/context/test_decode_path_review.py",
+                 "tests/context/test_speculative.py", "tests/context/test_update_plan_mutants.py",
                  "tests/context/test_cuda_graphs_megatron.py::test_capture_dummies_equal_megatron")
 CONTEXT_KEYWORD = "not rotary_methods_match_megatron and not sizes_equal_megatron"
 ATTENTION_TESTS = ("tests/kernels/test_paged_attention.py",)
