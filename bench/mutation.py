@@ -698,12 +698,13 @@ def _summary(path: str, target: Target, total: int, baseline: float, source: str
 
 def combine_reports(reports: Sequence[dict]) -> dict:
     """Earlier reports as one: their modules (each module in one report only) and, as
-    ``runs``, the command, revision and date of each (a rerun's: those of the runs it redid)."""
+    ``runs``, the command, revision and date of each (a rerun's: those of the runs it redid; a
+    joined report's: its ``runs``)."""
     modules, runs = [], []
     for report in reports:
         modules += report["modules"]
-        runs += report.get("rerun_of") or [{k: report[k] for k in ("command", "git_revision",
-                                                                   "date", "sample", "seed")}]
+        runs += report.get("rerun_of") or report.get("runs") or [
+            {k: report[k] for k in ("command", "git_revision", "date", "sample", "seed")}]
     names = [m["module"] for m in modules]
     if len(set(names)) != len(names):
         raise SystemExit(f"--rerun: a module is in several reports: {sorted(names)}")

@@ -116,6 +116,9 @@ def test_reports_of_different_modules_combine_and_a_module_twice_is_refused():
     assert [m["module"] for m in combined["modules"]] == ["a.py", "b.py"]
     assert [r["command"] for r in combined["runs"]] == ["c1", "c2"]
     assert combined["sample"] == [10, 20]
+    joined = dict(one, modules=[{"module": "c.py"}], runs=[{"command": "c3"}, {"command": "c4"}])
+    assert [r["command"] for r in mutation.combine_reports([one, joined])["runs"]] == \
+        ["c1", "c3", "c4"]
     with pytest.raises(SystemExit, match="several reports"):
         mutation.combine_reports([one, one])
 
