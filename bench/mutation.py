@@ -23,9 +23,10 @@ Per group of modules with the same tests (the four context modules share theirs;
 paged-attention files theirs): one traced run of the tests unmutated (they must pass) that
 records, per test, the lines of each module it executes and its seconds
 (``bench/mutation_coverage.py``). Then, for each mutant (all, or a seeded sample), the tests that
-execute its line, fastest first, in a fork of a process that has imported torch, numpy, pytest
+execute its line (those that killed the module's earlier mutants first, then the fastest) in a
+fork of a process that has imported torch, numpy, pytest
 and (for the kernels) Triton, where the mutated file replaces the module (an import hook)
-before pytest runs them with ``-x``: the fastest 8 in one fork, the rest in a second (a mutant
+before pytest runs them with ``-x``: the first 8 in one fork, the rest in a second (a mutant
 whose line runs while collecting runs every mapped file). A mutant on a line no test executes
 survives without a run. Verdicts: ``killed`` (a test failed or the tests could not even
 import it), ``timeout`` (over the limit: killed too), ``survived``.
@@ -643,6 +644,7 @@ def run_module(path: str, target: Target, *, sample: Optional[int], seed: int,
     print(f"   baseline {baseline:.1f} s ({overhead:.1f} s outside the tests), "
           f"{len(coverage.data['tests'])} tests, {len(covered)} lines executed", flush=True)
     results = []
+    kills: Dict[str, int] = {}   # node id -> mutants of this module it killed
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as scratch:
         mutant_file = os.path.join(scratch, Path(path).name)
@@ -650,7 +652,9 @@ def run_module(path: str, target: Target, *, sample: Optional[int], seed: int,
             if max_seconds is not None and time.perf_counter() - started > max_seconds:
                 print(f"   time budget spent after {number - 1} mutants", flush=True)
                 break
-            tests = coverage.covering(path, mutant.line)
+            # The tests that killed earlier mutants first (a module's killers are few), then
+            # the fastest.
+            tests = sorted(coverage.covering(path, mutant.line), key=lambda t: -kills.get(t, 0))
             if mutant.line not in covered:
                 outcome = Outcome("not covered", 0.0, "no test executes this line")
             else:
@@ -660,6 +664,9 @@ def run_module(path: str, target: Target, *, sample: Optional[int], seed: int,
                 outcome = _run_stages(parts, target.keyword, name, mutant_file, timeout)
             outcome.tests = len(tests)
             results.append((mutant, outcome))
+            killer = outcome.detail.partition(" ")[2]
+            if outcome.verdict == "killed" and killer:
+                kills[killer] = kills.get(killer, 0) + 1
             mark = {"killed": ".", "timeout": "T", "survived": "S", "not covered": "N"}
             print(f"   [{number}/{len(mutants)}] {mark[outcome.verdict]} {mutant.name} "
                   f"({outcome.seconds:.1f} s, {len(tests)} tests) {outcome.detail}", flush=True)
