@@ -14,8 +14,7 @@ from dynctx.context._fields import FIELD_BLOCKS, FIELD_IDS
 
 def free_rows(ctx):
     T = ctx.total_request_count
-    return (ctx.host_request_ids()[T:], ctx.request_ids[T:].cpu().numpy(),
-            ctx.block_table_host[T:])
+    return ctx.request_ids[T:].cpu().numpy(), ctx.block_table_host[T:]
 
 
 @pytest.mark.parametrize("finished", [(2,), (3,), (1, 3), (1, 2, 3)])
@@ -26,8 +25,9 @@ def test_finished_rows_are_reset_to_free_values(finished):
     step(ctx)
     step(ctx, finished_ids=finished)
     assert ctx.total_request_count == 3 - len(finished)
-    host_ids, device_ids, table = free_rows(ctx)
-    assert np.all(host_ids == -1) and np.all(device_ids == -1) and np.all(table == -1)
+    ids, table = free_rows(ctx)
+    assert ids.size == 8 - ctx.total_request_count
+    assert np.all(ids == -1) and np.all(table == -1)
     check_invariants(ctx)
 
 
@@ -38,8 +38,8 @@ def test_a_hybrid_finished_row_gives_back_its_mamba_slot():
         add(ctx, request(rid, 5))
     step(ctx)
     step(ctx, finished_ids=(3,))
-    host_ids, device_ids, table = free_rows(ctx)
-    assert np.all(host_ids == -1) and np.all(device_ids == -1) and np.all(table == -1)
+    ids, table = free_rows(ctx)
+    assert np.all(ids == -1) and np.all(table == -1)
     slots = ctx.mamba_metadata.request_to_mamba_state_idx
     assert np.all(slots[ctx.total_request_count:].cpu().numpy() == -1)
 
