@@ -44,7 +44,8 @@ repository (``git worktree add`` or a copy of the tracked files) and run the cop
 no ``.git``, so pass its revision as ``DYNCTX_GIT_REVISION``. ``--rerun`` takes one or more
 earlier reports (of different modules), runs only their survivors against today's tests and
 writes one report of the same mutants scored again, each module's earlier score kept as
-``before`` and the mutants the new tests killed as ``killed_since``.
+``before`` and the mutants the new tests killed as ``killed_since``; survivors that
+CONTRIBUTING.md's table names as equivalent (by module and line) are not run again.
 
 One thread (``OMP_NUM_THREADS=1``), one mutant at a time. The report (``--out``, default
 ``bench/results/mutation.json``) holds per module the score, the survivors (line, mutation and
@@ -753,6 +754,16 @@ def merge_rerun(before: dict, rerun: Optional[dict]) -> dict:
     return merged
 
 
+def named_equivalent(text: Optional[str] = None) -> set:
+    """``(module, line)`` of each survivor CONTRIBUTING.md's table names as equivalent: a
+    ``--rerun`` leaves them out (they stay survivors in its report)."""
+    if text is None:
+        path = ROOT / "CONTRIBUTING.md"
+        text = path.read_text() if path.exists() else ""
+    found = re.findall(r"^\| `([\w/]+\.py)` \| (\d+) \|", text, flags=re.M)
+    return {(module, int(line)) for module, line in found}
+
+
 def _revision() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
@@ -819,8 +830,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.modules is None:
         args.modules = list(TARGETS) if earlier is None else \
             [m["module"] for m in earlier["modules"]]
+    named = named_equivalent()
     survivors_of = {} if earlier is None else \
-        {m["module"]: m["survivors"] for m in earlier["modules"]}
+        {m["module"]: [s for s in m["survivors"] if (m["module"], s["line"]) not in named]
+         for m in earlier["modules"]}
 
     if args.list:
         for path in args.modules:

@@ -230,3 +230,11 @@ def test_a_mutant_runs_the_tests_that_cover_its_line_fastest_first(tmp_path):
     assert find_map(tmp_path, {"m.py": "other"}, None, False, ["t1.py", "t2.py"]) is None
     assert find_map(tmp_path, {"m.py": "hash"}, None, True, ["t1.py", "t2.py"]) is None
     assert find_map(tmp_path, {"m.py": "hash"}, None, False, ["t1.py"]) is None
+
+
+def test_a_rerun_leaves_out_the_survivors_contributing_names_equivalent():
+    text = ("| module | line | mutation | why |\n|---|---|---|---|\n"
+            "| `context/a.py` | 12 | `x` -> `y` | same |\n| `kernels/b.py` | 7 | z | w |\n")
+    assert mutation.named_equivalent(text) == {("context/a.py", 12), ("kernels/b.py", 7)}
+    named = mutation.named_equivalent()
+    assert named and all((ROOT / module).is_file() for module, _ in named)
