@@ -761,7 +761,10 @@ def named_equivalent(text: Optional[str] = None) -> set:
     if text is None:
         path = ROOT / "CONTRIBUTING.md"
         text = path.read_text() if path.exists() else ""
-    found = re.findall(r"^\| `([\w/]+\.py)` \| (\d+) \|", text, flags=re.M)
+    # The table after the "Equivalent survivors" heading line, up to its first blank line.
+    start = text.find("Equivalent survivors")
+    table = text[start:].split("\n\n")[1] if start >= 0 and "\n\n" in text[start:] else ""
+    found = re.findall(r"^\| `([\w/]+\.py)` \| (\d+) \|", table, flags=re.M)
     return {(module, int(line)) for module, line in found}
 
 

@@ -233,8 +233,10 @@ def test_a_mutant_runs_the_tests_that_cover_its_line_fastest_first(tmp_path):
 
 
 def test_a_rerun_leaves_out_the_survivors_contributing_names_equivalent():
-    text = ("| module | line | mutation | why |\n|---|---|---|---|\n"
-            "| `context/a.py` | 12 | `x` -> `y` | same |\n| `kernels/b.py` | 7 | z | w |\n")
+    text = ("Equivalent survivors (no test can kill them):\n\n"
+            "| module | line | mutation | why |\n|---|---|---|---|\n"
+            "| `context/a.py` | 12 | `x` -> `y` | same |\n| `kernels/b.py` | 7 | z | w |\n\n"
+            "Open survivors:\n\n| `context/c.py` | 3 | u | v |\n")
     assert mutation.named_equivalent(text) == {("context/a.py", 12), ("kernels/b.py", 7)}
     named = mutation.named_equivalent()
     assert named and all((ROOT / module).is_file() for module, _ in named)
