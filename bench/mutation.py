@@ -718,7 +718,10 @@ def combine_reports(reports: Sequence[dict]) -> dict:
     names = [m["module"] for m in modules]
     if len(set(names)) != len(names):
         raise SystemExit(f"--rerun: a module is in several reports: {sorted(names)}")
-    samples = {report["sample"] for report in reports}
+    samples = set()
+    for report in reports:   # a joined report's sample: the list of its runs' samples
+        sample = report["sample"]
+        samples.update(sample if isinstance(sample, list) else [sample])
     return {"modules": modules, "runs": runs,
             "sample": samples.pop() if len(samples) == 1 else sorted(samples, key=str),
             "seed": reports[0]["seed"]}
@@ -776,17 +779,32 @@ def _revision() -> str:
         return os.environ.get("DYNCTX_GIT_REVISION", "unknown")
 
 
+def score_named(module: dict, named: set) -> dict:
+    """The survivors CONTRIBUTING.md names as equivalent, and the score of the others:
+    killed / (run - equivalent)."""
+    equivalent = sum((module["module"], s["line"]) in named
+                     for s in module.get("survivors", ()))
+    rest = module["run"] - equivalent
+    killed = module["killed"] + module["timeout"]
+    return {"equivalent": equivalent,
+            "score_without_equivalent": round(killed / rest, 4) if rest else None}
+
+
 def table(modules: List[dict]) -> str:
     def percent(score):
         return "-" if score is None else f"{100 * score:.1f}%"
 
     rows = [f"{'module':34} {'mutants':>7} {'run':>5} {'killed':>6} {'timeout':>7} "
-            f"{'survived':>8} {'uncovered':>9} {'score':>6} {'before':>6}"]
+            f"{'survived':>8} {'uncovered':>9} {'score':>6} {'before':>6} {'equiv':>5} "
+            f"{'w/o eq':>6}"]
+    named = named_equivalent()
     for m in modules:
         before = percent(m["before"]["score"]) if "before" in m else ""
+        eq = score_named(m, named)
         rows.append(f"{m['module']:34} {m['mutants']:7} {m['run']:5} {m['killed']:6} "
                     f"{m['timeout']:7} {m['survived']:8} {m['not covered']:9} "
-                    f"{percent(m['score']):>6} {before:>6}")
+                    f"{percent(m['score']):>6} {before:>6} {eq['equivalent']:5} "
+                    f"{percent(eq['score_without_equivalent']):>6}")
     return "\n".join(rows)
 
 
@@ -819,6 +837,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser.parse_args(argv)
     if args.join is not None:
         joined = combine_reports([json.loads(path.read_text()) for path in args.join])
+        named = named_equivalent()
+        joined["modules"] = [dict(m, **score_named(m, named)) for m in joined["modules"]]
         report = {"tool": "bench/mutation.py", "runs": joined["runs"],
                   "command": "python -P bench/mutation.py " + " ".join(
                       argv if argv is not None else sys.argv[1:]),

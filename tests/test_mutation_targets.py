@@ -119,6 +119,7 @@ def test_reports_of_different_modules_combine_and_a_module_twice_is_refused():
     joined = dict(one, modules=[{"module": "c.py"}], runs=[{"command": "c3"}, {"command": "c4"}])
     assert [r["command"] for r in mutation.combine_reports([one, joined])["runs"]] == \
         ["c1", "c3", "c4"]
+    assert mutation.combine_reports([one, dict(joined, sample=[10, 20])])["sample"] == [10, 20]
     with pytest.raises(SystemExit, match="several reports"):
         mutation.combine_reports([one, one])
 
