@@ -19,12 +19,16 @@ How a module is tested: ``TARGETS`` maps its path (relative to the repository ro
 moves: update the mapping, ``tests/test_mutation_targets.py`` checks that every path exists) to
 the test files that should kill its mutants, whether they need the Triton interpreter, and
 optionally the functions to mutate (the kernels' index arithmetic, not their tuning tables).
-Per module: one run of its tests unmutated (they must pass) that also records the lines they
-execute; then, for each mutant (all, or a seeded sample), per test file in order until one
-fails, a fork of a process that has imported torch, numpy, pytest and (for the kernels) Triton,
-where the mutated file replaces the module (an import hook) before pytest runs that file with
-``-x``. A mutant on a line the tests never
-execute survives without a run. Verdicts: ``killed`` (a test failed or the tests could not even
+Per group of modules with the same tests (the four context modules share theirs; the five
+paged-attention files theirs): one traced run of the tests unmutated (they must pass) that
+records, per test, the lines of each module it executes and its seconds
+(``bench/mutation_coverage.py``). Then, for each mutant (all, or a seeded sample), the tests that
+execute its line (those that killed the module's earlier mutants first, then the fastest) in a
+fork of a process that has imported torch, numpy, pytest
+and (for the kernels) Triton, where the mutated file replaces the module (an import hook)
+before pytest runs them with ``-x``: the first 8 in one fork, the rest in a second (a mutant
+whose line runs while collecting runs every mapped file). A mutant on a line no test executes
+survives without a run. Verdicts: ``killed`` (a test failed or the tests could not even
 import it), ``timeout`` (over the limit: killed too), ``survived``.
 
     python -P bench/mutation.py                          # every module, every mutant
@@ -32,6 +36,7 @@ import it), ``timeout`` (over the limit: killed too), ``survived``.
     python -P bench/mutation.py --modules engine/sampling.py --sample 20
     python -P bench/mutation.py --list                   # the mutants, without running
     python -P bench/mutation.py --rerun OLD.json         # OLD's survivors again, after new tests
+    python -P bench/mutation.py --coverage-dir /tmp/cov ...   # keep the traced maps, reuse them
 
 A run reads the checkout it sits in (``_CheckoutFinder``), whatever is installed: copy the
 repository (``git worktree add`` or a copy of the tracked files) and run the copy's
@@ -39,7 +44,8 @@ repository (``git worktree add`` or a copy of the tracked files) and run the cop
 no ``.git``, so pass its revision as ``DYNCTX_GIT_REVISION``. ``--rerun`` takes one or more
 earlier reports (of different modules), runs only their survivors against today's tests and
 writes one report of the same mutants scored again, each module's earlier score kept as
-``before`` and the mutants the new tests killed as ``killed_since``.
+``before`` and the mutants the new tests killed as ``killed_since``; survivors that
+CONTRIBUTING.md's table names as equivalent (by module and line) are not run again.
 
 One thread (``OMP_NUM_THREADS=1``), one mutant at a time. The report (``--out``, default
 ``bench/results/mutation.json``) holds per module the score, the survivors (line, mutation and
@@ -66,6 +72,11 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 ROOT = Path(__file__).resolve().parent.parent
+# Under -P the script's own folder is not on sys.path; its sibling holds the per-test coverage.
+if str(ROOT / "bench") not in sys.path:
+    sys.path.insert(0, str(ROOT / "bench"))
+from mutation_coverage import (CoverageMap, PerTestTracer, find_map, map_file,  # noqa: E402
+                               source_hashes, stages)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +100,9 @@ CONTEXT_TESTS = ("tests/context/test_request_table_unbound.py",
                  "tests/context/test_prefix_chains.py", "tests/context/test_hybrid.py",
                  "tests/context/test_cuda_graphs.py", "tests/context/test_error_snapshots.py",
                  "tests/context/test_decode_path.py", "tests/context/test_decode_path_review.py",
+                 "tests/context/test_speculative.py", "tests/context/test_update_plan_mutants.py",
+                 "tests/context/test_bad_inputs.py", "tests/context/test_request_table_mutants.py",
+                 "tests/context/test_block_allocator_mutants.py",
                  "tests/context/test_cuda_graphs_megatron.py::test_capture_dummies_equal_megatron")
 CONTEXT_KEYWORD = "not rotary_methods_match_megatron and not sizes_equal_megatron"
 ATTENTION_TESTS = ("tests/kernels/test_paged_attention.py",)
@@ -98,7 +112,8 @@ TARGETS: Dict[str, Target] = {
     "context/request_table.py": Target(CONTEXT_TESTS, keyword=CONTEXT_KEYWORD),
     "context/block_allocator.py": Target(CONTEXT_TESTS, keyword=CONTEXT_KEYWORD),
     "context/prefix_cache.py": Target(("tests/context/test_prefix_chains.py",
-                                       "tests/context/test_prefix_cache.py")),
+                                       "tests/context/test_prefix_cache.py",
+                                       "tests/context/test_prefix_cache_mutants.py")),
     "engine/sampling.py": Target(("tests/e2e/test_finish_rule.py::test_finish_reason",
                                   "tests/e2e/test_sampling_oracle.py",
                                   "tests/e2e/test_sampling_edges.py",
@@ -416,6 +431,7 @@ class Outcome:
     verdict: str         # "killed", "timeout", "survived", "not covered"
     seconds: float
     detail: str = ""     # the first failing test, or why
+    tests: int = 0       # how many tests execute the mutant's line
 
 
 def _warm_imports(interpreter: bool) -> None:
@@ -450,30 +466,17 @@ class _MutantFinder:
 
 
 def _child(tests: Sequence[str], keyword: Optional[str], name: Optional[str],
-           mutant_file: Optional[str], trace_file: Optional[str], lines_out: Optional[str],
-           log: str) -> None:
-    """In the forked child: install the mutant, run pytest, exit with its code."""
+           mutant_file: Optional[str], trace_files: Optional[Sequence[str]],
+           coverage_out: Optional[str], log: str) -> None:
+    """In the forked child: install the mutant, run pytest, exit with its code; with
+    ``trace_files``, write per test the lines of those files it executes to ``coverage_out``."""
     sys.dont_write_bytecode = True
     sys.meta_path.insert(0, _CheckoutFinder())
     if mutant_file is not None:
         sys.meta_path.insert(0, _MutantFinder(name, mutant_file))
-    executed = set()
-    if trace_file is not None:
-        def local(frame, event, arg):
-            if event == "line":
-                executed.add(frame.f_lineno)
-            return local
-
-        def tracer(frame, event, arg):
-            if frame.f_code.co_filename == trace_file:
-                executed.add(frame.f_lineno)
-                return local
-            return None
-
-        sys.settrace(tracer)
-        import threading
-
-        threading.settrace(tracer)
+    tracer = PerTestTracer(trace_files) if trace_files else None
+    if tracer is not None:
+        tracer.start()
     import pytest
 
     interpreter = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -486,25 +489,25 @@ def _child(tests: Sequence[str], keyword: Optional[str], name: Optional[str],
         selection = ["-k", keyword] if keyword else []
         code = pytest.main(["-x", "-q", "-p", "no:cacheprovider", "--hypothesis-seed=0",
                             "-o", "addopts=-rfE --strict-markers", "-m", markers, *selection,
-                            *tests])
-    sys.settrace(None)
-    if lines_out is not None:
-        with open(lines_out, "w") as handle:
-            json.dump(sorted(executed), handle)
+                            *tests], plugins=[tracer] if tracer is not None else [])
+    if tracer is not None:
+        tracer.stop()
+        with open(coverage_out, "w") as handle:
+            json.dump(tracer.as_json(ROOT), handle)
     os._exit(int(code))
 
 
-def _run(tests, keyword, name, mutant_file, timeout, trace_file=None
-         ) -> Tuple[Optional[int], float, str, list]:
-    """Fork, run the tests; ``(exit code or None on timeout, seconds, log tail, lines)``."""
+def _run(tests, keyword, name, mutant_file, timeout, trace_files=None
+         ) -> Tuple[Optional[int], float, str, Optional[dict]]:
+    """Fork, run the tests; ``(exit code or None on timeout, seconds, log tail, per-test
+    coverage of trace_files or None)``."""
     with tempfile.TemporaryDirectory() as scratch:
-        log, lines_out = os.path.join(scratch, "log"), os.path.join(scratch, "lines.json")
+        log, coverage_out = os.path.join(scratch, "log"), os.path.join(scratch, "cover.json")
         start = time.perf_counter()
         pid = os.fork()
         if pid == 0:
             try:
-                _child(tests, keyword, name, mutant_file, trace_file,
-                       lines_out if trace_file else None, log)
+                _child(tests, keyword, name, mutant_file, trace_files, coverage_out, log)
             finally:
                 os._exit(70)
         code = None
@@ -521,8 +524,9 @@ def _run(tests, keyword, name, mutant_file, timeout, trace_file=None
                 os.waitpid(pid, 0)
         seconds = time.perf_counter() - start
         tail = Path(log).read_text(errors="replace")[-4000:] if os.path.exists(log) else ""
-        lines = json.loads(Path(lines_out).read_text()) if os.path.exists(lines_out) else []
-        return code, seconds, tail, lines
+        traced = json.loads(Path(coverage_out).read_text()) \
+            if os.path.exists(coverage_out) else None
+        return code, seconds, tail, traced
 
 
 def _first_failure(log: str) -> str:
@@ -553,14 +557,16 @@ def select_survivors(mutants: Sequence[Mutant], survivors: Sequence[dict]) -> Li
     return chosen
 
 
-def _run_stages(tests: Sequence[str], keyword: Optional[str], name: str, mutant_file: str,
-                timeout: float) -> "Outcome":
-    """One mutant against ``tests``, each test file in its own fork, in order, up to the first
-    failure: a mutant the first files kill costs their collection only, not every file's
-    (collecting the context's files alone takes about 10 s). ``timeout`` bounds them all."""
+def _run_stages(parts: Sequence[Sequence[str]], keyword: Optional[str], name: str,
+                mutant_file: str, timeout: float) -> "Outcome":
+    """One mutant against the tests of ``parts`` (node ids, or test files), each part in its
+    own fork, in order, up to the first failure: a mutant the first part kills costs the
+    collection of that part's files only, not every file's (collecting the context's files
+    alone takes about 10 s). ``timeout`` bounds them all."""
     spent = 0.0
-    for test in tests:
-        code, seconds, log, _ = _run([test], keyword, name, mutant_file, timeout - spent)
+    for part in parts:
+        code, seconds, log, _ = _run([str(ROOT / t) for t in part], keyword, name,
+                                     mutant_file, timeout - spent)
         spent += seconds
         if code is None:
             return Outcome("timeout", spent, f"over {timeout:.0f} s")
@@ -569,13 +575,55 @@ def _run_stages(tests: Sequence[str], keyword: Optional[str], name: str, mutant_
     return Outcome("survived", spent)
 
 
+def group_of(path: str) -> List[str]:
+    """The mapped modules tested like ``path`` (same tests, keyword and interpreter setting):
+    one traced run of those tests maps them all."""
+    target = TARGETS[path]
+    return sorted(p for p, t in TARGETS.items() if (t.tests, t.keyword, t.interpreter) ==
+                  (target.tests, target.keyword, target.interpreter))
+
+
+def coverage_for(path: str, folder: Optional[Path],
+                 cache: Dict[str, CoverageMap]) -> CoverageMap:
+    """The per-test coverage of ``path``'s tests over its group's modules: from ``cache`` (this
+    process), else from ``folder`` (an earlier run's map, its missing test files traced now),
+    else one traced run of the tests unmutated (they must pass)."""
+    target, group = TARGETS[path], group_of(path)
+    key = group[0]
+    if key in cache:
+        return cache[key]
+    sources = source_hashes(ROOT, group)
+    found = None if folder is None else \
+        find_map(folder, sources, target.keyword, target.interpreter, target.tests)
+    if found is None:
+        found = CoverageMap.empty(sources, target.keyword, target.interpreter)
+    missing = found.missing(target.tests)
+    if missing:
+        print(f"   tracing {len(missing)} test files unmutated over {' '.join(group)}",
+              flush=True)
+        code, seconds, log, traced = _run([str(ROOT / t) for t in missing], target.keyword,
+                                          None, None, 4 * 3600,
+                                          trace_files=[str(ROOT / p) for p in group])
+        if code not in (0, 5) or traced is None:
+            raise SystemExit(f"{path}: the tests fail unmutated (exit {code}):\n{log}")
+        found.add(missing, traced, seconds)
+        if folder is not None:
+            found.save(map_file(folder, group, target.keyword, target.interpreter))
+    cache[key] = found
+    return found
+
+
 def run_module(path: str, target: Target, *, sample: Optional[int], seed: int,
                timeout_factor: float, min_timeout: float, max_seconds: Optional[float],
                survivors: Optional[Sequence[dict]] = None,
-               progress: Optional[Callable[[dict], None]] = None) -> dict:
+               progress: Optional[Callable[[dict], None]] = None,
+               coverage_dir: Optional[Path] = None,
+               cache: Optional[Dict[str, CoverageMap]] = None) -> dict:
     """Baseline and mutants of one module (in this process: the caller set the environment);
-    with ``survivors`` (an earlier report's), only those mutants. ``progress`` gets the
-    module's report so far after each mutant."""
+    with ``survivors`` (an earlier report's), only those mutants. Each mutant runs the tests
+    that execute its line (per-test coverage of the unmutated run), fastest first; one whose
+    line only the collection executes runs every test file. ``progress`` gets the module's
+    report so far after each mutant."""
     source = (ROOT / path).read_text()
     name = module_name(path)
     mutants = [m for m in find_mutants(path, source, target.functions)
@@ -590,18 +638,16 @@ def run_module(path: str, target: Target, *, sample: Optional[int], seed: int,
     elif sample is not None and sample < total:
         mutants = sorted(random.Random(f"{seed}:{path}").sample(mutants, sample),
                          key=lambda m: m.index)
-    tests = [str(ROOT / t) for t in target.tests]
     print(f"== {path} ({name}): {total} mutants, {len(mutants)} to run; tests: "
           f"{' '.join(target.tests)}", flush=True)
-    code, baseline, log, lines = _run(tests, target.keyword, name, None, 3600,
-                                      trace_file=str(ROOT / path))
-    if code != 0:
-        raise SystemExit(f"{path}: the tests fail unmutated (exit {code}):\n{log}")
-    covered = set(lines)
-    timeout = max(min_timeout, timeout_factor * baseline)
-    print(f"   baseline {baseline:.1f} s, {len(covered)} lines executed; per-mutant limit "
-          f"{timeout:.0f} s", flush=True)
+    coverage = coverage_for(path, coverage_dir, {} if cache is None else cache)
+    covered = coverage.lines(path)
+    collected = set(coverage.data["outside"].get(path, ()))
+    baseline, overhead = coverage.data["seconds"], coverage.overhead()
+    print(f"   baseline {baseline:.1f} s ({overhead:.1f} s outside the tests), "
+          f"{len(coverage.data['tests'])} tests, {len(covered)} lines executed", flush=True)
     results = []
+    kills: Dict[str, int] = {}   # node id -> mutants of this module it killed
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as scratch:
         mutant_file = os.path.join(scratch, Path(path).name)
@@ -609,15 +655,24 @@ def run_module(path: str, target: Target, *, sample: Optional[int], seed: int,
             if max_seconds is not None and time.perf_counter() - started > max_seconds:
                 print(f"   time budget spent after {number - 1} mutants", flush=True)
                 break
+            # The tests that killed earlier mutants first (a module's killers are few), then
+            # the fastest.
+            tests = sorted(coverage.covering(path, mutant.line), key=lambda t: -kills.get(t, 0))
             if mutant.line not in covered:
                 outcome = Outcome("not covered", 0.0, "no test executes this line")
             else:
+                parts = stages(tests) if mutant.line not in collected else [list(target.tests)]
+                timeout = max(min_timeout, timeout_factor * (coverage.seconds(tests) + overhead))
                 Path(mutant_file).write_text(mutated_source(source, mutant))
-                outcome = _run_stages(tests, target.keyword, name, mutant_file, timeout)
+                outcome = _run_stages(parts, target.keyword, name, mutant_file, timeout)
+            outcome.tests = len(tests)
             results.append((mutant, outcome))
+            killer = outcome.detail.partition(" ")[2]
+            if outcome.verdict == "killed" and killer:
+                kills[killer] = kills.get(killer, 0) + 1
             mark = {"killed": ".", "timeout": "T", "survived": "S", "not covered": "N"}
             print(f"   [{number}/{len(mutants)}] {mark[outcome.verdict]} {mutant.name} "
-                  f"({outcome.seconds:.1f} s) {outcome.detail}", flush=True)
+                  f"({outcome.seconds:.1f} s, {len(tests)} tests) {outcome.detail}", flush=True)
             if progress is not None:
                 progress(_summary(path, target, total, baseline, source, results,
                                   complete=False))
@@ -647,22 +702,26 @@ def _summary(path: str, target: Target, total: int, baseline: float, source: str
         "killed_by": sorted({o.detail for _, o in results if o.verdict == "killed"}),
         "verdicts": [{"line": m.line, "column": m.begin - m.line_offset,
                       "mutation": f"{m.kind} {m.description}", "verdict": o.verdict,
-                      "detail": o.detail} for m, o in results],
+                      "detail": o.detail, "covering_tests": o.tests} for m, o in results],
     }
 
 
 def combine_reports(reports: Sequence[dict]) -> dict:
     """Earlier reports as one: their modules (each module in one report only) and, as
-    ``runs``, the command, revision and date of each (a rerun's: those of the runs it redid)."""
+    ``runs``, the command, revision and date of each (a rerun's: those of the runs it redid; a
+    joined report's: its ``runs``)."""
     modules, runs = [], []
     for report in reports:
         modules += report["modules"]
-        runs += report.get("rerun_of") or [{k: report[k] for k in ("command", "git_revision",
-                                                                   "date", "sample", "seed")}]
+        runs += report.get("rerun_of") or report.get("runs") or [
+            {k: report[k] for k in ("command", "git_revision", "date", "sample", "seed")}]
     names = [m["module"] for m in modules]
     if len(set(names)) != len(names):
         raise SystemExit(f"--rerun: a module is in several reports: {sorted(names)}")
-    samples = {report["sample"] for report in reports}
+    samples = set()
+    for report in reports:   # a joined report's sample: the list of its runs' samples
+        sample = report["sample"]
+        samples.update(sample if isinstance(sample, list) else [sample])
     return {"modules": modules, "runs": runs,
             "sample": samples.pop() if len(samples) == 1 else sorted(samples, key=str),
             "seed": reports[0]["seed"]}
@@ -699,6 +758,19 @@ def merge_rerun(before: dict, rerun: Optional[dict]) -> dict:
     return merged
 
 
+def named_equivalent(text: Optional[str] = None) -> set:
+    """``(module, line)`` of each survivor CONTRIBUTING.md's table names as equivalent: a
+    ``--rerun`` leaves them out (they stay survivors in its report)."""
+    if text is None:
+        path = ROOT / "CONTRIBUTING.md"
+        text = path.read_text() if path.exists() else ""
+    # The table after the "Equivalent survivors" heading line, up to its first blank line.
+    start = text.find("Equivalent survivors")
+    table = text[start:].split("\n\n")[1] if start >= 0 and "\n\n" in text[start:] else ""
+    found = re.findall(r"^\| `([\w/]+\.py)` \| (\d+) \|", table, flags=re.M)
+    return {(module, int(line)) for module, line in found}
+
+
 def _revision() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
@@ -707,17 +779,32 @@ def _revision() -> str:
         return os.environ.get("DYNCTX_GIT_REVISION", "unknown")
 
 
+def score_named(module: dict, named: set) -> dict:
+    """The survivors CONTRIBUTING.md names as equivalent, and the score of the others:
+    killed / (run - equivalent)."""
+    equivalent = sum((module["module"], s["line"]) in named
+                     for s in module.get("survivors", ()))
+    rest = module["run"] - equivalent
+    killed = module["killed"] + module["timeout"]
+    return {"equivalent": equivalent,
+            "score_without_equivalent": round(killed / rest, 4) if rest else None}
+
+
 def table(modules: List[dict]) -> str:
     def percent(score):
         return "-" if score is None else f"{100 * score:.1f}%"
 
     rows = [f"{'module':34} {'mutants':>7} {'run':>5} {'killed':>6} {'timeout':>7} "
-            f"{'survived':>8} {'uncovered':>9} {'score':>6} {'before':>6}"]
+            f"{'survived':>8} {'uncovered':>9} {'score':>6} {'before':>6} {'equiv':>5} "
+            f"{'w/o eq':>6}"]
+    named = named_equivalent()
     for m in modules:
         before = percent(m["before"]["score"]) if "before" in m else ""
+        eq = score_named(m, named)
         rows.append(f"{m['module']:34} {m['mutants']:7} {m['run']:5} {m['killed']:6} "
                     f"{m['timeout']:7} {m['survived']:8} {m['not covered']:9} "
-                    f"{percent(m['score']):>6} {before:>6}")
+                    f"{percent(m['score']):>6} {before:>6} {eq['equivalent']:5} "
+                    f"{percent(eq['score_without_equivalent']):>6}")
     return "\n".join(rows)
 
 
@@ -734,6 +821,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--max-seconds", type=float, default=None,
                         help="time budget per module for its mutants")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--coverage-dir", type=Path, default=None,
+                        help="keep the per-test coverage maps here, and read them again: a "
+                             "later run (a --rerun after new tests) traces only the test files "
+                             "a map lacks")
     parser.add_argument("--list", action="store_true", help="print the mutants and exit")
     parser.add_argument("--rerun", type=Path, nargs="+", default=None,
                         help="earlier reports (of different modules): run their survivors "
@@ -746,6 +837,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser.parse_args(argv)
     if args.join is not None:
         joined = combine_reports([json.loads(path.read_text()) for path in args.join])
+        named = named_equivalent()
+        joined["modules"] = [dict(m, **score_named(m, named)) for m in joined["modules"]]
         report = {"tool": "bench/mutation.py", "runs": joined["runs"],
                   "command": "python -P bench/mutation.py " + " ".join(
                       argv if argv is not None else sys.argv[1:]),
@@ -761,8 +854,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.modules is None:
         args.modules = list(TARGETS) if earlier is None else \
             [m["module"] for m in earlier["modules"]]
+    named = named_equivalent()
     survivors_of = {} if earlier is None else \
-        {m["module"]: m["survivors"] for m in earlier["modules"]}
+        {m["module"]: [s for s in m["survivors"] if (m["module"], s["line"]) not in named]
+         for m in earlier["modules"]}
 
     if args.list:
         for path in args.modules:
@@ -778,6 +873,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         # The part file holds every finished module and the current one so far, rewritten
         # after each mutant: a run stopped early keeps what it measured.
         modules: List[dict] = []
+        maps: Dict[str, CoverageMap] = {}
 
         def write(current: Optional[dict] = None) -> None:
             args.out.write_text(json.dumps(modules + ([current] if current else [])))
@@ -788,7 +884,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     p, TARGETS[p], sample=args.sample, seed=args.seed,
                     timeout_factor=args.timeout_factor, min_timeout=args.min_timeout,
                     max_seconds=args.max_seconds, progress=write,
-                    survivors=survivors_of[p] if earlier is not None else None))
+                    survivors=survivors_of[p] if earlier is not None else None,
+                    coverage_dir=args.coverage_dir, cache=maps))
                 write()
         write()
         return 0
@@ -814,6 +911,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             command += ["--sample", str(args.sample)]
         if args.max_seconds is not None:
             command += ["--max-seconds", str(args.max_seconds)]
+        if args.coverage_dir is not None:
+            command += ["--coverage-dir", str(args.coverage_dir.resolve())]
         if args.rerun is not None:
             command += ["--rerun", *(str(path.resolve()) for path in args.rerun)]
         worker = subprocess.Popen(command, env=env, cwd=ROOT)

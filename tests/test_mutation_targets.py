@@ -116,6 +116,10 @@ def test_reports_of_different_modules_combine_and_a_module_twice_is_refused():
     assert [m["module"] for m in combined["modules"]] == ["a.py", "b.py"]
     assert [r["command"] for r in combined["runs"]] == ["c1", "c2"]
     assert combined["sample"] == [10, 20]
+    joined = dict(one, modules=[{"module": "c.py"}], runs=[{"command": "c3"}, {"command": "c4"}])
+    assert [r["command"] for r in mutation.combine_reports([one, joined])["runs"]] == \
+        ["c1", "c3", "c4"]
+    assert mutation.combine_reports([one, dict(joined, sample=[10, 20])])["sample"] == [10, 20]
     with pytest.raises(SystemExit, match="several reports"):
         mutation.combine_reports([one, one])
 
@@ -163,3 +167,77 @@ def test_join_writes_separate_runs_as_one_report_and_runs_nothing(tmp_path):
     assert [m["module"] for m in joined["modules"]] == ["a.py", "b.py"]
     assert [r["command"] for r in joined["runs"]] == ["run a.py", "run b.py"]
     assert joined["git_revision"] == ["abc"] and joined["complete"] is True
+
+
+def test_the_tracer_records_per_test_lines_and_what_runs_outside_the_tests(tmp_path):
+    import importlib.util
+
+    from mutation_coverage import PerTestTracer
+
+    module = tmp_path / "traced.py"
+    module.write_text("def one():\n    return 1\n\n\ndef two():\n    x = 2\n    return x\n")
+    spec = importlib.util.spec_from_file_location("traced_example", module)
+    traced = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(traced)
+    tracer = PerTestTracer([str(module)])
+
+    class Item:
+        def __init__(self, nodeid):
+            self.nodeid = nodeid
+
+    def run_test(nodeid, function):
+        hook = tracer.pytest_runtest_protocol(Item(nodeid), None)
+        next(hook)
+        function()
+        with pytest.raises(StopIteration):
+            next(hook)
+
+    tracer.start()
+    try:
+        traced.one()                    # collection time: outside every test
+        run_test("t.py::a", traced.two)
+        run_test("t.py::b", lambda: None)
+    finally:
+        tracer.stop()
+    recorded = tracer.as_json(tmp_path)
+    assert recorded["outside"] == {"traced.py": [2]}
+    assert recorded["tests"]["t.py::a"]["lines"] == {"traced.py": [6, 7]}
+    assert recorded["tests"]["t.py::b"]["lines"] == {}
+
+
+def test_a_mutant_runs_the_tests_that_cover_its_line_fastest_first(tmp_path):
+    from mutation_coverage import CoverageMap, find_map, map_file, stages
+
+    cover = CoverageMap.empty({"m.py": "hash"}, None, False)
+    cover.add(["t1.py"], {"tests": {"t1.py::slow": {"seconds": 3.0, "lines": {"m.py": [5, 6]}},
+                                    "t1.py::fast": {"seconds": 0.5, "lines": {"m.py": [6]}}},
+                          "outside": {"m.py": [2]}}, 5.0)
+    assert cover.missing(["t1.py", "t2.py"]) == ["t2.py"]
+    cover.add(["t2.py"], {"tests": {"t2.py::mid": {"seconds": 1.0, "lines": {"m.py": [6, 9]}}},
+                          "outside": {}}, 2.0)
+    assert cover.covering("m.py", 6) == ["t1.py::fast", "t2.py::mid", "t1.py::slow"]
+    assert cover.covering("m.py", 9) == ["t2.py::mid"] and cover.covering("m.py", 7) == []
+    assert cover.lines("m.py") == {2, 5, 6, 9}
+    assert cover.seconds(["t1.py::slow", "t2.py::mid"]) == 4.0
+    assert cover.overhead() == 7.0 - 4.5
+    assert stages([str(i) for i in range(10)], first=8) == [[str(i) for i in range(8)],
+                                                            ["8", "9"]]
+    assert stages(["a"]) == [["a"]]
+    # Kept and read again while the traced sources are the same and its tests still mapped.
+    cover.save(map_file(tmp_path, ["m.py"], None, False))
+    again = find_map(tmp_path, {"m.py": "hash"}, None, False, ["t0.py", "t1.py", "t2.py"])
+    assert again.covering("m.py", 6) == cover.covering("m.py", 6)
+    assert again.missing(["t0.py", "t1.py", "t2.py"]) == ["t0.py"]
+    assert find_map(tmp_path, {"m.py": "other"}, None, False, ["t1.py", "t2.py"]) is None
+    assert find_map(tmp_path, {"m.py": "hash"}, None, True, ["t1.py", "t2.py"]) is None
+    assert find_map(tmp_path, {"m.py": "hash"}, None, False, ["t1.py"]) is None
+
+
+def test_a_rerun_leaves_out_the_survivors_contributing_names_equivalent():
+    text = ("Equivalent survivors (no test can kill them):\n\n"
+            "| module | line | mutation | why |\n|---|---|---|---|\n"
+            "| `context/a.py` | 12 | `x` -> `y` | same |\n| `kernels/b.py` | 7 | z | w |\n\n"
+            "Open survivors:\n\n| `context/c.py` | 3 | u | v |\n")
+    assert mutation.named_equivalent(text) == {("context/a.py", 12), ("kernels/b.py", 7)}
+    named = mutation.named_equivalent()
+    assert named and all((ROOT / module).is_file() for module, _ in named)

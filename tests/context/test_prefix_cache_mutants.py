@@ -1,0 +1,56 @@
+"""Prefix caching cases that bench/mutation.py's survivors showed untested (CONTRIBUTING.md
+"Mutation testing"): a bytes salt, and the first-chunk boundary of a hybrid's prompt that ends
+on a block boundary (its last block is never matched: its last token is computed)."""
+
+from __future__ import annotations
+
+import torch
+from helpers import add, make_ctx
+
+from dynctx.context import DynamicInferenceRequest, MambaInferenceStateConfig, SamplingParams
+from dynctx.context import prefix_cache as pc
+
+BS = 4
+PROMPT = list(range(10, 23))  # 13 tokens: 3 full blocks of 4 and one token
+
+
+def req(rid, tokens, salt=None):
+    request = DynamicInferenceRequest(request_id=rid, prompt_tokens=torch.tensor(tokens),
+                                      sampling_params=SamplingParams(num_tokens_to_generate=4))
+    request.prefix_caching_salt = salt
+    return request
+
+
+def test_every_kind_of_salt_roots_its_own_chain():
+    digests = [pc.salt_digest(salt) for salt in (None, b"7", "7", 7, b"", "")]
+    assert len(set(digests)) == len(digests)
+    assert pc.salt_digest(b"7") == pc.salt_digest(b"7")
+    tokens = torch.arange(8).numpy()
+    assert pc.chain_links(tokens, BS, b"7")[0][1] == pc.salt_digest(b"7")
+
+
+def test_a_bytes_salt_hits_only_the_same_bytes():
+    ctx = make_ctx(enable_prefix_caching=True, prefix_caching_eviction_policy="lru")
+    add(ctx, req(1, PROMPT, salt=b"a"))
+    ctx.initialize_attention_state()
+    ctx.update_requests(torch.tensor([True]), torch.tensor([7]))
+    assert ctx.prefix_cache_lookup(req(2, PROMPT, salt=b"a")) == 3 * BS
+    assert ctx.prefix_cache_lookup(req(3, PROMPT, salt="a")) == 0
+    assert ctx.prefix_cache_lookup(req(4, PROMPT, salt=b"b")) == 0
+
+
+def test_a_hybrid_first_chunk_never_ends_past_the_last_matchable_block():
+    per_request = 4 * (6 * 4 + 2 * 3 * 5)
+    ctx = make_ctx(num_layers=2, enable_prefix_caching=True,
+                   mamba_inference_state_config=MambaInferenceStateConfig(
+                       ("M", "*"), (6, 4), (2, 3, 5)),
+                   prefix_caching_mamba_gb=2 * per_request / 1024 ** 3)
+    add(ctx, req(1, PROMPT))
+    ctx.initialize_attention_state()
+    ctx.update_requests(torch.tensor([True]), torch.tensor([7]))
+    # Its 3 blocks are cached, no state snapshot is: 13 tokens stop the first chunk after
+    # the 3 blocks; 12 tokens (3 whole blocks) after 2, the last token being computed.
+    assert ctx.prefix_cache_first_chunk_boundary(req(2, PROMPT)) == 3 * BS
+    assert ctx.prefix_cache_first_chunk_boundary(req(3, PROMPT[:12])) == 2 * BS
+    assert ctx.prefix_cache_first_chunk_boundary(req(4, PROMPT[:9])) == 2 * BS
+    assert ctx.prefix_cache_first_chunk_boundary(req(5, PROMPT[:8])) == BS

@@ -1,0 +1,84 @@
+"""Update-plan cases that bench/mutation.py's survivors showed untested (CONTRIBUTING.md
+"Mutation testing"): free rows hold reset values after ``update_requests`` clears them
+(docs/SEMANTICS.md §1), whether the finished row is refilled by a mover or left past the end."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from helpers import add, check_invariants, make_ctx, request, step
+
+from dynctx.context import MambaInferenceStateConfig
+from dynctx.context._fields import FIELD_BLOCKS, FIELD_IDS
+
+
+def free_rows(ctx):
+    T = ctx.total_request_count
+    return ctx.request_ids[T:].cpu().numpy(), ctx.block_table_host[T:]
+
+
+@pytest.mark.parametrize("finished", [(2,), (3,), (1, 3), (1, 2, 3)])
+def test_finished_rows_are_reset_to_free_values(finished):
+    ctx = make_ctx()
+    for rid in (1, 2, 3):
+        add(ctx, request(rid, 5))
+    step(ctx)
+    step(ctx, finished_ids=finished)
+    assert ctx.total_request_count == 3 - len(finished)
+    ids, table = free_rows(ctx)
+    assert ids.size == 8 - ctx.total_request_count
+    assert np.all(ids == -1) and np.all(table == -1)
+    check_invariants(ctx)
+
+
+def test_a_hybrid_finished_row_gives_back_its_mamba_slot():
+    layers, conv, ssm = ("M", "*"), (6, 4), (2, 3, 5)
+    ctx = make_ctx(mamba_inference_state_config=MambaInferenceStateConfig(layers, conv, ssm))
+    for rid in (1, 2, 3):
+        add(ctx, request(rid, 5))
+    step(ctx)
+    step(ctx, finished_ids=(3,))
+    ids, table = free_rows(ctx)
+    assert np.all(ids == -1) and np.all(table == -1)
+    slots = ctx.mamba_metadata.request_to_mamba_state_idx
+    assert np.all(slots[ctx.total_request_count:].cpu().numpy() == -1)
+
+
+def fewest_evictions(counts, budget):
+    """docs/SEMANTICS.md §9.4 by brute force: ``o`` paused rows overflow the budget (those past
+    the longest prefix that fits); from the right, the fewest rows ``E`` whose blocks cover the
+    overflowing rows still remaining (``o - E``)."""
+    fits = int(np.count_nonzero(np.cumsum(counts) <= budget))
+    overflow = len(counts) - fits
+    if sum(counts) <= budget or overflow == 0:
+        return 0, False
+    for evict in range(1, len(counts) + 1):
+        if sum(counts[len(counts) - evict:]) >= overflow - evict:
+            return evict, sum(counts[len(counts) - evict:]) == overflow - evict
+
+
+def test_eviction_takes_the_fewest_rows_that_cover_the_overflow():
+    """The plan's eviction (its working copy, as update_requests runs it) against the rule,
+    over every split of six requests into paused and active rows and every budget; some
+    cases free exactly the blocks they must, where one eviction more is the bug."""
+    from dynctx.context.block_allocator import StackSimulation
+    from dynctx.context.plan_scratch import PlanScratch
+
+    ctx = make_ctx(max_requests=8)
+    for rid, length in enumerate((9, 5, 3, 2, 6, 1), 1):
+        add(ctx, request(rid, length))
+    step(ctx)
+    table = ctx._table
+    counts = table.rows[FIELD_BLOCKS, :table.total].astype(np.int64).tolist()
+    exact = 0
+    for paused in range(1, 6):
+        for budget in range(0, sum(counts[:paused]) + 1):
+            scratch = PlanScratch(table, StackSimulation(table.allocator))
+            ids = scratch.fields[FIELD_IDS, :paused].astype(np.int64).tolist()
+            left, evicted = scratch.evict(paused, 6 - paused, budget)
+            want, tight = fewest_evictions(counts[:paused], budget)
+            exact += tight
+            assert (left, evicted.tolist()) == (paused - want, ids[paused - want:paused]), \
+                (counts, paused, budget)
+            assert np.all(scratch.fields[FIELD_IDS, 6 - want:] == -1)
+    assert exact, "no case where the evicted rows free exactly the overflow"
