@@ -75,8 +75,14 @@ ROOT = Path(__file__).resolve().parent.parent
 # Under -P the script's own folder is not on sys.path; its sibling holds the per-test coverage.
 if str(ROOT / "bench") not in sys.path:
     sys.path.insert(0, str(ROOT / "bench"))
-from mutation_coverage import (CoverageMap, PerTestTracer, find_map, map_file,  # noqa: E402
-                               source_hashes, stages)
+from mutation_coverage import (  # noqa: E402
+    CoverageMap,
+    PerTestTracer,
+    find_map,
+    map_file,
+    source_hashes,
+    stages,
+)
 
 
 @dataclasses.dataclass(frozen=True)
