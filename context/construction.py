@@ -170,8 +170,9 @@ def settle(*, agreement: CountAgreement, groups: ParallelGroups, default_max_tok
             (``context/offload.py``, docs/SEMANTICS.md §21).
         kv_cache_management_mode: what a suspend does with the KV cache (0.19's enum or its
             value; None: ``"recompute"``, the context's tensors freed and the requests
-            recomputed); ``"offload"`` keeps the requests' KV in host memory (needs
-            ``kv_offload_gb``); ``"persist"``: the engine's suspend keeps the context.
+            recomputed); ``"offload"`` keeps the requests' KV in host memory (with
+            ``kv_offload_gb=0`` a host pool as large as the device's blocks and Mamba
+            states); ``"persist"``: the engine's suspend keeps the context.
         The options of ``compat.OPTIONS`` are Megatron-Core's and raise or warn as listed there.
     ``block_counts``: this rank's ``(blocks, paused blocks)`` as Megatron-Core 0.19's form
     derives them (``megatron019.constructor_arguments``), instead of the buffer's division.

@@ -55,13 +55,10 @@ def check_offload_args(kv_offload_gb: Any, mode: Any, *, speculative: int) -> tu
         raise ValueError(f"kv_cache_management_mode={mode!r} must be one of "
                          f"{list(KV_CACHE_MANAGEMENT_MODES)} (or a KVCacheManagementMode)")
     value = value.lower()
-    if value == "offload" and gb == 0:
-        raise ValueError("kv_cache_management_mode='offload' keeps the KV cache in host memory "
-                         "across a suspend: it needs kv_offload_gb > 0 (got 0)")
-    if gb and speculative:
-        raise ValueError(f"kv_offload_gb={kv_offload_gb!r} with num_speculative_tokens="
-                         f"{speculative}: KV offload does not support speculative steps yet "
-                         "(pass kv_offload_gb=0)")
+    if (gb or value == "offload") and speculative:
+        raise ValueError(f"kv_offload_gb={kv_offload_gb!r}, kv_cache_management_mode="
+                         f"{value!r} with num_speculative_tokens={speculative}: KV offload does "
+                         "not support speculative steps yet (pass kv_offload_gb=0)")
     return gb, value
 
 
@@ -121,20 +118,23 @@ class Offload:
     @classmethod
     def build(cls, *, kv_offload_gb: float, mode: str, kv, mamba, block_size: int,
               max_requests: int, device) -> Optional["Offload"]:
-        """The context's offload part, or None for ``kv_offload_gb == 0``; ``ValueError`` when
-        the budget holds no block."""
-        if not kv_offload_gb:
+        """The context's offload part, or None for ``kv_offload_gb == 0`` (but in OFFLOAD
+        mode, whose default pool holds every device block and Mamba state); ``ValueError``
+        when the budget holds no block."""
+        if not kv_offload_gb and mode != "offload":
             return None
         block_dim = 1 if kv.mla is not None else 2
         block_shape = tuple(n for i, n in enumerate(kv.shape) if i != block_dim)
         block_bytes = HostBlockPool.block_bytes(block_shape, kv.kv_dtype)
-        budget = int(kv_offload_gb * GIB)
         states, shapes, dtypes, state_bytes = 0, (), (), 0
         if mamba is not None:
             shapes = ((mamba.conv_shape[0], *mamba.conv_shape[2:]),
                       (mamba.ssm_shape[0], *mamba.ssm_shape[2:]))
             dtypes = (mamba.layers.mamba_conv_states_dtype, mamba.layers.mamba_ssm_states_dtype)
             state_bytes = sum(HostBlockPool.block_bytes(s, d) for s, d in zip(shapes, dtypes))
+        budget = int(kv_offload_gb * GIB) if kv_offload_gb else \
+            (kv.shape[block_dim] - 1) * block_bytes + max_requests * state_bytes
+        if mamba is not None:
             # A saved request holds a state and at least one block.
             states = min(max_requests, budget // (state_bytes + block_bytes))
         blocks = (budget - states * state_bytes) // block_bytes

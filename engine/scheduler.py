@@ -91,8 +91,8 @@ ChunkFn = Callable[[DynamicInferenceRequest, int], int]
 
 def _caches(ctx) -> bool:
     """Whether the context may skip prompt tokens (prefix caching, or KV offload's restores)."""
-    return getattr(ctx, "prefix_cache", None) is not None or bool(getattr(ctx, "kv_offload_gb",
-                                                                          0))
+    return (getattr(ctx, "prefix_cache", None) is not None or bool(getattr(ctx, "kv_offload_gb", 0))
+            or getattr(ctx, "kv_cache_management_mode", None) == "offload")
 
 
 class Scheduler:
