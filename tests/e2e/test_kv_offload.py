@@ -34,12 +34,12 @@ from test_nemotron_h import gib_for_blocks as nemotron_gib
 LLAMA_CASE = PRESSURE_CASES[0].values[0]
 
 
-def run_llama(host_blocks: int, **kwargs):
+def run_llama(host_blocks: int, record_logits: bool = True, **kwargs):
     hf = tiny_llama()
     prompts, requests, arrivals = pressure_workload(hf, LLAMA_CASE, BASE_LENGTHS, BASE_GENS)
     gib = gib_for_blocks(hf, LLAMA_CASE["block_size"], host_blocks) if host_blocks else 0
     engine = build_engine(hf, **case_engine_sizes(LLAMA_CASE), kernel_backend="torch",
-                          record_logits=True, kv_offload_gb=gib, **kwargs)
+                          record_logits=record_logits, kv_offload_gb=gib, **kwargs)
     results = engine.generate_requests(requests, arrival_steps=arrivals)
     return hf, prompts, requests, engine, results
 
@@ -69,7 +69,7 @@ def test_llama_swaps_instead_of_recomputing():
     assert worst <= FP32_LOGITS_ATOL, f"step logits differ by {worst}"
     # Without offload the same workload computes more prompt tokens (its recomputes), for
     # the same tokens (the schedules differ, so the counts are not simply offset).
-    _, _, _, off, results_off = run_llama(host_blocks=0)
+    _, _, _, off, results_off = run_llama(host_blocks=0, record_logits=False)
     assert off.context.get_kv_offload_stats() == {}
     assert off.stats.evictions > 0
     assert ctx.lifetime_prefill_token_count < off.context.lifetime_prefill_token_count
@@ -80,7 +80,7 @@ def test_llama_swaps_instead_of_recomputing():
 def test_llama_host_pool_too_small_recomputes_the_oldest():
     # Three host blocks: an evicted request of three blocks fills the pool, so the next
     # eviction drops it (that request recomputes), and a larger request is not saved at all.
-    hf, prompts, requests, engine, results = run_llama(host_blocks=3)
+    hf, prompts, requests, engine, results = run_llama(host_blocks=3, record_logits=False)
     stats = engine.context.get_kv_offload_stats()
     assert stats["kv_offload_host_blocks"] == 3
     assert stats["kv_offload_dropped_requests"] + stats["kv_offload_unsaved_requests"] > 0
@@ -150,3 +150,15 @@ def test_suspend_and_resume_in_each_kv_cache_management_mode(model, mode):
     if mode == "persist":
         assert engine.stats.suspends == 1 and ctx.lifetime_prefill_token_count >= prefill_before
     check_host_pool(ctx)
+
+
+def test_llama_swaps_under_async_scheduling():
+    """The tokens read one step late (docs/SEMANTICS.md §11) re-add an evicted request with
+    the same tokens: its restore is exact there too."""
+    hf, prompts, requests, engine, results = run_llama(host_blocks=64, record_logits=False,
+                                                         async_scheduling=True)
+    stats = engine.context.get_kv_offload_stats()
+    assert engine.stats.evictions > 0
+    assert stats["kv_offload_restored_requests"] == engine.stats.evictions
+    check_host_pool(engine.context)
+    assert_requests_match_greedy(hf, requests, prompts, results)
