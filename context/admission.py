@@ -59,6 +59,9 @@ class AddPlan:
     # Prefix caching (a new request): the matched blocks (``finished`` counts their tokens,
     # ``already`` the blocks) and the chain to publish; None without caching.
     prefix: Optional[PrefixHit] = None
+    # KV offload (a new request saved on the host): its ``finished`` tokens come back from
+    # the host into the first of its new blocks (``offload.Offload.commit_restore``).
+    restore: Any = None
 
 
 def check_request_id(request_id: Any) -> int:
@@ -214,7 +217,17 @@ def plan_add(table, req: Any, chunk_length: Optional[int], *, max_sequence_lengt
     host_prompt, device_prompt = _prompt(request_id, req.remaining_prompt_tokens[:chunk],
                                          device, vocab_size)
     prefix, skip = None, 0
-    if table.prefix_cache is not None and not is_continuation:
+    restore = None if table.offload is None or is_continuation else \
+        table.offload.plan_restore(req, request_id, chunk)
+    if restore is not None:
+        # Its saved tokens are not computed: the chunk's queries start after them.
+        skip = restore.entry.tokens
+        finished, chunk = skip, chunk - skip
+        if host_prompt is not None:
+            host_prompt = host_prompt[skip:]
+        else:
+            device_prompt = device_prompt[skip:]
+    elif table.prefix_cache is not None and not is_continuation:
         # The matched blocks' tokens are not computed: the chunk's queries start after them.
         prefix = table.prefix_cache.plan_match(
             req, request_id, chunk, allow_hit=not wants_every_prompt_logit(req))
@@ -229,7 +242,8 @@ def plan_add(table, req: Any, chunk_length: Optional[int], *, max_sequence_lengt
         raise TokenOverflowError(request_id, f"{tokens_before} tokens in the step + chunk "
                                              f"{chunk} > max_tokens ({table.max_tokens})"
                                  + (f" ({skip} prompt tokens cached)" if skip else ""))
-    already = math.ceil(finished / block_size)
+    # A restored request holds no block yet: every block is new.
+    already = 0 if restore is not None else math.ceil(finished / block_size)
     needed = math.ceil((finished + chunk) / block_size)
     revived = 0 if prefix is None else int(prefix.idle.size)
     if needed - already + revived > table.allocator.total_avail:
@@ -249,7 +263,7 @@ def plan_add(table, req: Any, chunk_length: Optional[int], *, max_sequence_lengt
                    chunk=chunk, finished=finished, gen=gen, already=already, needed=needed,
                    tokens_before=tokens_before, prompt_offset=tokens_before - num_decode,
                    host_prompt=host_prompt, device_prompt=device_prompt, metadata=metadata,
-                   partial=partial, prefix=prefix)
+                   partial=partial, prefix=prefix, restore=restore)
 
 
 @dataclass(frozen=True)
@@ -347,6 +361,9 @@ def check_availability(table, req: Any) -> Tuple[bool, bool, bool]:
     skip, idle = (0, 0) if table.prefix_cache is None else table.prefix_cache.lookup(req)
     bs = table.block_size
     blocks = math.ceil((remaining + finished) / bs) - math.ceil(finished / bs) - skip // bs
+    restored = 0 if table.offload is None else table.offload.lookup(req)
+    if restored:  # KV offload: the saved tokens cost no step tokens, every block is new
+        skip, idle, blocks = restored, 0, math.ceil(remaining / bs)
     return (table.total < table.request_limit and table.paused == 0,
             table.active_tokens + remaining - skip <= table.max_tokens,
             table.allocator.total_avail >= blocks + idle)
@@ -354,9 +371,11 @@ def check_availability(table, req: Any) -> Tuple[bool, bool, bool]:
 
 def prefix_cache_lookup(table, req: Any) -> int:
     """Prompt tokens the next ``add_request`` of the new request ``req`` would take from the
-    prefix cache (when its chunk covers them and one token more); 0 without caching. Host
-    only (a prompt on the device is copied once)."""
+    prefix cache, or restore from the host (KV offload), when its chunk covers them and one
+    token more; 0 without either. Host only (a prompt on the device is copied once)."""
     table.check_bound(getattr(req, "request_id", None))
+    if table.offload is not None and table.offload.lookup(req):
+        return table.offload.lookup(req)   # KV offload: the request's saved tokens
     return 0 if table.prefix_cache is None else table.prefix_cache.lookup(req)[0]
 
 

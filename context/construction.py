@@ -31,6 +31,7 @@ from .inputs import check_row_moves
 from .kv_cache import KVCache
 from .kv_scales import check_kv_scales, resolve_kv_cache_dtype
 from .mamba_states import MambaMetadata, MambaStates
+from .offload import Offload, check_offload_args
 from .parallel import CountAgreement, ParallelGroups
 from .prefix_cache import check_prefix_caching_args, prefix_snapshot_count, warn_without_snapshots
 from .request_table import RequestTable
@@ -93,7 +94,8 @@ def settle(*, agreement: CountAgreement, groups: ParallelGroups, default_max_tok
            prefix_caching_eviction_policy: Any, prefix_caching_mamba_gb: Any,
            block_counts: Optional[Tuple[int, int]] = None,
            num_speculative_tokens: Any = 0, kv_cache_dtype: Any = None,
-           kv_scales: Any = "dynamic") -> ContextSettings:
+           kv_scales: Any = "dynamic", kv_offload_gb: Any = 0,
+           kv_cache_management_mode: Any = None) -> ContextSettings:
     """Check and settle ``DynamicInferenceContext``'s arguments (``agreement``, ``groups``: the
     ranks' agreement and the parallel groups, from ``parallel.parallel_groups``;
     ``default_max_tokens``, ``request_rounder``: the class's).
@@ -163,6 +165,14 @@ def settle(*, agreement: CountAgreement, groups: ParallelGroups, default_max_tok
         kv_scales: an FP8 cache's scales: ``"dynamic"`` (per layer, from the first prefill),
             ``"dynamic_per_head"``, or given ``[2, layers(, heads)]`` (``context/kv_scales.py``,
             docs/SEMANTICS.md §20).
+        kv_offload_gb: GiB of host memory for KV offload (0, the default: none): evicted
+            requests keep their blocks there and resume without recompute
+            (``context/offload.py``, docs/SEMANTICS.md §21).
+        kv_cache_management_mode: what a suspend does with the KV cache (0.19's enum or its
+            value; None: ``"recompute"``, the context's tensors freed and the requests
+            recomputed); ``"offload"`` keeps the requests' KV in host memory (with
+            ``kv_offload_gb=0`` a host pool as large as the device's blocks and Mamba
+            states); ``"persist"``: the engine's suspend keeps the context.
         The options of ``compat.OPTIONS`` are Megatron-Core's and raise or warn as listed there.
     ``block_counts``: this rank's ``(blocks, paused blocks)`` as Megatron-Core 0.19's form
     derives them (``megatron019.constructor_arguments``), instead of the buffer's division.
@@ -176,6 +186,8 @@ def settle(*, agreement: CountAgreement, groups: ParallelGroups, default_max_tok
         kv_lora_rank=kv_lora_rank, qk_pos_emb_head_dim=qk_pos_emb_head_dim)
     compat.check_options(dict(cuda_graph_max_tokens=cuda_graph_max_tokens), stacklevel=5)
     speculative = check_speculative_tokens(num_speculative_tokens, args["block_size_tokens"])
+    offload_gb, management_mode = check_offload_args(kv_offload_gb, kv_cache_management_mode,
+                                                     speculative=speculative)
     prefix_caching = check_prefix_caching_args(
         enable_prefix_caching, prefix_caching_eviction_policy, prefix_caching_mamba_gb)
     device = resolve_device(device)
@@ -257,6 +269,7 @@ def settle(*, agreement: CountAgreement, groups: ParallelGroups, default_max_tok
         cuda_graph_mixed_prefill_count=cuda_graph_mixed_prefill_count,
         metrics_writer=metrics_writer, fused_rope_kv_append=bool(fused_rope_kv_append),
         vocab_size=vocab_size, validate=bool(validate), num_speculative_tokens=speculative,
+        kv_offload_gb=offload_gb, kv_cache_management_mode=management_mode,
         enable_prefix_caching=prefix_caching[0],
         prefix_caching_eviction_policy=prefix_caching[1],
         prefix_caching_mamba_gb=prefix_caching[2],
@@ -286,6 +299,7 @@ class ContextParts(NamedTuple):
     mamba: Optional[MambaStates]
     mamba_metadata: Optional[MambaMetadata]
     asks: tuple = ()    # ((the arguments that ask, device bytes), ...): sizing.check_fits
+    offload: Optional[Offload] = None   # KV offload's host copies (kv_offload_gb > 0)
 
     def allocate(self) -> None:
         """Every tensor, then the request table's host rows over the arena (empty); first of
@@ -295,10 +309,17 @@ class ContextParts(NamedTuple):
         self.kv.allocate()
         if self.mamba is not None:
             self.mamba.allocate()
+        if self.offload is not None:
+            self.offload.allocate()
         self.table.bind(*self.device.table_views())
 
     def release(self) -> None:
-        """Drop every tensor and the requests in flight (suspend)."""
+        """Drop every tensor and the requests in flight (suspend); in OFFLOAD mode their KV
+        (and Mamba states) go to the host first, for their re-adds after the resume."""
+        if self.offload is not None:
+            if self.offload.mode == "offload":
+                self.offload.save_all(self.table)
+            self.offload.release()
         self.device.release()
         self.kv.release()
         if self.mamba is not None:
@@ -311,10 +332,29 @@ class ContextParts(NamedTuple):
         """Every row, block and slot free; the step forgotten (the KV bytes are kept);
         ``keep_cache``: the allocator and the prefix cache kept (``RequestTable.reset``)."""
         self.steps.prepared = None
+        if self.offload is not None:
+            self.offload.reset()
         self.table.reset(keep_cache)
         self.device.reset()
         self.forward.reset_attention_state()
         self.forward.step = None
+
+    def kv_offload_stats(self) -> dict:
+        """KV offload's counters (``offload.OffloadStats``) and the host pool's free blocks;
+        empty without offload."""
+        if self.offload is None:
+            return {}
+        stats = self.offload.stats.as_dict()
+        stats.update(kv_offload_host_blocks=self.offload.pool.blocks.count,
+                     kv_offload_host_blocks_free=self.offload.pool.free_blocks,
+                     kv_offload_requests_held=len(self.offload.entries))
+        return stats
+
+    def commit_add(self, plan) -> None:
+        """``RequestTable.commit_add``, then KV offload's restore of a saved request."""
+        self.table.commit_add(plan)
+        if self.offload is not None and not plan.is_continuation:
+            self.offload.commit_restore(self.table, plan.row, plan.request_id, plan.restore)
 
     def set_host_views(self, value: bool) -> None:
         self.device.set_host_views(value)
@@ -373,8 +413,11 @@ def build_parts(settings: ContextSettings) -> ContextParts:
     metadata = None if mamba is None else MambaMetadata(mamba, table, state)
     forward = ForwardPass(table=table, device=state, steps=steps, kv=kv, layers=layers,
                           settings=attrs, mamba=mamba, mamba_metadata=metadata)
+    table.offload = offload = Offload.build(
+        kv_offload_gb=attrs["kv_offload_gb"], mode=attrs["kv_cache_management_mode"], kv=kv,
+        mamba=mamba, block_size=attrs["block_size_tokens"], max_requests=rows, device=device)
     return ContextParts(table, state, kv, steps, forward, mamba, metadata,
-                        _asks(attrs, memory, state, kv, mamba))
+                        _asks(attrs, memory, state, kv, mamba), offload)
 
 
 def _asks(attrs: dict, memory: MemoryLayout, state: DeviceState, kv: KVCache,

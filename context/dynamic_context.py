@@ -16,7 +16,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 
-from . import admission, compat, megatron019
+from . import admission, compat, facade, megatron019
 from ._fields import (  # noqa: F401 (re-exported: FIELD_* are imported from here)
     FIELD_BLOCKS,
     FIELD_IDS,
@@ -28,7 +28,7 @@ from ._fields import (  # noqa: F401 (re-exported: FIELD_* are imported from her
     FIELD_QUERY,
 )
 from .batch_dimensions import InferenceBatchDimensions, MambaInferenceStateConfig
-from .construction import build_parts, from_config, settle
+from .construction import ContextParts, build_parts, from_config, settle
 from .errors import get_mem_size_str
 from .facade import _Part, _prefix_stat, _row_field, _step_tensor, _table_count
 from .forward_pass import EMPTY_IDS, ForwardPass
@@ -83,6 +83,7 @@ class DynamicInferenceContext:
         prefix_caching_eviction_policy: str = "ref_zero",
         prefix_caching_mamba_gb: Optional[float] = None, num_speculative_tokens: int = 0,
         kv_cache_dtype: Optional[torch.dtype | str] = None, kv_scales: Any = "dynamic",
+        kv_offload_gb: float = 0, kv_cache_management_mode: Any = None,
     ):
         arguments = dict(locals())  # every argument, as given or defaulted
         del arguments["self"]
@@ -218,7 +219,7 @@ class DynamicInferenceContext:
                                     max_sequence_length=self.max_sequence_length,
                                     metadata_types=self.request_metadata_types,
                                     device=self.device, vocab_size=self.vocab_size)
-        self._table.commit_add(plan)
+        self._parts.commit_add(plan)  # (with KV offload, the restore of a saved request)
         self.lifetime_prefill_token_count += plan.chunk
         self._device.arena.dirty = True
         self._step = None
@@ -266,6 +267,7 @@ class DynamicInferenceContext:
     prefix_cache_first_chunk_boundary = _Part("_table", admission.prefix_cache_first_chunk_boundary)
     get_prefix_cache_stats = _Part("_table", admission.get_prefix_cache_stats)
     get_kvcache_utilization_stats = _Part("_table", RequestTable.get_kvcache_utilization_stats)
+    get_kv_offload_stats = _Part("_parts", ContextParts.kv_offload_stats)  # (§21)
     host_request_ids = _Part("_table", RequestTable.host_request_ids)
 
     # ------------------------------------------------------------------ the step
@@ -479,15 +481,8 @@ class DynamicInferenceContext:
     def get_active_request_count(self) -> int:
         return self.total_request_count - self.paused_request_count
 
-    def get_active_sequence_lengths(self) -> torch.Tensor:
-        """int32 ``[active]``: tokens in the KV cache after this step, per active request."""
-        paused, total = self.paused_request_count, self.total_request_count
-        return (self.request_kv_length_offsets[paused:total]
-                + self.request_query_lengths[paused:total])
-
-    def get_max_sequence_lengths(self) -> torch.Tensor:
-        """int32 ``[active]`` view: each active request's target total length."""
-        return self.request_output_lengths[self.paused_request_count:self.total_request_count]
+    get_active_sequence_lengths = facade.get_active_sequence_lengths
+    get_max_sequence_lengths = facade.get_max_sequence_lengths
 
     def get_index_of_chunked_prefill_request(self) -> int:
         """Row of the chunked prefill request (always the last active row), or -1."""

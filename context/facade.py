@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import torch
 
 
 class _Part:
@@ -90,3 +91,15 @@ def _prefix_stat(name: str) -> property:
             setattr(cache.stats, name, int(value))
 
     return property(get, set, doc=f"{name}: Megatron-Core 0.19's prefix-cache counter")
+
+
+def get_active_sequence_lengths(self) -> torch.Tensor:
+    """int32 ``[active]``: tokens in the KV cache after this step, per active request."""
+    paused, total = self.paused_request_count, self.total_request_count
+    return (self.request_kv_length_offsets[paused:total]
+            + self.request_query_lengths[paused:total])
+
+
+def get_max_sequence_lengths(self) -> torch.Tensor:
+    """int32 ``[active]`` view: each active request's target total length."""
+    return self.request_output_lengths[self.paused_request_count:self.total_request_count]

@@ -134,6 +134,8 @@ class ForwardPass:
             if mask is None:
                 mask = np.ones(table.active, dtype=np.bool_)
             plan = self._plan(mask, chunked_id, max_sequence_length)
+            if table.offload is not None:  # evicted rows' blocks to the host, before release
+                table.offload.save_evicted(table, plan)
             table.commit_update(plan)
             if table.prefix_cache is not None:
                 table.prefix_cache.drop_done(table.live_ids)

@@ -48,7 +48,8 @@ from .sizing import GIB, layer_layout
 
 #: The 0.16 form's keywords a 0.19 caller may still pass beside the two configs: dynctx's own
 #: options, which neither config holds.
-DYNCTX_OPTIONS = ("device", "kernel_backend", "fused_rope_kv_append", "vocab_size", "validate")
+DYNCTX_OPTIONS = ("device", "kernel_backend", "fused_rope_kv_append", "vocab_size", "validate",
+                  "kv_offload_gb")
 
 #: The 0.16 form's required keywords (defaulted to None in the signature, which also takes the
 #: 0.19 pair).
@@ -215,7 +216,8 @@ def _from_configs(model_config: Any, config: Any, arguments: Dict[str, Any], *,
         request_metadata_types=config.request_metadata_types,
         enable_prefix_caching=config.enable_prefix_caching,
         prefix_caching_eviction_policy=config.prefix_caching_eviction_policy,
-        prefix_caching_mamba_gb=config.prefix_caching_mamba_gb, num_speculative_tokens=k)
+        prefix_caching_mamba_gb=config.prefix_caching_mamba_gb, num_speculative_tokens=k,
+        kv_cache_management_mode=config.kv_cache_management_mode)
     attributes = {name: getattr(model_config, name, default)
                   for name, default in MODEL_FIELDS_019.items()}
     attributes.update(

@@ -62,6 +62,7 @@ class RequestTable:
             step and takes its next block early (docs/SEMANTICS.md §19).
     """
 
+    offload = None   # KV offload's host copies (``offload.Offload``), set by build_parts
     def __init__(self, *, total_blocks: int, paused_blocks: int, max_requests: int,
                  max_kv_block_count: int, block_size: int, metadata_labels: list, hybrid: bool,
                  max_tokens: int, slots: Optional[SlotAllocator] = None,

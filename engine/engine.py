@@ -209,7 +209,8 @@ class Engine:
 
         ``context_kwargs`` go to ``DynamicInferenceContext`` (``buffer_size_gb``,
         ``block_size_tokens``, ``max_tokens``, ``params_dtype``, ``device``,
-        ``paused_buffer_size_gb``, ``kernel_backend``, ...). Defaults come from the model:
+        ``paused_buffer_size_gb``, ``kernel_backend``, ``kv_offload_gb``, ...). Defaults
+        come from the model:
         ``params_dtype`` and ``device`` of its weights, ``num_layers``, ``kv_channels`` =
         head_dim, ``num_attention_heads`` = ``num_key_value_heads``, ``max_sequence_length`` =
         ``max_position_embeddings``; ``buffer_size_gb`` defaults to 1. ``max_requests`` defaults
@@ -367,10 +368,15 @@ class Engine:
 
     def suspend(self) -> None:
         """Free the context's tensors; the in-flight requests go back to the front of the
-        waiting queue (in row order) and are recomputed after ``resume()``."""
+        waiting queue (in row order) and are recomputed after ``resume()`` (restored from
+        host memory in ``kv_cache_management_mode="offload"``; ``"persist"`` keeps them)."""
         if self._suspended:
             return
         ctx = self.context
+        if getattr(ctx, "kv_cache_management_mode", None) == "persist":
+            self._suspended = True   # PERSIST: the context keeps its tensors and requests
+            self.stats.suspends += 1
+            return
         ids = [int(i) for i in ctx.host_request_ids()[:ctx.total_request_count]]
         if self._async is not None:
             # The tokens in flight are read first (the checkpoints hold them); retired requests
@@ -389,6 +395,9 @@ class Engine:
         """Re-allocate the context's tensors and capture the CUDA graphs again (the tensors
         have new addresses); the next steps re-add the suspended requests."""
         if not self._suspended:
+            return
+        if getattr(self.context, "kv_cache_management_mode", None) == "persist":
+            self._suspended = False
             return
         self.context.allocate_all_tensors(is_init=False)
         if self.graph_runner is not None:

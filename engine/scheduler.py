@@ -89,6 +89,12 @@ AddFn = Callable[[DynamicInferenceRequest, Optional[int]], None]
 ChunkFn = Callable[[DynamicInferenceRequest, int], int]
 
 
+def _caches(ctx) -> bool:
+    """Whether the context may skip prompt tokens (prefix caching, or KV offload's restores)."""
+    return (getattr(ctx, "prefix_cache", None) is not None or bool(getattr(ctx, "kv_offload_gb", 0))
+            or getattr(ctx, "kv_cache_management_mode", None) == "offload")
+
+
 class Scheduler:
     """Admission of queued requests into a ``DynamicInferenceContext`` (module docstring).
 
@@ -170,9 +176,9 @@ class Scheduler:
             return None
         remaining = request.remaining_prompt_length
         token_room = ctx.max_tokens - ctx.active_token_count
-        # Prefix caching: the cached tokens of the prompt cost no step tokens; a first chunk
-        # covers them and fills the budget after them.
-        caching = getattr(ctx, "prefix_cache", None) is not None
+        # Prefix caching (and KV offload's saved tokens): the cached tokens of the prompt cost
+        # no step tokens; a first chunk covers them and fills the budget after them.
+        caching = _caches(ctx)
         skip = ctx.prefix_cache_lookup(request) if caching else 0
         if caching and ctx.is_hybrid_model and self.enable_chunked_prefill:
             # A hybrid's first chunk ends where its cached blocks end when the Mamba state
@@ -233,10 +239,10 @@ class Scheduler:
                 chunk = self._first_chunk(request)
                 if chunk is None:
                     break
-                # A hybrid's prefix cache hit resumes from a Mamba snapshot as the step's
-                # continuation: nothing may be added after it.
-                resumes = ctx.is_hybrid_model and getattr(ctx, "prefix_cache", None) \
-                    is not None and ctx.prefix_cache_lookup(request) > 0
+                # A hybrid's prefix cache hit (or KV offload restore) resumes from a saved
+                # Mamba state as the step's continuation: nothing may be added after it.
+                resumes = ctx.is_hybrid_model and _caches(ctx) \
+                    and ctx.prefix_cache_lookup(request) > 0
             final = chunk == remaining
             try:
                 add(request, None if final else chunk)

@@ -45,6 +45,9 @@ BENCHES = {
     # Ten requests: the first computes the prefix, the other nine (90 %, the target) hit.
     "prefix_caching": (["--requests", "10", "--prefix", "8", "--suffix", "2", "--new-tokens",
                         "1", "--block-size", "4", "--models", "llama"], True),
+    "offload": (["--requests", "3", "--prompt", "8", "--new-tokens", "8", "--block-size", "4",
+                 "--device-blocks", "12", "--paused-blocks", "1", "--host-blocks", "8",
+                 "--max-tokens", "16"], True),
     "engine_throughput": (["--requests", "2", "--new-tokens", "2", "--repeats", "1",
                            "--warmup", "0"], True),
     "async_scheduling": (["--requests", "2", "--new-tokens", "2", "--repeats", "1"], False),

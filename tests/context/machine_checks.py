@@ -383,6 +383,14 @@ class InvariantChecks(BudgetChecks, Patterns):
                 lambda: f"paused rows {[t.rid for t in rows[:P]]} != model "
                 f"{[t.rid for t in self.live.values() if t.paused]}")
         require(ctx._live_ids == set(self.live), "the context's live id set disagrees")
+        if ctx._parts.offload is not None:
+            # Host slots free or owned once; a live request holds no host copy.
+            try:
+                ctx._parts.offload.check()
+            except AssertionError as error:
+                raise Violation(f"host pool: {error}") from None
+            held = set(ctx._parts.offload.entries) & set(self.live)
+            require(not held, lambda: f"live requests {sorted(held)} hold host copies")
         active = rows[P:]
         require(ctx.active_token_count == sum(len(t.query) for t in active),
                 lambda: f"active_token_count {ctx.active_token_count}, model "

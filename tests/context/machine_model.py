@@ -75,6 +75,9 @@ class MachineConfig:
     # Speculative steps (docs/SEMANTICS.md §19): a decode request forwards its pending token and
     # this many drafts; the driver accepts a chosen number of them and rewinds the rest.
     speculative: int = 0
+    # KV offload (docs/SEMANTICS.md §21): host blocks for evicted requests (0: off); an
+    # evicted request re-added with its saved tokens restores them instead of recomputing.
+    kv_offload_blocks: int = 0
 
     @property
     def hybrid(self) -> bool:
@@ -138,6 +141,8 @@ class MachineConfig:
             if self.hybrid:
                 # Room for ``prefix_snapshots`` Mamba state snapshots.
                 args["prefix_caching_mamba_gb"] = self.prefix_snapshots * self.mamba_bytes / GIB
+        if self.kv_offload_blocks:
+            args["kv_offload_gb"] = self.kv_offload_blocks * self.block_bytes / GIB
         ctx = DynamicInferenceContext(**args)
         # A request that pauses alone must be able to resume, or no request could ever run.
         max_blocks = math.ceil(self.max_sequence_length / self.block_size)
@@ -181,6 +186,14 @@ CONFIGS = {c.name: c for c in [
                   layer_types=HYBRID_LAYERS, speculative=1),
     MachineConfig("spec2-pc-lru-bs4-paused4", block_size=4, buffer_blocks=16, paused_blocks=4,
                   prefix_caching="lru", speculative=2),
+    MachineConfig("off-bs4-paused4", block_size=4, buffer_blocks=16, paused_blocks=4,
+                  kv_offload_blocks=12),
+    MachineConfig("off-tiny-bs4-paused0", block_size=4, buffer_blocks=14, paused_blocks=0,
+                  kv_offload_blocks=3),
+    MachineConfig("off-mla-bs8-paused3", block_size=8, buffer_blocks=12, paused_blocks=3,
+                  mla=True, kv_offload_blocks=8),
+    MachineConfig("off-hyb-bs4-paused4", block_size=4, buffer_blocks=16, paused_blocks=4,
+                  layer_types=HYBRID_LAYERS, kv_offload_blocks=12),
     MachineConfig("spec3-pc-hyb-lru-bs4-half", block_size=4, buffer_blocks=24,
                   paused_blocks=None, layer_types=HYBRID_LAYERS, prefix_caching="lru",
                   speculative=3),
@@ -188,7 +201,9 @@ CONFIGS = {c.name: c for c in [
 CI_CONFIGS = [CONFIGS[n] for n in ("bs4-paused4", "bs8-half", "bs4-paused0", "mla-bs8-paused3",
                                    "hyb-bs4-paused4", "hyb-bs8-half", "pc-lru-bs4-paused4",
                                    "pc-hyb-lru-bs4-half", "spec2-bs4-paused4",
-                                   "spec1-hyb-bs4-paused4", "spec2-pc-lru-bs4-paused4")]
+                                   "spec1-hyb-bs4-paused4", "spec2-pc-lru-bs4-paused4",
+                                   "off-bs4-paused4", "off-tiny-bs4-paused0",
+                                   "off-hyb-bs4-paused4")]
 
 
 def sample_token(rid: int, position: int) -> int:
@@ -228,6 +243,9 @@ class Tracked:
     continued: bool = False       # the pending query is a continuation chunk (added this step)
     drafts: List[int] = field(default_factory=list)  # speculative: the query's tokens after
     #                               the pending one (its drafts, not yet generated)
+    # KV offload: an evicted incarnation's (uid, cached tokens, Mamba writes, Mamba length),
+    # which a restore carries over (its K/V and Mamba patterns are the old incarnation's).
+    restore: Optional[tuple] = None
 
     def expected_blocks(self, block_size: int) -> int:
         if self.paused or self.placeholder:

@@ -155,6 +155,15 @@ class ContextDriver(InvariantChecks):
         return self.prefix.hits(t.prompt, chunk, not wants_every_prompt_logit(t.req),
                                 {x.uid for x in self.live.values()})
 
+    def _restorable(self, t: Tracked, chunk: int, continuation: bool) -> int:
+        """Tokens the add of ``t`` must restore from the host (KV offload; 0: none): its
+        evicted incarnation's, while the context still holds its copy."""
+        offload = self.ctx._parts.offload
+        if offload is None or continuation or t.restore is None \
+                or t.rid not in offload.entries or wants_every_prompt_logit(t.req):
+            return 0
+        return t.restore[1] if chunk > t.restore[1] else 0
+
     def _active(self) -> List[Tracked]:
         return [t for t in self.live.values() if not t.paused]
 
@@ -206,6 +215,11 @@ class ContextDriver(InvariantChecks):
         ``advance=False``: the caller (the scheduler) advances ``t.req`` past the chunk."""
         ctx = self.ctx
         hits = [Hit(0, 0)] if continuation else self._prefix_hits(t, chunk)
+        restored = self._restorable(t, chunk, continuation)
+        if restored:
+            # A restore: its tokens skipped, every block new (as many as a hit revives).
+            bs = self.cfg.block_size
+            hits = [Hit(restored // bs, restored // bs)]
         options = {hit: self._expected_add_errors(t, chunk, continuation, duplicate, hit)
                    for hit in hits}
         expected = set().union(*options.values())
@@ -243,6 +257,8 @@ class ContextDriver(InvariantChecks):
                 f"tokens from the prefix cache; the model allows {allowed}")
         if self.prefix is not None and not continuation:
             self.prefix.took(t.uid, t.prompt, skip // self.cfg.block_size)
+        require(not restored or skip == restored, lambda: f"add_request(id={t.rid}) restored "
+                f"{skip} tokens from the host, {restored} were saved")
         if advance:
             t.req.remaining_prompt_tokens = t.req.remaining_prompt_tokens[chunk:]
             t.req.finished_chunk_token_count = fin + chunk
@@ -268,6 +284,12 @@ class ContextDriver(InvariantChecks):
                         f"Mamba slot {slot}; the free stack was {slots_before}, is {free} (the "
                         "top of the stack must be handed out)")
                 t.slot, t.mamba_writes, t.mamba_len = slot, 0, skip
+        if restored:
+            # The restored K/V (and Mamba state) are the evicted incarnation's.
+            t.uid, _, writes, length = t.restore
+            if self.cfg.hybrid:
+                t.mamba_writes, t.mamba_len = writes, length
+            self.stats["restores"] += 1
         self.live[t.rid] = t
         self.stats["adds"] += 1
         if chunk < remaining or continuation:
@@ -357,10 +379,13 @@ class ContextDriver(InvariantChecks):
         remaining = t.req.remaining_prompt_length
         paused = any(x.paused for x in self.live.values())
         bs = self.cfg.block_size
+        restored = self._restorable(t, remaining, False)
+        hits = [Hit(restored // bs, restored // bs)] if restored else \
+            self._prefix_hits(t, remaining)
         wants = {(len(self.live) < self.cfg.max_requests and not paused,
                   self._model_active_tokens() + remaining - hit.blocks * bs <= self.cfg.max_tokens,
                   self._model_free_blocks() >= math.ceil(remaining / bs) - hit.blocks + hit.idle)
-                 for hit in self._prefix_hits(t, remaining)}
+                 for hit in hits}
         require(tuple(got) in wants, lambda: f"check_availability(id={t.rid}, remaining="
                 f"{remaining}) = {got}, expected one of {sorted(wants)}")
         return t.req
@@ -513,10 +538,17 @@ class ContextDriver(InvariantChecks):
         require(len(newly) == len(set(newly)) and set(newly) == paused_now - old_paused,
                 lambda: f"update_requests returned newly paused {newly}, expected "
                 f"{sorted(paused_now - old_paused)}")
+        offload = ctx._parts.offload
         for rid in evicted:
             t = self.live.pop(rid)
             require(t is not self.chunked, "the chunked prefill request was evicted")
             self.queued[rid] = self._checkpoint(t)
+            entry = None if offload is None else offload.entries.get(rid)
+            if entry is not None:
+                require(entry.tokens == t.cached, lambda: f"evicted request {rid}: the host "
+                        f"holds {entry.tokens} tokens, its cache held {t.cached}")
+                self.queued[rid].restore = (t.uid, t.cached, t.mamba_writes, t.mamba_len)
+                self.stats["offloads"] += 1
         self.check_budget_decisions(old_blocks, old_paused | eligible, evicted)
         self.scheduler.after_update(evicted)  # at the front, behind the chunked prefill
         self.stats["evictions"] += len(evicted)

@@ -466,3 +466,85 @@ def test_plans_are_pure_under_memory_pressure():
         paused_steps += ctx.paused_request_count > 0
         evicted += len(ctx.evicted_request_ids)
     assert paused_steps >= 5 and evicted >= 3  # the workload really pauses and evicts
+
+
+OFFLOAD_OPTION_ERRORS = [
+    pytest.param(dict(kv_offload_gb=-1.0), ValueError, r"kv_offload_gb=-1.0 must be a finite "
+                 r"number >= 0", id="negative"),
+    pytest.param(dict(kv_offload_gb=float("nan")), ValueError, r"kv_offload_gb=nan must be",
+                 id="nan"),
+    pytest.param(dict(kv_offload_gb=float("inf")), ValueError, r"kv_offload_gb=inf must be",
+                 id="inf"),
+    pytest.param(dict(kv_offload_gb="1"), TypeError, r"kv_offload_gb='1' must be a number",
+                 id="string"),
+    pytest.param(dict(kv_offload_gb=True), TypeError, r"kv_offload_gb=True must be a number",
+                 id="bool"),
+    pytest.param(dict(kv_offload_gb=BLOCK / GIB / 2), ValueError, r"holds no KV block",
+                 id="under_one_block"),
+    pytest.param(dict(kv_cache_management_mode="swap"), ValueError,
+                 r"kv_cache_management_mode='swap' must be one of \['persist', 'offload', "
+                 r"'recompute'\]", id="unknown_mode"),
+    pytest.param(dict(kv_cache_management_mode=3), ValueError,
+                 r"kv_cache_management_mode=3 must be one of", id="mode_not_a_string"),
+    pytest.param(dict(kv_offload_gb=1e-3, num_speculative_tokens=2), ValueError,
+                 r"num_speculative_tokens=2: KV offload does not support speculative steps",
+                 id="speculative"),
+]
+
+
+@pytest.mark.parametrize("options, error, match", OFFLOAD_OPTION_ERRORS)
+def test_bad_offload_options_raise_naming_the_argument(options, error, match):
+    with pytest.raises(error, match=match):
+        make_ctx(**options)
+
+
+def test_offload_modes_accept_the_enum_and_size_a_default_pool():
+    from dynctx.context.config import KVCacheManagementMode
+
+    ctx = make_ctx(kv_cache_management_mode=KVCacheManagementMode.OFFLOAD)
+    assert ctx.kv_cache_management_mode == "offload"
+    # OFFLOAD without kv_offload_gb: a host block for every device block.
+    stats = ctx.get_kv_offload_stats()
+    assert stats["kv_offload_host_blocks"] == ctx.block_allocator.total_count - 1
+    assert make_ctx(kv_cache_management_mode="PERSIST").get_kv_offload_stats() == {}
+    assert make_ctx().kv_cache_management_mode == "recompute"
+
+
+def test_failed_add_of_a_saved_request_keeps_its_host_copy():
+    """An ``add_request`` that raises (here: too few free blocks) leaves the host copy where it
+    was, and the next add restores it."""
+    ctx = make_ctx(buffer_size_gb=16 * BLOCK / GIB, paused_buffer_size_gb=2 * BLOCK / GIB,
+                   max_requests=8, max_tokens=64, kv_offload_gb=32 * BLOCK / GIB)
+    rid, evicted = 0, []
+    for step_index in range(40):
+        while ctx.total_request_count < 8 and ctx.paused_request_count == 0:
+            rid += 1
+            r = req(rid, 6, gen=30)
+            if not all(ctx.check_availability(r)):
+                break
+            add(ctx, r)
+        _step(ctx)
+        evicted += ctx.evicted_request_ids.tolist()
+        if evicted:
+            break
+    assert evicted, "the workload should evict"
+    offload = ctx._parts.offload
+    entry = offload.entries[evicted[0]]
+    tokens = entry.tokens
+    again = req(evicted[0], tokens + 1, gen=4)
+    hog = ctx.block_allocator.total_avail
+    taken = ctx.block_allocator.allocate_memory_blocks(hog)   # nothing free now
+    before = snapshot(ctx, device=True)
+    with pytest.raises(BlockOverflowError):
+        ctx.add_request(again)
+    assert_same(before, snapshot(ctx, device=True))
+    assert offload.entries[evicted[0]] is entry
+    offload.check()
+    ctx.block_allocator.release_memory_blocks(taken)
+    assert ctx.prefix_cache_lookup(again) == tokens
+    while ctx.total_request_count:   # room for it: every request finishes
+        _step(ctx, keep=False)
+    ctx.add_request(again)
+    assert evicted[0] not in offload.entries
+    assert ctx.get_kv_offload_stats()["kv_offload_restored_tokens"] == tokens
+    offload.check()

@@ -144,6 +144,8 @@ def test_driver_reaches_pause_evict_chunk_and_suspend(config, one_thread):
     assert stats["pauses"] + stats["evictions"] > 0, dict(stats)
     if config.prefix_caching is not None:
         assert stats["prefix_hits"] > 0, dict(stats)
+    if config.kv_offload_blocks:
+        assert stats["offloads"] > 0 and stats["restores"] > 0, dict(stats)
 
 
 def test_step_without_the_chunked_continuation_is_refused():

@@ -1,0 +1,286 @@
+"""KV offload: evicted (and suspended) requests keep their KV blocks in host memory.
+
+``Offload`` (built with ``kv_offload_gb > 0``, docs/SEMANTICS.md §21) owns the host block pool
+(``context/host_pool.py``) and the host copies in it, one ``Offloaded`` entry per request, in
+the order they were written (the oldest first):
+
+* ``save_rows`` (an update's evicted rows, before their blocks are released; and every live
+  row at an OFFLOAD suspend) copies each row's blocks that hold its ``kv_length_offset``
+  tokens, and a hybrid's Mamba state, to the host. When the pool has no room, the oldest
+  entries are dropped (those requests recompute, as without offload); a row that needs more
+  host blocks than the pool has is not saved.
+* ``plan_restore`` (from ``admission.plan_add``, pure) finds the entry of a request added
+  again under its id, whose prompt (its prompt and the tokens it generated, as the engine
+  re-adds an evicted request) is longer than the tokens saved and whose chunk covers them and
+  one token more: those tokens are not computed again, as a prefix cache hit's.
+* ``commit_restore`` (after ``RequestTable.commit_add``) copies the saved blocks into the row's
+  new blocks (and the Mamba state into its slot: a hybrid's restored row then runs as the
+  step's continuation, the last row starting from its slot's state, as a prefix hit does) and
+  frees the entry's host slots. Any other add of the id drops its entry.
+
+Nothing here changes the rows: the request table's plans and commits do, and the restore is a
+plan's ``finished`` tokens. Statistics: ``stats``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+
+from ._fields import FIELD_IDS, FIELD_KV_OFFSET, FIELD_MAMBA_SLOT, FIELD_QUERY
+from .host_pool import GIB, HostBlockPool
+from .prefix_cache import wants_every_prompt_logit
+
+KV_CACHE_MANAGEMENT_MODES = ("persist", "offload", "recompute")
+
+
+def check_offload_args(kv_offload_gb: Any, mode: Any, *, speculative: int) -> tuple:
+    """``(kv_offload_gb as a float, mode as a lower-case string)``; ``ValueError`` or
+    ``TypeError`` naming the argument, the value and what it must be."""
+    if isinstance(kv_offload_gb, bool) or not isinstance(kv_offload_gb, (int, float, np.number)):
+        raise TypeError(f"kv_offload_gb={kv_offload_gb!r} must be a number of GiB (0: no "
+                        "offload)")
+    gb = float(kv_offload_gb)
+    if not math.isfinite(gb) or gb < 0:
+        raise ValueError(f"kv_offload_gb={kv_offload_gb!r} must be a finite number >= 0 (GiB "
+                         "of host memory; 0: no offload)")
+    if mode is None:
+        mode = "recompute"
+    value = getattr(mode, "value", mode)
+    if not isinstance(value, str) or value.lower() not in KV_CACHE_MANAGEMENT_MODES:
+        raise ValueError(f"kv_cache_management_mode={mode!r} must be one of "
+                         f"{list(KV_CACHE_MANAGEMENT_MODES)} (or a KVCacheManagementMode)")
+    value = value.lower()
+    if (gb or value == "offload") and speculative:
+        raise ValueError(f"kv_offload_gb={kv_offload_gb!r}, kv_cache_management_mode="
+                         f"{value!r} with num_speculative_tokens={speculative}: KV offload does "
+                         "not support speculative steps yet (pass kv_offload_gb=0)")
+    return gb, value
+
+
+@dataclass
+class Offloaded:
+    """One request's host copy: its ``tokens`` cached tokens in ``host_blocks`` (in block
+    order) and, for a hybrid, its Mamba state in host state slot ``state`` (-1: none)."""
+
+    request_id: int
+    tokens: int
+    host_blocks: np.ndarray
+    state: int = -1
+
+
+@dataclass
+class OffloadStats:
+    """Counters (they survive ``reset``): requests saved and restored, tokens restored (not
+    computed again), entries dropped for room, rows not saved (larger than the pool)."""
+
+    offloaded_requests: int = 0
+    offloaded_blocks: int = 0
+    restored_requests: int = 0
+    restored_tokens: int = 0
+    dropped_requests: int = 0
+    unsaved_requests: int = 0
+
+    def as_dict(self) -> dict:
+        return {f"kv_offload_{name}": getattr(self, name) for name in (
+            "offloaded_requests", "offloaded_blocks", "restored_requests", "restored_tokens",
+            "dropped_requests", "unsaved_requests")}
+
+
+@dataclass(frozen=True)
+class RestorePlan:
+    """What ``commit_restore`` copies back: the entry, and the blocks its tokens span."""
+
+    entry: Offloaded
+    blocks: int
+
+
+class Offload:
+    """The host copies of one context's requests.
+
+    Args:
+        pool: the ``HostBlockPool``; kv: the ``KVCache`` (its buffer); mamba: a hybrid's
+            ``MambaStates`` (else None); block_size: tokens per block; mode: the
+            ``kv_cache_management_mode`` ("persist", "offload" or "recompute").
+    """
+
+    def __init__(self, pool: HostBlockPool, kv, mamba, block_size: int, mode: str):
+        self.pool, self.kv, self.mamba = pool, kv, mamba
+        self.block_size, self.mode = block_size, mode
+        self.entries: "OrderedDict[int, Offloaded]" = OrderedDict()
+        self.stats = OffloadStats()
+        self.held = False   # the host copies outlive the next reset (an OFFLOAD suspend)
+
+    @classmethod
+    def build(cls, *, kv_offload_gb: float, mode: str, kv, mamba, block_size: int,
+              max_requests: int, device) -> Optional["Offload"]:
+        """The context's offload part, or None for ``kv_offload_gb == 0`` (but in OFFLOAD
+        mode, whose default pool holds every device block and Mamba state); ``ValueError``
+        when the budget holds no block."""
+        if not kv_offload_gb and mode != "offload":
+            return None
+        block_dim = 1 if kv.mla is not None else 2
+        block_shape = tuple(n for i, n in enumerate(kv.shape) if i != block_dim)
+        block_bytes = HostBlockPool.block_bytes(block_shape, kv.kv_dtype)
+        states, shapes, dtypes, state_bytes = 0, (), (), 0
+        if mamba is not None:
+            shapes = ((mamba.conv_shape[0], *mamba.conv_shape[2:]),
+                      (mamba.ssm_shape[0], *mamba.ssm_shape[2:]))
+            dtypes = (mamba.layers.mamba_conv_states_dtype, mamba.layers.mamba_ssm_states_dtype)
+            state_bytes = sum(HostBlockPool.block_bytes(s, d) for s, d in zip(shapes, dtypes))
+        budget = int(kv_offload_gb * GIB) if kv_offload_gb else \
+            (kv.shape[block_dim] - 1) * block_bytes + max_requests * state_bytes
+        if mamba is not None:
+            # A saved request holds a state and at least one block.
+            states = min(max_requests, budget // (state_bytes + block_bytes))
+        blocks = (budget - states * state_bytes) // block_bytes
+        if blocks < 1:
+            raise ValueError(f"kv_offload_gb={kv_offload_gb} holds no KV block: one block (and "
+                             f"a hybrid's Mamba state) takes {block_bytes + state_bytes} bytes")
+        pool = HostBlockPool(blocks=blocks, block_shape=block_shape, block_dim=block_dim,
+                             dtype=kv.kv_dtype, device=device, states=states,
+                             state_shapes=shapes, state_dtypes=dtypes)
+        return cls(pool, kv, mamba, block_size, mode)
+
+    # ------------------------------------------------------------------ lifetime
+    def allocate(self) -> None:
+        if self.pool.kv is None:
+            self.pool.allocate()
+
+    def reset(self) -> None:
+        """Forget every host copy (the context's ``reset``), except at the reset that follows
+        the re-allocation after an OFFLOAD suspend (``release``)."""
+        if self.held:
+            self.held = False
+            return
+        self.entries.clear()
+        self.pool.reset()
+
+    def release(self) -> None:
+        """Suspend: in OFFLOAD mode the host copies stay for the re-adds after the resume
+        (what the mode is for); otherwise they go."""
+        if self.mode == "offload":
+            self.held = True
+        else:
+            self.held = False
+            self.reset()
+
+    # ------------------------------------------------------------------ saving
+    def _drop(self, request_id: int) -> None:
+        entry = self.entries.pop(request_id, None)
+        if entry is not None:
+            self.pool.give(entry.host_blocks, np.array([entry.state] if entry.state >= 0
+                                                       else [], dtype=np.int64))
+
+    def save_rows(self, table, rows: np.ndarray, cached: np.ndarray) -> None:
+        """Copy the blocks (and Mamba states) of the table's ``rows``, whose KV holds
+        ``cached`` tokens each, to the host, each as an entry under its request id (the table
+        is not changed)."""
+        pool, bs = self.pool, self.block_size
+        hybrid = self.mamba is not None
+        device_blocks, host_blocks, device_slots, host_states = [], [], [], []
+        for row, tokens in zip(np.asarray(rows, dtype=np.int64).tolist(),
+                               np.asarray(cached, dtype=np.int64).tolist()):
+            request_id = int(table.rows[FIELD_IDS, row])
+            self._drop(request_id)
+            count = math.ceil(tokens / bs)
+            if not count:
+                continue
+            if count > pool.blocks.count or (hybrid and pool.states.count == 0):
+                self.stats.unsaved_requests += 1
+                continue
+            while pool.free_blocks < count or (hybrid and pool.free_states == 0):
+                self._drop(next(iter(self.entries)))
+                self.stats.dropped_requests += 1
+            blocks, states = pool.take(count, 1 if hybrid else 0)
+            device_blocks.append(table.block_table[row, :count].astype(np.int64))
+            host_blocks.append(blocks)
+            entry = Offloaded(request_id, tokens, blocks)
+            if hybrid:
+                entry.state = int(states[0])
+                device_slots.append(int(table.rows[FIELD_MAMBA_SLOT, row]))
+                host_states.append(entry.state)
+            self.entries[request_id] = entry
+            self.stats.offloaded_requests += 1
+            self.stats.offloaded_blocks += count
+        if not host_blocks:
+            return
+        mamba = self.mamba
+        pool.save(self.kv.buffer, np.concatenate(device_blocks), np.concatenate(host_blocks),
+                  states=() if mamba is None else (mamba.conv_states, mamba.ssm_states),
+                  device_slots=np.asarray(device_slots, dtype=np.int64) if hybrid else None,
+                  host_states=np.asarray(host_states, dtype=np.int64) if hybrid else None)
+
+    def save_evicted(self, table, plan) -> None:
+        """An update's evicted rows (``plan.evicted_ids``), before ``commit_update``: the
+        table is the forwarded step's, so each row's KV holds its offset and its query."""
+        if plan.evicted_ids.size:
+            ids = table.rows[FIELD_IDS, :table.total]
+            rows = np.flatnonzero(np.isin(ids, plan.evicted_ids))
+            self.save_rows(table, rows, table.rows[FIELD_KV_OFFSET, rows]
+                           + table.rows[FIELD_QUERY, rows])
+
+    def save_all(self, table) -> None:
+        """An OFFLOAD suspend, between steps: every live row. A paused row's KV holds its
+        offset and its last query; an active row's query is still to be forwarded."""
+        if table.bound and table.total:
+            cached = table.rows[FIELD_KV_OFFSET, :table.total].astype(np.int64)
+            cached[:table.paused] += table.rows[FIELD_QUERY, :table.paused]
+            self.save_rows(table, np.arange(table.total), cached)
+
+    # ------------------------------------------------------------------ restoring
+    def lookup(self, req: Any) -> int:
+        """Tokens an add of the new request ``req`` with its whole remaining prompt would
+        restore (0: none); pure."""
+        entry = self.entries.get(getattr(req, "request_id", None))
+        if entry is None or req.finished_chunk_token_count or wants_every_prompt_logit(req):
+            return 0
+        return entry.tokens if req.remaining_prompt_length > entry.tokens else 0
+
+    def plan_restore(self, req: Any, request_id: int, chunk: int) -> Optional[RestorePlan]:
+        """The restore of a new request's add whose chunk is ``chunk`` prompt tokens, or None;
+        pure."""
+        entry = self.entries.get(request_id)
+        if entry is None or wants_every_prompt_logit(req) or chunk <= entry.tokens:
+            return None
+        return RestorePlan(entry, int(entry.host_blocks.size))
+
+    def commit_restore(self, table, row: int, request_id: int,
+                       restore: Optional[RestorePlan]) -> None:
+        """After ``commit_add`` of a new request at ``row``: copy its entry back (``restore``)
+        or drop a stale one."""
+        if restore is None:
+            self._drop(request_id)
+            return
+        entry = restore.entry
+        device_blocks = table.block_table[row, :restore.blocks].astype(np.int64)
+        mamba = self.mamba
+        slot = None
+        if mamba is not None:
+            slot = np.array([table.rows[FIELD_MAMBA_SLOT, row]], dtype=np.int64)
+            # Its slot takes the saved state instead of zeros, and it runs as the step's
+            # continuation (the last row, from its slot's state): it is the last slot staged.
+            table.zero_count -= 1
+            table.continuation_added = True
+        self.pool.load(self.kv.buffer, entry.host_blocks, device_blocks,
+                       states=() if mamba is None else (mamba.conv_states, mamba.ssm_states),
+                       host_states=None if slot is None else np.array([entry.state]),
+                       device_slots=slot)
+        self._drop(request_id)
+        self.stats.restored_requests += 1
+        self.stats.restored_tokens += entry.tokens
+
+    # ------------------------------------------------------------------ invariants
+    def check(self) -> None:
+        """Every host slot free or owned by exactly one entry (``AssertionError``)."""
+        entries = list(self.entries.values())
+        blocks = np.concatenate([e.host_blocks for e in entries]) if entries else \
+            np.empty(0, dtype=np.int64)
+        states = np.array([e.state for e in entries if e.state >= 0], dtype=np.int64)
+        self.pool.check(blocks, states)
+        for entry in entries:
+            assert entry.host_blocks.size == math.ceil(entry.tokens / self.block_size), entry
