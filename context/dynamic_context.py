@@ -36,12 +36,13 @@ from .inputs import check_new_tokens, read_mask
 from .parallel import CountAgreement, joins_agreement_on_failure, parallel_groups
 from .request_table import RequestTable
 from .requests import DynamicInferenceRequest
+from .step_api import StepAPI
 from .step_builder import REQUEST_ROUNDER, TOKEN_ROUNDER, rounded
 
 logger = logging.getLogger("dynctx.context")
 
 
-class DynamicInferenceContext:
+class DynamicInferenceContext(StepAPI):
     """Paged KV cache plus in-flight batching bookkeeping (Megatron-Core's API).
 
     Megatron-Core 0.19's form ``DynamicInferenceContext(model_config, inference_config)``
@@ -288,19 +289,7 @@ class DynamicInferenceContext:
         if self._table.active and not self._hand_written:
             self.initialize_attention_state()
 
-    def initialize_attention_state(self, *, construct_graph_dimensions: Optional[
-            InferenceBatchDimensions] = None) -> None:
-        """Prepare the step's token arrays and attention metadata, padded to the CUDA graph
-        that fits the step, else eagerly (``ForwardPass.begin``). With
-        ``construct_graph_dimensions`` (an empty context), first add that graph's capture
-        dummies, as Megatron-Core does before a capture."""
-        self._check_allocated()
-        if construct_graph_dimensions is not None:
-            self.add_dummy_requests_for_cudagraph_capture(construct_graph_dimensions)
-        self._step = self._forward.begin(self._limits(),
-                                         capture=construct_graph_dimensions is not None)
-        self._set_step_counts(self._step)
-
+    # initialize_attention_state, transfer_bookkeeping_to_gpu: step_api.StepAPI's.
     active_attn_metadata = property(lambda self: self._forward.attention,
                                     doc="The step's attention metadata (block table, lengths)")
     reset_attention_state = _Part("_forward", ForwardPass.reset_attention_state)
@@ -436,17 +425,6 @@ class DynamicInferenceContext:
     _decode_shortcut = property(  # the steady decode update's shortcut (tests compare paths)
         lambda self: self._forward.decode_shortcut,
         lambda self, value: setattr(self._forward, "decode_shortcut", bool(value)))
-
-    def _move_book_keeping_tensors(self, src_idxs: Any, dst_idxs: Any,
-                                   next_tokens: Optional[torch.Tensor], swap: bool = False) -> None:
-        """Rows ``dst_idxs`` take rows ``src_idxs``' bookkeeping (``ContextParts.move_rows``)."""
-        self._parts.move_rows(src_idxs, dst_idxs, next_tokens, swap)
-        self._step = None
-
-    def _swap_book_keeping_tensors(self, src_idxs: Any, dst_idxs: Any,
-                                   next_tokens: Optional[torch.Tensor]) -> None:
-        """Exchange the bookkeeping of rows ``src_idxs`` and ``dst_idxs`` (distinct rows)."""
-        self._move_book_keeping_tensors(src_idxs, dst_idxs, next_tokens, swap=True)
 
     def pull_bookkeeping_from_device(self) -> None:
         """Copy the bookkeeping tensors written by hand on a CUDA device back to the host (one
