@@ -327,19 +327,7 @@ class DynamicInferenceContext(StepAPI):
             self.metrics_writer.log({f"inference/{k}": v for k, v in stats.items()})
         return self.newly_paused_request_ids
 
-    def current_input_and_position_ids(self, *, num_warmup_tokens: Optional[int] = None
-                                       ) -> Tuple[torch.Tensor, torch.Tensor]:
-        """``(input_ids [1, n], position_ids [1, n])`` views, n = padded tokens of the step."""
-        self._check_allocated()
-        if num_warmup_tokens is None and self._step is None:
-            raise RuntimeError("current_input_and_position_ids() is valid only after "
-                               "initialize_attention_state() of this step")
-        n = num_warmup_tokens or self.padded_active_token_count
-        if not 0 <= n <= self.max_tokens:
-            raise ValueError(f"num_warmup_tokens={num_warmup_tokens} must lie in [0, max_tokens="
-                             f"{self.max_tokens}]")
-        device = self._device
-        return device.token_to_input_ids[:n].unsqueeze(0), device.token_to_pos_ids[:n].unsqueeze(0)
+    # current_input_and_position_ids, gpu_view: step_api.StepAPI's.
 
     # The model's calls of the step (the forward pass's, with Megatron-Core's signatures).
     cu_query_lengths = _Part("_forward", ForwardPass.cu_query_lengths)

@@ -3,7 +3,7 @@
 per-request prefill flags, the logit rows at a fixed address, the async-scheduling trio, and
 the row helpers with the drafts. Each is a few lines over the parts (``_table``, ``_device``,
 ``_forward``); the host work of the trio is ``async_steps``'. docs/SEMANTICS.md §16 (rows
-49-52) says where dynctx differs from 0.19 and why.
+49-54) says where dynctx differs from 0.19 and why.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import torch
 from . import async_steps
 from .batch_dimensions import InferenceBatchDimensions
 from .errors import StepShapeError
+from .gpu_view import ContextStepView
 from .speculative import logit_rows
 
 
@@ -94,6 +95,34 @@ class StepAPI:
             event.record(torch.cuda.current_stream(self.device))
             return event
         return BookkeepingDone()
+
+    def current_input_and_position_ids(self, *, num_warmup_tokens: Optional[int] = None
+                                       ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``(input_ids [1, n], position_ids [1, n])`` views, n = padded tokens of the step,
+        cut once per ``n`` (``_input_position_views``, Megatron-Core 0.19's cache)."""
+        self._check_allocated()
+        if num_warmup_tokens is None and self._step is None:
+            raise RuntimeError("current_input_and_position_ids() is valid only after "
+                               "initialize_attention_state() of this step")
+        n = num_warmup_tokens or self.padded_active_token_count
+        if not 0 <= n <= self.max_tokens:
+            raise ValueError(f"num_warmup_tokens={num_warmup_tokens} must lie in [0, max_tokens="
+                             f"{self.max_tokens}]")
+        device, views = self._device, self._input_position_views
+        cached = views.get(n)
+        if cached is None or cached[0]._base is not device.token_to_input_ids:
+            if cached is not None or len(views) >= 64:
+                views.clear()  # the arrays were allocated again (a resume), or too many sizes
+            cached = views[n] = (device.token_to_input_ids[:n].unsqueeze(0),
+                                 device.token_to_pos_ids[:n].unsqueeze(0))
+        return cached
+
+    _input_position_views = property(
+        lambda self: self.__dict__.setdefault("_input_position_cache", {}),
+        doc="padded token count -> the views current_input_and_position_ids hands out")
+    gpu_view = property(
+        lambda self: self.__dict__.setdefault("_gpu_view", ContextStepView(self._device)),
+        doc="Megatron-Core 0.19's names for the step's device tensors (gpu_view.py)")
 
     @property
     def request_in_prefill_status_tensor(self) -> torch.Tensor:

@@ -169,3 +169,41 @@ def test_reset_tensors_on_an_empty_context_resets_the_token_arrays():
     add(ctx, request(1, 3))
     ctx.initialize_attention_state()
     assert ctx.token_to_request_idx[:3].tolist() == [0, 0, 0]
+
+
+def test_context_gpu_view_is_one_buffer_of_views():
+    from dynctx.context import ContextGPUView
+
+    view = ContextGPUView(max_requests=3, max_tokens=5, max_kv_blocks=2,
+                          device=torch.device("cpu"), max_mamba_chunks=2)
+    fields = [value for value in vars(view).values()
+              if isinstance(value, torch.Tensor) and value is not view._buf]
+    base = view._buf.data_ptr()
+    spans = sorted((t.data_ptr() - base, t.numel() * t.element_size()) for t in fields)
+    assert all(a + n <= b for (a, n), (b, _) in zip(spans, spans[1:]))  # disjoint, in order
+    assert spans[-1][0] + spans[-1][1] == view._buf.numel()
+    assert view.mamba_batch_indices_decode.data_ptr() % 8 == 0
+    view.token_to_pos_ids[:] = 7
+    assert view._buf[40:48].tolist() == [7, 0, 0, 0, 0, 0, 0, 0]
+    with pytest.raises(ValueError, match="max_tokens=0"):
+        ContextGPUView(max_requests=3, max_tokens=0, max_kv_blocks=2, device="cpu")
+    with pytest.raises(TypeError, match="max_requests"):
+        ContextGPUView(max_requests=3.0, max_tokens=5, max_kv_blocks=2, device="cpu")
+
+
+def test_ctx_gpu_view_names_the_step_arrays_and_the_views_are_cut_once():
+    ctx = make_ctx()
+    add(ctx, request(1, 3))
+    ctx.initialize_attention_state()
+    assert ctx.gpu_view.token_to_input_ids is ctx.token_to_input_ids
+    assert ctx.gpu_view.token_to_request_idx is ctx.token_to_request_idx
+    with pytest.raises(AttributeError, match="temperature"):
+        ctx.gpu_view.temperature
+    first = ctx.current_input_and_position_ids()
+    assert ctx.current_input_and_position_ids()[0] is first[0]
+    ctx.deallocate_all_tensors()
+    ctx.allocate_all_tensors(is_init=False)
+    add(ctx, request(1, 3))
+    ctx.initialize_attention_state()
+    again = ctx.current_input_and_position_ids()
+    assert again[0] is not first[0] and again[0][0, :3].tolist() == [101, 102, 103]

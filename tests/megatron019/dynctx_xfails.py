@@ -28,8 +28,8 @@ MIXED_PREFILL_LAYOUT = (
     "0.19's prefix-match step layout of a mixed cached and fresh prefill (gap 4); dynctx's differs, not yet analysed")
 TRANSFER = (
     "0.19's separate bookkeeping transfer (gap 7), not built")
-GPU_VIEW = (
-    'ContextGPUView / ctx.gpu_view (gap 6), not built')
+INPUTS_BEFORE_STEP = (
+    'reads current_input_and_position_ids() after writing padded_active_token_count by hand; dynctx refuses it before initialize_attention_state (docs/SEMANTICS.md §16 row 54)')
 TORCH_SAMPLING = (
     'TorchSampling and processed log probs (gap 12), not built')
 BLOCK_ORDER = (
@@ -55,8 +55,7 @@ XFAILS: Dict[str, Dict[str, str]] = {
         'TestDynamicContext::test_chunked_prefill_prefix_caching_from_hidden_state': CHUNKED_ID_FIRST,
         'TestDynamicContext::test_chunked_prefill_state_preserved_across_decode_completions': UPDATE_WITHOUT_STEP,
         'TestDynamicContext::test_chunked_prefill_swap_with_speculative_tokens': SPECULATIVE,
-        'TestDynamicContext::test_copy_async_sched_sample_to_forward_populates_active_and_clears_padding': GPU_VIEW,
-        'TestDynamicContext::test_current_input_and_position_ids_view_cache': GPU_VIEW,
+        'TestDynamicContext::test_current_input_and_position_ids_view_cache': INPUTS_BEFORE_STEP,
         'TestDynamicContext::test_eviction_with_shared_prefix_blocks': ALLOCATOR_PREFIX_NAMES,
         'TestDynamicContext::test_mamba_memory_ratio_allocation': MAX_REQUESTS_ZERO,
         'TestDynamicContext::test_prefix_caching_check_availability_with_speculative': SPECULATIVE,
@@ -66,7 +65,6 @@ XFAILS: Dict[str, Dict[str, str]] = {
         'TestDynamicContext::test_speculative_update_then_release_with_prefix_caching': SPECULATIVE,
         'TestDynamicContext::test_speculative_with_prefix_caching_kv_offset': SPECULATIVE,
         'TestDynamicContext::test_speculative_with_prefix_caching_shared_blocks': SPECULATIVE,
-        'TestDynamicContext::test_transfer_bookkeeping_to_gpu_can_skip_input_token_ids': GPU_VIEW,
         'TestDynamicContext::test_update_requests_with_finished_requests_and_speculative_tokens': SPECULATIVE,
     },
     'test_mcore019_dynamic_prefix_caching.py': {
@@ -102,9 +100,6 @@ XFAILS: Dict[str, Dict[str, str]] = {
         'TestPrefixCachingCore::test_ref_count_lru': ALLOCATOR_PREFIX_NAMES,
         'TestPrefixCachingCore::test_ref_count_refzero': ALLOCATOR_PREFIX_NAMES,
         'TestPrefixCachingCore::test_registration_and_discovery': ALLOCATOR_PREFIX_NAMES,
-    },
-    'test_mcore019_gpu_view.py': {
-        'TestContextGPUView::test_layout_with_and_without_mamba': GPU_VIEW,
     },
     'test_mcore019_kv_block_allocator.py': {
         'test_allocate_release_reset_round_trip_no_prefix_caching': KV_BLOCK_ALLOCATOR,
