@@ -157,6 +157,7 @@ def test_initialize_attention_state_returns_the_transfer_event(record):
 
 def test_expert_parallel_dummy_step_is_one_decode_request_of_1_plus_k_tokens():
     ctx = make_ctx(num_speculative_tokens=2)
+    assert ctx.num_speculative_tokens == 2  # the keyword form's attribute (it read 0)
     ctx.initialize_attention_state(is_expert_parallel_dummy_cuda_graph_step=True)
     assert ctx.batch_dimensions == InferenceBatchDimensions(3, 0, 1)
 
