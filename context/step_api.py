@@ -315,6 +315,7 @@ class StepAPI:
         self._steps.prepared = None
         self._step = None
         self._hand_written = True
+        self._device.arena.dirty = True  # the host rows changed after the last handout
 
     # ------------------------------------------------------------------ resets
     def reset_tensors(self) -> None:
