@@ -44,3 +44,7 @@ __all__ += [
 ]
 # Megatron-Core 0.19's constructor (context/megatron019.py).
 __all__ += ["ConfigAssertionError", "MAX_INTERMEDIATE_OFFSETS_PER_REQUEST"]
+# Megatron-Core 0.19's step API (context/step_api.py, context/gpu_view.py).
+from .gpu_view import ContextGPUView  # noqa: E402
+
+__all__ += ["ContextGPUView"]

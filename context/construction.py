@@ -360,16 +360,18 @@ class ContextParts(NamedTuple):
         self.device.set_host_views(value)
         self.steps.prepared = None
 
-    def move_rows(self, src_idxs: Any, dst_idxs: Any, next_tokens: Any, swap: bool) -> None:
+    def move_rows(self, src_idxs: Any, dst_idxs: Any, next_tokens: Any, swap: bool,
+                  new_speculative_tokens: Any = None) -> None:
         """Megatron-Core's row helpers: rows ``dst_idxs`` take (``swap``: exchange) the
         bookkeeping of rows ``src_idxs`` (checked first: ``inputs.check_row_moves``): the
         fields, metadata, block-table rows and pending tokens, and ``next_tokens[dst] =
-        next_tokens[src]`` on the tensor given (None: ours only)."""
+        next_tokens[src]`` on the tensor given (None: ours only), and so the columns of
+        ``new_speculative_tokens`` (0.19's ``[k, rows]``)."""
         self.device.check_allocated()
         dst, src = check_row_moves(src_idxs, dst_idxs, next_tokens, swap,
-                                   self.table.max_requests)
+                                   self.table.max_requests, new_speculative_tokens)
         self.table.permute_rows(dst, src)
-        self.device.permute_pending(dst, src, next_tokens)
+        self.device.permute_pending(dst, src, next_tokens, new_speculative_tokens)
 
 
 def build_parts(settings: ContextSettings) -> ContextParts:

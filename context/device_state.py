@@ -131,6 +131,7 @@ class DeviceState:
             self.carried_drafts = torch.zeros(rows + 1, k, dtype=torch.int64, device=device)
             self.logit_rows = torch.zeros(tokens, dtype=torch.int64, device=device)
             self.logit_rows_host = np.zeros(tokens, dtype=np.int64)
+        self.logit_rows_used = 0  # rows of logit_rows past which every entry is 0
         # Between updates, rows [0, identity_plan_rows) of the arena's plan hold the identity
         # plan (0: unknown).
         self.identity_plan_rows = 0
@@ -303,11 +304,14 @@ class DeviceState:
 
     def upload_logit_rows(self, step, cu_query: np.ndarray, count: int) -> None:
         """Speculative steps: ``speculative_required_logit_indices`` of ``step`` (``count``
-        rows, ``speculative.logit_rows``) into ``logit_rows``, one upload."""
-        if count:
+        rows, ``speculative.logit_rows``) into ``logit_rows``, zero past them (0.19's
+        ``active_logit_idxs``), one upload."""
+        upto, self.logit_rows_used = max(count, self.logit_rows_used), count
+        if upto:
             logit_rows(step.decode, step.prefill, self.speculative, cu_query,
                        self.logit_rows_host, step.active_tokens, step.padded_tokens, count)
-            self.h2d.copy(self.logit_rows[:count], self.logit_rows_host[:count])
+            self.logit_rows_host[count:upto] = 0
+            self.h2d.copy(self.logit_rows[:upto], self.logit_rows_host[:upto])
 
     def apply_update(self, plan, table, new_tokens: torch.Tensor,
                      new_drafts: Optional[torch.Tensor] = None) -> None:
@@ -455,9 +459,11 @@ class DeviceState:
             self.next_tokens[self.current][:tokens.numel()].copy_(tokens)
 
     def permute_pending(self, dst: np.ndarray, src: np.ndarray,
-                        next_tokens: Optional[torch.Tensor]) -> None:
+                        next_tokens: Optional[torch.Tensor],
+                        new_drafts: Optional[torch.Tensor] = None) -> None:
         """Rows ``dst`` take the pending next tokens of rows ``src`` (read before any write),
-        here and in ``next_tokens`` when given (Megatron's step-local tokens)."""
+        here and in ``next_tokens`` (and the columns of ``new_drafts [k, rows]``) when given
+        (Megatron's step-local tokens)."""
         self.arena.dirty = True
         pending = self.next_tokens[self.current]
         index_dst = torch.from_numpy(dst).to(pending.device)
@@ -468,3 +474,6 @@ class DeviceState:
         if next_tokens is not None and next_tokens.data_ptr() != pending.data_ptr():
             next_tokens[index_dst.to(next_tokens.device)] = \
                 next_tokens[index_src.to(next_tokens.device)]
+        if new_drafts is not None:
+            new_drafts[:, index_dst.to(new_drafts.device)] = \
+                new_drafts[:, index_src.to(new_drafts.device)]

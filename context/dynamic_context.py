@@ -36,12 +36,13 @@ from .inputs import check_new_tokens, read_mask
 from .parallel import CountAgreement, joins_agreement_on_failure, parallel_groups
 from .request_table import RequestTable
 from .requests import DynamicInferenceRequest
+from .step_api import StepAPI
 from .step_builder import REQUEST_ROUNDER, TOKEN_ROUNDER, rounded
 
 logger = logging.getLogger("dynctx.context")
 
 
-class DynamicInferenceContext:
+class DynamicInferenceContext(StepAPI):
     """Paged KV cache plus in-flight batching bookkeeping (Megatron-Core's API).
 
     Megatron-Core 0.19's form ``DynamicInferenceContext(model_config, inference_config)``
@@ -290,19 +291,7 @@ class DynamicInferenceContext:
         if self._table.active and not self._hand_written:
             self.initialize_attention_state()
 
-    def initialize_attention_state(self, *, construct_graph_dimensions: Optional[
-            InferenceBatchDimensions] = None) -> None:
-        """Prepare the step's token arrays and attention metadata, padded to the CUDA graph
-        that fits the step, else eagerly (``ForwardPass.begin``). With
-        ``construct_graph_dimensions`` (an empty context), first add that graph's capture
-        dummies, as Megatron-Core does before a capture."""
-        self._check_allocated()
-        if construct_graph_dimensions is not None:
-            self.add_dummy_requests_for_cudagraph_capture(construct_graph_dimensions)
-        self._step = self._forward.begin(self._limits(),
-                                         capture=construct_graph_dimensions is not None)
-        self._set_step_counts(self._step)
-
+    # initialize_attention_state, transfer_bookkeeping_to_gpu: step_api.StepAPI's.
     active_attn_metadata = property(lambda self: self._forward.attention,
                                     doc="The step's attention metadata (block table, lengths)")
     reset_attention_state = _Part("_forward", ForwardPass.reset_attention_state)
@@ -340,19 +329,7 @@ class DynamicInferenceContext:
             self.metrics_writer.log({f"inference/{k}": v for k, v in stats.items()})
         return self.newly_paused_request_ids
 
-    def current_input_and_position_ids(self, *, num_warmup_tokens: Optional[int] = None
-                                       ) -> Tuple[torch.Tensor, torch.Tensor]:
-        """``(input_ids [1, n], position_ids [1, n])`` views, n = padded tokens of the step."""
-        self._check_allocated()
-        if num_warmup_tokens is None and self._step is None:
-            raise RuntimeError("current_input_and_position_ids() is valid only after "
-                               "initialize_attention_state() of this step")
-        n = num_warmup_tokens or self.padded_active_token_count
-        if not 0 <= n <= self.max_tokens:
-            raise ValueError(f"num_warmup_tokens={num_warmup_tokens} must lie in [0, max_tokens="
-                             f"{self.max_tokens}]")
-        device = self._device
-        return device.token_to_input_ids[:n].unsqueeze(0), device.token_to_pos_ids[:n].unsqueeze(0)
+    # current_input_and_position_ids, gpu_view: step_api.StepAPI's.
 
     # The model's calls of the step (the forward pass's, with Megatron-Core's signatures).
     cu_query_lengths = _Part("_forward", ForwardPass.cu_query_lengths)
@@ -438,17 +415,6 @@ class DynamicInferenceContext:
     _decode_shortcut = property(  # the steady decode update's shortcut (tests compare paths)
         lambda self: self._forward.decode_shortcut,
         lambda self, value: setattr(self._forward, "decode_shortcut", bool(value)))
-
-    def _move_book_keeping_tensors(self, src_idxs: Any, dst_idxs: Any,
-                                   next_tokens: Optional[torch.Tensor], swap: bool = False) -> None:
-        """Rows ``dst_idxs`` take rows ``src_idxs``' bookkeeping (``ContextParts.move_rows``)."""
-        self._parts.move_rows(src_idxs, dst_idxs, next_tokens, swap)
-        self._step = None
-
-    def _swap_book_keeping_tensors(self, src_idxs: Any, dst_idxs: Any,
-                                   next_tokens: Optional[torch.Tensor]) -> None:
-        """Exchange the bookkeeping of rows ``src_idxs`` and ``dst_idxs`` (distinct rows)."""
-        self._move_book_keeping_tensors(src_idxs, dst_idxs, next_tokens, swap=True)
 
     def pull_bookkeeping_from_device(self) -> None:
         """Copy the bookkeeping tensors written by hand on a CUDA device back to the host (one

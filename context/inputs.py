@@ -182,10 +182,12 @@ def row_indices(name: str, idxs, rows: int) -> np.ndarray:
     return array
 
 
-def check_row_moves(src_idxs, dst_idxs, next_tokens, swap: bool, rows: int) -> tuple:
+def check_row_moves(src_idxs, dst_idxs, next_tokens, swap: bool, rows: int,
+                    new_speculative_tokens=None) -> tuple:
     """``(dst, src)``: the rows that take and the rows they take from, of Megatron-Core's
     ``_move_book_keeping_tensors`` (``swap=False``) or ``_swap_book_keeping_tensors`` (both
-    ways); ``next_tokens`` None or a 1-D tensor that holds every row moved."""
+    ways); ``next_tokens`` None or a 1-D tensor that holds every row moved, and
+    ``new_speculative_tokens`` None or a 2-D ``[k, rows]`` tensor that does (0.19)."""
     src = row_indices("src_idxs", src_idxs, rows)
     dst = row_indices("dst_idxs", dst_idxs, rows)
     if src.size != dst.size:
@@ -201,6 +203,16 @@ def check_row_moves(src_idxs, dst_idxs, next_tokens, swap: bool, rows: int) -> t
         if touched.size and next_tokens.shape[0] <= touched.max():
             raise ValueError(f"next_tokens has {next_tokens.shape[0]} rows; the rows moved "
                              f"reach {int(touched.max())}")
+    drafts = new_speculative_tokens
+    if drafts is not None:
+        if not isinstance(drafts, torch.Tensor) or drafts.dim() != 2:
+            raise TypeError(f"new_speculative_tokens must be a 2-D tensor [k, rows] or None, got "
+                            f"{type(drafts).__name__}" + (f" of shape {tuple(drafts.shape)}"
+                                                          if isinstance(drafts, torch.Tensor)
+                                                          else ""))
+        if touched.size and drafts.shape[1] <= touched.max():
+            raise ValueError(f"new_speculative_tokens has {drafts.shape[1]} rows; the rows "
+                             f"moved reach {int(touched.max())}")
     if swap:
         return np.concatenate([dst, src]), np.concatenate([src, dst])
     return dst, src

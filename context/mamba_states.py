@@ -346,3 +346,13 @@ class MambaMetadata:
     def allocate_slot(self) -> Optional[int]:
         """Pop a free slot for a request the caller places by hand (None when none is free)."""
         return self._slots().allocate()
+
+    def batch_allocate_slots(self, count: int) -> Optional[torch.Tensor]:
+        """Pop ``count`` free slots (int32, in ``allocate_slot``'s order) for rows the caller
+        places by hand, or None, taking none, when fewer are free (Megatron-Core 0.19)."""
+        slots = self._slots()
+        if isinstance(count, bool) or not isinstance(count, (int, np.integer)) or count < 0:
+            raise ValueError(f"count={count!r} must be an int >= 0")
+        if count > slots.free_count:
+            return None
+        return torch.tensor([slots.allocate() for _ in range(count)], dtype=torch.int32)

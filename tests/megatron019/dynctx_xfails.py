@@ -18,8 +18,6 @@ UPDATE_WITHOUT_STEP = (
     '0.19 updates requests added without a step; dynctx refuses update_requests before initialize_attention_state (docs/SEMANTICS.md §9)')
 MAMBA_BUDGET_ERROR = (
     "0.19's 'prefix cache budget' ValueError for prefix_caching_mamba_gb (gap 4): dynctx sizes its Mamba snapshots its own way (docs/SEMANTICS.md §16 row 31)")
-ASYNC_TRIO = (
-    "0.19's async-scheduling trio (gap 8), not built")
 ROUTING = (
     "0.19's per-block MoE routing storage (gap 3), not built")
 ALLOCATOR_PREFIX_NAMES = (
@@ -30,10 +28,8 @@ MIXED_PREFILL_LAYOUT = (
     "0.19's prefix-match step layout of a mixed cached and fresh prefill (gap 4); dynctx's differs, not yet analysed")
 TRANSFER = (
     "0.19's separate bookkeeping transfer (gap 7), not built")
-SPECULATIVE_API = (
-    "0.19's speculative step API (gap 9), not built")
-GPU_VIEW = (
-    'ContextGPUView / ctx.gpu_view (gap 6), not built')
+INPUTS_BEFORE_STEP = (
+    'reads current_input_and_position_ids() after writing padded_active_token_count by hand; dynctx refuses it before initialize_attention_state (docs/SEMANTICS.md §16 row 54)')
 TORCH_SAMPLING = (
     'TorchSampling and processed log probs (gap 12), not built')
 BLOCK_ORDER = (
@@ -46,58 +42,29 @@ KV_BLOCK_ALLOCATOR = (
     "the standalone KVBlockAllocator with 0.19's prefix-caching names (gap 3), not built")
 SHARED_TOTAL_AVAIL = (
     "total_avail under shared blocks differs from 0.19's count, not yet analysed (docs/SEMANTICS.md §16 row 30)")
-PREFILL_FLAGS = (
-    "writes request_in_prefill_status_tensor, 0.19's per-request prefill flags (gap 7), not built")
+CHUNKED_ID_FIRST = (
+    "writes chunked_prefill_request_id before the request's first chunk is added; dynctx keeps only -1 or the last active row's id (docs/SEMANTICS.md §16 row 40)")
 
 XFAILS: Dict[str, Dict[str, str]] = {
     'test_mcore019_dynamic_context.py': {
-        'TestDynamicContext::test_add_dummy_requests_parallel_hybrid_allocates_mamba': TRANSFER,
-        'TestDynamicContext::test_async_sched_can_prepare_requests_exact_block_demand[0-last_block_offsets0-0-True]': PREFILL_FLAGS,
-        'TestDynamicContext::test_async_sched_can_prepare_requests_exact_block_demand[0-last_block_offsets1-0-False]': PREFILL_FLAGS,
-        'TestDynamicContext::test_async_sched_can_prepare_requests_exact_block_demand[0-last_block_offsets2-1-True]': PREFILL_FLAGS,
-        'TestDynamicContext::test_async_sched_can_prepare_requests_exact_block_demand[2-last_block_offsets3-1-False]': SPECULATIVE,
-        'TestDynamicContext::test_async_sched_can_prepare_requests_exact_block_demand[2-last_block_offsets4-2-True]': SPECULATIVE,
-        'TestDynamicContext::test_async_sched_cannot_prepare_requests_with_lifecycle_state': PREFILL_FLAGS,
-        'TestDynamicContext::test_async_sched_commit_sampled_tokens': PREFILL_FLAGS,
-        'TestDynamicContext::test_async_sched_mtp_prepare_commit_and_resolve': SPECULATIVE,
-        'TestDynamicContext::test_async_sched_prefill_resolves_before_decode_prepare': PREFILL_FLAGS,
-        'TestDynamicContext::test_async_sched_prepare_capacity_recovers_after_pause_resume': PREFILL_FLAGS,
-        'TestDynamicContext::test_async_sched_prepare_requests_errors': PREFILL_FLAGS,
-        'TestDynamicContext::test_async_sched_prepare_requests_success[0-kv_offsets0-last_offsets0-expected_kv_offsets0-expected_last_offsets0]': ASYNC_TRIO,
-        'TestDynamicContext::test_async_sched_prepare_requests_success[2-kv_offsets1-last_offsets1-expected_kv_offsets1-expected_last_offsets1]': PREFILL_FLAGS,
-        'TestDynamicContext::test_async_sched_prepare_requests_success[2-kv_offsets2-last_offsets2-expected_kv_offsets2-expected_last_offsets2]': PREFILL_FLAGS,
-        'TestDynamicContext::test_async_sched_resolve_requests_errors': PREFILL_FLAGS,
-        'TestDynamicContext::test_async_sched_resolve_requests_success': PREFILL_FLAGS,
+        'TestDynamicContext::test_async_sched_prepare_capacity_recovers_after_pause_resume': UPDATE_WITHOUT_STEP,
         'TestDynamicContext::test_calculate_and_store_log_probs': TORCH_SAMPLING,
         'TestDynamicContext::test_chunked_prefill_all_active_requests_finish_while_hidden': UPDATE_WITHOUT_STEP,
-        'TestDynamicContext::test_chunked_prefill_hidden_state_prevents_token_bloat': SPECULATIVE,
+        'TestDynamicContext::test_chunked_prefill_hidden_state_prevents_token_bloat': CHUNKED_ID_FIRST,
         'TestDynamicContext::test_chunked_prefill_meets_prefix_caching': MAX_REQUESTS_ZERO,
-        'TestDynamicContext::test_chunked_prefill_prefix_caching_from_hidden_state': SPECULATIVE,
+        'TestDynamicContext::test_chunked_prefill_prefix_caching_from_hidden_state': CHUNKED_ID_FIRST,
         'TestDynamicContext::test_chunked_prefill_state_preserved_across_decode_completions': UPDATE_WITHOUT_STEP,
         'TestDynamicContext::test_chunked_prefill_swap_with_speculative_tokens': SPECULATIVE,
-        'TestDynamicContext::test_copy_async_sched_sample_to_forward_populates_active_and_clears_padding[0]': GPU_VIEW,
-        'TestDynamicContext::test_copy_async_sched_sample_to_forward_populates_active_and_clears_padding[2]': SPECULATIVE,
-        'TestDynamicContext::test_current_input_and_position_ids_view_cache': GPU_VIEW,
+        'TestDynamicContext::test_current_input_and_position_ids_view_cache': INPUTS_BEFORE_STEP,
         'TestDynamicContext::test_eviction_with_shared_prefix_blocks': ALLOCATOR_PREFIX_NAMES,
-        'TestDynamicContext::test_finished_requests_with_multiple_blocks': PREFILL_FLAGS,
-        'TestDynamicContext::test_initialize_attention_state_bookkeeping_transfer_event': TRANSFER,
-        'TestDynamicContext::test_last_token_logits_selects_correct_values_speculative': SPECULATIVE,
         'TestDynamicContext::test_mamba_memory_ratio_allocation': MAX_REQUESTS_ZERO,
-        'TestDynamicContext::test_pad_active_slices_no_speculative_tokens': SPECULATIVE_API,
-        'TestDynamicContext::test_pad_active_slices_speculative_all_prefill': SPECULATIVE,
-        'TestDynamicContext::test_pad_active_slices_speculative_decode_only': SPECULATIVE,
-        'TestDynamicContext::test_pad_active_slices_speculative_mixed_batch': SPECULATIVE,
         'TestDynamicContext::test_prefix_caching_check_availability_with_speculative': SPECULATIVE,
         'TestDynamicContext::test_prefix_match_exact_block_boundary': MAX_REQUESTS_ZERO,
-        'TestDynamicContext::test_release_memory_blocks_for_finished_requests': PREFILL_FLAGS,
         'TestDynamicContext::test_speculative_boundary_crossing': SPECULATIVE,
         'TestDynamicContext::test_speculative_boundary_crossing_with_prefix_caching': SPECULATIVE,
-        'TestDynamicContext::test_speculative_required_logit_indices_matches_active_logit_idxs': SPECULATIVE,
         'TestDynamicContext::test_speculative_update_then_release_with_prefix_caching': SPECULATIVE,
         'TestDynamicContext::test_speculative_with_prefix_caching_kv_offset': SPECULATIVE,
         'TestDynamicContext::test_speculative_with_prefix_caching_shared_blocks': SPECULATIVE,
-        'TestDynamicContext::test_swap_book_keeping_tensors_with_speculative_tokens': SPECULATIVE,
-        'TestDynamicContext::test_transfer_bookkeeping_to_gpu_can_skip_input_token_ids': GPU_VIEW,
         'TestDynamicContext::test_update_requests_with_finished_requests_and_speculative_tokens': SPECULATIVE,
     },
     'test_mcore019_dynamic_prefix_caching.py': {
@@ -133,9 +100,6 @@ XFAILS: Dict[str, Dict[str, str]] = {
         'TestPrefixCachingCore::test_ref_count_lru': ALLOCATOR_PREFIX_NAMES,
         'TestPrefixCachingCore::test_ref_count_refzero': ALLOCATOR_PREFIX_NAMES,
         'TestPrefixCachingCore::test_registration_and_discovery': ALLOCATOR_PREFIX_NAMES,
-    },
-    'test_mcore019_gpu_view.py': {
-        'TestContextGPUView::test_layout_with_and_without_mamba': GPU_VIEW,
     },
     'test_mcore019_kv_block_allocator.py': {
         'test_allocate_release_reset_round_trip_no_prefix_caching': KV_BLOCK_ALLOCATOR,
