@@ -28,14 +28,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import time
 
 import torch
 
-from dynctx.kernels import autotune, launch_plan, registry
+from dynctx.kernels import autotune, registry
 from dynctx.kernels.backend import HAS_TRITON, triton_interpreting
+
+try:
+    from dynctx.kernels.launch_plan import clear_plans
+except ImportError:  # a checkout from before launch plans, timed for a --baseline
+    def clear_plans() -> None:
+        return None
 
 # The launcher of each tuning whose name is not the launcher's own.
 LAUNCHER_OF = {"paged_attention_decode": "paged_attention",
@@ -61,7 +68,7 @@ def recorded_dispatch(launch):
     from triton.runtime.jit import JITFunction
 
     calls, original = [], JITFunction.run
-    launch_plan.clear_plans()
+    clear_plans()
 
     def recording(self, *args, grid, warmup, **kwargs):
         calls.append((self, args, grid, dict(kwargs)))
@@ -129,7 +136,7 @@ def measure(calls: int, repeats: int, kernels: list[str] | None = None) -> dict:
             launch = per_call_us(call, calls, repeats)
 
             def unplanned():
-                launch_plan.clear_plans()
+                clear_plans()
                 call()
 
             launch_unplanned = per_call_us(unplanned, max(1, calls // 10), repeats)
@@ -160,16 +167,29 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--json", help="also write the results to this file")
     parser.add_argument("--kernel", action="append", help="only these tunings (repeatable)")
+    parser.add_argument("--baseline", help="a run's --json from before a change: kept in the "
+                        "results as 'baseline', its launch column printed as 'before'")
     args = parser.parse_args(argv)
     if not HAS_TRITON or triton_interpreting():
         print("launch_overhead: needs triton, compiled (TRITON_INTERPRET unset)", file=sys.stderr)
         return 2
     result = measure(args.calls, args.repeats, args.kernel)
+    result.update(benchmark="launch_overhead", command="python -P bench/launch_overhead.py "
+                  + " ".join(argv if argv is not None else sys.argv[1:]),
+                  load_average=list(os.getloadavg()))
+    before = {}
+    if args.baseline:
+        with open(args.baseline, encoding="utf-8") as f:
+            result["baseline"] = json.load(f)
+        before = {row["kernel"]: row["launch_us"] for row in result["baseline"]["rows"]}
+        print(f"baseline floor: {result['baseline']['floor_us']:.2f} us")
     print(f"empty Triton kernel dispatch (the floor): {result['floor_us']:.2f} us")
-    print(f"{'launcher (tuning)':<24}{'launch':>8}{'-floor':>8}{'no plan':>8}{'triton':>8}"
-          f"{'ours':>8}{'lookup':>8}{'uncached':>9}   (host CPU us; ours = launch - triton)")
+    print(f"{'launcher (tuning)':<24}{'before' if before else '':>8}{'launch':>8}{'-floor':>8}"
+          f"{'no plan':>8}{'triton':>8}{'ours':>8}{'lookup':>8}{'uncached':>9}"
+          "   (host CPU us; ours = launch - triton)")
     for row in result["rows"]:
-        print(f"{row['kernel']:<24}{row['launch_us']:>8.2f}{row['over_floor_us']:>8.2f}"
+        previous = f"{before[row['kernel']]:>8.2f}" if row["kernel"] in before else " " * 8
+        print(f"{row['kernel']:<24}{previous}{row['launch_us']:>8.2f}{row['over_floor_us']:>8.2f}"
               f"{row['unplanned_us']:>8.2f}{row['dispatch_us']:>8.2f}{row['over_dispatch_us']:>8.2f}"
               f"{row['lookup_us']:>8.2f}{row['lookup_uncached_us']:>9.2f}")
     if args.json:

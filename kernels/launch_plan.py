@@ -19,8 +19,9 @@ exit_hook, *args)``, every kernel parameter in order, constexprs included), whic
 Triton's own binding. It reads the current device and stream at every launch (a CUDA graph
 captures on its own stream) and goes through Triton again when the device changed. Under
 ``TRITON_INTERPRET=1`` there is no compiled kernel: the plan calls the kernel through Triton
-with its stored arguments. Triton's knobs (``debug``, instrumentation) are read when a plan
-is made; ``clear_plans()`` forgets every plan (the tests call it after changing them).
+with its stored arguments. Triton's knobs (``debug``, instrumentation) are read, and its check
+that a kernel's globals did not change is made, when a plan is made; ``clear_plans()`` forgets
+every plan (call it after changing either).
 
 Each launcher module owns its ``PlanCache`` (an LRU of at most ``capacity`` keys); the caches
 register here only so that ``clear_plans()`` and ``plan_caches()`` can reach them.
