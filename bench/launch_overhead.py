@@ -6,9 +6,14 @@ tuned-config lookup, the grid, Triton's dispatch: binding, specialisation, the k
 lookup) and only the driver's launch call is a no-op. Beside them, the floor: an empty Triton
 kernel's dispatch through the same stub, and each launcher's own Triton dispatch (the same
 kernel calls with the same arguments, replayed without the launcher: what a launch costs before
-any of ours). Each launcher runs its registered tuning's scratch case (the first preset key, its
-counts made small) with ``config=None``, as the context calls it; the lookup alone is timed
-too, cached and with the cache emptied before every call.
+any of ours). Each launcher is called as its registered tuning's scratch case calls it (the
+first preset key, its counts made small, ``config=None``, as the context calls it), with the
+same arguments every time. A repeat launch replays its key's launch plan
+(``kernels/launch_plan.py``): one key build, one lookup, the compiled kernel called directly,
+so ``launch`` is the whole host cost and may come in under Triton's own dispatch (``ours``,
+launch minus dispatch, is then negative); ``no plan`` is a launch with the plans emptied
+first (the full path, as a new key takes). The lookup alone is timed too, cached and with the
+cache emptied before every call.
 
 Timings are this thread's CPU time (``time.thread_time_ns``, so that waiting for a core on a
 shared machine does not count), the minimum over ``--repeats`` runs of ``--calls`` calls.
@@ -16,12 +21,14 @@ The first call of each launcher compiles its kernel for sm_90 (a few seconds eac
 
     python -P bench/launch_overhead.py                 # the table
     python -P bench/launch_overhead.py --json out.json
+    python -P bench/launch_overhead.py --kernel kv_append --kernel step_metadata
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import time
@@ -31,6 +38,15 @@ import torch
 from dynctx.kernels import autotune, registry
 from dynctx.kernels.backend import HAS_TRITON, triton_interpreting
 
+try:
+    from dynctx.kernels.launch_plan import clear_plans
+except ImportError:  # a checkout from before launch plans, timed for a --baseline
+    def clear_plans() -> None:
+        return None
+
+# The launcher of each tuning whose name is not the launcher's own.
+LAUNCHER_OF = {"paged_attention_decode": "paged_attention",
+               "paged_attention_varlen": "paged_attention"}
 # Counts of each key made small: the host path does not depend on them (the grid aside).
 SMALL_COUNTS = {"num_tokens": 4, "num_requests": 4, "num_rows": 4, "max_seqlen_k": 300}
 
@@ -47,10 +63,12 @@ def per_call_us(fn, calls: int, repeats: int) -> float:
 
 
 def recorded_dispatch(launch):
-    """The Triton kernel calls one ``launch()`` makes, as a function that replays them."""
+    """The Triton kernel calls one ``launch()`` makes, as a function that replays them (the
+    launch plans emptied first: a planned launch calls no ``JITFunction.run``)."""
     from triton.runtime.jit import JITFunction
 
     calls, original = [], JITFunction.run
+    clear_plans()
 
     def recording(self, *args, grid, warmup, **kwargs):
         calls.append((self, args, grid, dict(kwargs)))
@@ -68,11 +86,35 @@ def recorded_dispatch(launch):
     return replay
 
 
+def recorded_call(tuning, case):
+    """The launcher call ``case.run(None)`` makes, as a function that repeats it with the same
+    arguments (so the case's own argument building, views of its buffers, is not timed)."""
+    import importlib
+
+    module = importlib.import_module(tuning.make_case.__module__)
+    name = LAUNCHER_OF.get(tuning.name, tuning.name)
+    launcher, calls = getattr(module, name), []
+
+    def recording(*args, **kwargs):
+        calls.append((args, kwargs))
+        return launcher(*args, **kwargs)
+
+    setattr(module, name, recording)
+    try:
+        case.run(None)
+    finally:
+        setattr(module, name, launcher)
+    if len(calls) != 1:
+        raise RuntimeError(f"{tuning.name}: its case called {name} {len(calls)} times, not once")
+    (args, kwargs), = calls
+    return lambda: launcher(*args, **kwargs)
+
+
 def small_key(key: dict) -> dict:
     return {k: min(v, SMALL_COUNTS[k]) if k in SMALL_COUNTS else v for k, v in key.items()}
 
 
-def measure(calls: int, repeats: int) -> dict:
+def measure(calls: int, repeats: int, kernels: list[str] | None = None) -> dict:
     import triton
 
     from dynctx.kernels.stub_driver import stub_driver
@@ -86,12 +128,19 @@ def measure(calls: int, repeats: int) -> dict:
     with stub_driver(record_launches=False):
         _empty_kernel[(1,)]()
         floor = per_call_us(lambda: _empty_kernel[(1,)](), calls, repeats)
-        for tuning in registry.select_tunings(None):
+        for tuning in registry.select_tunings(kernels):
             key = small_key(tuning.presets()[0])
             case = tuning.make_case(key, torch.device("cpu"))
             case.run(None)  # compiles
-            launch = per_call_us(lambda: case.run(None), calls, repeats)
-            dispatch = per_call_us(recorded_dispatch(lambda: case.run(None)), calls, repeats)
+            call = recorded_call(tuning, case)
+            launch = per_call_us(call, calls, repeats)
+
+            def unplanned():
+                clear_plans()
+                call()
+
+            launch_unplanned = per_call_us(unplanned, max(1, calls // 10), repeats)
+            dispatch = per_call_us(recorded_dispatch(call), calls, repeats)
             lookup = per_call_us(lambda: autotune.resolve_config(tuning.name, key, "cpu"),
                                  calls, repeats)
 
@@ -102,6 +151,7 @@ def measure(calls: int, repeats: int) -> dict:
             lookup_uncached = per_call_us(uncached, max(1, calls // 10), repeats)
             rows.append({"kernel": tuning.name, "key": registry.key_text(key),
                          "launch_us": round(launch, 2), "over_floor_us": round(launch - floor, 2),
+                         "unplanned_us": round(launch_unplanned, 2),
                          "dispatch_us": round(dispatch, 2),
                          "over_dispatch_us": round(launch - dispatch, 2),
                          "lookup_us": round(lookup, 2),
@@ -116,17 +166,31 @@ def main(argv=None) -> int:
     parser.add_argument("--calls", type=int, default=2000)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--json", help="also write the results to this file")
+    parser.add_argument("--kernel", action="append", help="only these tunings (repeatable)")
+    parser.add_argument("--baseline", help="a run's --json from before a change: kept in the "
+                        "results as 'baseline', its launch column printed as 'before'")
     args = parser.parse_args(argv)
     if not HAS_TRITON or triton_interpreting():
         print("launch_overhead: needs triton, compiled (TRITON_INTERPRET unset)", file=sys.stderr)
         return 2
-    result = measure(args.calls, args.repeats)
+    result = measure(args.calls, args.repeats, args.kernel)
+    result.update(benchmark="launch_overhead", command="python -P bench/launch_overhead.py "
+                  + " ".join(argv if argv is not None else sys.argv[1:]),
+                  load_average=list(os.getloadavg()))
+    before = {}
+    if args.baseline:
+        with open(args.baseline, encoding="utf-8") as f:
+            result["baseline"] = json.load(f)
+        before = {row["kernel"]: row["launch_us"] for row in result["baseline"]["rows"]}
+        print(f"baseline floor: {result['baseline']['floor_us']:.2f} us")
     print(f"empty Triton kernel dispatch (the floor): {result['floor_us']:.2f} us")
-    print(f"{'launcher (tuning)':<24}{'launch':>8}{'-floor':>8}{'triton':>8}{'ours':>7}"
-          f"{'lookup':>8}{'uncached':>9}   (host CPU us; ours = launch - triton)")
+    print(f"{'launcher (tuning)':<24}{'before' if before else '':>8}{'launch':>8}{'-floor':>8}"
+          f"{'no plan':>8}{'triton':>8}{'ours':>8}{'lookup':>8}{'uncached':>9}"
+          "   (host CPU us; ours = launch - triton)")
     for row in result["rows"]:
-        print(f"{row['kernel']:<24}{row['launch_us']:>8.2f}{row['over_floor_us']:>8.2f}"
-              f"{row['dispatch_us']:>8.2f}{row['over_dispatch_us']:>7.2f}"
+        previous = f"{before[row['kernel']]:>8.2f}" if row["kernel"] in before else " " * 8
+        print(f"{row['kernel']:<24}{previous}{row['launch_us']:>8.2f}{row['over_floor_us']:>8.2f}"
+              f"{row['unplanned_us']:>8.2f}{row['dispatch_us']:>8.2f}{row['over_dispatch_us']:>8.2f}"
               f"{row['lookup_us']:>8.2f}{row['lookup_uncached_us']:>9.2f}")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:

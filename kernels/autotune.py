@@ -35,7 +35,7 @@ from typing import Any, Callable
 
 import torch
 
-from .backend import triton_interpreting
+from .backend import env_get, triton_interpreting
 
 logger = logging.getLogger("dynctx.autotune")
 
@@ -300,11 +300,21 @@ def _lookup_in_file(tuning: KernelTuning, data: dict, key: dict, path: Path):
 # (kernel, device, override folder, packaged folder, key items) -> (tuning, (config, source)):
 # a hit counts only for the tuning it was resolved for (tests swap tunings under one name).
 _LOOKUPS: dict[tuple, tuple[KernelTuning, tuple[KernelConfig, str]]] = {}
+# Bumped by every clear_lookup_cache(): a launch plan made with a resolved config stores the
+# lookup_state() it was resolved under and is only used under the same one.
+_GENERATION = [0]
 
 
 def clear_lookup_cache() -> None:
     """Forget every resolved config: the next lookups read the files again."""
     _LOOKUPS.clear()
+    _GENERATION[0] += 1
+
+
+def lookup_state() -> tuple:
+    """What a resolved config depends on besides the kernel, device and key: the cache's
+    generation and the two variables that name the override folder."""
+    return (_GENERATION[0], env_get(OVERRIDE_ENV), env_get("XDG_CACHE_HOME"))
 
 
 def resolve_config(name: str, key: dict, device: torch.device | str | None = None

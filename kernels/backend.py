@@ -16,6 +16,7 @@ import torch
 try:
     import triton  # noqa: F401
     import triton.language as tl  # noqa: F401
+    from triton.runtime import driver as _triton_driver
 
     HAS_TRITON = True
 except ImportError:  # macOS and other platforms without Triton wheels
@@ -24,23 +25,35 @@ except ImportError:  # macOS and other platforms without Triton wheels
 BACKENDS = ("auto", "triton", "torch")
 BACKEND_ENV = "DYNCTX_KERNEL_BACKEND"
 
+# os.environ's own store (bytes on POSIX), which os.environ[...] = and putenv keep current: a
+# launch reads a few variables, and os.environ.get's encode/decode costs ~0.4 us each.
+_ENV_STORE = getattr(os.environ, "_data", None) if os.name == "posix" else None
+_ENCODED: dict[str, bytes] = {}
+
+
+def env_get(name: str, default: str | None = None) -> str | None:
+    """``os.environ.get(name, default)``, read without the encoding round trip on POSIX."""
+    if _ENV_STORE is None:
+        return os.environ.get(name, default)
+    encoded = _ENCODED.get(name)
+    if encoded is None:
+        encoded = _ENCODED[name] = os.fsencode(name)
+    value = _ENV_STORE.get(encoded)
+    return default if value is None else os.fsdecode(value)
+
 
 def triton_interpreting() -> bool:
     """True when Triton kernels run in the CPU interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return env_get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def stub_driver_active() -> bool:
     """True while ``stub_driver.stub_driver()`` has made its compile-only driver Triton's."""
-    if not HAS_TRITON:
-        return False
-    from triton.runtime import driver
-
-    return getattr(driver._active, "COMPILE_ONLY", False)
+    return HAS_TRITON and getattr(_triton_driver._active, "COMPILE_ONLY", False)
 
 
 def check_backend_name(backend: str | None) -> str:
-    name = backend if backend is not None else os.environ.get(BACKEND_ENV, "auto")
+    name = backend if backend is not None else env_get(BACKEND_ENV, "auto")
     if name not in BACKENDS:
         source = "backend" if backend is not None else BACKEND_ENV
         raise ValueError(f"{source}={name!r} is not a kernel backend; expected one of {BACKENDS}")
@@ -50,7 +63,8 @@ def check_backend_name(backend: str | None) -> str:
 def resolve_backend(backend: str | None, device: torch.device) -> str:
     """Return ``"triton"`` or ``"torch"`` for tensors on ``device``."""
     name = check_backend_name(backend)
-    device = torch.device(device)
+    if not isinstance(device, torch.device):
+        device = torch.device(device)
     if name == "torch":
         return "torch"
     if name == "auto":

@@ -31,6 +31,10 @@ from ._common import check_tensor, check_writable, custom_op
 from .autotune import KernelConfig, KernelTuning, TuneCase, bucket_tokens
 from .backend import HAS_TRITON, resolve_backend
 from .devices import same_device
+from .launch_plan import KernelLaunch, PlanCache, launch_key
+
+# Per launch key (launch_plan.py): the checks passed, the config, the grid, the arguments.
+_PLANS = PlanCache("compact_requests")
 
 if HAS_TRITON:
     import triton
@@ -106,6 +110,17 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a0 < b1 and b0 < a1
 
 
+def _check_disjoint(dst_block_table, src_block_table, dst_next_tokens, src_next_tokens,
+                    new_tokens) -> None:
+    """The outputs share no memory with the inputs: addresses, so checked on every call (a
+    launch plan covers metadata only)."""
+    if _overlap(dst_block_table, src_block_table):
+        raise ValueError("dst_block_table and src_block_table must not share memory")
+    for name, other in (("src_next_tokens", src_next_tokens), ("new_tokens", new_tokens)):
+        if _overlap(dst_next_tokens, other):
+            raise ValueError(f"dst_next_tokens and {name} must not share memory")
+
+
 def compact_requests(dst_block_table: torch.Tensor, src_block_table: torch.Tensor,
                      dst_next_tokens: torch.Tensor, src_next_tokens: torch.Tensor,
                      new_tokens: torch.Tensor, plan_src: torch.Tensor,
@@ -138,6 +153,17 @@ def compact_requests(dst_block_table: torch.Tensor, src_block_table: torch.Tenso
     copied at the edge. Every argument is checked before anything is written: a refused call
     leaves ``dst_*`` untouched.
     """
+    plan_key = launch_key((dst_block_table, src_block_table, dst_next_tokens, src_next_tokens,
+                           new_tokens, plan_src, plan_append_col, plan_append_block),
+                          (new_token_offset, num_rows, clear_rows, check), config)
+    plan = _PLANS.get(plan_key)
+    if plan is not None and resolve_backend(backend, dst_block_table.device) == "triton":
+        if check:
+            _check_disjoint(dst_block_table, src_block_table, dst_next_tokens, src_next_tokens,
+                            new_tokens)
+        plan.launch((dst_block_table, dst_next_tokens, src_block_table, src_next_tokens,
+                     new_tokens, plan_src, plan_append_col, plan_append_block))
+        return
     device = dst_block_table.device if isinstance(dst_block_table, torch.Tensor) else None
     num_rows, clear_rows, new_token_offset = int(num_rows), int(clear_rows), int(new_token_offset)
     end_rows = max(num_rows, clear_rows)
@@ -162,11 +188,8 @@ def compact_requests(dst_block_table: torch.Tensor, src_block_table: torch.Tenso
         if src_block_table.shape[1] != dst_block_table.shape[1]:
             raise ValueError(f"src_block_table has {src_block_table.shape[1]} columns, "
                              f"dst_block_table {dst_block_table.shape[1]}")
-        if _overlap(dst_block_table, src_block_table):
-            raise ValueError("dst_block_table and src_block_table must not share memory")
-        for name, other in (("src_next_tokens", src_next_tokens), ("new_tokens", new_tokens)):
-            if _overlap(dst_next_tokens, other):
-                raise ValueError(f"dst_next_tokens and {name} must not share memory")
+        _check_disjoint(dst_block_table, src_block_table, dst_next_tokens, src_next_tokens,
+                        new_tokens)
         if num_rows < 0 or clear_rows < 0:
             raise ValueError(f"num_rows={num_rows} and clear_rows={clear_rows} must be >= 0")
         if end_rows > dst_block_table.shape[0]:
@@ -192,12 +215,13 @@ def compact_requests(dst_block_table: torch.Tensor, src_block_table: torch.Tenso
         config, _ = autotune.resolve_config("compact_requests", key, device)
     meta = config.kwargs
     grid = (triton.cdiv(end_rows, meta["BLOCK_R"]), triton.cdiv(max_blocks, meta["BLOCK_C"]))
-    _compact_requests_kernel[grid](
+    pointers = dict(
         dst_block_table_ptr=dst_block_table, dst_next_tokens_ptr=dst_next_tokens,
         src_block_table_ptr=src_block_table, src_next_tokens_ptr=src_next_tokens,
         new_tokens_ptr=new_tokens, plan_src_ptr=plan_src, plan_append_col_ptr=plan_append_col,
-        plan_append_block_ptr=plan_append_block,
-        num_rows=num_rows, end_rows=end_rows, num_src_rows=src_block_table.shape[0],
+        plan_append_block_ptr=plan_append_block)
+    _PLANS.put(plan_key, KernelLaunch(_compact_requests_kernel, grid, dict(
+        **pointers, num_rows=num_rows, end_rows=end_rows, num_src_rows=src_block_table.shape[0],
         new_token_offset=new_token_offset, num_new_tokens=new_tokens.shape[0],
         max_blocks=max_blocks,
         stride_dst_row=dst_block_table.stride(0), stride_dst_col=dst_block_table.stride(1),
@@ -206,7 +230,7 @@ def compact_requests(dst_block_table: torch.Tensor, src_block_table: torch.Tenso
         stride_new_tokens=new_tokens.stride(0), stride_plan_src=plan_src.stride(0),
         stride_plan_append_col=plan_append_col.stride(0),
         stride_plan_append_block=plan_append_block.stride(0),
-        **config.launch_kwargs())
+        **config.launch_kwargs()), pointers))
 
 
 def compact_requests_ref(dst_block_table: torch.Tensor, src_block_table: torch.Tensor,

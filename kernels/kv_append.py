@@ -27,8 +27,11 @@ from ._shapes import LLAMA_3_8B
 from .autotune import KernelConfig, KernelTuning
 from .backend import HAS_TRITON, resolve_backend
 from .fp8 import FP8_DTYPES, check_head_scale, fp8_constexprs, is_fp8, quantize_ref
+from .launch_plan import KernelLaunch, PlanCache, launch_key
 
 NAME = "kv_append"
+# Per launch key (module docstring of launch_plan.py): the checks passed, the config, the grid.
+_PLANS = PlanCache(NAME)
 
 
 if HAS_TRITON:
@@ -160,6 +163,14 @@ def kv_append(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Ten
     Every tensor is read or written through its own strides and storage offset; nothing is
     copied at the edge. Every argument is checked before anything is written.
     """
+    plan_key = launch_key((key_cache, value_cache, key, value, block_ids, slots, key_scale,
+                           value_scale), (check,), config)
+    plan = _PLANS.get(plan_key)
+    if plan is not None and resolve_backend(backend, key_cache.device) == "triton":
+        plan.launch((key_cache, value_cache, key, value, block_ids, slots,
+                     key if key_scale is None else key_scale,
+                     value if value_scale is None else value_scale))
+        return
     if check:
         key, value = _check_inputs(key_cache, value_cache, key, value, block_ids, slots,
                                    key_scale, value_scale)
@@ -177,13 +188,14 @@ def kv_append(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Ten
         config, _ = autotune.resolve_config(NAME, tune_key, key_cache.device)
     meta = config.kwargs
     grid = (-(-n // meta["BLOCK_T"]), -(-num_heads // meta["BLOCK_H"]))
-    _kv_append_kernel[grid](
+    pointers = dict(
         key_cache_ptr=key_cache, value_cache_ptr=value_cache, key_ptr=key, value_ptr=value,
         block_ids_ptr=block_ids, slots_ptr=slots,
         # Without scales the kernel reads none: any pointer stands in.
         key_scale_ptr=key if key_scale is None else key_scale,
-        value_scale_ptr=value if value_scale is None else value_scale,
-        num_tokens=n, num_heads=num_heads, head_dim=head_dim,
+        value_scale_ptr=value if value_scale is None else value_scale)
+    _PLANS.put(plan_key, KernelLaunch(_kv_append_kernel, grid, dict(
+        **pointers, num_tokens=n, num_heads=num_heads, head_dim=head_dim,
         stride_key_cache_block=key_cache.stride(0), stride_key_cache_slot=key_cache.stride(1),
         stride_key_cache_head=key_cache.stride(2), stride_key_cache_dim=key_cache.stride(3),
         stride_value_cache_block=value_cache.stride(0),
@@ -197,7 +209,7 @@ def kv_append(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Ten
         stride_key_scale=0 if key_scale is None else key_scale.stride(0),
         stride_value_scale=0 if value_scale is None else value_scale.stride(0),
         BLOCK_D=next_pow2(head_dim), **fp8_constexprs(key_cache.dtype), **config.launch_kwargs(),
-    )
+    ), pointers))
 
 
 def kv_append_ref(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor,

@@ -22,6 +22,11 @@ from ._shapes import LLAMA_3_8B
 from .autotune import KernelConfig, KernelTuning, TuneCase, bucket_tokens, dtype_name
 from .backend import HAS_TRITON, resolve_backend
 from .devices import same_device
+from .launch_plan import KernelLaunch, PlanCache, launch_key
+
+# Per launch key (launch_plan.py): the checks passed, the config, the grid, the arguments and
+# the shape and dtype of the outputs each call allocates.
+_LAST_TOKEN_PLANS, _LOG_PROB_PLANS = PlanCache("last_token_logits"), PlanCache("token_log_probs")
 
 if HAS_TRITON:
     import triton
@@ -157,6 +162,14 @@ def last_token_logits(logits: torch.Tensor, cu_query_lengths: torch.Tensor, num_
     Returns ``[num_requests, V]``: row ``i`` is ``logits[cu_query_lengths[i + 1] - 1]``, bit-exact
     (or its fp32 log-softmax).
     """
+    plan_key = launch_key((logits, cu_query_lengths, out), (num_requests, log_softmax), config)
+    plan = _LAST_TOKEN_PLANS.get(plan_key)
+    if plan is not None and resolve_backend(backend, logits.device) == "triton":
+        launch, out_shape, out_dtype = plan
+        if out is None:
+            out = torch.empty(out_shape, dtype=out_dtype, device=logits.device)
+        launch.launch((out, logits, cu_query_lengths))
+        return out
     logits = _check_logits(logits)
     if not isinstance(cu_query_lengths, torch.Tensor) or cu_query_lengths.dim() != 1:
         raise ValueError("cu_query_lengths must be a 1-D int32 tensor")
@@ -188,23 +201,24 @@ def last_token_logits(logits: torch.Tensor, cu_query_lengths: torch.Tensor, num_
                                           num_requests=num_requests, log_softmax=log_softmax)
         config, _ = autotune.resolve_config("last_token_logits", key, logits.device)
     if log_softmax:
-        _row_log_softmax_kernel[(num_requests,)](
-            full_ptr=out, token_log_probs_ptr=None, logits_ptr=logits,
-            cu_query_lengths_ptr=cu_query_lengths, token_ids_ptr=None,
-            num_tokens=num_tokens, vocab_size=vocab_size,
+        pointers = dict(full_ptr=out, logits_ptr=logits, cu_query_lengths_ptr=cu_query_lengths)
+        launch = KernelLaunch(_row_log_softmax_kernel, (num_requests,), dict(
+            **pointers, token_log_probs_ptr=None, token_ids_ptr=None, num_tokens=num_tokens,
+            vocab_size=vocab_size,
             stride_full_row=out.stride(0), stride_full_col=out.stride(1), stride_token_log_probs=0,
             stride_logits_row=logits.stride(0), stride_logits_col=logits.stride(1),
             stride_cu=cu_query_lengths.stride(0), stride_token_ids=0,
-            **config.launch_kwargs())
+            **config.launch_kwargs()), pointers)
     else:
         grid = (num_requests, triton.cdiv(vocab_size, config.kwargs["BLOCK_V"]))
-        _last_token_gather_kernel[grid](
-            out_ptr=out, logits_ptr=logits, cu_query_lengths_ptr=cu_query_lengths,
-            num_tokens=num_tokens, vocab_size=vocab_size,
+        pointers = dict(out_ptr=out, logits_ptr=logits, cu_query_lengths_ptr=cu_query_lengths)
+        launch = KernelLaunch(_last_token_gather_kernel, grid, dict(
+            **pointers, num_tokens=num_tokens, vocab_size=vocab_size,
             stride_out_row=out.stride(0), stride_out_col=out.stride(1),
             stride_logits_row=logits.stride(0), stride_logits_col=logits.stride(1),
             stride_cu=cu_query_lengths.stride(0),
-            **config.launch_kwargs())
+            **config.launch_kwargs()), pointers)
+    _LAST_TOKEN_PLANS.put(plan_key, (launch, tuple(out.shape), out.dtype))
     return out
 
 
@@ -226,6 +240,15 @@ def token_log_probs(logits: torch.Tensor, token_ids: torch.Tensor, *, return_ful
     ``log_softmax(logits[t].float())[token_ids[t]]`` and, when ``return_full``, fp32 ``[T, V]``
     (else ``None``). Both are newly allocated.
     """
+    plan_key = launch_key((logits, token_ids), (return_full,), config)
+    plan = _LOG_PROB_PLANS.get(plan_key)
+    if plan is not None and resolve_backend(backend, logits.device) == "triton":
+        launch, num_tokens, vocab_size = plan
+        log_probs = torch.empty(num_tokens, dtype=torch.float32, device=logits.device)
+        full = (torch.empty(num_tokens, vocab_size, dtype=torch.float32, device=logits.device)
+                if return_full else None)
+        launch.launch((full, log_probs, logits, token_ids))
+        return log_probs, full
     logits = _check_logits(logits)
     if not isinstance(token_ids, torch.Tensor) or token_ids.dim() != 1:
         raise ValueError("token_ids must be a 1-D int32/int64 tensor")
@@ -247,16 +270,17 @@ def token_log_probs(logits: torch.Tensor, token_ids: torch.Tensor, *, return_ful
         key = token_log_probs_tune_key(vocab_size=vocab_size, dtype=logits.dtype,
                                        num_tokens=num_tokens, return_full=return_full)
         config, _ = autotune.resolve_config("token_log_probs", key, logits.device)
-    _row_log_softmax_kernel[(num_tokens,)](
-        full_ptr=full, token_log_probs_ptr=log_probs, logits_ptr=logits,
-        cu_query_lengths_ptr=None, token_ids_ptr=token_ids,
-        num_tokens=num_tokens, vocab_size=vocab_size,
+    pointers = dict(full_ptr=full, token_log_probs_ptr=log_probs, logits_ptr=logits,
+                    token_ids_ptr=token_ids)
+    launch = KernelLaunch(_row_log_softmax_kernel, (num_tokens,), dict(
+        **pointers, cu_query_lengths_ptr=None, num_tokens=num_tokens, vocab_size=vocab_size,
         stride_full_row=full.stride(0) if full is not None else 0,
         stride_full_col=full.stride(1) if full is not None else 0,
         stride_token_log_probs=log_probs.stride(0),
         stride_logits_row=logits.stride(0), stride_logits_col=logits.stride(1),
         stride_cu=0, stride_token_ids=token_ids.stride(0),
-        **config.launch_kwargs())
+        **config.launch_kwargs()), pointers)
+    _LOG_PROB_PLANS.put(plan_key, (launch, num_tokens, vocab_size))
     return log_probs, full
 
 

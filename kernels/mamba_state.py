@@ -19,8 +19,12 @@ from ._shapes import MAMBA2_CONV_STATE, MAMBA2_MIXER, MAMBA2_SSM_STATE
 from .autotune import KernelConfig, KernelTuning, TuneCase
 from .backend import HAS_TRITON, resolve_backend
 from .devices import same_device
+from .launch_plan import KernelLaunch, PlanCache, launch_key
 
 GATHER, SCATTER = "mamba_state_gather", "mamba_state_scatter"
+# Per launch key (launch_plan.py): the checks passed, the config, the grid, the arguments
+# (and for a gather into a new tensor, its shape).
+_GATHER_PLANS, _SCATTER_PLANS = PlanCache(GATHER), PlanCache(SCATTER)
 
 
 if HAS_TRITON:
@@ -166,6 +170,14 @@ def mamba_state_gather(states: torch.Tensor, slot_ids: torch.Tensor,
     copied. A row whose strides leave more than three unmergeable dims (``row_layout``) is
     refused with a ``ValueError`` before anything is written.
     """
+    plan_key = launch_key((states, slot_ids, out), (), config)
+    plan = _GATHER_PLANS.get(plan_key)
+    if plan is not None and resolve_backend(backend, states.device) == "triton":
+        launch, out_shape = plan
+        if out is None:
+            out = torch.empty(out_shape, dtype=states.dtype, device=states.device)
+        launch.launch((out, states, slot_ids))
+        return out
     _check_states(states, slot_ids)
     n = slot_ids.numel()
     if out is None:
@@ -182,16 +194,17 @@ def mamba_state_gather(states: torch.Tensor, slot_ids: torch.Tensor,
     config = _resolve(GATHER, config, states, n)
     row_elems = math.prod(states.shape[1:])
     grid = (n, -(-row_elems // config.kwargs["BLOCK_R"]))
-    _mamba_state_gather_kernel[grid](
-        out_ptr=out, states_ptr=states, slot_ids_ptr=slot_ids,
-        row_elems=row_elems, size_1=sizes[1], size_2=sizes[2],
+    pointers = dict(out_ptr=out, states_ptr=states, slot_ids_ptr=slot_ids)
+    launch = KernelLaunch(_mamba_state_gather_kernel, grid, dict(
+        **pointers, row_elems=row_elems, size_1=sizes[1], size_2=sizes[2],
         stride_out_row=out.stride(0), stride_out_0=out_strides[0], stride_out_1=out_strides[1],
         stride_out_2=out_strides[2],
         stride_states_slot=states.stride(0), stride_states_0=states_strides[0],
         stride_states_1=states_strides[1], stride_states_2=states_strides[2],
         stride_slot_ids=slot_ids.stride(0), FLAT=flat,
         **config.launch_kwargs(),
-    )
+    ), pointers)
+    _GATHER_PLANS.put(plan_key, (launch, tuple(out.shape)))
     return out
 
 
@@ -209,6 +222,11 @@ def mamba_state_scatter(states: torch.Tensor, slot_ids: torch.Tensor, src: torch
     copied. A row whose strides leave more than three unmergeable dims (``row_layout``) is
     refused with a ``ValueError`` before anything is written.
     """
+    plan_key = launch_key((states, slot_ids, src), (), config)
+    plan = _SCATTER_PLANS.get(plan_key)
+    if plan is not None and resolve_backend(backend, states.device) == "triton":
+        plan.launch((states, src, slot_ids))
+        return
     _check_states(states, slot_ids)
     n = slot_ids.numel()
     _check_rows("src", src, states, exact_rows=None, min_rows=n)
@@ -222,16 +240,16 @@ def mamba_state_scatter(states: torch.Tensor, slot_ids: torch.Tensor, src: torch
     config = _resolve(SCATTER, config, states, n)
     row_elems = math.prod(states.shape[1:])
     grid = (n, -(-row_elems // config.kwargs["BLOCK_R"]))
-    _mamba_state_scatter_kernel[grid](
-        states_ptr=states, src_ptr=src, slot_ids_ptr=slot_ids,
-        row_elems=row_elems, size_1=sizes[1], size_2=sizes[2],
+    pointers = dict(states_ptr=states, src_ptr=src, slot_ids_ptr=slot_ids)
+    _SCATTER_PLANS.put(plan_key, KernelLaunch(_mamba_state_scatter_kernel, grid, dict(
+        **pointers, row_elems=row_elems, size_1=sizes[1], size_2=sizes[2],
         stride_states_slot=states.stride(0), stride_states_0=states_strides[0],
         stride_states_1=states_strides[1], stride_states_2=states_strides[2],
         stride_src_row=src.stride(0), stride_src_0=src_strides[0], stride_src_1=src_strides[1],
         stride_src_2=src_strides[2],
         stride_slot_ids=slot_ids.stride(0), FLAT=flat,
         **config.launch_kwargs(),
-    )
+    ), pointers))
 
 
 def mamba_state_gather_ref(states: torch.Tensor, slot_ids: torch.Tensor,

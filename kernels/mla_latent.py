@@ -26,8 +26,11 @@ from ._shapes import DEEPSEEK_V2_LITE
 from .autotune import KernelConfig, KernelTuning
 from .backend import HAS_TRITON, resolve_backend
 from .fp8 import FP8_DTYPES, check_head_scale, fp8_constexprs, is_fp8, quantize_ref
+from .launch_plan import KernelLaunch, PlanCache, launch_key
 
 NAME = "mla_latent_append"
+# Per launch key (launch_plan.py): the checks passed, the config, the grid, the arguments.
+_PLANS = PlanCache(NAME)
 
 
 if HAS_TRITON:
@@ -139,6 +142,14 @@ def mla_latent_append(latent_cache: torch.Tensor, kv_latent: torch.Tensor, k_rop
     Every tensor is read or written through its own strides and storage offset; nothing is
     copied at the edge. Every argument is checked before anything is written.
     """
+    plan_key = launch_key((latent_cache, kv_latent, k_rope, block_ids, slots, latent_scale,
+                           rope_scale), (check,), config)
+    plan = _PLANS.get(plan_key)
+    if plan is not None and resolve_backend(backend, latent_cache.device) == "triton":
+        plan.launch((latent_cache, kv_latent, k_rope, block_ids, slots,
+                     kv_latent if latent_scale is None else latent_scale,
+                     kv_latent if rope_scale is None else rope_scale))
+        return
     if check:
         kv_latent, k_rope = _check_inputs(latent_cache, kv_latent, k_rope, block_ids, slots,
                                           latent_scale, rope_scale)
@@ -156,20 +167,22 @@ def mla_latent_append(latent_cache: torch.Tensor, kv_latent: torch.Tensor, k_rop
         config, _ = autotune.resolve_config(NAME, tune_key, latent_cache.device)
     meta = config.kwargs
     grid = (-(-n // meta["BLOCK_T"]), -(-(rank + rope_dim) // meta["BLOCK_C"]))
-    _mla_latent_append_kernel[grid](
+    # A [n, 1, C] argument's 2-D view starts where it does: a plan's launch passes the argument.
+    pointers = dict(
         latent_cache_ptr=latent_cache, kv_latent_ptr=kv_latent, k_rope_ptr=k_rope,
         block_ids_ptr=block_ids, slots_ptr=slots,
         # Without scales the kernel reads none: any pointer stands in.
         latent_scale_ptr=kv_latent if latent_scale is None else latent_scale,
-        rope_scale_ptr=kv_latent if rope_scale is None else rope_scale,
-        num_tokens=n, kv_lora_rank=rank, rope_dim=rope_dim,
+        rope_scale_ptr=kv_latent if rope_scale is None else rope_scale)
+    _PLANS.put(plan_key, KernelLaunch(_mla_latent_append_kernel, grid, dict(
+        **pointers, num_tokens=n, kv_lora_rank=rank, rope_dim=rope_dim,
         stride_cache_block=latent_cache.stride(0), stride_cache_slot=latent_cache.stride(1),
         stride_cache_col=latent_cache.stride(2),
         stride_latent_token=kv_latent.stride(0), stride_latent_dim=kv_latent.stride(1),
         stride_rope_token=k_rope.stride(0), stride_rope_dim=k_rope.stride(1),
         stride_block_ids=block_ids.stride(0), stride_slots=slots.stride(0),
         **fp8_constexprs(latent_cache.dtype), **config.launch_kwargs(),
-    )
+    ), pointers))
 
 
 def mla_latent_append_ref(latent_cache: torch.Tensor, kv_latent: torch.Tensor, k_rope: torch.Tensor,

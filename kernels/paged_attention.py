@@ -35,6 +35,7 @@ from .autotune import KernelConfig, KernelTuning, TuneCase
 from .backend import resolve_backend
 from .devices import same_device
 from .fp8 import check_head_scale, dequantize_ref, is_fp8
+from .launch_plan import PlanCache, launch_key
 from .paged_attention_decode import (
     launch_decode,
     paged_attention_decode_configs,
@@ -50,6 +51,9 @@ from .paged_attention_varlen import (
     paged_attention_varlen_presets,
     paged_attention_varlen_tune_key,
 )
+
+# Per launch key (launch_plan.py): the checks passed, the configs, the grids, the arguments.
+_PLANS = PlanCache("paged_attention")
 
 
 def _describe(tensor) -> str:
@@ -197,6 +201,17 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
 
     Returns ``[n, Hq, D]`` in query's dtype; padding rows are zero when the launcher allocates.
     """
+    plan_key = launch_key((query, key_cache, value_cache, cu_query_lengths, kv_seq_lengths,
+                           block_table, sinks, out, key_scale, value_scale),
+                          (max_seqlen_q, max_seqlen_k, softmax_scale, num_requests,
+                           num_decode_requests, window), config)
+    plan = _PLANS.get(plan_key)
+    if plan is not None and resolve_backend(backend, query.device) == "triton":
+        return plan.launch(dict(query=query, key_cache=key_cache, value_cache=value_cache,
+                                cu_query_lengths=cu_query_lengths, kv_seq_lengths=kv_seq_lengths,
+                                block_table=block_table, sinks=sinks, key_scale=key_scale,
+                                value_scale=value_scale,
+                                out=torch.zeros_like(query) if out is None else out))
     num_requests = _check_inputs(query, key_cache, value_cache, cu_query_lengths, kv_seq_lengths,
                                  block_table, num_requests, max_seqlen_q, max_seqlen_k, out,
                                  window, sinks, key_scale, value_scale)
@@ -225,19 +240,45 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     if num_requests == 0 or max_seqlen_q == 0 or max_seqlen_k == 0 or num_tokens == 0:
         return out
     decode = num_requests if max_seqlen_q == 1 else num_decode_requests
-    launch = dict(query=query, key_cache=key_cache, value_cache=value_cache, out=out,
-                  scale=scale, window=window, sinks=sinks, config=config, key_scale=key_scale,
-                  value_scale=value_scale)
-    index = dict(cu_query_lengths=cu_query_lengths, kv_seq_lengths=kv_seq_lengths,
-                 block_table=block_table)
+    tensors = dict(query=query, key_cache=key_cache, value_cache=value_cache, out=out,
+                   sinks=sinks, key_scale=key_scale, value_scale=value_scale,
+                   cu_query_lengths=cu_query_lengths, kv_seq_lengths=kv_seq_lengths,
+                   block_table=block_table)
+    roles = {name: tensor for name, tensor in tensors.items() if tensor is not None}
+    launch = dict(tensors, scale=scale, window=window, config=config, roles=roles)
+    plan = _AttentionPlan()
     if decode:
-        launch_decode(**launch, **index, num_requests=decode, max_seqlen_k=max_seqlen_k)
+        plan.decode = launch_decode(**launch, num_requests=decode, max_seqlen_k=max_seqlen_k)
     if decode < num_requests:
         # The kernel indexes from the first prefill request (a host count, not a view of the
         # index tensors: their alignment would change with it, and with it the compiled kernel).
-        launch_varlen(**launch, **index, first_request=decode, num_requests=num_requests - decode,
-                      max_seqlen_q=max_seqlen_q)
+        plan.varlen = launch_varlen(**launch, first_request=decode,
+                                    num_requests=num_requests - decode, max_seqlen_q=max_seqlen_q)
+    # A plan names each pointer by the argument it was: only where no two arguments are one
+    # tensor (a later call of that key may pass two).
+    if len({id(tensor) for tensor in roles.values()}) == len(roles):
+        _PLANS.put(plan_key, plan)
     return out
+
+
+class _AttentionPlan:
+    """A key's kernel calls (launch_plan.py): the split-KV decode and its merge, with the
+    shapes of their fp32 buffers, and the varlen kernel; ``launch(tensors)`` replays them."""
+
+    def __init__(self):
+        self.decode = self.varlen = None
+
+    def launch(self, tensors: dict) -> torch.Tensor:
+        if self.decode is not None:
+            decode, merge, partial_shape, lse_shape = self.decode
+            device = tensors["query"].device
+            tensors["partial"] = torch.empty(partial_shape, dtype=torch.float32, device=device)
+            tensors["lse"] = torch.empty(lse_shape, dtype=torch.float32, device=device)
+            decode.launch_with(tensors)
+            merge.launch_with(tensors)
+        if self.varlen is not None:
+            self.varlen.launch_with(tensors)
+        return tensors["out"]
 
 
 def paged_attention_ref(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

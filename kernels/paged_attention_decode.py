@@ -18,6 +18,7 @@ from . import autotune
 from ._common import check_grid, next_pow2
 from .autotune import KernelConfig, bucket_tokens, dtype_name
 from .backend import HAS_TRITON
+from .launch_plan import KernelLaunch, tensor_arguments
 from .paged_attention_merge import merge_attention_splits
 from .paged_attention_tile import (  # noqa: F401
     LLAMA_HEADS,
@@ -116,10 +117,12 @@ if HAS_TRITON:
 
 def launch_decode(*, query, key_cache, value_cache, out, scale, window, sinks, config,
                   cu_query_lengths, kv_seq_lengths, block_table, num_requests,
-                  max_seqlen_k, key_scale=None, value_scale=None) -> None:
+                  max_seqlen_k, key_scale=None, value_scale=None, roles=None):
     """Split-KV decode of the first ``num_requests`` requests (at most one query each), then
     the merge of the splits into ``out`` (which folds the sinks in). ``paged_attention``
-    checked every argument."""
+    checked every argument. Returns ``(decode, merge, partial_shape, lse_shape)``, the two
+    ``KernelLaunch`` of a plan (their pointers named by ``roles``, plus ``partial`` and
+    ``lse``) and the shapes of the fp32 buffers between them."""
     num_q_heads, head_dim = query.shape[1:]
     num_kv_heads = key_cache.shape[2]
     # A window bounds the keys a query walks: the grid and the tuning key take that bound.
@@ -141,12 +144,15 @@ def launch_decode(*, query, key_cache, value_cache, out, scale, window, sinks, c
                           device=query.device)
     lse = torch.empty(num_requests, num_q_heads, num_splits, dtype=torch.float32,
                       device=query.device)
+    roles = {**(roles or {}), "partial": partial, "lse": lse}
     # tl.dot wants at least 16 rows: the group's query heads, padded.
-    _paged_attention_decode_kernel[grid](
-        partial_out_ptr=partial, partial_lse_ptr=lse, num_splits=num_splits, **args,
-        BLOCK_G=max(16, next_pow2(args["group_size"])), **config.launch_kwargs())
-    merge_attention_splits(out, partial, lse, cu_query_lengths, block_d=args["BLOCK_D"],
-                           sinks=sinks)
+    kwargs = dict(partial_out_ptr=partial, partial_lse_ptr=lse, num_splits=num_splits, **args,
+                  BLOCK_G=max(16, next_pow2(args["group_size"])), **config.launch_kwargs())
+    decode = KernelLaunch(_paged_attention_decode_kernel, grid, kwargs, tensor_arguments(kwargs),
+                          roles)
+    merge = merge_attention_splits(out, partial, lse, cu_query_lengths, block_d=args["BLOCK_D"],
+                                   sinks=sinks, roles=roles)
+    return decode, merge, tuple(partial.shape), tuple(lse.shape)
 
 
 # Tile width, tokens per split and warps of the search space.

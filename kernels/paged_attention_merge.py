@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from .backend import HAS_TRITON
+from .launch_plan import KernelLaunch, tensor_arguments
 from .paged_attention_tile import sink_args
 
 if HAS_TRITON:
@@ -93,20 +94,24 @@ def merge_chunk(block_d: int) -> int:
 
 def merge_attention_splits(out: torch.Tensor, partial_out: torch.Tensor,
                            partial_lse: torch.Tensor, cu_query_lengths: torch.Tensor, *,
-                           block_d: int, sinks: torch.Tensor | None = None) -> None:
+                           block_d: int, sinks: torch.Tensor | None = None,
+                           roles: dict | None = None) -> KernelLaunch:
     """Write ``out[cu_query_lengths[i]]`` for every request ``i`` with a query, in place.
 
     ``out``: ``[n, H, D]``, last dim contiguous; ``partial_out``: contiguous fp32
     ``[R, H, num_splits, D]``; ``partial_lse``: contiguous fp32 ``[R, H, num_splits]``;
     ``cu_query_lengths``: int32 ``[>= R + 1]``, at most one query per request. ``block_d`` is
     the padded head dim the decode kernel used; ``sinks``: ``[H]`` logits, or None. The caller
-    (``paged_attention``) checked everything; this launches only."""
+    (``paged_attention``) checked everything; this launches only. Returns the launch, for a
+    plan (its pointers named by ``roles``, role name -> tensor, when given)."""
     num_requests, num_heads, num_splits, head_dim = partial_out.shape
-    _merge_attention_splits_kernel[(num_requests, num_heads)](
+    kwargs = dict(
         out_ptr=out, partial_out_ptr=partial_out, partial_lse_ptr=partial_lse,
         cu_query_lengths_ptr=cu_query_lengths, num_splits=num_splits, head_dim=head_dim,
         stride_out_token=out.stride(0), stride_out_head=out.stride(1), **sink_args(out, sinks),
         BLOCK_S=merge_chunk(block_d), BLOCK_D=block_d)
+    return KernelLaunch(_merge_attention_splits_kernel, (num_requests, num_heads), kwargs,
+                        tensor_arguments(kwargs), roles)
 
 
 def merge_attention_splits_ref(partial_out: torch.Tensor, partial_lse: torch.Tensor,

@@ -16,6 +16,7 @@ from . import autotune
 from ._common import check_grid, next_pow2
 from .autotune import KernelConfig, bucket_tokens, dtype_name
 from .backend import HAS_TRITON
+from .launch_plan import KernelLaunch, tensor_arguments
 from .paged_attention_tile import (  # noqa: F401
     LLAMA_HEADS,
     kernel_args,
@@ -118,9 +119,10 @@ if HAS_TRITON:
 
 def launch_varlen(*, query, key_cache, value_cache, out, scale, window, sinks, config,
                   cu_query_lengths, kv_seq_lengths, block_table, first_request, num_requests,
-                  max_seqlen_q, key_scale=None, value_scale=None) -> None:
+                  max_seqlen_q, key_scale=None, value_scale=None, roles=None) -> KernelLaunch:
     """Causal attention of every query token of requests ``[first_request, first_request +
-    num_requests)``, in tiles of query tokens. ``paged_attention`` checked every argument."""
+    num_requests)``, in tiles of query tokens. ``paged_attention`` checked every argument.
+    Returns the launch, for a plan (its pointers named by ``roles`` when given)."""
     num_tokens, num_q_heads, head_dim = query.shape
     if config is None:
         key = paged_attention_varlen_tune_key(num_q_heads=num_q_heads,
@@ -135,11 +137,11 @@ def launch_varlen(*, query, key_cache, value_cache, out, scale, window, sinks, c
     grid = (num_requests, triton.cdiv(max_seqlen_q, tile_tokens), key_cache.shape[2])
     check_grid("paged_attention varlen", grid,
                f"max_seqlen_q={max_seqlen_q} in tiles of {tile_tokens} tokens")
-    _paged_attention_varlen_kernel[grid](
-        out_ptr=out, first_request=first_request, **args, **sink_args(query, sinks),
-        stride_out_token=out.stride(0),
-        stride_out_head=out.stride(1), TILE_TOKENS=tile_tokens, BLOCK_G=block_g,
-        **config.launch_kwargs())
+    kwargs = dict(out_ptr=out, first_request=first_request, **args, **sink_args(query, sinks),
+                  stride_out_token=out.stride(0), stride_out_head=out.stride(1),
+                  TILE_TOKENS=tile_tokens, BLOCK_G=block_g, **config.launch_kwargs())
+    return KernelLaunch(_paged_attention_varlen_kernel, grid, kwargs, tensor_arguments(kwargs),
+                        roles)
 
 
 # Query tokens and key tokens per tile, warps and stages of the search space.

@@ -23,6 +23,7 @@ from ._common import custom_op, next_pow2
 from ._shapes import DEEPSEEK_V2_LITE, LLAMA_3_8B
 from .autotune import KernelConfig, KernelTuning
 from .backend import HAS_TRITON, resolve_backend
+from .launch_plan import KernelLaunch, PlanCache, launch_key
 
 # The rotation's names models and tests reach through this module, the rope launcher's.
 from .rope_rotation import (  # noqa: F401
@@ -45,6 +46,9 @@ if HAS_TRITON:
     import triton.language as tl
 
     from .rope_rotation import _rope_rotate_program
+
+# Per launch key (launch_plan.py): the checks passed, the config, the grid, the arguments.
+_PLANS = PlanCache("fused_qk_rope")
 
 
 if HAS_TRITON:
@@ -100,6 +104,12 @@ def fused_qk_rope(query: Optional[torch.Tensor], key: Optional[torch.Tensor],
     mla_layout: Megatron's ``multi_latent_attention`` de-interleave (read pairs, write half-split).
     mscale: multiplies cos and sin. Rows ``>= n`` and dims ``>= rot`` are never touched.
     """
+    plan_key = launch_key((query, key, positions, cos_sin_cache, freqs),
+                          (interleaved, mscale, mla_layout), config)
+    plan = _PLANS.get(plan_key)
+    if plan is not None and resolve_backend(backend, positions.device) == "triton":
+        plan.launch((query, key, freqs if cos_sin_cache is None else cos_sin_cache, positions))
+        return
     problem = check_rope_args(query, key, positions, cos_sin_cache, freqs, interleaved, mla_layout)
     if problem.num_tokens == 0:
         return
@@ -114,10 +124,11 @@ def fused_qk_rope(query: Optional[torch.Tensor], key: Optional[torch.Tensor],
     q, k = problem.query, problem.key
     grid = (triton.cdiv(problem.num_tokens, block_t),
             triton.cdiv(problem.num_q_heads, block_h) + triton.cdiv(problem.num_k_heads, block_h))
-    _fused_qk_rope_kernel[grid](
-        query_ptr=q, key_ptr=k,
-        table_ptr=problem.table, positions_ptr=positions,
-        num_tokens=problem.num_tokens, num_q_heads=problem.num_q_heads,
+    # The plan's pointers are the arguments as given: a [T, 1, H, D] tensor's head view and a
+    # [max_pos, 1, 1, rot] table's 2-D view start where they do.
+    pointers = dict(query_ptr=q, key_ptr=k, table_ptr=problem.table, positions_ptr=positions)
+    _PLANS.put(plan_key, KernelLaunch(_fused_qk_rope_kernel, grid, dict(
+        **pointers, num_tokens=problem.num_tokens, num_q_heads=problem.num_q_heads,
         num_k_heads=problem.num_k_heads, mscale=float(mscale),
         stride_query_token=0 if q is None else q.stride(0),
         stride_query_head=0 if q is None else q.stride(1),
@@ -128,7 +139,7 @@ def fused_qk_rope(query: Optional[torch.Tensor], key: Optional[torch.Tensor],
         stride_table_pos=problem.table.stride(0), stride_table_dim=problem.table.stride(1),
         stride_positions=positions.stride(0),
         **rope_meta(problem), **config.launch_kwargs(),
-    )
+    ), pointers))
 
 
 def _rotate_half(x: torch.Tensor, interleaved: bool) -> torch.Tensor:

@@ -22,6 +22,7 @@ from .autotune import KernelConfig, KernelTuning
 from .backend import HAS_TRITON, resolve_backend
 from .devices import same_device
 from .fp8 import FLOAT_DTYPES, check_head_scale, fp8_constexprs, is_fp8, quantize_ref
+from .launch_plan import KernelLaunch, PlanCache, launch_key
 from .rope import fused_qk_rope_ref
 from .rope_rotation import (
     RopeTuneCase,
@@ -40,6 +41,9 @@ if HAS_TRITON:
 
     from .fp8 import round_to_fp8
     from .rope_rotation import _rope_rotate_program
+
+# Per launch key (launch_plan.py): the checks passed, the config, the grid, the arguments.
+_PLANS = PlanCache("rope_kv_append")
 
 
 if HAS_TRITON:
@@ -182,6 +186,16 @@ def rope_kv_append(query: Optional[torch.Tensor], key: torch.Tensor, value: torc
     Every tensor is read or written through its own strides and storage offset; nothing is
     copied at the edge. Every argument is checked before anything is written.
     """
+    plan_key = launch_key((query, key, value, positions, key_cache, value_cache, block_ids, slots,
+                           cos_sin_cache, freqs, key_scale, value_scale),
+                          (interleaved, mscale, mla_layout), config)
+    plan = _PLANS.get(plan_key)
+    if plan is not None and resolve_backend(backend, positions.device) == "triton":
+        plan.launch((query, key, key_cache, value_cache, value,
+                     freqs if cos_sin_cache is None else cos_sin_cache, positions, block_ids,
+                     slots, key if key_scale is None else key_scale,
+                     key if value_scale is None else value_scale))
+        return
     if key is None:
         raise ValueError("key must be a tensor (only query may be None)")
     problem = check_rope_args(query, key, positions, cos_sin_cache, freqs, interleaved, mla_layout)
@@ -222,14 +236,17 @@ def rope_kv_append(query: Optional[torch.Tensor], key: torch.Tensor, value: torc
     q, dim, rot = problem.query, problem.head_dim, problem.rot_dim
     grid = (triton.cdiv(n, block_t),
             triton.cdiv(problem.num_q_heads, block_h) + triton.cdiv(problem.num_k_heads, block_h))
-    _rope_kv_append_kernel[grid](
+    # The head views and the 2-D table start where the arguments do: a plan's launch passes
+    # the arguments themselves.
+    pointers = dict(
         query_ptr=q, key_ptr=k, key_cache_ptr=key_cache, value_cache_ptr=value_cache,
         value_ptr=v, table_ptr=problem.table,
         positions_ptr=positions, block_ids_ptr=block_ids, slots_ptr=slots,
         # Without scales the kernel reads none: any pointer stands in.
         key_scale_ptr=k if key_scale is None else key_scale,
-        value_scale_ptr=k if value_scale is None else value_scale,
-        num_tokens=n, num_q_heads=problem.num_q_heads, num_kv_heads=problem.num_k_heads,
+        value_scale_ptr=k if value_scale is None else value_scale)
+    _PLANS.put(plan_key, KernelLaunch(_rope_kv_append_kernel, grid, dict(
+        **pointers, num_tokens=n, num_q_heads=problem.num_q_heads, num_kv_heads=problem.num_k_heads,
         mscale=float(mscale),
         stride_query_token=0 if q is None else q.stride(0),
         stride_query_head=0 if q is None else q.stride(1),
@@ -251,7 +268,7 @@ def rope_kv_append(query: Optional[torch.Tensor], key: torch.Tensor, value: torc
         **fp8_constexprs(key_cache.dtype), HEAD_DIM=dim, DIM_BLOCK=next_pow2(dim),
         TAIL_BLOCK=0 if rot == dim else next_pow2(dim - rot),
         **rope_meta(problem), **config.launch_kwargs(),
-    )
+    ), pointers))
 
 
 def _kv_append_ref(key_cache, value_cache, key, value, block_ids, slots, key_scale=None,

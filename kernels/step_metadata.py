@@ -33,6 +33,7 @@ from ._common import check_tensor, check_writable, custom_op
 from ._shapes import BLOCK_SIZE
 from .autotune import KernelConfig, KernelTuning, TuneCase, bucket_tokens
 from .backend import HAS_TRITON, resolve_backend
+from .launch_plan import KernelLaunch, PlanCache, launch_key
 
 if HAS_TRITON:
     import triton
@@ -44,6 +45,11 @@ TOKEN_OUTPUTS = ("token_to_input_ids", "token_to_pos_ids", "token_to_request_idx
 
 # The kernel's stride argument of each TOKEN_OUTPUTS entry, in the same order.
 _OUTPUT_STRIDES = ("input_ids", "pos_ids", "request_idx", "block_idx", "position", "local_slot")
+# The kernel's pointers, in the order step_metadata passes them; its plans (launch_plan.py).
+_POINTERS = (*(short + "_ptr" for short in _OUTPUT_STRIDES), "attn_block_table_ptr",
+             "next_tokens_ptr", "prompt_tokens_ptr", "block_table_ptr", "kv_offsets_ptr",
+             "cu_query_lengths_ptr")
+_PLANS = PlanCache("step_metadata")
 
 
 if HAS_TRITON:
@@ -215,16 +221,23 @@ def step_metadata(token_to_input_ids: torch.Tensor, token_to_pos_ids: torch.Tens
         num_requests, num_decode, active_tokens, padded_tokens, padded_requests, row_offset,
         block_size, dummy_block: host ints.
 
-    ``cu_query_lengths``, ``next_tokens`` and ``prompt_tokens`` may have any stride too: every
-    tensor is read or written through its own strides and storage offset, and nothing is copied
-    at the edge. Every argument is checked before anything is written.
+    Every tensor is read or written through its own strides and storage offset (nothing is
+    copied at the edge); every argument is checked before anything is written.
     """
+    tensors = (token_to_input_ids, token_to_pos_ids, token_to_request_idx, token_to_block_idx,
+               token_to_position_in_request, token_to_local_position_within_kv_block,
+               attn_block_table, next_tokens, prompt_tokens, block_table, kv_offsets,
+               cu_query_lengths)
+    plan_key = launch_key((*tensors, query_lengths), (num_requests, num_decode, active_tokens,
+                          padded_tokens, padded_requests, row_offset, block_size, dummy_block,
+                          check), config)
+    plan = _PLANS.get(plan_key)
+    if plan is not None and resolve_backend(backend, block_table.device) == "triton":
+        return plan.launch(tensors)
     device = block_table.device if isinstance(block_table, torch.Tensor) else None
-    num_requests, num_decode = int(num_requests), int(num_decode)
-    active_tokens, padded_tokens = int(active_tokens), int(padded_tokens)
-    padded_requests, block_size = int(padded_requests), int(block_size)
-    token_outputs = (token_to_input_ids, token_to_pos_ids, token_to_request_idx, token_to_block_idx,
-                     token_to_position_in_request, token_to_local_position_within_kv_block)
+    num_requests, num_decode, active_tokens, padded_tokens, padded_requests, block_size = map(
+        int, (num_requests, num_decode, active_tokens, padded_tokens, padded_requests, block_size))
+    token_outputs = tensors[:6]
     outputs = dict(zip(TOKEN_OUTPUTS, token_outputs), attn_block_table=attn_block_table)
     if check:
         if not 0 <= num_decode <= num_requests:
@@ -246,17 +259,15 @@ def step_metadata(token_to_input_ids: torch.Tensor, token_to_pos_ids: torch.Tens
         if attn_block_table.shape[1] != block_table.shape[1]:
             raise ValueError(f"attn_block_table has {attn_block_table.shape[1]} columns, "
                              f"block_table {block_table.shape[1]}")
-        check_tensor("query_lengths", query_lengths, dims=1, dtypes=(torch.int32,), device=device,
-                     min_rows=num_requests, device_of="block_table")
-        check_tensor("kv_offsets", kv_offsets, dims=1, dtypes=(torch.int32,), device=device,
-                     min_rows=num_requests, device_of="block_table")
-        check_tensor("cu_query_lengths", cu_query_lengths, dims=1, dtypes=(torch.int32,),
-                     device=device, min_rows=num_requests + 1, device_of="block_table")
-        check_tensor("next_tokens", next_tokens, dims=1, dtypes=(torch.int64, torch.int32),
-                     device=device, min_rows=num_requests, device_of="block_table")
-        check_tensor("prompt_tokens", prompt_tokens, dims=1, dtypes=(torch.int64, torch.int32),
-                     device=device, min_rows=max(active_tokens - num_decode, 0),
-                     device_of="block_table")
+        for name, tensor, dtypes, rows in (
+                ("query_lengths", query_lengths, (torch.int32,), num_requests),
+                ("kv_offsets", kv_offsets, (torch.int32,), num_requests),
+                ("cu_query_lengths", cu_query_lengths, (torch.int32,), num_requests + 1),
+                ("next_tokens", next_tokens, (torch.int64, torch.int32), num_requests),
+                ("prompt_tokens", prompt_tokens, (torch.int64, torch.int32),
+                 max(active_tokens - num_decode, 0))):
+            check_tensor(name, tensor, dims=1, dtypes=dtypes, device=device, min_rows=rows,
+                         device_of="block_table")
         check_writable(*((name, out[:padded_tokens])
                          for name, out in zip(TOKEN_OUTPUTS, token_outputs)),
                        ("attn_block_table", attn_block_table[:padded_requests]))
@@ -283,16 +294,9 @@ def step_metadata(token_to_input_ids: torch.Tensor, token_to_pos_ids: torch.Tens
     num_prefill_programs = triton.cdiv(active_tokens - num_decode, block_t) if num_prefill else 0
     num_pad_programs = triton.cdiv(padded_tokens - active_tokens, block_t)
     grid = (num_decode_programs + num_prefill_programs + num_pad_programs + padded_requests,)
-    _step_metadata_kernel[grid](
-        input_ids_ptr=token_to_input_ids, pos_ids_ptr=token_to_pos_ids,
-        request_idx_ptr=token_to_request_idx, block_idx_ptr=token_to_block_idx,
-        position_ptr=token_to_position_in_request,
-        local_slot_ptr=token_to_local_position_within_kv_block,
-        attn_block_table_ptr=attn_block_table,
-        next_tokens_ptr=next_tokens, prompt_tokens_ptr=prompt_tokens,
-        block_table_ptr=block_table, kv_offsets_ptr=kv_offsets,
-        cu_query_lengths_ptr=cu_query_lengths,
-        num_requests=num_requests, num_decode=num_decode, active_tokens=active_tokens,
+    pointers = dict(zip(_POINTERS, tensors))
+    _PLANS.put(plan_key, KernelLaunch(_step_metadata_kernel, grid, dict(
+        **pointers, num_requests=num_requests, num_decode=num_decode, active_tokens=active_tokens,
         padded_tokens=padded_tokens, padded_requests=padded_requests,
         num_decode_programs=num_decode_programs, num_prefill_programs=num_prefill_programs,
         num_pad_programs=num_pad_programs,
@@ -304,7 +308,7 @@ def step_metadata(token_to_input_ids: torch.Tensor, token_to_pos_ids: torch.Tens
         **{"stride_" + short: out.stride(0) for short, out in zip(_OUTPUT_STRIDES, token_outputs)},
         stride_next_tokens=next_tokens.stride(0), stride_prompt_tokens=prompt_tokens.stride(0),
         stride_kv_offsets=kv_offsets.stride(0), stride_cu=cu_query_lengths.stride(0),
-        **config.launch_kwargs())
+        **config.launch_kwargs()), pointers))
 
 
 def step_metadata_ref(token_to_input_ids: torch.Tensor, token_to_pos_ids: torch.Tensor,
@@ -484,13 +488,8 @@ def _step_metadata_op(token_to_input_ids: torch.Tensor, token_to_pos_ids: torch.
                       prompt_tokens: torch.Tensor, num_requests: int, num_decode: int,
                       active_tokens: int, padded_tokens: int, padded_requests: int,
                       row_offset: int, block_size: int, dummy_block: int) -> None:
-    step_metadata(token_to_input_ids, token_to_pos_ids, token_to_request_idx, token_to_block_idx,
-                  token_to_position_in_request, token_to_local_position_within_kv_block,
-                  attn_block_table, block_table, query_lengths, kv_offsets, cu_query_lengths,
-                  next_tokens, prompt_tokens, num_requests=num_requests, num_decode=num_decode,
-                  active_tokens=active_tokens, padded_tokens=padded_tokens,
-                  padded_requests=padded_requests, row_offset=row_offset, block_size=block_size,
-                  dummy_block=dummy_block)
+    # The op's parameters are the launcher's, by name (and nothing else is local yet).
+    step_metadata(**locals())
 
 
 @_step_metadata_op.register_fake

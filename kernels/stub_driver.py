@@ -52,10 +52,12 @@ class Build:
 
 @dataclass(frozen=True)
 class Launch:
-    """One stubbed launch: the build it would run and its grid."""
+    """One stubbed launch: the build it would run, its grid and its arguments as the driver's
+    launcher got them (every kernel parameter in order; a tensor as ``("ptr", address)``)."""
 
     build: Build
     grid: tuple[int, int, int]
+    args: tuple = field(default=(), compare=False, repr=False)
 
 
 @dataclass
@@ -125,7 +127,10 @@ if HAS_TRITON:
                 def __call__(self, grid_0, grid_1, grid_2, stream, function, packed_metadata,
                              launch_metadata, enter_hook, exit_hook, *args):
                     if record_launches:
-                        record.launches.append(Launch(self.build, (grid_0, grid_1, grid_2)))
+                        record.launches.append(Launch(
+                            self.build, (grid_0, grid_1, grid_2),
+                            tuple(("ptr", arg.data_ptr()) if hasattr(arg, "data_ptr") else arg
+                                  for arg in args)))
 
             self.launcher_cls = _Launcher
 

@@ -1,0 +1,250 @@
+"""Launch plans (kernels/launch_plan.py): a repeat launch replays its key's plan, and nothing else.
+
+Three layers of checks:
+
+* the cache itself: bounded LRU, keys that no plan may cover (a tensor subclass, a tensor as a
+  scalar, a wrong type), ``1`` and ``True`` kept apart;
+* under TRITON_INTERPRET=1 (marker ``interpreter``): good and bad calls of one shape alternate
+  and every bad one is still refused, naming its argument, with nothing written; launches with
+  varying counts that reuse plans give what the torch reference gives;
+* through the compile-only sm_90 driver (marker ``build``): every registered tuning's scratch
+  case, over changing counts that repeat, launches the same compiled kernels with the same
+  grids and the same arguments (every parameter, tensors by address) with plans as without
+  (``DYNCTX_LAUNCH_PLANS=0``), and its repeats are plan hits that call the compiled kernel
+  directly.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dynctx.kernels import autotune, launch_plan, registry
+from dynctx.kernels.backend import HAS_TRITON, triton_interpreting
+from dynctx.kernels.launch_plan import (
+    UNCACHEABLE,
+    PlanCache,
+    clear_plans,
+    launch_key,
+    plan_caches,
+    scalar_meta,
+    tensor_meta,
+)
+
+registry.import_kernel_modules(quiet=True)
+
+
+def test_plan_cache_is_a_bounded_lru():
+    cache = PlanCache("test_lru", capacity=2)
+    cache.put(("a",), 1)
+    cache.put(("b",), 2)
+    assert cache.get(("a",)) == 1  # "a" is now the most recent
+    cache.put(("c",), 3)
+    assert len(cache) == 2 and cache.get(("b",)) is None
+    assert cache.get(("a",)) == 1 and cache.get(("c",)) == 3
+    assert (cache.hits, cache.misses) == (3, 1)
+    with pytest.raises(ValueError, match="capacity=0 must be >= 1"):
+        PlanCache("test_lru_empty", capacity=0)
+
+
+def test_keys_no_plan_may_cover_are_none():
+    t = torch.zeros(3, 4)
+    assert launch_key((t, None), (1, 2.0, "x", None)) is not None
+    # A subclass, a non-tensor, a tensor where a scalar goes: every call takes the full path.
+    assert tensor_meta(torch.nn.Parameter(t)) is UNCACHEABLE
+    assert launch_key((torch.nn.Parameter(t),)) is None
+    assert launch_key(([1, 2],)) is None
+    assert launch_key((t,), (torch.tensor(1.0),)) is None
+    assert launch_key((t,), (), config={"BLOCK": 4}) is None
+    assert scalar_meta(1) != scalar_meta(True) and scalar_meta(1) != scalar_meta(1.0)
+    cache = PlanCache("test_none_key")
+    cache.put(None, "plan")
+    assert len(cache) == 0 and cache.get(None) is None
+
+
+def test_key_sees_dtype_device_shape_strides_and_alignment():
+    base = torch.zeros(8, 8)
+    key = tensor_meta(base)
+    assert tensor_meta(torch.zeros(8, 8)) == key
+    assert tensor_meta(base.half()) != key
+    assert tensor_meta(torch.zeros(8, 8, device="meta")) != key
+    assert tensor_meta(base.t()) != key                      # strides
+    assert tensor_meta(torch.zeros(65)[1:].view(8, 8)) != key   # 16-byte alignment
+
+
+def test_the_lookup_state_follows_the_override_folder(monkeypatch, tmp_path):
+    before = autotune.lookup_state()
+    monkeypatch.setenv(autotune.OVERRIDE_ENV, str(tmp_path))
+    assert autotune.lookup_state() != before
+    monkeypatch.delenv(autotune.OVERRIDE_ENV)
+    assert autotune.lookup_state() == before
+    autotune.clear_lookup_cache()
+    assert autotune.lookup_state() != before
+
+
+@pytest.mark.interpreter
+@pytest.mark.skipif(not triton_interpreting(), reason="needs TRITON_INTERPRET=1")
+class TestUnderTheInterpreter:
+    @staticmethod
+    def _kv_case(n, *, dtype=torch.float32, gen=None):
+        gen = gen or torch.Generator().manual_seed(n)
+        cache = torch.randn(2, 5, 4, 2, 8, generator=gen, dtype=torch.float32).to(dtype)
+        key = torch.randn(n, 2, 8, generator=gen).to(dtype)
+        value = torch.randn(n, 2, 8, generator=gen).to(dtype)
+        flat = torch.randperm(5 * 4, generator=gen)[:n]
+        return cache, key, value, (flat // 4).to(torch.int32), (flat % 4).to(torch.int32)
+
+    def test_bad_calls_of_a_planned_shape_are_still_refused(self):
+        from dynctx.kernels import kv_append
+
+        clear_plans()
+        cache, key, value, block_ids, slots = self._kv_case(3)
+        kv_append(cache[0], cache[1], key, value, block_ids, slots, backend="triton")
+        assert len(plan_caches()["kv_append"]) == 1
+        bad_calls = [
+            ("key dtype torch.float16 != cache dtype", dict(key=key.half())),
+            ("block_ids dtype torch.float32 must be int32 or int64",
+             dict(block_ids=block_ids.float())),
+            ("slots is on meta, key_cache on cpu", dict(slots=slots.to("meta"))),
+            ("key_cache is written in place but dim 0 has stride 0",
+             dict(key_cache=cache[0][:1].expand(5, 4, 2, 8))),
+            ("key has 2 rows, fewer than the 3 tokens", dict(key=key[:2])),
+            ("key_scale/value_scale are for an FP8 cache",
+             dict(key_scale=torch.ones(2), value_scale=torch.ones(2))),
+        ]
+        for message, change in bad_calls:
+            args = dict(key_cache=cache[0], value_cache=cache[1], key=key, value=value,
+                        block_ids=block_ids, slots=slots)
+            args.update(change)
+            before = cache.clone()
+            with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+                kv_append(**args, backend="triton")
+            assert torch.equal(cache, before), message
+            # The good call of the same shape, right after: a hit, and right.
+            expected = cache.clone()
+            kv_append(expected[0], expected[1], key, value, block_ids, slots, backend="torch")
+            kv_append(cache[0], cache[1], key, value, block_ids, slots, backend="triton")
+            assert torch.equal(cache, expected), message
+        assert plan_caches()["kv_append"].hits >= len(bad_calls)
+
+    def test_varying_counts_reusing_plans_match_the_reference(self):
+        from dynctx.kernels import kv_append, last_token_logits, mamba_state_gather
+
+        clear_plans()
+        for step, n in enumerate((3, 5, 3, 1, 5, 3)):
+            gen = torch.Generator().manual_seed(step)
+            cache, key, value, block_ids, slots = self._kv_case(n, gen=gen)
+            expected = cache.clone()
+            kv_append(expected[0], expected[1], key, value, block_ids, slots, backend="torch")
+            kv_append(cache[0], cache[1], key, value, block_ids, slots, backend="triton")
+            assert torch.equal(cache, expected), f"kv_append, step {step}, n={n}"
+
+            logits = torch.randn(2 * n + 1, 40, generator=gen)
+            cu = torch.arange(0, 2 * n + 1, 2, dtype=torch.int32)
+            for log_softmax in (False, True):
+                got = last_token_logits(logits, cu, n, log_softmax=log_softmax, backend="triton")
+                want = last_token_logits(logits, cu, n, log_softmax=log_softmax, backend="torch")
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+            states = torch.randn(7, 3, 5, generator=gen)
+            slot_ids = torch.randint(-1, 7, (n,), generator=gen, dtype=torch.int32)
+            assert torch.equal(mamba_state_gather(states, slot_ids, backend="triton"),
+                               mamba_state_gather(states, slot_ids, backend="torch"))
+        caches = plan_caches()
+        for name in ("kv_append", "last_token_logits", "mamba_state_gather"):
+            assert caches[name].hits > 0, caches[name]
+
+    def test_paged_attention_plans_replay_decode_and_varlen(self):
+        from dynctx.kernels import paged_attention
+
+        clear_plans()
+        gen = torch.Generator().manual_seed(0)
+        heads, kv_heads, dim, block_size, num_blocks = 4, 2, 16, 4, 12
+        key_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen)
+        value_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen)
+        table = torch.randperm(num_blocks, generator=gen)[:9].view(3, 3).to(torch.int32)
+        kv = torch.tensor([5, 9, 7], dtype=torch.int32)
+        for step, query_lengths in enumerate(([1, 1, 1], [1, 3, 2], [1, 1, 1], [1, 3, 2])):
+            q_len = torch.tensor(query_lengths)
+            cu = torch.cat([torch.zeros(1, dtype=torch.int64), q_len.cumsum(0)]).to(torch.int32)
+            query = torch.randn(int(q_len.sum()), heads, dim, generator=gen)
+            args = dict(max_seqlen_q=max(query_lengths), max_seqlen_k=9,
+                        num_decode_requests=1)
+            got = paged_attention(query, key_cache, value_cache, cu, kv, table, **args,
+                                  backend="triton")
+            want = paged_attention(query, key_cache, value_cache, cu, kv, table, **args,
+                                   backend="torch")
+            torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5,
+                                       msg=lambda m, step=step: f"step {step}: {m}")
+        # Two keys (all decode, decode + varlen), each planned once and replayed after.
+        assert plan_caches()["paged_attention"].misses == 2
+
+
+def _storages(obj) -> list[tuple[int, int]]:
+    """The storage spans of the tensors a case holds (its inputs and outputs)."""
+    values = obj.values() if isinstance(obj, dict) else vars(obj).values()
+    spans = []
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            storage = value.untyped_storage()
+            spans.append((storage.data_ptr(), storage.data_ptr() + storage.nbytes()))
+        elif isinstance(value, dict):
+            spans += _storages(value)
+    return spans
+
+
+def _normalised(launches, spans):
+    """Each launch as (kernel, grid, args), a pointer into a case's tensors as its address and
+    one into a buffer the launcher allocated as "alloc" (allocations differ from run to run)."""
+    def arg(value):
+        if isinstance(value, tuple) and value[:1] == ("ptr",):
+            inside = any(start <= value[1] < end for start, end in spans)
+            return value if inside else "alloc"
+        return value
+    return [(launch.build.kernel, launch.grid, tuple(map(arg, launch.args)))
+            for launch in launches]
+
+
+@pytest.mark.build
+@pytest.mark.skipif(not HAS_TRITON or triton_interpreting(),
+                    reason="needs triton, compiled (TRITON_INTERPRET unset)")
+@pytest.mark.parametrize("name", sorted(autotune.registered()))
+def test_planned_launches_match_unplanned_ones(name, monkeypatch):
+    """On the sm_90 stub path: the same kernels, builds, grids and arguments either way."""
+    from dynctx.kernels.stub_driver import stub_driver
+
+    tuning = autotune.get_tuning(name)
+    base = tuning.presets()[0]
+    counts = (2, 5, 2, 5) if name == "paged_attention_varlen" else (1, 2, 5, 2, 1)
+    cases = [tuning.make_case({field: min(value, count) if field in (
+        "num_tokens", "num_requests", "num_rows") else value for field, value in base.items()},
+        torch.device("cpu")) for count in counts]
+
+    def run_all(planned: bool):
+        monkeypatch.setenv(launch_plan.PLANS_ENV, "1" if planned else "0")
+        clear_plans()
+        with stub_driver() as stub:
+            for case in cases:
+                case.run(None)
+                case.run(None)
+        return stub.record.launches
+
+    unplanned = run_all(False)
+    planned = run_all(True)
+    spans = [span for case in cases for span in _storages(case)]
+    assert planned and _normalised(planned, spans) == _normalised(unplanned, spans)
+    caches = [cache for cache in plan_caches().values() if cache.hits]
+    assert caches, f"{name}: no launch was a plan hit"
+    for cache in caches:
+        for plan in cache._plans.values():
+            for launch in _kernel_launches(plan):
+                assert launch.direct, f"{name}: {cache.name} replays through Triton's dispatch"
+
+
+def _kernel_launches(plan):
+    if isinstance(plan, launch_plan.KernelLaunch):
+        return [plan]
+    if isinstance(plan, tuple):
+        return [part for part in plan if isinstance(part, launch_plan.KernelLaunch)]
+    parts = [plan.varlen] + (list(plan.decode[:2]) if plan.decode else [])
+    return [part for part in parts if part is not None]
