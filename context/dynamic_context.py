@@ -110,7 +110,7 @@ class DynamicInferenceContext:
         self._table, self._device, self._kv, self._steps, self._forward, self._mamba = parts[:6]
         self.mamba_metadata = parts.mamba_metadata
         self.block_allocator, self.prefix_cache = self._table.allocator, self._table.prefix_cache
-        self.kv_block_allocator = self.block_allocator  # Megatron-Core 0.19's name, the same one
+        self.kv_block_allocator = self.block_allocator.attach(self)  # 0.19: KVBlockAllocator
         self.is_symmetric_memory_initialized = False
         self._step = None
         form.finish(self)

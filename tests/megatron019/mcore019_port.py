@@ -108,8 +108,6 @@ class Gap:
 
 #: 0.19 names the ported files import that dynctx lacks -> their 0.19 source location.
 GAPS: Dict[str, str] = {
-    "KVBlockAllocator": "megatron/core/inference/contexts/kv_block_allocator.py, class "
-                        "KVBlockAllocator",
     "ContextGPUView": "megatron/core/inference/contexts/gpu_view.py, class ContextGPUView",
     "TorchSampling": "megatron/core/inference/sampling/torch_sampling.py, class TorchSampling",
 }
@@ -158,7 +156,7 @@ def _dynctx_names() -> Dict[str, Any]:
             "PrefixCachingCoordinatorPolicy",
             "DynamicInferenceContext", "RequestOverflowError", "TokenOverflowError",
             "DynamicInferenceRequest", "compute_block_hashes_batched", "SamplingParams",
-            "MAX_INTERMEDIATE_OFFSETS_PER_REQUEST",
+            "MAX_INTERMEDIATE_OFFSETS_PER_REQUEST", "KVBlockAllocator",
         )
     }
     import warnings
