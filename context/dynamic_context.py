@@ -16,7 +16,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 
-from . import admission, compat, megatron019
+from . import admission, compat, megatron019, prefix_match
 from ._fields import (  # noqa: F401 (re-exported: FIELD_* are imported from here)
     FIELD_BLOCKS,
     FIELD_IDS,
@@ -41,7 +41,7 @@ from .step_builder import REQUEST_ROUNDER, TOKEN_ROUNDER, rounded
 logger = logging.getLogger("dynctx.context")
 
 
-class DynamicInferenceContext:
+class DynamicInferenceContext(prefix_match.PrefixMatchHelpers):
     """Paged KV cache plus in-flight batching bookkeeping (Megatron-Core's API).
 
     Megatron-Core 0.19's form ``DynamicInferenceContext(model_config, inference_config)``

@@ -320,6 +320,22 @@ class PrefixCache:
         return tuple(compute_block_hashes_batched(prompt[:count * self.block_size].cpu(),
                                                   self.block_size))
 
+    def matched_chain(self, req: Any, limit: int) -> Tuple[Tuple[Link, ...], List[int]]:
+        """``(links, blocks)``: the new request's chain and the cached blocks that start it, at
+        most ``limit`` (KV only: a hybrid's snapshots are not asked); pure."""
+        links = self._links(req, getattr(req, "request_id", -1))
+        return links, self._matched(links, max(0, int(limit)))
+
+    def snapshot_count(self, links: Tuple[Link, ...], start: int, end: int) -> int:
+        """Hybrids: ``i + 1 - start`` for the last block ``i`` of ``links[start:end]`` whose
+        boundary has a Mamba snapshot, 0 when none (or not a hybrid); pure."""
+        if self.mamba is None:
+            return 0
+        for i in range(min(end, len(links)) - 1, start - 1, -1):
+            if links[i][0] in self.mamba.index:
+                return i + 1 - start
+        return 0
+
     def lookup(self, req: Any) -> Tuple[int, int]:
         """``(tokens, idle blocks)``: the prompt tokens the next ``add_request`` of ``req`` (a
         new request, with a chunk that covers them) would take from the cache, and how many of

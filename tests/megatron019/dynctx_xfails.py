@@ -20,8 +20,6 @@ MAMBA_BUDGET_ERROR = (
     "0.19's 'prefix cache budget' ValueError for prefix_caching_mamba_gb (gap 4): dynctx sizes its Mamba snapshots its own way (docs/SEMANTICS.md §16 row 31)")
 ASYNC_TRIO = (
     "0.19's async-scheduling trio (gap 8), not built")
-PREFIX_MATCH_HELPERS = (
-    "0.19's prefix-match helpers on the context (gap 4), not built")
 TRANSFER = (
     "0.19's separate bookkeeping transfer (gap 7), not built")
 SPECULATIVE_API = (
@@ -38,6 +36,8 @@ PREFILL_FLAGS = (
     "writes request_in_prefill_status_tensor, 0.19's per-request prefill flags (gap 7), not built")
 REGISTERED_AT_ADD = (
     "0.19 registers a prompt's full blocks in add_request, so a request added before the step shares them; dynctx publishes a block once the forward that computed it ran (update_requests; docs/SEMANTICS.md §16 row 43)")
+HYBRID_MEMORY_ONLY = (
+    "0.19 shares a hybrid's matched blocks without a Mamba state and recomputes them ('memory-only'); a dynctx hybrid matches only up to a block with a Mamba snapshot (docs/SEMANTICS.md §16 row 31), and publishes blocks after their forward (row 43)")
 RELEASE_BY_INDEX = (
     "release_memory_blocks_from_request_indexes, 0.19's release of hand-picked rows (gap 4), not built; past it the case needs blocks registered at add_request (docs/SEMANTICS.md §16 row 43)")
 
@@ -93,7 +93,7 @@ XFAILS: Dict[str, Dict[str, str]] = {
         'TestDynamicContext::test_update_requests_with_finished_requests_and_speculative_tokens': SPECULATIVE,
     },
     'test_mcore019_dynamic_prefix_caching.py': {
-        'TestMambaPrefixCaching::test_hybrid_memory_only': PREFIX_MATCH_HELPERS,
+        'TestMambaPrefixCaching::test_hybrid_memory_only': HYBRID_MEMORY_ONLY,
         'TestMambaPrefixCaching::test_hybrid_prefix_caching_without_mamba_budget_warns': MAMBA_SLOT_ALLOCATOR,
         'TestMambaPrefixCaching::test_intermediate_count_bounded_by_token_budget': TRANSFER,
         'TestMambaPrefixCaching::test_intermediate_count_fills_scratch_buffer': TRANSFER,
@@ -109,7 +109,7 @@ XFAILS: Dict[str, Dict[str, str]] = {
         'TestMixedCachedAndFreshPrefill::test_mixed_batch[hybrid]': MAMBA_SLOT_ALLOCATOR,
         'TestPerBlockRouting::test_routing_survives_prefix_match_lru': UPDATE_WITHOUT_STEP,
         'TestPrefixCacheReuse::test_mamba_extraction_covers_last_block_of_continuation_chunk': MAMBA_SLOT_ALLOCATOR,
-        'TestPrefixCacheReuse::test_prefill_computed_and_skipped_counters': PREFIX_MATCH_HELPERS,
+        'TestPrefixCacheReuse::test_prefill_computed_and_skipped_counters': REGISTERED_AT_ADD,
         'TestPrefixCacheReuse::test_reset_preserves_prefix_cache_when_requested': REGISTERED_AT_ADD,
         'TestPrefixCachingCore::test_add_request_full_cache_partial_hit_pins_matched_blocks': RELEASE_BY_INDEX,
         'TestPrefixCachingCore::test_block_allocation_with_prefix': REGISTERED_AT_ADD,
