@@ -312,9 +312,10 @@ class PrefixCache:
 
     def _hashes(self, req: Any, count: int) -> Tuple[int, ...]:
         """0.19's hashes of the ``count`` full prompt blocks of a new request: its
-        ``precomputed_block_hashes`` when they cover them, else computed (one SHA-256 a block)."""
+        ``precomputed_block_hashes`` when they are of this block size and cover them, else
+        computed (one SHA-256 a block)."""
         given = getattr(req, "precomputed_block_hashes", None) or ()
-        if len(given) == count:
+        if len(given) == count and getattr(req, "block_size_tokens", None) == self.block_size:
             return tuple(int(h) for h in given)
         prompt = torch.as_tensor(req.remaining_prompt_tokens).reshape(-1)
         return tuple(compute_block_hashes_batched(prompt[:count * self.block_size].cpu(),

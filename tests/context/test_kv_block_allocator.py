@@ -141,3 +141,20 @@ def test_routing_per_block_follows_the_steps_token_layout():
     assert np.array_equal(alloc.reconstruct_routing_from_blocks([2, 5], 6)[:2], routing[:2])
     with pytest.raises(ValueError, match="flat_routing has 4 tokens"):
         alloc.store_routing_per_block(routing[:4])
+
+
+@pytest.mark.parametrize("request_block_size", [BS, 5])
+def test_precomputed_hashes_name_the_blocks_only_when_of_the_contexts_block_size(
+        request_block_size):
+    ctx = cached_ctx()
+    tokens = torch.arange(20, 27)  # 7 tokens: one full block at 4 and at 5 tokens a block
+    request = DynamicInferenceRequest(
+        request_id=1, prompt_tokens=tokens, sampling_params=SamplingParams(
+            num_tokens_to_generate=4), block_size_tokens=request_block_size,
+        enable_prefix_caching=True)
+    assert len(request.precomputed_block_hashes) == 1
+    add(ctx, request)
+    step(ctx)
+    block = int(ctx.block_table_host[0, 0])
+    assert ctx.kv_block_allocator.block_hashes[block].item() == \
+        compute_block_hashes_batched(tokens, BS)[0]
