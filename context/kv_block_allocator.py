@@ -6,7 +6,8 @@ One allocator, one stack: the 0.19 names are views of ``BlockAllocator``'s own s
 beside it, never a second copy of it (docs/SEMANTICS.md §16 row 43).
 
 * ``block_ref_counts`` is ``ref_counts`` as a torch tensor (shared memory: a write through it is
-  a write to the allocator); ``block_bag`` and ``total_avail`` are the allocator's own.
+  a write to the allocator); ``block_bag`` and ``total_avail`` are the allocator's own
+  (``block_bag`` an int32 numpy array where 0.19's is a CPU tensor).
 * ``block_hashes`` is the int64 column ``hash_ids`` beside the ``cached`` mark: 0.19's hash of
   each cached block (``compute_block_hashes_batched``; the prefix cache publishes it with the
   block, whose matching stays on its salted digests), -1 for the rest. ``kv_hash_to_block_id``
