@@ -24,6 +24,7 @@ from .errors import (
     get_mem_size_str,
 )
 from .inference_request import compute_block_hashes_batched
+from .kv_block_allocator import KVBlockAllocator
 from .megatron019 import MAX_INTERMEDIATE_OFFSETS_PER_REQUEST, ConfigAssertionError
 from .prefix_cache import PrefixCachingEvictionPolicy
 from .requests import DEFAULT_METADATA_TYPES, DynamicInferenceRequest, SamplingParams
@@ -48,3 +49,5 @@ __all__ += ["ConfigAssertionError", "MAX_INTERMEDIATE_OFFSETS_PER_REQUEST"]
 from .gpu_view import ContextGPUView  # noqa: E402
 
 __all__ += ["ContextGPUView"]
+# Megatron-Core 0.19's allocator (context/kv_block_allocator.py).
+__all__ += ["KVBlockAllocator"]

@@ -242,6 +242,16 @@ class BlockAllocator:
         self.block_bag[avail:avail + freed.size] = freed
         self._total_avail = avail + int(freed.size)
 
+    def note_cached(self, blocks: np.ndarray, hashes: np.ndarray, parents: np.ndarray) -> None:
+        """Mark ``blocks`` cached (the prefix cache publishes them); ``hashes`` and
+        ``parents`` (Megatron-Core 0.19's hashes and parent block ids) are for
+        ``KVBlockAllocator``'s columns."""
+        self.cached[blocks] = True
+
+    def forget_cached(self, blocks: np.ndarray) -> None:
+        """Take back ``note_cached`` (no eviction: the blocks were never seen cached)."""
+        self.cached[blocks] = False
+
     def clone(self) -> "BlockAllocator":
         """A copy of the stack, the reference counts and the cached marks, detached from
         ``on_evict`` (a plan simulates its releases and allocations on it)."""

@@ -16,7 +16,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 
-from . import admission, compat, facade, megatron019
+from . import admission, compat, facade, megatron019, prefix_match
 from ._fields import (  # noqa: F401 (re-exported: FIELD_* are imported from here)
     FIELD_BLOCKS,
     FIELD_IDS,
@@ -42,7 +42,7 @@ from .step_builder import REQUEST_ROUNDER, TOKEN_ROUNDER, rounded
 logger = logging.getLogger("dynctx.context")
 
 
-class DynamicInferenceContext(StepAPI):
+class DynamicInferenceContext(StepAPI, prefix_match.PrefixMatchHelpers):
     """Paged KV cache plus in-flight batching bookkeeping (Megatron-Core's API).
 
     Megatron-Core 0.19's form ``DynamicInferenceContext(model_config, inference_config)``
@@ -112,7 +112,7 @@ class DynamicInferenceContext(StepAPI):
         self._table, self._device, self._kv, self._steps, self._forward, self._mamba = parts[:6]
         self.mamba_metadata = parts.mamba_metadata
         self.block_allocator, self.prefix_cache = self._table.allocator, self._table.prefix_cache
-        self.kv_block_allocator = self.block_allocator  # Megatron-Core 0.19's name, the same one
+        self.kv_block_allocator = self.block_allocator.attach(self)  # 0.19: KVBlockAllocator
         self.is_symmetric_memory_initialized = False
         self._step = None
         form.finish(self)

@@ -53,6 +53,7 @@ import numpy as np
 import torch
 
 from ._fields import FIELD_IDS, FIELD_KV_OFFSET, FIELD_MAMBA_SLOT, FIELD_QUERY
+from .inference_request import compute_block_hashes_batched
 from .mamba_states import MambaSnapshots
 from .requests import whole_number_ids
 
@@ -157,6 +158,7 @@ class PrefixHit:
     idle: np.ndarray
     block_size: int
     snapshot: int = -1         # hybrids: the Mamba snapshot the hit resumes from
+    hashes: Tuple[int, ...] = ()   # 0.19's hash of each link (the allocator's block_hashes)
 
     @property
     def tokens(self) -> int:
@@ -167,6 +169,7 @@ class PrefixHit:
 class _Pending:
     links: Tuple[Link, ...]
     published: int
+    hashes: Tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -304,7 +307,35 @@ class PrefixCache:
         blocks = np.asarray(matched[:count], dtype=np.int32)
         idle = blocks[self.allocator.ref_counts[blocks] == 0] if blocks.size else blocks
         return PrefixHit(links=links, blocks=blocks, idle=idle, block_size=self.block_size,
-                         snapshot=snapshot)
+                         snapshot=snapshot,
+                         hashes=self._hashes(req, len(links)) if len(links) > count else ())
+
+    def _hashes(self, req: Any, count: int) -> Tuple[int, ...]:
+        """0.19's hashes of the ``count`` full prompt blocks of a new request: its
+        ``precomputed_block_hashes`` when they are of this block size and cover them, else
+        computed (one SHA-256 a block)."""
+        given = getattr(req, "precomputed_block_hashes", None) or ()
+        if len(given) == count and getattr(req, "block_size_tokens", None) == self.block_size:
+            return tuple(int(h) for h in given)
+        prompt = torch.as_tensor(req.remaining_prompt_tokens).reshape(-1)
+        return tuple(compute_block_hashes_batched(prompt[:count * self.block_size].cpu(),
+                                                  self.block_size))
+
+    def matched_chain(self, req: Any, limit: int) -> Tuple[Tuple[Link, ...], List[int]]:
+        """``(links, blocks)``: the new request's chain and the cached blocks that start it, at
+        most ``limit`` (KV only: a hybrid's snapshots are not asked); pure."""
+        links = self._links(req, getattr(req, "request_id", -1))
+        return links, self._matched(links, max(0, int(limit)))
+
+    def snapshot_count(self, links: Tuple[Link, ...], start: int, end: int) -> int:
+        """Hybrids: ``i + 1 - start`` for the last block ``i`` of ``links[start:end]`` whose
+        boundary has a Mamba snapshot, 0 when none (or not a hybrid); pure."""
+        if self.mamba is None:
+            return 0
+        for i in range(min(end, len(links)) - 1, start - 1, -1):
+            if links[i][0] in self.mamba.index:
+                return i + 1 - start
+        return 0
 
     def lookup(self, req: Any) -> Tuple[int, int]:
         """``(tokens, idle blocks)``: the prompt tokens the next ``add_request`` of ``req`` (a
@@ -351,7 +382,7 @@ class PrefixCache:
             if hit.snapshot >= 0:
                 self.mamba.index.move_to_end(hit.links[hit.blocks.size - 1][0])
         if len(hit.links) > hit.blocks.size:
-            self.pending[request_id] = _Pending(hit.links, int(hit.blocks.size))
+            self.pending[request_id] = _Pending(hit.links, int(hit.blocks.size), hit.hashes)
 
     # ------------------------------------------------------------------ publish
     def plan_publish(self, table) -> PublishPlan:
@@ -382,16 +413,23 @@ class PrefixCache:
 
     def commit_publish(self, plan: PublishPlan) -> list:
         """Publish the blocks (not the snapshots: ``MambaSnapshots.save`` once the update is
-        sure); returns what ``undo_publish`` needs to take it back."""
-        added, old = [], []
+        sure), with 0.19's hashes and parent blocks (``note_cached``); returns what
+        ``undo_publish`` needs to take it back."""
+        added, old, hashes, parents = [], [], [], []
         cached = self.allocator.cached
-        for _, _, (digest, parent, data), block in plan.items:
+        for rid, index, (digest, parent, data), block in plan.items:
             if digest in self.entries or cached[block]:
                 continue
+            parent_entry = self.entries.get(parent)
             self.entries[digest] = (block, parent, data)
             self.block_digest[block] = digest
-            cached[block] = True
             added.append((digest, block))
+            hashes.append(self.pending[rid].hashes[index])
+            parents.append(-1 if parent_entry is None else parent_entry[0])
+        if added:
+            self.allocator.note_cached(np.asarray([b for _, b in added], dtype=np.int64),
+                                       np.asarray(hashes, dtype=np.int64),
+                                       np.asarray(parents, dtype=np.int64))
         for rid, full in plan.progress:
             pending = self.pending[rid]
             old.append((rid, pending.published))
@@ -403,7 +441,8 @@ class PrefixCache:
         for digest, block in added:
             del self.entries[digest]
             del self.block_digest[block]
-            self.allocator.cached[block] = False
+        if added:
+            self.allocator.forget_cached(np.asarray([b for _, b in added], dtype=np.int64))
         for rid, published in old:
             self.pending[rid].published = published
 

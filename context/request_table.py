@@ -10,7 +10,7 @@ plan computed beforehand (``admission.plan_add``, ``update_plan.plan_update``,
 ``update_plan.plan_decode``) from the unchanged table. The plans carry every check; a commit
 cannot fail on a plan made from the current table.
 
-The table owns the block bookkeeping its rows use: it builds the ``BlockAllocator`` (which
+The table owns the block bookkeeping its rows use: it builds the ``KVBlockAllocator`` (which
 reads the budgets' usage back from the table through a weak reference) and, with prefix
 caching, the ``PrefixCache`` over it; a hybrid's Mamba slot stack is ``MambaStates``' and
 handed in.
@@ -34,9 +34,9 @@ from ._fields import (
     FIELD_QUERY,
 )
 from .admission import AddPlan, DummyPlan, plan_add, plan_dummies
-from .block_allocator import BlockAllocator
 from .errors import TensorStateDeallocatedError
 from .inputs import check_chunked_id, check_request_limit
+from .kv_block_allocator import KVBlockAllocator
 from .mamba_states import MambaSnapshots, SlotAllocator
 from .plan_scratch import distinct_blocks, held_blocks
 from .prefix_cache import DigestTable, PrefixCache
@@ -70,9 +70,9 @@ class RequestTable:
                  snapshots: Optional[MambaSnapshots] = None, budget_advice=None,
                  speculative: int = 0):
         digests = None if prefix_caching is None else DigestTable()
-        self.allocator = BlockAllocator(
-            total_blocks, paused_blocks, usage=self, keeps_idle_blocks=prefix_caching == "lru",
-            on_evict=None if digests is None else digests.forget)
+        self.allocator = KVBlockAllocator(
+            None, total_blocks, paused_blocks, prefix_caching is not None, prefix_caching
+            or "ref_zero", usage=self, on_evict=None if digests is None else digests.forget)
         self.prefix_cache = None if prefix_caching is None else PrefixCache(
             self.allocator, digests, block_size, prefix_caching, snapshots)
         self.budget_advice = budget_advice

@@ -105,6 +105,12 @@ class InvariantChecks(BudgetChecks, Patterns):
                 and all(cache.block_digest[b] == d for d, (b, _, _) in cache.entries.items())
                 and len(cache.block_digest) == len(cache.entries),
                 "the cached marks disagree with the digest table")
+        require(np.array_equal(alloc.hash_ids != -1, alloc.cached)
+                and np.array_equal(np.flatnonzero(alloc.parent_ids >= 0),
+                                   np.flatnonzero(alloc.cached & (alloc.parent_ids >= 0)))
+                and np.array_equal(np.bincount(alloc.parent_ids[alloc.parent_ids >= 0],
+                                               minlength=total), alloc.child_counts),
+                "0.19's block_hashes / parents / child counts disagree with the cached marks")
         idle = alloc.block_bag[:alloc.idle_count].astype(np.int64)
         want_idle = cached_ids[alloc.ref_counts[cached_ids] == 0]
         require(np.array_equal(np.sort(idle), want_idle), lambda: f"idle section "

@@ -18,32 +18,24 @@ UPDATE_WITHOUT_STEP = (
     '0.19 updates requests added without a step; dynctx refuses update_requests before initialize_attention_state (docs/SEMANTICS.md §9)')
 MAMBA_BUDGET_ERROR = (
     "0.19's 'prefix cache budget' ValueError for prefix_caching_mamba_gb (gap 4): dynctx sizes its Mamba snapshots its own way (docs/SEMANTICS.md §16 row 31)")
-ROUTING = (
-    "0.19's per-block MoE routing storage (gap 3), not built")
-ALLOCATOR_PREFIX_NAMES = (
-    "0.19's prefix-caching names on the allocator (block_hashes, block_ref_counts, kv_hash_to_block_id; gap 3), not built")
-PREFIX_MATCH_HELPERS = (
-    "0.19's prefix-match helpers on the context (gap 4), not built")
-MIXED_PREFILL_LAYOUT = (
-    "0.19's prefix-match step layout of a mixed cached and fresh prefill (gap 4); dynctx's differs, not yet analysed")
 TRANSFER = (
     "0.19's separate bookkeeping transfer (gap 7), not built")
 INPUTS_BEFORE_STEP = (
     'reads current_input_and_position_ids() after writing padded_active_token_count by hand; dynctx refuses it before initialize_attention_state (docs/SEMANTICS.md §16 row 54)')
 TORCH_SAMPLING = (
     'TorchSampling and processed log probs (gap 12), not built')
-BLOCK_ORDER = (
-    "block ids differ from 0.19's allocation order (dynctx keeps idle cached blocks at the bottom of its stack, docs/SEMANTICS.md §16 row 30)")
 MAMBA_SLOT_ALLOCATOR = (
     "mamba_slot_allocator, 0.19's Mamba prefix-cache slots (gap 5), not built")
 SPECULATIVE = (
     "num_speculative_tokens > 0: 0.19's speculative steps (gap 9), not built yet")
-KV_BLOCK_ALLOCATOR = (
-    "the standalone KVBlockAllocator with 0.19's prefix-caching names (gap 3), not built")
-SHARED_TOTAL_AVAIL = (
-    "total_avail under shared blocks differs from 0.19's count, not yet analysed (docs/SEMANTICS.md §16 row 30)")
 CHUNKED_ID_FIRST = (
     "writes chunked_prefill_request_id before the request's first chunk is added; dynctx keeps only -1 or the last active row's id (docs/SEMANTICS.md §16 row 40)")
+REGISTERED_AT_ADD = (
+    "0.19 registers a prompt's full blocks in add_request, so a request added before the step shares them; dynctx publishes a block once the forward that computed it ran (update_requests; docs/SEMANTICS.md §16 row 43)")
+HYBRID_MEMORY_ONLY = (
+    "0.19 shares a hybrid's matched blocks without a Mamba state and recomputes them ('memory-only'); a dynctx hybrid matches only up to a block with a Mamba snapshot (docs/SEMANTICS.md §16 row 31), and publishes blocks after their forward (row 43)")
+RELEASE_BY_INDEX = (
+    "release_memory_blocks_from_request_indexes, 0.19's release of hand-picked rows (gap 4), not built; past it the case needs blocks registered at add_request (docs/SEMANTICS.md §16 row 43)")
 
 XFAILS: Dict[str, Dict[str, str]] = {
     'test_mcore019_dynamic_context.py': {
@@ -56,7 +48,7 @@ XFAILS: Dict[str, Dict[str, str]] = {
         'TestDynamicContext::test_chunked_prefill_state_preserved_across_decode_completions': UPDATE_WITHOUT_STEP,
         'TestDynamicContext::test_chunked_prefill_swap_with_speculative_tokens': SPECULATIVE,
         'TestDynamicContext::test_current_input_and_position_ids_view_cache': INPUTS_BEFORE_STEP,
-        'TestDynamicContext::test_eviction_with_shared_prefix_blocks': ALLOCATOR_PREFIX_NAMES,
+        'TestDynamicContext::test_eviction_with_shared_prefix_blocks': REGISTERED_AT_ADD,
         'TestDynamicContext::test_mamba_memory_ratio_allocation': MAX_REQUESTS_ZERO,
         'TestDynamicContext::test_prefix_caching_check_availability_with_speculative': SPECULATIVE,
         'TestDynamicContext::test_prefix_match_exact_block_boundary': MAX_REQUESTS_ZERO,
@@ -68,7 +60,7 @@ XFAILS: Dict[str, Dict[str, str]] = {
         'TestDynamicContext::test_update_requests_with_finished_requests_and_speculative_tokens': SPECULATIVE,
     },
     'test_mcore019_dynamic_prefix_caching.py': {
-        'TestMambaPrefixCaching::test_hybrid_memory_only': PREFIX_MATCH_HELPERS,
+        'TestMambaPrefixCaching::test_hybrid_memory_only': HYBRID_MEMORY_ONLY,
         'TestMambaPrefixCaching::test_hybrid_prefix_caching_without_mamba_budget_warns': MAMBA_SLOT_ALLOCATOR,
         'TestMambaPrefixCaching::test_intermediate_count_bounded_by_token_budget': TRANSFER,
         'TestMambaPrefixCaching::test_intermediate_count_fills_scratch_buffer': TRANSFER,
@@ -80,45 +72,20 @@ XFAILS: Dict[str, Dict[str, str]] = {
         'TestMambaPrefixCaching::test_max_intermediate_states_per_step_formula': MAMBA_SLOT_ALLOCATOR,
         'TestMambaSlotAllocator::test_allocate_slots_batch': MAMBA_SLOT_ALLOCATOR,
         'TestMambaSlotAllocator::test_commit_intermediate_states_batched': MAMBA_SLOT_ALLOCATOR,
-        'TestMixedCachedAndFreshPrefill::test_mixed_batch[gpt]': MIXED_PREFILL_LAYOUT,
-        'TestMixedCachedAndFreshPrefill::test_mixed_batch[hybrid]': ALLOCATOR_PREFIX_NAMES,
-        'TestPerBlockRouting::test_reconstruct_returns_none_for_missing_block': ROUTING,
-        'TestPerBlockRouting::test_reconstruct_routing_from_blocks': ROUTING,
-        'TestPerBlockRouting::test_routing_cleared_on_allocate': ROUTING,
-        'TestPerBlockRouting::test_routing_cleared_on_reset': ROUTING,
-        'TestPerBlockRouting::test_routing_persists_through_deregister': ROUTING,
-        'TestPerBlockRouting::test_routing_survives_prefix_match_lru': ROUTING,
-        'TestPerBlockRouting::test_store_and_get_block_routing': ROUTING,
+        'TestMixedCachedAndFreshPrefill::test_mixed_batch[gpt]': REGISTERED_AT_ADD,
+        'TestMixedCachedAndFreshPrefill::test_mixed_batch[hybrid]': MAMBA_SLOT_ALLOCATOR,
+        'TestPerBlockRouting::test_routing_survives_prefix_match_lru': UPDATE_WITHOUT_STEP,
         'TestPrefixCacheReuse::test_mamba_extraction_covers_last_block_of_continuation_chunk': MAMBA_SLOT_ALLOCATOR,
-        'TestPrefixCacheReuse::test_prefill_computed_and_skipped_counters': PREFIX_MATCH_HELPERS,
-        'TestPrefixCacheReuse::test_reset_preserves_prefix_cache_when_requested': ALLOCATOR_PREFIX_NAMES,
-        'TestPrefixCachingCore::test_add_request_full_cache_partial_hit_pins_matched_blocks': ALLOCATOR_PREFIX_NAMES,
-        'TestPrefixCachingCore::test_block_allocation_with_prefix': BLOCK_ORDER,
-        'TestPrefixCachingCore::test_block_sharing_patterns': SHARED_TOTAL_AVAIL,
-        'TestPrefixCachingCore::test_check_availability_excludes_already_pinned_matches': ALLOCATOR_PREFIX_NAMES,
-        'TestPrefixCachingCore::test_prefill_token_savings': PREFIX_MATCH_HELPERS,
-        'TestPrefixCachingCore::test_ref_count_lru': ALLOCATOR_PREFIX_NAMES,
-        'TestPrefixCachingCore::test_ref_count_refzero': ALLOCATOR_PREFIX_NAMES,
-        'TestPrefixCachingCore::test_registration_and_discovery': ALLOCATOR_PREFIX_NAMES,
-    },
-    'test_mcore019_kv_block_allocator.py': {
-        'test_allocate_release_reset_round_trip_no_prefix_caching': KV_BLOCK_ALLOCATOR,
-        'test_block_usage_counts_no_prefix_caching': KV_BLOCK_ALLOCATOR,
-        'test_block_usage_counts_with_prefix_caching': KV_BLOCK_ALLOCATOR,
-        'test_evict_lru_asserts_on_cyclic_parent_graph': KV_BLOCK_ALLOCATOR,
-        'test_evict_lru_branching_prefix_tree': KV_BLOCK_ALLOCATOR,
-        'test_evict_lru_cached_child_with_pinned_parent_treated_as_root': KV_BLOCK_ALLOCATOR,
-        'test_evict_lru_cascades_up_the_chain': KV_BLOCK_ALLOCATOR,
-        'test_evict_lru_insufficient_cached_blocks_returns_false': KV_BLOCK_ALLOCATOR,
-        'test_evict_lru_keeps_hottest_leaf_over_cold_interior_parent': KV_BLOCK_ALLOCATOR,
-        'test_evict_lru_never_orphans_a_child': KV_BLOCK_ALLOCATOR,
-        'test_evict_lru_normal_lru_order_when_leaf_is_oldest': KV_BLOCK_ALLOCATOR,
-        'test_evict_lru_partial_chain_eviction_peels_from_leaf_keeping_root': KV_BLOCK_ALLOCATOR,
-        'test_evict_lru_preserves_invariant_under_random_chains': KV_BLOCK_ALLOCATOR,
-        'test_is_memory_available_excludes_soon_to_be_pinned_blocks': KV_BLOCK_ALLOCATOR,
-        'test_prefix_caching_allocate_and_hash_registration': ALLOCATOR_PREFIX_NAMES,
-        'test_prefix_caching_state_layout': ALLOCATOR_PREFIX_NAMES,
-        'test_release_shared_block_decrements_once_per_owner': KV_BLOCK_ALLOCATOR,
+        'TestPrefixCacheReuse::test_prefill_computed_and_skipped_counters': REGISTERED_AT_ADD,
+        'TestPrefixCacheReuse::test_reset_preserves_prefix_cache_when_requested': REGISTERED_AT_ADD,
+        'TestPrefixCachingCore::test_add_request_full_cache_partial_hit_pins_matched_blocks': RELEASE_BY_INDEX,
+        'TestPrefixCachingCore::test_block_allocation_with_prefix': REGISTERED_AT_ADD,
+        'TestPrefixCachingCore::test_block_sharing_patterns': REGISTERED_AT_ADD,
+        'TestPrefixCachingCore::test_check_availability_excludes_already_pinned_matches': RELEASE_BY_INDEX,
+        'TestPrefixCachingCore::test_prefill_token_savings': REGISTERED_AT_ADD,
+        'TestPrefixCachingCore::test_ref_count_lru': REGISTERED_AT_ADD,
+        'TestPrefixCachingCore::test_ref_count_refzero': RELEASE_BY_INDEX,
+        'TestPrefixCachingCore::test_registration_and_discovery': REGISTERED_AT_ADD,
     },
 }
 

@@ -108,8 +108,6 @@ class Gap:
 
 #: 0.19 names the ported files import that dynctx lacks -> their 0.19 source location.
 GAPS: Dict[str, str] = {
-    "KVBlockAllocator": "megatron/core/inference/contexts/kv_block_allocator.py, class "
-                        "KVBlockAllocator",
     "TorchSampling": "megatron/core/inference/sampling/torch_sampling.py, class TorchSampling",
 }
 
@@ -157,7 +155,7 @@ def _dynctx_names() -> Dict[str, Any]:
             "PrefixCachingCoordinatorPolicy",
             "DynamicInferenceContext", "RequestOverflowError", "TokenOverflowError",
             "DynamicInferenceRequest", "compute_block_hashes_batched", "SamplingParams",
-            "MAX_INTERMEDIATE_OFFSETS_PER_REQUEST", "ContextGPUView",
+            "MAX_INTERMEDIATE_OFFSETS_PER_REQUEST", "ContextGPUView", "KVBlockAllocator",
         )
     }
     import warnings
