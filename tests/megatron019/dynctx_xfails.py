@@ -18,14 +18,12 @@ UPDATE_WITHOUT_STEP = (
     '0.19 updates requests added without a step; dynctx refuses update_requests before initialize_attention_state (docs/SEMANTICS.md §9)')
 MAMBA_BUDGET_ERROR = (
     "0.19's 'prefix cache budget' ValueError for prefix_caching_mamba_gb (gap 4): dynctx sizes its Mamba snapshots its own way (docs/SEMANTICS.md §16 row 31)")
-TRANSFER = (
-    "0.19's separate bookkeeping transfer (gap 7), not built")
 INPUTS_BEFORE_STEP = (
     'reads current_input_and_position_ids() after writing padded_active_token_count by hand; dynctx refuses it before initialize_attention_state (docs/SEMANTICS.md §16 row 54)')
 TORCH_SAMPLING = (
     'TorchSampling and processed log probs (gap 12), not built')
 MAMBA_SLOT_ALLOCATOR = (
-    "mamba_slot_allocator, 0.19's Mamba prefix-cache slots (gap 5), not built")
+    "mamba_slot_allocator, 0.19's Mamba prefix-cache slots and the intermediate states its prefill extracts (MambaMetadata.intermediate_count; gap 5), not built")
 SPECULATIVE = (
     "num_speculative_tokens > 0: 0.19's speculative steps (gap 9), not built yet")
 CHUNKED_ID_FIRST = (
@@ -62,8 +60,8 @@ XFAILS: Dict[str, Dict[str, str]] = {
     'test_mcore019_dynamic_prefix_caching.py': {
         'TestMambaPrefixCaching::test_hybrid_memory_only': HYBRID_MEMORY_ONLY,
         'TestMambaPrefixCaching::test_hybrid_prefix_caching_without_mamba_budget_warns': MAMBA_SLOT_ALLOCATOR,
-        'TestMambaPrefixCaching::test_intermediate_count_bounded_by_token_budget': TRANSFER,
-        'TestMambaPrefixCaching::test_intermediate_count_fills_scratch_buffer': TRANSFER,
+        'TestMambaPrefixCaching::test_intermediate_count_bounded_by_token_budget': MAMBA_SLOT_ALLOCATOR,
+        'TestMambaPrefixCaching::test_intermediate_count_fills_scratch_buffer': MAMBA_SLOT_ALLOCATOR,
         'TestMambaPrefixCaching::test_intermediate_offsets_use_configured_mamba_chunk_size': MAMBA_SLOT_ALLOCATOR,
         'TestMambaPrefixCaching::test_mamba_cache_budget_too_small_raises': MAMBA_BUDGET_ERROR,
         'TestMambaPrefixCaching::test_mamba_cache_lifecycle': MAMBA_SLOT_ALLOCATOR,
