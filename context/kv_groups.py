@@ -13,7 +13,7 @@ context keeps one *group* per distinct window, as vLLM's hybrid allocator does
 * each windowed group ``g`` holds its layers' K/V in a buffer of its own
   (``[2, layers of g, blocks of g, block_size, H, D]``) with a block pool of its own. Its
   blocks are keyed by the group-0 block that covers the same positions of the same request
-  (``map[main block] -> group block``, -1: none), so the group's block table is
+  (``map[main block] -> group block``, -1: none; ``map[-1]`` is -1), so the group's block table is
   ``map[main block table]`` and its per-token blocks ``map[main per-token blocks]``: row
   moves, pauses and evictions need nothing of the group.
 * at each step (``begin``, from ``initialize_attention_state``) a group holds exactly the
@@ -41,6 +41,7 @@ hybrid Mamba models and KV offload (each names the argument).
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, replace
 from typing import Any, List, Optional, Sequence, Tuple
 
@@ -164,6 +165,30 @@ def grouped_memory(memory: Any, main_blocks: int, layer_fraction: Tuple[int, int
                    bytes_per_block=memory.bytes_per_block * own // every)
 
 
+SIZING_WARNING = "a long request may pause with no way to resume"
+
+
+def reissue_sizing_warnings(records: list, memory: Any, max_sequence_length: int,
+                            block_size: int) -> None:
+    """Issue again the warnings ``sizing.memory_layout`` gave before the split
+    (``records``), its sizing warning only if group 0's active budget (``memory``) still
+    cannot hold one request of ``max_sequence_length``, with group 0's counts."""
+    needed = math.ceil(max_sequence_length / block_size)
+    active = memory.total_blocks - memory.paused_blocks - 1
+    for record in records:
+        message = str(record.message)
+        if SIZING_WARNING in message:
+            if active >= needed:
+                continue
+            message = (f"max_sequence_length={max_sequence_length} needs {needed} blocks of "
+                       f"{block_size} tokens for one request, but KV group 0 (the full "
+                       f"layers) has an active budget of {active} (the paused budget is "
+                       f"{memory.paused_blocks} blocks): {SIZING_WARNING}, and update_requests "
+                       "then raises 'no request can run'. Raise buffer_size_gb (or lower "
+                       "paused_buffer_size_gb), or lower max_sequence_length")
+        warnings.warn_explicit(message, record.category, record.filename, record.lineno)
+
+
 class WindowedGroup:
     """One windowed group: its window, buffer (``cache``), block pool and map (module
     docstring). Host state is numpy; ``allocate`` builds the device map, table and per-token
@@ -178,7 +203,9 @@ class WindowedGroup:
         self.shape = (max_requests, columns, max_tokens)
         self.device = device
         self.columns = np.arange(columns)
-        self.map = np.full(main_blocks, -1, dtype=np.int32)
+        # One entry more than group 0 has blocks, always -1: index -1 (an unused entry of
+        # group 0's table) reads it.
+        self.map = np.full(main_blocks + 1, -1, dtype=np.int32)
         self.free = np.arange(blocks - 1, dtype=np.int32)  # a stack; [0, free_count) free
         self.free_count = blocks - 1
         self.map_device = self.table = self.token_blocks = None
@@ -197,7 +224,7 @@ class WindowedGroup:
         if device.type == "cpu":
             self.map_device = torch.from_numpy(self.map)   # shares the host map: no upload
         else:
-            self.map_device = torch.empty(self.main_blocks, dtype=torch.int32, device=device)
+            self.map_device = torch.empty(self.main_blocks + 1, dtype=torch.int32, device=device)
         self.table = torch.full((rows, columns), -1, dtype=torch.int32, device=device)
         self.token_blocks = torch.zeros(tokens, dtype=torch.int64, device=device)
         self.reset()
@@ -224,7 +251,7 @@ class WindowedGroup:
     def reconcile(self, table) -> None:
         """Hold exactly the blocks the rows' windows read (``needed``): release the others,
         allocate the missing ones (checked first; the sizing makes a shortage impossible)."""
-        need = np.zeros(self.main_blocks, dtype=np.bool_)
+        need = np.zeros(self.main_blocks + 1, dtype=np.bool_)
         if table.total:
             need[table.block_table[:table.total][self.needed(table)]] = True
         need[self.main_dummy] = True
