@@ -119,3 +119,22 @@ def test_groups_through_the_triton_kernels(monkeypatch):
     assert engine.model.attention_backend == "triton" and spy.released > 0
     monkeypatch.undo()
     assert_matches_transformers(hf.cpu(), prompts, gens, results)
+
+
+def test_groups_under_the_graph_stand_in_runner():
+    """Gemma 3 (sliding + full) under the CUDA-graph protocol (stand-in runner on a CPU,
+    torch_static attention): the groups' tables are gathered into static buffers before each
+    replay; tokens equal transformers'."""
+    from dynctx.engine.graphs import StandInGraphRunner
+
+    hf = family_model("gemma3", 2)
+    prompts = make_prompts(LENGTHS, VOCAB, seed=2)
+    engine = engine_for(hf, num_cuda_graphs=2, max_requests=8, record_logits=True)
+    assert engine.context.kv_groups
+    assert engine.model.attention_backend_request == "torch_static"
+    runner = engine.graph_runner
+    assert isinstance(runner, StandInGraphRunner) and runner.captures > 0
+    spy = ReleaseSpy(engine.context)
+    results = run_workload(engine, prompts, GENS)
+    assert sum(runner.replays.values()) > 0 and spy.released > 0
+    assert_all_match(hf, prompts, GENS, results)
