@@ -14,8 +14,6 @@ counting alone.
 
 from __future__ import annotations
 
-import contextlib
-import warnings
 from dataclasses import dataclass, replace
 from typing import Any, NamedTuple, Optional, Tuple
 
@@ -31,14 +29,7 @@ from .forward_pass import ForwardPass
 from .graph_ladder import CUDAGraphLadder, context_cuda_graph_ladder
 from .inputs import check_row_moves
 from .kv_cache import KVCache
-from .kv_groups import (
-    GroupSpec,
-    build_grouped_kv,
-    group_block_counts,
-    group_spec,
-    grouped_memory,
-    reissue_sizing_warnings,
-)
+from .kv_groups import GroupSpec, build_grouped_kv, group_spec, sized_with_groups
 from .kv_scales import check_kv_scales, resolve_kv_cache_dtype
 from .mamba_states import MambaMetadata, MambaStates
 from .offload import Offload, check_offload_args
@@ -250,34 +241,21 @@ def settle(*, agreement: CountAgreement, groups: ParallelGroups, default_max_tok
         kv_groups=None if kv_spec is None else repr(kv_spec.windows),
         use_cuda_graphs_for_non_decode_steps=use_cuda_graphs_for_non_decode_steps,
         cuda_graph_mixed_prefill_count=cuda_graph_mixed_prefill_count)
-    # With KV groups the sizing warnings wait for group 0's counts (reissue_sizing_warnings).
-    caught = warnings.catch_warnings(record=True) if kv_spec else contextlib.nullcontext()
-    with caught as sizing:
-        if kv_spec is not None:
-            warnings.simplefilter("always")
-        memory = memory_layout(
-            layers=layers, kv_dtype=kv_dtype, block_size_tokens=args["block_size_tokens"],
-            heads_per_partition=heads_per_partition, kv_channels=args["kv_channels"],
-            cache_mla_latent=bool(cache_mla_latent), kv_lora_rank=args["kv_lora_rank"],
-            qk_pos_emb_head_dim=args["qk_pos_emb_head_dim"],
-            unified_memory_level=unified_memory_level, device=device,
-            buffer_size_gb=buffer_size_gb, paused_buffer_size_gb=paused_buffer_size_gb,
-            max_requests=max_requests, max_tokens=max_tokens,
-            default_max_tokens=default_max_tokens,
-            max_sequence_length=args["max_sequence_length"], tp=tp,
-            request_rounder=request_rounder, reduce_counts=agreement if groups.groups else None,
-            block_counts=block_counts)
-    windowed_blocks = None
-    if kv_spec is not None:
-        # Group 0 takes the bytes the windowed groups leave (context/kv_groups.py).
-        main_blocks, windowed_blocks = group_block_counts(
-            kv_spec, memory.total_blocks, block_size=args["block_size_tokens"],
-            max_requests=memory.max_requests, max_tokens=memory.max_tokens)
-        memory = grouped_memory(memory, main_blocks, (len(kv_spec.layers[0]),
-                                                      layers.num_attention_layers),
-                                args["max_sequence_length"], args["block_size_tokens"])
-        reissue_sizing_warnings(sizing, memory, args["max_sequence_length"],
-                                args["block_size_tokens"])
+    # With KV groups, group 0 takes the bytes the windowed groups leave (context/kv_groups.py).
+    memory, windowed_blocks = sized_with_groups(kv_spec, lambda: memory_layout(
+        layers=layers, kv_dtype=kv_dtype, block_size_tokens=args["block_size_tokens"],
+        heads_per_partition=heads_per_partition, kv_channels=args["kv_channels"],
+        cache_mla_latent=bool(cache_mla_latent), kv_lora_rank=args["kv_lora_rank"],
+        qk_pos_emb_head_dim=args["qk_pos_emb_head_dim"],
+        unified_memory_level=unified_memory_level, device=device,
+        buffer_size_gb=buffer_size_gb, paused_buffer_size_gb=paused_buffer_size_gb,
+        max_requests=max_requests, max_tokens=max_tokens,
+        default_max_tokens=default_max_tokens,
+        max_sequence_length=args["max_sequence_length"], tp=tp,
+        request_rounder=request_rounder, reduce_counts=agreement if groups.groups else None,
+        block_counts=block_counts),
+        max_sequence_length=args["max_sequence_length"], block_size=args["block_size_tokens"],
+        attention_layers=layers.num_attention_layers)
     if speculative:
         # 0.19: a block taken early may lie one past what max_sequence_length needs.
         memory = replace(memory, max_kv_block_count=memory.max_kv_block_count + 1)

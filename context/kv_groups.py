@@ -189,6 +189,25 @@ def reissue_sizing_warnings(records: list, memory: Any, max_sequence_length: int
         warnings.warn_explicit(message, record.category, record.filename, record.lineno)
 
 
+def sized_with_groups(spec: Optional[GroupSpec], layout: Any, *, max_sequence_length: int,
+                      block_size: int, attention_layers: int) -> Tuple[Any, Optional[list]]:
+    """``(memory layout, each windowed group's blocks)``: ``layout()`` (the context's
+    ``sizing.memory_layout``) as it is without groups (``spec`` None); with groups split
+    (``group_block_counts``, ``grouped_memory``), its warnings issued on group 0's counts."""
+    if spec is None:
+        return layout(), None
+    with warnings.catch_warnings(record=True) as sizing:
+        warnings.simplefilter("always")
+        memory = layout()
+    main_blocks, windowed = group_block_counts(spec, memory.total_blocks, block_size=block_size,
+                                               max_requests=memory.max_requests,
+                                               max_tokens=memory.max_tokens)
+    memory = grouped_memory(memory, main_blocks, (len(spec.layers[0]), attention_layers),
+                            max_sequence_length, block_size)
+    reissue_sizing_warnings(sizing, memory, max_sequence_length, block_size)
+    return memory, windowed
+
+
 class WindowedGroup:
     """One windowed group: its window, buffer (``cache``), block pool and map (module
     docstring). Host state is numpy; ``allocate`` builds the device map, table and per-token
