@@ -29,6 +29,7 @@ from .forward_pass import ForwardPass
 from .graph_ladder import CUDAGraphLadder, context_cuda_graph_ladder
 from .inputs import check_row_moves
 from .kv_cache import KVCache
+from .kv_groups import GroupSpec, build_grouped_kv, group_spec, sized_with_groups
 from .kv_scales import check_kv_scales, resolve_kv_cache_dtype
 from .mamba_states import MambaMetadata, MambaStates
 from .offload import Offload, check_offload_args
@@ -76,6 +77,8 @@ class ContextSettings:
     backend: str
     prefix_caching: Tuple[bool, str, Optional[float]]   # enable, policy, Mamba GiB
     snapshots: int                                      # hybrid prefix snapshots (-1: none)
+    # KV groups (context/kv_groups.py): the spec and each windowed group's blocks, or None.
+    groups: Optional[Tuple[GroupSpec, list]] = None
 
 
 def settle(*, agreement: CountAgreement, groups: ParallelGroups, default_max_tokens: int,
@@ -95,7 +98,8 @@ def settle(*, agreement: CountAgreement, groups: ParallelGroups, default_max_tok
            block_counts: Optional[Tuple[int, int]] = None,
            num_speculative_tokens: Any = 0, kv_cache_dtype: Any = None,
            kv_scales: Any = "dynamic", kv_offload_gb: Any = 0,
-           kv_cache_management_mode: Any = None) -> ContextSettings:
+           kv_cache_management_mode: Any = None, kv_layer_windows: Any = None,
+           kv_groups: Any = True) -> ContextSettings:
     """Check and settle ``DynamicInferenceContext``'s arguments (``agreement``, ``groups``: the
     ranks' agreement and the parallel groups, from ``parallel.parallel_groups``;
     ``default_max_tokens``, ``request_rounder``: the class's).
@@ -173,6 +177,12 @@ def settle(*, agreement: CountAgreement, groups: ParallelGroups, default_max_tok
             recomputed); ``"offload"`` keeps the requests' KV in host memory (with
             ``kv_offload_gb=0`` a host pool as large as the device's blocks and Mamba
             states); ``"persist"``: the engine's suspend keeps the context.
+        kv_layer_windows: each attention layer's sliding window (an int >= 1: the keys a query
+            sees, its own included) or None (a full layer), in the layers' order; with windowed
+            and full layers and ``kv_groups`` (default True), one KV group per distinct window,
+            whose windowed groups free the blocks their window no longer reads
+            (``context/kv_groups.py``, docs/SEMANTICS.md §22); None: one group.
+        kv_groups: False keeps one group (every block of every layer) whatever the windows.
         The options of ``compat.OPTIONS`` are Megatron-Core's and raise or warn as listed there.
     ``block_counts``: this rank's ``(blocks, paused blocks)`` as Megatron-Core 0.19's form
     derives them (``megatron019.constructor_arguments``), instead of the buffer's division.
@@ -214,6 +224,13 @@ def settle(*, agreement: CountAgreement, groups: ParallelGroups, default_max_tok
                                  1 if cache_mla_latent else heads_per_partition,
                                  bool(cache_mla_latent))
 
+    kv_spec = group_spec(kv_layer_windows, kv_groups,
+                         num_attention_layers=layers.num_attention_layers,
+                         max_sequence_length=args["max_sequence_length"],
+                         prefix_caching=prefix_caching[0], speculative=speculative,
+                         fp8=kv_dtype != params_dtype, mla=bool(cache_mla_latent),
+                         hybrid=layers.is_hybrid_model,
+                         offload=bool(offload_gb) or management_mode == "offload")
     # The settings that steer the bookkeeping agree over the ranks, and the hybrid prefix
     # cache's snapshot count is reduced with the block counts (one all-reduce).
     agreement.extra = [prefix_snapshot_count(prefix_caching, layers)]
@@ -221,19 +238,24 @@ def settle(*, agreement: CountAgreement, groups: ParallelGroups, default_max_tok
         zip(("enable_prefix_caching", "prefix_caching_eviction_policy"), prefix_caching),
         num_cuda_graphs=num_cuda_graphs, validate=bool(validate), vocab_size=vocab_size,
         num_speculative_tokens=speculative,
+        kv_groups=None if kv_spec is None else repr(kv_spec.windows),
         use_cuda_graphs_for_non_decode_steps=use_cuda_graphs_for_non_decode_steps,
         cuda_graph_mixed_prefill_count=cuda_graph_mixed_prefill_count)
-    memory = memory_layout(
+    # With KV groups, group 0 takes the bytes the windowed groups leave (context/kv_groups.py).
+    memory, windowed_blocks = sized_with_groups(kv_spec, lambda: memory_layout(
         layers=layers, kv_dtype=kv_dtype, block_size_tokens=args["block_size_tokens"],
         heads_per_partition=heads_per_partition, kv_channels=args["kv_channels"],
         cache_mla_latent=bool(cache_mla_latent), kv_lora_rank=args["kv_lora_rank"],
         qk_pos_emb_head_dim=args["qk_pos_emb_head_dim"],
         unified_memory_level=unified_memory_level, device=device,
         buffer_size_gb=buffer_size_gb, paused_buffer_size_gb=paused_buffer_size_gb,
-        max_requests=max_requests, max_tokens=max_tokens, default_max_tokens=default_max_tokens,
+        max_requests=max_requests, max_tokens=max_tokens,
+        default_max_tokens=default_max_tokens,
         max_sequence_length=args["max_sequence_length"], tp=tp,
         request_rounder=request_rounder, reduce_counts=agreement if groups.groups else None,
-        block_counts=block_counts)
+        block_counts=block_counts),
+        max_sequence_length=args["max_sequence_length"], block_size=args["block_size_tokens"],
+        attention_layers=layers.num_attention_layers)
     if speculative:
         # 0.19: a block taken early may lie one past what max_sequence_length needs.
         memory = replace(memory, max_kv_block_count=memory.max_kv_block_count + 1)
@@ -272,7 +294,8 @@ def settle(*, agreement: CountAgreement, groups: ParallelGroups, default_max_tok
         kv_offload_gb=offload_gb, kv_cache_management_mode=management_mode,
         enable_prefix_caching=prefix_caching[0],
         prefix_caching_eviction_policy=prefix_caching[1],
-        prefix_caching_mamba_gb=prefix_caching[2],
+        prefix_caching_mamba_gb=prefix_caching[2], kv_groups=kv_spec is not None,
+        kv_layer_windows=None if kv_layer_windows is None else list(kv_layer_windows),
         block_size_bytes=memory.block_size_bytes, kv_reduced_dim=memory.kv_reduced_dim,
         unified_memory_level=memory.unified_memory_level, buffer_size_gb=buffer_size_gb,
         paused_buffer_size_gb=paused_buffer_size_gb, max_tokens=memory.max_tokens,
@@ -284,7 +307,8 @@ def settle(*, agreement: CountAgreement, groups: ParallelGroups, default_max_tok
         attributes.update(mamba_conv_states_dtype=layers.mamba_conv_states_dtype,
                           mamba_ssm_states_dtype=layers.mamba_ssm_states_dtype)
     return ContextSettings(attributes, layers, memory, ladder, backend, prefix_caching,
-                           agreement.extra[0])
+                           agreement.extra[0],
+                           None if kv_spec is None else (kv_spec, windowed_blocks))
 
 
 class ContextParts(NamedTuple):
@@ -336,6 +360,8 @@ class ContextParts(NamedTuple):
             self.offload.reset()
         self.table.reset(keep_cache)
         self.device.reset()
+        if self.forward.kv_groups is not None:
+            self.forward.kv_groups.settle(self.table)
         self.forward.reset_attention_state()
         self.forward.step = None
 
@@ -402,19 +428,28 @@ def build_parts(settings: ContextSettings) -> ContextParts:
                         hybrid=layers.is_hybrid_model,
                         speculative=attrs["num_speculative_tokens"])
     mla = attrs["cache_mla_latent"]
-    kv = KVCache(layers=layers.num_attention_layers, total_blocks=memory.total_blocks,
-                 block_size=attrs["block_size_tokens"],
-                 heads=attrs["num_attention_heads_per_partition"], head_dim=attrs["kv_channels"],
+    cache = dict(heads=attrs["num_attention_heads_per_partition"], head_dim=attrs["kv_channels"],
                  dtype=attrs["params_dtype"], device=device, backend=settings.backend,
                  kernel_backend=attrs["kernel_backend"],
                  mla=(attrs["kv_lora_rank"], attrs["qk_pos_emb_head_dim"]) if mla else None,
                  kv_dtype=attrs["kv_cache_dtype"], scales=attrs["kv_scales_spec"])
+    if settings.groups is None:
+        kv = KVCache(layers=layers.num_attention_layers, total_blocks=memory.total_blocks,
+                     block_size=attrs["block_size_tokens"], **cache)
+    else:
+        spec, windowed_blocks = settings.groups
+        kv = build_grouped_kv(spec, main_blocks=memory.total_blocks,
+                              windowed_blocks=windowed_blocks,
+                              block_size=attrs["block_size_tokens"], max_requests=rows,
+                              columns=memory.max_kv_block_count, max_tokens=tokens, **cache)
+        kv.allocator = table.allocator
     steps = StepBuilder(rows, settings.ladder,
                         tokens_per_decode=1 + attrs["num_speculative_tokens"])
     # Megatron-Core builds it with the context; its step fields are filled per step.
     metadata = None if mamba is None else MambaMetadata(mamba, table, state)
     forward = ForwardPass(table=table, device=state, steps=steps, kv=kv, layers=layers,
-                          settings=attrs, mamba=mamba, mamba_metadata=metadata)
+                          settings=attrs, mamba=mamba, mamba_metadata=metadata,
+                          kv_groups=None if settings.groups is None else kv)
     table.offload = offload = Offload.build(
         kv_offload_gb=attrs["kv_offload_gb"], mode=attrs["kv_cache_management_mode"], kv=kv,
         mamba=mamba, block_size=attrs["block_size_tokens"], max_requests=rows, device=device)

@@ -16,7 +16,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 
-from . import admission, compat, facade, megatron019, prefix_match
+from . import admission, compat, facade, kv_groups, megatron019, prefix_match
 from ._fields import (  # noqa: F401 (re-exported: FIELD_* are imported from here)
     FIELD_BLOCKS,
     FIELD_IDS,
@@ -47,9 +47,9 @@ class DynamicInferenceContext(StepAPI, prefix_match.PrefixMatchHelpers):
 
     Megatron-Core 0.19's form ``DynamicInferenceContext(model_config, inference_config)``
     (``megatron019.constructor_arguments``), or 0.16's keywords: Megatron-Core's plus
-    ``device``, ``kernel_backend``, ``fused_rope_kv_append``, ``vocab_size``, ``validate`` and
-    the prefix caching options; ``construction.settle`` documents each one, docs/SEMANTICS.md
-    §2 the construction (§16: 0.19's form).
+    ``device``, ``kernel_backend``, ``fused_rope_kv_append``, ``vocab_size``, ``validate``, the
+    prefix caching and KV group options; ``construction.settle`` documents each one,
+    docs/SEMANTICS.md §2 the construction (§16: 0.19's form, §22: KV groups).
     """
 
     DEFAULT_MAX_TOKENS = 16384
@@ -85,6 +85,7 @@ class DynamicInferenceContext(StepAPI, prefix_match.PrefixMatchHelpers):
         prefix_caching_mamba_gb: Optional[float] = None, num_speculative_tokens: int = 0,
         kv_cache_dtype: Optional[torch.dtype | str] = None, kv_scales: Any = "dynamic",
         kv_offload_gb: float = 0, kv_cache_management_mode: Any = None,
+        kv_layer_windows: Optional[Sequence[Optional[int]]] = None, kv_groups: bool = True,
     ):
         arguments = dict(locals())  # every argument, as given or defaulted
         del arguments["self"]
@@ -113,8 +114,7 @@ class DynamicInferenceContext(StepAPI, prefix_match.PrefixMatchHelpers):
         self.mamba_metadata = parts.mamba_metadata
         self.block_allocator, self.prefix_cache = self._table.allocator, self._table.prefix_cache
         self.kv_block_allocator = self.block_allocator.attach(self)  # 0.19: KVBlockAllocator
-        self.is_symmetric_memory_initialized = False
-        self._step = None
+        self.is_symmetric_memory_initialized, self._step = False, None
         form.finish(self)
         self.allocate_all_tensors(is_init=True)
         active = self.block_allocator.active_count
@@ -258,8 +258,7 @@ class DynamicInferenceContext(StepAPI, prefix_match.PrefixMatchHelpers):
     def add_dummy_requests_for_expert_parallel_step(
             self, graph_dimensions: InferenceBatchDimensions) -> None:
         """Megatron-Core 0.19's fast path for an expert-parallel rank without requests: the
-        state ``add_dummy_requests_for_cudagraph_capture`` leaves, which here is already one
-        batched admission (no per-request work to skip)."""
+        state ``add_dummy_requests_for_cudagraph_capture`` leaves (one batched admission)."""
         self.add_dummy_requests_for_cudagraph_capture(graph_dimensions)
 
     # Queries of the request table (admission's, the table's own).
@@ -270,6 +269,7 @@ class DynamicInferenceContext(StepAPI, prefix_match.PrefixMatchHelpers):
     get_kvcache_utilization_stats = _Part("_table", RequestTable.get_kvcache_utilization_stats)
     get_kv_offload_stats = _Part("_parts", ContextParts.kv_offload_stats)  # (§21)
     host_request_ids = _Part("_table", RequestTable.host_request_ids)
+    kv_group_usage = _Part("_kv", kv_groups.kv_group_usage)  # KV groups: docs/SEMANTICS.md §22
 
     # ------------------------------------------------------------------ the step
     def _limits(self) -> tuple:  # what a step build reads besides the table (step_builder)

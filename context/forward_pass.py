@@ -44,14 +44,16 @@ class ForwardPass:
     Args:
         table, device, steps, kv: the ``RequestTable``, ``DeviceState``, ``StepBuilder`` and
             ``KVCache``; mamba, mamba_metadata: a hybrid's ``MambaStates`` and
-            ``MambaMetadata`` (else None); layers: the ``sizing.LayerLayout``.
+            ``MambaMetadata`` (else None); layers: the ``sizing.LayerLayout``; kv_groups: with
+            KV groups the ``kv_groups.GroupedKV`` (which ``kv`` is too), else None.
         settings: the context's attributes the calls read (``device``, ``kernel_backend``,
             ``validate``, ``vocab_size``, ``use_flashinfer_fused_rope``, ``cache_mla_latent``).
     """
 
     def __init__(self, *, table, device, steps, kv, layers, settings: dict, mamba=None,
-                 mamba_metadata=None):
+                 mamba_metadata=None, kv_groups=None):
         self.table, self.device, self.steps, self.kv = table, device, steps, kv
+        self.kv_groups = kv_groups   # a GroupedKV (context/kv_groups.py), or None
         self.layers, self.mamba, self.mamba_metadata = layers, mamba, mamba_metadata
         self.where = settings["device"]
         self.kernel_backend = settings["kernel_backend"]
@@ -94,6 +96,8 @@ class ForwardPass:
             self.rewound = False
         device.end_step()
         self.step, self.attention = step, device.attention_metadata(step)
+        if self.kv_groups is not None:
+            self.kv_groups.begin(step, table, device, self.attention)
         return step
 
     def reset_attention_state(self) -> None:
@@ -143,6 +147,8 @@ class ForwardPass:
             device.apply_update(plan, table, new_tokens, new_drafts)
             ids = (torch.from_numpy(plan.newly_paused_ids), torch.from_numpy(plan.evicted_ids),
                    torch.from_numpy(plan.max_length_ids))
+        if self.kv_groups is not None:
+            self.kv_groups.settle(table)   # the windows' blocks no longer read go back now
         self.reset_attention_state()
         self.step = None
         return ids

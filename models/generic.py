@@ -110,8 +110,11 @@ class _SeamStep:
     """One forward's state: the context, the planned attention, and which layers have gone
     through the seam (each layer once: its K/V written, then its attention)."""
 
-    def __init__(self, adapter: "GenericAdapter", ctx: Any, attention: Any, n: int):
+    def __init__(self, adapter: "GenericAdapter", ctx: Any, attention: Any, n: int,
+                 layer_attention: Optional[list] = None):
         self.adapter, self.ctx, self.attention, self.n = adapter, ctx, attention, n
+        # With KV groups: each layer's planned attention (its group's block table).
+        self.layer_attention = layer_attention
         # Per layer: the paged (K, V) cache views update returned (None: not updated yet).
         self.caches: List[Optional[tuple]] = [None] * adapter.num_layers
         self.attended = [False] * adapter.num_layers
@@ -169,7 +172,9 @@ class _SeamStep:
             raise ValueError(f"{name}: query of shape {tuple(query.shape)}, expected [1, heads, "
                              f"{self.n}, head_dim]")
         key_scale, value_scale = self.ctx.key_value_cache_scales(layer + 1)   # FP8 only
-        out = self.attention(query[0].transpose(0, 1), key, value,
+        attention = self.attention if self.layer_attention is None else \
+            self.layer_attention[layer]
+        out = attention(query[0].transpose(0, 1), key, value,
                              softmax_scale=None if scaling is None else float(scaling),
                              window=sliding_window, sinks=sinks, key_scale=key_scale,
                              value_scale=value_scale)                      # [n, Hq, D]
@@ -289,6 +294,12 @@ class GenericAdapter(PagedMhaAdapter):
         self.head_dim = int(getattr(modules[0], "head_dim", self.head_dim))
         self.windows = layer_windows(hf_model)
         self.has_sinks = _has_sinks(hf_model)
+        # The context keeps one KV group per distinct window (context/kv_groups.py); the
+        # engine passes these to the context it builds.
+        self.context_kwargs = ({"kv_layer_windows": list(self.windows)}
+                               if any(w is not None for w in self.windows) else {})
+        self._group_attention: list = []
+        self._group_attention_key = None
         self.attention_backend_request = self._backend_for(attention_backend)
         self._attention = None
         self._attention_key = None
@@ -402,6 +413,30 @@ class GenericAdapter(PagedMhaAdapter):
                                            device=ctx.device).view(1, size, 1)
         return ctx.last_token_logits(self._positions[:, :n]).view(-1).long()
 
+    def _group_attentions(self, ctx: Any, n: int, attention: Any) -> Optional[list]:
+        """With KV groups (``active_attn_metadata.kv_group_block_tables``), each layer's
+        attention planned over its group's block table (group 0's is ``attention``); None
+        without groups."""
+        meta = ctx.active_attn_metadata
+        tables = getattr(meta, "kv_group_block_tables", None)
+        if tables is None:
+            return None
+        key = self._attention_cache_key(ctx)
+        if self._group_attention_key != key:
+            self._group_attention, self._group_attention_key = [], key
+        while len(self._group_attention) < len(tables) - 1:
+            self._group_attention.append(self._new_attention(ctx))
+        planned = [attention]
+        extra = dict(dtype=self.dtype) if self._plan_with_dtype else {}
+        for table, group_attention in zip(tables[1:], self._group_attention):
+            group_attention.plan(cu_query_lengths=meta.cu_query_seq_lengths,
+                                 kv_seq_lengths=meta.kv_seq_lengths, block_table=table,
+                                 max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_k,
+                                 num_tokens=n, num_decode_requests=ctx.num_decode_requests,
+                                 **extra)
+            planned.append(group_attention)
+        return [planned[group] for group in meta.kv_group_of_layer]
+
     @torch.no_grad()
     def forward(self, ctx: Any, *, last_token_only: bool = True) -> torch.Tensor:
         """Run the step's tokens through the model's own code.
@@ -412,7 +447,7 @@ class GenericAdapter(PagedMhaAdapter):
         n, attention = self._plan_step(ctx)
         input_ids, position_ids = ctx.current_input_and_position_ids()
         keep = self._last_token_indices(ctx, n) if last_token_only else 0
-        step = _SeamStep(self, ctx, attention, n)
+        step = _SeamStep(self, ctx, attention, n, self._group_attentions(ctx, n, attention))
         with self._seam():
             output = self.hf_model(input_ids=input_ids, position_ids=position_ids,
                                    use_cache=True, logits_to_keep=keep, dynctx_step=step,

@@ -57,6 +57,8 @@ BENCHES = {
     "fp8_kv": (["--seq", "24", "--sequences", "1", "--layers", "1", "--hidden", "32",
                 "--heads", "2", "--kv-heads", "1", "--vocab", "64", "--requests", "3",
                 "--prompt", "16", "--new-tokens", "1"], True),
+    "kv_groups": (["--layers", "6", "--window", "8", "--block", "4", "--tokens", "64",
+                   "--chunk", "16", "--decode", "4"], True),
 }
 
 

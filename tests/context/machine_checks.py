@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from helpers import FIELD_NAMES
 from machine_budgets import BudgetChecks
+from machine_groups import GroupChecks
 from machine_model import VOCAB, Tracked, Violation, expected_metadata, require
 from machine_patterns import Patterns
 
@@ -33,7 +34,7 @@ from dynctx.context.dynamic_context import (
 )
 
 
-class InvariantChecks(BudgetChecks, Patterns):
+class InvariantChecks(BudgetChecks, Patterns, GroupChecks):
     """Checks of a driver's ``ctx`` against its model (``cfg``, ``live``, ``chunked``)."""
 
     def _rows(self) -> List[Tracked]:
@@ -50,7 +51,7 @@ class InvariantChecks(BudgetChecks, Patterns):
         bs = cfg.block_size
         ids = ctx.host_request_ids().tolist()
         table = ctx.block_table_host
-        uids, positions, blocks, owners = [], [], [], []
+        uids, positions, blocks, owners, rows = [], [], [], [], []
         for row, rid in enumerate(ids):
             t = self.live[rid]
             pos = np.arange(t.cached)
@@ -58,9 +59,11 @@ class InvariantChecks(BudgetChecks, Patterns):
             positions.append(pos)
             blocks.append(table[row, pos // bs])
             owners.append(np.full(t.cached, rid))
+            rows.append(np.full(t.cached, row))
         if not ids:
             return
-        uids, positions, blocks, owners = map(np.concatenate, (uids, positions, blocks, owners))
+        uids, positions, blocks, owners, rows = map(np.concatenate,
+                                                    (uids, positions, blocks, owners, rows))
         if positions.size == 0:
             return
         require(np.all(blocks >= 0), "a cached position has no block")
@@ -68,21 +71,35 @@ class InvariantChecks(BudgetChecks, Patterns):
         for layer, number in enumerate(cfg.attention_layers):
             expected = self.pattern(uids, positions, layer)
             k_cache, v_cache = ctx.key_value_cache(number)
+            # A windowed layer (KV groups) keeps the positions its window still reads, in its
+            # group's blocks.
+            keep = np.ones(positions.size, dtype=np.bool_)
+            at = blocks
+            group_blocks, first = self.windowed_blocks(layer, rows, blocks)
+            if group_blocks is not None:
+                keep = positions >= first
+                at = group_blocks
+                require(np.all(at[keep] >= 0), lambda: f"layer {number}: a position its window "
+                        "reads has no block in its KV group")
+            expected = expected[keep]
+            if not keep.any():
+                continue
+            b, s = at[keep], slots[keep]
             if cfg.mla:
                 require(v_cache is None, "the MLA cache returned a V view")
-                got = k_cache[blocks, slots].numpy()
+                got = k_cache[b, s].numpy()
             else:
-                got = np.stack([k_cache[blocks, slots].numpy(), v_cache[blocks, slots].numpy()],
-                               axis=1)
-            bad = np.flatnonzero((got != expected).reshape(len(positions), -1).any(axis=1))
+                got = np.stack([k_cache[b, s].numpy(), v_cache[b, s].numpy()], axis=1)
+            bad = np.flatnonzero((got != expected).reshape(len(b), -1).any(axis=1))
             if bad.size:
-                i = bad[0]
+                j = bad[0]
+                i = np.flatnonzero(keep)[j]
                 rid = owners[i]
                 raise Violation(
                     f"cached K/V of request {rid} (uid {uids[i]}) at position {positions[i]}, "
-                    f"layer {number}, block {blocks[i]} slot {slots[i]} is "
-                    f"{self._decode(got[i].reshape(-1)[0])}, expected "
-                    f"{self._decode(expected[i].reshape(-1)[0])} ({bad.size} positions differ)")
+                    f"layer {number}, block {at[i]} slot {slots[i]} is "
+                    f"{self._decode(got[j].reshape(-1)[0])}, expected "
+                    f"{self._decode(expected[j].reshape(-1)[0])} ({bad.size} positions differ)")
 
     def check_prefix_cache(self, holdings: np.ndarray, free: np.ndarray) -> None:
         """Prefix caching: a block's reference count is the number of block-table entries
@@ -511,3 +528,4 @@ class InvariantChecks(BudgetChecks, Patterns):
         if cfg.hybrid:
             self.check_mamba(rows, device)
         self.check_kv()
+        self.check_kv_groups()

@@ -78,6 +78,8 @@ class MachineConfig:
     # KV offload (docs/SEMANTICS.md §21): host blocks for evicted requests (0: off); an
     # evicted request re-added with its saved tokens restores them instead of recomputing.
     kv_offload_blocks: int = 0
+    # KV groups (docs/SEMANTICS.md §22): each attention layer's window (None: full).
+    windows: Optional[Tuple[Optional[int], ...]] = None
 
     @property
     def hybrid(self) -> bool:
@@ -129,6 +131,8 @@ class MachineConfig:
                     num_speculative_tokens=self.speculative)
         if self.paused_blocks is not None:
             args["paused_buffer_size_gb"] = self.paused_blocks * self.block_bytes / GIB
+        if self.windows is not None:
+            args["kv_layer_windows"] = list(self.windows)
         if self.mla:
             args.update(cache_mla_latent=True, kv_lora_rank=self.kv_lora_rank,
                         qk_pos_emb_head_dim=self.rope_dim)
@@ -197,13 +201,18 @@ CONFIGS = {c.name: c for c in [
     MachineConfig("spec3-pc-hyb-lru-bs4-half", block_size=4, buffer_blocks=24,
                   paused_blocks=None, layer_types=HYBRID_LAYERS, prefix_caching="lru",
                   speculative=3),
+    # KV groups: windowed groups release the blocks their windows no longer read.
+    MachineConfig("kvg-bs4-paused4", block_size=4, buffer_blocks=16, paused_blocks=4,
+                  num_layers=3, windows=(5, None, 9)),
+    MachineConfig("kvg-bs8-half", block_size=8, buffer_blocks=24, paused_blocks=None,
+                  windows=(None, 6)),
 ]}
 CI_CONFIGS = [CONFIGS[n] for n in ("bs4-paused4", "bs8-half", "bs4-paused0", "mla-bs8-paused3",
                                    "hyb-bs4-paused4", "hyb-bs8-half", "pc-lru-bs4-paused4",
                                    "pc-hyb-lru-bs4-half", "spec2-bs4-paused4",
                                    "spec1-hyb-bs4-paused4", "spec2-pc-lru-bs4-paused4",
                                    "off-bs4-paused4", "off-tiny-bs4-paused0",
-                                   "off-hyb-bs4-paused4")]
+                                   "off-hyb-bs4-paused4", "kvg-bs4-paused4")]
 
 
 def sample_token(rid: int, position: int) -> int:

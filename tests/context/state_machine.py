@@ -460,6 +460,7 @@ class ContextDriver(InvariantChecks):
         active = rows[P:]
         require(active, "initialize_attention_state with no active request")
         self._check_step_metadata(P, active)
+        self.check_kv_groups(settled=True)
         if cfg.hybrid:
             self._step_mamba(rows, P, active)
         self._write_kv(active, layout)

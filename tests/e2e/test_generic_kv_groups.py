@@ -1,0 +1,140 @@
+"""The generic path on KV groups (context/kv_groups.py, docs/SEMANTICS.md §21): Gemma 3 (five
+sliding layers per full one) and gpt-oss (alternating, sinks) generate transformers' greedy
+tokens with their windowed layers' blocks released, under pauses, evictions and chunked prefill
+(torch path), with a windowed pool smaller than group 0's, and through the Triton kernels under
+the interpreter. The windows (6 tokens) are shorter than the prompts, so a block released too
+early, or a window ignored, gives other tokens."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from e2e_helpers import assert_pressure_stats, greedy_requests, make_prompts
+from generic_families import VOCAB, WINDOW, tiny_family
+from test_generic_families import GENS, LENGTHS, assert_all_match, engine_for, run_workload
+from triton_marks import needs_triton
+
+
+class ReleaseSpy:
+    """Wraps the context's group hook: counts, at each step, the entries a windowed group
+    released (-1 where group 0 holds a block) and checks each row's bound."""
+
+    def __init__(self, ctx):
+        self.ctx, self.released, self.steps = ctx, 0, 0
+        kv = ctx._kv
+        self.begin = kv.begin
+        kv.begin = self
+
+    def __call__(self, step, table, device, attention):
+        self.begin(step, table, device, attention)
+        self.steps += 1
+        main = attention.kv_group_block_tables[0]
+        block = self.ctx.block_size_tokens
+        queries = self.ctx.request_query_lengths[step.paused:step.total]
+        for group, window in enumerate(attention.kv_group_windows[1:], start=1):
+            windowed = attention.kv_group_block_tables[group][:step.active]
+            self.released += int(((windowed == -1) & (main[:step.active] >= 0)).sum())
+            held = (windowed >= 0).sum(dim=1)
+            bound = torch.div(queries + window - 1 + block - 1, block,
+                              rounding_mode="floor") + 1
+            assert torch.all(held <= bound), (held.tolist(), bound.tolist())
+
+
+# gemma3: 6 layers (5 sliding, 1 full); gpt_oss: 2 layers (sliding, full).
+FAMILIES = [("gemma3", 6), ("gpt_oss", 2)]
+GEMMA3_TYPES = ["sliding_attention"] * 5 + ["full_attention"]
+
+
+def family_model(family: str, layers: int):
+    types = GEMMA3_TYPES if layers == 6 else ["sliding_attention", "full_attention"]
+    return tiny_family(family, num_hidden_layers=layers, layer_types=types)
+
+
+@pytest.mark.parametrize("family, layers", FAMILIES, ids=[f for f, _ in FAMILIES])
+def test_groups_match_transformers_under_pressure(family, layers):
+    hf = family_model(family, layers)
+    prompts = make_prompts(LENGTHS, VOCAB, seed=2)
+    engine = engine_for(hf, record_logits=True)
+    ctx = engine.context
+    usage = ctx.kv_group_usage()
+    assert ctx.kv_groups and usage["windows"] == [None, WINDOW]
+    assert sum(usage["layers"]) == layers and usage["layers"][0] == 1
+    spy = ReleaseSpy(ctx)
+    results = run_workload(engine, prompts, GENS)
+    assert_pressure_stats(engine.stats, results)
+    assert spy.released > 0 and spy.steps > 0
+    assert_all_match(hf, prompts, GENS, results)
+    assert ctx.kv_group_usage()["held"] == [0, 0]
+
+
+def test_a_windowed_pool_smaller_than_group_zero():
+    """A buffer larger than the windowed group's worst case: the windowed layers' pool is
+    smaller than group 0's, and group 0 has more blocks than the context without groups."""
+    hf = family_model("gemma3", 6)
+    prompts = make_prompts(LENGTHS, VOCAB, seed=2)
+    engine = engine_for(hf, blocks=24, paused_blocks=4, max_requests=4, record_logits=True)
+    plain = engine_for(hf, blocks=24, paused_blocks=4, max_requests=4, enable_prefix_caching=True)
+    usage = engine.context.kv_group_usage()
+    assert plain.context.kv_group_usage() is None   # prefix caching: one group
+    windowed, main = usage["blocks"][1], usage["blocks"][0]
+    assert windowed < main and main > plain.context.block_allocator.total_count
+    assert usage["held_bytes"] == 0
+    spy = ReleaseSpy(engine.context)
+    results = run_workload(engine, prompts, GENS)
+    assert spy.released > 0
+    assert_all_match(hf, prompts, GENS, results)
+    bound = math.ceil(WINDOW / 8) + 1
+    assert bound * 4 < windowed   # decode rows alone never fill it
+
+
+@pytest.mark.interpreter
+@needs_triton
+def test_groups_through_the_triton_kernels(monkeypatch):
+    """gpt-oss (sliding + full, sinks) on the Triton kernels under TRITON_INTERPRET=1, the torch
+    references refused: its windowed group's released entries (-1) are never read."""
+    from e2e_helpers import assert_matches_transformers, gib_for_blocks, refuse_torch_references
+    from generic_families import kv_block_bytes
+    from sizing_warning import built
+    from test_interpreter import REFERENCES
+
+    from dynctx.engine import Engine
+
+    refuse_torch_references(monkeypatch, list(REFERENCES)
+                            + [("dynctx.kernels.paged_attention", "paged_attention_ref")])
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    hf = family_model("gpt_oss", 2).to(device)
+    block_bytes = kv_block_bytes(hf)
+    engine = built(lambda: Engine.from_transformers(
+        hf, block_size_tokens=8, buffer_size_gb=gib_for_blocks(hf, 8, 12, block_bytes),
+        paused_buffer_size_gb=gib_for_blocks(hf, 8, 1, block_bytes), max_tokens=16,
+        max_requests=4, kernel_backend="triton", attention_backend="triton",
+        record_logits=True))
+    assert engine.context.kv_groups
+    spy = ReleaseSpy(engine.context)
+    prompts = make_prompts([3, 21, 1], VOCAB, seed=32)
+    gens = [4, 3, 4]
+    results = engine.generate_requests(greedy_requests(prompts, gens), arrival_steps=[0, 0, 1])
+    assert engine.model.attention_backend == "triton" and spy.released > 0
+    monkeypatch.undo()
+    assert_matches_transformers(hf.cpu(), prompts, gens, results)
+
+
+def test_groups_under_the_graph_stand_in_runner():
+    """Gemma 3 (sliding + full) under the CUDA-graph protocol (stand-in runner on a CPU,
+    torch_static attention): the groups' tables are gathered into static buffers before each
+    replay; tokens equal transformers'."""
+    from dynctx.engine.graphs import StandInGraphRunner
+
+    hf = family_model("gemma3", 2)
+    prompts = make_prompts(LENGTHS, VOCAB, seed=2)
+    engine = engine_for(hf, num_cuda_graphs=2, max_requests=8, record_logits=True)
+    assert engine.context.kv_groups
+    assert engine.model.attention_backend_request == "torch_static"
+    runner = engine.graph_runner
+    assert isinstance(runner, StandInGraphRunner) and runner.captures > 0
+    spy = ReleaseSpy(engine.context)
+    results = run_workload(engine, prompts, GENS)
+    assert sum(runner.replays.values()) > 0 and spy.released > 0
+    assert_all_match(hf, prompts, GENS, results)
