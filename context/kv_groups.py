@@ -50,6 +50,7 @@ import torch
 
 from ._fields import FIELD_BLOCKS, FIELD_KV_OFFSET
 from .kv_cache import KVCache
+from .staging import HostToDevice
 
 
 @dataclass(frozen=True)
@@ -227,7 +228,7 @@ class WindowedGroup:
         self.map = np.full(main_blocks + 1, -1, dtype=np.int32)
         self.free = np.arange(blocks - 1, dtype=np.int32)  # a stack; [0, free_count) free
         self.free_count = blocks - 1
-        self.map_device = self.table = self.token_blocks = None
+        self.map_device = self.table = self.token_blocks = self.h2d = None
         self.reset()
 
     def reset(self) -> None:
@@ -244,12 +245,14 @@ class WindowedGroup:
             self.map_device = torch.from_numpy(self.map)   # shares the host map: no upload
         else:
             self.map_device = torch.empty(self.main_blocks + 1, dtype=torch.int32, device=device)
+            # The map's uploads go through a pinned ring: non-blocking, no sync in the step.
+            self.h2d = HostToDevice(device, self.map.nbytes + 64)
         self.table = torch.full((rows, columns), -1, dtype=torch.int32, device=device)
         self.token_blocks = torch.zeros(tokens, dtype=torch.int64, device=device)
         self.reset()
 
     def release(self) -> None:
-        self.map_device = self.table = self.token_blocks = None
+        self.map_device = self.table = self.token_blocks = self.h2d = None
 
     @property
     def held(self) -> int:
@@ -293,7 +296,8 @@ class WindowedGroup:
     def gather(self, main_table: torch.Tensor, main_token_blocks: torch.Tensor) -> torch.Tensor:
         """The step's device table and per-token blocks from group 0's; returns the table."""
         if self.changed and self.device.type != "cpu":
-            self.map_device.copy_(torch.from_numpy(self.map))
+            self.h2d.copy(self.map_device, self.map)
+            self.h2d.advance()
         self.changed = False
         rows, tokens = main_table.shape[0], main_token_blocks.shape[0]
         table = self.table[:rows]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Tuple
@@ -26,6 +27,15 @@ GIB = 1024 ** 3
 # keeps four such tables (host, two device copies, the step's attention copy).
 MAX_BLOCK_TABLE_BYTES = 1 * GIB
 
+
+def caller_stacklevel() -> int:
+    """The ``stacklevel`` for a ``warnings.warn`` made by this function's caller that names
+    the first frame outside dynctx (the user's line that built the context), however deep in
+    dynctx the warning is made."""
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and frame.f_globals.get("__name__", "").startswith("dynctx."):
+        frame, level = frame.f_back, level + 1
+    return level
 
 def positive_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
@@ -180,7 +190,7 @@ def _warn_level1_once(paused_bytes: int) -> None:
         f"({get_mem_size_str(paused_bytes)}) is ordinary device memory allocated on top of "
         "buffer_size_gb. Pass unified_memory_level=0 to keep paused requests inside "
         "buffer_size_gb, or paused_buffer_size_gb to size the paused region yourself. "
-        "(Shown once per process.)", stacklevel=6)
+        "(Shown once per process.)", stacklevel=caller_stacklevel())
 
 
 def memory_layout(*, layers: LayerLayout, kv_dtype: torch.dtype, block_size_tokens: int,
@@ -237,7 +247,7 @@ def memory_layout(*, layers: LayerLayout, kv_dtype: torch.dtype, block_size_toke
             f"{block_count} block(s) of {get_mem_size_str(bytes_per_block)}; the context needs "
             "at least 2 (one is the dummy block that padding tokens write into), so it uses 2 "
             f"({get_mem_size_str(2 * bytes_per_block)}): raise buffer_size_gb to size it "
-            "yourself", stacklevel=5)
+            "yourself", stacklevel=caller_stacklevel())
         block_count = 2
     if paused_count is not None:
         total_count = block_count + paused_count if level == 1 else block_count
@@ -263,7 +273,7 @@ def memory_layout(*, layers: LayerLayout, kv_dtype: torch.dtype, block_size_toke
             f"buffer_size_gb={buffer_size_gb}; the paused budget is {paused_count} blocks): a "
             "long request may pause with no way to resume, and update_requests then raises "
             "'no request can run'. Raise buffer_size_gb (or lower paused_buffer_size_gb), or "
-            "lower max_sequence_length", stacklevel=5)
+            "lower max_sequence_length", stacklevel=caller_stacklevel())
     if level == 1:
         _warn_level1_once(paused_count * bytes_per_block)
 

@@ -27,6 +27,17 @@ def test_buffer_smaller_than_two_blocks_warns_with_the_reason():
     assert ctx.block_allocator.total_count >= 2
 
 
+@pytest.mark.parametrize("windows", [None, [None, 6]], ids=["one_group", "kv_groups"])
+def test_sizing_warning_names_the_line_that_built_the_context(windows):
+    """However deep in dynctx the sizing is done (KV groups size inside their own module), the
+    warning points at the caller's line, not into dynctx."""
+    extra = {} if windows is None else dict(kv_layer_windows=windows)
+    with pytest.warns(UserWarning, match="max_sequence_length=1099511627776 needs") as caught:
+        DynamicInferenceContext(**context_args(max_sequence_length=2 ** 40, **extra))
+    (record,) = [r for r in caught if "max_sequence_length=1099511627776" in str(r.message)]
+    assert record.filename == __file__
+
+
 def test_max_tokens_below_derived_max_requests_says_how_to_set_it():
     with pytest.raises(ValueError, match=r"max_tokens=8 must be >= max_requests=\d+.*derived from "
                                          r"buffer_size_gb.*pass max_requests"):
