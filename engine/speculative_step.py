@@ -82,15 +82,7 @@ class SpeculativeStepper(Stepper):
         self.counts = SpeculativeStats(self.k)
         self.stats.speculative = self.counts.as_dict()
 
-    # ------------------------------------------------------------------ the step
-    def step(self, result: Any) -> None:
-        self.admit()
-        if self.context.active_token_count == 0:
-            self.idle(result)
-            return
-        batch = self.forward(result)
-        self.update(batch, self.outcomes(batch), result)
-
+    # ------------------------------------------------------------------ the step (Stepper.step)
     def forward(self, result: Any, in_flight: Any = None) -> Any:
         """The forward pass, the verification of the decode rows and the prefill rows'
         samples; ``batch.tokens`` is the one host read (decode: next token or ``REFUSED``,
