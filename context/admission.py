@@ -245,12 +245,13 @@ def plan_add(table, req: Any, chunk_length: Optional[int], *, max_sequence_lengt
     # A restored request holds no block yet: every block is new.
     already = 0 if restore is not None else math.ceil(finished / block_size)
     needed = math.ceil((finished + chunk) / block_size)
-    revived = 0 if prefix is None else int(prefix.idle.size)
+    # The hit's idle blocks leave the free stack, and each host-tier block needs a new one.
+    revived = 0 if prefix is None else prefix.taken
     if needed - already + revived > table.allocator.total_avail:
         raise BlockOverflowError(request_id, f"needs {needed - already + revived} blocks, "
                                              f"{table.allocator.total_avail} free"
-                                 + (f" ({revived} of them idle cached blocks it reuses)"
-                                    if revived else ""))
+                                 + (f" ({revived} of them cached blocks it revives or "
+                                    "restores from the host)" if revived else ""))
     metadata = () if is_continuation else metadata_values(req, metadata_types)
     if table.hybrid and not is_continuation and table.slots.free_count == 0:
         raise ContextOverflowError(request_id, "No Mamba slots available")

@@ -12,7 +12,9 @@ cannot see everything the context decides, so it keeps bounds:
   cached one);
 * a chain is **possibly cached** under "lru" once published (an idle cached block stays until
   an allocation needs it, and the model does not follow the allocator's order), under
-  "ref_zero" while one of its possible holders is live.
+  "ref_zero" while one of its possible holders is live; with the host tier under either
+  policy once published (a block spills to the host instead of vanishing, and the model does
+  not follow which spilled blocks the host pool drops for room).
 
 A new request's hit is then between the longest run of surely cached chains and the longest run
 of possibly cached ones, capped at ``(chunk - 1) // block_size`` blocks (0 for a request that
@@ -48,9 +50,10 @@ class Hit:
 class PrefixModel:
     """Bounds on what the prefix cache holds (module docstring)."""
 
-    def __init__(self, block_size: int, policy: str, hybrid: bool):
+    def __init__(self, block_size: int, policy: str, hybrid: bool, host_tier: bool = False):
         self.block_size = block_size
         self.policy = policy
+        self.host_tier = host_tier
         self.hybrid = hybrid
         self.entries: Dict[Chain, _Entry] = {}
         self.published: Dict[int, int] = {}    # uid -> its prompt blocks published (or taken)
@@ -70,7 +73,8 @@ class PrefixModel:
                                                and entry.candidates <= live)
 
     def _possible(self, entry: _Entry, live: Set[int]) -> bool:
-        return self.policy == "lru" or bool((entry.sharers | entry.candidates) & live)
+        return self.policy == "lru" or self.host_tier \
+            or bool((entry.sharers | entry.candidates) & live)
 
     def hits(self, prompt: List[int], chunk: int, allow_hit: bool, live: Set[int]) -> List[Hit]:
         """Every hit the context may give a new request of ``prompt`` whose first add covers
@@ -97,11 +101,12 @@ class PrefixModel:
             hits += [Hit(count, idle) for idle in {count - maybe_held, count - held}]
         return hits
 
-    def took(self, uid: int, prompt: List[int], blocks: int) -> None:
-        """A new request was added with ``blocks`` blocks from the cache: it holds them."""
+    def took(self, uid: int, prompt: List[int], blocks: int, publishes: bool = True) -> None:
+        """A new request was added with ``blocks`` blocks from the cache: it holds them
+        (``publishes=False``: a restored request, which publishes none of its blocks)."""
         for k in range(1, blocks + 1):
             self.entries[self.chain(prompt, k)].sharers.add(uid)
-        self.published[uid] = blocks
+        self.published[uid] = blocks if publishes else len(prompt) // self.block_size
 
     def after_update(self, computed: Iterable[Tuple[int, List[int], int]],
                      live: Set[int]) -> None:

@@ -106,7 +106,7 @@ class ContextDriver(InvariantChecks):
         self.next_uid = 0
         self.stats: Counter = Counter()
         self.prefix = None if config.prefix_caching is None else PrefixModel(
-            config.block_size, config.prefix_caching, config.hybrid)
+            config.block_size, config.prefix_caching, config.hybrid, config.host_tier)
         self._generator = torch.Generator().manual_seed(1234)
         self.actions: List[str] = []
         self._poison_mamba()
@@ -127,6 +127,7 @@ class ContextDriver(InvariantChecks):
             self.next_rid += 1
         uid = self.next_uid
         self.next_uid += 1
+        self.note_chains(prompt)
         params = SamplingParams(num_tokens_to_generate=gen, **expected_metadata(rid))
         req = DynamicInferenceRequest(request_id=rid, sampling_params=params,
                                       prompt_tokens=torch.tensor(prompt, dtype=torch.int64))
@@ -256,7 +257,9 @@ class ContextDriver(InvariantChecks):
         require(skip in allowed, lambda: f"add_request(id={t.rid}, chunk={chunk}) took {skip} "
                 f"tokens from the prefix cache; the model allows {allowed}")
         if self.prefix is not None and not continuation:
-            self.prefix.took(t.uid, t.prompt, skip // self.cfg.block_size)
+            # A restored request holds private copies and publishes nothing (§21).
+            self.prefix.took(t.uid, t.prompt, 0 if restored else skip // self.cfg.block_size,
+                             publishes=not restored)
         require(not restored or skip == restored, lambda: f"add_request(id={t.rid}) restored "
                 f"{skip} tokens from the host, {restored} were saved")
         if advance:
@@ -285,8 +288,11 @@ class ContextDriver(InvariantChecks):
                         "top of the stack must be handed out)")
                 t.slot, t.mamba_writes, t.mamba_len = slot, 0, skip
         if restored:
-            # The restored K/V (and Mamba state) are the evicted incarnation's.
-            t.uid, _, writes, length = t.restore
+            # The restored K/V (and Mamba state) are the evicted incarnation's (with prefix
+            # caching the patterns are keyed by content, and the uid keys its cache model).
+            uid, _, writes, length = t.restore
+            if self.prefix is None:
+                t.uid = uid
             if self.cfg.hybrid:
                 t.mamba_writes, t.mamba_len = writes, length
             self.stats["restores"] += 1
