@@ -15,7 +15,7 @@ scheduler from the unchanged table.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, List, Optional, Tuple
 
 import numpy as np
@@ -227,6 +227,9 @@ def plan_add(table, req: Any, chunk_length: Optional[int], *, max_sequence_lengt
             host_prompt = host_prompt[skip:]
         else:
             device_prompt = device_prompt[skip:]
+        if table.prefix_cache is not None:   # it matches nothing, but publishes its blocks
+            prefix = replace(table.prefix_cache.plan_match(req, request_id, chunk, False),
+                             restored=True)
     elif table.prefix_cache is not None and not is_continuation:
         # The matched blocks' tokens are not computed: the chunk's queries start after them.
         prefix = table.prefix_cache.plan_match(

@@ -115,6 +115,7 @@ class PrefixHit:
     snapshot: int = -1         # hybrids: the Mamba snapshot the hit resumes from
     hashes: Tuple[int, ...] = ()   # 0.19's hash of each link (the allocator's block_hashes)
     host_snapshot: bytes = b""     # hybrids: the digest of a host tier snapshot it resumes from
+    restored: bool = False         # a KV offload restore: publishes, is no lookup
 
     @property
     def tokens(self) -> int:
@@ -355,7 +356,7 @@ class PrefixCache:
         stats.prefix_cache_prefill_computed_tokens += int(computed)
         if hit is None:
             return None
-        stats.prefix_cache_lookups += 1
+        stats.prefix_cache_lookups += not hit.restored
         blocks = hit.blocks
         if blocks.size:
             stats.prefix_cache_hits += 1

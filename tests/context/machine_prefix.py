@@ -101,12 +101,11 @@ class PrefixModel:
             hits += [Hit(count, idle) for idle in {count - maybe_held, count - held}]
         return hits
 
-    def took(self, uid: int, prompt: List[int], blocks: int, publishes: bool = True) -> None:
-        """A new request was added with ``blocks`` blocks from the cache: it holds them
-        (``publishes=False``: a restored request, which publishes none of its blocks)."""
+    def took(self, uid: int, prompt: List[int], blocks: int) -> None:
+        """A new request was added with ``blocks`` blocks from the cache: it holds them."""
         for k in range(1, blocks + 1):
             self.entries[self.chain(prompt, k)].sharers.add(uid)
-        self.published[uid] = blocks if publishes else len(prompt) // self.block_size
+        self.published[uid] = blocks
 
     def after_update(self, computed: Iterable[Tuple[int, List[int], int]],
                      live: Set[int]) -> None:

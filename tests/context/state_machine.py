@@ -257,9 +257,8 @@ class ContextDriver(InvariantChecks):
         require(skip in allowed, lambda: f"add_request(id={t.rid}, chunk={chunk}) took {skip} "
                 f"tokens from the prefix cache; the model allows {allowed}")
         if self.prefix is not None and not continuation:
-            # A restored request holds private copies and publishes nothing (§21).
-            self.prefix.took(t.uid, t.prompt, 0 if restored else skip // self.cfg.block_size,
-                             publishes=not restored)
+            # A restored request holds private copies (its blocks are published as computed).
+            self.prefix.took(t.uid, t.prompt, 0 if restored else skip // self.cfg.block_size)
         require(not restored or skip == restored, lambda: f"add_request(id={t.rid}) restored "
                 f"{skip} tokens from the host, {restored} were saved")
         if advance:

@@ -332,3 +332,42 @@ def test_hybrid_snapshots_spill_and_come_back_with_their_blocks():
     assert stats["kv_offload_prefix_restored_blocks"] == 3
     assert list(tier.snapshots) == [a3]          # the host copy stays (the device has B's)
     ctx._parts.offload.check()
+
+
+def test_a_restored_request_publishes_its_blocks():
+    """A request swapped back from the host (KV offload) publishes its full blocks, the
+    generated tokens' among them, as it computes past them; its restore is no cache lookup."""
+    ctx = tier_ctx(device_blocks=16, host_blocks=32, max_tokens=64)
+    rid, evicted, requests = 0, [], {}
+    for _ in range(40):
+        while ctx.total_request_count < 8 and ctx.paused_request_count == 0:
+            rid += 1
+            requests[rid] = [1000 + 13 * rid + i for i in range(6)]
+            r = req(rid, requests[rid], gen=30)
+            if not all(ctx.check_availability(r)):
+                break
+            add(ctx, r)
+        step(ctx)
+        evicted += ctx.evicted_request_ids.tolist()
+        if evicted:
+            break
+    assert evicted
+    while ctx.total_request_count:   # room for it: every request finishes
+        step(ctx, keep=set())
+    entry = ctx._parts.offload.entries[evicted[0]]
+    # The engine re-adds it with its prompt and generated tokens (7 each step here).
+    prompt = requests[evicted[0]] + [7] * (entry.tokens + 1 - 6)
+    lookups = ctx.get_prefix_cache_stats()["prefix_cache_lookups"]
+    add(ctx, req(evicted[0], prompt))
+    assert ctx.get_kv_offload_stats()["kv_offload_restored_tokens"] == entry.tokens
+    assert ctx.get_prefix_cache_stats()["prefix_cache_lookups"] == lookups
+    step(ctx)
+    links = chain_links(np.array(prompt), BS)
+    row = ctx.host_request_ids().tolist().index(evicted[0])
+    held = ctx.block_table_host[row, :len(links)].tolist()
+    for (digest, _, _), block in zip(links, held):
+        assert digest in ctx.prefix_cache.entries
+    # Its blocks past the first (which the first incarnation had published) are its own.
+    assert [ctx.prefix_cache.entries[d][0] for d, _, _ in links[1:]] == held[1:]
+    assert ctx.prefix_cache_lookup(req(99, prompt + [5])) == len(links) * BS
+    check_columns(ctx)
