@@ -199,8 +199,8 @@ def settle(*, agreement: CountAgreement, groups: ParallelGroups, default_max_tok
     compat.check_options(dict(cuda_graph_max_tokens=cuda_graph_max_tokens), stacklevel=5)
     speculative = check_speculative_tokens(num_speculative_tokens, args["block_size_tokens"])
     offload_gb, management_mode, host_tier = check_offload_args(
-        kv_offload_gb, kv_cache_management_mode, speculative=speculative,
-        host_tier=prefix_caching_host_tier, enable_prefix_caching=enable_prefix_caching)
+        kv_offload_gb, kv_cache_management_mode, host_tier=prefix_caching_host_tier,
+        enable_prefix_caching=enable_prefix_caching)
     prefix_caching = check_prefix_caching_args(
         enable_prefix_caching, prefix_caching_eviction_policy, prefix_caching_mamba_gb)
     device = resolve_device(device)

@@ -45,8 +45,8 @@ from .prefix_options import check_host_tier_arg
 KV_CACHE_MANAGEMENT_MODES = ("persist", "offload", "recompute")
 
 
-def check_offload_args(kv_offload_gb: Any, mode: Any, *, speculative: int,
-                       host_tier: Any = None, enable_prefix_caching: Any = False) -> tuple:
+def check_offload_args(kv_offload_gb: Any, mode: Any, *, host_tier: Any = None,
+                       enable_prefix_caching: Any = False) -> tuple:
     """``(kv_offload_gb as a float, mode as a lower-case string, whether the prefix cache has
     a host tier)``; ``ValueError`` or ``TypeError`` naming the argument, the value and what it
     must be."""
@@ -64,11 +64,8 @@ def check_offload_args(kv_offload_gb: Any, mode: Any, *, speculative: int,
         raise ValueError(f"kv_cache_management_mode={mode!r} must be one of "
                          f"{list(KV_CACHE_MANAGEMENT_MODES)} (or a KVCacheManagementMode)")
     value = value.lower()
-    if (gb or value == "offload") and speculative:
-        raise ValueError(f"kv_offload_gb={kv_offload_gb!r}, kv_cache_management_mode="
-                         f"{value!r} with num_speculative_tokens={speculative}: KV offload does "
-                         "not support speculative steps yet (pass kv_offload_gb=0)")
-    tier = check_host_tier_arg(host_tier, enable_prefix_caching=enable_prefix_caching is True,
+    enable = isinstance(enable_prefix_caching, (bool, np.bool_)) and bool(enable_prefix_caching)
+    tier = check_host_tier_arg(host_tier, enable_prefix_caching=enable,
                                kv_offload_gb=gb, mode=value)
     return gb, value, tier
 

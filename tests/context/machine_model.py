@@ -204,6 +204,15 @@ CONFIGS = {c.name: c for c in [
                   mla=True, kv_offload_blocks=8),
     MachineConfig("off-hyb-bs4-paused4", block_size=4, buffer_blocks=16, paused_blocks=4,
                   layer_types=HYBRID_LAYERS, kv_offload_blocks=12),
+    # Speculative steps with KV offload: a paused row's KV may end mid-block, and a restore
+    # brings back exactly its accepted tokens.
+    MachineConfig("spec2-off-bs4-paused4", block_size=4, buffer_blocks=16, paused_blocks=4,
+                  speculative=2, kv_offload_blocks=12),
+    MachineConfig("spec1-off-hyb-bs4-paused4", block_size=4, buffer_blocks=16,
+                  paused_blocks=4, layer_types=HYBRID_LAYERS, speculative=1,
+                  kv_offload_blocks=12),
+    MachineConfig("spec2-off-pc-lru-bs4-paused4", block_size=4, buffer_blocks=16,
+                  paused_blocks=4, prefix_caching="lru", speculative=2, kv_offload_blocks=40),
     # The prefix cache's host tier: idle cached blocks spill to the host pool and come back
     # (shared with the swapped requests; the small pools drop spilled blocks for room).
     MachineConfig("off-pc-lru-bs4-paused4", block_size=4, buffer_blocks=16, paused_blocks=4,

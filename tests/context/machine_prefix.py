@@ -45,6 +45,10 @@ class Hit:
 
     blocks: int
     idle: int
+    tokens: int = -1    # the tokens it skips, when not ``blocks`` whole blocks (a restore)
+
+    def skip(self, block_size: int) -> int:
+        return self.tokens if self.tokens >= 0 else self.blocks * block_size
 
 
 class PrefixModel:

@@ -192,7 +192,7 @@ class ContextDriver(InvariantChecks):
             errors.add(MaxSequenceLengthOverflowError)
             hit = Hit(0, 0)  # refused before any lookup
         tokens = self._model_active_tokens() - (1 if continuation else 0)
-        skip, idle = hit.blocks * cfg.block_size, hit.idle
+        skip, idle = hit.skip(cfg.block_size), hit.idle
         if not continuation:
             if duplicate:
                 errors.add(ValueError)
@@ -220,7 +220,8 @@ class ContextDriver(InvariantChecks):
         if restored:
             # A restore: its tokens skipped, every block new (as many as a hit revives).
             bs = self.cfg.block_size
-            hits = [Hit(restored // bs, restored // bs)]
+            # (With speculative steps its last block may be partly filled.)
+            hits = [Hit(restored // bs, restored // bs, restored)]
         options = {hit: self._expected_add_errors(t, chunk, continuation, duplicate, hit)
                    for hit in hits}
         expected = set().union(*options.values())
@@ -252,7 +253,7 @@ class ContextDriver(InvariantChecks):
         fin = t.req.finished_chunk_token_count
         row = ctx.host_request_ids().tolist().index(t.rid)
         skip = int(ctx.request_kv_length_offsets[row]) - fin
-        allowed = sorted({h.blocks * self.cfg.block_size for h, errors in options.items()
+        allowed = sorted({h.skip(self.cfg.block_size) for h, errors in options.items()
                           if not errors})
         require(skip in allowed, lambda: f"add_request(id={t.rid}, chunk={chunk}) took {skip} "
                 f"tokens from the prefix cache; the model allows {allowed}")
@@ -385,10 +386,10 @@ class ContextDriver(InvariantChecks):
         paused = any(x.paused for x in self.live.values())
         bs = self.cfg.block_size
         restored = self._restorable(t, remaining, False)
-        hits = [Hit(restored // bs, restored // bs)] if restored else \
+        hits = [Hit(restored // bs, restored // bs, restored)] if restored else \
             self._prefix_hits(t, remaining)
         wants = {(len(self.live) < self.cfg.max_requests and not paused,
-                  self._model_active_tokens() + remaining - hit.blocks * bs <= self.cfg.max_tokens,
+                  self._model_active_tokens() + remaining - hit.skip(bs) <= self.cfg.max_tokens,
                   self._model_free_blocks() >= math.ceil(remaining / bs) - hit.blocks + hit.idle)
                  for hit in hits}
         require(tuple(got) in wants, lambda: f"check_availability(id={t.rid}, remaining="

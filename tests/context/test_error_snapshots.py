@@ -527,9 +527,6 @@ OFFLOAD_OPTION_ERRORS = [
     pytest.param(dict(prefix_caching_host_tier=True, enable_prefix_caching=True), ValueError,
                  r"prefix_caching_host_tier=True needs a host pool: kv_offload_gb=0.0 must be "
                  r"> 0 \(or kv_cache_management_mode='offload'\)", id="tier_without_a_pool"),
-    pytest.param(dict(kv_offload_gb=1e-3, num_speculative_tokens=2), ValueError,
-                 r"num_speculative_tokens=2: KV offload does not support speculative steps",
-                 id="speculative"),
 ]
 
 

@@ -117,7 +117,12 @@ def test_context_state_machine(config, one_thread):
     run_state_machine_as_test(machine, settings=SETTINGS)
 
 
-@pytest.mark.parametrize("config", CI_CONFIGS, ids=lambda c: c.name)
+# The scripted run also covers KV offload with speculative steps (a paused row's KV may end
+# mid-block after a rewind; a restore brings back exactly its accepted tokens).
+SCRIPTED = CI_CONFIGS + [c for c in CONFIGS.values() if c.speculative and c.kv_offload_blocks]
+
+
+@pytest.mark.parametrize("config", SCRIPTED, ids=lambda c: c.name)
 def test_driver_reaches_pause_evict_chunk_and_suspend(config, one_thread):
     """The machine's workload really exercises the hard paths (a fixed scripted run): requests
     pause and resume or are evicted, chunked prefills continue, a suspend re-adds and runs on."""
