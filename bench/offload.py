@@ -56,14 +56,14 @@ def git_sha() -> str:
         return "unknown"
 
 
-def tiny_llama(max_positions: int):
+def tiny_llama(max_positions: int, hidden: int = 64, layers: int = 2):
     from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    config = LlamaConfig(vocab_size=256, hidden_size=hidden, intermediate_size=2 * hidden,
+                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
                          max_position_embeddings=max_positions)
     return LlamaForCausalLM(config).eval()
 
@@ -207,6 +207,8 @@ def main(argv=None):
     parser.add_argument("--paused-blocks", type=int, default=2, help="the paused budget")
     parser.add_argument("--host-blocks", type=int, default=96, help="host pool blocks")
     parser.add_argument("--max-tokens", type=int, default=128, help="tokens per step")
+    parser.add_argument("--hidden", type=int, default=64, help="the random Llama's width")
+    parser.add_argument("--layers", type=int, default=2, help="the random Llama's layers")
     parser.add_argument("--workloads", nargs="+", choices=("swap", "prefix"),
                         default=["swap", "prefix"])
     parser.add_argument("--prefixes", type=int, default=6, help="distinct shared prefixes")
@@ -221,7 +223,7 @@ def main(argv=None):
     torch.set_num_threads(1)
     longest = max(args.prompt + args.new_tokens, args.prefix_blocks * args.block_size
                   + args.suffix + args.prefix_new_tokens)
-    hf = tiny_llama(longest + 16)
+    hf = tiny_llama(longest + 16, args.hidden, args.layers)
     result = dict(args={k: str(v) for k, v in vars(args).items()}, torch=torch.__version__,
                   python=platform.python_version(), git=git_sha())
     if "swap" in args.workloads:

@@ -219,6 +219,8 @@ CONFIGS = {c.name: c for c in [
                   prefix_caching="lru", kv_offload_blocks=40),
     MachineConfig("off-pc-refzero-bs4-half", block_size=4, buffer_blocks=24,
                   paused_blocks=None, prefix_caching="ref_zero", kv_offload_blocks=12),
+    MachineConfig("off-pc-lru-mla-bs4-paused4", block_size=4, buffer_blocks=16,
+                  paused_blocks=4, mla=True, prefix_caching="lru", kv_offload_blocks=40),
     MachineConfig("off-pc-hyb-lru-bs4-snap1", block_size=4, buffer_blocks=16, paused_blocks=4,
                   layer_types=HYBRID_LAYERS, prefix_caching="lru", prefix_snapshots=1,
                   kv_offload_blocks=12),
