@@ -15,7 +15,7 @@ scheduler from the unchanged table.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, List, Optional, Tuple
 
 import numpy as np
@@ -227,6 +227,9 @@ def plan_add(table, req: Any, chunk_length: Optional[int], *, max_sequence_lengt
             host_prompt = host_prompt[skip:]
         else:
             device_prompt = device_prompt[skip:]
+        if table.prefix_cache is not None:   # it matches nothing, but publishes its blocks
+            prefix = replace(table.prefix_cache.plan_match(req, request_id, chunk, False),
+                             restored=True)
     elif table.prefix_cache is not None and not is_continuation:
         # The matched blocks' tokens are not computed: the chunk's queries start after them.
         prefix = table.prefix_cache.plan_match(
@@ -245,12 +248,13 @@ def plan_add(table, req: Any, chunk_length: Optional[int], *, max_sequence_lengt
     # A restored request holds no block yet: every block is new.
     already = 0 if restore is not None else math.ceil(finished / block_size)
     needed = math.ceil((finished + chunk) / block_size)
-    revived = 0 if prefix is None else int(prefix.idle.size)
+    # The hit's idle blocks leave the free stack, and each host-tier block needs a new one.
+    revived = 0 if prefix is None else prefix.taken
     if needed - already + revived > table.allocator.total_avail:
         raise BlockOverflowError(request_id, f"needs {needed - already + revived} blocks, "
                                              f"{table.allocator.total_avail} free"
-                                 + (f" ({revived} of them idle cached blocks it reuses)"
-                                    if revived else ""))
+                                 + (f" ({revived} of them cached blocks it revives or "
+                                    "restores from the host)" if revived else ""))
     metadata = () if is_continuation else metadata_values(req, metadata_types)
     if table.hybrid and not is_continuation and table.slots.free_count == 0:
         raise ContextOverflowError(request_id, "No Mamba slots available")

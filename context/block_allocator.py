@@ -79,7 +79,13 @@ class BlockAllocator:
         self._usage = None if usage is None else weakref.ref(usage)
         self.keeps_idle_blocks = bool(keeps_idle_blocks)
         self.on_evict = on_evict
+        # The prefix cache's host tier (``host_tier.HostTier.spill``), set after construction.
+        self.on_spill: Optional[Callable[[np.ndarray, np.ndarray], None]] = None
         self.reset()
+
+    def _hashes(self, blocks: np.ndarray) -> np.ndarray:
+        """0.19's hashes of ``blocks`` (``KVBlockAllocator``'s column; -1 here)."""
+        return np.full(blocks.size, -1, dtype=np.int64)
 
     def reset(self) -> None:
         """Every block free again (the stack is rebuilt, so stale duplicates cannot survive).
@@ -94,10 +100,14 @@ class BlockAllocator:
         self.cached = np.zeros(self.total_count, dtype=bool)
         self.idle_count = 0
 
-    def _evict(self, blocks: np.ndarray) -> None:
-        """Uncache ``blocks`` (those cached) and tell ``on_evict``."""
+    def _evict(self, blocks: np.ndarray, spill: bool = False) -> None:
+        """Uncache ``blocks`` (those cached) and tell ``on_evict``; ``spill``: their bytes are
+        still the cached ones (reused or released, not freed by hand), so ``on_spill`` (the
+        prefix cache's host tier) is told first, with their 0.19 hashes."""
         blocks = blocks[self.cached[blocks]]
         if blocks.size:
+            if spill and self.on_spill is not None:
+                self.on_spill(blocks, self._hashes(blocks))
             self.cached[blocks] = False
             if self.on_evict is not None:
                 self.on_evict(blocks)
@@ -172,7 +182,7 @@ class BlockAllocator:
         if self._total_avail < self.idle_count:
             # The uncached free blocks ran out: the least recently used idle blocks go.
             self.idle_count = self._total_avail
-            self._evict(blocks)
+            self._evict(blocks, spill=True)
         return blocks
 
     def revive(self, blocks: np.ndarray) -> None:
@@ -238,7 +248,7 @@ class BlockAllocator:
                 self.idle_count += k
                 avail += k
         else:
-            self._evict(freed)
+            self._evict(freed, spill=True)
         self.block_bag[avail:avail + freed.size] = freed
         self._total_avail = avail + int(freed.size)
 
@@ -258,7 +268,7 @@ class BlockAllocator:
         copy = object.__new__(BlockAllocator)
         copy.__dict__.update(self.__dict__)
         copy.block_bag, copy.ref_counts = self.block_bag.copy(), self.ref_counts.copy()
-        copy.cached, copy.on_evict = self.cached.copy(), None
+        copy.cached, copy.on_evict, copy.on_spill = self.cached.copy(), None, None
         return copy
 
     def get_total_used(self) -> int:

@@ -34,7 +34,7 @@ from .kv_scales import check_kv_scales, resolve_kv_cache_dtype
 from .mamba_states import MambaMetadata, MambaStates
 from .offload import Offload, check_offload_args
 from .parallel import CountAgreement, ParallelGroups
-from .prefix_cache import check_prefix_caching_args, prefix_snapshot_count, warn_without_snapshots
+from .prefix_options import check_prefix_caching_args, prefix_snapshot_count, warn_without_snapshots
 from .request_table import RequestTable
 from .requests import DynamicInferenceRequest
 from .sizing import (
@@ -99,7 +99,7 @@ def settle(*, agreement: CountAgreement, groups: ParallelGroups, default_max_tok
            num_speculative_tokens: Any = 0, kv_cache_dtype: Any = None,
            kv_scales: Any = "dynamic", kv_offload_gb: Any = 0,
            kv_cache_management_mode: Any = None, kv_layer_windows: Any = None,
-           kv_groups: Any = True) -> ContextSettings:
+           kv_groups: Any = True, prefix_caching_host_tier: Any = None) -> ContextSettings:
     """Check and settle ``DynamicInferenceContext``'s arguments (``agreement``, ``groups``: the
     ranks' agreement and the parallel groups, from ``parallel.parallel_groups``;
     ``default_max_tokens``, ``request_rounder``: the class's).
@@ -177,6 +177,8 @@ def settle(*, agreement: CountAgreement, groups: ParallelGroups, default_max_tok
             recomputed); ``"offload"`` keeps the requests' KV in host memory (with
             ``kv_offload_gb=0`` a host pool as large as the device's blocks and Mamba
             states); ``"persist"``: the engine's suspend keeps the context.
+        prefix_caching_host_tier: the prefix cache's cached blocks spill to the host pool
+            (``context/host_tier.py``); None: with prefix caching and ``kv_offload_gb > 0``.
         kv_layer_windows: each attention layer's sliding window (an int >= 1: the keys a query
             sees, its own included) or None (a full layer), in the layers' order; with windowed
             and full layers and ``kv_groups`` (default True), one KV group per distinct window,
@@ -196,8 +198,9 @@ def settle(*, agreement: CountAgreement, groups: ParallelGroups, default_max_tok
         kv_lora_rank=kv_lora_rank, qk_pos_emb_head_dim=qk_pos_emb_head_dim)
     compat.check_options(dict(cuda_graph_max_tokens=cuda_graph_max_tokens), stacklevel=5)
     speculative = check_speculative_tokens(num_speculative_tokens, args["block_size_tokens"])
-    offload_gb, management_mode = check_offload_args(kv_offload_gb, kv_cache_management_mode,
-                                                     speculative=speculative)
+    offload_gb, management_mode, host_tier = check_offload_args(
+        kv_offload_gb, kv_cache_management_mode, host_tier=prefix_caching_host_tier,
+        enable_prefix_caching=enable_prefix_caching)
     prefix_caching = check_prefix_caching_args(
         enable_prefix_caching, prefix_caching_eviction_policy, prefix_caching_mamba_gb)
     device = resolve_device(device)
@@ -292,7 +295,7 @@ def settle(*, agreement: CountAgreement, groups: ParallelGroups, default_max_tok
         metrics_writer=metrics_writer, fused_rope_kv_append=bool(fused_rope_kv_append),
         vocab_size=vocab_size, validate=bool(validate), num_speculative_tokens=speculative,
         kv_offload_gb=offload_gb, kv_cache_management_mode=management_mode,
-        enable_prefix_caching=prefix_caching[0],
+        prefix_caching_host_tier=host_tier, enable_prefix_caching=prefix_caching[0],
         prefix_caching_eviction_policy=prefix_caching[1],
         prefix_caching_mamba_gb=prefix_caching[2], kv_groups=kv_spec is not None,
         kv_layer_windows=None if kv_layer_windows is None else list(kv_layer_windows),
@@ -357,7 +360,7 @@ class ContextParts(NamedTuple):
         ``keep_cache``: the allocator and the prefix cache kept (``RequestTable.reset``)."""
         self.steps.prepared = None
         if self.offload is not None:
-            self.offload.reset()
+            self.offload.reset(keep_cache)
         self.table.reset(keep_cache)
         self.device.reset()
         if self.forward.kv_groups is not None:
@@ -366,21 +369,15 @@ class ContextParts(NamedTuple):
         self.forward.step = None
 
     def kv_offload_stats(self) -> dict:
-        """KV offload's counters (``offload.OffloadStats``) and the host pool's free blocks;
+        """KV offload's counters and the host pool's free blocks (``Offload.stats_dict``);
         empty without offload."""
-        if self.offload is None:
-            return {}
-        stats = self.offload.stats.as_dict()
-        stats.update(kv_offload_host_blocks=self.offload.pool.blocks.count,
-                     kv_offload_host_blocks_free=self.offload.pool.free_blocks,
-                     kv_offload_requests_held=len(self.offload.entries))
-        return stats
+        return {} if self.offload is None else self.offload.stats_dict()
 
     def commit_add(self, plan) -> None:
         """``RequestTable.commit_add``, then KV offload's restore of a saved request."""
         self.table.commit_add(plan)
         if self.offload is not None and not plan.is_continuation:
-            self.offload.commit_restore(self.table, plan.row, plan.request_id, plan.restore)
+            self.offload.commit_add(self.table, plan)
 
     def set_host_views(self, value: bool) -> None:
         self.device.set_host_views(value)
@@ -452,7 +449,8 @@ def build_parts(settings: ContextSettings) -> ContextParts:
                           kv_groups=None if settings.groups is None else kv)
     table.offload = offload = Offload.build(
         kv_offload_gb=attrs["kv_offload_gb"], mode=attrs["kv_cache_management_mode"], kv=kv,
-        mamba=mamba, block_size=attrs["block_size_tokens"], max_requests=rows, device=device)
+        mamba=mamba, block_size=attrs["block_size_tokens"], max_requests=rows, device=device,
+        table=table if attrs["prefix_caching_host_tier"] else None)
     return ContextParts(table, state, kv, steps, forward, mamba, metadata,
                         _asks(attrs, memory, state, kv, mamba), offload)
 

@@ -86,6 +86,7 @@ class DynamicInferenceContext(StepAPI, prefix_match.PrefixMatchHelpers):
         kv_cache_dtype: Optional[torch.dtype | str] = None, kv_scales: Any = "dynamic",
         kv_offload_gb: float = 0, kv_cache_management_mode: Any = None,
         kv_layer_windows: Optional[Sequence[Optional[int]]] = None, kv_groups: bool = True,
+        prefix_caching_host_tier: Optional[bool] = None,
     ):
         arguments = dict(locals())  # every argument, as given or defaulted
         del arguments["self"]

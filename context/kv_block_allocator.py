@@ -188,12 +188,18 @@ class KVBlockAllocator(BlockAllocator):
         self.child_counts = np.zeros(n, dtype=np.int64)
         self.timestamps = np.zeros(n, dtype=np.int64)
 
-    def _evict(self, blocks: np.ndarray) -> None:
-        """Uncache ``blocks`` (those cached): their columns are cleared, their children become
-        roots, ``on_blocks_deregistered`` and ``on_evict`` are told."""
+    def _hashes(self, blocks: np.ndarray) -> np.ndarray:
+        return self.hash_ids[blocks].copy()
+
+    def _evict(self, blocks: np.ndarray, spill: bool = False) -> None:
+        """Uncache ``blocks`` (those cached): ``on_spill`` is told first (``spill``), then
+        their columns are cleared, their children become roots, ``on_blocks_deregistered``
+        and ``on_evict`` are told."""
         blocks = blocks[self.cached[blocks]]
         if blocks.size == 0:
             return
+        if spill and self.on_spill is not None:
+            self.on_spill(blocks, self._hashes(blocks))
         parents = self.parent_ids[blocks]
         np.subtract.at(self.child_counts, parents[parents >= 0], 1)
         if self.child_counts[blocks].any():
@@ -347,7 +353,7 @@ class KVBlockAllocator(BlockAllocator):
                 [idle[~hit], idle[hit], self.block_bag[self.idle_count:avail]])
             self.idle_count = int((~hit).sum())
         self.ref_counts[blocks] = 0
-        self._evict(blocks)
+        self._evict(blocks, spill=True)
         pushed = blocks[~np.isin(blocks, self.block_bag[:avail])]
         self.block_bag[avail:avail + pushed.size] = pushed
         self._total_avail = avail + int(pushed.size)

@@ -71,6 +71,7 @@ class MambaSnapshots:
         self.conv: Optional[torch.Tensor] = None
         self.ssm: Optional[torch.Tensor] = None
         self.index: "OrderedDict[bytes, int]" = OrderedDict()
+        self.tier = None   # the prefix cache's host tier: replaced snapshots spill to it
 
     def allocate(self) -> None:
         conv_shape, ssm_shape, conv_dtype, ssm_dtype, device = self._spec
@@ -90,19 +91,25 @@ class MambaSnapshots:
         """Copy the states of slots into snapshots under ``(slot, digest)`` items (a digest
         already held is kept; when full, the least recently used snapshot is replaced)."""
         writes: Dict[int, int] = {}   # snapshot index -> slot (the last item written wins)
+        replaced = []                 # (digest, index) of snapshots written before this call
         for slot, digest in items:
             if digest in self.index or self.count == 0:
                 continue
             if len(self.index) < self.count:
                 target = len(self.index)
             else:
-                _, target = self.index.popitem(last=False)
+                old, target = self.index.popitem(last=False)
+                if target not in writes:
+                    replaced.append((old, target))
             self.index[digest] = target
             # An item of this very call may have been replaced (more items than snapshots):
             # each index is copied once, from the slot its digest now names. ``index_copy_``
             # with a repeated index leaves either source there (on CUDA, nondeterministically).
             writes.pop(target, None)
             writes[target] = slot
+        if self.tier is not None:   # the host tier: replaced snapshots spill, saved ones
+            self.tier.spill_snapshots(replaced, self.conv, self.ssm)   # leave the host
+            self.tier.discard_snapshots([d for _, d in items if d in self.index])
         if writes:
             targets, slots = list(writes), list(writes.values())
             src = torch.tensor(slots, dtype=torch.int64, device=conv_states.device)

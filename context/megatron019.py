@@ -49,7 +49,7 @@ from .sizing import GIB, layer_layout
 #: The 0.16 form's keywords a 0.19 caller may still pass beside the two configs: dynctx's own
 #: options, which neither config holds.
 DYNCTX_OPTIONS = ("device", "kernel_backend", "fused_rope_kv_append", "vocab_size", "validate",
-                  "kv_offload_gb")
+                  "kv_offload_gb", "prefix_caching_host_tier")
 
 #: The 0.16 form's required keywords (defaulted to None in the signature, which also takes the
 #: 0.19 pair).

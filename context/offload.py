@@ -20,6 +20,11 @@ the order they were written (the oldest first):
 
 Nothing here changes the rows: the request table's plans and commits do, and the restore is a
 plan's ``finished`` tokens. Statistics: ``stats``.
+
+With prefix caching the pool is shared with the prefix cache's host tier (``tier``,
+``context/host_tier.py``; ``prefix_caching_host_tier``): a swap that finds no room drops the
+spilled prefix blocks (and snapshots) least recently used first, and only then the oldest
+swapped requests; a spill never drops a swapped request.
 """
 
 from __future__ import annotations
@@ -33,14 +38,18 @@ import numpy as np
 
 from ._fields import FIELD_IDS, FIELD_KV_OFFSET, FIELD_MAMBA_SLOT, FIELD_QUERY
 from .host_pool import GIB, HostBlockPool
+from .host_tier import HostTier
 from .prefix_cache import wants_every_prompt_logit
+from .prefix_options import check_host_tier_arg
 
 KV_CACHE_MANAGEMENT_MODES = ("persist", "offload", "recompute")
 
 
-def check_offload_args(kv_offload_gb: Any, mode: Any, *, speculative: int) -> tuple:
-    """``(kv_offload_gb as a float, mode as a lower-case string)``; ``ValueError`` or
-    ``TypeError`` naming the argument, the value and what it must be."""
+def check_offload_args(kv_offload_gb: Any, mode: Any, *, host_tier: Any = None,
+                       enable_prefix_caching: Any = False) -> tuple:
+    """``(kv_offload_gb as a float, mode as a lower-case string, whether the prefix cache has
+    a host tier)``; ``ValueError`` or ``TypeError`` naming the argument, the value and what it
+    must be."""
     if isinstance(kv_offload_gb, bool) or not isinstance(kv_offload_gb, (int, float, np.number)):
         raise TypeError(f"kv_offload_gb={kv_offload_gb!r} must be a number of GiB (0: no "
                         "offload)")
@@ -55,11 +64,10 @@ def check_offload_args(kv_offload_gb: Any, mode: Any, *, speculative: int) -> tu
         raise ValueError(f"kv_cache_management_mode={mode!r} must be one of "
                          f"{list(KV_CACHE_MANAGEMENT_MODES)} (or a KVCacheManagementMode)")
     value = value.lower()
-    if (gb or value == "offload") and speculative:
-        raise ValueError(f"kv_offload_gb={kv_offload_gb!r}, kv_cache_management_mode="
-                         f"{value!r} with num_speculative_tokens={speculative}: KV offload does "
-                         "not support speculative steps yet (pass kv_offload_gb=0)")
-    return gb, value
+    enable = isinstance(enable_prefix_caching, (bool, np.bool_)) and bool(enable_prefix_caching)
+    tier = check_host_tier_arg(host_tier, enable_prefix_caching=enable,
+                               kv_offload_gb=gb, mode=value)
+    return gb, value, tier
 
 
 @dataclass
@@ -114,13 +122,15 @@ class Offload:
         self.entries: "OrderedDict[int, Offloaded]" = OrderedDict()
         self.stats = OffloadStats()
         self.held = False   # the host copies outlive the next reset (an OFFLOAD suspend)
+        self.tier: Optional[HostTier] = None   # the prefix cache's host tier (``attach``)
 
     @classmethod
     def build(cls, *, kv_offload_gb: float, mode: str, kv, mamba, block_size: int,
-              max_requests: int, device) -> Optional["Offload"]:
+              max_requests: int, device, table=None) -> Optional["Offload"]:
         """The context's offload part, or None for ``kv_offload_gb == 0`` (but in OFFLOAD
         mode, whose default pool holds every device block and Mamba state); ``ValueError``
-        when the budget holds no block."""
+        when the budget holds no block. ``table``: the request table whose prefix cache gets
+        the host tier (None: none)."""
         if not kv_offload_gb and mode != "offload":
             return None
         block_dim = 1 if kv.mla is not None else 2
@@ -135,8 +145,9 @@ class Offload:
         budget = int(kv_offload_gb * GIB) if kv_offload_gb else \
             (kv.shape[block_dim] - 1) * block_bytes + max_requests * state_bytes
         if mamba is not None:
-            # A saved request holds a state and at least one block.
-            states = min(max_requests, budget // (state_bytes + block_bytes))
+            # A saved request (or a spilled snapshot) holds a state and at least one block.
+            snapshots = 0 if table is None or mamba.snapshots is None else mamba.snapshots.count
+            states = min(max_requests + snapshots, budget // (state_bytes + block_bytes))
         blocks = (budget - states * state_bytes) // block_bytes
         if blocks < 1:
             raise ValueError(f"kv_offload_gb={kv_offload_gb} holds no KV block: one block (and "
@@ -144,21 +155,40 @@ class Offload:
         pool = HostBlockPool(blocks=blocks, block_shape=block_shape, block_dim=block_dim,
                              dtype=kv.kv_dtype, device=device, states=states,
                              state_shapes=shapes, state_dtypes=dtypes)
-        return cls(pool, kv, mamba, block_size, mode)
+        offload = cls(pool, kv, mamba, block_size, mode)
+        if table is not None:
+            offload.attach(table)
+        return offload
+
+    def attach(self, table) -> None:
+        """Give ``table``'s prefix cache the host tier: its allocator spills to it, its
+        matching and a hybrid's snapshots see it."""
+        cache = table.prefix_cache
+        self.tier = cache.tier = HostTier(self.pool, self.kv, cache.digests)
+        table.allocator.on_spill = self.tier.spill
+        if cache.mamba is not None:
+            cache.mamba.tier = self.tier
 
     # ------------------------------------------------------------------ lifetime
     def allocate(self) -> None:
         if self.pool.kv is None:
             self.pool.allocate()
 
-    def reset(self) -> None:
-        """Forget every host copy (the context's ``reset``), except at the reset that follows
-        the re-allocation after an OFFLOAD suspend (``release``)."""
+    def reset(self, keep_cache: bool = False) -> None:
+        """Forget every host copy (the context's ``reset``; ``keep_cache``: the host tier's
+        are kept with the prefix cache), except at the reset that follows the re-allocation
+        after an OFFLOAD suspend (``release``)."""
         if self.held:
             self.held = False
             return
+        if keep_cache:
+            for request_id in list(self.entries):
+                self._drop(request_id)
+            return
         self.entries.clear()
         self.pool.reset()
+        if self.tier is not None:
+            self.tier.forget()
 
     def release(self) -> None:
         """Suspend: in OFFLOAD mode the host copies stay for the re-adds after the resume
@@ -193,6 +223,9 @@ class Offload:
             if count > pool.blocks.count or (hybrid and pool.states.count == 0):
                 self.stats.unsaved_requests += 1
                 continue
+            if self.tier is not None:   # the spilled prefix blocks and snapshots go first
+                self.tier.drop_blocks(count - pool.free_blocks)
+                self.tier.drop_states(int(hybrid) - pool.free_states)
             while pool.free_blocks < count or (hybrid and pool.free_states == 0):
                 self._drop(next(iter(self.entries)))
                 self.stats.dropped_requests += 1
@@ -249,6 +282,15 @@ class Offload:
             return None
         return RestorePlan(entry, int(entry.host_blocks.size))
 
+    def commit_add(self, table, plan) -> None:
+        """After ``RequestTable.commit_add`` of a new request's ``plan``: its restore
+        (``commit_restore``), or a hybrid prefix hit's host snapshot into its Mamba slot."""
+        self.commit_restore(table, plan.row, plan.request_id, plan.restore)
+        hit = plan.prefix
+        if hit is not None and hit.host_snapshot and hit.snapshot < 0:
+            self.tier.load_snapshot(hit.host_snapshot, int(table.rows[FIELD_MAMBA_SLOT, plan.row]),
+                                    self.mamba.conv_states, self.mamba.ssm_states)
+
     def commit_restore(self, table, row: int, request_id: int,
                        restore: Optional[RestorePlan]) -> None:
         """After ``commit_add`` of a new request at ``row``: copy its entry back (``restore``)
@@ -274,13 +316,27 @@ class Offload:
         self.stats.restored_requests += 1
         self.stats.restored_tokens += entry.tokens
 
+    def stats_dict(self) -> dict:
+        """The counters (``OffloadStats``), the host pool's blocks and free blocks, the
+        requests held, and with the host tier its counters and holdings (``HostTier``)."""
+        stats = self.stats.as_dict()
+        stats.update(kv_offload_host_blocks=self.pool.blocks.count,
+                     kv_offload_host_blocks_free=self.pool.free_blocks,
+                     kv_offload_requests_held=len(self.entries))
+        if self.tier is not None:
+            stats.update(self.tier.stats.as_dict(), **self.tier.held())
+        return stats
+
     # ------------------------------------------------------------------ invariants
     def check(self) -> None:
         """Every host slot free or owned by exactly one entry (``AssertionError``)."""
         entries = list(self.entries.values())
-        blocks = np.concatenate([e.host_blocks for e in entries]) if entries else \
-            np.empty(0, dtype=np.int64)
+        blocks = [e.host_blocks for e in entries]
         states = np.array([e.state for e in entries if e.state >= 0], dtype=np.int64)
-        self.pool.check(blocks, states)
+        if self.tier is not None:
+            blocks.append(self.tier.owned_blocks())
+            states = np.concatenate([states, self.tier.owned_states()])
+        self.pool.check(np.concatenate(blocks) if blocks else np.empty(0, dtype=np.int64),
+                        states)
         for entry in entries:
             assert entry.host_blocks.size == math.ceil(entry.tokens / self.block_size), entry

@@ -43,8 +43,6 @@ to end a hybrid's first chunk at the end of its cached blocks when the state the
 from __future__ import annotations
 
 import hashlib
-import logging
-import math
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Dict, List, Optional, Tuple
@@ -57,9 +55,6 @@ from .inference_request import compute_block_hashes_batched
 from .mamba_states import MambaSnapshots
 from .requests import whole_number_ids
 
-logger = logging.getLogger("dynctx.context")
-POLICIES = ("ref_zero", "lru")
-
 
 class PrefixCachingEvictionPolicy(str, Enum):
     """Megatron-Core 0.19's enum of the eviction policies (a plain string works as well)."""
@@ -70,47 +65,6 @@ _DIGEST = 16
 
 # (digest, parent digest, token bytes) of one full block.
 Link = Tuple[bytes, bytes, bytes]
-
-
-def check_prefix_caching_args(enable_prefix_caching: Any, prefix_caching_eviction_policy: Any,
-                              prefix_caching_mamba_gb: Any) -> Tuple[bool, str, Optional[float]]:
-    """The constructor's prefix caching arguments, checked (naming the argument and value)."""
-    if not isinstance(enable_prefix_caching, (bool, np.bool_)):
-        raise TypeError(f"enable_prefix_caching={enable_prefix_caching!r} must be a bool")
-    policy = prefix_caching_eviction_policy
-    if isinstance(policy, Enum):
-        policy = policy.name
-    if not isinstance(policy, str) or policy.lower() not in POLICIES:
-        raise ValueError(f"prefix_caching_eviction_policy={policy!r} must be one of "
-                         f"{', '.join(repr(p) for p in POLICIES)}")
-    gb = prefix_caching_mamba_gb
-    if gb is not None:
-        if isinstance(gb, bool) or not isinstance(gb, (int, float, np.integer, np.floating)) \
-                or not math.isfinite(gb) or gb < 0:
-            raise ValueError(f"prefix_caching_mamba_gb={gb!r} must be a finite number of GiB "
-                             ">= 0 (or None)")
-        gb = float(gb)
-    return bool(enable_prefix_caching), policy.lower(), gb
-
-
-def prefix_snapshot_count(args: Tuple[bool, str, Optional[float]], layers: Any) -> int:
-    """How many Mamba state snapshots ``prefix_caching_mamba_gb`` holds (``args``:
-    ``check_prefix_caching_args``' result; ``layers``: the context's ``LayerLayout``); -1 when
-    caching is off or the model has no Mamba layers."""
-    enable, _, mamba_gb = args
-    if not enable or not layers.is_hybrid_model:
-        return -1
-    return int((mamba_gb or 0.0) * 1024 ** 3 // layers.mamba_bytes_per_request)
-
-
-def warn_without_snapshots(snapshots: int, mamba_gb: Optional[float], bytes_each: int) -> None:
-    """Say once, at construction, that a hybrid's prefix cache can give no hits: no Mamba
-    state snapshot fits its budget (a hit resumes from one)."""
-    if snapshots == 0:
-        logger.warning(
-            "enable_prefix_caching on a hybrid model with prefix_caching_mamba_gb=%s: no Mamba "
-            "state snapshot fits (%d bytes each), so no request can resume from the cache",
-            mamba_gb, bytes_each)
 
 
 def salt_digest(salt: Any) -> bytes:
@@ -150,8 +104,9 @@ def wants_every_prompt_logit(req: Any) -> bool:
 
 @dataclass(frozen=True)
 class PrefixHit:
-    """What ``plan_match`` found for a new request: its chain, the matched blocks (in order)
-    and which of them are idle (reference count 0) and must be revived."""
+    """What ``plan_match`` found for a new request: its chain, the matched blocks (in order;
+    -1: a block of the host tier, restored into a new block), which of them are idle
+    (reference count 0) and must be revived."""
 
     links: Tuple[Link, ...]
     blocks: np.ndarray
@@ -159,10 +114,22 @@ class PrefixHit:
     block_size: int
     snapshot: int = -1         # hybrids: the Mamba snapshot the hit resumes from
     hashes: Tuple[int, ...] = ()   # 0.19's hash of each link (the allocator's block_hashes)
+    host_snapshot: bytes = b""     # hybrids: the digest of a host tier snapshot it resumes from
+    restored: bool = False         # a KV offload restore: publishes, is no lookup
 
     @property
     def tokens(self) -> int:
         return int(self.blocks.size) * self.block_size
+
+    @property
+    def taken(self) -> int:
+        """Blocks the hit takes from the free stack: the idle ones and one per host block."""
+        return int(self.idle.size) + int((self.blocks < 0).sum())
+
+    @property
+    def resumes(self) -> bool:
+        """Hybrids: the hit resumes from a snapshot (on the device or the host)."""
+        return self.snapshot >= 0 or bool(self.host_snapshot)
 
 
 @dataclass
@@ -240,6 +207,8 @@ class PrefixCache:
         mamba: a hybrid's state snapshots (``MambaStates.snapshots``; None: not a hybrid).
     """
 
+    tier = None   # the host tier (``host_tier.HostTier``), set by ``offload.Offload``
+
     def __init__(self, allocator, digests: DigestTable, block_size: int, policy: str,
                  mamba: Optional[MambaSnapshots] = None):
         self.allocator, self.digests = allocator, digests
@@ -273,26 +242,35 @@ class PrefixCache:
         tokens = whole_number_ids(prompt, f"request {request_id}: prompt tokens")
         return chain_links(tokens, self.block_size, getattr(req, "prefix_caching_salt", None))
 
-    def _matched(self, links: Tuple[Link, ...], limit: int) -> List[int]:
-        blocks = []
+    def _matched(self, links: Tuple[Link, ...], limit: int, host: bool = True) -> List[int]:
+        """The cached blocks that start ``links`` (at most ``limit``); -1 for a block of the
+        host tier (``host=False``: the run stops there)."""
+        blocks, tier = [], self.tier if host else None
         for digest, parent, data in links[:limit]:
             entry = self.entries.get(digest)
-            if entry is None or entry[1] != parent or entry[2] != data:
+            if entry is not None and entry[1] == parent and entry[2] == data:
+                blocks.append(entry[0])
+            elif tier is not None and tier.find(digest, parent, data):
+                blocks.append(-1)
+            else:
                 break
-            blocks.append(entry[0])
         return blocks
 
-    def _resumable(self, links: Tuple[Link, ...], blocks: List[int]) -> Tuple[int, int]:
-        """``(blocks, snapshot)``: on a hybrid, the longest matched run whose boundary has a
-        Mamba snapshot (0, -1: none); otherwise every matched block."""
+    def _resumable(self, links: Tuple[Link, ...], blocks: List[int]) -> Tuple[int, int, bytes]:
+        """``(blocks, snapshot, host snapshot digest)``: on a hybrid, the longest matched run
+        whose boundary has a Mamba snapshot, on the device or in the host tier (0, -1, b"":
+        none); otherwise every matched block."""
         if self.mamba is None:
-            return len(blocks), -1
-        index = self.mamba.index
+            return len(blocks), -1, b""
+        index, tier = self.mamba.index, self.tier
         for count in range(len(blocks), 0, -1):
-            snapshot = index.get(links[count - 1][0])
+            digest = links[count - 1][0]
+            snapshot = index.get(digest)
             if snapshot is not None:
-                return count, snapshot
-        return 0, -1
+                return count, snapshot, b""
+            if tier is not None and tier.snapshot(digest) >= 0:
+                return count, -1, digest
+        return 0, -1, b""
 
     def plan_match(self, req: Any, request_id: int, chunk: int,
                    allow_hit: bool = True) -> PrefixHit:
@@ -303,11 +281,12 @@ class PrefixCache:
         links = self._links(req, request_id)
         limit = max(0, (chunk - 1) // self.block_size) if allow_hit else 0
         matched = self._matched(links, limit)
-        count, snapshot = self._resumable(links, matched)
+        count, snapshot, host_snapshot = self._resumable(links, matched)
         blocks = np.asarray(matched[:count], dtype=np.int32)
-        idle = blocks[self.allocator.ref_counts[blocks] == 0] if blocks.size else blocks
+        device = blocks[blocks >= 0]
+        idle = device[self.allocator.ref_counts[device] == 0] if device.size else device
         return PrefixHit(links=links, blocks=blocks, idle=idle, block_size=self.block_size,
-                         snapshot=snapshot,
+                         snapshot=snapshot, host_snapshot=host_snapshot,
                          hashes=self._hashes(req, len(links)) if len(links) > count else ())
 
     def _hashes(self, req: Any, count: int) -> Tuple[int, ...]:
@@ -325,30 +304,34 @@ class PrefixCache:
         """``(links, blocks)``: the new request's chain and the cached blocks that start it, at
         most ``limit`` (KV only: a hybrid's snapshots are not asked); pure."""
         links = self._links(req, getattr(req, "request_id", -1))
-        return links, self._matched(links, max(0, int(limit)))
+        return links, self._matched(links, max(0, int(limit)), host=False)
 
     def snapshot_count(self, links: Tuple[Link, ...], start: int, end: int) -> int:
         """Hybrids: ``i + 1 - start`` for the last block ``i`` of ``links[start:end]`` whose
-        boundary has a Mamba snapshot, 0 when none (or not a hybrid); pure."""
+        boundary has a Mamba snapshot (on the device or the host), 0 when none (or not a
+        hybrid); pure."""
         if self.mamba is None:
             return 0
         for i in range(min(end, len(links)) - 1, start - 1, -1):
-            if links[i][0] in self.mamba.index:
+            if links[i][0] in self.mamba.index or (
+                    self.tier is not None and self.tier.snapshot(links[i][0]) >= 0):
                 return i + 1 - start
         return 0
 
     def lookup(self, req: Any) -> Tuple[int, int]:
-        """``(tokens, idle blocks)``: the prompt tokens the next ``add_request`` of ``req`` (a
-        new request, with a chunk that covers them) would take from the cache, and how many of
-        their blocks are idle (they leave the free stack); pure."""
+        """``(tokens, blocks taken)``: the prompt tokens the next ``add_request`` of ``req`` (a
+        new request, with a chunk that covers them) would take from the cache, and how many
+        free blocks their hit takes (the idle ones it revives, one per host-tier block it
+        restores); pure."""
         if wants_every_prompt_logit(req) or req.finished_chunk_token_count:
             return 0, 0
         links = self._links(req, getattr(req, "request_id", -1))
         limit = max(0, (req.remaining_prompt_length - 1) // self.block_size)
         matched = self._matched(links, limit)
         blocks = np.asarray(matched[:self._resumable(links, matched)[0]], dtype=np.int64)
-        idle = int((self.allocator.ref_counts[blocks] == 0).sum()) if blocks.size else 0
-        return int(blocks.size) * self.block_size, idle
+        device = blocks[blocks >= 0]
+        taken = int((self.allocator.ref_counts[device] == 0).sum()) + blocks.size - device.size
+        return int(blocks.size) * self.block_size, int(taken)
 
     def first_chunk_boundary(self, req: Any) -> int:
         """Hybrids: where the first chunk of the new request ``req`` should end so that its
@@ -360,29 +343,55 @@ class PrefixCache:
         links = self._links(req, getattr(req, "request_id", -1))
         limit = max(0, (req.remaining_prompt_length - 1) // self.block_size)
         matched = self._matched(links, limit)
-        count, _ = self._resumable(links, matched)
+        count = self._resumable(links, matched)[0]
         return len(matched) * self.block_size if len(matched) > count else 0
 
     # ------------------------------------------------------------------ add (commit)
-    def commit_add(self, request_id: int, hit: Optional[PrefixHit], computed: int) -> None:
-        """References for the matched blocks, the request's chain pending, the statistics."""
+    def commit_add(self, request_id: int, hit: Optional[PrefixHit],
+                   computed: int) -> Optional[np.ndarray]:
+        """References for the matched blocks (a host-tier block restored into a new block:
+        ``_restore``), the request's chain pending, the statistics; returns the matched blocks
+        (device ids, in chain order)."""
         stats = self.stats
         stats.prefix_cache_prefill_computed_tokens += int(computed)
         if hit is None:
-            return
-        stats.prefix_cache_lookups += 1
-        if hit.blocks.size:
+            return None
+        stats.prefix_cache_lookups += not hit.restored
+        blocks = hit.blocks
+        if blocks.size:
             stats.prefix_cache_hits += 1
-            stats.prefix_cache_blocks_matched += int(hit.blocks.size)
+            stats.prefix_cache_blocks_matched += int(blocks.size)
             stats.prefix_cache_prefill_skipped_tokens += hit.tokens
             self.allocator.revive(hit.idle)
-            shared = hit.blocks[~np.isin(hit.blocks, hit.idle)]
+            shared = blocks[(blocks >= 0) & ~np.isin(blocks, hit.idle)]
             if shared.size:
                 self.allocator.share(shared)
+            if (blocks < 0).any():
+                blocks = self._restore(hit)
             if hit.snapshot >= 0:
-                self.mamba.index.move_to_end(hit.links[hit.blocks.size - 1][0])
-        if len(hit.links) > hit.blocks.size:
-            self.pending[request_id] = _Pending(hit.links, int(hit.blocks.size), hit.hashes)
+                self.mamba.index.move_to_end(hit.links[blocks.size - 1][0])
+        if len(hit.links) > blocks.size:
+            self.pending[request_id] = _Pending(hit.links, int(blocks.size), hit.hashes)
+        return blocks
+
+    def _restore(self, hit: PrefixHit) -> np.ndarray:
+        """A hit's host-tier blocks: pinned (the spills of this allocation cannot drop them),
+        each copied into a new block, which is cached again under its digest (its 0.19 hash
+        and parent block: the previous link's, on the device now); the chain's blocks."""
+        where = np.flatnonzero(hit.blocks < 0)
+        pinned = self.tier.pin([hit.links[i][0] for i in where.tolist()])
+        new = self.allocator.allocate_memory_blocks_host(int(where.size))
+        blocks = hit.blocks.copy()
+        blocks[where] = new
+        for i, block in zip(where.tolist(), new.tolist()):
+            digest, parent, data = hit.links[i]
+            self.entries[digest] = (block, parent, data)
+            self.block_digest[block] = digest
+        parents = np.where(where > 0, blocks[np.maximum(where - 1, 0)], -1).astype(np.int64)
+        self.allocator.note_cached(new.astype(np.int64),
+                                   np.asarray([p.hash for p in pinned], dtype=np.int64), parents)
+        self.tier.restore(pinned, new)
+        return blocks
 
     # ------------------------------------------------------------------ publish
     def plan_publish(self, table) -> PublishPlan:
@@ -417,8 +426,10 @@ class PrefixCache:
         ``undo_publish`` needs to take it back."""
         added, old, hashes, parents = [], [], [], []
         cached = self.allocator.cached
+        tier = self.tier
         for rid, index, (digest, parent, data), block in plan.items:
-            if digest in self.entries or cached[block]:
+            if digest in self.entries or cached[block] or (tier is not None
+                                                           and digest in tier.blocks):
                 continue
             parent_entry = self.entries.get(parent)
             self.entries[digest] = (block, parent, data)

@@ -39,9 +39,10 @@ class PrefixMatchHelpers:
                               ) -> Tuple[List[int], int, int, int, int, int]:
         """``(matched block ids, blocks from the pool, blocks already allocated, blocks the
         request needs after this chunk, prefix skip tokens, effective chunk length)`` of the
-        next ``add_request(req, prefill_chunk_length)``; pure. ``record_mamba_match``: a
-        hybrid's request gets ``_mamba_num_matched_blocks``, the matched blocks its Mamba
-        state resumes from."""
+        next ``add_request(req, prefill_chunk_length)``; pure. A block of the prefix cache's
+        host tier is matched as -1 and counted among the blocks from the pool (it is restored
+        into a new one). ``record_mamba_match``: a hybrid's request gets
+        ``_mamba_num_matched_blocks``, the matched blocks its Mamba state resumes from."""
         self._table.check_bound(getattr(req, "request_id", None))
         chunk = _count(prefill_chunk_length, "prefill_chunk_length", 1,
                        max(1, req.remaining_prompt_length))
@@ -58,14 +59,16 @@ class PrefixMatchHelpers:
         if record_mamba_match and self.is_hybrid_model and finished == 0:
             req._mamba_num_matched_blocks = len(matched)
         skip = len(matched) * bs
-        return matched, max(0, overall - already - len(matched)), already, overall, skip, \
+        on_device = sum(block >= 0 for block in matched)
+        return matched, max(0, overall - already - on_device), already, overall, skip, \
             chunk - skip
 
     def _find_kv_match_count(self, req: Any, start_block: int,
                              end_block: int) -> Tuple[List[int], int]:
         """``(block ids, parent hash)``: the cached blocks ``start_block..`` of the new
         request's prompt chain below ``end_block`` (the chain matches from its first block, so
-        it must reach ``start_block``), and 0.19's hash of the last one (0: none); pure."""
+        it must reach ``start_block``; device blocks only, the host tier has no block ids),
+        and 0.19's hash of the last one (0: none); pure."""
         self._table.check_bound(getattr(req, "request_id", None))
         start = _count(start_block, "start_block", 0, 2**62)
         end = _count(end_block, "end_block", 0, 2**62)

@@ -283,7 +283,7 @@ class RequestTable:
         rows, row = self.rows, plan.row
         if self.prefix_cache is not None:
             # The matched blocks get their references before any allocation can evict them.
-            self.prefix_cache.commit_add(plan.request_id, plan.prefix, plan.chunk)
+            matched = self.prefix_cache.commit_add(plan.request_id, plan.prefix, plan.chunk)
         new_blocks = self.allocator.allocate_memory_blocks_host(plan.needed - plan.already)
         if plan.is_continuation:
             self.active_tokens -= 1
@@ -298,15 +298,16 @@ class RequestTable:
                 # continuation (the last row, from its saved state).
                 slot = self.slots.allocate()
                 rows[FIELD_MAMBA_SLOT, row] = slot
-                if plan.prefix is not None and plan.prefix.snapshot >= 0:
-                    self.mamba_restores.append((slot, plan.prefix.snapshot))
+                if plan.prefix is not None and plan.prefix.resumes:
+                    if plan.prefix.snapshot >= 0:   # (a host one: Offload.commit_add)
+                        self.mamba_restores.append((slot, plan.prefix.snapshot))
                     self.continuation_added = True
                 else:
                     self._zero_slots[self.zero_count] = slot
                     self.zero_count += 1
             self.block_table[row] = -1
             if plan.prefix is not None and plan.already:
-                self.block_table[row, :plan.already] = plan.prefix.blocks
+                self.block_table[row, :plan.already] = matched
             for label, value in zip(self.metadata_labels, plan.metadata):
                 self.metadata[label][row] = value
             self.live_ids.add(plan.request_id)

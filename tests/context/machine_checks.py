@@ -20,6 +20,7 @@ import torch
 from helpers import FIELD_NAMES
 from machine_budgets import BudgetChecks
 from machine_groups import GroupChecks
+from machine_host_tier import HostTierChecks
 from machine_model import VOCAB, Tracked, Violation, expected_metadata, require
 from machine_patterns import Patterns
 
@@ -34,7 +35,7 @@ from dynctx.context.dynamic_context import (
 )
 
 
-class InvariantChecks(BudgetChecks, Patterns, GroupChecks):
+class InvariantChecks(BudgetChecks, Patterns, GroupChecks, HostTierChecks):
     """Checks of a driver's ``ctx`` against its model (``cfg``, ``live``, ``chunked``)."""
 
     def _rows(self) -> List[Tracked]:
@@ -529,3 +530,4 @@ class InvariantChecks(BudgetChecks, Patterns, GroupChecks):
             self.check_mamba(rows, device)
         self.check_kv()
         self.check_kv_groups()
+        self.check_host_tier()

@@ -86,6 +86,12 @@ class MachineConfig:
         return self.layer_types is not None
 
     @property
+    def host_tier(self) -> bool:
+        """Prefix caching with a host pool: the prefix cache's host tier (docs/SEMANTICS.md
+        §21) spills its cached blocks (and a hybrid's snapshots) there and restores them."""
+        return self.prefix_caching is not None and self.kv_offload_blocks > 0
+
+    @property
     def total_layers(self) -> int:
         return len(self.layer_types) if self.hybrid else self.num_layers
 
@@ -198,6 +204,26 @@ CONFIGS = {c.name: c for c in [
                   mla=True, kv_offload_blocks=8),
     MachineConfig("off-hyb-bs4-paused4", block_size=4, buffer_blocks=16, paused_blocks=4,
                   layer_types=HYBRID_LAYERS, kv_offload_blocks=12),
+    # Speculative steps with KV offload: a paused row's KV may end mid-block, and a restore
+    # brings back exactly its accepted tokens.
+    MachineConfig("spec2-off-bs4-paused4", block_size=4, buffer_blocks=16, paused_blocks=4,
+                  speculative=2, kv_offload_blocks=12),
+    MachineConfig("spec1-off-hyb-bs4-paused4", block_size=4, buffer_blocks=16,
+                  paused_blocks=4, layer_types=HYBRID_LAYERS, speculative=1,
+                  kv_offload_blocks=12),
+    MachineConfig("spec2-off-pc-lru-bs4-paused4", block_size=4, buffer_blocks=16,
+                  paused_blocks=4, prefix_caching="lru", speculative=2, kv_offload_blocks=40),
+    # The prefix cache's host tier: idle cached blocks spill to the host pool and come back
+    # (shared with the swapped requests; the small pools drop spilled blocks for room).
+    MachineConfig("off-pc-lru-bs4-paused4", block_size=4, buffer_blocks=16, paused_blocks=4,
+                  prefix_caching="lru", kv_offload_blocks=40),
+    MachineConfig("off-pc-refzero-bs4-half", block_size=4, buffer_blocks=24,
+                  paused_blocks=None, prefix_caching="ref_zero", kv_offload_blocks=12),
+    MachineConfig("off-pc-lru-mla-bs4-paused4", block_size=4, buffer_blocks=16,
+                  paused_blocks=4, mla=True, prefix_caching="lru", kv_offload_blocks=40),
+    MachineConfig("off-pc-hyb-lru-bs4-snap1", block_size=4, buffer_blocks=16, paused_blocks=4,
+                  layer_types=HYBRID_LAYERS, prefix_caching="lru", prefix_snapshots=1,
+                  kv_offload_blocks=12),
     MachineConfig("spec3-pc-hyb-lru-bs4-half", block_size=4, buffer_blocks=24,
                   paused_blocks=None, layer_types=HYBRID_LAYERS, prefix_caching="lru",
                   speculative=3),
@@ -212,7 +238,8 @@ CI_CONFIGS = [CONFIGS[n] for n in ("bs4-paused4", "bs8-half", "bs4-paused0", "ml
                                    "pc-hyb-lru-bs4-half", "spec2-bs4-paused4",
                                    "spec1-hyb-bs4-paused4", "spec2-pc-lru-bs4-paused4",
                                    "off-bs4-paused4", "off-tiny-bs4-paused0",
-                                   "off-hyb-bs4-paused4", "kvg-bs4-paused4")]
+                                   "off-hyb-bs4-paused4", "kvg-bs4-paused4",
+                                   "off-pc-lru-bs4-paused4", "off-pc-hyb-lru-bs4-snap1")]
 
 
 def sample_token(rid: int, position: int) -> int:

@@ -12,7 +12,9 @@ cannot see everything the context decides, so it keeps bounds:
   cached one);
 * a chain is **possibly cached** under "lru" once published (an idle cached block stays until
   an allocation needs it, and the model does not follow the allocator's order), under
-  "ref_zero" while one of its possible holders is live.
+  "ref_zero" while one of its possible holders is live; with the host tier under either
+  policy once published (a block spills to the host instead of vanishing, and the model does
+  not follow which spilled blocks the host pool drops for room).
 
 A new request's hit is then between the longest run of surely cached chains and the longest run
 of possibly cached ones, capped at ``(chunk - 1) // block_size`` blocks (0 for a request that
@@ -43,14 +45,19 @@ class Hit:
 
     blocks: int
     idle: int
+    tokens: int = -1    # the tokens it skips, when not ``blocks`` whole blocks (a restore)
+
+    def skip(self, block_size: int) -> int:
+        return self.tokens if self.tokens >= 0 else self.blocks * block_size
 
 
 class PrefixModel:
     """Bounds on what the prefix cache holds (module docstring)."""
 
-    def __init__(self, block_size: int, policy: str, hybrid: bool):
+    def __init__(self, block_size: int, policy: str, hybrid: bool, host_tier: bool = False):
         self.block_size = block_size
         self.policy = policy
+        self.host_tier = host_tier
         self.hybrid = hybrid
         self.entries: Dict[Chain, _Entry] = {}
         self.published: Dict[int, int] = {}    # uid -> its prompt blocks published (or taken)
@@ -70,7 +77,8 @@ class PrefixModel:
                                                and entry.candidates <= live)
 
     def _possible(self, entry: _Entry, live: Set[int]) -> bool:
-        return self.policy == "lru" or bool((entry.sharers | entry.candidates) & live)
+        return self.policy == "lru" or self.host_tier \
+            or bool((entry.sharers | entry.candidates) & live)
 
     def hits(self, prompt: List[int], chunk: int, allow_hit: bool, live: Set[int]) -> List[Hit]:
         """Every hit the context may give a new request of ``prompt`` whose first add covers

@@ -106,7 +106,7 @@ class ContextDriver(InvariantChecks):
         self.next_uid = 0
         self.stats: Counter = Counter()
         self.prefix = None if config.prefix_caching is None else PrefixModel(
-            config.block_size, config.prefix_caching, config.hybrid)
+            config.block_size, config.prefix_caching, config.hybrid, config.host_tier)
         self._generator = torch.Generator().manual_seed(1234)
         self.actions: List[str] = []
         self._poison_mamba()
@@ -127,6 +127,7 @@ class ContextDriver(InvariantChecks):
             self.next_rid += 1
         uid = self.next_uid
         self.next_uid += 1
+        self.note_chains(prompt)
         params = SamplingParams(num_tokens_to_generate=gen, **expected_metadata(rid))
         req = DynamicInferenceRequest(request_id=rid, sampling_params=params,
                                       prompt_tokens=torch.tensor(prompt, dtype=torch.int64))
@@ -191,7 +192,7 @@ class ContextDriver(InvariantChecks):
             errors.add(MaxSequenceLengthOverflowError)
             hit = Hit(0, 0)  # refused before any lookup
         tokens = self._model_active_tokens() - (1 if continuation else 0)
-        skip, idle = hit.blocks * cfg.block_size, hit.idle
+        skip, idle = hit.skip(cfg.block_size), hit.idle
         if not continuation:
             if duplicate:
                 errors.add(ValueError)
@@ -219,7 +220,8 @@ class ContextDriver(InvariantChecks):
         if restored:
             # A restore: its tokens skipped, every block new (as many as a hit revives).
             bs = self.cfg.block_size
-            hits = [Hit(restored // bs, restored // bs)]
+            # (With speculative steps its last block may be partly filled.)
+            hits = [Hit(restored // bs, restored // bs, restored)]
         options = {hit: self._expected_add_errors(t, chunk, continuation, duplicate, hit)
                    for hit in hits}
         expected = set().union(*options.values())
@@ -251,12 +253,13 @@ class ContextDriver(InvariantChecks):
         fin = t.req.finished_chunk_token_count
         row = ctx.host_request_ids().tolist().index(t.rid)
         skip = int(ctx.request_kv_length_offsets[row]) - fin
-        allowed = sorted({h.blocks * self.cfg.block_size for h, errors in options.items()
+        allowed = sorted({h.skip(self.cfg.block_size) for h, errors in options.items()
                           if not errors})
         require(skip in allowed, lambda: f"add_request(id={t.rid}, chunk={chunk}) took {skip} "
                 f"tokens from the prefix cache; the model allows {allowed}")
         if self.prefix is not None and not continuation:
-            self.prefix.took(t.uid, t.prompt, skip // self.cfg.block_size)
+            # A restored request holds private copies (its blocks are published as computed).
+            self.prefix.took(t.uid, t.prompt, 0 if restored else skip // self.cfg.block_size)
         require(not restored or skip == restored, lambda: f"add_request(id={t.rid}) restored "
                 f"{skip} tokens from the host, {restored} were saved")
         if advance:
@@ -285,8 +288,11 @@ class ContextDriver(InvariantChecks):
                         "top of the stack must be handed out)")
                 t.slot, t.mamba_writes, t.mamba_len = slot, 0, skip
         if restored:
-            # The restored K/V (and Mamba state) are the evicted incarnation's.
-            t.uid, _, writes, length = t.restore
+            # The restored K/V (and Mamba state) are the evicted incarnation's (with prefix
+            # caching the patterns are keyed by content, and the uid keys its cache model).
+            uid, _, writes, length = t.restore
+            if self.prefix is None:
+                t.uid = uid
             if self.cfg.hybrid:
                 t.mamba_writes, t.mamba_len = writes, length
             self.stats["restores"] += 1
@@ -380,10 +386,10 @@ class ContextDriver(InvariantChecks):
         paused = any(x.paused for x in self.live.values())
         bs = self.cfg.block_size
         restored = self._restorable(t, remaining, False)
-        hits = [Hit(restored // bs, restored // bs)] if restored else \
+        hits = [Hit(restored // bs, restored // bs, restored)] if restored else \
             self._prefix_hits(t, remaining)
         wants = {(len(self.live) < self.cfg.max_requests and not paused,
-                  self._model_active_tokens() + remaining - hit.blocks * bs <= self.cfg.max_tokens,
+                  self._model_active_tokens() + remaining - hit.skip(bs) <= self.cfg.max_tokens,
                   self._model_free_blocks() >= math.ceil(remaining / bs) - hit.blocks + hit.idle)
                  for hit in hits}
         require(tuple(got) in wants, lambda: f"check_availability(id={t.rid}, remaining="

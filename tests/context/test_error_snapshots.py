@@ -519,9 +519,14 @@ OFFLOAD_OPTION_ERRORS = [
                  r"'recompute'\]", id="unknown_mode"),
     pytest.param(dict(kv_cache_management_mode=3), ValueError,
                  r"kv_cache_management_mode=3 must be one of", id="mode_not_a_string"),
-    pytest.param(dict(kv_offload_gb=1e-3, num_speculative_tokens=2), ValueError,
-                 r"num_speculative_tokens=2: KV offload does not support speculative steps",
-                 id="speculative"),
+    pytest.param(dict(prefix_caching_host_tier="yes"), TypeError,
+                 r"prefix_caching_host_tier='yes' must be a bool or None", id="tier_not_a_bool"),
+    pytest.param(dict(prefix_caching_host_tier=True, kv_offload_gb=1e-3), ValueError,
+                 r"prefix_caching_host_tier=True needs enable_prefix_caching=True",
+                 id="tier_without_prefix_caching"),
+    pytest.param(dict(prefix_caching_host_tier=True, enable_prefix_caching=True), ValueError,
+                 r"prefix_caching_host_tier=True needs a host pool: kv_offload_gb=0.0 must be "
+                 r"> 0 \(or kv_cache_management_mode='offload'\)", id="tier_without_a_pool"),
 ]
 
 

@@ -18,7 +18,7 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
-from state_machine import CI_CONFIGS, ContextDriver, MachineConfig
+from state_machine import CI_CONFIGS, CONFIGS, ContextDriver, MachineConfig
 
 # Deterministic and sized for CI (the eleven configurations, four of them hybrids and three
 # speculative, together take about a minute of CPU on one core): no example database,
@@ -117,7 +117,12 @@ def test_context_state_machine(config, one_thread):
     run_state_machine_as_test(machine, settings=SETTINGS)
 
 
-@pytest.mark.parametrize("config", CI_CONFIGS, ids=lambda c: c.name)
+# The scripted run also covers KV offload with speculative steps (a paused row's KV may end
+# mid-block after a rewind; a restore brings back exactly its accepted tokens).
+SCRIPTED = CI_CONFIGS + [c for c in CONFIGS.values() if c.speculative and c.kv_offload_blocks]
+
+
+@pytest.mark.parametrize("config", SCRIPTED, ids=lambda c: c.name)
 def test_driver_reaches_pause_evict_chunk_and_suspend(config, one_thread):
     """The machine's workload really exercises the hard paths (a fixed scripted run): requests
     pause and resume or are evicted, chunked prefills continue, a suspend re-adds and runs on."""
@@ -146,6 +151,36 @@ def test_driver_reaches_pause_evict_chunk_and_suspend(config, one_thread):
         assert stats["prefix_hits"] > 0, dict(stats)
     if config.kv_offload_blocks:
         assert stats["offloads"] > 0 and stats["restores"] > 0, dict(stats)
+
+
+HOST_TIER_CONFIGS = [c for c in CONFIGS.values() if c.host_tier]
+
+
+@pytest.mark.parametrize("config", HOST_TIER_CONFIGS, ids=lambda c: c.name)
+def test_driver_spills_prefix_blocks_to_the_host_and_restores_them(config, one_thread):
+    """The prefix cache's host tier under the machine's checks (a fixed scripted run): long
+    prompts of the two families alternate, so each family's cached blocks are pushed out of
+    the device by the other's (spilled to the host, some dropped for room) and hit there by
+    the next request of the family (restored); a hybrid's snapshots go the same way."""
+    driver = ContextDriver(config)
+    for length in (37, 37, 37, 37, 30, 37):
+        driver.add_new("fit", length, 2)
+        driver.check()
+        for i in range(40):
+            if not driver.live and not driver.waiting:
+                break
+            if driver.live:
+                driver.step(choice=i)
+                driver.check()
+            driver.admit()
+            driver.check()
+    assert not driver.live and not driver.waiting
+    tier = driver.ctx.get_kv_offload_stats()
+    assert driver.stats["prefix_hits"] >= 2, dict(driver.stats)
+    assert tier["kv_offload_prefix_spilled_blocks"] > 0, tier
+    assert tier["kv_offload_prefix_restored_blocks"] > 0, tier
+    if config.hybrid:
+        assert tier["kv_offload_prefix_restored_snapshots"] > 0, tier
 
 
 def test_step_without_the_chunked_continuation_is_refused():

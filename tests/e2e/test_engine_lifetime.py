@@ -65,3 +65,21 @@ def test_the_context_and_its_kv_buffer_die_with_the_engine(no_gc, async_scheduli
     kv_buffer = weakref.ref(engine.context.memory_buffer)
     del engine
     assert context() is None and kv_buffer() is None
+
+
+def test_the_prefix_cache_host_tier_holds_no_cycle(no_gc):
+    """With the prefix cache's host tier (the allocator's on_spill, the snapshots' hook), the
+    context, its KV buffer and the tier still die with the engine, the garbage collector
+    off."""
+    from e2e_helpers import gib_for_blocks
+
+    hf = tiny_llama(seed=2)
+    engine = build_engine(hf, block_size=16, blocks=12, paused_blocks=2, max_tokens=32,
+                          max_sequence_length=64, kernel_backend="torch",
+                          enable_prefix_caching=True, prefix_caching_eviction_policy="lru",
+                          kv_offload_gb=gib_for_blocks(hf, 16, 8))
+    engine.generate([[3, 4, 5] * 6, [6, 7, 8, 9, 10]], max_new_tokens=4, ignore_eos=True)
+    refs = [weakref.ref(x) for x in (engine.context, engine.context.memory_buffer,
+                                     engine.context._parts.offload.tier)]
+    del engine
+    assert [ref() is None for ref in refs] == [True, True, True]

@@ -162,3 +162,31 @@ def test_llama_swaps_under_async_scheduling():
     assert stats["kv_offload_restored_requests"] == engine.stats.evictions
     check_host_pool(engine.context)
     assert_requests_match_greedy(hf, requests, prompts, results)
+
+
+def test_speculative_steps_swap_and_equal_transformers():
+    """KV offload with speculative steps (the speculative tests' pressure workload, a host pool
+    of 32 blocks): evicted requests, whose KV may end mid-block after a rewind, swap to the
+    host and resume from it; Llama (drafts accepted in part, wholly and not at all) and
+    NemotronH (its Mamba state after the accepted tokens swaps too) give transformers' greedy
+    tokens."""
+    from test_nemotron_h import gib_for_blocks as hybrid_gib
+    from test_speculative_engine import GENS as SPEC_GENS
+    from test_speculative_engine import LENGTHS as SPEC_LENGTHS
+    from test_speculative_engine import OracleDrafter, _pressure, _references
+
+    for hf, gib in ((tiny_llama(), gib_for_blocks), (tiny_nemotron_h(), hybrid_gib)):
+        prompts = make_prompts(SPEC_LENGTHS, hf.config.vocab_size)
+        references = _references(hf, prompts, SPEC_GENS)   # prompt + transformers' tokens
+        oracle = OracleDrafter(references, hf.config.vocab_size)
+        extra = {} if gib is gib_for_blocks else dict(gib=gib, attention_backend="torch")
+        engine, prompts, requests, results = _pressure(hf, 2, oracle,
+                                                       kv_offload_gb=gib(hf, 16, 32), **extra)
+        stats = engine.context.get_kv_offload_stats()
+        assert_pressure_stats(engine.stats, results)
+        assert stats["kv_offload_restored_requests"] == engine.stats.evictions > 0, stats
+        assert 0 < engine.stats.speculative["acceptance_rate"] < 1
+        check_host_pool(engine.context)
+        for request, result in zip(requests, results):
+            prompt = prompts[request.request_id]
+            assert result.generated_tokens == references[request.request_id][len(prompt):]
