@@ -29,6 +29,7 @@ from .forward_pass import ForwardPass
 from .graph_ladder import CUDAGraphLadder, context_cuda_graph_ladder
 from .inputs import check_row_moves
 from .kv_cache import KVCache
+from .kv_group_sizing import windowed_requests_rule
 from .kv_groups import GroupSpec, build_grouped_kv, group_spec, sized_with_groups
 from .kv_scales import check_kv_scales, resolve_kv_cache_dtype
 from .mamba_states import MambaMetadata, MambaStates
@@ -238,7 +239,7 @@ def settle(*, agreement: CountAgreement, groups: ParallelGroups, default_max_tok
         zip(("enable_prefix_caching", "prefix_caching_eviction_policy"), prefix_caching),
         num_cuda_graphs=num_cuda_graphs, validate=bool(validate), vocab_size=vocab_size,
         num_speculative_tokens=speculative,
-        kv_groups=None if kv_spec is None else repr(kv_spec.windows),
+        kv_groups=None if kv_spec is None else repr((kv_spec.windows, kv_spec.layers)),
         use_cuda_graphs_for_non_decode_steps=use_cuda_graphs_for_non_decode_steps,
         cuda_graph_mixed_prefill_count=cuda_graph_mixed_prefill_count)
     # With KV groups, group 0 takes the bytes the windowed groups leave (context/kv_groups.py).
@@ -253,7 +254,9 @@ def settle(*, agreement: CountAgreement, groups: ParallelGroups, default_max_tok
         default_max_tokens=default_max_tokens,
         max_sequence_length=args["max_sequence_length"], tp=tp,
         request_rounder=request_rounder, reduce_counts=agreement if groups.groups else None,
-        block_counts=block_counts),
+        block_counts=block_counts, derive_requests=None if max_requests is not None else
+        windowed_requests_rule(kv_spec, block_size=args["block_size_tokens"],
+                               max_tokens=max_tokens or default_max_tokens)),
         max_sequence_length=args["max_sequence_length"], block_size=args["block_size_tokens"],
         attention_layers=layers.num_attention_layers)
     if speculative:

@@ -9,7 +9,9 @@ context keeps one *group* per distinct window, as vLLM's hybrid allocator does
 
 * group 0 holds the full layers: its buffer, allocator, block table and budgets are the
   context's own (``KVCache``, ``RequestTable``), unchanged; admission, pauses and evictions
-  are decided on it exactly as without groups.
+  are decided on it exactly as without groups. When every layer is windowed, group 0 holds no
+  layers: its blocks are the requests' block-table entries (no bytes), which key the
+  windowed groups' blocks, and its budgets are still the ones every rule runs on.
 * each windowed group ``g`` holds its layers' K/V in a buffer of its own
   (``[2, layers of g, blocks of g, block_size, H, D]``) with a block pool of its own. Its
   blocks are keyed by the group-0 block that covers the same positions of the same request
@@ -23,190 +25,38 @@ context keeps one *group* per distinct window, as vLLM's hybrid allocator does
   window hides it). A decode row holds at most ``ceil(W / block_size) + 1`` blocks, a row of
   ``q`` query tokens ``ceil((q + W - 1) / block_size) + 1``.
 
-Budgets, one rule: a windowed group gets the blocks it can ever need, ``ceil((max_tokens +
-max_requests * W) / block_size) + 2 * max_requests`` (every row's window and the step's query
-tokens, each row's range misaligned at both ends) plus its dummy block, but never more than
-group 0 has (it never holds more than group 0 does); group 0 gets the rest of the bytes the
-context would allocate without groups. So a windowed group never runs short, and the checks
-of admission and eviction on group 0 are the checks of every group. Group 0's paused budget
-keeps its share of its blocks.
+Budgets (``kv_group_sizing.py``): a windowed group gets the blocks it can ever need,
+``ceil((max_tokens + max_requests * W) / block_size) + 2 * max_requests`` (every row's window
+and the step's query tokens, each row's range misaligned at both ends) plus its dummy block,
+but never more than group 0 has (it never holds more than group 0 does); group 0 gets the rest
+of the bytes the context would allocate without groups. So a windowed group never runs short,
+and the checks of admission and eviction on group 0 are the checks of every group.
 
-Without windows, with ``kv_groups=False``, or with fewer than two distinct windows (a model
-whose every layer has the same window keeps one group, without release), the context is
-exactly the single-group one: nothing here is built and the step path does not change.
-Groups are refused with prefix caching, speculative steps, an FP8 cache, the MLA latent cache,
-hybrid Mamba models and KV offload (each names the argument).
+Without windows, with ``kv_groups=False``, or with no window shorter than
+``max_sequence_length``, the context is exactly the single-group one: nothing here is built
+and the step path does not change. Groups are refused with prefix caching, speculative steps,
+an FP8 cache, the MLA latent cache, hybrid Mamba models and KV offload (each names the
+argument).
 """
 
 from __future__ import annotations
 
-import math
-import warnings
-from dataclasses import dataclass, replace
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional
 
 import numpy as np
 import torch
 
 from ._fields import FIELD_BLOCKS, FIELD_KV_OFFSET
 from .kv_cache import KVCache
+from .kv_group_sizing import (  # noqa: F401 (re-exported: the sizing's names)
+    GroupSpec,
+    check_layer_windows,
+    group_block_counts,
+    group_spec,
+    sized_with_groups,
+    worst_case_blocks,
+)
 from .staging import HostToDevice
-
-
-@dataclass(frozen=True)
-class GroupSpec:
-    """Which attention layers form which group: ``windows[g]`` (group 0: None, the full
-    layers; then the windows, ascending), ``layers[g]`` (0-based attention-layer indices) and
-    ``where[layer] = (group, index within the group)``."""
-
-    windows: Tuple[Optional[int], ...]
-    layers: Tuple[Tuple[int, ...], ...]
-    where: Tuple[Tuple[int, int], ...]
-
-    @property
-    def group_of_layer(self) -> Tuple[int, ...]:
-        return tuple(group for group, _ in self.where)
-
-
-def check_layer_windows(kv_layer_windows: Any, num_attention_layers: int
-                        ) -> Optional[Tuple[Optional[int], ...]]:
-    """``kv_layer_windows`` checked: None, or one entry per attention layer, each None (a full
-    layer) or an int >= 1 (the keys a query sees, its own included)."""
-    if kv_layer_windows is None:
-        return None
-    if isinstance(kv_layer_windows, (str, bytes)) or not isinstance(kv_layer_windows, Sequence):
-        raise TypeError(f"kv_layer_windows={kv_layer_windows!r} must be a list with one window "
-                        "(an int >= 1, or None for a full layer) per attention layer")
-    windows = tuple(kv_layer_windows)
-    if len(windows) != num_attention_layers:
-        raise ValueError(f"kv_layer_windows has {len(windows)} entries; the context has "
-                         f"{num_attention_layers} attention layers (one window each)")
-    for layer, window in enumerate(windows):
-        if window is not None and (isinstance(window, bool) or not isinstance(
-                window, (int, np.integer)) or window < 1):
-            raise ValueError(f"kv_layer_windows[{layer}]={window!r} must be an int >= 1 (keys "
-                             "a query sees, its own included) or None (a full layer)")
-    return tuple(None if w is None else int(w) for w in windows)
-
-
-def group_spec(kv_layer_windows: Any, kv_groups: Any, *, num_attention_layers: int,
-               max_sequence_length: int, prefix_caching: bool, speculative: int, fp8: bool,
-               mla: bool, hybrid: bool, offload: bool = False) -> Optional[GroupSpec]:
-    """The groups of the constructor's ``kv_layer_windows`` and ``kv_groups`` (module
-    docstring), or None for the single group; raises before anything is built. A window of
-    at least ``max_sequence_length`` is a full layer (it never frees a block)."""
-    if not isinstance(kv_groups, bool):
-        raise TypeError(f"kv_groups={kv_groups!r} must be a bool")
-    windows = check_layer_windows(kv_layer_windows, num_attention_layers)
-    if windows is None or not kv_groups:
-        return None
-    windows = tuple(None if w is None or w >= max_sequence_length else w for w in windows)
-    distinct = sorted({w for w in windows if w is not None})
-    if not distinct or None not in windows:
-        return None     # one distinct window: the single group
-    refused = [what for what, on in (
-        ("enable_prefix_caching=True", prefix_caching),
-        (f"num_speculative_tokens={speculative}", speculative),
-        ("an FP8 cache (kv_cache_dtype)", fp8), ("cache_mla_latent=True", mla),
-        ("a hybrid model (mamba_inference_state_config)", hybrid),
-        ("KV offload (kv_offload_gb, kv_cache_management_mode='offload')", offload)) if on]
-    if refused:
-        raise ValueError(f"KV groups (kv_layer_windows with windowed and full layers, "
-                         f"kv_groups=True) do not support {', '.join(refused)} yet; pass "
-                         "kv_groups=False to keep every block of every layer")
-    order = [None] + distinct
-    layers = tuple(tuple(i for i, w in enumerate(windows) if w == window) for window in order)
-    where = [None] * num_attention_layers
-    for group, members in enumerate(layers):
-        for index, layer in enumerate(members):
-            where[layer] = (group, index)
-    return GroupSpec(tuple(order), layers, tuple(where))
-
-
-def worst_case_blocks(window: int, *, block_size: int, max_requests: int,
-                      max_tokens: int) -> int:
-    """The most blocks a windowed group can hold at once (its dummy block included)."""
-    return (math.ceil((max_tokens + max_requests * window) / block_size)
-            + 2 * max_requests + 1)
-
-
-def group_block_counts(spec: GroupSpec, total_blocks: int, *, block_size: int,
-                       max_requests: int, max_tokens: int) -> Tuple[int, List[int]]:
-    """``(group 0's blocks, [each windowed group's blocks])``, dummies included, out of the
-    layer-blocks of ``total_blocks`` blocks of every layer (module docstring: a windowed group
-    gets its worst case, capped at group 0's count; group 0 the rest)."""
-    sizes = [len(members) for members in spec.layers]
-    budget = total_blocks * sum(sizes)
-    capped = {g: worst_case_blocks(spec.windows[g], block_size=block_size,
-                                   max_requests=max_requests, max_tokens=max_tokens)
-              for g in range(1, len(sizes))}
-    while True:
-        free_layers = sizes[0] + sum(sizes[g] for g in range(1, len(sizes)) if g not in capped)
-        main = (budget - sum(capped[g] * sizes[g] for g in capped)) // free_layers
-        over = [g for g, blocks in capped.items() if blocks > main]
-        if not over:
-            break
-        for g in over:
-            del capped[g]
-    return main, [capped.get(g, main) for g in range(1, len(sizes))]
-
-
-def grouped_memory(memory: Any, main_blocks: int, layer_fraction: Tuple[int, int],
-                   max_sequence_length: int, block_size: int) -> Any:
-    """``memory`` (``sizing.MemoryLayout``) for group 0 alone: ``main_blocks`` blocks of its
-    layers (``layer_fraction``: its layers, all layers), its paused budget the same share of
-    them as before."""
-    paused = memory.paused_blocks * main_blocks // memory.total_blocks
-    paused = min(paused, main_blocks - 2)
-    own, every = layer_fraction
-    columns = min(math.ceil(max_sequence_length / block_size), main_blocks - 1)
-    return replace(memory, total_blocks=main_blocks, paused_blocks=paused,
-                   max_kv_block_count=columns,
-                   block_size_bytes=memory.block_size_bytes * own // every,
-                   bytes_per_block=memory.bytes_per_block * own // every)
-
-
-SIZING_WARNING = "a long request may pause with no way to resume"
-
-
-def reissue_sizing_warnings(records: list, memory: Any, max_sequence_length: int,
-                            block_size: int) -> None:
-    """Issue again the warnings ``sizing.memory_layout`` gave before the split
-    (``records``), its sizing warning only if group 0's active budget (``memory``) still
-    cannot hold one request of ``max_sequence_length``, with group 0's counts."""
-    needed = math.ceil(max_sequence_length / block_size)
-    active = memory.total_blocks - memory.paused_blocks - 1
-    for record in records:
-        message = str(record.message)
-        if SIZING_WARNING in message:
-            if active >= needed:
-                continue
-            message = (f"max_sequence_length={max_sequence_length} needs {needed} blocks of "
-                       f"{block_size} tokens for one request, but KV group 0 (the full "
-                       f"layers) has an active budget of {active} (the paused budget is "
-                       f"{memory.paused_blocks} blocks): {SIZING_WARNING}, and update_requests "
-                       "then raises 'no request can run'. Raise buffer_size_gb (or lower "
-                       "paused_buffer_size_gb), or lower max_sequence_length")
-        warnings.warn_explicit(message, record.category, record.filename, record.lineno)
-
-
-def sized_with_groups(spec: Optional[GroupSpec], layout: Any, *, max_sequence_length: int,
-                      block_size: int, attention_layers: int) -> Tuple[Any, Optional[list]]:
-    """``(memory layout, each windowed group's blocks)``: ``layout()`` (the context's
-    ``sizing.memory_layout``) as it is without groups (``spec`` None); with groups split
-    (``group_block_counts``, ``grouped_memory``), its warnings issued on group 0's counts."""
-    if spec is None:
-        return layout(), None
-    with warnings.catch_warnings(record=True) as sizing:
-        warnings.simplefilter("always")
-        memory = layout()
-    main_blocks, windowed = group_block_counts(spec, memory.total_blocks, block_size=block_size,
-                                               max_requests=memory.max_requests,
-                                               max_tokens=memory.max_tokens)
-    memory = grouped_memory(memory, main_blocks, (len(spec.layers[0]), attention_layers),
-                            max_sequence_length, block_size)
-    reissue_sizing_warnings(sizing, memory, max_sequence_length, block_size)
-    return memory, windowed
 
 
 class WindowedGroup:

@@ -206,13 +206,21 @@ CONFIGS = {c.name: c for c in [
                   num_layers=3, windows=(5, None, 9)),
     MachineConfig("kvg-bs8-half", block_size=8, buffer_blocks=24, paused_blocks=None,
                   windows=(None, 6)),
+    # Every layer windowed: group 0 holds no layers. Eight rows are more than the windows'
+    # worst cases fit in the buffer, so group 0 keeps its budgets (pauses, evictions); two
+    # rows fit, and group 0's blocks then never limit a request.
+    MachineConfig("kvw-bs4-paused4", block_size=4, buffer_blocks=16, paused_blocks=4,
+                  windows=(5, 9)),
+    MachineConfig("kvw-fit-bs4-half", block_size=4, buffer_blocks=16, paused_blocks=None,
+                  max_requests=2, max_tokens=16, num_layers=3, windows=(6, 6, 9)),
 ]}
 CI_CONFIGS = [CONFIGS[n] for n in ("bs4-paused4", "bs8-half", "bs4-paused0", "mla-bs8-paused3",
                                    "hyb-bs4-paused4", "hyb-bs8-half", "pc-lru-bs4-paused4",
                                    "pc-hyb-lru-bs4-half", "spec2-bs4-paused4",
                                    "spec1-hyb-bs4-paused4", "spec2-pc-lru-bs4-paused4",
                                    "off-bs4-paused4", "off-tiny-bs4-paused0",
-                                   "off-hyb-bs4-paused4", "kvg-bs4-paused4")]
+                                   "off-hyb-bs4-paused4", "kvg-bs4-paused4",
+                                   "kvw-bs4-paused4")]
 
 
 def sample_token(rid: int, position: int) -> int:

@@ -70,13 +70,15 @@ def test_grouped_context_sizes_and_usage():
 
 
 @pytest.mark.parametrize("overrides", [dict(), dict(kv_layer_windows=WINDOWS, kv_groups=False),
-                                       dict(kv_layer_windows=[6, 6]),
+                                       dict(kv_layer_windows=[6, 6], kv_groups=False),
                                        dict(kv_layer_windows=[None, None]),
-                                       dict(kv_layer_windows=[None, 64])],
-                         ids=["no-windows", "off", "one-window", "all-full", "window-ge-max"])
+                                       dict(kv_layer_windows=[None, 64]),
+                                       dict(kv_layer_windows=[64, 80])],
+                         ids=["no-windows", "off", "all-windowed-off", "all-full",
+                              "window-ge-max", "windows-ge-max"])
 def test_single_group_is_todays_context(overrides):
-    """No windows, kv_groups=False, one distinct window, or a window as long as the sequence:
-    the single-group context, exactly (its KV cache, its buffer, no group hook in the step)."""
+    """No windows, kv_groups=False, or no window shorter than the sequence: the single-group
+    context, exactly (its KV cache, its buffer, no group hook in the step)."""
     ctx, plain = make_ctx(**overrides), make_ctx()
     assert type(ctx._kv) is KVCache and ctx._forward.kv_groups is None
     assert ctx.kv_group_usage() is None and ctx.kv_groups is False

@@ -1,9 +1,9 @@
-"""The generic path on KV groups (context/kv_groups.py, docs/SEMANTICS.md §21): Gemma 3 (five
-sliding layers per full one) and gpt-oss (alternating, sinks) generate transformers' greedy
-tokens with their windowed layers' blocks released, under pauses, evictions and chunked prefill
-(torch path), with a windowed pool smaller than group 0's, and through the Triton kernels under
-the interpreter. The windows (6 tokens) are shorter than the prompts, so a block released too
-early, or a window ignored, gives other tokens."""
+"""The generic path on KV groups (context/kv_groups.py, docs/SEMANTICS.md §22): Gemma 3 (five
+sliding layers per full one), gpt-oss (alternating, sinks) and Mistral (every layer windowed)
+generate transformers' greedy tokens with their windowed layers' blocks released, under pauses,
+evictions and chunked prefill (torch path), with a windowed pool smaller than group 0's, and
+through the Triton kernels under the interpreter. The windows (6 tokens) are shorter than the
+prompts, so a block released too early, or a window ignored, gives other tokens."""
 
 from __future__ import annotations
 
@@ -69,6 +69,44 @@ def test_groups_match_transformers_under_pressure(family, layers):
     assert ctx.kv_group_usage()["held"] == [0, 0]
 
 
+def test_every_layer_windowed_matches_transformers_under_pressure():
+    """Mistral (every layer of window 6): group 0 holds no layers; eight rows are more than the
+    window's worst case fits, so group 0 keeps the buffer's budgets and the workload pauses,
+    evicts and chunks, while the windowed group releases what its window passed."""
+    hf = tiny_family("mistral")
+    prompts = make_prompts(LENGTHS, VOCAB, seed=2)
+    engine = engine_for(hf, record_logits=True)
+    ctx = engine.context
+    usage = ctx.kv_group_usage()
+    assert usage["windows"] == [None, WINDOW] and usage["layers"] == [0, 2]
+    assert usage["block_bytes"][0] == 0 and usage["blocks"] == [10, 10]
+    spy = ReleaseSpy(ctx)
+    results = run_workload(engine, prompts, GENS)
+    assert_pressure_stats(engine.stats, results)
+    assert spy.released > 0
+    assert_all_match(hf, prompts, GENS, results)
+    assert ctx.kv_group_usage()["held"] == [0, 0]
+
+
+def test_every_layer_windowed_past_the_buffer():
+    """Mistral with two rows, whose window's worst case (9 blocks) fits the 10-block buffer:
+    group 0's blocks cost nothing and never pause a request, prompts of up to 40 tokens run in
+    chunks of 16 past what the buffer holds of every layer, tokens equal transformers'."""
+    hf = tiny_family("mistral")
+    prompts = make_prompts(LENGTHS[:6], VOCAB, seed=3)
+    gens = [24, 16, 24, 50, 24, 20]
+    engine = engine_for(hf, max_requests=2, record_logits=True)
+    ctx = engine.context
+    usage = ctx.kv_group_usage()
+    assert usage["blocks"][1] == 9 and usage["blocks"][0] > 10
+    spy = ReleaseSpy(ctx)
+    results = run_workload(engine, prompts, gens)
+    assert engine.stats.pauses == 0 and engine.stats.chunked_prefills > 0
+    assert max(len(p) + g for p, g in zip(prompts, gens)) > 10 * 8
+    assert spy.released > 0
+    assert_all_match(hf, prompts, gens, results)
+
+
 def test_a_windowed_pool_smaller_than_group_zero():
     """A buffer larger than the windowed group's worst case: the windowed layers' pool is
     smaller than group 0's, and group 0 has more blocks than the context without groups."""
@@ -91,9 +129,11 @@ def test_a_windowed_pool_smaller_than_group_zero():
 
 @pytest.mark.interpreter
 @needs_triton
-def test_groups_through_the_triton_kernels(monkeypatch):
-    """gpt-oss (sliding + full, sinks) on the Triton kernels under TRITON_INTERPRET=1, the torch
-    references refused: its windowed group's released entries (-1) are never read."""
+@pytest.mark.parametrize("family", ["gpt_oss", "mistral"])
+def test_groups_through_the_triton_kernels(monkeypatch, family):
+    """gpt-oss (sliding + full, sinks) and Mistral (every layer windowed: group 0 holds no
+    layers) on the Triton kernels under TRITON_INTERPRET=1, the torch references refused: the
+    windowed group's released entries (-1) are never read."""
     from e2e_helpers import assert_matches_transformers, gib_for_blocks, refuse_torch_references
     from generic_families import kv_block_bytes
     from sizing_warning import built
@@ -104,14 +144,14 @@ def test_groups_through_the_triton_kernels(monkeypatch):
     refuse_torch_references(monkeypatch, list(REFERENCES)
                             + [("dynctx.kernels.paged_attention", "paged_attention_ref")])
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    hf = family_model("gpt_oss", 2).to(device)
+    hf = (family_model("gpt_oss", 2) if family == "gpt_oss" else tiny_family(family)).to(device)
     block_bytes = kv_block_bytes(hf)
     engine = built(lambda: Engine.from_transformers(
         hf, block_size_tokens=8, buffer_size_gb=gib_for_blocks(hf, 8, 12, block_bytes),
         paused_buffer_size_gb=gib_for_blocks(hf, 8, 1, block_bytes), max_tokens=16,
         max_requests=4, kernel_backend="triton", attention_backend="triton",
         record_logits=True))
-    assert engine.context.kv_groups
+    assert engine.context.kv_group_usage()["layers"][0] == (family == "gpt_oss")
     spy = ReleaseSpy(engine.context)
     prompts = make_prompts([3, 21, 1], VOCAB, seed=32)
     gens = [4, 3, 4]
