@@ -228,7 +228,7 @@ def settle(*, agreement: CountAgreement, groups: ParallelGroups, default_max_tok
     kv_spec = group_spec(kv_layer_windows, kv_groups,
                          num_attention_layers=layers.num_attention_layers,
                          max_sequence_length=args["max_sequence_length"],
-                         prefix_caching=prefix_caching[0], speculative=speculative,
+                         speculative=speculative,
                          fp8=kv_dtype != params_dtype, mla=bool(cache_mla_latent),
                          hybrid=layers.is_hybrid_model,
                          offload=bool(offload_gb) or management_mode == "offload")
@@ -446,6 +446,8 @@ def build_parts(settings: ContextSettings) -> ContextParts:
                               block_size=attrs["block_size_tokens"], max_requests=rows,
                               columns=memory.max_kv_block_count, max_tokens=tokens, **cache)
         kv.allocator = table.allocator
+        if table.prefix_cache is not None:
+            table.prefix_cache.window_reads = kv.hit_blocks
     steps = StepBuilder(rows, settings.ladder,
                         tokens_per_decode=1 + attrs["num_speculative_tokens"])
     # Megatron-Core builds it with the context; its step fields are filled per step.

@@ -62,12 +62,13 @@ from .staging import HostToDevice
 class WindowedGroup:
     """One windowed group: its window, buffer (``cache``), block pool and map (module
     docstring). Host state is numpy; ``allocate`` builds the device map, table and per-token
-    blocks."""
+    blocks. ``reach``: the tokens before a row's first query (itself included) whose blocks the
+    group keeps, its window plus ``margin``."""
 
     def __init__(self, *, window: int, cache: KVCache, blocks: int, main_blocks: int,
                  main_dummy: int, block_size: int, max_requests: int, columns: int,
-                 max_tokens: int, device: torch.device):
-        self.window, self.cache, self.blocks = window, cache, blocks
+                 max_tokens: int, device: torch.device, margin: int = 0):
+        self.window, self.reach, self.cache, self.blocks = window, window + margin, cache, blocks
         self.main_blocks, self.main_dummy, self.block_size = main_blocks, main_dummy, block_size
         self.dummy = blocks - 1
         self.shape = (max_requests, columns, max_tokens)
@@ -78,6 +79,11 @@ class WindowedGroup:
         self.map = np.full(main_blocks + 1, -1, dtype=np.int32)
         self.free = np.arange(blocks - 1, dtype=np.int32)  # a stack; [0, free_count) free
         self.free_count = blocks - 1
+        # Prefix caching: each group block's group-0 block (-1: free), and since when a block
+        # no row reads is kept for its cached group-0 block (-1: read, or free).
+        self.owner = np.full(blocks, -1, dtype=np.int64)
+        self.idle_since = np.full(blocks, -1, dtype=np.int64)
+        self.clock = 0
         self.map_device = self.table = self.token_blocks = self.h2d = None
         self.reset()
 
@@ -86,6 +92,10 @@ class WindowedGroup:
         self.map[self.main_dummy] = self.dummy
         self.free[:] = np.arange(self.blocks - 1, dtype=np.int32)[::-1]
         self.free_count = self.blocks - 1
+        self.owner.fill(-1)
+        self.owner[self.dummy] = self.main_dummy
+        self.idle_since.fill(-1)
+        self.clock = 0
         self.changed = True
 
     def allocate(self) -> None:
@@ -106,42 +116,76 @@ class WindowedGroup:
 
     @property
     def held(self) -> int:
-        """Blocks held (the dummy block not counted)."""
+        """Blocks held (the dummy block not counted), idle ones included."""
         return self.blocks - 1 - self.free_count
+
+    @property
+    def idle(self) -> int:
+        """Blocks no row reads, kept for their cached group-0 blocks (prefix caching)."""
+        return int((self.idle_since >= 0).sum())
 
     def needed(self, table) -> np.ndarray:
         """bool ``[rows in use, columns]``: the block-table entries this group keeps."""
         total = table.total
         rows, block_table = table.rows, table.block_table[:total]
         offsets = rows[FIELD_KV_OFFSET, :total].astype(np.int64)
-        first = np.maximum(offsets - (self.window - 1), 0) // self.block_size
+        first = np.maximum(offsets - (self.reach - 1), 0) // self.block_size
         columns = self.columns
         return ((columns >= first[:, None])
                 & (columns < rows[FIELD_BLOCKS, :total].astype(np.int64)[:, None])
                 & (block_table >= 0) & (block_table != self.main_dummy))
 
-    def reconcile(self, table) -> None:
-        """Hold exactly the blocks the rows' windows read (``needed``): release the others,
-        allocate the missing ones (checked first; the sizing makes a shortage impossible)."""
+    def reconcile(self, table, cached: Optional[np.ndarray] = None) -> None:
+        """Hold the blocks the rows' windows read (``needed``) and allocate the missing ones.
+        A block no row reads goes back to the pool, unless its group-0 block is ``cached``
+        (prefix caching: bool ``[group 0's blocks]``): then it stays, idle, for a later hit,
+        until an allocation needs it (least recently idle first). Checked first: the sizing
+        makes a shortage impossible."""
         need = np.zeros(self.main_blocks + 1, dtype=np.bool_)
         if table.total:
             need[table.block_table[:table.total][self.needed(table)]] = True
         need[self.main_dummy] = True
         have = self.map >= 0
-        release = np.flatnonzero(have & ~need)
+        unread = have & ~need
+        keep = np.zeros_like(unread)
+        if cached is not None:
+            keep[:-1] = unread[:-1] & cached
+        release = np.flatnonzero(unread & ~keep)
         take = np.flatnonzero(need & ~have)
-        if take.size > self.free_count + release.size:
+        kept = self.map[np.flatnonzero(keep)]
+        if take.size > self.free_count + release.size + kept.size:
             raise RuntimeError(f"internal: KV group of window {self.window} needs {take.size} "
-                               f"blocks, {self.free_count + release.size} are free")
+                               f"blocks, {self.free_count + release.size + kept.size} are free")
+        self.idle_since[self.map[np.flatnonzero(need & have)]] = -1
+        fresh = kept[self.idle_since[kept] < 0]
+        if fresh.size:
+            self.idle_since[fresh] = self.clock
+            self.clock += 1
         if not release.size and not take.size:
             return
+        self._free(self.map[release])
+        short = take.size - self.free_count
+        if short > 0:   # the least recently idle blocks make room
+            self._free(kept[np.argsort(self.idle_since[kept], kind="stable")[:short]])
         count = self.free_count
-        self.free[count:count + release.size] = self.map[release]
-        count += release.size
-        self.map[release] = -1
-        self.map[take] = self.free[count - take.size:count][::-1]
+        taken = self.free[count - take.size:count][::-1]
+        self.map[take] = taken
+        self.owner[taken] = take
         self.free_count = count - take.size
         self.changed = True
+
+    def _free(self, blocks: np.ndarray) -> None:
+        """Push group ``blocks`` on the free stack, their group-0 keys unmapped."""
+        count = self.free_count
+        self.map[self.owner[blocks]] = -1
+        self.owner[blocks] = -1
+        self.idle_since[blocks] = -1
+        self.free[count:count + blocks.size] = blocks
+        self.free_count = count + blocks.size
+
+    def readable(self, blocks: np.ndarray) -> np.ndarray:
+        """bool ``[len(blocks)]``: which group-0 ``blocks`` have this group's copy."""
+        return self.map[blocks] >= 0
 
     def gather(self, main_table: torch.Tensor, main_token_blocks: torch.Tensor) -> torch.Tensor:
         """The step's device table and per-token blocks from group 0's; returns the table."""
@@ -215,17 +259,36 @@ class GroupedKV:
     # ------------------------------------------------------------------ the step
     def settle(self, table) -> None:
         """Host only, after an update (and a reset): each windowed group releases the blocks
-        its window no longer reads (``reconcile``)."""
+        its window no longer reads (``reconcile``; with prefix caching it keeps those of
+        cached group-0 blocks, idle)."""
+        cached = None if table.prefix_cache is None else table.allocator.cached
         for group in self.groups:
-            group.reconcile(table)
+            group.reconcile(table, cached)
+
+    def hit_blocks(self, blocks: Any) -> int:
+        """Prefix caching: of a run of cached group-0 ``blocks`` that starts a prompt, the
+        longest ``k`` whose hit every windowed group can serve: each holds a copy of the
+        blocks its window reads from position ``k * block_size`` (the hit's first query) back.
+        Group 0 (the full layers) holds every cached block. Pure."""
+        n = len(blocks)
+        if n == 0:
+            return 0
+        blocks = np.asarray(blocks, dtype=np.int64)
+        ends = np.arange(n + 1)
+        usable = np.ones(n + 1, dtype=np.bool_)
+        for group in self.groups:
+            missing = np.concatenate(([0], np.cumsum(~group.readable(blocks))))
+            first = np.maximum(ends * group.block_size - group.window + 1, 0) \
+                // group.block_size
+            usable &= missing[ends] == missing[first]
+        return int(np.flatnonzero(usable)[-1])
 
     def begin(self, step, table, device, attention) -> None:
         """Each windowed group holds the blocks its window reads (``reconcile``), then its
         table and per-token blocks are gathered on the device; ``attention`` (the step's
         metadata) gets ``kv_group_block_tables`` (group 0's table first) and
         ``kv_group_of_layer`` (each attention layer's group, 0-based layers)."""
-        for group in self.groups:
-            group.reconcile(table)
+        self.settle(table)
         main_table = attention.block_table
         tokens = device.token_to_block_idx[:step.padded_tokens]
         tables = [main_table] + [group.gather(main_table, tokens) for group in self.groups]
@@ -245,7 +308,7 @@ def build_grouped_kv(spec: GroupSpec, *, main_blocks: int, windowed_blocks: List
         groups.append(WindowedGroup(
             window=spec.windows[g], blocks=blocks, main_blocks=main_blocks,
             main_dummy=main_blocks - 1, block_size=block_size, max_requests=max_requests,
-            columns=columns, max_tokens=max_tokens, device=cache["device"],
+            columns=columns, max_tokens=max_tokens, device=cache["device"], margin=spec.margin,
             cache=KVCache(layers=len(spec.layers[g]), total_blocks=blocks,
                           block_size=block_size, **cache)))
     return GroupedKV(spec, main, groups)
@@ -254,8 +317,10 @@ def build_grouped_kv(spec: GroupSpec, *, main_blocks: int, windowed_blocks: List
 def kv_group_usage(kv: Any) -> Optional[dict]:
     """What each KV group holds now (``ctx.kv_group_usage()``), or None for a context without
     groups: ``windows``, ``layers`` (attention layers per group), ``blocks`` (each pool, its
-    dummy included), ``held`` (blocks held now, dummies not counted), ``block_bytes`` (one block
-    of the group, all its layers) and ``held_bytes`` (their sum over the held blocks)."""
+    dummy included), ``held`` (blocks held now, dummies not counted), ``idle`` (of those, held
+    for the prefix cache only: group 0's idle cached blocks, a windowed group's copies no row
+    reads), ``block_bytes`` (one block of the group, all its layers) and ``held_bytes`` (their
+    sum over the held blocks)."""
     if not isinstance(kv, GroupedKV):
         return None
     allocator = kv.allocator
@@ -263,5 +328,6 @@ def kv_group_usage(kv: Any) -> Optional[dict]:
     block_bytes = [cache.nbytes() // cache.shape[2] for cache in kv.caches]
     return dict(windows=list(kv.spec.windows), layers=[len(m) for m in kv.spec.layers],
                 blocks=[cache.shape[2] for cache in kv.caches], held=held,
+                idle=[allocator.idle_count] + [g.idle for g in kv.groups],
                 block_bytes=block_bytes,
                 held_bytes=sum(h * b for h, b in zip(held, block_bytes)))

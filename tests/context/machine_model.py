@@ -80,6 +80,9 @@ class MachineConfig:
     kv_offload_blocks: int = 0
     # KV groups (docs/SEMANTICS.md §22): each attention layer's window (None: full).
     windows: Optional[Tuple[Optional[int], ...]] = None
+    # False where no request can pause: every layer windowed, the windows' worst cases within
+    # the buffer (group 0's blocks then never run short).
+    pauses: bool = True
 
     @property
     def hybrid(self) -> bool:
@@ -212,7 +215,16 @@ CONFIGS = {c.name: c for c in [
     MachineConfig("kvw-bs4-paused4", block_size=4, buffer_blocks=16, paused_blocks=4,
                   windows=(5, 9)),
     MachineConfig("kvw-fit-bs4-half", block_size=4, buffer_blocks=16, paused_blocks=None,
-                  max_requests=2, max_tokens=16, num_layers=3, windows=(6, 6, 9)),
+                  max_requests=2, max_tokens=16, num_layers=3, windows=(6, 6, 9),
+                  pauses=False),
+    # KV groups with prefix caching: a hit needs the blocks each window reads from its end.
+    MachineConfig("kvg-pc-lru-bs4-paused4", block_size=4, buffer_blocks=16, paused_blocks=4,
+                  num_layers=3, windows=(5, None, 9), prefix_caching="lru"),
+    MachineConfig("kvw-pc-refzero-bs4-half", block_size=4, buffer_blocks=24,
+                  paused_blocks=None, windows=(6, 10), prefix_caching="ref_zero"),
+    MachineConfig("kvw-pc-lru-fit-bs4", block_size=4, buffer_blocks=24, paused_blocks=4,
+                  max_requests=4, max_tokens=16, windows=(6, 6), prefix_caching="lru",
+                  pauses=False),
 ]}
 CI_CONFIGS = [CONFIGS[n] for n in ("bs4-paused4", "bs8-half", "bs4-paused0", "mla-bs8-paused3",
                                    "hyb-bs4-paused4", "hyb-bs8-half", "pc-lru-bs4-paused4",
@@ -220,7 +232,7 @@ CI_CONFIGS = [CONFIGS[n] for n in ("bs4-paused4", "bs8-half", "bs4-paused0", "ml
                                    "spec1-hyb-bs4-paused4", "spec2-pc-lru-bs4-paused4",
                                    "off-bs4-paused4", "off-tiny-bs4-paused0",
                                    "off-hyb-bs4-paused4", "kvg-bs4-paused4",
-                                   "kvw-bs4-paused4")]
+                                   "kvw-pc-lru-fit-bs4")]
 
 
 def sample_token(rid: int, position: int) -> int:
