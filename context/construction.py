@@ -229,7 +229,7 @@ def settle(*, agreement: CountAgreement, groups: ParallelGroups, default_max_tok
                          num_attention_layers=layers.num_attention_layers,
                          max_sequence_length=args["max_sequence_length"],
                          speculative=speculative,
-                         fp8=kv_dtype != params_dtype, mla=bool(cache_mla_latent),
+                         mla=bool(cache_mla_latent),
                          hybrid=layers.is_hybrid_model,
                          offload=bool(offload_gb) or management_mode == "offload")
     # The settings that steer the bookkeeping agree over the ranks, and the hybrid prefix

@@ -105,8 +105,8 @@ def window_groups(windows: Optional[Tuple[Optional[int], ...]], max_sequence_len
 
 
 def group_spec(kv_layer_windows: Any, kv_groups: Any, *, num_attention_layers: int,
-               max_sequence_length: int, speculative: int, fp8: bool,
-               mla: bool, hybrid: bool, offload: bool = False) -> Optional[GroupSpec]:
+               max_sequence_length: int, speculative: int, mla: bool, hybrid: bool,
+               offload: bool = False) -> Optional[GroupSpec]:
     """The groups of the constructor's ``kv_layer_windows`` and ``kv_groups`` (module
     docstring), or None for the single group; raises before anything is built."""
     if not isinstance(kv_groups, bool):
@@ -119,7 +119,7 @@ def group_spec(kv_layer_windows: Any, kv_groups: Any, *, num_attention_layers: i
         return None
     refused = [what for what, on in (
         (f"num_speculative_tokens={speculative}", speculative),
-        ("an FP8 cache (kv_cache_dtype)", fp8), ("cache_mla_latent=True", mla),
+        ("cache_mla_latent=True", mla),
         ("a hybrid model (mamba_inference_state_config)", hybrid),
         ("KV offload (kv_offload_gb, kv_cache_management_mode='offload')", offload)) if on]
     if refused:

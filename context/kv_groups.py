@@ -34,9 +34,11 @@ and the checks of admission and eviction on group 0 are the checks of every grou
 
 Without windows, with ``kv_groups=False``, or with no window shorter than
 ``max_sequence_length``, the context is exactly the single-group one: nothing here is built
-and the step path does not change. Groups are refused with prefix caching, speculative steps,
-an FP8 cache, the MLA latent cache, hybrid Mamba models and KV offload (each names the
-argument).
+and the step path does not change. Prefix caching keeps a windowed copy of a cached block,
+idle, until the pool needs it, and a hit needs only the copies each window reads from its end
+(``hit_blocks``). An FP8 cache keeps scales per group (each group's ``KVCache``). Groups are
+refused with speculative steps, the MLA latent cache, hybrid Mamba models and KV offload (each
+names the argument).
 """
 
 from __future__ import annotations
@@ -300,18 +302,25 @@ def build_grouped_kv(spec: GroupSpec, *, main_blocks: int, windowed_blocks: List
                      block_size: int, max_requests: int, columns: int, max_tokens: int,
                      **cache: Any) -> GroupedKV:
     """The ``GroupedKV`` of ``spec``: group 0 of ``main_blocks`` blocks, the windowed groups
-    of ``windowed_blocks``; ``cache``: ``KVCache``'s other arguments."""
-    main = KVCache(layers=len(spec.layers[0]), total_blocks=main_blocks, block_size=block_size,
-                   **cache)
+    of ``windowed_blocks``; ``cache``: ``KVCache``'s other arguments (an FP8 cache's given
+    scales, ``[2, layers, heads]``, are cut to each group's layers: scales per group)."""
+    scales = cache.pop("scales", None)
+
+    def group_cache(g: int, blocks: int) -> KVCache:
+        spec_scales = scales
+        if scales is not None and scales.values is not None:
+            spec_scales = scales._replace(values=scales.values[:, list(spec.layers[g])])
+        return KVCache(layers=len(spec.layers[g]), total_blocks=blocks, block_size=block_size,
+                       scales=spec_scales, **cache)
+
     groups = []
     for g, blocks in enumerate(windowed_blocks, start=1):
         groups.append(WindowedGroup(
             window=spec.windows[g], blocks=blocks, main_blocks=main_blocks,
             main_dummy=main_blocks - 1, block_size=block_size, max_requests=max_requests,
             columns=columns, max_tokens=max_tokens, device=cache["device"], margin=spec.margin,
-            cache=KVCache(layers=len(spec.layers[g]), total_blocks=blocks,
-                          block_size=block_size, **cache)))
-    return GroupedKV(spec, main, groups)
+            cache=group_cache(g, blocks)))
+    return GroupedKV(spec, group_cache(0, main_blocks), groups)
 
 
 def kv_group_usage(kv: Any) -> Optional[dict]:

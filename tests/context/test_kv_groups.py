@@ -42,8 +42,8 @@ def test_budget_rule():
     """A windowed group gets its worst case, capped at group 0's blocks; group 0 the rest of
     the layer-blocks the context would allocate without groups."""
     spec = group_spec([None, 8, 8, None, 8, 8], True, num_attention_layers=6,
-                      max_sequence_length=128, speculative=0, fp8=False,
-                      mla=False, hybrid=False)
+                      max_sequence_length=128, speculative=0, mla=False,
+                      hybrid=False)
     assert spec.windows == (None, 8) and spec.layers == ((0, 3), (1, 2, 4, 5))
     worst = worst_case_blocks(8, block_size=4, max_requests=4, max_tokens=16)
     assert worst == math.ceil((16 + 4 * 8) / 4) + 2 * 4 + 1
@@ -106,7 +106,6 @@ def test_bad_kv_groups():
 
 @pytest.mark.parametrize("overrides, named", [
     (dict(num_speculative_tokens=1), "num_speculative_tokens=1"),
-    (dict(kv_cache_dtype="fp8"), "an FP8 cache"),
     (dict(cache_mla_latent=True, kv_lora_rank=8, qk_pos_emb_head_dim=4),
      "cache_mla_latent=True"),
 ])
