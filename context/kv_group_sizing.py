@@ -114,11 +114,12 @@ def group_spec(kv_layer_windows: Any, kv_groups: Any, *, num_attention_layers: i
     windows = check_layer_windows(kv_layer_windows, num_attention_layers)
     if not kv_groups:
         return None
-    spec = window_groups(windows, max_sequence_length)
+    # Speculative steps: a rewind lowers a row's offset by up to ``speculative`` tokens, so
+    # each window keeps that many more (the margin).
+    spec = window_groups(windows, max_sequence_length, margin=speculative)
     if spec is None:
         return None
     refused = [what for what, on in (
-        (f"num_speculative_tokens={speculative}", speculative),
         ("cache_mla_latent=True", mla),
         ("a hybrid model (mamba_inference_state_config)", hybrid),
         ("KV offload (kv_offload_gb, kv_cache_management_mode='offload')", offload)) if on]

@@ -36,9 +36,10 @@ Without windows, with ``kv_groups=False``, or with no window shorter than
 ``max_sequence_length``, the context is exactly the single-group one: nothing here is built
 and the step path does not change. Prefix caching keeps a windowed copy of a cached block,
 idle, until the pool needs it, and a hit needs only the copies each window reads from its end
-(``hit_blocks``). An FP8 cache keeps scales per group (each group's ``KVCache``). Groups are
-refused with speculative steps, the MLA latent cache, hybrid Mamba models and KV offload (each
-names the argument).
+(``hit_blocks``). An FP8 cache keeps scales per group (each group's ``KVCache``). With
+speculative steps each window keeps ``num_speculative_tokens`` more tokens (``reach``): a
+rewind lowers a row's offset by at most that many. Groups are refused with the MLA latent
+cache, hybrid Mamba models and KV offload (each names the argument).
 """
 
 from __future__ import annotations

@@ -172,7 +172,7 @@ def build_from_transformers(engine_class: type, hf_model: Any, *, rope: str,
     if kwargs.get("kv_layer_windows") is not None:
         # KV groups (the generic path's windows) refuse these yet: one group with them.
         kwargs.setdefault("kv_groups", not (
-            kwargs.get("num_speculative_tokens") or kwargs.get("kv_offload_gb")
+            kwargs.get("kv_offload_gb")
             or str(kwargs.get("kv_cache_management_mode")).lower().endswith("offload")))
     if getattr(model, "mamba_inference_state_config", None) is not None:
         kwargs.setdefault("mamba_inference_state_config", model.mamba_inference_state_config)

@@ -105,7 +105,6 @@ def test_bad_kv_groups():
 
 
 @pytest.mark.parametrize("overrides, named", [
-    (dict(num_speculative_tokens=1), "num_speculative_tokens=1"),
     (dict(cache_mla_latent=True, kv_lora_rank=8, qk_pos_emb_head_dim=4),
      "cache_mla_latent=True"),
 ])
