@@ -230,8 +230,7 @@ def settle(*, agreement: CountAgreement, groups: ParallelGroups, default_max_tok
                          max_sequence_length=args["max_sequence_length"],
                          speculative=speculative,
                          mla=bool(cache_mla_latent),
-                         hybrid=layers.is_hybrid_model,
-                         offload=bool(offload_gb) or management_mode == "offload")
+                         hybrid=layers.is_hybrid_model)
     # The settings that steer the bookkeeping agree over the ranks, and the hybrid prefix
     # cache's snapshot count is reduced with the block counts (one all-reduce).
     agreement.extra = [prefix_snapshot_count(prefix_caching, layers)]
@@ -374,8 +373,9 @@ class ContextParts(NamedTuple):
         if self.offload is None:
             return {}
         stats = self.offload.stats.as_dict()
-        stats.update(kv_offload_host_blocks=self.offload.pool.blocks.count,
-                     kv_offload_host_blocks_free=self.offload.pool.free_blocks,
+        pools = [part.pool for part in self.offload.parts]
+        stats.update(kv_offload_host_blocks=sum(pool.blocks.count for pool in pools),
+                     kv_offload_host_blocks_free=sum(pool.free_blocks for pool in pools),
                      kv_offload_requests_held=len(self.offload.entries))
         return stats
 

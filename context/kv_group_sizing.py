@@ -105,8 +105,8 @@ def window_groups(windows: Optional[Tuple[Optional[int], ...]], max_sequence_len
 
 
 def group_spec(kv_layer_windows: Any, kv_groups: Any, *, num_attention_layers: int,
-               max_sequence_length: int, speculative: int, mla: bool, hybrid: bool,
-               offload: bool = False) -> Optional[GroupSpec]:
+               max_sequence_length: int, speculative: int, mla: bool,
+               hybrid: bool) -> Optional[GroupSpec]:
     """The groups of the constructor's ``kv_layer_windows`` and ``kv_groups`` (module
     docstring), or None for the single group; raises before anything is built."""
     if not isinstance(kv_groups, bool):
@@ -121,8 +121,7 @@ def group_spec(kv_layer_windows: Any, kv_groups: Any, *, num_attention_layers: i
         return None
     refused = [what for what, on in (
         ("cache_mla_latent=True", mla),
-        ("a hybrid model (mamba_inference_state_config)", hybrid),
-        ("KV offload (kv_offload_gb, kv_cache_management_mode='offload')", offload)) if on]
+        ("a hybrid model (mamba_inference_state_config)", hybrid)) if on]
     if refused:
         raise ValueError(f"KV groups (kv_layer_windows with windows shorter than "
                          f"max_sequence_length, kv_groups=True) do not support "

@@ -38,8 +38,10 @@ and the step path does not change. Prefix caching keeps a windowed copy of a cac
 idle, until the pool needs it, and a hit needs only the copies each window reads from its end
 (``hit_blocks``). An FP8 cache keeps scales per group (each group's ``KVCache``). With
 speculative steps each window keeps ``num_speculative_tokens`` more tokens (``reach``): a
-rewind lowers a row's offset by at most that many. Groups are refused with the MLA latent
-cache, hybrid Mamba models and KV offload (each names the argument).
+rewind lowers a row's offset by at most that many. KV offload saves each window's last
+blocks in the group's own host pool (``offload.OffloadPart``) and a restore takes them back
+at the add (``adopt``). Groups are refused with the MLA latent cache and hybrid Mamba models
+(each names the argument).
 """
 
 from __future__ import annotations
@@ -176,6 +178,38 @@ class WindowedGroup:
         self.owner[taken] = take
         self.free_count = count - take.size
         self.changed = True
+
+    def adopt(self, keys: np.ndarray) -> np.ndarray:
+        """Blocks now for the new group-0 blocks ``keys`` (a row restored from the host, whose
+        window reads them before its first step; the step's reconcile keeps them): a key
+        still mapped (an idle copy of a block group 0 evicted from its cache and handed out
+        again) keeps its block, the others take free ones, then the least recently idle
+        copies. Returns them, in ``keys``' order, to be overwritten. The sizing makes a
+        shortage impossible (they are that row's window)."""
+        new = keys[self.map[keys] < 0]
+        self.idle_since[self.map[keys[self.map[keys] >= 0]]] = -1
+        idle = np.flatnonzero(self.idle_since >= 0)
+        if new.size > self.free_count + idle.size:
+            raise RuntimeError(f"internal: KV group of window {self.window} cannot take "
+                               f"{new.size} blocks for a restored row")
+        short = new.size - self.free_count
+        if short > 0:
+            self._free(idle[np.argsort(self.idle_since[idle], kind="stable")[:short]])
+        count = self.free_count
+        taken = self.free[count - new.size:count][::-1].copy()
+        self.map[new] = taken
+        self.owner[taken] = new
+        self.free_count = count - new.size
+        self.changed = True
+        return self.map[keys].astype(np.int64)
+
+    def forget(self, keys: np.ndarray) -> None:
+        """Free the copies of group-0 blocks ``keys`` (a restored row's blocks before its
+        window, handed out again by group 0 while an idle copy of their cached past stayed)."""
+        mapped = keys[self.map[keys] >= 0]
+        if mapped.size:
+            self._free(self.map[mapped].astype(np.int64))
+            self.changed = True
 
     def _free(self, blocks: np.ndarray) -> None:
         """Push group ``blocks`` on the free stack, their group-0 keys unmapped."""

@@ -169,11 +169,6 @@ def build_from_transformers(engine_class: type, hf_model: Any, *, rope: str,
                       getattr(model, "context_kv_heads", model.num_kv_heads))
     for key, value in getattr(model, "context_kwargs", {}).items():  # e.g. the MLA cache
         kwargs.setdefault(key, value)
-    if kwargs.get("kv_layer_windows") is not None:
-        # KV groups (the generic path's windows) refuse these yet: one group with them.
-        kwargs.setdefault("kv_groups", not (
-            kwargs.get("kv_offload_gb")
-            or str(kwargs.get("kv_cache_management_mode")).lower().endswith("offload")))
     if getattr(model, "mamba_inference_state_config", None) is not None:
         kwargs.setdefault("mamba_inference_state_config", model.mamba_inference_state_config)
     kwargs.setdefault("max_sequence_length", config.max_position_embeddings)

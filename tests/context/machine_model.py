@@ -227,6 +227,11 @@ CONFIGS = {c.name: c for c in [
                   num_layers=3, windows=(5, None, 9), speculative=2),
     MachineConfig("kvw-spec3-pc-lru-bs8-half", block_size=8, buffer_blocks=24,
                   paused_blocks=None, windows=(6, 11), speculative=3, prefix_caching="lru"),
+    # KV groups with KV offload: each group keeps its own host copies (the windows' tails).
+    MachineConfig("kvg-off-bs4-paused4", block_size=4, buffer_blocks=16, paused_blocks=4,
+                  num_layers=3, windows=(5, None, 9), kv_offload_blocks=12),
+    MachineConfig("kvw-off-pc-lru-bs4-paused0", block_size=4, buffer_blocks=14,
+                  paused_blocks=0, windows=(6, 10), kv_offload_blocks=6, prefix_caching="lru"),
     MachineConfig("kvw-pc-lru-fit-bs4", block_size=4, buffer_blocks=24, paused_blocks=4,
                   max_requests=4, max_tokens=16, windows=(6, 6), prefix_caching="lru",
                   pauses=False),
@@ -237,7 +242,8 @@ CI_CONFIGS = [CONFIGS[n] for n in ("bs4-paused4", "bs8-half", "bs4-paused0", "ml
                                    "spec1-hyb-bs4-paused4", "spec2-pc-lru-bs4-paused4",
                                    "off-bs4-paused4", "off-tiny-bs4-paused0",
                                    "off-hyb-bs4-paused4", "kvg-bs4-paused4",
-                                   "kvw-pc-lru-fit-bs4", "kvg-spec2-bs4-paused4")]
+                                   "kvw-pc-lru-fit-bs4", "kvg-spec2-bs4-paused4",
+                                   "kvw-off-pc-lru-bs4-paused0")]
 
 
 def sample_token(rid: int, position: int) -> int:

@@ -256,7 +256,7 @@ class ContextDriver(InvariantChecks):
                           if not errors})
         require(skip in allowed, lambda: f"add_request(id={t.rid}, chunk={chunk}) took {skip} "
                 f"tokens from the prefix cache; the model allows {allowed}")
-        if self.prefix is not None and not continuation:
+        if self.prefix is not None and not continuation and not restored:
             self.prefix.took(t.uid, t.prompt, skip // self.cfg.block_size)
         require(not restored or skip == restored, lambda: f"add_request(id={t.rid}) restored "
                 f"{skip} tokens from the host, {restored} were saved")
@@ -290,6 +290,9 @@ class ContextDriver(InvariantChecks):
             t.uid, _, writes, length = t.restore
             if self.cfg.hybrid:
                 t.mamba_writes, t.mamba_len = writes, length
+            if self.prefix is not None:
+                # A restored request has no chain in the prefix cache: it publishes nothing.
+                self.prefix.published[t.uid] = len(t.prompt) // self.cfg.block_size
             self.stats["restores"] += 1
         self.live[t.rid] = t
         self.stats["adds"] += 1

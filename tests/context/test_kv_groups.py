@@ -11,7 +11,7 @@ import pytest
 import torch
 from helpers import BLOCK, GIB, context_args, make_ctx
 
-from dynctx.context import DynamicInferenceContext
+from dynctx.context import DynamicInferenceContext, MambaInferenceStateConfig
 from dynctx.context.kv_cache import KVCache
 from dynctx.context.kv_groups import GroupedKV, group_block_counts, group_spec, worst_case_blocks
 
@@ -107,6 +107,9 @@ def test_bad_kv_groups():
 @pytest.mark.parametrize("overrides, named", [
     (dict(cache_mla_latent=True, kv_lora_rank=8, qk_pos_emb_head_dim=4),
      "cache_mla_latent=True"),
+    (dict(mamba_inference_state_config=MambaInferenceStateConfig(["*", "M", "*"], (3, 2),
+                                                                 (2, 2, 3))),
+     r"a hybrid model \(mamba_inference_state_config\)"),
 ])
 def test_refused_combinations_name_the_argument(overrides, named):
     with pytest.raises(ValueError, match=f"KV groups .* do not support {named}.*kv_groups=False"):
@@ -115,6 +118,21 @@ def test_refused_combinations_name_the_argument(overrides, named):
     ctx = DynamicInferenceContext(**context_args(kv_layer_windows=WINDOWS, kv_groups=False,
                                                  **overrides))
     assert ctx.kv_group_usage() is None
+
+
+@pytest.mark.parametrize("overrides", [
+    dict(enable_prefix_caching=True), dict(num_speculative_tokens=2),
+    dict(kv_cache_dtype="fp8"), dict(kv_offload_gb=8 * BLOCK / GIB),
+    dict(kv_cache_management_mode="offload")],
+    ids=["prefix-caching", "speculative", "fp8", "offload", "offload-mode"])
+@pytest.mark.parametrize("windows", [WINDOWS, [6, 9]], ids=["mixed", "all-windowed"])
+def test_served_combinations_keep_groups(overrides, windows):
+    """Prefix caching, speculative steps, an FP8 cache and KV offload run on groups."""
+    ctx = DynamicInferenceContext(**context_args(kv_layer_windows=windows, **overrides))
+    usage = ctx.kv_group_usage()
+    assert usage is not None and sum(usage["layers"]) == 2
+    if "num_speculative_tokens" in overrides:
+        assert [group.reach for group in ctx._kv.groups] == [w + 2 for w in usage["windows"][1:]]
 
 
 def test_a_window_releases_blocks_and_returns_them_all():

@@ -135,6 +135,30 @@ def test_a_windowed_pool_smaller_than_group_zero():
     assert bound * 4 < windowed   # decode rows alone never fill it
 
 
+@pytest.mark.parametrize("family, layers", [("gemma3", 6), ("mistral", 2)])
+def test_kv_offload_on_groups_matches_transformers(family, layers):
+    """KV offload on groups (Gemma 3; Mistral, every layer windowed): an evicted request's
+    group-0 blocks and each window's last blocks go to the host, and its re-add restores them
+    instead of recomputing; tokens and step logits equal transformers'."""
+    from e2e_helpers import gib_for_blocks
+    from generic_families import kv_block_bytes
+    from test_kv_offload import check_host_pool
+
+    hf = family_model(family, layers) if family != "mistral" else tiny_family(family)
+    prompts = make_prompts(LENGTHS, VOCAB, seed=2)
+    engine = engine_for(hf, record_logits=True,
+                        kv_offload_gb=gib_for_blocks(hf, 8, 64, kv_block_bytes(hf)))
+    ctx = engine.context
+    assert ctx.kv_group_usage()["layers"][0] == (family == "gemma3")
+    results = run_workload(engine, prompts, GENS)
+    assert_pressure_stats(engine.stats, results)
+    stats = ctx.get_kv_offload_stats()
+    assert stats["kv_offload_offloaded_requests"] == engine.stats.evictions
+    assert stats["kv_offload_restored_requests"] > 0 and stats["kv_offload_restored_tokens"] > 0
+    check_host_pool(ctx)
+    assert_all_match(hf, prompts, GENS, results)
+
+
 SHARED = [("gemma3", 6), ("gpt_oss", 2), ("mistral", 2)]
 
 
