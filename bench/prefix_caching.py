@@ -12,7 +12,11 @@ tokens are identical between the two runs.
 Models: a tiny random Llama, and a tiny random NemotronH (Mamba2 + attention hybrid) whose hits
 resume from Mamba state snapshots (``prefix_caching_mamba_gb``); on the hybrid the second
 request recomputes the prefix once, its first chunk ending where the cached blocks end, so that
-the state there is snapshotted for every later request (docs/SEMANTICS.md §17).
+the state there is snapshotted for every later request (docs/SEMANTICS.md §17). With
+``--models gemma3 mistral`` the windowed families (sliding windows of ``--window`` tokens,
+much shorter than the shared prefix; Gemma 3 alternating sliding and full layers, Mistral
+windowed on every layer) run on KV groups, whose hits read the windows' kept copies of the
+prefix's last blocks (docs/SEMANTICS.md §22).
 
 Usage::
 
@@ -46,11 +50,18 @@ def git_sha() -> str:
         return "unknown"
 
 
-def tiny_model(kind: str, max_positions: int):
+WINDOWED = ("gemma3", "mistral")
+
+
+def tiny_model(kind: str, max_positions: int, window: int = 64):
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
     torch.manual_seed(0)
+    if kind in WINDOWED:
+        from dynctx.models.random_models import random_causal_lm
+
+        return random_causal_lm(kind, max_positions=max_positions, window=window)
     if kind == "llama":
         from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -121,6 +132,7 @@ def run_once(kind: str, hf, prompts, args, caching: bool) -> dict:
         "shared_prefix_tokens_skipped_pct": round(100 * skipped / shared, 2),
         "prefix_cache": {k: (round(v, 4) if isinstance(v, float) else v)
                          for k, v in cache.items()},
+        "kv_groups": engine.context.kv_group_usage() is not None,
         "outputs": [r.generated_tokens for r in results],
     }
 
@@ -134,13 +146,16 @@ def main(argv=None) -> int:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=2048, help="tokens per step")
     parser.add_argument("--models", nargs="+", default=["llama", "nemotron_h"],
-                        choices=["llama", "nemotron_h"])
+                        choices=["llama", "nemotron_h", *WINDOWED])
+    parser.add_argument("--window", type=int, default=64,
+                        help="the windowed families' sliding window")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json", default=None, help="write the results here (JSON)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     out = {"workload": {k: getattr(args, k) for k in ("requests", "prefix", "suffix",
-                                                    "new_tokens", "block_size", "max_tokens")},
+                                                    "new_tokens", "block_size", "max_tokens",
+                                                    "window")},
            "arrivals": "one request per engine step", "device": "cpu",
            "threads": args.threads, "torch": torch.__version__,
            "python": platform.python_version(),
@@ -151,7 +166,8 @@ def main(argv=None) -> int:
     print(f"{'model':<11} {'caching':<8} {'computed':>9} {'cached':>8} {'shared skipped':>15} "
           f"{'wall s':>8}  outputs")
     for kind in args.models:
-        hf = tiny_model(kind, args.prefix + args.suffix + args.new_tokens + 2 * args.block_size)
+        hf = tiny_model(kind, args.prefix + args.suffix + args.new_tokens + 2 * args.block_size,
+                        args.window)
         prompts = workload(args, hf.config.vocab_size)
         runs = [run_once(kind, hf, prompts, args, caching) for caching in (False, True)]
         same = runs[0]["outputs"] == runs[1]["outputs"]

@@ -29,6 +29,7 @@ from .forward_pass import ForwardPass
 from .graph_ladder import CUDAGraphLadder, context_cuda_graph_ladder
 from .inputs import check_row_moves
 from .kv_cache import KVCache
+from .kv_group_sizing import windowed_requests_rule
 from .kv_groups import GroupSpec, build_grouped_kv, group_spec, sized_with_groups
 from .kv_scales import check_kv_scales, resolve_kv_cache_dtype
 from .mamba_states import MambaMetadata, MambaStates
@@ -230,10 +231,17 @@ def settle(*, agreement: CountAgreement, groups: ParallelGroups, default_max_tok
     kv_spec = group_spec(kv_layer_windows, kv_groups,
                          num_attention_layers=layers.num_attention_layers,
                          max_sequence_length=args["max_sequence_length"],
-                         prefix_caching=prefix_caching[0], speculative=speculative,
-                         fp8=kv_dtype != params_dtype, mla=bool(cache_mla_latent),
-                         hybrid=layers.is_hybrid_model,
-                         offload=bool(offload_gb) or management_mode == "offload")
+                         speculative=speculative,
+                         mla=bool(cache_mla_latent),
+                         hybrid=layers.is_hybrid_model)
+    if kv_spec is not None and host_tier:
+        # The host tier spills group 0's blocks; the windows' copies have no host tier.
+        if prefix_caching_host_tier:
+            raise ValueError(
+                f"prefix_caching_host_tier=True is not supported with KV groups "
+                f"(kv_layer_windows={list(kv_layer_windows)!r}): pass kv_groups=False or "
+                f"prefix_caching_host_tier=False")
+        host_tier = False
     # The settings that steer the bookkeeping agree over the ranks, and the hybrid prefix
     # cache's snapshot count is reduced with the block counts (one all-reduce).
     agreement.extra = [prefix_snapshot_count(prefix_caching, layers)]
@@ -241,7 +249,7 @@ def settle(*, agreement: CountAgreement, groups: ParallelGroups, default_max_tok
         zip(("enable_prefix_caching", "prefix_caching_eviction_policy"), prefix_caching),
         num_cuda_graphs=num_cuda_graphs, validate=bool(validate), vocab_size=vocab_size,
         num_speculative_tokens=speculative,
-        kv_groups=None if kv_spec is None else repr(kv_spec.windows),
+        kv_groups=None if kv_spec is None else repr((kv_spec.windows, kv_spec.layers)),
         use_cuda_graphs_for_non_decode_steps=use_cuda_graphs_for_non_decode_steps,
         cuda_graph_mixed_prefill_count=cuda_graph_mixed_prefill_count)
     # With KV groups, group 0 takes the bytes the windowed groups leave (context/kv_groups.py).
@@ -256,7 +264,9 @@ def settle(*, agreement: CountAgreement, groups: ParallelGroups, default_max_tok
         default_max_tokens=default_max_tokens,
         max_sequence_length=args["max_sequence_length"], tp=tp,
         request_rounder=request_rounder, reduce_counts=agreement if groups.groups else None,
-        block_counts=block_counts),
+        block_counts=block_counts, derive_requests=None if max_requests is not None else
+        windowed_requests_rule(kv_spec, block_size=args["block_size_tokens"],
+                               max_tokens=max_tokens or default_max_tokens)),
         max_sequence_length=args["max_sequence_length"], block_size=args["block_size_tokens"],
         attention_layers=layers.num_attention_layers)
     if speculative:
@@ -440,6 +450,8 @@ def build_parts(settings: ContextSettings) -> ContextParts:
                               block_size=attrs["block_size_tokens"], max_requests=rows,
                               columns=memory.max_kv_block_count, max_tokens=tokens, **cache)
         kv.allocator = table.allocator
+        if table.prefix_cache is not None:
+            table.prefix_cache.window_reads = kv.hit_blocks
     steps = StepBuilder(rows, settings.ladder,
                         tokens_per_decode=1 + attrs["num_speculative_tokens"])
     # Megatron-Core builds it with the context; its step fields are filled per step.

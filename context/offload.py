@@ -73,12 +73,33 @@ def check_offload_args(kv_offload_gb: Any, mode: Any, *, host_tier: Any = None,
 @dataclass
 class Offloaded:
     """One request's host copy: its ``tokens`` cached tokens in ``host_blocks`` (in block
-    order) and, for a hybrid, its Mamba state in host state slot ``state`` (-1: none)."""
+    order) and, for a hybrid, its Mamba state in host state slot ``state`` (-1: none). With KV
+    groups ``host_blocks`` is group 0's (empty when it holds no layers) and ``windowed`` each
+    windowed group's ``(first column, host slots)``: the blocks its window reads from
+    ``tokens`` on."""
 
     request_id: int
     tokens: int
     host_blocks: np.ndarray
     state: int = -1
+    windowed: tuple = ()
+
+
+@dataclass(frozen=True)
+class OffloadPart:
+    """One KV group's host copies: its ``pool``, its device ``cache`` (a ``KVCache``) and, for
+    a windowed group, the ``group`` (``kv_groups.WindowedGroup``; None: group 0, or the cache
+    of a context without groups)."""
+
+    pool: HostBlockPool
+    cache: Any
+    group: Any = None
+
+    def first(self, tokens: int, block_size: int) -> int:
+        """The first block a row of ``tokens`` cached tokens keeps here."""
+        if self.group is None:
+            return 0
+        return max(0, tokens - self.group.window + 1) // block_size
 
 
 @dataclass
@@ -116,8 +137,11 @@ class Offload:
             ``kv_cache_management_mode`` ("persist", "offload" or "recompute").
     """
 
-    def __init__(self, pool: HostBlockPool, kv, mamba, block_size: int, mode: str):
+    def __init__(self, pool: HostBlockPool, kv, mamba, block_size: int, mode: str,
+                 parts: tuple = ()):
         self.pool, self.kv, self.mamba = pool, kv, mamba
+        # KV groups: group 0's part (``pool``, ``kv``) and the windowed groups' (``parts``).
+        self.parts = (OffloadPart(pool, kv),) + tuple(parts)
         self.block_size, self.mode = block_size, mode
         self.entries: "OrderedDict[int, Offloaded]" = OrderedDict()
         self.stats = OffloadStats()
@@ -133,6 +157,10 @@ class Offload:
         the host tier (None: none)."""
         if not kv_offload_gb and mode != "offload":
             return None
+        groups = getattr(kv, "groups", None)
+        if groups is not None:
+            return cls._build_grouped(kv_offload_gb=kv_offload_gb, mode=mode, kv=kv,
+                                      block_size=block_size, device=device)
         block_dim = 1 if kv.mla is not None else 2
         block_shape = tuple(n for i, n in enumerate(kv.shape) if i != block_dim)
         block_bytes = HostBlockPool.block_bytes(block_shape, kv.kv_dtype)
@@ -169,10 +197,40 @@ class Offload:
         if cache.mamba is not None:
             cache.mamba.tier = self.tier
 
+    @classmethod
+    def _build_grouped(cls, *, kv_offload_gb: float, mode: str, kv, block_size: int,
+                       device) -> "Offload":
+        """KV groups (``kv_groups.GroupedKV``, never MLA or a hybrid): one host pool per group,
+        the budget split in proportion to the groups' device bytes (OFFLOAD mode without a
+        budget: every device block of every group)."""
+        caches = kv.caches
+        every = sum(cache.nbytes() for cache in caches)
+        pools = []
+        for cache in caches:
+            block_shape = tuple(n for i, n in enumerate(cache.shape) if i != 2)
+            block_bytes = HostBlockPool.block_bytes(block_shape, cache.kv_dtype)
+            if not block_bytes:
+                blocks = 0      # group 0 of a layout whose every layer is windowed
+            elif kv_offload_gb:
+                blocks = int(kv_offload_gb * GIB) * cache.nbytes() // every // block_bytes
+                if blocks < 1:
+                    raise ValueError(
+                        f"kv_offload_gb={kv_offload_gb} holds no KV block of every KV group: "
+                        f"a group's share is in proportion to its device bytes, and one block "
+                        f"of a group takes {block_bytes} bytes")
+            else:
+                blocks = cache.shape[2] - 1
+            pools.append(HostBlockPool(blocks=blocks, block_shape=block_shape, block_dim=2,
+                                       dtype=cache.kv_dtype, device=device))
+        parts = tuple(OffloadPart(pool, group.cache, group)
+                      for pool, group in zip(pools[1:], kv.groups))
+        return cls(pools[0], kv.main, None, block_size, mode, parts)
+
     # ------------------------------------------------------------------ lifetime
     def allocate(self) -> None:
-        if self.pool.kv is None:
-            self.pool.allocate()
+        for part in self.parts:
+            if part.pool.kv is None:
+                part.pool.allocate()
 
     def reset(self, keep_cache: bool = False) -> None:
         """Forget every host copy (the context's ``reset``; ``keep_cache``: the host tier's
@@ -186,7 +244,8 @@ class Offload:
                 self._drop(request_id)
             return
         self.entries.clear()
-        self.pool.reset()
+        for part in self.parts:
+            part.pool.reset()
         if self.tier is not None:
             self.tier.forget()
 
@@ -205,14 +264,27 @@ class Offload:
         if entry is not None:
             self.pool.give(entry.host_blocks, np.array([entry.state] if entry.state >= 0
                                                        else [], dtype=np.int64))
+            for part, (_, slots) in zip(self.parts[1:], entry.windowed):
+                part.pool.give(slots, np.empty(0, dtype=np.int64))
+
+    def _needs(self, tokens: int) -> list:
+        """Each part's ``(first block, host blocks)`` for a row of ``tokens`` cached tokens."""
+        count = math.ceil(tokens / self.block_size)
+        needs = []
+        for part in self.parts:
+            first = part.first(tokens, self.block_size) if part.pool.blocks.count or \
+                part.group is not None else count
+            needs.append((first, count - first))
+        return needs
 
     def save_rows(self, table, rows: np.ndarray, cached: np.ndarray) -> None:
         """Copy the blocks (and Mamba states) of the table's ``rows``, whose KV holds
         ``cached`` tokens each, to the host, each as an entry under its request id (the table
         is not changed)."""
-        pool, bs = self.pool, self.block_size
+        pool, bs, parts = self.pool, self.block_size, self.parts
         hybrid = self.mamba is not None
         device_blocks, host_blocks, device_slots, host_states = [], [], [], []
+        windowed = [([], []) for _ in parts[1:]]
         for row, tokens in zip(np.asarray(rows, dtype=np.int64).tolist(),
                                np.asarray(cached, dtype=np.int64).tolist()):
             request_id = int(table.rows[FIELD_IDS, row])
@@ -220,19 +292,28 @@ class Offload:
             count = math.ceil(tokens / bs)
             if not count:
                 continue
-            if count > pool.blocks.count or (hybrid and pool.states.count == 0):
+            needs = self._needs(tokens)
+            if any(n > part.pool.blocks.count for part, (_, n) in zip(parts, needs)) \
+                    or (hybrid and pool.states.count == 0):
                 self.stats.unsaved_requests += 1
                 continue
             if self.tier is not None:   # the spilled prefix blocks and snapshots go first
-                self.tier.drop_blocks(count - pool.free_blocks)
+                self.tier.drop_blocks(needs[0][1] - pool.free_blocks)
                 self.tier.drop_states(int(hybrid) - pool.free_states)
-            while pool.free_blocks < count or (hybrid and pool.free_states == 0):
+            while any(part.pool.free_blocks < n for part, (_, n) in zip(parts, needs)) \
+                    or (hybrid and pool.free_states == 0):
                 self._drop(next(iter(self.entries)))
                 self.stats.dropped_requests += 1
-            blocks, states = pool.take(count, 1 if hybrid else 0)
-            device_blocks.append(table.block_table[row, :count].astype(np.int64))
+            blocks, states = pool.take(needs[0][1], 1 if hybrid else 0)
+            device_blocks.append(table.block_table[row, :needs[0][1]].astype(np.int64))
             host_blocks.append(blocks)
             entry = Offloaded(request_id, tokens, blocks)
+            line = table.block_table[row, :count].astype(np.int64)
+            for part, (first, n), (devices, hosts) in zip(parts[1:], needs[1:], windowed):
+                slots, _ = part.pool.take(n, 0)
+                devices.append(part.group.map[line[first:]].astype(np.int64))
+                hosts.append(slots)
+                entry.windowed += ((first, slots),)
             if hybrid:
                 entry.state = int(states[0])
                 device_slots.append(int(table.rows[FIELD_MAMBA_SLOT, row]))
@@ -242,6 +323,11 @@ class Offload:
             self.stats.offloaded_blocks += count
         if not host_blocks:
             return
+        for part, (devices, hosts) in zip(parts[1:], windowed):
+            devices = np.concatenate(devices)
+            if (devices < 0).any():
+                raise RuntimeError("internal: a saved row's window reads a released block")
+            part.pool.save(part.cache.buffer, devices, np.concatenate(hosts))
         mamba = self.mamba
         pool.save(self.kv.buffer, np.concatenate(device_blocks), np.concatenate(host_blocks),
                   states=() if mamba is None else (mamba.conv_states, mamba.ssm_states),
@@ -280,7 +366,7 @@ class Offload:
         entry = self.entries.get(request_id)
         if entry is None or wants_every_prompt_logit(req) or chunk <= entry.tokens:
             return None
-        return RestorePlan(entry, int(entry.host_blocks.size))
+        return RestorePlan(entry, math.ceil(entry.tokens / self.block_size))
 
     def commit_add(self, table, plan) -> None:
         """After ``RequestTable.commit_add`` of a new request's ``plan``: its restore
@@ -299,7 +385,7 @@ class Offload:
             self._drop(request_id)
             return
         entry = restore.entry
-        device_blocks = table.block_table[row, :restore.blocks].astype(np.int64)
+        device_blocks = table.block_table[row, :entry.host_blocks.size].astype(np.int64)
         mamba = self.mamba
         slot = None
         if mamba is not None:
@@ -312,6 +398,13 @@ class Offload:
                        states=() if mamba is None else (mamba.conv_states, mamba.ssm_states),
                        host_states=None if slot is None else np.array([entry.state]),
                        device_slots=slot)
+        line = table.block_table[row, :restore.blocks].astype(np.int64)
+        for part, (first, slots) in zip(self.parts[1:], entry.windowed):
+            # The restored row's window reads these before its first step: they take the
+            # group's blocks now (the step's reconcile keeps them); its blocks before the
+            # window keep no copy.
+            part.group.forget(line[:first])
+            part.pool.load(part.cache.buffer, slots, part.group.adopt(line[first:]))
         self._drop(request_id)
         self.stats.restored_requests += 1
         self.stats.restored_tokens += entry.tokens
@@ -320,8 +413,9 @@ class Offload:
         """The counters (``OffloadStats``), the host pool's blocks and free blocks, the
         requests held, and with the host tier its counters and holdings (``HostTier``)."""
         stats = self.stats.as_dict()
-        stats.update(kv_offload_host_blocks=self.pool.blocks.count,
-                     kv_offload_host_blocks_free=self.pool.free_blocks,
+        pools = [part.pool for part in self.parts]
+        stats.update(kv_offload_host_blocks=sum(pool.blocks.count for pool in pools),
+                     kv_offload_host_blocks_free=sum(pool.free_blocks for pool in pools),
                      kv_offload_requests_held=len(self.entries))
         if self.tier is not None:
             stats.update(self.tier.stats.as_dict(), **self.tier.held())
@@ -338,5 +432,11 @@ class Offload:
             states = np.concatenate([states, self.tier.owned_states()])
         self.pool.check(np.concatenate(blocks) if blocks else np.empty(0, dtype=np.int64),
                         states)
+        for index, part in enumerate(self.parts[1:]):
+            owned = [e.windowed[index][1] for e in entries]
+            part.pool.check(np.concatenate(owned) if owned else np.empty(0, dtype=np.int64),
+                            np.empty(0, dtype=np.int64))
         for entry in entries:
-            assert entry.host_blocks.size == math.ceil(entry.tokens / self.block_size), entry
+            needs = self._needs(entry.tokens)
+            assert entry.host_blocks.size == needs[0][1], entry
+            assert [(first, slots.size) for first, slots in entry.windowed] == needs[1:], entry

@@ -217,6 +217,10 @@ class PrefixCache:
         self.policy = policy
         self.pending: Dict[int, _Pending] = {}
         self.stats = PrefixCacheStats()
+        # KV groups (context/kv_groups.py): of a matched run, how many blocks a hit can use
+        # (``GroupedKV.hit_blocks``: every windowed group holds what its window reads from
+        # the hit's end); None: every matched block.
+        self.window_reads = None
 
     @property
     def entries(self) -> Dict[bytes, Tuple[int, bytes, bytes]]:
@@ -254,6 +258,8 @@ class PrefixCache:
                 blocks.append(-1)
             else:
                 break
+        if self.window_reads is not None and blocks:
+            blocks = blocks[:self.window_reads(blocks)]
         return blocks
 
     def _resumable(self, links: Tuple[Link, ...], blocks: List[int]) -> Tuple[int, int, bytes]:

@@ -201,7 +201,8 @@ def memory_layout(*, layers: LayerLayout, kv_dtype: torch.dtype, block_size_toke
                   max_requests: Optional[int], max_tokens: Optional[int], default_max_tokens: int,
                   max_sequence_length: int, tp: int, request_rounder: int,
                   reduce_counts: Optional[Callable[[list, dict], list]] = None,
-                  block_counts: Optional[Tuple[int, int]] = None) -> MemoryLayout:
+                  block_counts: Optional[Tuple[int, int]] = None,
+                  derive_requests: Optional[Callable[[int], int]] = None) -> MemoryLayout:
     """The block, request, token and block-table counts of the constructor's arguments.
 
     ``reduce_counts(counts, same)`` (tensor or pipeline parallelism) maps this rank's
@@ -211,7 +212,10 @@ def memory_layout(*, layers: LayerLayout, kv_dtype: torch.dtype, block_size_toke
     equal on every rank, so that all ranks allocate, pause and evict alike. ``block_counts``
     ``(blocks, paused blocks)``: this rank's counts as a caller derived them (Megatron-Core
     0.19's form: ``context/megatron019.py``), instead of the buffer sizes' division. Blocks are
-    sized in ``kv_dtype``, the cache's (an FP8 cache's blocks take half the bytes of bf16's)."""
+    sized in ``kv_dtype``, the cache's (an FP8 cache's blocks take half the bytes of bf16's).
+    ``derive_requests(blocks)``: the ``max_requests`` to derive when it is not given (before
+    rounding; default: one request per block, the dummy excepted), as KV groups whose every
+    layer is windowed derive it (``kv_group_sizing.windowed_requests_rule``)."""
     itemsize = torch.empty((), dtype=kv_dtype).element_size()
     kv_reduced_dim = None
     if cache_mla_latent:
@@ -279,7 +283,7 @@ def memory_layout(*, layers: LayerLayout, kv_dtype: torch.dtype, block_size_toke
 
     derived = max_requests is None
     if derived:
-        value = total_count - 1
+        value = total_count - 1 if derive_requests is None else derive_requests(total_count)
         value -= value % tp
         value -= value % request_rounder
         max_requests = max(value, tp)

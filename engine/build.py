@@ -14,7 +14,7 @@ import math
 import warnings
 from typing import Any, Callable, Dict, Optional
 
-from dynctx.context import DynamicInferenceContext
+from dynctx.context import DynamicInferenceContext, kv_group_sizing
 from dynctx.context import sizing as context_sizing
 from dynctx.context.kv_scales import resolve_kv_cache_dtype
 from dynctx.context.parallel import parallel_groups
@@ -73,11 +73,20 @@ def derived_max_requests(kwargs: Dict[str, Any], tp: int) -> Optional[int]:
         dtype = get("params_dtype")
         layers = context_sizing.layer_layout(get("num_layers"),
                                              get("mamba_inference_state_config"), dtype)
+        block_size = get("block_size_tokens", _context_default("block_size_tokens"))
+        # KV groups whose every layer is windowed derive it from their windows' worst cases.
+        spec = None if get("kv_groups", True) is False else kv_group_sizing.window_groups(
+            kv_group_sizing.check_layer_windows(get("kv_layer_windows"),
+                                                layers.num_attention_layers),
+            get("max_sequence_length"))
+        rule = kv_group_sizing.windowed_requests_rule(
+            spec, block_size=block_size,
+            max_tokens=get("max_tokens") or DynamicInferenceContext.DEFAULT_MAX_TOKENS)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the context warns when it is built
             layout = context_sizing.memory_layout(
                 layers=layers, kv_dtype=resolve_kv_cache_dtype(get("kv_cache_dtype"), dtype),
-                block_size_tokens=get("block_size_tokens", _context_default("block_size_tokens")),
+                block_size_tokens=block_size,
                 heads_per_partition=max(1, get("num_attention_heads") // tp),
                 kv_channels=get("kv_channels"),
                 cache_mla_latent=bool(get("cache_mla_latent", False)),
@@ -89,7 +98,7 @@ def derived_max_requests(kwargs: Dict[str, Any], tp: int) -> Optional[int]:
                 # No token budget binds here: the derived count is what is asked for.
                 max_tokens=2 ** 62, default_max_tokens=2 ** 62,
                 max_sequence_length=get("max_sequence_length"), tp=tp,
-                request_rounder=DynamicInferenceContext.REQUEST_ROUNDER)
+                request_rounder=DynamicInferenceContext.REQUEST_ROUNDER, derive_requests=rule)
     except (TypeError, ValueError, ZeroDivisionError, NotImplementedError):
         # (block_size_tokens=0 divides by a zero block size before any check.)
         return None
@@ -160,12 +169,6 @@ def build_from_transformers(engine_class: type, hf_model: Any, *, rope: str,
                       getattr(model, "context_kv_heads", model.num_kv_heads))
     for key, value in getattr(model, "context_kwargs", {}).items():  # e.g. the MLA cache
         kwargs.setdefault(key, value)
-    if kwargs.get("kv_layer_windows") is not None:
-        # KV groups (the generic path's windows) refuse these yet: one group with them.
-        kwargs.setdefault("kv_groups", not (
-            enable_prefix_caching or kwargs.get("kv_cache_dtype")
-            or kwargs.get("num_speculative_tokens") or kwargs.get("kv_offload_gb")
-            or str(kwargs.get("kv_cache_management_mode")).lower().endswith("offload")))
     if getattr(model, "mamba_inference_state_config", None) is not None:
         kwargs.setdefault("mamba_inference_state_config", model.mamba_inference_state_config)
     kwargs.setdefault("max_sequence_length", config.max_position_embeddings)

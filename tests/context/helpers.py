@@ -92,6 +92,11 @@ def snapshot(ctx, device: bool = False) -> dict:
                      prefix_cached=alloc.cached.copy(), prefix_idle=alloc.idle_count,
                      prefix_stats=cache.stats.as_dict(),
                      prefix_snapshots=None if cache.mamba is None else dict(cache.mamba.index))
+    for g, group in enumerate(getattr(ctx._kv, "groups", ()), start=1):
+        # KV groups: each windowed group's map, pool and idle copies.
+        state.update({f"kv_group{g}_map": group.map.copy(),
+                      f"kv_group{g}_free": group.free[:group.free_count].copy(),
+                      f"kv_group{g}_idle": group.idle_since.copy()})
     if not ctx.is_tensor_state_allocated:
         return state
     T = ctx.total_request_count
@@ -113,6 +118,9 @@ def snapshot(ctx, device: bool = False) -> dict:
             meta.max_seqlen_q, meta.max_seqlen_k, _np(meta.cu_query_seq_lengths),
             _np(meta.cu_kv_seq_lengths), _np(meta.kv_seq_lengths), _np(meta.block_table))
         state["kv_bytes"] = ctx.memory_buffer.detach().reshape(-1).view(torch.uint8).clone()
+        for g, cache in enumerate(getattr(ctx._kv, "caches", ())[1:], start=1):
+            state[f"kv_group{g}_bytes"] = cache.buffer.detach().reshape(-1).view(
+                torch.uint8).clone()
     return state
 
 

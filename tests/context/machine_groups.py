@@ -6,8 +6,10 @@ blocks a live row's window still reads, and every row at most its bound of block
 ``ceil((q + W - 1) / block_size) + 1`` for a query of ``q`` tokens (``ceil(W / block_size) +
 1`` for one); ``settled=True`` (after ``initialize_attention_state``): the map holds exactly
 what the windows read and the step's device tables equal ``map[group 0's table]``.
-``windowed_blocks`` gives ``check_kv`` the block of a windowed layer (-1: released) and the
-first position its window keeps.
+With prefix caching a copy no window reads may stay, idle, while its group-0 block is cached
+(every idle copy is of a cached block, and no other copy is unread). ``windowed_blocks`` gives
+``check_kv`` the block of a windowed layer (-1: released) and the first position its window
+keeps.
 """
 
 from __future__ import annotations
@@ -68,21 +70,37 @@ class GroupChecks:
             wanted = np.unique(table.block_table[:total][need])
             keys = np.flatnonzero(group.map >= 0)
             keys = keys[keys != table.allocator.dummy_block_idx]
-            require(np.setdiff1d(keys, wanted).size == 0, lambda: f"{name}: holds blocks for "
-                    f"group-0 blocks {np.setdiff1d(keys, wanted).tolist()} no window reads")
+            require(np.array_equal(group.owner[group.map[keys]], keys),
+                    f"{name}: a block's owner is not the group-0 block that maps it")
+            # Prefix caching: a copy no window reads stays, idle, for a cached group-0 block.
+            idle = keys[group.idle_since[group.map[keys]] >= 0]
+            read = np.setdiff1d(keys, idle)
+            cached = np.flatnonzero(table.allocator.cached)
+            require(usage["idle"][g] == idle.size, f"{name}: kv_group_usage's idle disagrees")
+            require(np.setdiff1d(read, wanted).size == 0, lambda: f"{name}: holds blocks for "
+                    f"group-0 blocks {np.setdiff1d(read, wanted).tolist()} no window reads")
+            require(np.setdiff1d(idle, np.union1d(cached, wanted)).size == 0, lambda:
+                    f"{name}: keeps idle copies of uncached group-0 blocks "
+                    f"{np.setdiff1d(idle, np.union1d(cached, wanted)).tolist()}")
             if settled:
-                require(np.array_equal(keys, wanted), lambda: f"{name}: lacks blocks for "
-                        f"{np.setdiff1d(wanted, keys).tolist()}")
+                require(np.array_equal(read, wanted), lambda: f"{name}: lacks blocks for "
+                        f"{np.setdiff1d(wanted, read).tolist()}")
+                require(np.setdiff1d(idle, cached).size == 0 and
+                        np.intersect1d(idle, wanted).size == 0,
+                        f"{name}: an idle copy is read, or of an uncached block")
             for row in range(total):
                 q = int(h[FIELD_QUERY, row])
                 count = int(need[row].sum())
-                bound = math.ceil((q + group.window - 1) / bs) + 1
+                bound = math.ceil((q + group.reach - 1) / bs) + 1
                 require(count <= bound, lambda: f"{name}: row {row} holds {count} blocks, over "
                         f"its bound {bound} (query {q})")
-                # Outside the window: released, in the group's table.
+                # Outside the window: released (or kept idle, or read by another row's window:
+                # prefix caching), in the group's table.
                 line = table.block_table[row, :int(h[FIELD_BLOCKS, row])]
-                first = max(int(h[FIELD_KV_OFFSET, row]) - (group.window - 1), 0) // bs
-                require(np.all(group.map[line[:first]] == -1) or not settled,
+                first = max(int(h[FIELD_KV_OFFSET, row]) - (group.reach - 1), 0) // bs
+                before = line[:first]
+                before = before[group.map[before] >= 0]
+                require(not settled or np.isin(before, np.union1d(idle, wanted)).all(),
                         f"{name}: row {row} keeps a block before its window")
         if settled:
             meta = ctx.active_attn_metadata

@@ -80,6 +80,9 @@ class MachineConfig:
     kv_offload_blocks: int = 0
     # KV groups (docs/SEMANTICS.md §22): each attention layer's window (None: full).
     windows: Optional[Tuple[Optional[int], ...]] = None
+    # False where no request can pause: every layer windowed, the windows' worst cases within
+    # the buffer (group 0's blocks then never run short).
+    pauses: bool = True
 
     @property
     def hybrid(self) -> bool:
@@ -88,8 +91,10 @@ class MachineConfig:
     @property
     def host_tier(self) -> bool:
         """Prefix caching with a host pool: the prefix cache's host tier (docs/SEMANTICS.md
-        §21) spills its cached blocks (and a hybrid's snapshots) there and restores them."""
-        return self.prefix_caching is not None and self.kv_offload_blocks > 0
+        §21) spills its cached blocks (and a hybrid's snapshots) there and restores them;
+        never with KV groups (§22), whose windows keep no host tier."""
+        return (self.prefix_caching is not None and self.kv_offload_blocks > 0
+                and self.windows is None)
 
     @property
     def total_layers(self) -> int:
@@ -232,6 +237,32 @@ CONFIGS = {c.name: c for c in [
                   num_layers=3, windows=(5, None, 9)),
     MachineConfig("kvg-bs8-half", block_size=8, buffer_blocks=24, paused_blocks=None,
                   windows=(None, 6)),
+    # Every layer windowed: group 0 holds no layers. Eight rows are more than the windows'
+    # worst cases fit in the buffer, so group 0 keeps its budgets (pauses, evictions); two
+    # rows fit, and group 0's blocks then never limit a request.
+    MachineConfig("kvw-bs4-paused4", block_size=4, buffer_blocks=16, paused_blocks=4,
+                  windows=(5, 9)),
+    MachineConfig("kvw-fit-bs4-half", block_size=4, buffer_blocks=16, paused_blocks=None,
+                  max_requests=2, max_tokens=16, num_layers=3, windows=(6, 6, 9),
+                  pauses=False),
+    # KV groups with prefix caching: a hit needs the blocks each window reads from its end.
+    MachineConfig("kvg-pc-lru-bs4-paused4", block_size=4, buffer_blocks=16, paused_blocks=4,
+                  num_layers=3, windows=(5, None, 9), prefix_caching="lru"),
+    MachineConfig("kvw-pc-refzero-bs4-half", block_size=4, buffer_blocks=24,
+                  paused_blocks=None, windows=(6, 10), prefix_caching="ref_zero"),
+    # KV groups with speculative steps: each window keeps k more tokens (the rewind's).
+    MachineConfig("kvg-spec2-bs4-paused4", block_size=4, buffer_blocks=16, paused_blocks=4,
+                  num_layers=3, windows=(5, None, 9), speculative=2),
+    MachineConfig("kvw-spec3-pc-lru-bs8-half", block_size=8, buffer_blocks=24,
+                  paused_blocks=None, windows=(6, 11), speculative=3, prefix_caching="lru"),
+    # KV groups with KV offload: each group keeps its own host copies (the windows' tails).
+    MachineConfig("kvg-off-bs4-paused4", block_size=4, buffer_blocks=16, paused_blocks=4,
+                  num_layers=3, windows=(5, None, 9), kv_offload_blocks=12),
+    MachineConfig("kvw-off-pc-lru-bs4-paused0", block_size=4, buffer_blocks=14,
+                  paused_blocks=0, windows=(6, 10), kv_offload_blocks=6, prefix_caching="lru"),
+    MachineConfig("kvw-pc-lru-fit-bs4", block_size=4, buffer_blocks=24, paused_blocks=4,
+                  max_requests=4, max_tokens=16, windows=(6, 6), prefix_caching="lru",
+                  pauses=False),
 ]}
 CI_CONFIGS = [CONFIGS[n] for n in ("bs4-paused4", "bs8-half", "bs4-paused0", "mla-bs8-paused3",
                                    "hyb-bs4-paused4", "hyb-bs8-half", "pc-lru-bs4-paused4",
@@ -239,7 +270,9 @@ CI_CONFIGS = [CONFIGS[n] for n in ("bs4-paused4", "bs8-half", "bs4-paused0", "ml
                                    "spec1-hyb-bs4-paused4", "spec2-pc-lru-bs4-paused4",
                                    "off-bs4-paused4", "off-tiny-bs4-paused0",
                                    "off-hyb-bs4-paused4", "kvg-bs4-paused4",
-                                   "off-pc-lru-bs4-paused4", "off-pc-hyb-lru-bs4-snap1")]
+                                   "off-pc-lru-bs4-paused4", "off-pc-hyb-lru-bs4-snap1",
+                                   "kvw-pc-lru-fit-bs4", "kvg-spec2-bs4-paused4",
+                                   "kvw-off-pc-lru-bs4-paused0")]
 
 
 def sample_token(rid: int, position: int) -> int:

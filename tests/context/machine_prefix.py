@@ -20,8 +20,10 @@ A new request's hit is then between the longest run of surely cached chains and 
 of possibly cached ones, capped at ``(chunk - 1) // block_size`` blocks (0 for a request that
 wants every prompt log prob). A hybrid's hit also needs a Mamba state snapshot at its boundary:
 any run that ends where a snapshot may have been taken, or none (snapshots are replaced least
-recently used first). The driver checks the context's actual hit against these candidates, and
-``check_kv`` then checks the content of every matched block.
+recently used first). With KV groups a hit also needs each windowed group's copies of the
+blocks its window reads from the hit's end, which the model does not follow: any run up to the
+longest possibly cached one. The driver checks the context's actual hit against these
+candidates, and ``check_kv`` then checks the content of every matched block.
 """
 
 from __future__ import annotations
@@ -54,11 +56,13 @@ class Hit:
 class PrefixModel:
     """Bounds on what the prefix cache holds (module docstring)."""
 
-    def __init__(self, block_size: int, policy: str, hybrid: bool, host_tier: bool = False):
+    def __init__(self, block_size: int, policy: str, hybrid: bool, host_tier: bool = False,
+                 windows: bool = False):
         self.block_size = block_size
         self.policy = policy
         self.host_tier = host_tier
         self.hybrid = hybrid
+        self.windows = windows
         self.entries: Dict[Chain, _Entry] = {}
         self.published: Dict[int, int] = {}    # uid -> its prompt blocks published (or taken)
         self.snapshots: Set[Chain] = set()     # hybrids: chains whose boundary state was saved
@@ -93,7 +97,10 @@ class PrefixModel:
             possible = blocks
             if sure == blocks - 1 and self._sure(entry, live):
                 sure = blocks
-        counts = range(sure, possible + 1)
+        # KV groups: a windowed group may have released (or evicted) a copy its window reads
+        # from a hit's end, which then shortens the hit, to any count (the model does not
+        # follow the groups' pools; check_kv reads every block a window reads).
+        counts = range(0 if self.windows else sure, possible + 1)
         if self.hybrid:
             counts = [0] + [k for k in range(1, possible + 1)
                             if self.chain(prompt, k) in self.snapshots]

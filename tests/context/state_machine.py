@@ -106,7 +106,8 @@ class ContextDriver(InvariantChecks):
         self.next_uid = 0
         self.stats: Counter = Counter()
         self.prefix = None if config.prefix_caching is None else PrefixModel(
-            config.block_size, config.prefix_caching, config.hybrid, config.host_tier)
+            config.block_size, config.prefix_caching, config.hybrid, config.host_tier,
+            windows=config.windows is not None)
         self._generator = torch.Generator().manual_seed(1234)
         self.actions: List[str] = []
         self._poison_mamba()

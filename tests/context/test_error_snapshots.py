@@ -261,6 +261,16 @@ CASES = [
     (f"{U}/prefix-caching-mask-shape", s_cache_pending,
      lambda c: c.update_requests(_tokens(1), _tokens(4, 5)), ValueError,
      "active_requests_mask", True),
+    # KV groups (docs/SEMANTICS.md §22): the windowed groups' maps, pools and bytes too.
+    (f"{U}/kv-groups-prefix-caching-unknown-chunked-id",
+     lambda b: s_cache_pending(b, kv_layer_windows=[None, 6]),
+     lambda c: (setattr(c, "chunked_prefill_request_id", 77),
+                c.update_requests(_tokens(1, 1), _tokens(4, 5))),
+     ValueError, "chunked_prefill_request_id=77", True),
+    (f"{U}/kv-groups-all-windowed-mask-shape",
+     lambda b: s_cache_pending(b, kv_layer_windows=[6, 6]),
+     lambda c: c.update_requests(_tokens(1), _tokens(4, 5)), ValueError,
+     "active_requests_mask", True),
     # ---------------------------------------------------------------- add_request
     (f"{A}/deallocated", s_deallocated, lambda c: c.add_request(req(9)),
      TensorStateDeallocatedError, "deallocated", None),
@@ -339,6 +349,10 @@ CASES = [
      "chunked", "chunk"),
     # Prefix caching: a hit's checks (the computed part against max_tokens, the salt).
     (f"{A}/prefix-caching-hit-max_tokens", lambda b: s_cache_pending(b, max_tokens=16),
+     lambda c: c.add_request(req(9, tokens=T9 + list(range(50, 66)), gen=1)),
+     TokenOverflowError, "8 prompt tokens cached", True),
+    (f"{A}/kv-groups-prefix-caching-hit-max_tokens",
+     lambda b: s_cache_pending(b, max_tokens=16, kv_layer_windows=[6, 6]),
      lambda c: c.add_request(req(9, tokens=T9 + list(range(50, 66)), gen=1)),
      TokenOverflowError, "8 prompt tokens cached", True),
     (f"{A}/prefix-caching-salt-type", s_cache_pending,

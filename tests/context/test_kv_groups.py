@@ -11,7 +11,7 @@ import pytest
 import torch
 from helpers import BLOCK, GIB, context_args, make_ctx
 
-from dynctx.context import DynamicInferenceContext
+from dynctx.context import DynamicInferenceContext, MambaInferenceStateConfig
 from dynctx.context.kv_cache import KVCache
 from dynctx.context.kv_groups import GroupedKV, group_block_counts, group_spec, worst_case_blocks
 
@@ -42,8 +42,8 @@ def test_budget_rule():
     """A windowed group gets its worst case, capped at group 0's blocks; group 0 the rest of
     the layer-blocks the context would allocate without groups."""
     spec = group_spec([None, 8, 8, None, 8, 8], True, num_attention_layers=6,
-                      max_sequence_length=128, prefix_caching=False, speculative=0, fp8=False,
-                      mla=False, hybrid=False)
+                      max_sequence_length=128, speculative=0, mla=False,
+                      hybrid=False)
     assert spec.windows == (None, 8) and spec.layers == ((0, 3), (1, 2, 4, 5))
     worst = worst_case_blocks(8, block_size=4, max_requests=4, max_tokens=16)
     assert worst == math.ceil((16 + 4 * 8) / 4) + 2 * 4 + 1
@@ -70,13 +70,15 @@ def test_grouped_context_sizes_and_usage():
 
 
 @pytest.mark.parametrize("overrides", [dict(), dict(kv_layer_windows=WINDOWS, kv_groups=False),
-                                       dict(kv_layer_windows=[6, 6]),
+                                       dict(kv_layer_windows=[6, 6], kv_groups=False),
                                        dict(kv_layer_windows=[None, None]),
-                                       dict(kv_layer_windows=[None, 64])],
-                         ids=["no-windows", "off", "one-window", "all-full", "window-ge-max"])
+                                       dict(kv_layer_windows=[None, 64]),
+                                       dict(kv_layer_windows=[64, 80])],
+                         ids=["no-windows", "off", "all-windowed-off", "all-full",
+                              "window-ge-max", "windows-ge-max"])
 def test_single_group_is_todays_context(overrides):
-    """No windows, kv_groups=False, one distinct window, or a window as long as the sequence:
-    the single-group context, exactly (its KV cache, its buffer, no group hook in the step)."""
+    """No windows, kv_groups=False, or no window shorter than the sequence: the single-group
+    context, exactly (its KV cache, its buffer, no group hook in the step)."""
     ctx, plain = make_ctx(**overrides), make_ctx()
     assert type(ctx._kv) is KVCache and ctx._forward.kv_groups is None
     assert ctx.kv_group_usage() is None and ctx.kv_groups is False
@@ -103,11 +105,11 @@ def test_bad_kv_groups():
 
 
 @pytest.mark.parametrize("overrides, named", [
-    (dict(enable_prefix_caching=True), "enable_prefix_caching=True"),
-    (dict(num_speculative_tokens=1), "num_speculative_tokens=1"),
-    (dict(kv_cache_dtype="fp8"), "an FP8 cache"),
     (dict(cache_mla_latent=True, kv_lora_rank=8, qk_pos_emb_head_dim=4),
      "cache_mla_latent=True"),
+    (dict(mamba_inference_state_config=MambaInferenceStateConfig(["*", "M", "*"], (3, 2),
+                                                                 (2, 2, 3))),
+     r"a hybrid model \(mamba_inference_state_config\)"),
 ])
 def test_refused_combinations_name_the_argument(overrides, named):
     with pytest.raises(ValueError, match=f"KV groups .* do not support {named}.*kv_groups=False"):
@@ -116,6 +118,21 @@ def test_refused_combinations_name_the_argument(overrides, named):
     ctx = DynamicInferenceContext(**context_args(kv_layer_windows=WINDOWS, kv_groups=False,
                                                  **overrides))
     assert ctx.kv_group_usage() is None
+
+
+@pytest.mark.parametrize("overrides", [
+    dict(enable_prefix_caching=True), dict(num_speculative_tokens=2),
+    dict(kv_cache_dtype="fp8"), dict(kv_offload_gb=8 * BLOCK / GIB),
+    dict(kv_cache_management_mode="offload")],
+    ids=["prefix-caching", "speculative", "fp8", "offload", "offload-mode"])
+@pytest.mark.parametrize("windows", [WINDOWS, [6, 9]], ids=["mixed", "all-windowed"])
+def test_served_combinations_keep_groups(overrides, windows):
+    """Prefix caching, speculative steps, an FP8 cache and KV offload run on groups."""
+    ctx = DynamicInferenceContext(**context_args(kv_layer_windows=windows, **overrides))
+    usage = ctx.kv_group_usage()
+    assert usage is not None and sum(usage["layers"]) == 2
+    if "num_speculative_tokens" in overrides:
+        assert [group.reach for group in ctx._kv.groups] == [w + 2 for w in usage["windows"][1:]]
 
 
 def test_a_window_releases_blocks_and_returns_them_all():

@@ -121,3 +121,32 @@ def test_deepseek_mla_latent_cache_in_fp8():
     assert fp8.context.memory_buffer.dtype == E4M3
     assert max_log_prob_error(got, reference) < 0.1
     assert max_log_prob_error(got, reference) > 0
+
+
+@pytest.mark.parametrize("family", ["gemma3", "mistral"])
+@pytest.mark.parametrize("scales", ["dynamic", "given"])
+def test_fp8_on_kv_groups_equals_fp8_on_one_group(family, scales):
+    """An FP8 cache on KV groups (Gemma 3: sliding + full; Mistral: every layer windowed,
+    windows of 8 shorter than the prompts): each group holds its layers' scales (calibrated by
+    its own first write, or cut from the given ones), so the prompt log probs and tokens equal
+    the FP8 cache without groups, and track the params-dtype cache."""
+    hf = random_causal_lm(family, vocab=128, window=8)
+    prompts = make_prompts([7, 40, 29], 128, seed=8)
+    given = dict(kv_scales=torch.tensor([[0.02, 0.03], [0.015, 0.025]])) \
+        if scales == "given" else {}
+    reference, _ = prompt_log_probs(engine(hf), prompts)
+    one, one_results = prompt_log_probs(engine(hf, kv_cache_dtype="fp8", kv_groups=False,
+                                               **given), prompts)
+    fp8 = engine(hf, kv_cache_dtype="fp8", **given)
+    usage = fp8.context.kv_group_usage()
+    assert usage is not None and usage["layers"][0] == (family == "gemma3")
+    got, results = prompt_log_probs(fp8, prompts)
+    assert fp8.context._kv.groups[0].cache.buffer.dtype == E4M3
+    assert [r.generated_tokens for r in results] == [r.generated_tokens for r in one_results]
+    assert max_log_prob_error(got, one) < 1e-5
+    assert 0 < max_log_prob_error(got, reference) < 0.1
+    if scales == "given":
+        for layer in (1, 2):
+            k, v = fp8.context.key_value_cache_scales(layer)
+            assert torch.equal(k, given["kv_scales"][0, layer - 1].expand(2))
+            assert torch.equal(v, given["kv_scales"][1, layer - 1].expand(2))

@@ -48,7 +48,8 @@ def check_host_pool(ctx) -> None:
     offload = ctx._parts.offload
     offload.check()
     stats = ctx.get_kv_offload_stats()
-    held = sum(e.host_blocks.size for e in offload.entries.values())
+    held = sum(e.host_blocks.size + sum(slots.size for _, slots in e.windowed)
+               for e in offload.entries.values())
     assert stats["kv_offload_host_blocks_free"] + held == stats["kv_offload_host_blocks"]
 
 

@@ -208,6 +208,24 @@ def test_generic_family_equals_transformers_with_prefix_caching():
         assert_requests_match_greedy(hf, requests, prompts, results)
 
 
+@pytest.mark.parametrize("family", ["gemma3", "mistral"])
+def test_windowed_families_on_kv_groups_equal_transformers(family):
+    """KV groups with speculative steps (docs/SEMANTICS.md §22): Gemma 3 (sliding + full) and
+    Mistral (every layer windowed, windows of 6), k = 2, under pressure: each window keeps k
+    more tokens, so a rewind never reaches a released block; the tokens are transformers'."""
+    layers = dict(num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"])
+    hf = tiny_family(family, **(layers if family == "gemma3" else {}))
+    engine, prompts, requests, results = _pressure(
+        hf, 2, "ngram", gib=lambda h, bs, n: n * kv_block_bytes(hf)(h, bs) / 1024 ** 3,
+        max_requests=8)
+    usage = engine.context.kv_group_usage()
+    assert usage["layers"][0] == (family == "gemma3")
+    assert engine.context._kv.groups[0].reach == 6 + 2
+    assert_pressure_stats(engine.stats, results)
+    assert engine.stats.speculative["accepted_tokens"] > 0
+    assert_requests_match_greedy(hf, requests, prompts, results)
+
+
 def test_llama_prefix_caching_shared_prompts_equal_transformers():
     hf = tiny_llama()
     shared = make_prompts([40], hf.config.vocab_size)[0]
