@@ -35,7 +35,7 @@ from .autotune import KernelConfig, KernelTuning, TuneCase
 from .backend import resolve_backend
 from .devices import same_device
 from .fp8 import check_head_scale, dequantize_ref, is_fp8
-from .launch_plan import PlanCache, launch_key
+from .launch_plan import PlanCache
 from .paged_attention_decode import (
     launch_decode,
     paged_attention_decode_configs,
@@ -201,12 +201,12 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
 
     Returns ``[n, Hq, D]`` in query's dtype; padding rows are zero when the launcher allocates.
     """
-    plan_key = launch_key((query, key_cache, value_cache, cu_query_lengths, kv_seq_lengths,
-                           block_table, sinks, out, key_scale, value_scale),
-                          (max_seqlen_q, max_seqlen_k, softmax_scale, num_requests,
-                           num_decode_requests, window), config)
-    plan = _PLANS.get(plan_key)
-    if plan is not None and resolve_backend(backend, query.device) == "triton":
+    plan, plan_key = _PLANS.find(
+        (query, key_cache, value_cache, cu_query_lengths, kv_seq_lengths, block_table, sinks, out,
+         key_scale, value_scale),
+        (max_seqlen_q, max_seqlen_k, softmax_scale, num_requests, num_decode_requests, window,
+         backend), config)
+    if plan is not None:
         return plan.launch(dict(query=query, key_cache=key_cache, value_cache=value_cache,
                                 cu_query_lengths=cu_query_lengths, kv_seq_lengths=kv_seq_lengths,
                                 block_table=block_table, sinks=sinks, key_scale=key_scale,
@@ -263,17 +263,15 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
 
 class _AttentionPlan:
     """A key's kernel calls (launch_plan.py): the split-KV decode and its merge, with the
-    shapes of their fp32 buffers, and the varlen kernel; ``launch(tensors)`` replays them."""
+    size of their fp32 workspace, and the varlen kernel; ``launch(tensors)`` replays them."""
 
     def __init__(self):
         self.decode = self.varlen = None
 
     def launch(self, tensors: dict) -> torch.Tensor:
         if self.decode is not None:
-            decode, merge, partial_shape, lse_shape = self.decode
-            device = tensors["query"].device
-            tensors["partial"] = torch.empty(partial_shape, dtype=torch.float32, device=device)
-            tensors["lse"] = torch.empty(lse_shape, dtype=torch.float32, device=device)
+            decode, merge, workspace = self.decode
+            tensors["workspace"] = tensors["query"].new_empty(workspace, dtype=torch.float32)
             decode.launch_with(tensors)
             merge.launch_with(tensors)
         if self.varlen is not None:
