@@ -71,7 +71,8 @@ if HAS_TRITON:
     from triton.runtime.autotuner import Heuristics
     from triton.runtime.jit import JITFunction
 else:
-    _DRIVERS = None
+    class _DRIVERS:  # no Triton: no driver, and no plan is ever made
+        _active = None
 
 
 class Uncacheable:
@@ -122,22 +123,15 @@ _STATE_ENV = (autotune.OVERRIDE_ENV, "XDG_CACHE_HOME", BACKEND_ENV, "TRITON_INTE
 # unchanged variable reads back as the same bytes object, so comparing costs a few ns.
 _ENV_STORE = getattr(os.environ, "_data", None) if os.name == "posix" else None
 _STATE_KEYS = tuple(map(os.fsencode, _STATE_ENV)) if _ENV_STORE is not None else _STATE_ENV
-_STATE = [()]
+_ENV_GET = (_ENV_STORE if _ENV_STORE is not None else os.environ).get
 
 
 def launch_state() -> tuple:
     """Everything a plan depends on besides its call's arguments: the config lookup's
     generation (``autotune.clear_lookup_cache()`` bumps it), Triton's active driver and the
-    variables of ``_STATE_ENV`` as stored. The same object (``is``) while none changes; read
-    in ~0.2 µs on every launch, so a changed variable is never missed."""
-    env = _ENV_STORE if _ENV_STORE is not None else os.environ
-    driver = _DRIVERS._active if _DRIVERS is not None else None
-    state = (autotune._GENERATION[0], id(driver), *map(env.get, _STATE_KEYS))
-    last = _STATE[0]
-    if state == last:
-        return last
-    _STATE[0] = state
-    return state
+    variables of ``_STATE_ENV`` as stored; read in ~0.3 µs on every launch (``find`` reads
+    it inline), so a changed variable is never missed."""
+    return (autotune._GENERATION[0], id(_DRIVERS._active), *map(_ENV_GET, _STATE_KEYS))
 
 
 _SCALAR_TYPES = frozenset((bool, int, float, str, type(None)))
@@ -247,28 +241,31 @@ class PlanCache:
         its full path and ``put(key, plan)``. ``tensors`` are the call's tensor arguments
         (``None`` allowed), ``scalars`` every other argument its plan depends on (``backend``
         among them), ``config`` its ``config`` argument."""
-        state = launch_state()
-        if self._recent:
-            head = (state, tuple(map(type, scalars)), scalars, type(config), config)
-            for entry in self._recent:
-                # The head first: a scalar of another type is never compared by value.
-                if entry.head != head:
-                    continue
-                for i in entry.nones:
-                    if tensors[i] is not None:
-                        break
-                else:
-                    present = entry.pick(tensors)
-                    if (entry.guard.check(*present)
-                            and not functools.reduce(_or, map(_data_ptr, present)) & 15):
-                        self.hits += 1
-                        if entry is not self._recent[0]:
-                            self._bump(entry)
-                        return entry.plan, None
+        # The call's head, flat: launch_state(), the scalars' types, the scalars, the config's
+        # type and the config. Types come before values: a scalar of another type is never
+        # compared by value (a tensor's == would not even give a bool).
+        head = (autotune._GENERATION[0], id(_DRIVERS._active), *map(_ENV_GET, _STATE_KEYS),
+                *map(type, scalars), *scalars, type(config), config)
+        for entry in self._recent:
+            if entry.head != head:
+                continue
+            for i in entry.nones:
+                if tensors[i] is not None:
+                    break
+            else:
+                present = entry.pick(tensors)
+                if (entry.guard.check(*present)
+                        and not functools.reduce(_or, map(_data_ptr, present)) & 15):
+                    self.hits += 1
+                    if entry is not self._recent[0]:
+                        self._bump(entry)
+                    return entry.plan, None
         key = launch_key(tensors, scalars, config)
         plan = self.get(key)
-        if plan is not None and GUARDS is not None and _promotable(tensors):
-            head = (key[-1], tuple(map(type, scalars)), scalars, type(config), config)
+        # (The head's state must be the key's: it is read twice, and another thread may have
+        # changed a variable in between.)
+        if (plan is not None and GUARDS is not None and head[:len(key[-1])] == key[-1]
+                and _promotable(tensors)):
             self._recent.insert(0, _Recent(head, tensors, plan))
             del self._recent[RECENT:]
         return plan, (None if plan is not None else key)
@@ -381,6 +378,13 @@ class KernelLaunch:
         self._compiled = None
         jit, full = _unwrap(kernel, kwargs)
         if isinstance(jit, JITFunction):
+            if self.roles is not None:
+                # Taken by role, the pointers can come in the kernel's order: a launch is then
+                # the pointers followed by the fixed arguments, with no permutation (_build).
+                order = {param.name: index for index, param in enumerate(jit.params)}
+                pairs = sorted(zip(self.pointer_names, self.roles), key=lambda p: order[p[0]])
+                self.pointer_names = tuple(name for name, _ in pairs)
+                self.roles = tuple(role for _, role in pairs)
             self._build(jit, full)
         else:
             # The interpreter (TRITON_INTERPRET=1): Triton runs the kernel itself.
