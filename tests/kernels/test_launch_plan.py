@@ -17,6 +17,7 @@ Three layers of checks:
 from __future__ import annotations
 
 import os
+import weakref
 
 import pytest
 import torch
@@ -136,6 +137,17 @@ def test_a_plan_is_reused_only_by_a_call_of_its_key(guards, monkeypatch, tmp_pat
         assert cache.find(tensors, scalars, config) == ("plan", None), name
     autotune.clear_lookup_cache()
     assert cache.find(tensors, scalars, config)[0] is None
+
+
+def test_a_promoted_plan_holds_no_tensor_of_its_calls():
+    cache = PlanCache("test_holds_none")
+    tensors, scalars, config = _guarded_call()
+    cache.put(cache.find(tensors, scalars, config)[1], "plan")
+    assert cache.find(tensors, scalars, config)[0] == "plan"
+    assert len(cache._recent) == (launch_plan.GUARDS is not None)
+    refs = [weakref.ref(t) for t in tensors if t is not None]
+    del tensors
+    assert all(ref() is None for ref in refs)
 
 
 def test_the_guard_probe_drops_a_check_that_lets_a_difference_through(monkeypatch):
