@@ -66,10 +66,14 @@ _CACHES: "weakref.WeakSet[PlanCache]" = weakref.WeakSet()
 
 if HAS_TRITON:
     from triton import knobs
-    from triton.knobs import HookChain as _HookChain
     from triton.runtime import driver as _DRIVERS
     from triton.runtime.autotuner import Heuristics
     from triton.runtime.jit import JITFunction
+
+    try:
+        from triton.knobs import HookChain as _HookChain
+    except ImportError:  # hooks of another kind: every launch builds their metadata
+        _HookChain = None
 else:
     class _DRIVERS:  # no Triton: no driver, and no plan is ever made
         _active = None
@@ -176,7 +180,8 @@ def _tensor_guards():
         guard = make((base, index))
         differing = [torch.zeros(4, 6, dtype=torch.float64), torch.zeros(4, 7),
                      torch.zeros(6, 4).t(), torch.zeros(4, 12)[:, ::2], torch.zeros(24),
-                     torch.zeros(4, 6, device="meta"), torch.nn.Parameter(torch.zeros(4, 6))]
+                     torch.zeros(4, 6, device="meta"),
+                     torch.nn.Parameter(torch.zeros(4, 6), requires_grad=False)]
         if not guard.check(torch.zeros(4, 6), torch.ones(3, dtype=torch.int32)):
             return None
         if any(guard.check(other, index) for other in differing):

@@ -92,7 +92,7 @@ def _stale_calls(tensors, scalars):
         "alignment": ((torch.zeros(33)[1:].view(4, 8), none, b), scalars),
         "a None filled": ((a, torch.zeros(6, dtype=torch.int32), b), scalars),
         "None moved": ((a, b, None), scalars),
-        "subclass": ((torch.nn.Parameter(a), none, b), scalars),
+        "subclass": ((torch.nn.Parameter(a, requires_grad=False), none, b), scalars),
         "scalar value": (tensors, (4, True, "triton")),
         "True for 1": (tensors, (3, 1, "triton")),
         "float for int": (tensors, (3.0, True, "triton")),
