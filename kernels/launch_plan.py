@@ -441,24 +441,57 @@ class KernelLaunch:
         active = _DRIVERS.active
         device = active.get_current_device()
         if device != self._device:
-            # Another current device: Triton compiles (or finds) the kernel for it, once.
-            self._compiled = None
-            self._build(*_unwrap(self.kernel, {**self.kwargs,
-                                               **dict(zip(self.pointer_names, pointers))}))
+            self._rebuild(pointers)
             return
+        self._replay(pointers, active.get_current_stream(device), *_launch_hooks())
+
+    def take_by_position(self, roles: tuple) -> None:
+        """Take ``launch_with``'s pointers from a tuple laid out as ``roles`` (role names)
+        instead of a dict: a tuple is cheaper to build per call."""
+        positions = tuple(roles.index(role) for role in self.roles)
+        self._pick = (operator.itemgetter(*positions) if len(positions) > 1
+                      else operator.itemgetter(slice(positions[0], positions[0] + 1)))
+
+    def _rebuild(self, pointers: tuple) -> None:
+        """Another current device: Triton compiles (or finds) the kernel for it, once."""
+        self._compiled = None
+        self._build(*_unwrap(self.kernel, {**self.kwargs,
+                                           **dict(zip(self.pointer_names, pointers))}))
+
+    def _replay(self, pointers: tuple, stream, enter, leave, read: bool) -> None:
         args = pointers + self._fixed
         if self._permute is not None:
             args = self._permute(args)
-        stream = active.get_current_stream(device)
-        runtime = knobs.runtime
-        enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
-        # As JITFunction.run does: the launch hooks (a profiler's) get the launch's metadata
-        # from CompiledKernel.launch_metadata (None without an enter hook). Triton's hooks are
-        # chains, empty unless something joined one: then nothing reads it, and it is not built.
-        metadata = None
-        if enter is not None and (type(enter) is not _HookChain or enter.calls
-                                  or type(leave) is not _HookChain or leave.calls):
-            metadata = compiled.launch_metadata(self.grid, stream, *args)
+        metadata = self._compiled.launch_metadata(self.grid, stream, *args) if read else None
         grid_0, grid_1, grid_2 = self._grid3
         self._run(grid_0, grid_1, grid_2, stream, self._function, self._packed, metadata, enter,
                   leave, *args)
+
+
+def _launch_hooks() -> tuple:
+    """``(enter, leave, read)``: the launch hooks to hand the launcher and whether one reads
+    the launch's metadata. As JITFunction.run does, the hooks (a profiler's) get it from
+    CompiledKernel.launch_metadata (None without an enter hook). Triton's hooks are chains,
+    empty unless something joined one: then the launcher is handed none (it calls a hook that
+    is not None, and an empty chain does nothing) and no metadata is built."""
+    runtime = knobs.runtime
+    enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
+    if (type(enter) is _HookChain and not enter.calls and type(leave) is _HookChain
+            and not leave.calls):
+        return None, None, False
+    return enter, leave, enter is not None
+
+
+def launch_all(launches: tuple, tensors) -> None:
+    """``launch_with(tensors)`` of each of ``launches`` in order (the kernel calls of one
+    plan, each calling its compiled kernel), the current device, stream and launch hooks read
+    once for all of them."""
+    active = _DRIVERS.active
+    device = active.get_current_device()
+    stream = active.get_current_stream(device)
+    enter, leave, read = _launch_hooks()
+    for launch in launches:
+        if launch._device != device:
+            launch._rebuild(launch._pick(tensors))
+        else:
+            launch._replay(launch._pick(tensors), stream, enter, leave, read)

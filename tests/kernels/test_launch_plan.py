@@ -421,5 +421,4 @@ def _kernel_launches(plan):
         return [plan]
     if isinstance(plan, tuple):
         return [part for part in plan if isinstance(part, launch_plan.KernelLaunch)]
-    parts = [plan.varlen] + (list(plan.decode[:2]) if plan.decode else [])
-    return [part for part in parts if part is not None]
+    return list(plan.launches)
