@@ -28,7 +28,9 @@ the way that ``run`` does (the same in Triton 3.6 and 3.9: ``kernel.run(grid_0, 
 grid_2, stream, kernel.function, kernel.packed_metadata, launch_metadata, enter_hook,
 exit_hook, *args)``, every kernel parameter in order, constexprs included), which also skips
 Triton's own binding. It reads the current device and stream at every launch (a CUDA graph
-captures on its own stream) and goes through Triton again when the device changed. Under
+captures on its own stream) and goes through Triton again when the device changed; while
+Triton's launch-hook chains are empty it hands the launcher no hooks and builds no launch
+metadata (nothing would read them), as soon as a profiler joins one it does as ``run``. Under
 ``TRITON_INTERPRET=1`` there is no compiled kernel: the plan calls the kernel through Triton
 with its stored arguments. Triton's knobs (``debug``, instrumentation) are read, and its check
 that a kernel's globals did not change is made, when a plan is made; ``clear_plans()`` forgets
