@@ -9,11 +9,12 @@ kernel calls with the same arguments, replayed without the launcher: what a laun
 any of ours). Each launcher is called as its registered tuning's scratch case calls it (the
 first preset key, its counts made small, ``config=None``, as the context calls it), with the
 same arguments every time. A repeat launch replays its key's launch plan
-(``kernels/launch_plan.py``): one key build, one lookup, the compiled kernel called directly,
-so ``launch`` is the whole host cost and may come in under Triton's own dispatch (``ours``,
-launch minus dispatch, is then negative); ``no plan`` is a launch with the plans emptied
-first (the full path, as a new key takes). The lookup alone is timed too, cached and with the
-cache emptied before every call.
+(``kernels/launch_plan.py``): found by the C++ guard of the recent plans, the compiled kernel
+called directly, so ``launch`` is the whole host cost and may come in under Triton's own
+dispatch (``ours``, launch minus dispatch, is then negative); ``lru only`` is the same launch
+with that guard off (the plan found by its key built in Python, as on a torch without the
+guard); ``no plan`` is a launch with the plans emptied first (the full path, as a new key
+takes). The lookup alone is timed too, cached and with the cache emptied before every call.
 
 Timings are this thread's CPU time (``time.thread_time_ns``, so that waiting for a core on a
 shared machine does not count), the minimum over ``--repeats`` runs of ``--calls`` calls.
@@ -39,8 +40,11 @@ from dynctx.kernels import autotune, registry
 from dynctx.kernels.backend import HAS_TRITON, triton_interpreting
 
 try:
+    from dynctx.kernels import launch_plan
     from dynctx.kernels.launch_plan import clear_plans
 except ImportError:  # a checkout from before launch plans, timed for a --baseline
+    launch_plan = None
+
     def clear_plans() -> None:
         return None
 
@@ -140,6 +144,17 @@ def measure(calls: int, repeats: int, kernels: list[str] | None = None) -> dict:
                 call()
 
             launch_unplanned = per_call_us(unplanned, max(1, calls // 10), repeats)
+            launch_lru = None
+            if getattr(launch_plan, "GUARDS", None) is not None:
+                guards, launch_plan.GUARDS = launch_plan.GUARDS, None
+                try:
+                    clear_plans()
+                    call()
+                    launch_lru = per_call_us(call, calls, repeats)
+                finally:
+                    launch_plan.GUARDS = guards
+                    clear_plans()
+                    call()
             dispatch = per_call_us(recorded_dispatch(call), calls, repeats)
             lookup = per_call_us(lambda: autotune.resolve_config(tuning.name, key, "cpu"),
                                  calls, repeats)
@@ -152,6 +167,7 @@ def measure(calls: int, repeats: int, kernels: list[str] | None = None) -> dict:
             rows.append({"kernel": tuning.name, "key": registry.key_text(key),
                          "launch_us": round(launch, 2), "over_floor_us": round(launch - floor, 2),
                          "unplanned_us": round(launch_unplanned, 2),
+                         "lru_only_us": None if launch_lru is None else round(launch_lru, 2),
                          "dispatch_us": round(dispatch, 2),
                          "over_dispatch_us": round(launch - dispatch, 2),
                          "lookup_us": round(lookup, 2),
@@ -185,11 +201,13 @@ def main(argv=None) -> int:
         print(f"baseline floor: {result['baseline']['floor_us']:.2f} us")
     print(f"empty Triton kernel dispatch (the floor): {result['floor_us']:.2f} us")
     print(f"{'launcher (tuning)':<24}{'before' if before else '':>8}{'launch':>8}{'-floor':>8}"
-          f"{'no plan':>8}{'triton':>8}{'ours':>8}{'lookup':>8}{'uncached':>9}"
+          f"{'lru only':>9}{'no plan':>8}{'triton':>8}{'ours':>8}{'lookup':>8}{'uncached':>9}"
           "   (host CPU us; ours = launch - triton)")
     for row in result["rows"]:
         previous = f"{before[row['kernel']]:>8.2f}" if row["kernel"] in before else " " * 8
+        lru = row.get("lru_only_us")
         print(f"{row['kernel']:<24}{previous}{row['launch_us']:>8.2f}{row['over_floor_us']:>8.2f}"
+              f"{'-' if lru is None else f'{lru:.2f}':>9}"
               f"{row['unplanned_us']:>8.2f}{row['dispatch_us']:>8.2f}{row['over_dispatch_us']:>8.2f}"
               f"{row['lookup_us']:>8.2f}{row['lookup_uncached_us']:>9.2f}")
     if args.json:

@@ -142,7 +142,8 @@ TARGETS: Dict[str, Target] = {
         functions=("_paged_attention_varlen_kernel", "launch_varlen")),
     "kernels/paged_attention_merge.py": Target(
         ATTENTION_TESTS, interpreter=True,
-        functions=("_merge_attention_splits_kernel", "merge_chunk", "merge_attention_splits")),
+        functions=("_merge_attention_splits_kernel", "merge_chunk", "merge_attention_splits",
+                   "merge_splits_launch")),
 }
 RESULTS = ROOT / "bench" / "results" / "mutation.json"
 

@@ -31,7 +31,7 @@ from ._common import check_tensor, check_writable, custom_op
 from .autotune import KernelConfig, KernelTuning, TuneCase, bucket_tokens
 from .backend import HAS_TRITON, resolve_backend
 from .devices import same_device
-from .launch_plan import KernelLaunch, PlanCache, launch_key
+from .launch_plan import KernelLaunch, PlanCache
 
 # Per launch key (launch_plan.py): the checks passed, the config, the grid, the arguments.
 _PLANS = PlanCache("compact_requests")
@@ -96,29 +96,38 @@ if HAS_TRITON:
                      mask=mask_r)
 
 
-def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether the memory spans of two tensors intersect."""
-    if a.numel() == 0 or b.numel() == 0 or not same_device(a.device, b.device):
-        return False
-
-    def span(t):
-        start = t.data_ptr()
-        extent = sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride()))
-        return start, start + (extent + 1) * t.element_size()
-
-    (a0, a1), (b0, b1) = span(a), span(b)
-    return a0 < b1 and b0 < a1
+def _extent(t: torch.Tensor) -> int:
+    """Bytes from ``t``'s first element to one past its last (0 for an empty tensor): its
+    metadata's part of an overlap check, so a launch plan keeps it."""
+    if t.numel() == 0:
+        return 0
+    last = sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride()))
+    return (last + 1) * t.element_size()
 
 
-def _check_disjoint(dst_block_table, src_block_table, dst_next_tokens, src_next_tokens,
-                    new_tokens) -> None:
+# The output/input pairs that must not share memory, as indices into the five tensors
+# (dst_block_table, src_block_table, dst_next_tokens, src_next_tokens, new_tokens).
+_DISJOINT = ((0, 1, "dst_block_table and src_block_table must not share memory"),
+             (2, 3, "dst_next_tokens and src_next_tokens must not share memory"),
+             (2, 4, "dst_next_tokens and new_tokens must not share memory"))
+
+
+def _disjoint_pairs(tensors) -> tuple:
+    """The pairs of ``_DISJOINT`` that could overlap (on one device, neither empty), each with
+    both extents: what the overlap check of a call reads besides the addresses."""
+    extents = [_extent(t) for t in tensors]
+    return tuple((i, j, extents[i], extents[j], message) for i, j, message in _DISJOINT
+                 if extents[i] and extents[j] and same_device(tensors[i].device,
+                                                             tensors[j].device))
+
+
+def _check_disjoint(tensors, pairs) -> None:
     """The outputs share no memory with the inputs: addresses, so checked on every call (a
-    launch plan covers metadata only)."""
-    if _overlap(dst_block_table, src_block_table):
-        raise ValueError("dst_block_table and src_block_table must not share memory")
-    for name, other in (("src_next_tokens", src_next_tokens), ("new_tokens", new_tokens)):
-        if _overlap(dst_next_tokens, other):
-            raise ValueError(f"dst_next_tokens and {name} must not share memory")
+    launch plan keeps ``pairs``, from the metadata)."""
+    for i, j, extent_i, extent_j, message in pairs:
+        start_i, start_j = tensors[i].data_ptr(), tensors[j].data_ptr()
+        if start_i < start_j + extent_j and start_j < start_i + extent_i:
+            raise ValueError(message)
 
 
 def compact_requests(dst_block_table: torch.Tensor, src_block_table: torch.Tensor,
@@ -153,20 +162,23 @@ def compact_requests(dst_block_table: torch.Tensor, src_block_table: torch.Tenso
     copied at the edge. Every argument is checked before anything is written: a refused call
     leaves ``dst_*`` untouched.
     """
-    plan_key = launch_key((dst_block_table, src_block_table, dst_next_tokens, src_next_tokens,
-                           new_tokens, plan_src, plan_append_col, plan_append_block),
-                          (new_token_offset, num_rows, clear_rows, check), config)
-    plan = _PLANS.get(plan_key)
-    if plan is not None and resolve_backend(backend, dst_block_table.device) == "triton":
-        if check:
-            _check_disjoint(dst_block_table, src_block_table, dst_next_tokens, src_next_tokens,
-                            new_tokens)
-        plan.launch((dst_block_table, dst_next_tokens, src_block_table, src_next_tokens,
-                     new_tokens, plan_src, plan_append_col, plan_append_block))
+    plan, plan_key = _PLANS.find(
+        (dst_block_table, src_block_table, dst_next_tokens, src_next_tokens, new_tokens, plan_src,
+         plan_append_col, plan_append_block),
+        (new_token_offset, num_rows, clear_rows, check, backend), config)
+    if plan is not None:
+        launch, pairs = plan
+        if pairs:
+            _check_disjoint((dst_block_table, src_block_table, dst_next_tokens, src_next_tokens,
+                             new_tokens), pairs)
+        launch.launch((dst_block_table, dst_next_tokens, src_block_table, src_next_tokens,
+                       new_tokens, plan_src, plan_append_col, plan_append_block))
         return
     device = dst_block_table.device if isinstance(dst_block_table, torch.Tensor) else None
     num_rows, clear_rows, new_token_offset = int(num_rows), int(clear_rows), int(new_token_offset)
     end_rows = max(num_rows, clear_rows)
+    # The overlap checks a plan of this key makes on every call (none without check).
+    pairs = ()
     if check:
         check_tensor("dst_block_table", dst_block_table, dims=2, dtypes=(torch.int32,),
                      device=device, device_of="dst_block_table")
@@ -188,8 +200,10 @@ def compact_requests(dst_block_table: torch.Tensor, src_block_table: torch.Tenso
         if src_block_table.shape[1] != dst_block_table.shape[1]:
             raise ValueError(f"src_block_table has {src_block_table.shape[1]} columns, "
                              f"dst_block_table {dst_block_table.shape[1]}")
-        _check_disjoint(dst_block_table, src_block_table, dst_next_tokens, src_next_tokens,
-                        new_tokens)
+        pairs = _disjoint_pairs((dst_block_table, src_block_table, dst_next_tokens,
+                                 src_next_tokens, new_tokens))
+        _check_disjoint((dst_block_table, src_block_table, dst_next_tokens, src_next_tokens,
+                         new_tokens), pairs)
         if num_rows < 0 or clear_rows < 0:
             raise ValueError(f"num_rows={num_rows} and clear_rows={clear_rows} must be >= 0")
         if end_rows > dst_block_table.shape[0]:
@@ -220,7 +234,7 @@ def compact_requests(dst_block_table: torch.Tensor, src_block_table: torch.Tenso
         src_block_table_ptr=src_block_table, src_next_tokens_ptr=src_next_tokens,
         new_tokens_ptr=new_tokens, plan_src_ptr=plan_src, plan_append_col_ptr=plan_append_col,
         plan_append_block_ptr=plan_append_block)
-    _PLANS.put(plan_key, KernelLaunch(_compact_requests_kernel, grid, dict(
+    _PLANS.put(plan_key, (KernelLaunch(_compact_requests_kernel, grid, dict(
         **pointers, num_rows=num_rows, end_rows=end_rows, num_src_rows=src_block_table.shape[0],
         new_token_offset=new_token_offset, num_new_tokens=new_tokens.shape[0],
         max_blocks=max_blocks,
@@ -230,7 +244,7 @@ def compact_requests(dst_block_table: torch.Tensor, src_block_table: torch.Tenso
         stride_new_tokens=new_tokens.stride(0), stride_plan_src=plan_src.stride(0),
         stride_plan_append_col=plan_append_col.stride(0),
         stride_plan_append_block=plan_append_block.stride(0),
-        **config.launch_kwargs()), pointers))
+        **config.launch_kwargs()), pointers), pairs))
 
 
 def compact_requests_ref(dst_block_table: torch.Tensor, src_block_table: torch.Tensor,

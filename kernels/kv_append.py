@@ -27,7 +27,7 @@ from ._shapes import LLAMA_3_8B
 from .autotune import KernelConfig, KernelTuning
 from .backend import HAS_TRITON, resolve_backend
 from .fp8 import FP8_DTYPES, check_head_scale, fp8_constexprs, is_fp8, quantize_ref
-from .launch_plan import KernelLaunch, PlanCache, launch_key
+from .launch_plan import KernelLaunch, PlanCache
 
 NAME = "kv_append"
 # Per launch key (module docstring of launch_plan.py): the checks passed, the config, the grid.
@@ -163,10 +163,9 @@ def kv_append(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Ten
     Every tensor is read or written through its own strides and storage offset; nothing is
     copied at the edge. Every argument is checked before anything is written.
     """
-    plan_key = launch_key((key_cache, value_cache, key, value, block_ids, slots, key_scale,
-                           value_scale), (check,), config)
-    plan = _PLANS.get(plan_key)
-    if plan is not None and resolve_backend(backend, key_cache.device) == "triton":
+    plan, plan_key = _PLANS.find((key_cache, value_cache, key, value, block_ids, slots, key_scale,
+                                  value_scale), (check, backend), config)
+    if plan is not None:
         plan.launch((key_cache, value_cache, key, value, block_ids, slots,
                      key if key_scale is None else key_scale,
                      value if value_scale is None else value_scale))

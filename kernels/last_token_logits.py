@@ -22,7 +22,7 @@ from ._shapes import LLAMA_3_8B
 from .autotune import KernelConfig, KernelTuning, TuneCase, bucket_tokens, dtype_name
 from .backend import HAS_TRITON, resolve_backend
 from .devices import same_device
-from .launch_plan import KernelLaunch, PlanCache, launch_key
+from .launch_plan import KernelLaunch, PlanCache
 
 # Per launch key (launch_plan.py): the checks passed, the config, the grid, the arguments and
 # the shape and dtype of the outputs each call allocates.
@@ -162,9 +162,9 @@ def last_token_logits(logits: torch.Tensor, cu_query_lengths: torch.Tensor, num_
     Returns ``[num_requests, V]``: row ``i`` is ``logits[cu_query_lengths[i + 1] - 1]``, bit-exact
     (or its fp32 log-softmax).
     """
-    plan_key = launch_key((logits, cu_query_lengths, out), (num_requests, log_softmax), config)
-    plan = _LAST_TOKEN_PLANS.get(plan_key)
-    if plan is not None and resolve_backend(backend, logits.device) == "triton":
+    plan, plan_key = _LAST_TOKEN_PLANS.find((logits, cu_query_lengths, out),
+                                            (num_requests, log_softmax, backend), config)
+    if plan is not None:
         launch, out_shape, out_dtype = plan
         if out is None:
             out = torch.empty(out_shape, dtype=out_dtype, device=logits.device)
@@ -240,9 +240,8 @@ def token_log_probs(logits: torch.Tensor, token_ids: torch.Tensor, *, return_ful
     ``log_softmax(logits[t].float())[token_ids[t]]`` and, when ``return_full``, fp32 ``[T, V]``
     (else ``None``). Both are newly allocated.
     """
-    plan_key = launch_key((logits, token_ids), (return_full,), config)
-    plan = _LOG_PROB_PLANS.get(plan_key)
-    if plan is not None and resolve_backend(backend, logits.device) == "triton":
+    plan, plan_key = _LOG_PROB_PLANS.find((logits, token_ids), (return_full, backend), config)
+    if plan is not None:
         launch, num_tokens, vocab_size = plan
         log_probs = torch.empty(num_tokens, dtype=torch.float32, device=logits.device)
         full = (torch.empty(num_tokens, vocab_size, dtype=torch.float32, device=logits.device)

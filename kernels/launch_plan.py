@@ -3,21 +3,34 @@
 A launcher's host work before a kernel call (argument checks, the tuned-config lookup, the
 grid, the strides and sizes it passes, Triton's binding and specialisation of ~30 arguments)
 depends only on the *metadata* of its arguments: dtypes, devices, shapes, strides, 16-byte
-alignment, the scalar arguments and the counts that pick the grid. A launcher builds that
-metadata into a key (``tensor_meta`` per tensor), looks it up in its own ``PlanCache``, and
-on a miss runs its whole path once and stores a plan: the config and, per kernel call, a
-``KernelLaunch`` holding the compiled kernel, its grid and every argument but the pointers.
-A hit builds the key, does one dict lookup and launches the compiled kernel with the call's
-tensors in the pointer slots. So a bad call of a shape seen before (another dtype, device,
-stride or a ``None``) has another key, misses, and is refused by the checks as before;
+alignment, the scalar arguments and the counts that pick the grid, and on the process state
+``launch_state()`` names (the config lookup's generation and folders, the backend variable,
+Triton's active driver). A launcher asks its own ``PlanCache`` with ``find(tensors,
+scalars, config)``; on a miss it runs its whole path once and stores a plan under the key
+``find`` gave: the config and, per kernel call, a ``KernelLaunch`` holding the compiled
+kernel, its grid and every argument but the pointers. A hit launches the compiled kernel with
+the call's tensors in the pointer slots. So a bad call of a shape seen before (another dtype,
+device, stride or a ``None``) has another key, misses, and is refused by the checks as before;
 nothing that depends on tensor contents is in a plan.
+
+``find`` looks in two places. First the few most recent plans (``RECENT``), each with a guard
+made when it was promoted there: torch's C++ tensor check (the one ``torch.compile``'s guards
+were built on: Python type, dispatch keys, so device type, device index, dtype, sizes,
+strides, ``requires_grad``), the ``None`` positions, every pointer 16-byte aligned, and the
+scalars, their types and the state compared as a tuple. That costs a few hundred ns for a
+dozen tensors, where reading the same metadata from Python costs ~0.4 µs per tensor. Then, or
+where torch lacks that check (``GUARDS`` is None: it is private to torch, so it is probed at
+import and dropped if it does not refuse what it must), the LRU of keys built from Python
+(``launch_key``); a hit there is promoted. Both give the same plan for the same call.
 
 ``KernelLaunch`` calls the ``CompiledKernel`` that Triton's ``JITFunction.run`` returned,
 the way that ``run`` does (the same in Triton 3.6 and 3.9: ``kernel.run(grid_0, grid_1,
 grid_2, stream, kernel.function, kernel.packed_metadata, launch_metadata, enter_hook,
 exit_hook, *args)``, every kernel parameter in order, constexprs included), which also skips
 Triton's own binding. It reads the current device and stream at every launch (a CUDA graph
-captures on its own stream) and goes through Triton again when the device changed. Under
+captures on its own stream) and goes through Triton again when the device changed; while
+Triton's launch-hook chains are empty it hands the launcher no hooks and builds no launch
+metadata (nothing would read them), as soon as a profiler joins one it does as ``run``. Under
 ``TRITON_INTERPRET=1`` there is no compiled kernel: the plan calls the kernel through Triton
 with its stored arguments. Triton's knobs (``debug``, instrumentation) are read, and its check
 that a kernel's globals did not change is made, when a plan is made; ``clear_plans()`` forgets
@@ -29,6 +42,9 @@ register here only so that ``clear_plans()`` and ``plan_caches()`` can reach the
 
 from __future__ import annotations
 
+import functools
+import operator
+import os
 import weakref
 from collections import OrderedDict
 from typing import Any, Iterable
@@ -37,15 +53,32 @@ import torch
 
 from . import autotune
 from .autotune import KernelConfig
-from .backend import HAS_TRITON, env_get
+from .backend import BACKEND_ENV, HAS_TRITON, env_get
 
 # Keys per launcher: a run sees a few dozen token counts per launcher (decode batch sizes,
 # prefill chunks); the LRU keeps the recent ones.
 DEFAULT_CAPACITY = 256
+# Plans per launcher checked by guard before the LRU: the context calls a launcher with the
+# same shapes for every layer of a step (the Mamba pair alternates two).
+RECENT = 4
 # Set to "0" to turn plans off (every call takes the full path): for A/B checks and bisecting.
 PLANS_ENV = "DYNCTX_LAUNCH_PLANS"
 
 _CACHES: "weakref.WeakSet[PlanCache]" = weakref.WeakSet()
+
+if HAS_TRITON:
+    from triton import knobs
+    from triton.runtime import driver as _DRIVERS
+    from triton.runtime.autotuner import Heuristics
+    from triton.runtime.jit import JITFunction
+
+    try:
+        from triton.knobs import HookChain as _HookChain
+    except ImportError:  # hooks of another kind: every launch builds their metadata
+        _HookChain = None
+else:
+    class _DRIVERS:  # no Triton: no driver, and no plan is ever made
+        _active = None
 
 
 class Uncacheable:
@@ -83,11 +116,28 @@ def scalar_meta(x):
 
 
 def config_meta(config):
-    """A launcher's ``config`` argument as a key part: a ``KernelConfig`` as itself; ``None``
-    (resolve it) as the lookup state it resolves under (``autotune.lookup_state()``)."""
-    if config is None:
-        return autotune.lookup_state()
-    return config if type(config) is KernelConfig else UNCACHEABLE
+    """A launcher's ``config`` argument as a key part: a ``KernelConfig`` or ``None`` (resolve
+    it, under ``launch_state()``, which every key holds) as itself, anything else
+    ``UNCACHEABLE``."""
+    return config if config is None or type(config) is KernelConfig else UNCACHEABLE
+
+
+# The variables a plan depends on: the override folder's two (the tuned config), the backend's
+# (which calls run Triton at all), the interpreter's (Triton on a CPU tensor) and the plans'.
+_STATE_ENV = (autotune.OVERRIDE_ENV, "XDG_CACHE_HOME", BACKEND_ENV, "TRITON_INTERPRET", PLANS_ENV)
+# os.environ's own store (bytes on POSIX), kept current by os.environ[...] = and del: an
+# unchanged variable reads back as the same bytes object, so comparing costs a few ns.
+_ENV_STORE = getattr(os.environ, "_data", None) if os.name == "posix" else None
+_STATE_KEYS = tuple(map(os.fsencode, _STATE_ENV)) if _ENV_STORE is not None else _STATE_ENV
+_ENV_GET = (_ENV_STORE if _ENV_STORE is not None else os.environ).get
+
+
+def launch_state() -> tuple:
+    """Everything a plan depends on besides its call's arguments: the config lookup's
+    generation (``autotune.clear_lookup_cache()`` bumps it), Triton's active driver and the
+    variables of ``_STATE_ENV`` as stored; read in ~0.3 µs on every launch (``find`` reads
+    it inline), so a changed variable is never missed."""
+    return (autotune._GENERATION[0], id(_DRIVERS._active), *map(_ENV_GET, _STATE_KEYS))
 
 
 _SCALAR_TYPES = frozenset((bool, int, float, str, type(None)))
@@ -96,15 +146,15 @@ _Tensor = torch.Tensor
 
 def launch_key(tensors: tuple, scalars: tuple = (), config=None) -> tuple | None:
     """A launcher's key: ``tensor_meta`` of each of ``tensors`` (``None`` allowed),
-    ``scalar_meta`` of each of ``scalars`` and ``config_meta(config)``; ``None`` (no plan:
-    the full path every time) when any part is ``UNCACHEABLE``.
+    ``scalar_meta`` of each of ``scalars``, ``config_meta(config)`` and ``launch_state()``;
+    ``None`` (no plan: the full path every time) when any part is ``UNCACHEABLE``.
 
-    The hot path of every launch: ``tensor_meta`` and ``scalar_meta`` are written out inline
-    (a call each would cost more than the attribute reads) for the common types."""
+    ``tensor_meta`` and ``scalar_meta`` are written out inline (a call each would cost more
+    than the attribute reads) for the common types."""
     key = (*[(t.dtype, t.device, t.shape, t.stride(), t.data_ptr() & 15)
              if type(t) is _Tensor else tensor_meta(t) for t in tensors],
            *[(type(x), x) if type(x) in _SCALAR_TYPES else scalar_meta(x) for x in scalars],
-           config_meta(config))
+           config_meta(config), launch_state())
     for part in key:
         if part is UNCACHEABLE:
             return None
@@ -115,8 +165,72 @@ def plans_enabled() -> bool:
     return env_get(PLANS_ENV, "1") != "0"
 
 
+def _tensor_guards():
+    """torch's C++ check of a tuple of tensors' metadata, as ``make(tensors) -> guard`` with
+    ``guard.check(*tensors) -> bool``; None when torch has none, or one that lets through a
+    tensor a launch key would tell apart (probed here: it is private to torch)."""
+    try:
+        from torch._C._dynamo.guards import TensorGuards
+    except ImportError:
+        return None
+
+    def make(tensors):
+        return TensorGuards(*tensors, dynamic_dims_sizes=None, dynamic_dims_strides=None)
+
+    try:
+        base, index = torch.zeros(4, 6), torch.zeros(3, dtype=torch.int32)
+        guard = make((base, index))
+        differing = [torch.zeros(4, 6, dtype=torch.float64), torch.zeros(4, 7),
+                     torch.zeros(6, 4).t(), torch.zeros(4, 12)[:, ::2], torch.zeros(24),
+                     torch.zeros(4, 6, device="meta"),
+                     torch.nn.Parameter(torch.zeros(4, 6), requires_grad=False)]
+        if not guard.check(torch.zeros(4, 6), torch.ones(3, dtype=torch.int32)):
+            return None
+        if any(guard.check(other, index) for other in differing):
+            return None
+        if guard.check(base, torch.zeros(3)) or guard.check(base, torch.zeros(3, 1)):
+            return None
+    except Exception:  # an API that changed shape: plans still work through the LRU
+        return None
+    return make
+
+
+# make(tensors) -> guard, or None: the recent plans are then not kept (module docstring).
+GUARDS = _tensor_guards()
+_or = operator.or_
+_data_ptr = torch.Tensor.data_ptr
+
+
+class _Recent:
+    """A plan promoted to the recent list: its call's head (state, scalar types, scalars,
+    config), the positions of its ``None`` tensors, a picker of the others and their guard."""
+
+    __slots__ = ("head", "nones", "pick", "guard", "plan")
+
+    def __init__(self, head, tensors, plan):
+        self.head = head
+        self.nones = tuple(i for i, t in enumerate(tensors) if t is None)
+        present = tuple(i for i, t in enumerate(tensors) if t is not None)
+        # itemgetter of one index gives the item, not a 1-tuple: a slice keeps the tuple.
+        self.pick = (operator.itemgetter(*present) if len(present) > 1
+                     else operator.itemgetter(slice(present[0], present[0] + 1)))
+        self.guard = GUARDS(self.pick(tensors))
+        self.plan = plan
+
+
+def _promotable(tensors) -> bool:
+    """Whether a recent-list guard can stand for ``tensors``' part of a key: plain tensors (or
+    ``None``), at least one, each object once (the guard refuses repeats), all 16-byte aligned
+    (the guard sees no addresses; the check of a hit is that they all still are)."""
+    present = [t for t in tensors if t is not None]
+    return (bool(present) and all(type(t) is _Tensor for t in present)
+            and len({id(t) for t in present}) == len(present)
+            and not functools.reduce(_or, map(_data_ptr, present)) & 15)
+
+
 class PlanCache:
-    """A bounded LRU from launch key to plan, owned by one launcher module."""
+    """A bounded LRU from launch key to plan, owned by one launcher module, with its most
+    recent plans kept under guards in front of it (module docstring)."""
 
     def __init__(self, name: str, capacity: int = DEFAULT_CAPACITY):
         if capacity < 1:
@@ -124,9 +238,52 @@ class PlanCache:
         self.name = name
         self.capacity = capacity
         self._plans: OrderedDict = OrderedDict()
+        self._recent: list[_Recent] = []
         self.hits = 0
         self.misses = 0
         _CACHES.add(self)
+
+    def find(self, tensors: tuple, scalars: tuple = (), config=None) -> tuple[Any, tuple | None]:
+        """``(plan, None)`` for a call planned before, else ``(None, key)``: the launcher takes
+        its full path and ``put(key, plan)``. ``tensors`` are the call's tensor arguments
+        (``None`` allowed), ``scalars`` every other argument its plan depends on (``backend``
+        among them), ``config`` its ``config`` argument."""
+        # The call's head, flat: launch_state(), the scalars' types, the scalars, the config's
+        # type and the config. Types come before values: a scalar of another type is never
+        # compared by value (a tensor's == would not even give a bool).
+        head = (autotune._GENERATION[0], id(_DRIVERS._active), *map(_ENV_GET, _STATE_KEYS),
+                *map(type, scalars), *scalars, type(config), config)
+        for entry in self._recent:
+            if entry.head != head:
+                continue
+            for i in entry.nones:
+                if tensors[i] is not None:
+                    break
+            else:
+                present = entry.pick(tensors)
+                if (entry.guard.check(*present)
+                        and not functools.reduce(_or, map(_data_ptr, present)) & 15):
+                    self.hits += 1
+                    if entry is not self._recent[0]:
+                        self._bump(entry)
+                    return entry.plan, None
+        key = launch_key(tensors, scalars, config)
+        plan = self.get(key)
+        # (The head's state must be the key's: it is read twice, and another thread may have
+        # changed a variable in between.)
+        if (plan is not None and GUARDS is not None and head[:len(key[-1])] == key[-1]
+                and _promotable(tensors)):
+            self._recent.insert(0, _Recent(head, tensors, plan))
+            del self._recent[RECENT:]
+        return plan, (None if plan is not None else key)
+
+    def _bump(self, entry) -> None:
+        recent = self._recent
+        try:
+            recent.remove(entry)
+        except ValueError:  # another thread moved it
+            return
+        recent.insert(0, entry)
 
     def get(self, key):
         """The plan stored for ``key`` (now the most recent), or None; None for a ``None`` key
@@ -145,10 +302,12 @@ class PlanCache:
         self._plans[key] = plan
         self._plans.move_to_end(key)
         while len(self._plans) > self.capacity:
-            self._plans.popitem(last=False)
+            evicted = self._plans.popitem(last=False)[1]
+            self._recent = [entry for entry in self._recent if entry.plan is not evicted]
 
     def clear(self) -> None:
         self._plans.clear()
+        self._recent = []
 
     def __len__(self) -> int:
         return len(self._plans)
@@ -166,13 +325,6 @@ def clear_plans() -> None:
     """Forget every launcher's plans: the next calls take the full path and plan again."""
     for cache in list(_CACHES):
         cache.clear()
-
-
-if HAS_TRITON:
-    from triton import knobs
-    from triton.runtime import driver
-    from triton.runtime.autotuner import Heuristics
-    from triton.runtime.jit import JITFunction
 
 
 def _unwrap(kernel, kwargs: dict) -> tuple[Any, dict]:
@@ -203,12 +355,12 @@ class KernelLaunch:
     new pointers by ``launch(pointers)``.
 
     ``pointer_names`` are the kernel arguments that change from call to call (the tensors,
-    whose addresses move); ``launch`` takes them in that order. Every other argument is fixed
-    by the launch key and kept.
+    whose addresses move); ``launch`` takes them in that order, as a tuple. Every other
+    argument is fixed by the launch key and kept.
     """
 
-    __slots__ = ("kernel", "grid", "kwargs", "pointer_names", "roles", "_compiled", "_args",
-                 "_slots", "_device", "_grid3")
+    __slots__ = ("kernel", "grid", "kwargs", "pointer_names", "roles", "_pick", "_compiled",
+                 "_fixed", "_permute", "_device", "_grid3", "_run", "_function", "_packed")
 
     def __init__(self, kernel, grid: tuple[int, ...], kwargs: dict, pointer_names: Iterable[str],
                  roles: dict | None = None):
@@ -233,26 +385,50 @@ class KernelLaunch:
         self._compiled = None
         jit, full = _unwrap(kernel, kwargs)
         if isinstance(jit, JITFunction):
-            device = driver.active.get_current_device()
-            compiled = jit.run(grid=self.grid, warmup=False, **full)
-            if compiled is not None and hasattr(compiled, "packed_metadata"):
-                names = [param.name for param in jit.params]
-                defaults = jit.signature.parameters
-                self._args = [full[name] if name in full else defaults[name].default
-                              for name in names]
-                self._slots = tuple(names.index(name) for name in self.pointer_names)
-                for slot in self._slots:
-                    self._args[slot] = None
-                self._device = device
-                self._grid3 = (self.grid + (1, 1))[:3]
-                self._compiled = compiled
+            if self.roles is not None:
+                # Taken by role, the pointers can come in the kernel's order: a launch is then
+                # the pointers followed by the fixed arguments, with no permutation (_build).
+                order = {param.name: index for index, param in enumerate(jit.params)}
+                pairs = sorted(zip(self.pointer_names, self.roles), key=lambda p: order[p[0]])
+                self.pointer_names = tuple(name for name, _ in pairs)
+                self.roles = tuple(role for _, role in pairs)
+            self._build(jit, full)
         else:
             # The interpreter (TRITON_INTERPRET=1): Triton runs the kernel itself.
             kernel[self.grid](**kwargs)
+        self._pick = None if not self.roles else (
+            operator.itemgetter(*self.roles) if len(self.roles) > 1
+            else (lambda tensors, role=self.roles[0]: (tensors[role],)))
+
+    def _build(self, jit, full: dict) -> None:
+        """Launch once through ``jit.run`` and keep what a replay needs of its kernel."""
+        device = _DRIVERS.active.get_current_device()
+        compiled = jit.run(grid=self.grid, warmup=False, **full)
+        if compiled is None or not hasattr(compiled, "packed_metadata"):
+            return
+        names = [param.name for param in jit.params]
+        defaults = jit.signature.parameters
+        args = [full[name] if name in full else defaults[name].default for name in names]
+        slots = [names.index(name) for name in self.pointer_names]
+        fixed = [index for index in range(len(names)) if index not in slots]
+        # A launch's arguments: the pointers, then the fixed ones, put in the kernel's order by
+        # one C-level permutation (none when the pointers come first and in order, the
+        # kernels' convention).
+        self._fixed = tuple(args[index] for index in fixed)
+        position = {index: at for at, index in enumerate(slots + fixed)}
+        order = tuple(position[index] for index in range(len(names)))
+        self._permute = None if order == tuple(range(len(names))) else operator.itemgetter(*order)
+        self._device = device
+        self._grid3 = (self.grid + (1, 1))[:3]
+        # What JITFunction.run reads from the kernel on every launch, read once.
+        self._run = compiled.run
+        self._function = compiled.function
+        self._packed = compiled.packed_metadata
+        self._compiled = compiled
 
     def launch_with(self, tensors: dict) -> None:
         """``launch`` with each pointer taken from ``tensors`` by its role."""
-        self.launch(tuple(tensors[role] for role in self.roles))
+        self.launch(self._pick(tensors))
 
     @property
     def direct(self) -> bool:
@@ -264,23 +440,60 @@ class KernelLaunch:
         if compiled is None:
             self.kernel[self.grid](**self.kwargs, **dict(zip(self.pointer_names, pointers)))
             return
-        active = driver.active
+        active = _DRIVERS.active
         device = active.get_current_device()
         if device != self._device:
-            # Another current device: Triton compiles (or finds) the kernel for it, once.
-            roles = self.roles
-            self.__init__(self.kernel, self.grid,
-                          {**self.kwargs, **dict(zip(self.pointer_names, pointers))},
-                          self.pointer_names)
-            self.roles = roles
+            self._rebuild(pointers)
             return
-        args = self._args.copy()
-        for slot, pointer in zip(self._slots, pointers):
-            args[slot] = pointer
-        stream = active.get_current_stream(device)
-        # As JITFunction.run does (the launch hooks, a profiler's, get what they get from it).
-        metadata = compiled.launch_metadata(self.grid, stream, *args)
+        self._replay(pointers, active.get_current_stream(device), *_launch_hooks())
+
+    def take_by_position(self, roles: tuple) -> None:
+        """Take ``launch_with``'s pointers from a tuple laid out as ``roles`` (role names)
+        instead of a dict: a tuple is cheaper to build per call."""
+        positions = tuple(roles.index(role) for role in self.roles)
+        self._pick = (operator.itemgetter(*positions) if len(positions) > 1
+                      else operator.itemgetter(slice(positions[0], positions[0] + 1)))
+
+    def _rebuild(self, pointers: tuple) -> None:
+        """Another current device: Triton compiles (or finds) the kernel for it, once."""
+        self._compiled = None
+        self._build(*_unwrap(self.kernel, {**self.kwargs,
+                                           **dict(zip(self.pointer_names, pointers))}))
+
+    def _replay(self, pointers: tuple, stream, enter, leave, read: bool) -> None:
+        args = pointers + self._fixed
+        if self._permute is not None:
+            args = self._permute(args)
+        metadata = self._compiled.launch_metadata(self.grid, stream, *args) if read else None
         grid_0, grid_1, grid_2 = self._grid3
-        compiled.run(grid_0, grid_1, grid_2, stream, compiled.function, compiled.packed_metadata,
-                     metadata, knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook,
-                     *args)
+        self._run(grid_0, grid_1, grid_2, stream, self._function, self._packed, metadata, enter,
+                  leave, *args)
+
+
+def _launch_hooks() -> tuple:
+    """``(enter, leave, read)``: the launch hooks to hand the launcher and whether one reads
+    the launch's metadata. As JITFunction.run does, the hooks (a profiler's) get it from
+    CompiledKernel.launch_metadata (None without an enter hook). Triton's hooks are chains,
+    empty unless something joined one: then the launcher is handed none (it calls a hook that
+    is not None, and an empty chain does nothing) and no metadata is built."""
+    runtime = knobs.runtime
+    enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
+    if (type(enter) is _HookChain and not enter.calls and type(leave) is _HookChain
+            and not leave.calls):
+        return None, None, False
+    return enter, leave, enter is not None
+
+
+def launch_all(launches: tuple, tensors) -> None:
+    """``launch_with(tensors)`` of each of ``launches`` in order (the kernel calls of one
+    plan, each calling its compiled kernel), the current device, stream and launch hooks read
+    once for all of them."""
+    active = _DRIVERS.active
+    device = active.get_current_device()
+    stream = active.get_current_stream(device)
+    enter, leave, read = _launch_hooks()
+    for launch in launches:
+        if launch._device != device:
+            launch._rebuild(launch._pick(tensors))
+        else:
+            launch._replay(launch._pick(tensors), stream, enter, leave, read)

@@ -19,7 +19,7 @@ from ._shapes import MAMBA2_CONV_STATE, MAMBA2_MIXER, MAMBA2_SSM_STATE
 from .autotune import KernelConfig, KernelTuning, TuneCase
 from .backend import HAS_TRITON, resolve_backend
 from .devices import same_device
-from .launch_plan import KernelLaunch, PlanCache, launch_key
+from .launch_plan import KernelLaunch, PlanCache
 
 GATHER, SCATTER = "mamba_state_gather", "mamba_state_scatter"
 # Per launch key (launch_plan.py): the checks passed, the config, the grid, the arguments
@@ -170,9 +170,8 @@ def mamba_state_gather(states: torch.Tensor, slot_ids: torch.Tensor,
     copied. A row whose strides leave more than three unmergeable dims (``row_layout``) is
     refused with a ``ValueError`` before anything is written.
     """
-    plan_key = launch_key((states, slot_ids, out), (), config)
-    plan = _GATHER_PLANS.get(plan_key)
-    if plan is not None and resolve_backend(backend, states.device) == "triton":
+    plan, plan_key = _GATHER_PLANS.find((states, slot_ids, out), (backend,), config)
+    if plan is not None:
         launch, out_shape = plan
         if out is None:
             out = torch.empty(out_shape, dtype=states.dtype, device=states.device)
@@ -222,9 +221,8 @@ def mamba_state_scatter(states: torch.Tensor, slot_ids: torch.Tensor, src: torch
     copied. A row whose strides leave more than three unmergeable dims (``row_layout``) is
     refused with a ``ValueError`` before anything is written.
     """
-    plan_key = launch_key((states, slot_ids, src), (), config)
-    plan = _SCATTER_PLANS.get(plan_key)
-    if plan is not None and resolve_backend(backend, states.device) == "triton":
+    plan, plan_key = _SCATTER_PLANS.find((states, slot_ids, src), (backend,), config)
+    if plan is not None:
         plan.launch((states, src, slot_ids))
         return
     _check_states(states, slot_ids)

@@ -26,7 +26,7 @@ from ._shapes import DEEPSEEK_V2_LITE
 from .autotune import KernelConfig, KernelTuning
 from .backend import HAS_TRITON, resolve_backend
 from .fp8 import FP8_DTYPES, check_head_scale, fp8_constexprs, is_fp8, quantize_ref
-from .launch_plan import KernelLaunch, PlanCache, launch_key
+from .launch_plan import KernelLaunch, PlanCache
 
 NAME = "mla_latent_append"
 # Per launch key (launch_plan.py): the checks passed, the config, the grid, the arguments.
@@ -142,10 +142,9 @@ def mla_latent_append(latent_cache: torch.Tensor, kv_latent: torch.Tensor, k_rop
     Every tensor is read or written through its own strides and storage offset; nothing is
     copied at the edge. Every argument is checked before anything is written.
     """
-    plan_key = launch_key((latent_cache, kv_latent, k_rope, block_ids, slots, latent_scale,
-                           rope_scale), (check,), config)
-    plan = _PLANS.get(plan_key)
-    if plan is not None and resolve_backend(backend, latent_cache.device) == "triton":
+    plan, plan_key = _PLANS.find((latent_cache, kv_latent, k_rope, block_ids, slots, latent_scale,
+                                  rope_scale), (check, backend), config)
+    if plan is not None:
         plan.launch((latent_cache, kv_latent, k_rope, block_ids, slots,
                      kv_latent if latent_scale is None else latent_scale,
                      kv_latent if rope_scale is None else rope_scale))

@@ -35,7 +35,7 @@ from .autotune import KernelConfig, KernelTuning, TuneCase
 from .backend import resolve_backend
 from .devices import same_device
 from .fp8 import check_head_scale, dequantize_ref, is_fp8
-from .launch_plan import PlanCache, launch_key
+from .launch_plan import PlanCache, launch_all
 from .paged_attention_decode import (
     launch_decode,
     paged_attention_decode_configs,
@@ -201,17 +201,15 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
 
     Returns ``[n, Hq, D]`` in query's dtype; padding rows are zero when the launcher allocates.
     """
-    plan_key = launch_key((query, key_cache, value_cache, cu_query_lengths, kv_seq_lengths,
-                           block_table, sinks, out, key_scale, value_scale),
-                          (max_seqlen_q, max_seqlen_k, softmax_scale, num_requests,
-                           num_decode_requests, window), config)
-    plan = _PLANS.get(plan_key)
-    if plan is not None and resolve_backend(backend, query.device) == "triton":
-        return plan.launch(dict(query=query, key_cache=key_cache, value_cache=value_cache,
-                                cu_query_lengths=cu_query_lengths, kv_seq_lengths=kv_seq_lengths,
-                                block_table=block_table, sinks=sinks, key_scale=key_scale,
-                                value_scale=value_scale,
-                                out=torch.zeros_like(query) if out is None else out))
+    plan, plan_key = _PLANS.find(
+        (query, key_cache, value_cache, cu_query_lengths, kv_seq_lengths, block_table, sinks, out,
+         key_scale, value_scale),
+        (max_seqlen_q, max_seqlen_k, softmax_scale, num_requests, num_decode_requests, window,
+         backend), config)
+    if plan is not None:
+        return plan.launch((query, key_cache, value_cache,
+                            torch.zeros_like(query) if out is None else out, sinks, key_scale,
+                            value_scale, cu_query_lengths, kv_seq_lengths, block_table))
     num_requests = _check_inputs(query, key_cache, value_cache, cu_query_lengths, kv_seq_lengths,
                                  block_table, num_requests, max_seqlen_q, max_seqlen_k, out,
                                  window, sinks, key_scale, value_scale)
@@ -246,39 +244,50 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                    block_table=block_table)
     roles = {name: tensor for name, tensor in tensors.items() if tensor is not None}
     launch = dict(tensors, scale=scale, window=window, config=config, roles=roles)
-    plan = _AttentionPlan()
+    launches, workspace = [], 0
     if decode:
-        plan.decode = launch_decode(**launch, num_requests=decode, max_seqlen_k=max_seqlen_k)
+        *pair, workspace = launch_decode(**launch, num_requests=decode, max_seqlen_k=max_seqlen_k)
+        launches += pair
     if decode < num_requests:
         # The kernel indexes from the first prefill request (a host count, not a view of the
         # index tensors: their alignment would change with it, and with it the compiled kernel).
-        plan.varlen = launch_varlen(**launch, first_request=decode,
-                                    num_requests=num_requests - decode, max_seqlen_q=max_seqlen_q)
+        launches.append(launch_varlen(**launch, first_request=decode,
+                                      num_requests=num_requests - decode,
+                                      max_seqlen_q=max_seqlen_q))
     # A plan names each pointer by the argument it was: only where no two arguments are one
     # tensor (a later call of that key may pass two).
     if len({id(tensor) for tensor in roles.values()}) == len(roles):
-        _PLANS.put(plan_key, plan)
+        _PLANS.put(plan_key, _AttentionPlan(tuple(launches), workspace))
     return out
 
 
+# The tensors of a planned call, in the order paged_attention passes them (the workspace last).
+_ROLES = ("query", "key_cache", "value_cache", "out", "sinks", "key_scale", "value_scale",
+          "cu_query_lengths", "kv_seq_lengths", "block_table", "workspace")
+
+
 class _AttentionPlan:
-    """A key's kernel calls (launch_plan.py): the split-KV decode and its merge, with the
-    shapes of their fp32 buffers, and the varlen kernel; ``launch(tensors)`` replays them."""
+    """A key's kernel calls (launch_plan.py): the split-KV decode and its merge, then the
+    varlen kernel (either pair may be absent), and the size of the decode's fp32 workspace;
+    ``launch(tensors)`` (laid out as ``_ROLES``, without the workspace) replays them."""
 
-    def __init__(self):
-        self.decode = self.varlen = None
+    def __init__(self, launches: tuple, workspace: int):
+        self.launches, self.workspace = launches, workspace
+        for launch in launches:
+            launch.take_by_position(_ROLES)
+        # Under the interpreter no launch has a compiled kernel to call.
+        self.direct = all(launch.direct for launch in launches)
 
-    def launch(self, tensors: dict) -> torch.Tensor:
-        if self.decode is not None:
-            decode, merge, partial_shape, lse_shape = self.decode
-            device = tensors["query"].device
-            tensors["partial"] = torch.empty(partial_shape, dtype=torch.float32, device=device)
-            tensors["lse"] = torch.empty(lse_shape, dtype=torch.float32, device=device)
-            decode.launch_with(tensors)
-            merge.launch_with(tensors)
-        if self.varlen is not None:
-            self.varlen.launch_with(tensors)
-        return tensors["out"]
+    def launch(self, tensors: tuple) -> torch.Tensor:
+        workspace = (tensors[0].new_empty(self.workspace, dtype=torch.float32)
+                     if self.workspace else None)
+        tensors = (*tensors, workspace)
+        if self.direct:
+            launch_all(self.launches, tensors)
+        else:
+            for launch in self.launches:
+                launch.launch_with(tensors)
+        return tensors[3]
 
 
 def paged_attention_ref(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

@@ -19,7 +19,7 @@ from ._common import check_grid, next_pow2
 from .autotune import KernelConfig, bucket_tokens, dtype_name
 from .backend import HAS_TRITON
 from .launch_plan import KernelLaunch, tensor_arguments
-from .paged_attention_merge import merge_attention_splits
+from .paged_attention_merge import merge_splits_launch
 from .paged_attention_tile import (  # noqa: F401
     LLAMA_HEADS,
     kernel_args,
@@ -37,13 +37,13 @@ if HAS_TRITON:
 
 if HAS_TRITON:
 
-    @triton.jit(do_not_specialize=["num_splits", "window"])
+    @triton.jit(do_not_specialize=["num_splits", "lse_offset", "window"])
     def _paged_attention_decode_kernel(
         partial_out_ptr, partial_lse_ptr,
         query_ptr, key_cache_ptr, value_cache_ptr,
         cu_query_lengths_ptr, kv_seq_lengths_ptr, block_table_ptr,
         key_scale_ptr, value_scale_ptr, stride_key_scale, stride_value_scale,
-        num_splits, group_size, head_dim, block_size, softmax_scale, window,
+        num_splits, lse_offset, group_size, head_dim, block_size, softmax_scale, window,
         stride_query_token, stride_query_head,
         stride_kc_block, stride_kc_slot, stride_kc_head,
         stride_vc_block, stride_vc_slot, stride_vc_head,
@@ -53,8 +53,8 @@ if HAS_TRITON:
     ):
         """One (request, KV head, split): online softmax of the group's queries over the split's
         keys (of the last ``window`` keys; 0: all). ``partial_out`` is contiguous
-        ``[requests, heads, num_splits, head_dim]``, ``partial_lse`` contiguous
-        ``[requests, heads, num_splits]``."""
+        ``[requests, heads, num_splits, head_dim]``, ``partial_lse + lse_offset`` contiguous
+        ``[requests, heads, num_splits]`` (the launcher passes one buffer for both)."""
         request = tl.program_id(0).to(tl.int64)
         kv_head = tl.program_id(1).to(tl.int64)
         split = tl.program_id(2).to(tl.int64)
@@ -112,7 +112,7 @@ if HAS_TRITON:
         rows = (request * num_heads + heads) * num_splits + split               # [BLOCK_G]
         tl.store(partial_out_ptr + rows[:, None] * head_dim + offs_d[None, :],
                  acc * (value_scale / safe_sum)[:, None], mask=mask_g[:, None] & mask_d[None, :])
-        tl.store(partial_lse_ptr + rows, lse, mask=mask_g)
+        tl.store(partial_lse_ptr + lse_offset + rows, lse, mask=mask_g)
 
 
 def launch_decode(*, query, key_cache, value_cache, out, scale, window, sinks, config,
@@ -120,9 +120,10 @@ def launch_decode(*, query, key_cache, value_cache, out, scale, window, sinks, c
                   max_seqlen_k, key_scale=None, value_scale=None, roles=None):
     """Split-KV decode of the first ``num_requests`` requests (at most one query each), then
     the merge of the splits into ``out`` (which folds the sinks in). ``paged_attention``
-    checked every argument. Returns ``(decode, merge, partial_shape, lse_shape)``, the two
-    ``KernelLaunch`` of a plan (their pointers named by ``roles``, plus ``partial`` and
-    ``lse``) and the shapes of the fp32 buffers between them."""
+    checked every argument. Returns ``(decode, merge, workspace)``, the two ``KernelLaunch``
+    of a plan (their pointers named by ``roles``, plus ``workspace``) and the size of the fp32
+    buffer between them: the partial outputs ``[requests, Hq, splits, D]``, then their
+    log-sum-exps ``[requests, Hq, splits]``, one allocation."""
     num_q_heads, head_dim = query.shape[1:]
     num_kv_heads = key_cache.shape[2]
     # A window bounds the keys a query walks: the grid and the tuning key take that bound.
@@ -140,19 +141,21 @@ def launch_decode(*, query, key_cache, value_cache, out, scale, window, sinks, c
     check_grid("paged_attention decode", grid,
                f"max_seqlen_k={max_seqlen_k} (window {window}) in splits of "
                f"{config.kwargs['SPLIT_TOKENS']}")
-    partial = torch.empty(num_requests, num_q_heads, num_splits, head_dim, dtype=torch.float32,
-                          device=query.device)
-    lse = torch.empty(num_requests, num_q_heads, num_splits, dtype=torch.float32,
-                      device=query.device)
-    roles = {**(roles or {}), "partial": partial, "lse": lse}
+    lse_offset = num_requests * num_q_heads * num_splits * head_dim
+    size = lse_offset + num_requests * num_q_heads * num_splits
+    workspace = torch.empty(size, dtype=torch.float32, device=query.device)
+    roles = {**(roles or {}), "workspace": workspace}
     # tl.dot wants at least 16 rows: the group's query heads, padded.
-    kwargs = dict(partial_out_ptr=partial, partial_lse_ptr=lse, num_splits=num_splits, **args,
-                  BLOCK_G=max(16, next_pow2(args["group_size"])), **config.launch_kwargs())
+    kwargs = dict(partial_out_ptr=workspace, partial_lse_ptr=workspace, num_splits=num_splits,
+                  lse_offset=lse_offset, **args, BLOCK_G=max(16, next_pow2(args["group_size"])),
+                  **config.launch_kwargs())
     decode = KernelLaunch(_paged_attention_decode_kernel, grid, kwargs, tensor_arguments(kwargs),
                           roles)
-    merge = merge_attention_splits(out, partial, lse, cu_query_lengths, block_d=args["BLOCK_D"],
-                                   sinks=sinks, roles=roles)
-    return decode, merge, tuple(partial.shape), tuple(lse.shape)
+    merge = merge_splits_launch(out, workspace, workspace, cu_query_lengths,
+                                shape=(num_requests, num_q_heads, num_splits, head_dim),
+                                lse_offset=lse_offset, block_d=args["BLOCK_D"], sinks=sinks,
+                                roles=roles)
+    return decode, merge, size
 
 
 # Tile width, tokens per split and warps of the search space.

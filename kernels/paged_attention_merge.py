@@ -28,20 +28,21 @@ _CHUNK_VALUES = 8192
 
 if HAS_TRITON:
 
-    @triton.jit(do_not_specialize=["num_splits", "num_sinks"])
+    @triton.jit(do_not_specialize=["num_splits", "lse_offset", "num_sinks"])
     def _merge_attention_splits_kernel(
         out_ptr,
         partial_out_ptr, partial_lse_ptr,
         cu_query_lengths_ptr, sinks_ptr,
-        num_splits, head_dim, num_sinks,
+        num_splits, lse_offset, head_dim, num_sinks,
         stride_out_token, stride_out_head, stride_sinks,
         BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
     ):
         """One (request, head): ``out[token] = sum_s w_s partial[s]`` over chunks of splits,
         the head's sink logit (heads ``< num_sinks``) one more weight, of no value.
 
-        ``partial_out`` is ``[requests, heads, num_splits, head_dim]`` and ``partial_lse``
-        ``[requests, heads, num_splits]``, both contiguous fp32 (the launcher allocates them)."""
+        ``partial_out`` is ``[requests, heads, num_splits, head_dim]`` and ``partial_lse +
+        lse_offset`` ``[requests, heads, num_splits]``, both contiguous fp32 (the launcher
+        allocates them, as one buffer)."""
         request = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1).to(tl.int64)
         num_heads = tl.num_programs(1).to(tl.int64)
@@ -49,7 +50,7 @@ if HAS_TRITON:
         q_len = tl.load(cu_query_lengths_ptr + request + 1).to(tl.int64) - q_start
         if q_len > 0:
             row = request * num_heads + head
-            lse_row = partial_lse_ptr + row * num_splits
+            lse_row = partial_lse_ptr + lse_offset + row * num_splits
             partial_row = partial_out_ptr + row * num_splits * head_dim
             offs_s = tl.arange(0, BLOCK_S)
             offs_d = tl.arange(0, BLOCK_D)
@@ -94,22 +95,30 @@ def merge_chunk(block_d: int) -> int:
 
 def merge_attention_splits(out: torch.Tensor, partial_out: torch.Tensor,
                            partial_lse: torch.Tensor, cu_query_lengths: torch.Tensor, *,
-                           block_d: int, sinks: torch.Tensor | None = None,
-                           roles: dict | None = None) -> KernelLaunch:
+                           block_d: int, sinks: torch.Tensor | None = None) -> KernelLaunch:
     """Write ``out[cu_query_lengths[i]]`` for every request ``i`` with a query, in place.
 
     ``out``: ``[n, H, D]``, last dim contiguous; ``partial_out``: contiguous fp32
     ``[R, H, num_splits, D]``; ``partial_lse``: contiguous fp32 ``[R, H, num_splits]``;
     ``cu_query_lengths``: int32 ``[>= R + 1]``, at most one query per request. ``block_d`` is
     the padded head dim the decode kernel used; ``sinks``: ``[H]`` logits, or None. The caller
-    (``paged_attention``) checked everything; this launches only. Returns the launch, for a
-    plan (its pointers named by ``roles``, role name -> tensor, when given)."""
-    num_requests, num_heads, num_splits, head_dim = partial_out.shape
+    checked everything; this launches only. Returns the launch."""
+    return merge_splits_launch(out, partial_out, partial_lse, cu_query_lengths,
+                               shape=tuple(partial_out.shape), lse_offset=0, block_d=block_d,
+                               sinks=sinks)
+
+
+def merge_splits_launch(out, partial_out, partial_lse, cu_query_lengths, *, shape, lse_offset,
+                        block_d, sinks=None, roles=None) -> KernelLaunch:
+    """``merge_attention_splits`` of partials of ``shape`` ``(R, H, num_splits, D)``, their
+    log-sum-exps from element ``lse_offset`` of ``partial_lse`` on (``paged_attention`` passes
+    one buffer for both), for a plan (its pointers named by ``roles``, role name -> tensor)."""
+    num_requests, num_heads, num_splits, head_dim = shape
     kwargs = dict(
         out_ptr=out, partial_out_ptr=partial_out, partial_lse_ptr=partial_lse,
-        cu_query_lengths_ptr=cu_query_lengths, num_splits=num_splits, head_dim=head_dim,
-        stride_out_token=out.stride(0), stride_out_head=out.stride(1), **sink_args(out, sinks),
-        BLOCK_S=merge_chunk(block_d), BLOCK_D=block_d)
+        cu_query_lengths_ptr=cu_query_lengths, num_splits=num_splits, lse_offset=lse_offset,
+        head_dim=head_dim, stride_out_token=out.stride(0), stride_out_head=out.stride(1),
+        **sink_args(out, sinks), BLOCK_S=merge_chunk(block_d), BLOCK_D=block_d)
     return KernelLaunch(_merge_attention_splits_kernel, (num_requests, num_heads), kwargs,
                         tensor_arguments(kwargs), roles)
 

@@ -23,7 +23,7 @@ from ._common import custom_op, next_pow2
 from ._shapes import DEEPSEEK_V2_LITE, LLAMA_3_8B
 from .autotune import KernelConfig, KernelTuning
 from .backend import HAS_TRITON, resolve_backend
-from .launch_plan import KernelLaunch, PlanCache, launch_key
+from .launch_plan import KernelLaunch, PlanCache
 
 # The rotation's names models and tests reach through this module, the rope launcher's.
 from .rope_rotation import (  # noqa: F401
@@ -104,10 +104,9 @@ def fused_qk_rope(query: Optional[torch.Tensor], key: Optional[torch.Tensor],
     mla_layout: Megatron's ``multi_latent_attention`` de-interleave (read pairs, write half-split).
     mscale: multiplies cos and sin. Rows ``>= n`` and dims ``>= rot`` are never touched.
     """
-    plan_key = launch_key((query, key, positions, cos_sin_cache, freqs),
-                          (interleaved, mscale, mla_layout), config)
-    plan = _PLANS.get(plan_key)
-    if plan is not None and resolve_backend(backend, positions.device) == "triton":
+    plan, plan_key = _PLANS.find((query, key, positions, cos_sin_cache, freqs),
+                                 (interleaved, mscale, mla_layout, backend), config)
+    if plan is not None:
         plan.launch((query, key, freqs if cos_sin_cache is None else cos_sin_cache, positions))
         return
     problem = check_rope_args(query, key, positions, cos_sin_cache, freqs, interleaved, mla_layout)

@@ -22,7 +22,7 @@ from .autotune import KernelConfig, KernelTuning
 from .backend import HAS_TRITON, resolve_backend
 from .devices import same_device
 from .fp8 import FLOAT_DTYPES, check_head_scale, fp8_constexprs, is_fp8, quantize_ref
-from .launch_plan import KernelLaunch, PlanCache, launch_key
+from .launch_plan import KernelLaunch, PlanCache
 from .rope import fused_qk_rope_ref
 from .rope_rotation import (
     RopeTuneCase,
@@ -186,11 +186,10 @@ def rope_kv_append(query: Optional[torch.Tensor], key: torch.Tensor, value: torc
     Every tensor is read or written through its own strides and storage offset; nothing is
     copied at the edge. Every argument is checked before anything is written.
     """
-    plan_key = launch_key((query, key, value, positions, key_cache, value_cache, block_ids, slots,
-                           cos_sin_cache, freqs, key_scale, value_scale),
-                          (interleaved, mscale, mla_layout), config)
-    plan = _PLANS.get(plan_key)
-    if plan is not None and resolve_backend(backend, positions.device) == "triton":
+    plan, plan_key = _PLANS.find(
+        (query, key, value, positions, key_cache, value_cache, block_ids, slots, cos_sin_cache,
+         freqs, key_scale, value_scale), (interleaved, mscale, mla_layout, backend), config)
+    if plan is not None:
         plan.launch((query, key, key_cache, value_cache, value,
                      freqs if cos_sin_cache is None else cos_sin_cache, positions, block_ids,
                      slots, key if key_scale is None else key_scale,

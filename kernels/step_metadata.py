@@ -33,7 +33,7 @@ from ._common import check_tensor, check_writable, custom_op
 from ._shapes import BLOCK_SIZE
 from .autotune import KernelConfig, KernelTuning, TuneCase, bucket_tokens
 from .backend import HAS_TRITON, resolve_backend
-from .launch_plan import KernelLaunch, PlanCache, launch_key
+from .launch_plan import KernelLaunch, PlanCache
 
 if HAS_TRITON:
     import triton
@@ -228,11 +228,10 @@ def step_metadata(token_to_input_ids: torch.Tensor, token_to_pos_ids: torch.Tens
                token_to_position_in_request, token_to_local_position_within_kv_block,
                attn_block_table, next_tokens, prompt_tokens, block_table, kv_offsets,
                cu_query_lengths)
-    plan_key = launch_key((*tensors, query_lengths), (num_requests, num_decode, active_tokens,
-                          padded_tokens, padded_requests, row_offset, block_size, dummy_block,
-                          check), config)
-    plan = _PLANS.get(plan_key)
-    if plan is not None and resolve_backend(backend, block_table.device) == "triton":
+    plan, plan_key = _PLANS.find((*tensors, query_lengths), (
+        num_requests, num_decode, active_tokens, padded_tokens, padded_requests, row_offset,
+        block_size, dummy_block, check, backend), config)
+    if plan is not None:
         return plan.launch(tensors)
     device = block_table.device if isinstance(block_table, torch.Tensor) else None
     num_requests, num_decode, active_tokens, padded_tokens, padded_requests, block_size = map(

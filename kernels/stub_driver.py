@@ -126,11 +126,16 @@ if HAS_TRITON:
 
                 def __call__(self, grid_0, grid_1, grid_2, stream, function, packed_metadata,
                              launch_metadata, enter_hook, exit_hook, *args):
+                    # The launch hooks, as Triton's CUDA launcher calls them.
+                    if enter_hook is not None:
+                        enter_hook(launch_metadata)
                     if record_launches:
                         record.launches.append(Launch(
                             self.build, (grid_0, grid_1, grid_2),
                             tuple(("ptr", arg.data_ptr()) if hasattr(arg, "data_ptr") else arg
                                   for arg in args)))
+                    if exit_hook is not None:
+                        exit_hook(launch_metadata)
 
             self.launcher_cls = _Launcher
 

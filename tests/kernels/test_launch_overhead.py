@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from dynctx.kernels import autotune, registry
+from dynctx.kernels import autotune, launch_plan, registry
 from dynctx.kernels.backend import HAS_TRITON, triton_interpreting
 
 pytestmark = [
@@ -30,3 +30,5 @@ def test_every_launcher_gets_a_row(capsys):
     for row in result["rows"]:
         assert row["launch_us"] > 0 and row["dispatch_us"] > 0
         assert row["lookup_us"] > 0 and row["lookup_uncached_us"] > 0
+        # The launch with the recent plans' guard off, where this torch has the guard.
+        assert (row["lru_only_us"] > 0) == (launch_plan.GUARDS is not None)

@@ -16,11 +16,15 @@ Three layers of checks:
 
 from __future__ import annotations
 
+import os
+import weakref
+
 import pytest
 import torch
 
 from dynctx.kernels import autotune, launch_plan, registry
-from dynctx.kernels.backend import HAS_TRITON, triton_interpreting
+from dynctx.kernels.autotune import KernelConfig
+from dynctx.kernels.backend import BACKEND_ENV, HAS_TRITON, triton_interpreting
 from dynctx.kernels.launch_plan import (
     UNCACHEABLE,
     PlanCache,
@@ -70,6 +74,106 @@ def test_key_sees_dtype_device_shape_strides_and_alignment():
     assert tensor_meta(torch.zeros(8, 8, device="meta")) != key
     assert tensor_meta(base.t()) != key                      # strides
     assert tensor_meta(torch.zeros(65)[1:].view(8, 8)) != key   # 16-byte alignment
+
+
+def _guarded_call():
+    a, b = torch.zeros(4, 8), torch.zeros(6, dtype=torch.int32)
+    return (a, None, b), (3, True, "triton"), None
+
+
+def _stale_calls(tensors, scalars):
+    """Calls that differ from ``(tensors, scalars)`` in one thing a plan depends on."""
+    a, none, b = tensors
+    return {
+        "dtype": ((a.double(), none, b), scalars),
+        "strides": ((torch.zeros(8, 4).t(), none, b), scalars),
+        "shape": ((torch.zeros(4, 9), none, b), scalars),
+        "device": ((torch.zeros(4, 8, device="meta"), none, b), scalars),
+        "alignment": ((torch.zeros(33)[1:].view(4, 8), none, b), scalars),
+        "a None filled": ((a, torch.zeros(6, dtype=torch.int32), b), scalars),
+        "None moved": ((a, b, None), scalars),
+        "subclass": ((torch.nn.Parameter(a, requires_grad=False), none, b), scalars),
+        "scalar value": (tensors, (4, True, "triton")),
+        "True for 1": (tensors, (3, 1, "triton")),
+        "float for int": (tensors, (3.0, True, "triton")),
+        "tensor for int": (tensors, (torch.tensor(3), True, "triton")),
+        "backend": (tensors, (3, True, "torch")),
+    }
+
+
+@pytest.mark.parametrize("guards", [True, False], ids=["guarded", "lru_only"])
+def test_a_plan_is_reused_only_by_a_call_of_its_key(guards, monkeypatch, tmp_path):
+    """The recent plans' guard (or, without it, the LRU) gives a plan back for the same call,
+    and for no call that differs in a dtype, stride, shape, device, alignment, ``None``, a
+    scalar's value or type, the config, an environment variable a plan depends on or the
+    lookup generation; the same call after each still finds it."""
+    if not guards:
+        monkeypatch.setattr(launch_plan, "GUARDS", None)
+    else:
+        assert launch_plan.GUARDS is not None, "this torch's tensor check failed the probe"
+    cache = PlanCache(f"test_reuse_{guards}")
+    tensors, scalars, config = _guarded_call()
+    plan, key = cache.find(tensors, scalars, config)
+    assert plan is None and key is not None
+    cache.put(key, "plan")
+    assert cache.find(tensors, scalars, config) == ("plan", None)
+    assert len(cache._recent) == (1 if guards else 0)
+    if guards:
+        # A hit from the recent list, without the LRU's key.
+        with monkeypatch.context() as m:
+            m.setattr(cache, "get", lambda key: pytest.fail("the LRU was asked"))
+            assert cache.find(tensors, scalars, config) == ("plan", None)
+    for what, (other_tensors, other_scalars) in _stale_calls(tensors, scalars).items():
+        assert cache.find(other_tensors, other_scalars, config)[0] is None, what
+        assert cache.find(tensors, scalars, config) == ("plan", None), what
+    assert cache.find(tensors, scalars, KernelConfig.make(BLOCK=4))[0] is None
+    for name, value in ((autotune.OVERRIDE_ENV, str(tmp_path)), ("XDG_CACHE_HOME", str(tmp_path)),
+                        (BACKEND_ENV, "triton"), ("TRITON_INTERPRET", "1"),
+                        (launch_plan.PLANS_ENV, "1")):
+        with monkeypatch.context() as m:
+            # (Another value than this process has: a plan depends on the value.)
+            m.setenv(name, value if os.environ.get(name) != value else value + "0")
+            assert cache.find(tensors, scalars, config)[0] is None, name
+        assert cache.find(tensors, scalars, config) == ("plan", None), name
+    autotune.clear_lookup_cache()
+    assert cache.find(tensors, scalars, config)[0] is None
+
+
+def test_a_promoted_plan_holds_no_tensor_of_its_calls():
+    cache = PlanCache("test_holds_none")
+    tensors, scalars, config = _guarded_call()
+    cache.put(cache.find(tensors, scalars, config)[1], "plan")
+    assert cache.find(tensors, scalars, config)[0] == "plan"
+    assert len(cache._recent) == (launch_plan.GUARDS is not None)
+    refs = [weakref.ref(t) for t in tensors if t is not None]
+    del tensors
+    assert all(ref() is None for ref in refs)
+
+
+def test_the_guard_probe_drops_a_check_that_lets_a_difference_through(monkeypatch):
+    guards = pytest.importorskip("torch._C._dynamo.guards")
+    assert launch_plan._tensor_guards() is not None
+
+    class Lenient:
+        def __init__(self, *tensors, **kwargs):
+            self.count = len(tensors)
+
+        def check(self, *tensors):
+            return len(tensors) == self.count
+
+    monkeypatch.setattr(guards, "TensorGuards", Lenient)
+    assert launch_plan._tensor_guards() is None
+
+
+def test_the_launch_state_follows_what_plans_depend_on(monkeypatch, tmp_path):
+    before = launch_plan.launch_state()
+    assert launch_plan.launch_state() == before
+    monkeypatch.setenv(autotune.OVERRIDE_ENV, str(tmp_path))
+    assert launch_plan.launch_state() != before
+    monkeypatch.delenv(autotune.OVERRIDE_ENV)
+    assert launch_plan.launch_state() == before
+    autotune.clear_lookup_cache()
+    assert launch_plan.launch_state() != before
 
 
 def test_the_lookup_state_follows_the_override_folder(monkeypatch, tmp_path):
@@ -127,6 +231,40 @@ class TestUnderTheInterpreter:
             assert torch.equal(cache, expected), message
         assert plan_caches()["kv_append"].hits >= len(bad_calls)
 
+    def test_overlapping_outputs_of_a_planned_shape_are_still_refused(self):
+        """compact_requests' overlap check reads addresses: a call of a planned key whose
+        outputs share memory with its inputs is refused, with nothing written."""
+        from dynctx.kernels import compact_requests
+
+        clear_plans()
+        # Views 16 bytes apart overlap and have the same metadata (alignment included).
+        flat = torch.arange(40, dtype=torch.int32)
+        tokens = torch.arange(12, dtype=torch.int64)
+        new = torch.arange(100, 104, dtype=torch.int64)
+        plan = torch.tensor([1, 0, 3, 2], dtype=torch.int32)
+        none = torch.full((4,), -1, dtype=torch.int32)
+
+        def call(dst_table, src_table, dst_tokens, src_tokens):
+            compact_requests(dst_table, src_table, dst_tokens, src_tokens, new, plan, none, none,
+                             new_token_offset=0, num_rows=4, clear_rows=4, backend="triton")
+
+        table = (flat[:12].view(4, 3), flat[16:28].view(4, 3))
+        good = (*table, tokens[:4], tokens[4:8])
+        bad_calls = {
+            "dst_block_table and src_block_table": (table[0], flat[4:16].view(4, 3),
+                                                    *good[2:]),
+            "dst_next_tokens and src_next_tokens": (*table, tokens[:4], tokens[2:6]),
+        }
+        call(*good)
+        for message, bad in bad_calls.items():
+            before = (flat.clone(), tokens.clone())
+            with pytest.raises(ValueError, match=f"{message} must not share memory"):
+                call(*bad)
+            assert torch.equal(flat, before[0]) and torch.equal(tokens, before[1]), message
+            hits = plan_caches()["compact_requests"].hits
+            call(*good)
+            assert plan_caches()["compact_requests"].hits == hits + 1, message
+
     def test_varying_counts_reusing_plans_match_the_reference(self):
         from dynctx.kernels import kv_append, last_token_logits, mamba_state_gather
 
@@ -158,8 +296,7 @@ class TestUnderTheInterpreter:
         from dynctx.kernels import paged_attention
 
         clear_plans()
-        # The caches count over the process (earlier tests launch paged attention too).
-        misses_before = plan_caches()["paged_attention"].misses
+        cache, triton_misses = plan_caches()["paged_attention"], 0
         gen = torch.Generator().manual_seed(0)
         heads, kv_heads, dim, block_size, num_blocks = 4, 2, 16, 4, 12
         key_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen)
@@ -172,14 +309,50 @@ class TestUnderTheInterpreter:
             query = torch.randn(int(q_len.sum()), heads, dim, generator=gen)
             args = dict(max_seqlen_q=max(query_lengths), max_seqlen_k=9,
                         num_decode_requests=1)
+            misses = cache.misses
             got = paged_attention(query, key_cache, value_cache, cu, kv, table, **args,
                                   backend="triton")
+            triton_misses += cache.misses - misses
             want = paged_attention(query, key_cache, value_cache, cu, kv, table, **args,
                                    backend="torch")
             torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5,
                                        msg=lambda m, step=step: f"step {step}: {m}")
         # Two keys (all decode, decode + varlen), each planned once and replayed after.
-        assert plan_caches()["paged_attention"].misses - misses_before == 2
+        assert triton_misses == 2
+
+
+@pytest.mark.build
+@pytest.mark.skipif(not HAS_TRITON or triton_interpreting(),
+                    reason="needs triton, compiled (TRITON_INTERPRET unset)")
+def test_a_planned_launch_feeds_the_launch_hooks():
+    """A replayed launch gives Triton's launch hooks (a profiler's) the kernel's metadata, as
+    JITFunction.run does, once one has joined the chain."""
+    from triton import knobs
+
+    from dynctx.kernels import kv_append
+    from dynctx.kernels.stub_driver import stub_driver
+
+    clear_plans()
+    cache = torch.zeros(2, 5, 4, 2, 8)
+    key, value = torch.zeros(3, 2, 8), torch.zeros(3, 2, 8)
+    block_ids, slots = torch.tensor([0, 1, 2]), torch.tensor([0, 1, 2])
+    seen = []
+
+    def hook(metadata):
+        seen.append(metadata.get()["name"])
+
+    with stub_driver():
+        for _ in range(3):
+            kv_append(cache[0], cache[1], key, value, block_ids, slots, backend="triton")
+        hits = plan_caches()["kv_append"].hits
+        knobs.runtime.launch_enter_hook.add(hook)
+        try:
+            kv_append(cache[0], cache[1], key, value, block_ids, slots, backend="triton")
+        finally:
+            knobs.runtime.launch_enter_hook.remove(hook)
+        kv_append(cache[0], cache[1], key, value, block_ids, slots, backend="triton")
+    assert seen == ["_kv_append_kernel"]
+    assert plan_caches()["kv_append"].hits == hits + 2
 
 
 def _storages(obj) -> list[tuple[int, int]]:
@@ -248,5 +421,4 @@ def _kernel_launches(plan):
         return [plan]
     if isinstance(plan, tuple):
         return [part for part in plan if isinstance(part, launch_plan.KernelLaunch)]
-    parts = [plan.varlen] + (list(plan.decode[:2]) if plan.decode else [])
-    return [part for part in parts if part is not None]
+    return list(plan.launches)
