@@ -35,7 +35,12 @@ from .kv_scales import check_kv_scales, resolve_kv_cache_dtype
 from .mamba_states import MambaMetadata, MambaStates
 from .offload import Offload, check_offload_args
 from .parallel import CountAgreement, ParallelGroups
-from .prefix_options import check_prefix_caching_args, prefix_snapshot_count, warn_without_snapshots
+from .prefix_options import (
+    check_prefix_caching_args,
+    host_tier_with_groups,
+    prefix_snapshot_count,
+    warn_without_snapshots,
+)
 from .request_table import RequestTable
 from .requests import DynamicInferenceRequest
 from .sizing import (
@@ -234,14 +239,8 @@ def settle(*, agreement: CountAgreement, groups: ParallelGroups, default_max_tok
                          speculative=speculative,
                          mla=bool(cache_mla_latent),
                          hybrid=layers.is_hybrid_model)
-    if kv_spec is not None and host_tier:
-        # The host tier spills group 0's blocks; the windows' copies have no host tier.
-        if prefix_caching_host_tier:
-            raise ValueError(
-                f"prefix_caching_host_tier=True is not supported with KV groups "
-                f"(kv_layer_windows={list(kv_layer_windows)!r}): pass kv_groups=False or "
-                f"prefix_caching_host_tier=False")
-        host_tier = False
+    host_tier = host_tier_with_groups(host_tier, prefix_caching_host_tier, kv_spec,
+                                      kv_layer_windows)
     # The settings that steer the bookkeeping agree over the ranks, and the hybrid prefix
     # cache's snapshot count is reduced with the block counts (one all-reduce).
     agreement.extra = [prefix_snapshot_count(prefix_caching, layers)]

@@ -71,3 +71,16 @@ def check_host_tier_arg(value: Any, *, enable_prefix_caching: bool, kv_offload_g
         raise ValueError(f"prefix_caching_host_tier=True needs a host pool: kv_offload_gb="
                          f"{kv_offload_gb} must be > 0 (or kv_cache_management_mode='offload')")
     return bool(value)
+
+
+def host_tier_with_groups(host_tier: bool, asked: Any, kv_spec: Any, windows: Any) -> bool:
+    """Whether the host tier stays on once the KV groups are known (``kv_spec``: None without
+    groups): it spills group 0's blocks only, so groups turn the default off, and an explicit
+    ``prefix_caching_host_tier=True`` (``asked``) raises naming the two ways out."""
+    if kv_spec is None or not host_tier:
+        return host_tier
+    if asked:
+        raise ValueError(f"prefix_caching_host_tier=True is not supported with KV groups "
+                         f"(kv_layer_windows={list(windows)!r}): pass kv_groups=False or "
+                         f"prefix_caching_host_tier=False")
+    return False
