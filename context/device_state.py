@@ -278,6 +278,8 @@ class DeviceState:
             active_tokens=step.active_tokens, padded_tokens=step.padded_tokens,
             padded_requests=step.padded_requests, row_offset=paused, block_size=table.block_size,
             dummy_block=table.allocator.dummy_block_idx, backend=self.backend, check=False)
+        for start, count in table.discard_writes:   # tokens recomputed in shared blocks
+            self.token_to_block_idx[start:start + count] = table.allocator.dummy_block_idx
 
     def attention_metadata(self, step) -> SimpleNamespace:
         """The step's attention metadata: views of the arena's attention sections and the
@@ -423,6 +425,14 @@ class DeviceState:
                     for label in self.metadata_labels}
         self.sync()
         return {label: self.arena.device[f"meta:{label}"] for label in self.metadata_labels}
+
+    def active_metadata_views(self, table) -> dict:
+        """Megatron-Core 0.19's ``active_request_metadata``: per label, a host tensor view of
+        the metadata from the first active row on (active rows first, as 0.19's pinned copy;
+        no copy: writes reach the rows)."""
+        self.check_allocated()
+        return {label: torch.from_numpy(table.metadata[label][table.paused:])
+                for label in self.metadata_labels}
 
     def pull_bookkeeping(self, table) -> None:
         """Copy the handed-out device mirrors (fields, metadata, block table) back into the

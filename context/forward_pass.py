@@ -23,7 +23,7 @@ update, and the metadata after ``reset_attention_state`` too).
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -344,10 +344,12 @@ class ForwardPass:
                                      validate=self.validate, backend=self.kernel_backend)
 
     def calculate_log_probs(self, logits: torch.Tensor, new_tokens: torch.Tensor,
-                            only_last_token_logits: Optional[bool] = False
+                            only_last_token_logits: Optional[bool] = False,
+                            processed: Optional[Callable] = None
                             ) -> Tuple[List[List[float]], torch.Tensor]:
         """Log probs of the sampled tokens (decode) and of the prompt tokens (prefill), one list
-        per active request; also returns the fp32 log-softmax of the rows used."""
+        per active request; also returns the fp32 log-softmax of the rows used (``processed``:
+        0.19's processed log probs, ``logits.log_probs``)."""
         meta = self.require("calculate_log_probs")
         if self.speculative:
             raise NotImplementedError(
@@ -361,7 +363,7 @@ class ForwardPass:
             last_only=bool(table.num_prefill == 0 or only_last_token_logits),
             input_ids=self.device.token_to_input_ids, cu_query_lengths=meta.cu_query_seq_lengths,
             query_lengths=table.rows[FIELD_QUERY, table.paused:table.total],
-            validate=self.validate, backend=self.kernel_backend)
+            validate=self.validate, backend=self.kernel_backend, processed=processed)
 
     # ------------------------------------------------------------------ Mamba layers
     def _mamba_layer(self, layer_number: int) -> int:

@@ -42,11 +42,7 @@ to end a hybrid's first chunk at the end of its cached blocks when the state the
 
 from __future__ import annotations
 
-import hashlib
-import logging
-import math
 from dataclasses import dataclass
-from enum import Enum
 from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
@@ -55,103 +51,28 @@ import torch
 from ._fields import FIELD_IDS, FIELD_KV_OFFSET, FIELD_MAMBA_SLOT, FIELD_QUERY
 from .inference_request import compute_block_hashes_batched
 from .mamba_states import MambaSnapshots
+from .prefix_digests import (  # noqa: F401 (re-exported: the context's modules import them here)
+    POLICIES,
+    DigestTable,
+    Link,
+    PrefixCacheStats,
+    PrefixCachingEvictionPolicy,
+    chain_links,
+    check_prefix_caching_args,
+    prefix_snapshot_count,
+    salt_digest,
+    wants_every_prompt_logit,
+    warn_without_snapshots,
+)
 from .requests import whole_number_ids
-
-logger = logging.getLogger("dynctx.context")
-POLICIES = ("ref_zero", "lru")
-
-
-class PrefixCachingEvictionPolicy(str, Enum):
-    """Megatron-Core 0.19's enum of the eviction policies (a plain string works as well)."""
-
-    REF_ZERO = "ref_zero"
-    LRU = "lru"
-_DIGEST = 16
-
-# (digest, parent digest, token bytes) of one full block.
-Link = Tuple[bytes, bytes, bytes]
-
-
-def check_prefix_caching_args(enable_prefix_caching: Any, prefix_caching_eviction_policy: Any,
-                              prefix_caching_mamba_gb: Any) -> Tuple[bool, str, Optional[float]]:
-    """The constructor's prefix caching arguments, checked (naming the argument and value)."""
-    if not isinstance(enable_prefix_caching, (bool, np.bool_)):
-        raise TypeError(f"enable_prefix_caching={enable_prefix_caching!r} must be a bool")
-    policy = prefix_caching_eviction_policy
-    if isinstance(policy, Enum):
-        policy = policy.name
-    if not isinstance(policy, str) or policy.lower() not in POLICIES:
-        raise ValueError(f"prefix_caching_eviction_policy={policy!r} must be one of "
-                         f"{', '.join(repr(p) for p in POLICIES)}")
-    gb = prefix_caching_mamba_gb
-    if gb is not None:
-        if isinstance(gb, bool) or not isinstance(gb, (int, float, np.integer, np.floating)) \
-                or not math.isfinite(gb) or gb < 0:
-            raise ValueError(f"prefix_caching_mamba_gb={gb!r} must be a finite number of GiB "
-                             ">= 0 (or None)")
-        gb = float(gb)
-    return bool(enable_prefix_caching), policy.lower(), gb
-
-
-def prefix_snapshot_count(args: Tuple[bool, str, Optional[float]], layers: Any) -> int:
-    """How many Mamba state snapshots ``prefix_caching_mamba_gb`` holds (``args``:
-    ``check_prefix_caching_args``' result; ``layers``: the context's ``LayerLayout``); -1 when
-    caching is off or the model has no Mamba layers."""
-    enable, _, mamba_gb = args
-    if not enable or not layers.is_hybrid_model:
-        return -1
-    return int((mamba_gb or 0.0) * 1024 ** 3 // layers.mamba_bytes_per_request)
-
-
-def warn_without_snapshots(snapshots: int, mamba_gb: Optional[float], bytes_each: int) -> None:
-    """Say once, at construction, that a hybrid's prefix cache can give no hits: no Mamba
-    state snapshot fits its budget (a hit resumes from one)."""
-    if snapshots == 0:
-        logger.warning(
-            "enable_prefix_caching on a hybrid model with prefix_caching_mamba_gb=%s: no Mamba "
-            "state snapshot fits (%d bytes each), so no request can resume from the cache",
-            mamba_gb, bytes_each)
-
-
-def salt_digest(salt: Any) -> bytes:
-    """The root parent digest of a request's chain: its salt (None, str, bytes or int)."""
-    if salt is None:
-        data = b""
-    elif isinstance(salt, bytes):
-        data = b"b" + salt
-    elif isinstance(salt, str):
-        data = b"s" + salt.encode()
-    elif isinstance(salt, (int, np.integer)) and not isinstance(salt, bool):
-        data = b"i" + str(int(salt)).encode()
-    else:
-        raise TypeError(f"prefix_caching_salt={salt!r} must be None, a str, bytes or an int")
-    return hashlib.blake2b(data, digest_size=_DIGEST, person=b"dynctx-salt").digest()
-
-
-def chain_links(tokens: np.ndarray, block_size: int, salt: Any = None) -> Tuple[Link, ...]:
-    """The chained links of every full block of ``tokens`` (int64 host ids)."""
-    parent = salt_digest(salt)
-    data = np.ascontiguousarray(tokens, dtype="<i8")
-    links = []
-    for start in range(0, (data.size // block_size) * block_size, block_size):
-        chunk = data[start:start + block_size].tobytes()
-        digest = hashlib.blake2b(parent + chunk, digest_size=_DIGEST).digest()
-        links.append((digest, parent, chunk))
-        parent = digest
-    return tuple(links)
-
-
-def wants_every_prompt_logit(req: Any) -> bool:
-    """A request that asks for prompt log probs needs every prompt position computed."""
-    params = getattr(req, "sampling_params", None)
-    return bool(getattr(params, "return_log_probs", False)
-                and not getattr(params, "skip_prompt_log_probs", False))
 
 
 @dataclass(frozen=True)
 class PrefixHit:
-    """What ``plan_match`` found for a new request: its chain, the matched blocks (in order)
-    and which of them are idle (reference count 0) and must be revived."""
+    """What ``plan_match`` found for a new request: its chain, the matched blocks (in order,
+    shared into its block-table row), which of them are idle (reference count 0) and must be
+    revived, and how many of them the chunk skips (``skip``; the rest it recomputes, its K/V
+    writes there discarded: ``discard_tokens``)."""
 
     links: Tuple[Link, ...]
     blocks: np.ndarray
@@ -159,10 +80,22 @@ class PrefixHit:
     block_size: int
     snapshot: int = -1         # hybrids: the Mamba snapshot the hit resumes from
     hashes: Tuple[int, ...] = ()   # 0.19's hash of each link (the allocator's block_hashes)
+    skip: int = -1             # blocks skipped (-1: every matched block)
+
+    @property
+    def skipped(self) -> int:
+        return int(self.blocks.size) if self.skip < 0 else self.skip
 
     @property
     def tokens(self) -> int:
-        return int(self.blocks.size) * self.block_size
+        """The prompt tokens the hit skips (their K/V are in the shared blocks)."""
+        return self.skipped * self.block_size
+
+    @property
+    def discard_tokens(self) -> int:
+        """The tokens the chunk computes inside shared blocks: their K/V are there already,
+        so the forward's writes of them are discarded (the dummy block takes them)."""
+        return (int(self.blocks.size) - self.skipped) * self.block_size
 
 
 @dataclass
@@ -180,52 +113,6 @@ class PublishPlan:
     items: Tuple[Tuple[int, int, Link, int], ...] = ()
     progress: Tuple[Tuple[int, int], ...] = ()
     snapshots: Tuple[Tuple[int, bytes], ...] = ()   # hybrids: (Mamba slot, block digest)
-
-
-@dataclass
-class PrefixCacheStats:
-    """Megatron-Core 0.19's names. ``hits``: added requests that matched at least one block."""
-
-    prefix_cache_hits: int = 0
-    prefix_cache_blocks_matched: int = 0
-    prefix_cache_prefill_skipped_tokens: int = 0
-    prefix_cache_prefill_computed_tokens: int = 0
-    prefix_cache_lookups: int = 0
-
-    def as_dict(self) -> Dict[str, float]:
-        total = self.prefix_cache_prefill_skipped_tokens + \
-            self.prefix_cache_prefill_computed_tokens
-        return {
-            "prefix_cache_hits": self.prefix_cache_hits,
-            "prefix_cache_lookups": self.prefix_cache_lookups,
-            "prefix_cache_blocks_matched": self.prefix_cache_blocks_matched,
-            "prefix_cache_prefill_skipped_tokens": self.prefix_cache_prefill_skipped_tokens,
-            "prefix_cache_prefill_computed_tokens": self.prefix_cache_prefill_computed_tokens,
-            "prefix_cache_hit_rate": (self.prefix_cache_hits / self.prefix_cache_lookups
-                                      if self.prefix_cache_lookups else 0.0),
-            "prefix_cache_token_hit_rate": (self.prefix_cache_prefill_skipped_tokens / total
-                                            if total else 0.0),
-        }
-
-
-class DigestTable:
-    """The cached blocks: ``entries`` maps a digest to ``(block id, parent digest, token
-    bytes)``, ``block_digest`` a cached block to its digest. ``forget`` is the block
-    allocator's ``on_evict``."""
-
-    def __init__(self):
-        self.entries: Dict[bytes, Tuple[int, bytes, bytes]] = {}
-        self.block_digest: Dict[int, bytes] = {}
-
-    def forget(self, blocks: np.ndarray) -> None:
-        for block in blocks.tolist():
-            digest = self.block_digest.pop(block, None)
-            if digest is not None:
-                del self.entries[digest]
-
-    def clear(self) -> None:
-        self.entries.clear()
-        self.block_digest.clear()
 
 
 class PrefixCache:
@@ -297,18 +184,22 @@ class PrefixCache:
     def plan_match(self, req: Any, request_id: int, chunk: int,
                    allow_hit: bool = True) -> PrefixHit:
         """The hit of a new request whose first add covers ``chunk`` prompt tokens; pure.
-        At most ``(chunk - 1) // block_size`` blocks match, so the chunk computes at least
-        its last token. ``allow_hit=False`` (requests asking for prompt log probs) matches
-        nothing but still plans the publishing."""
+        Every cached block the chunk covers whole is shared (0.19's match); the chunk skips
+        at most ``(chunk - 1) // block_size`` of them, so it computes at least its last token,
+        and on a hybrid only up to a block whose boundary has a Mamba snapshot (none: the
+        blocks are shared for memory only, 0.19's "memory-only" mode). ``allow_hit=False``
+        (requests asking for prompt log probs) matches nothing but still plans the
+        publishing."""
         links = self._links(req, request_id)
-        limit = max(0, (chunk - 1) // self.block_size) if allow_hit else 0
-        matched = self._matched(links, limit)
-        count, snapshot = self._resumable(links, matched)
-        blocks = np.asarray(matched[:count], dtype=np.int32)
+        matched = self._matched(links, chunk // self.block_size if allow_hit else 0)
+        skippable = matched[:max(0, (chunk - 1) // self.block_size)]
+        skip, snapshot = self._resumable(links, skippable)
+        blocks = np.asarray(matched, dtype=np.int32)
         idle = blocks[self.allocator.ref_counts[blocks] == 0] if blocks.size else blocks
         return PrefixHit(links=links, blocks=blocks, idle=idle, block_size=self.block_size,
-                         snapshot=snapshot,
-                         hashes=self._hashes(req, len(links)) if len(links) > count else ())
+                         snapshot=snapshot, skip=skip,
+                         hashes=self._hashes(req, len(links)) if len(links) > blocks.size
+                         else ())
 
     def _hashes(self, req: Any, count: int) -> Tuple[int, ...]:
         """0.19's hashes of the ``count`` full prompt blocks of a new request: its
@@ -337,18 +228,15 @@ class PrefixCache:
                 return i + 1 - start
         return 0
 
-    def lookup(self, req: Any) -> Tuple[int, int]:
-        """``(tokens, idle blocks)``: the prompt tokens the next ``add_request`` of ``req`` (a
-        new request, with a chunk that covers them) would take from the cache, and how many of
-        their blocks are idle (they leave the free stack); pure."""
+    def lookup(self, req: Any) -> Tuple[int, int, int]:
+        """``(tokens, blocks, idle blocks)``: the prompt tokens the next ``add_request`` of
+        ``req`` (a new request whose chunk is its whole remaining prompt) would skip, the
+        cached blocks it would share, and how many of those are idle (they leave the free
+        stack); pure."""
         if wants_every_prompt_logit(req) or req.finished_chunk_token_count:
-            return 0, 0
-        links = self._links(req, getattr(req, "request_id", -1))
-        limit = max(0, (req.remaining_prompt_length - 1) // self.block_size)
-        matched = self._matched(links, limit)
-        blocks = np.asarray(matched[:self._resumable(links, matched)[0]], dtype=np.int64)
-        idle = int((self.allocator.ref_counts[blocks] == 0).sum()) if blocks.size else 0
-        return int(blocks.size) * self.block_size, idle
+            return 0, 0, 0
+        hit = self.plan_match(req, getattr(req, "request_id", -1), req.remaining_prompt_length)
+        return hit.tokens, int(hit.blocks.size), int(hit.idle.size)
 
     def first_chunk_boundary(self, req: Any) -> int:
         """Hybrids: where the first chunk of the new request ``req`` should end so that its
@@ -380,11 +268,28 @@ class PrefixCache:
             if shared.size:
                 self.allocator.share(shared)
             if hit.snapshot >= 0:
-                self.mamba.index.move_to_end(hit.links[hit.blocks.size - 1][0])
-        if len(hit.links) > hit.blocks.size:
+                self.mamba.index.move_to_end(hit.links[hit.skipped - 1][0])
+        # The chain waits for its blocks beyond the shared ones (a hybrid's also for the Mamba
+        # snapshot at the end of the blocks it recomputes).
+        if len(hit.links) > (hit.blocks.size if self.mamba is None else hit.skipped):
             self.pending[request_id] = _Pending(hit.links, int(hit.blocks.size), hit.hashes)
 
     # ------------------------------------------------------------------ publish
+    def publish_added(self, request_id: int, block_row: np.ndarray, covered: int) -> None:
+        """Megatron-Core 0.19's registration at ``add_request``: every pending prompt block
+        the added chunk fills (its ``covered`` prompt tokens reach the block's end) is shared
+        at once, so that a request added later in the same step matches it; its K/V are
+        written by this step's forward, which in each layer appends every token's K/V before
+        attention reads any. ``block_row``: the request's block-table row."""
+        pending = self.pending.get(request_id)
+        if pending is None:
+            return
+        full = min(int(covered) // self.block_size, len(pending.links))
+        if full > pending.published:
+            self.commit_publish(PublishPlan(
+                tuple((request_id, i, pending.links[i], int(block_row[i]))
+                      for i in range(pending.published, full)), ((request_id, full),)))
+
     def plan_publish(self, table) -> PublishPlan:
         """The pending blocks the step just computed (active rows only); pure."""
         if not self.pending:

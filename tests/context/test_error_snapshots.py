@@ -12,6 +12,8 @@ Triton kernels).
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from helpers import BLOCK, GIB, add, assert_same, check_invariants, make_ctx, snapshot
@@ -160,7 +162,7 @@ T9 = [5, 9, 13, 17, 21, 25, 29, 33, 37]  # two full blocks of 4 and one token
 def s_cache_pending(backend, **overrides):
     """Prefix caching ("lru"): request 1 (9 tokens) computed, its two full blocks published;
     request 2 (the same 9 tokens + 3) added with a hit on them, the step initialized: its third
-    block is published at the next update."""
+    block was published at the add (Megatron-Core 0.19's registration)."""
     ctx = make_ctx(kernel_backend=backend, vocab_size=VOCAB, enable_prefix_caching=True,
                    prefix_caching_eviction_policy="lru", **overrides)
     add(ctx, req(1, tokens=T9))
@@ -186,6 +188,13 @@ def s_cache_stuck(backend):
 def _salted(r, salt):
     r.prefix_caching_salt = salt
     return r
+
+
+def s_processed(backend):
+    """s_prefill with Megatron-Core 0.19's processed log probs asked for."""
+    ctx = s_prefill(backend)
+    ctx.config = SimpleNamespace(logprobs_mode="processed_logprobs")
+    return ctx
 
 
 def s_deallocated(backend):
@@ -348,13 +357,10 @@ CASES = [
      lambda c: c.add_request(req(2, tokens=T9)), ValueError, "request_id=2", True),
     (f"{A}/prefix-caching-prompt-outside-vocab", s_cache_pending,
      lambda c: c.add_request(req(9, tokens=T9 + [VOCAB])), ValueError, "vocab", True),
-    # Megatron-Core 0.19's names: the chunk length under both names; reset keeping the cache
-    # while a request holds blocks (context/megatron019.py, docs/SEMANTICS.md §16).
+    # Megatron-Core 0.19's names: the chunk length under both names (context/megatron019.py,
+    # docs/SEMANTICS.md §16).
     (f"{A}/prefill_chunk_length-and-chunk_length", s_prefill,
      lambda c: c.add_request(req(9), 2, chunk_length=2), TypeError, "not both", True),
-    ("reset/preserve_prefix_cache-with-held-blocks", s_cache_pending,
-     lambda c: c.reset(preserve_prefix_cache=True), RuntimeError, "preserve_prefix_cache",
-     True),
     # Megatron-Core 0.19's step API (context/step_api.py, context/async_steps.py).
     ("reset_tensors/with-requests", s_decode, lambda c: c.reset_tensors(), RuntimeError,
      "reset_tensors", True),
@@ -387,6 +393,25 @@ CASES = [
      lambda c: c._swap_book_keeping_tensors(torch.tensor([0]), torch.tensor([1]), None,
                                             new_speculative_tokens=torch.zeros(3)),
      TypeError, "new_speculative_tokens", True),
+    # Megatron-Core 0.19's row operations by hand (context/row_ops.py).
+    ("rows/release-index-out-of-range", s_prefill,
+     lambda c: c.release_memory_blocks_from_request_indexes(torch.tensor([0, 99])), ValueError,
+     "max_requests", True),
+    ("rows/release-a-row-twice", s_prefill,
+     lambda c: c.release_memory_blocks_from_request_indexes([1, 1]), ValueError, "twice", True),
+    ("rows/release-float-indexes", s_prefill,
+     lambda c: c.release_memory_blocks_from_request_indexes(torch.tensor([0.0])), TypeError,
+     "integer", True),
+    ("rows/evict-wrong-active-count", s_decode,
+     lambda c: c.evict_overflow_paused_requests(5, _tokens(1, 2)), ValueError,
+     "active_request_count=5", True),
+    ("rows/evict-active-count-type", s_decode,
+     lambda c: c.evict_overflow_paused_requests("2", _tokens(1, 2)), TypeError,
+     "active_request_count", True),
+    # Megatron-Core 0.19's processed log probs need a sampling backend (context/sampling.py).
+    ("log_probs/processed-without-sampling", s_processed,
+     lambda c: c.calculate_log_probs(torch.zeros(1, c.padded_active_token_count, VOCAB),
+                                     _tokens(4, 5)), ValueError, "sampling backend", True),
 ]
 
 

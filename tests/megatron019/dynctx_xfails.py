@@ -20,8 +20,6 @@ MAMBA_BUDGET_ERROR = (
     "0.19's 'prefix cache budget' ValueError for prefix_caching_mamba_gb (gap 4): dynctx sizes its Mamba snapshots its own way (docs/SEMANTICS.md §16 row 31)")
 INPUTS_BEFORE_STEP = (
     'reads current_input_and_position_ids() after writing padded_active_token_count by hand; dynctx refuses it before initialize_attention_state (docs/SEMANTICS.md §16 row 54)')
-TORCH_SAMPLING = (
-    'TorchSampling and processed log probs (gap 12), not built')
 MAMBA_SLOT_ALLOCATOR = (
     "mamba_slot_allocator, 0.19's Mamba prefix-cache slots and the intermediate states its prefill extracts (MambaMetadata.intermediate_count; gap 5), not built")
 SPECULATIVE = (
@@ -38,7 +36,6 @@ RELEASE_BY_INDEX = (
 XFAILS: Dict[str, Dict[str, str]] = {
     'test_mcore019_dynamic_context.py': {
         'TestDynamicContext::test_async_sched_prepare_capacity_recovers_after_pause_resume': UPDATE_WITHOUT_STEP,
-        'TestDynamicContext::test_calculate_and_store_log_probs': TORCH_SAMPLING,
         'TestDynamicContext::test_chunked_prefill_all_active_requests_finish_while_hidden': UPDATE_WITHOUT_STEP,
         'TestDynamicContext::test_chunked_prefill_hidden_state_prevents_token_bloat': CHUNKED_ID_FIRST,
         'TestDynamicContext::test_chunked_prefill_meets_prefix_caching': MAX_REQUESTS_ZERO,
@@ -48,17 +45,10 @@ XFAILS: Dict[str, Dict[str, str]] = {
         'TestDynamicContext::test_current_input_and_position_ids_view_cache': INPUTS_BEFORE_STEP,
         'TestDynamicContext::test_eviction_with_shared_prefix_blocks': REGISTERED_AT_ADD,
         'TestDynamicContext::test_mamba_memory_ratio_allocation': MAX_REQUESTS_ZERO,
-        'TestDynamicContext::test_prefix_caching_check_availability_with_speculative': SPECULATIVE,
-        'TestDynamicContext::test_prefix_match_exact_block_boundary': MAX_REQUESTS_ZERO,
         'TestDynamicContext::test_speculative_boundary_crossing': SPECULATIVE,
-        'TestDynamicContext::test_speculative_boundary_crossing_with_prefix_caching': SPECULATIVE,
-        'TestDynamicContext::test_speculative_update_then_release_with_prefix_caching': SPECULATIVE,
-        'TestDynamicContext::test_speculative_with_prefix_caching_kv_offset': SPECULATIVE,
-        'TestDynamicContext::test_speculative_with_prefix_caching_shared_blocks': SPECULATIVE,
         'TestDynamicContext::test_update_requests_with_finished_requests_and_speculative_tokens': SPECULATIVE,
     },
     'test_mcore019_dynamic_prefix_caching.py': {
-        'TestMambaPrefixCaching::test_hybrid_memory_only': HYBRID_MEMORY_ONLY,
         'TestMambaPrefixCaching::test_hybrid_prefix_caching_without_mamba_budget_warns': MAMBA_SLOT_ALLOCATOR,
         'TestMambaPrefixCaching::test_intermediate_count_bounded_by_token_budget': MAMBA_SLOT_ALLOCATOR,
         'TestMambaPrefixCaching::test_intermediate_count_fills_scratch_buffer': MAMBA_SLOT_ALLOCATOR,
@@ -70,19 +60,9 @@ XFAILS: Dict[str, Dict[str, str]] = {
         'TestMambaPrefixCaching::test_max_intermediate_states_per_step_formula': MAMBA_SLOT_ALLOCATOR,
         'TestMambaSlotAllocator::test_allocate_slots_batch': MAMBA_SLOT_ALLOCATOR,
         'TestMambaSlotAllocator::test_commit_intermediate_states_batched': MAMBA_SLOT_ALLOCATOR,
-        'TestMixedCachedAndFreshPrefill::test_mixed_batch[gpt]': REGISTERED_AT_ADD,
         'TestMixedCachedAndFreshPrefill::test_mixed_batch[hybrid]': MAMBA_SLOT_ALLOCATOR,
         'TestPerBlockRouting::test_routing_survives_prefix_match_lru': UPDATE_WITHOUT_STEP,
         'TestPrefixCacheReuse::test_mamba_extraction_covers_last_block_of_continuation_chunk': MAMBA_SLOT_ALLOCATOR,
-        'TestPrefixCacheReuse::test_prefill_computed_and_skipped_counters': REGISTERED_AT_ADD,
-        'TestPrefixCacheReuse::test_reset_preserves_prefix_cache_when_requested': REGISTERED_AT_ADD,
-        'TestPrefixCachingCore::test_add_request_full_cache_partial_hit_pins_matched_blocks': RELEASE_BY_INDEX,
-        'TestPrefixCachingCore::test_block_allocation_with_prefix': REGISTERED_AT_ADD,
-        'TestPrefixCachingCore::test_block_sharing_patterns': REGISTERED_AT_ADD,
-        'TestPrefixCachingCore::test_check_availability_excludes_already_pinned_matches': RELEASE_BY_INDEX,
-        'TestPrefixCachingCore::test_prefill_token_savings': REGISTERED_AT_ADD,
-        'TestPrefixCachingCore::test_ref_count_lru': REGISTERED_AT_ADD,
-        'TestPrefixCachingCore::test_ref_count_refzero': RELEASE_BY_INDEX,
         'TestPrefixCachingCore::test_registration_and_discovery': REGISTERED_AT_ADD,
     },
 }
