@@ -16,7 +16,16 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 
-from . import admission, compat, facade, kv_groups, megatron019, prefix_match, row_ops
+from . import (
+    admission,
+    compat,
+    facade,
+    kv_groups,
+    mamba_slot_allocator,
+    megatron019,
+    prefix_match,
+    row_ops,
+)
 from ._fields import (  # noqa: F401 (re-exported: FIELD_* are imported from here)
     FIELD_BLOCKS,
     FIELD_IDS,
@@ -116,6 +125,11 @@ class DynamicInferenceContext(StepAPI, row_ops.RowOps, prefix_match.PrefixMatchH
         self.kv_block_allocator = self.block_allocator.attach(self)  # 0.19: KVBlockAllocator
         self.is_symmetric_memory_initialized, self._step = False, None
         form.finish(self)
+        self.mamba_slot_allocator = mamba_slot_allocator.attach(  # 0.19's view of snapshots
+            self._mamba, self._table, self.mamba_metadata, self._forward,
+            mamba_gb=settings.prefix_caching[2], block_size=self.block_size_tokens,
+            mamba_chunk_size=getattr(self, "mamba_chunk_size", 128),
+            max_intermediate_count=getattr(self, "max_mamba_intermediate_states_per_step", 0))
         self.allocate_all_tensors(is_init=True)
         active = self.block_allocator.active_count
         logger.info("allocated context with active buffer size %s (%d blocks)",
@@ -217,6 +231,8 @@ class DynamicInferenceContext(StepAPI, row_ops.RowOps, prefix_match.PrefixMatchH
                                     metadata_types=self.request_metadata_types,
                                     device=self.device, vocab_size=self.vocab_size)
         self._parts.commit_add(plan)  # (with KV offload, the restore of a saved request)
+        if self.mamba_slot_allocator is not None:  # 0.19's Mamba extraction plan
+            self.mamba_slot_allocator.note_add(req, plan)
         self.lifetime_prefill_token_count += plan.chunk
         self._device.arena.dirty = True
         self._step = None

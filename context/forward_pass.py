@@ -69,6 +69,8 @@ class ForwardPass:
         # whether its rejected drafts were rewound already (once a step).
         self.speculative = table.speculative
         self.logit_count, self.rewound = 0, False
+        # Megatron-Core 0.19's Mamba extraction plan (``mamba_slot_allocator``), or None.
+        self.intermediates = None
 
     # ------------------------------------------------------------------ the step
     def begin(self, limits: tuple, capture: bool = False):
@@ -90,6 +92,8 @@ class ForwardPass:
                                                               device.h2d))
             # Hybrid prefix cache hits: their slots take their snapshots (at every build).
             mamba.restore_snapshots(table.mamba_restores)
+            if self.intermediates is not None:
+                self.intermediates.begin_step(self.mamba_metadata)
         if self.speculative:
             self.logit_count = spec.num_logit_rows(step, self.speculative)
             device.upload_logit_rows(step, device.arena.host["attn_cu_query"], self.logit_count)
@@ -106,6 +110,8 @@ class ForwardPass:
         self.attention = None
         if self.mamba_metadata is not None:
             self.mamba_metadata.reset_varlen_metadata()
+        if self.intermediates is not None:
+            self.intermediates.end_step()
 
     def update(self, mask: Optional[np.ndarray], new_tokens: torch.Tensor, step, limits: tuple,
                new_drafts: Optional[torch.Tensor] = None

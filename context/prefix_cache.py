@@ -150,7 +150,7 @@ class PrefixCache:
         self.digests.clear()
         self.pending.clear()
         if self.mamba is not None:
-            self.mamba.index.clear()
+            self.mamba.clear()
 
     # ------------------------------------------------------------------ lookup (pure)
     def _links(self, req: Any, request_id: int) -> Tuple[Link, ...]:

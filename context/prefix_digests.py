@@ -137,17 +137,23 @@ class PrefixCacheStats:
 class DigestTable:
     """The cached blocks: ``entries`` maps a digest to ``(block id, parent digest, token
     bytes)``, ``block_digest`` a cached block to its digest. ``forget`` is the block
-    allocator's ``on_evict``."""
+    allocator's ``on_evict``; ``on_forget`` (a hybrid's ``MambaSnapshots.drop``) hears the
+    digests it drops: a Mamba snapshot goes with its block, as 0.19's slot does."""
 
     def __init__(self):
         self.entries: Dict[bytes, Tuple[int, bytes, bytes]] = {}
         self.block_digest: Dict[int, bytes] = {}
+        self.on_forget = None
 
     def forget(self, blocks: np.ndarray) -> None:
+        gone = []
         for block in blocks.tolist():
             digest = self.block_digest.pop(block, None)
             if digest is not None:
                 del self.entries[digest]
+                gone.append(digest)
+        if gone and self.on_forget is not None:
+            self.on_forget(gone)
 
     def clear(self) -> None:
         self.entries.clear()

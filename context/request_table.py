@@ -75,6 +75,8 @@ class RequestTable:
             or "ref_zero", usage=self, on_evict=None if digests is None else digests.forget)
         self.prefix_cache = None if prefix_caching is None else PrefixCache(
             self.allocator, digests, block_size, prefix_caching, snapshots)
+        if digests is not None and snapshots is not None:
+            digests.on_forget = snapshots.drop
         self.budget_advice = budget_advice
         self.max_requests = max_requests
         # The rows add_request may fill: the context's ``max_requests``, which callers may lower.
