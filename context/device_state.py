@@ -346,7 +346,8 @@ class DeviceState:
         if old_total > rows:
             self.drafts[rows:old_total].zero_()
 
-    def apply_decode(self, plan, appended, table, new_tokens: torch.Tensor) -> None:
+    def apply_decode(self, plan, appended, table, new_tokens: torch.Tensor,
+                     new_drafts: Optional[torch.Tensor] = None) -> None:
         """``apply_update`` of a decode update (``update_plan.DecodePlan``): the identity row
         plan, but for the swaps and appended blocks of the rows that start a block
         (``appended``: ``RequestTable.commit_decode``'s ``(columns, blocks)`` of new rows
@@ -362,6 +363,8 @@ class DeviceState:
             self.identity_plan_rows = rows
         if appended is None:
             self._compact(table, new_tokens, new_token_offset=0, rows=rows, old_total=rows)
+            if new_drafts is not None:   # rows in place: the drafts are the rows' next ones
+                self.drafts[:rows].copy_(new_drafts.t())
             return
         filled = appended[1].size
         swaps = plan.dst.size
@@ -369,6 +372,8 @@ class DeviceState:
             plan_src[plan.dst] = plan.src
         plan_col[:filled], plan_block[:filled] = appended
         self._compact(table, new_tokens, new_token_offset=0, rows=rows, old_total=rows)
+        if new_drafts is not None:
+            self._move_drafts(new_drafts, 0, rows, rows)
         # The launch has read (on CUDA: the arena copy has staged) the plan: back to the
         # identity.
         if swaps:

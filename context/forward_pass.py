@@ -136,9 +136,11 @@ class ForwardPass:
         if decode is not None:
             # The steady decode step: nothing finishes, stays paused or is evicted.
             appended = table.commit_decode(decode)
-            steps.prepare(table, device.arena.host, limits, decode.max_kv_offset,
+            # (A speculative step's rows hold 1 + k tokens: the build computes its lengths.)
+            steps.prepare(table, device.arena.host, limits,
+                          None if self.speculative else decode.max_kv_offset,
                           decode.active_blocks)
-            device.apply_decode(decode, appended, table, new_tokens)
+            device.apply_decode(decode, appended, table, new_tokens, new_drafts)
             ids = EMPTY_IDS, EMPTY_IDS, EMPTY_IDS
         else:
             if mask is None:

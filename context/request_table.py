@@ -403,15 +403,17 @@ class RequestTable:
         apply ``plan_update``'s plan of the same update). Returns None, or for the rows that
         start a block, now rows ``[0, filled)``: ``(columns, blocks)``, where each appended its
         block in the block table."""
-        rows, total = self.rows, self.total
+        rows, total, per_row = self.rows, self.total, self.decode_query
         kv_offsets, last_offsets = rows[FIELD_KV_OFFSET, :total], rows[FIELD_LAST_OFFSET, :total]
         if plan.kv_offsets is None:
             # Every row held one token: the KV offsets advance by one.
             np.add(kv_offsets, 1, out=kv_offsets)
         else:
             kv_offsets[:] = plan.kv_offsets
-            rows[FIELD_QUERY, :total] = 1
-        np.add(last_offsets, 1, out=last_offsets)
+            rows[FIELD_QUERY, :total] = per_row
+        np.add(last_offsets, per_row, out=last_offsets)
+        if per_row > 1:   # speculative: the rows that cross a block end past its start
+            np.remainder(last_offsets, self.block_size, out=last_offsets)
         appended = None
         if plan.full is not None:
             # The rows that filled their last block move to the front rows [0, filled) (fancy
@@ -431,9 +433,10 @@ class RequestTable:
             self.block_table[self.row_numbers[:filled], columns] = blocks
             rows[FIELD_BLOCKS, :filled] = columns + 1
             rows[FIELD_LAST_BLOCK, :filled] = blocks
-            rows[FIELD_LAST_OFFSET, :filled] = 0
+            if per_row == 1:
+                rows[FIELD_LAST_OFFSET, :filled] = 0
             appended = (columns, blocks)
-        self.active_tokens = total
+        self.active_tokens = total * per_row
         self.num_prefill = 0
         self.fed_decode = 0
         self.continuation_added = False
