@@ -22,6 +22,8 @@ INPUTS_BEFORE_STEP = (
     'reads current_input_and_position_ids() after writing padded_active_token_count by hand; dynctx refuses it before initialize_attention_state (docs/SEMANTICS.md §16 row 54)')
 CHUNKED_ID_FIRST = (
     "writes chunked_prefill_request_id before the request's first chunk is added; dynctx keeps only -1 or the last active row's id (docs/SEMANTICS.md §16 row 40)")
+CHUNKED_CONTINUATION_MATCH = (
+    "writes chunked_prefill_request_id before the first chunk is added (row 40), then matches a continuation chunk against the cache, which dynctx does for first chunks only (docs/SEMANTICS.md §16 rows 40, 43)")
 CHUNKED_ID_NOT_LAST = (
     "writes chunked_prefill_request_id for a row that is not the last active one; dynctx keeps only -1 or the last active row's id (docs/SEMANTICS.md §16 row 40)")
 OFFSETS_DISAGREE = (
@@ -38,7 +40,7 @@ XFAILS: Dict[str, Dict[str, str]] = {
         'TestDynamicContext::test_async_sched_prepare_capacity_recovers_after_pause_resume': UPDATE_WITHOUT_STEP,
         'TestDynamicContext::test_chunked_prefill_all_active_requests_finish_while_hidden': UPDATE_WITHOUT_STEP,
         'TestDynamicContext::test_chunked_prefill_hidden_state_prevents_token_bloat': CHUNKED_ID_FIRST,
-        'TestDynamicContext::test_chunked_prefill_meets_prefix_caching': MAX_REQUESTS_ZERO,
+        'TestDynamicContext::test_chunked_prefill_meets_prefix_caching': CHUNKED_CONTINUATION_MATCH,
         'TestDynamicContext::test_chunked_prefill_prefix_caching_from_hidden_state': CHUNKED_ID_FIRST,
         'TestDynamicContext::test_chunked_prefill_state_preserved_across_decode_completions': UPDATE_WITHOUT_STEP,
         'TestDynamicContext::test_chunked_prefill_swap_with_speculative_tokens': CHUNKED_ID_NOT_LAST,
