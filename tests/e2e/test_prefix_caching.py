@@ -126,6 +126,29 @@ def test_budgets_count_a_shared_prefix_once(policy):
     assert_matches_transformers(hf, prompts, gens, on_results)
 
 
+def test_requests_arriving_together_share_their_prefix_in_the_same_step():
+    """Megatron-Core 0.19's registration at ``add_request``: four requests with a 32-token
+    prompt prefix arrive in one step; the first's blocks are shared by the three added after it
+    in that step (their K/V are written by that step's forward before any attention reads
+    them), two of them with a whole prompt of cached blocks, whose last block they recompute
+    with its K/V writes discarded. Tokens and step logits equal transformers'."""
+    hf = tiny_llama(seed=8)
+    vocab = hf.config.vocab_size
+    prefix = make_prompts([32], vocab, seed=31)[0]
+    prompts = [prefix + [3, 5], list(prefix), list(prefix), prefix + [7]]
+    gens = [6, 5, 4, 6]
+    engine = build_engine(hf, block_size=16, blocks=24, paused_blocks=2, max_tokens=128,
+                          kernel_backend="torch", record_logits=True,
+                          enable_prefix_caching=True, prefix_caching_eviction_policy="lru")
+    results = engine.generate_requests(greedy_requests(prompts, gens), arrival_steps=[0] * 4)
+    stats = engine.stats.prefix_cache
+    assert stats["prefix_cache_hits"] == 3 and stats["prefix_cache_blocks_matched"] == 6, stats
+    # 16 tokens skipped for each whole cached prompt (its last block recomputed), 32 for the
+    # longer one.
+    assert stats["prefix_cache_prefill_skipped_tokens"] == 16 + 16 + 32, stats
+    assert_matches_transformers(hf, prompts, gens, results)
+
+
 @pytest.mark.parametrize("policy", POLICIES)
 def test_deepseek_prefix_caching_under_pressure_matches_transformers(policy):
     hf = tiny_deepseek(seed=2)
