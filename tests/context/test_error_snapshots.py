@@ -159,6 +159,18 @@ def s_hybrid_continued(backend):
 T9 = [5, 9, 13, 17, 21, 25, 29, 33, 37]  # two full blocks of 4 and one token
 
 
+def s_hybrid_cached(backend):
+    """A hybrid with prefix caching and 3 Mamba snapshots (0.19's mamba_slot_allocator):
+    request 1 (9 tokens) added, its two full blocks cached, the step initialized."""
+    layers, conv, ssm = ("M", "*"), (6, 4), (2, 3, 5)
+    ctx = make_ctx(kernel_backend=backend, num_layers=2, enable_prefix_caching=True,
+                   prefix_caching_mamba_gb=3 * 4 * (24 + 30) / GIB,
+                   mamba_inference_state_config=MambaInferenceStateConfig(layers, conv, ssm))
+    add(ctx, req(1, tokens=T9))
+    ctx.initialize_attention_state()
+    return ctx
+
+
 def s_cache_pending(backend, **overrides):
     """Prefix caching ("lru"): request 1 (9 tokens) computed, its two full blocks published;
     request 2 (the same 9 tokens + 3) added with a hit on them, the step initialized: its third
@@ -408,6 +420,15 @@ CASES = [
     ("rows/evict-active-count-type", s_decode,
      lambda c: c.evict_overflow_paused_requests("2", _tokens(1, 2)), TypeError,
      "active_request_count", True),
+    # Megatron-Core 0.19's Mamba slots: a slot only for a cached block (mamba_slot_allocator).
+    ("mamba_slots/allocate-an-uncached-block", s_hybrid_cached,
+     lambda c: c.mamba_slot_allocator.allocate_slots_batch(
+         [int(c.block_table_host[0, 0]), int(c.block_table_host[0, 2])]), ValueError,
+     "not a cached prompt block", True),
+    ("mamba_slots/store-without-a-slot", s_hybrid_cached,
+     lambda c: c.mamba_slot_allocator.store_from_tensors(
+         int(c.block_table_host[0, 0]), 0, torch.zeros(2, 3, 5), torch.zeros(6, 4)),
+     ValueError, "no Mamba cache slot", True),
     # Megatron-Core 0.19's processed log probs need a sampling backend (context/sampling.py).
     ("log_probs/processed-without-sampling", s_processed,
      lambda c: c.calculate_log_probs(torch.zeros(1, c.padded_active_token_count, VOCAB),
