@@ -51,3 +51,7 @@ from .gpu_view import ContextGPUView  # noqa: E402
 __all__ += ["ContextGPUView"]
 # Megatron-Core 0.19's allocator (context/kv_block_allocator.py).
 __all__ += ["KVBlockAllocator"]
+# Megatron-Core 0.19's sampling backends (context/sampling.py).
+from .sampling import Sampling, TorchSampling  # noqa: E402
+
+__all__ += ["Sampling", "TorchSampling"]

@@ -245,12 +245,14 @@ def plan_add(table, req: Any, chunk_length: Optional[int], *, max_sequence_lengt
         raise TokenOverflowError(request_id, f"{tokens_before} tokens in the step + chunk "
                                              f"{chunk} > max_tokens ({table.max_tokens})"
                                  + (f" ({skip} prompt tokens cached)" if skip else ""))
-    # A restored request holds no block yet: every block is new.
-    already = 0 if restore is not None else math.ceil(finished / block_size)
+    # A restored request holds no block yet: every block is new. A hit holds the shared ones.
+    already = 0 if restore is not None else int(prefix.blocks.size) if prefix is not None \
+        else math.ceil(finished / block_size)
     needed = math.ceil((finished + chunk) / block_size)
     # The hit's idle blocks leave the free stack, and each host-tier block needs a new one.
     revived = 0 if prefix is None else prefix.taken
-    if needed - already + revived > table.allocator.total_avail:
+    if not table.allocator.is_memory_available(needed - already,
+                                               potential_matched_count=revived):
         raise BlockOverflowError(request_id, f"needs {needed - already + revived} blocks, "
                                              f"{table.allocator.total_avail} free"
                                  + (f" ({revived} of them cached blocks it revives or "
@@ -362,15 +364,16 @@ def check_availability(table, req: Any) -> Tuple[bool, bool, bool]:
     of ``req``, less what the prefix cache holds of it; host only."""
     table.check_bound(getattr(req, "request_id", None))
     remaining, finished = req.remaining_prompt_length, req.finished_chunk_token_count
-    skip, idle = (0, 0) if table.prefix_cache is None else table.prefix_cache.lookup(req)
+    skip, shared, taken = (0, 0, 0) if table.prefix_cache is None else \
+        table.prefix_cache.lookup(req)
     bs = table.block_size
-    blocks = math.ceil((remaining + finished) / bs) - math.ceil(finished / bs) - skip // bs
+    blocks = math.ceil((remaining + finished) / bs) - math.ceil(finished / bs) - shared
     restored = 0 if table.offload is None else table.offload.lookup(req)
     if restored:  # KV offload: the saved tokens cost no step tokens, every block is new
-        skip, idle, blocks = restored, 0, math.ceil(remaining / bs)
+        skip, taken, blocks = restored, 0, math.ceil(remaining / bs)
     return (table.total < table.request_limit and table.paused == 0,
             table.active_tokens + remaining - skip <= table.max_tokens,
-            table.allocator.total_avail >= blocks + idle)
+            table.allocator.is_memory_available(blocks, potential_matched_count=taken))
 
 
 def prefix_cache_lookup(table, req: Any) -> int:

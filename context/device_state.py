@@ -278,6 +278,8 @@ class DeviceState:
             active_tokens=step.active_tokens, padded_tokens=step.padded_tokens,
             padded_requests=step.padded_requests, row_offset=paused, block_size=table.block_size,
             dummy_block=table.allocator.dummy_block_idx, backend=self.backend, check=False)
+        for start, count in table.discard_writes:   # tokens recomputed in shared blocks
+            self.token_to_block_idx[start:start + count] = table.allocator.dummy_block_idx
 
     def attention_metadata(self, step) -> SimpleNamespace:
         """The step's attention metadata: views of the arena's attention sections and the
@@ -344,7 +346,8 @@ class DeviceState:
         if old_total > rows:
             self.drafts[rows:old_total].zero_()
 
-    def apply_decode(self, plan, appended, table, new_tokens: torch.Tensor) -> None:
+    def apply_decode(self, plan, appended, table, new_tokens: torch.Tensor,
+                     new_drafts: Optional[torch.Tensor] = None) -> None:
         """``apply_update`` of a decode update (``update_plan.DecodePlan``): the identity row
         plan, but for the swaps and appended blocks of the rows that start a block
         (``appended``: ``RequestTable.commit_decode``'s ``(columns, blocks)`` of new rows
@@ -360,6 +363,8 @@ class DeviceState:
             self.identity_plan_rows = rows
         if appended is None:
             self._compact(table, new_tokens, new_token_offset=0, rows=rows, old_total=rows)
+            if new_drafts is not None:   # rows in place: the drafts are the rows' next ones
+                self.drafts[:rows].copy_(new_drafts.t())
             return
         filled = appended[1].size
         swaps = plan.dst.size
@@ -367,6 +372,8 @@ class DeviceState:
             plan_src[plan.dst] = plan.src
         plan_col[:filled], plan_block[:filled] = appended
         self._compact(table, new_tokens, new_token_offset=0, rows=rows, old_total=rows)
+        if new_drafts is not None:
+            self._move_drafts(new_drafts, 0, rows, rows)
         # The launch has read (on CUDA: the arena copy has staged) the plan: back to the
         # identity.
         if swaps:
@@ -423,6 +430,14 @@ class DeviceState:
                     for label in self.metadata_labels}
         self.sync()
         return {label: self.arena.device[f"meta:{label}"] for label in self.metadata_labels}
+
+    def active_metadata_views(self, table) -> dict:
+        """Megatron-Core 0.19's ``active_request_metadata``: per label, a host tensor view of
+        the metadata from the first active row on (active rows first, as 0.19's pinned copy;
+        no copy: writes reach the rows)."""
+        self.check_allocated()
+        return {label: torch.from_numpy(table.metadata[label][table.paused:])
+                for label in self.metadata_labels}
 
     def pull_bookkeeping(self, table) -> None:
         """Copy the handed-out device mirrors (fields, metadata, block table) back into the

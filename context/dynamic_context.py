@@ -16,7 +16,16 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 
-from . import admission, compat, facade, kv_groups, megatron019, prefix_match
+from . import (
+    admission,
+    compat,
+    facade,
+    kv_groups,
+    mamba_slot_allocator,
+    megatron019,
+    prefix_match,
+    row_ops,
+)
 from ._fields import (  # noqa: F401 (re-exported: FIELD_* are imported from here)
     FIELD_BLOCKS,
     FIELD_IDS,
@@ -42,7 +51,7 @@ from .step_builder import REQUEST_ROUNDER, TOKEN_ROUNDER, rounded
 logger = logging.getLogger("dynctx.context")
 
 
-class DynamicInferenceContext(StepAPI, prefix_match.PrefixMatchHelpers):
+class DynamicInferenceContext(StepAPI, row_ops.RowOps, prefix_match.PrefixMatchHelpers):
     """Paged KV cache plus in-flight batching bookkeeping (Megatron-Core's API).
 
     Megatron-Core 0.19's form ``DynamicInferenceContext(model_config, inference_config)``
@@ -117,6 +126,11 @@ class DynamicInferenceContext(StepAPI, prefix_match.PrefixMatchHelpers):
         self.kv_block_allocator = self.block_allocator.attach(self)  # 0.19: KVBlockAllocator
         self.is_symmetric_memory_initialized, self._step = False, None
         form.finish(self)
+        self.mamba_slot_allocator = mamba_slot_allocator.attach(  # 0.19's view of snapshots
+            self._mamba, self._table, self.mamba_metadata, self._forward,
+            mamba_gb=settings.prefix_caching[2], block_size=self.block_size_tokens,
+            mamba_chunk_size=getattr(self, "mamba_chunk_size", 128),
+            max_intermediate_count=getattr(self, "max_mamba_intermediate_states_per_step", 0))
         self.allocate_all_tensors(is_init=True)
         active = self.block_allocator.active_count
         logger.info("allocated context with active buffer size %s (%d blocks)",
@@ -152,15 +166,11 @@ class DynamicInferenceContext(StepAPI, prefix_match.PrefixMatchHelpers):
               preserve_counters: bool = False) -> None:
         """Empty the context: counters, bookkeeping and blocks (the KV buffer keeps its bytes).
         Megatron-Core 0.19's options: ``preserve_prefix_cache`` keeps the cached blocks (with
-        prefix caching on; no row may hold a block but the dummy one, else ``RuntimeError``
-        and nothing changes), ``preserve_counters`` keeps ``step_count``,
-        ``prefix_cache_lru_clock``, ``lifetime_prefill_token_count`` and the async counters."""
+        prefix caching on; the requests' blocks are released, a reference each),
+        ``preserve_counters`` keeps ``step_count``, ``prefix_cache_lru_clock``,
+        ``lifetime_prefill_token_count`` and the async counters."""
         self._check_allocated()
         keep = bool(preserve_prefix_cache) and self.enable_prefix_caching
-        if keep and self._table.holds_blocks():
-            raise RuntimeError("reset(preserve_prefix_cache=True) needs every request released "
-                               "first (only dummy requests may remain): dynctx releases blocks "
-                               "through update_requests, not in reset")
         self.has_explicit_chunked_prefill_req = self._hand_written = False
         self._step = None
         self._set_step_counts(None)
@@ -222,6 +232,8 @@ class DynamicInferenceContext(StepAPI, prefix_match.PrefixMatchHelpers):
                                     metadata_types=self.request_metadata_types,
                                     device=self.device, vocab_size=self.vocab_size)
         self._parts.commit_add(plan)  # (with KV offload, the restore of a saved request)
+        if self.mamba_slot_allocator is not None:  # 0.19's Mamba extraction plan
+            self.mamba_slot_allocator.note_add(req, plan)
         self.lifetime_prefill_token_count += plan.chunk
         self._device.arena.dirty = True
         self._step = None
@@ -267,7 +279,7 @@ class DynamicInferenceContext(StepAPI, prefix_match.PrefixMatchHelpers):
     prefix_cache_lookup = _Part("_table", admission.prefix_cache_lookup)
     prefix_cache_first_chunk_boundary = _Part("_table", admission.prefix_cache_first_chunk_boundary)
     get_prefix_cache_stats = _Part("_table", admission.get_prefix_cache_stats)
-    get_kvcache_utilization_stats = _Part("_table", RequestTable.get_kvcache_utilization_stats)
+    get_kvcache_utilization_stats = _Part("_table", row_ops.get_kvcache_utilization_stats)
     get_kv_offload_stats = _Part("_parts", ContextParts.kv_offload_stats)  # (§21)
     host_request_ids = _Part("_table", RequestTable.host_request_ids)
     kv_group_usage = _Part("_kv", kv_groups.kv_group_usage)  # KV groups: docs/SEMANTICS.md §22
@@ -354,14 +366,28 @@ class DynamicInferenceContext(StepAPI, prefix_match.PrefixMatchHelpers):
     paused_speculative_tokens = property(lambda self: self._forward.paused_drafts())
 
     def calculate_log_probs(self, logits: torch.Tensor, new_tokens: torch.Tensor,
-                            only_last_token_logits: Optional[bool] = False
+                            only_last_token_logits: Optional[bool] = False, sampling: Any = None
                             ) -> Tuple[List[List[float]], torch.Tensor]:
         """Log probs of the tokens chosen (``ForwardPass.calculate_log_probs``); before this
-        step's ``initialize_attention_state``, it builds the step first (Megatron's order)."""
+        step's ``initialize_attention_state``, it builds the step first (Megatron's order). With
+        0.19's ``config.logprobs_mode == "processed_logprobs"``, of the distribution after each
+        request's sampling filter: ``sampling.log_probs_kernel`` (e.g. ``TorchSampling``)."""
         self._check_allocated()
+        processed = None
+        if getattr(self.config, "logprobs_mode", None) == "processed_logprobs":
+            if sampling is None or not callable(getattr(sampling, "log_probs_kernel", None)):
+                raise ValueError(f"logprobs_mode='processed_logprobs' needs a sampling backend "
+                                 f"with log_probs_kernel (e.g. TorchSampling), got {sampling!r}")
+            processed = lambda rows, owners: sampling.log_probs_kernel(  # noqa: E731
+                rows, self, token_to_request_index=owners)
         if self._step is None:
             self._materialize_step()
-        return self._forward.calculate_log_probs(logits, new_tokens, only_last_token_logits)
+        return self._forward.calculate_log_probs(logits, new_tokens, only_last_token_logits,
+                                                 processed)
+
+    active_request_metadata = property(
+        lambda self: self._device.active_metadata_views(self._table),
+        doc="label -> host tensor of the request metadata, active rows first (0.19's)")
 
     # ------------------------------------------------------------------ state, as Megatron's
     token_to_input_ids = _step_tensor("token_to_input_ids")

@@ -23,7 +23,7 @@ update, and the metadata after ``reset_attention_state`` too).
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -69,6 +69,8 @@ class ForwardPass:
         # whether its rejected drafts were rewound already (once a step).
         self.speculative = table.speculative
         self.logit_count, self.rewound = 0, False
+        # Megatron-Core 0.19's Mamba extraction plan (``mamba_slot_allocator``), or None.
+        self.intermediates = None
 
     # ------------------------------------------------------------------ the step
     def begin(self, limits: tuple, capture: bool = False):
@@ -90,6 +92,8 @@ class ForwardPass:
                                                               device.h2d))
             # Hybrid prefix cache hits: their slots take their snapshots (at every build).
             mamba.restore_snapshots(table.mamba_restores)
+            if self.intermediates is not None:
+                self.intermediates.begin_step(self.mamba_metadata)
         if self.speculative:
             self.logit_count = spec.num_logit_rows(step, self.speculative)
             device.upload_logit_rows(step, device.arena.host["attn_cu_query"], self.logit_count)
@@ -106,6 +110,8 @@ class ForwardPass:
         self.attention = None
         if self.mamba_metadata is not None:
             self.mamba_metadata.reset_varlen_metadata()
+        if self.intermediates is not None:
+            self.intermediates.end_step()
 
     def update(self, mask: Optional[np.ndarray], new_tokens: torch.Tensor, step, limits: tuple,
                new_drafts: Optional[torch.Tensor] = None
@@ -130,9 +136,11 @@ class ForwardPass:
         if decode is not None:
             # The steady decode step: nothing finishes, stays paused or is evicted.
             appended = table.commit_decode(decode)
-            steps.prepare(table, device.arena.host, limits, decode.max_kv_offset,
+            # (A speculative step's rows hold 1 + k tokens: the build computes its lengths.)
+            steps.prepare(table, device.arena.host, limits,
+                          None if self.speculative else decode.max_kv_offset,
                           decode.active_blocks)
-            device.apply_decode(decode, appended, table, new_tokens)
+            device.apply_decode(decode, appended, table, new_tokens, new_drafts)
             ids = EMPTY_IDS, EMPTY_IDS, EMPTY_IDS
         else:
             if mask is None:
@@ -344,10 +352,12 @@ class ForwardPass:
                                      validate=self.validate, backend=self.kernel_backend)
 
     def calculate_log_probs(self, logits: torch.Tensor, new_tokens: torch.Tensor,
-                            only_last_token_logits: Optional[bool] = False
+                            only_last_token_logits: Optional[bool] = False,
+                            processed: Optional[Callable] = None
                             ) -> Tuple[List[List[float]], torch.Tensor]:
         """Log probs of the sampled tokens (decode) and of the prompt tokens (prefill), one list
-        per active request; also returns the fp32 log-softmax of the rows used."""
+        per active request; also returns the fp32 log-softmax of the rows used (``processed``:
+        0.19's processed log probs, ``logits.log_probs``)."""
         meta = self.require("calculate_log_probs")
         if self.speculative:
             raise NotImplementedError(
@@ -361,7 +371,7 @@ class ForwardPass:
             last_only=bool(table.num_prefill == 0 or only_last_token_logits),
             input_ids=self.device.token_to_input_ids, cu_query_lengths=meta.cu_query_seq_lengths,
             query_lengths=table.rows[FIELD_QUERY, table.paused:table.total],
-            validate=self.validate, backend=self.kernel_backend)
+            validate=self.validate, backend=self.kernel_backend, processed=processed)
 
     # ------------------------------------------------------------------ Mamba layers
     def _mamba_layer(self, layer_number: int) -> int:

@@ -112,8 +112,8 @@ class KVBlockAllocator(BlockAllocator):
         hand = np.empty(0, dtype=np.int32)
         if self.enable_prefix_caching and isinstance(value, (int, np.integer)) \
                 and not isinstance(value, bool) and 0 <= value < old:
-            start = max(int(value), self.idle_count)
-            hand = self.block_bag[start:old][self.cached[self.block_bag[start:old]]].copy()
+            taken = self.block_bag[int(value):old]
+            hand = taken[self.cached[taken]].copy()
         refs = self.ref_counts[hand].copy()
         self.cached[hand] = False
         try:
@@ -279,7 +279,17 @@ class KVBlockAllocator(BlockAllocator):
         return blocks
 
     def revive(self, blocks: np.ndarray) -> None:
-        super().revive(blocks)
+        """``BlockAllocator.revive``; an evictable block outside the stack (0.19's, where
+        ``total_avail`` was lowered by hand) just takes its reference."""
+        blocks = np.asarray(blocks, dtype=np.int32).reshape(-1)
+        inside = np.isin(blocks, self.block_bag[:self.idle_count])
+        outside = blocks[~inside]
+        if outside.size and (np.any(self.ref_counts[outside] != 0)
+                             or not self.cached[outside].all()):
+            raise RuntimeError(f"revive() of blocks that are not idle cached blocks: "
+                               f"{outside.tolist()}")
+        super().revive(blocks[inside])
+        self.ref_counts[outside] = 1
         self.update_timestamps(blocks)
 
     def share(self, blocks: Any) -> None:

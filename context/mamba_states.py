@@ -56,7 +56,9 @@ class SlotAllocator:
 
 
 class MambaSnapshots:
-    """Conv and SSM state copies at block boundaries (hybrids), keyed by block digest.
+    """Conv and SSM state copies at block boundaries (hybrids), keyed by block digest: the one
+    store of a hybrid's prefix-cache states (Megatron-Core 0.19's ``mamba_slot_allocator`` is a
+    view of it, ``mamba_slot_allocator.py``).
 
     Args:
         count: snapshots (``prefix_caching_mamba_gb`` // bytes of one request's states).
@@ -70,7 +72,9 @@ class MambaSnapshots:
         self._spec = (tuple(conv_shape), tuple(ssm_shape), conv_dtype, ssm_dtype, device)
         self.conv: Optional[torch.Tensor] = None
         self.ssm: Optional[torch.Tensor] = None
+        # digest -> snapshot index, least recently used first; the free indexes (a stack).
         self.index: "OrderedDict[bytes, int]" = OrderedDict()
+        self.slots = SlotAllocator(self.count)
         self.tier = None   # the prefix cache's host tier: replaced snapshots spill to it
 
     def allocate(self) -> None:
@@ -80,11 +84,60 @@ class MambaSnapshots:
                                 device=device)
         self.ssm = torch.zeros((layers, self.count, *ssm_shape[1:]), dtype=ssm_dtype,
                                device=device)
-        self.index.clear()
+        self.clear()
 
     def release(self) -> None:
-        self.conv = self.ssm = None
+        self.conv = self.ssm = self._scratch = None
+        self.clear()
+
+    def scratch(self, rows: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``(conv, ssm)`` ``[layers, rows, ...]`` zeros: 0.19's extraction scratch, allocated
+        at the first use (dynctx's models never use it) and dropped with the snapshots."""
+        if getattr(self, "_scratch", None) is None:
+            conv_shape, ssm_shape, conv_dtype, ssm_dtype, device = self._spec
+            self._scratch = (
+                torch.zeros((conv_shape[0], rows, *conv_shape[1:]), dtype=conv_dtype,
+                            device=device),
+                torch.zeros((ssm_shape[0], rows, *ssm_shape[1:]), dtype=ssm_dtype,
+                            device=device))
+        return self._scratch
+
+    def clear(self) -> None:
+        """Forget every snapshot (every index free)."""
         self.index.clear()
+        self.slots.reset()
+
+    def take(self, digest: bytes) -> int:
+        """The snapshot index of ``digest``: its own (touched), else a free one, else the
+        least recently used one's (replaced); its content is the caller's to write."""
+        return self._take(digest)[0]
+
+    def _take(self, digest: bytes) -> Tuple[int, Optional[bytes]]:
+        """``take``, and the digest whose snapshot it replaced (None: none)."""
+        index = self.index.get(digest)
+        if index is not None:
+            self.index.move_to_end(digest)
+            return index, None
+        replaced = None
+        if self.slots.free_count:
+            index = self.slots.allocate()
+        elif self.index:
+            replaced, index = self.index.popitem(last=False)
+        else:
+            raise RuntimeError("no Mamba state snapshot fits prefix_caching_mamba_gb")
+        self.index[digest] = index
+        return index, replaced
+
+    def drop(self, digests) -> None:
+        """Forget the snapshots of ``digests`` (their indexes free again); with the host tier,
+        the snapshot of a block that went there goes along (``HostTier.spill_snapshots``)."""
+        gone = [(d, self.index.pop(d)) for d in digests if d in self.index]
+        if not gone:
+            return
+        if self.tier is not None:
+            self.tier.spill_snapshots([(d, i) for d, i in gone if d in self.tier.blocks],
+                                      self.conv, self.ssm)
+        self.slots.release(np.asarray([i for _, i in gone], dtype=np.int32))
 
     def save(self, items: List[Tuple[int, bytes]], conv_states: torch.Tensor,
              ssm_states: torch.Tensor) -> None:
@@ -95,13 +148,9 @@ class MambaSnapshots:
         for slot, digest in items:
             if digest in self.index or self.count == 0:
                 continue
-            if len(self.index) < self.count:
-                target = len(self.index)
-            else:
-                old, target = self.index.popitem(last=False)
-                if target not in writes:
-                    replaced.append((old, target))
-            self.index[digest] = target
+            target, old = self._take(digest)
+            if old is not None and target not in writes:
+                replaced.append((old, target))
             # An item of this very call may have been replaced (more items than snapshots):
             # each index is copied once, from the slot its digest now names. ``index_copy_``
             # with a repeated index leaves either source there (on CUDA, nondeterministically).
@@ -111,11 +160,7 @@ class MambaSnapshots:
             self.tier.spill_snapshots(replaced, self.conv, self.ssm)   # leave the host
             self.tier.discard_snapshots([d for _, d in items if d in self.index])
         if writes:
-            targets, slots = list(writes), list(writes.values())
-            src = torch.tensor(slots, dtype=torch.int64, device=conv_states.device)
-            dst = torch.tensor(targets, dtype=torch.int64, device=conv_states.device)
-            self.conv.index_copy_(1, dst, conv_states.index_select(1, src))
-            self.ssm.index_copy_(1, dst, ssm_states.index_select(1, src))
+            self.copy_in(list(writes), list(writes.values()), conv_states, ssm_states)
 
     def restore(self, items: List[Tuple[int, int]], conv_states: torch.Tensor,
                 ssm_states: torch.Tensor) -> None:
@@ -127,6 +172,15 @@ class MambaSnapshots:
             conv_states.index_copy_(1, dst, self.conv.index_select(1, src))
             ssm_states.index_copy_(1, dst, self.ssm.index_select(1, src))
 
+    def copy_in(self, targets: List[int], rows: List[int], conv_states: torch.Tensor,
+                ssm_states: torch.Tensor) -> None:
+        """Snapshots ``targets`` take rows ``rows`` of ``conv_states`` / ``ssm_states``
+        (``[layers, rows, ...]``), every layer: one gather and one scatter each."""
+        device = self.conv.device
+        src = torch.tensor(rows, dtype=torch.int64, device=device)
+        dst = torch.tensor(targets, dtype=torch.int64, device=device)
+        self.conv.index_copy_(1, dst, conv_states.index_select(1, src))
+        self.ssm.index_copy_(1, dst, ssm_states.index_select(1, src))
 
 class MambaStates:
     """Slots, states and snapshots of a hybrid model's Mamba layers.
@@ -313,6 +367,9 @@ class MambaMetadata:
                    "batch_indices_chunked_prefill", "cu_seqlens", "seq_idx",
                    "device_decode_prefill", "device_chunked_prefill")
 
+    #: 0.19's per-step bound on extracted intermediate states (the context sets it).
+    max_intermediate_count = 0
+
     def __init__(self, states: "MambaStates", table, device):
         # The parts it reads (none refers back to it): the slot stack, and the request table
         # and device state whose slot field ``request_to_mamba_state_idx`` hands out.
@@ -320,9 +377,12 @@ class MambaMetadata:
         self.reset_varlen_metadata()
 
     def reset_varlen_metadata(self) -> None:
-        """Forget the step's fields (the slot map and the free slots stay)."""
+        """Forget the step's fields (the slot map and the free slots stay), and 0.19's
+        intermediate-state extraction of the step (``mamba_slot_allocator.py``)."""
         for name in self.STEP_FIELDS:
             setattr(self, name, None)
+        self.intermediate_count, self.per_request_intermediate_counts = 0, []
+        self.intermediate_chunk_indices = self.intermediate_abs_positions = None
 
     def update_step(self, fields: dict) -> None:
         for name in self.STEP_FIELDS:

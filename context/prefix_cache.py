@@ -42,9 +42,7 @@ to end a hybrid's first chunk at the end of its cached blocks when the state the
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
-from enum import Enum
 from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
@@ -53,60 +51,31 @@ import torch
 from ._fields import FIELD_IDS, FIELD_KV_OFFSET, FIELD_MAMBA_SLOT, FIELD_QUERY
 from .inference_request import compute_block_hashes_batched
 from .mamba_states import MambaSnapshots
+from .prefix_digests import (  # noqa: F401 (re-exported: the context's modules import them here)
+    DigestTable,
+    Link,
+    PrefixCacheStats,
+    PrefixCachingEvictionPolicy,
+    chain_links,
+    salt_digest,
+    wants_every_prompt_logit,
+)
+from .prefix_options import (  # noqa: F401 (re-exported likewise)
+    POLICIES,
+    check_prefix_caching_args,
+    prefix_snapshot_count,
+    warn_without_snapshots,
+)
 from .requests import whole_number_ids
-
-
-class PrefixCachingEvictionPolicy(str, Enum):
-    """Megatron-Core 0.19's enum of the eviction policies (a plain string works as well)."""
-
-    REF_ZERO = "ref_zero"
-    LRU = "lru"
-_DIGEST = 16
-
-# (digest, parent digest, token bytes) of one full block.
-Link = Tuple[bytes, bytes, bytes]
-
-
-def salt_digest(salt: Any) -> bytes:
-    """The root parent digest of a request's chain: its salt (None, str, bytes or int)."""
-    if salt is None:
-        data = b""
-    elif isinstance(salt, bytes):
-        data = b"b" + salt
-    elif isinstance(salt, str):
-        data = b"s" + salt.encode()
-    elif isinstance(salt, (int, np.integer)) and not isinstance(salt, bool):
-        data = b"i" + str(int(salt)).encode()
-    else:
-        raise TypeError(f"prefix_caching_salt={salt!r} must be None, a str, bytes or an int")
-    return hashlib.blake2b(data, digest_size=_DIGEST, person=b"dynctx-salt").digest()
-
-
-def chain_links(tokens: np.ndarray, block_size: int, salt: Any = None) -> Tuple[Link, ...]:
-    """The chained links of every full block of ``tokens`` (int64 host ids)."""
-    parent = salt_digest(salt)
-    data = np.ascontiguousarray(tokens, dtype="<i8")
-    links = []
-    for start in range(0, (data.size // block_size) * block_size, block_size):
-        chunk = data[start:start + block_size].tobytes()
-        digest = hashlib.blake2b(parent + chunk, digest_size=_DIGEST).digest()
-        links.append((digest, parent, chunk))
-        parent = digest
-    return tuple(links)
-
-
-def wants_every_prompt_logit(req: Any) -> bool:
-    """A request that asks for prompt log probs needs every prompt position computed."""
-    params = getattr(req, "sampling_params", None)
-    return bool(getattr(params, "return_log_probs", False)
-                and not getattr(params, "skip_prompt_log_probs", False))
 
 
 @dataclass(frozen=True)
 class PrefixHit:
-    """What ``plan_match`` found for a new request: its chain, the matched blocks (in order;
-    -1: a block of the host tier, restored into a new block), which of them are idle
-    (reference count 0) and must be revived."""
+    """What ``plan_match`` found for a new request: its chain, the matched blocks (in order,
+    shared into its block-table row; -1: a block of the host tier, restored into a new block),
+    which of them are idle (reference count 0) and must be revived, and how many of them the
+    chunk skips (``skip``; the rest it recomputes, its K/V writes there discarded:
+    ``discard_tokens``)."""
 
     links: Tuple[Link, ...]
     blocks: np.ndarray
@@ -114,12 +83,24 @@ class PrefixHit:
     block_size: int
     snapshot: int = -1         # hybrids: the Mamba snapshot the hit resumes from
     hashes: Tuple[int, ...] = ()   # 0.19's hash of each link (the allocator's block_hashes)
+    skip: int = -1             # blocks skipped (-1: every matched block)
     host_snapshot: bytes = b""     # hybrids: the digest of a host tier snapshot it resumes from
     restored: bool = False         # a KV offload restore: publishes, is no lookup
 
     @property
+    def skipped(self) -> int:
+        return int(self.blocks.size) if self.skip < 0 else self.skip
+
+    @property
     def tokens(self) -> int:
-        return int(self.blocks.size) * self.block_size
+        """The prompt tokens the hit skips (their K/V are in the shared blocks)."""
+        return self.skipped * self.block_size
+
+    @property
+    def discard_tokens(self) -> int:
+        """The tokens the chunk computes inside shared blocks: their K/V are there already,
+        so the forward's writes of them are discarded (the dummy block takes them)."""
+        return (int(self.blocks.size) - self.skipped) * self.block_size
 
     @property
     def taken(self) -> int:
@@ -147,52 +128,6 @@ class PublishPlan:
     items: Tuple[Tuple[int, int, Link, int], ...] = ()
     progress: Tuple[Tuple[int, int], ...] = ()
     snapshots: Tuple[Tuple[int, bytes], ...] = ()   # hybrids: (Mamba slot, block digest)
-
-
-@dataclass
-class PrefixCacheStats:
-    """Megatron-Core 0.19's names. ``hits``: added requests that matched at least one block."""
-
-    prefix_cache_hits: int = 0
-    prefix_cache_blocks_matched: int = 0
-    prefix_cache_prefill_skipped_tokens: int = 0
-    prefix_cache_prefill_computed_tokens: int = 0
-    prefix_cache_lookups: int = 0
-
-    def as_dict(self) -> Dict[str, float]:
-        total = self.prefix_cache_prefill_skipped_tokens + \
-            self.prefix_cache_prefill_computed_tokens
-        return {
-            "prefix_cache_hits": self.prefix_cache_hits,
-            "prefix_cache_lookups": self.prefix_cache_lookups,
-            "prefix_cache_blocks_matched": self.prefix_cache_blocks_matched,
-            "prefix_cache_prefill_skipped_tokens": self.prefix_cache_prefill_skipped_tokens,
-            "prefix_cache_prefill_computed_tokens": self.prefix_cache_prefill_computed_tokens,
-            "prefix_cache_hit_rate": (self.prefix_cache_hits / self.prefix_cache_lookups
-                                      if self.prefix_cache_lookups else 0.0),
-            "prefix_cache_token_hit_rate": (self.prefix_cache_prefill_skipped_tokens / total
-                                            if total else 0.0),
-        }
-
-
-class DigestTable:
-    """The cached blocks: ``entries`` maps a digest to ``(block id, parent digest, token
-    bytes)``, ``block_digest`` a cached block to its digest. ``forget`` is the block
-    allocator's ``on_evict``."""
-
-    def __init__(self):
-        self.entries: Dict[bytes, Tuple[int, bytes, bytes]] = {}
-        self.block_digest: Dict[int, bytes] = {}
-
-    def forget(self, blocks: np.ndarray) -> None:
-        for block in blocks.tolist():
-            digest = self.block_digest.pop(block, None)
-            if digest is not None:
-                del self.entries[digest]
-
-    def clear(self) -> None:
-        self.entries.clear()
-        self.block_digest.clear()
 
 
 class PrefixCache:
@@ -236,7 +171,7 @@ class PrefixCache:
         self.digests.clear()
         self.pending.clear()
         if self.mamba is not None:
-            self.mamba.index.clear()
+            self.mamba.clear()
 
     # ------------------------------------------------------------------ lookup (pure)
     def _links(self, req: Any, request_id: int) -> Tuple[Link, ...]:
@@ -281,19 +216,27 @@ class PrefixCache:
     def plan_match(self, req: Any, request_id: int, chunk: int,
                    allow_hit: bool = True) -> PrefixHit:
         """The hit of a new request whose first add covers ``chunk`` prompt tokens; pure.
-        At most ``(chunk - 1) // block_size`` blocks match, so the chunk computes at least
-        its last token. ``allow_hit=False`` (requests asking for prompt log probs) matches
-        nothing but still plans the publishing."""
+        Every cached block the chunk covers whole is shared (0.19's match); the chunk skips
+        at most ``(chunk - 1) // block_size`` of them, so it computes at least its last token,
+        and on a hybrid only up to a block whose boundary has a Mamba snapshot (none: the
+        blocks are shared for memory only, 0.19's "memory-only" mode). ``allow_hit=False``
+        (requests asking for prompt log probs) matches nothing but still plans the
+        publishing. With KV groups a hit shares only the blocks it skips: a window's copy of a
+        block past them may be gone, and the recomputed tokens would be written there."""
         links = self._links(req, request_id)
-        limit = max(0, (chunk - 1) // self.block_size) if allow_hit else 0
-        matched = self._matched(links, limit)
-        count, snapshot, host_snapshot = self._resumable(links, matched)
-        blocks = np.asarray(matched[:count], dtype=np.int32)
+        skippable = max(0, (chunk - 1) // self.block_size) if allow_hit else 0
+        if self.window_reads is not None:
+            matched = self._matched(links, skippable)
+        else:
+            matched = self._matched(links, chunk // self.block_size if allow_hit else 0)
+        skip, snapshot, host_snapshot = self._resumable(links, matched[:skippable])
+        blocks = np.asarray(matched, dtype=np.int32)
         device = blocks[blocks >= 0]
         idle = device[self.allocator.ref_counts[device] == 0] if device.size else device
         return PrefixHit(links=links, blocks=blocks, idle=idle, block_size=self.block_size,
-                         snapshot=snapshot, host_snapshot=host_snapshot,
-                         hashes=self._hashes(req, len(links)) if len(links) > count else ())
+                         snapshot=snapshot, skip=skip, host_snapshot=host_snapshot,
+                         hashes=self._hashes(req, len(links)) if len(links) > blocks.size
+                         else ())
 
     def _hashes(self, req: Any, count: int) -> Tuple[int, ...]:
         """0.19's hashes of the ``count`` full prompt blocks of a new request: its
@@ -324,20 +267,15 @@ class PrefixCache:
                 return i + 1 - start
         return 0
 
-    def lookup(self, req: Any) -> Tuple[int, int]:
-        """``(tokens, blocks taken)``: the prompt tokens the next ``add_request`` of ``req`` (a
-        new request, with a chunk that covers them) would take from the cache, and how many
-        free blocks their hit takes (the idle ones it revives, one per host-tier block it
-        restores); pure."""
+    def lookup(self, req: Any) -> Tuple[int, int, int]:
+        """``(tokens, blocks, blocks taken)``: the prompt tokens the next ``add_request`` of
+        ``req`` (a new request whose chunk is its whole remaining prompt) would skip, the
+        cached blocks it would share, and how many free blocks the hit takes (the idle ones it
+        revives, one per host-tier block it restores); pure."""
         if wants_every_prompt_logit(req) or req.finished_chunk_token_count:
-            return 0, 0
-        links = self._links(req, getattr(req, "request_id", -1))
-        limit = max(0, (req.remaining_prompt_length - 1) // self.block_size)
-        matched = self._matched(links, limit)
-        blocks = np.asarray(matched[:self._resumable(links, matched)[0]], dtype=np.int64)
-        device = blocks[blocks >= 0]
-        taken = int((self.allocator.ref_counts[device] == 0).sum()) + blocks.size - device.size
-        return int(blocks.size) * self.block_size, int(taken)
+            return 0, 0, 0
+        hit = self.plan_match(req, getattr(req, "request_id", -1), req.remaining_prompt_length)
+        return hit.tokens, int(hit.blocks.size), hit.taken
 
     def first_chunk_boundary(self, req: Any) -> int:
         """Hybrids: where the first chunk of the new request ``req`` should end so that its
@@ -375,8 +313,10 @@ class PrefixCache:
             if (blocks < 0).any():
                 blocks = self._restore(hit)
             if hit.snapshot >= 0:
-                self.mamba.index.move_to_end(hit.links[blocks.size - 1][0])
-        if len(hit.links) > blocks.size:
+                self.mamba.index.move_to_end(hit.links[hit.skipped - 1][0])
+        # The chain waits for its blocks beyond the shared ones (a hybrid's also for the Mamba
+        # snapshot at the end of the blocks it recomputes).
+        if len(hit.links) > (blocks.size if self.mamba is None else hit.skipped):
             self.pending[request_id] = _Pending(hit.links, int(blocks.size), hit.hashes)
         return blocks
 
@@ -400,6 +340,21 @@ class PrefixCache:
         return blocks
 
     # ------------------------------------------------------------------ publish
+    def publish_added(self, request_id: int, block_row: np.ndarray, covered: int) -> None:
+        """Megatron-Core 0.19's registration at ``add_request``: every pending prompt block
+        the added chunk fills (its ``covered`` prompt tokens reach the block's end) is shared
+        at once, so that a request added later in the same step matches it; its K/V are
+        written by this step's forward, which in each layer appends every token's K/V before
+        attention reads any. ``block_row``: the request's block-table row."""
+        pending = self.pending.get(request_id)
+        if pending is None:
+            return
+        full = min(int(covered) // self.block_size, len(pending.links))
+        if full > pending.published:
+            self.commit_publish(PublishPlan(
+                tuple((request_id, i, pending.links[i], int(block_row[i]))
+                      for i in range(pending.published, full)), ((request_id, full),)))
+
     def plan_publish(self, table) -> PublishPlan:
         """The pending blocks the step just computed (active rows only); pure."""
         if not self.pending:

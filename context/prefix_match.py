@@ -5,10 +5,10 @@
 They are pure: they say what the next ``add_request`` of a request would match, as
 ``admission.plan_add`` plans it (``PrefixCache.plan_match``), in 0.19's tuple. Where dynctx's
 matching differs, they give dynctx's answer: a request matches on its first chunk only, on its
-salted digests, at most ``(chunk - 1) // block_size`` blocks (0.19 caps the skipped tokens at
-``chunk - 1`` and then rounds them down to keep two computed tokens); a hybrid matches only up
-to a block with a Mamba snapshot (docs/SEMANTICS.md §16 row 31: 0.19's "memory-only" sharing of
-a hybrid's blocks without a Mamba state does not exist); a request asking for prompt log probs
+salted digests, the cached blocks its chunk covers whole, of which it skips at most ``(chunk -
+1) // block_size`` (0.19 caps the skipped tokens at ``chunk - 1`` and then rounds them down to
+keep two computed tokens); a hybrid skips only up to a block with a Mamba snapshot and shares
+the rest for memory (0.19's "memory-only" blocks); a request asking for prompt log probs
 matches nothing.
 """
 
@@ -52,13 +52,13 @@ class PrefixMatchHelpers:
         overall = -(-(finished + chunk) // bs)
         cache = self.prefix_cache
         matched: List[int] = []
+        skip = skipped = 0
         if cache is not None and finished == 0:
             hit = cache.plan_match(req, getattr(req, "request_id", -1), chunk,
                                    allow_hit=not wants_every_prompt_logit(req))
-            matched = hit.blocks.tolist()
+            matched, skip, skipped = hit.blocks.tolist(), hit.tokens, hit.skipped
         if record_mamba_match and self.is_hybrid_model and finished == 0:
-            req._mamba_num_matched_blocks = len(matched)
-        skip = len(matched) * bs
+            req._mamba_num_matched_blocks = skipped
         on_device = sum(block >= 0 for block in matched)
         return matched, max(0, overall - already - on_device), already, overall, skip, \
             chunk - skip

@@ -46,13 +46,15 @@ def prefix_snapshot_count(args: Tuple[bool, str, Optional[float]], layers: Any) 
 
 
 def warn_without_snapshots(snapshots: int, mamba_gb: Optional[float], bytes_each: int) -> None:
-    """Say once, at construction, that a hybrid's prefix cache can give no hits: no Mamba
-    state snapshot fits its budget (a hit resumes from one)."""
+    """Say once, at construction, that a hybrid's prefix cache skips no prompt token: no Mamba
+    state snapshot fits its budget (a skip resumes from one), so cached blocks are shared for
+    memory only (0.19's "memory-only" mode)."""
     if snapshots == 0:
         logger.warning(
             "enable_prefix_caching on a hybrid model with prefix_caching_mamba_gb=%s: no Mamba "
-            "state snapshot fits (%d bytes each), so no request can resume from the cache",
-            mamba_gb, bytes_each)
+            "state snapshot fits (%d bytes each). Running in memory-only mode: identical KV "
+            "prefixes are shared for memory, but no request can resume from the cache (every "
+            "prompt token is recomputed)", mamba_gb, bytes_each)
 
 
 def check_host_tier_arg(value: Any, *, enable_prefix_caching: bool, kv_offload_gb: float,

@@ -75,6 +75,8 @@ class RequestTable:
             or "ref_zero", usage=self, on_evict=None if digests is None else digests.forget)
         self.prefix_cache = None if prefix_caching is None else PrefixCache(
             self.allocator, digests, block_size, prefix_caching, snapshots)
+        if digests is not None and snapshots is not None:
+            digests.on_forget = snapshots.drop
         self.budget_advice = budget_advice
         self.max_requests = max_requests
         # The rows add_request may fill: the context's ``max_requests``, which callers may lower.
@@ -146,11 +148,18 @@ class RequestTable:
         self.device_prompts: list = []
         # Prefix caching on hybrids: (slot, snapshot) copies before each build of the step.
         self.mamba_restores: list = []
+        # Prefix caching: (first token, count) of the step's tokens inside shared blocks,
+        # whose K/V writes the dummy block takes (the blocks hold their K/V already).
+        self.discard_writes: list = []
 
     def reset(self, keep_cache: bool = False) -> None:
         """Every row free, every block and slot free (the KV bytes are kept); ``keep_cache``:
-        the allocator and the prefix cache as they are (no row may hold a block then:
-        ``holds_blocks``)."""
+        the prefix cache kept, the rows' blocks released a reference each (0.19)."""
+        if keep_cache and self.total:
+            held = self.block_table[:self.total]
+            self.allocator.release_memory_blocks(
+                held[(held >= 0) & (held != self.allocator.dummy_block_idx)])
+            self.prefix_cache.pending.clear()
         self._clear_counts()
         self.rows[:] = 0
         for field, value in _FIELD_RESET.items():
@@ -164,11 +173,6 @@ class RequestTable:
             self.prefix_cache.reset()
         if self.slots is not None:
             self.slots.reset()
-
-    def holds_blocks(self) -> bool:
-        """Whether a row in use holds a block other than the dummy block."""
-        held = self.block_table[:self.total]
-        return bool(((held != -1) & (held != self.allocator.dummy_block_idx)).any())
 
     def reset_slots(self) -> None:
         """Every Mamba slot free (no live request may hold one)."""
@@ -226,24 +230,6 @@ class RequestTable:
     def host_request_ids(self) -> np.ndarray:
         """Host copy of the request id of each row in ``[0, total_request_count)``."""
         return self.host("rows")[FIELD_IDS, :self.total]
-
-    def get_kvcache_utilization_stats(self) -> dict:
-        """Block usage of the buffer and of the active requests; host only."""
-        self.check_bound()
-        alloc, num_paused, num_total = self.allocator, self.paused, self.total
-        total = max(alloc.total_count - 1, 1)
-        allocated = alloc.total_count - 1 - alloc.total_avail
-        rows = self.block_table[num_paused:num_total]
-        active_unique = int(np.unique(rows[rows >= 0]).size)
-        return {
-            "total_blocks": total, "allocated_blocks": allocated,
-            "active_unique_blocks": active_unique, "allocated_utilization": allocated / total,
-            "active_utilization": active_unique / total, "active_request_count":
-                num_total - num_paused,
-            "paused_request_count": num_paused, "paused_blocks": self.paused_used_blocks(),
-            "block_count_avail": alloc.total_avail, "active_token_count": self.active_tokens,
-            "total_request_count": num_total, "max_requests": self.request_limit,
-        }
 
     def set_chunked_id(self, value) -> None:
         """Keep the context's ``chunked_prefill_request_id`` (``inputs.check_chunked_id``)."""
@@ -312,6 +298,11 @@ class RequestTable:
                 self.metadata[label][row] = value
             self.live_ids.add(plan.request_id)
         self.block_table[row, plan.already:plan.needed] = new_blocks
+        if self.prefix_cache is not None:  # 0.19: the chunk's full blocks are shared at once
+            self.prefix_cache.publish_added(plan.request_id, self.block_table[row],
+                                            plan.finished + plan.chunk)
+            if plan.prefix is not None and plan.prefix.discard_tokens:
+                self.discard_writes.append((plan.tokens_before, plan.prefix.discard_tokens))
         rows[FIELD_QUERY, row] = plan.chunk
         rows[FIELD_OUTPUT, row] = plan.finished + plan.chunk + plan.gen
         rows[FIELD_KV_OFFSET, row] = plan.finished
@@ -401,7 +392,7 @@ class RequestTable:
         self.fed_decode = 0
         self.continuation_added = False
         self.device_prompts = []
-        self.mamba_restores = []
+        self.mamba_restores, self.discard_writes = [], []
         self.dirty_from = self.max_requests
         gone = plan.finished_ids.tolist() + plan.evicted_ids.tolist()
         self.live_ids.difference_update(gone)
@@ -413,15 +404,17 @@ class RequestTable:
         apply ``plan_update``'s plan of the same update). Returns None, or for the rows that
         start a block, now rows ``[0, filled)``: ``(columns, blocks)``, where each appended its
         block in the block table."""
-        rows, total = self.rows, self.total
+        rows, total, per_row = self.rows, self.total, self.decode_query
         kv_offsets, last_offsets = rows[FIELD_KV_OFFSET, :total], rows[FIELD_LAST_OFFSET, :total]
         if plan.kv_offsets is None:
             # Every row held one token: the KV offsets advance by one.
             np.add(kv_offsets, 1, out=kv_offsets)
         else:
             kv_offsets[:] = plan.kv_offsets
-            rows[FIELD_QUERY, :total] = 1
-        np.add(last_offsets, 1, out=last_offsets)
+            rows[FIELD_QUERY, :total] = per_row
+        np.add(last_offsets, per_row, out=last_offsets)
+        if per_row > 1:   # speculative: the rows that cross a block end past its start
+            np.remainder(last_offsets, self.block_size, out=last_offsets)
         appended = None
         if plan.full is not None:
             # The rows that filled their last block move to the front rows [0, filled) (fancy
@@ -441,9 +434,10 @@ class RequestTable:
             self.block_table[self.row_numbers[:filled], columns] = blocks
             rows[FIELD_BLOCKS, :filled] = columns + 1
             rows[FIELD_LAST_BLOCK, :filled] = blocks
-            rows[FIELD_LAST_OFFSET, :filled] = 0
+            if per_row == 1:
+                rows[FIELD_LAST_OFFSET, :filled] = 0
             appended = (columns, blocks)
-        self.active_tokens = total
+        self.active_tokens = total * per_row
         self.num_prefill = 0
         self.fed_decode = 0
         self.continuation_added = False

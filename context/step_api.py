@@ -296,6 +296,12 @@ class StepAPI:
         table, device = self._table, self._device
         keep = async_steps.read_resolve_mask(active_requests_mask, table.total)
         plan, survivors = async_steps.plan_resolve(table, keep)
+        if table.prefix_cache is not None and self._mamba is not None:
+            # The prompt blocks were published at their add; a hybrid's boundary states are
+            # snapshotted here, as update_requests does (the slots hold the forward's states).
+            snapshots = table.prefix_cache.plan_publish(table).snapshots
+            if snapshots:
+                self._mamba.save_snapshots(snapshots)
         finished = torch.from_numpy(plan.finished_ids.astype(np.int32))
         old_total = plan.old_total
         table.commit_update(plan)

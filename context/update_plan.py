@@ -117,10 +117,11 @@ def plan_decode(table, *, chunked_id: int, max_sequence_length: int,
     state after state). Changes nothing.
     """
     total = table.total
-    if table.paused or chunked_id != -1 or not total or table.speculative:
-        # Speculative steps take plan_update (their rows take blocks early).
+    if table.paused or chunked_id != -1 or not total:
         return None
     rows = table.rows
+    if table.speculative:
+        return _plan_speculative_decode(table, max_sequence_length, active_blocks)
     # A request whose next token would lie at max_sequence_length or beyond is finished, which
     # plan_update decides.
     if max_kv_offset is not None:
@@ -141,6 +142,34 @@ def plan_decode(table, *, chunked_id: int, max_sequence_length: int,
     full = _aligned_matches(offset_bytes, table.full_block_bytes, SMALL_CROSSING)
     if full is None:
         full = (rows[FIELD_LAST_OFFSET, :total] == table.block_size - 1).nonzero()[0].tolist()
+    return _decode_moves(table, max_kv_offset, kv_offsets, full, active_blocks)
+
+
+def _plan_speculative_decode(table, max_sequence_length: int,
+                             active_blocks: Optional[int]) -> Optional[DecodePlan]:
+    """``plan_decode`` with ``num_speculative_tokens = k > 0`` (docs/SEMANTICS.md §19): every
+    row advances by its query (its ``1 + k`` tokens, fewer after a rewind lowered its offset),
+    and the rows whose next ``1 + k`` tokens cross into a new block (last offset ``>= block_size
+    - 1 - k``) take it now, as ``plan_update``'s pause and resume would; None past
+    ``max_tokens // (1 + k)`` rows (they pause) or ``max_sequence_length``."""
+    total, rows = table.total, table.rows
+    if total > table.max_tokens // table.decode_query:
+        return None
+    kv_offsets = rows[FIELD_KV_OFFSET, :total] + rows[FIELD_QUERY, :total]
+    max_kv_offset = int(np.maximum.reduce(kv_offsets))
+    if max_kv_offset >= max_sequence_length:
+        return None
+    threshold = table.block_size - 1 - table.speculative
+    full = np.flatnonzero(rows[FIELD_LAST_OFFSET, :total] >= threshold).tolist()
+    return _decode_moves(table, max_kv_offset, kv_offsets, full, active_blocks)
+
+
+def _decode_moves(table, max_kv_offset: int, kv_offsets: Optional[np.ndarray], full: List[int],
+                  active_blocks: Optional[int]) -> Optional[DecodePlan]:
+    """The decode plan of rows ``full`` (ascending) that start a block: the swaps that move
+    them to the front rows, or None where ``plan_update`` must decide (a block count outside
+    the table, too few free blocks or too small an active budget)."""
+    rows, total = table.rows, table.total
     filled = len(full)
     if not filled:
         return DecodePlan(max_kv_offset, kv_offsets, None, None, None, active_blocks)

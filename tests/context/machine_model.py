@@ -310,6 +310,7 @@ class Tracked:
     mamba_writes: int = 0         # hybrids: steps whose Mamba state pattern it holds
     mamba_len: int = 0            # hybrids with prefix caching: tokens its state absorbed
     continued: bool = False       # the pending query is a continuation chunk (added this step)
+    shared: int = 0               # prefix caching: the first chunk's tokens in shared blocks
     drafts: List[int] = field(default_factory=list)  # speculative: the query's tokens after
     #                               the pending one (its drafts, not yet generated)
     # KV offload: an evicted incarnation's (uid, cached tokens, Mamba writes, Mamba length),

@@ -193,7 +193,7 @@ class ContextDriver(InvariantChecks):
             errors.add(MaxSequenceLengthOverflowError)
             hit = Hit(0, 0)  # refused before any lookup
         tokens = self._model_active_tokens() - (1 if continuation else 0)
-        skip, idle = hit.skip(cfg.block_size), hit.idle
+        skip, idle = hit.skip_tokens(cfg.block_size), hit.idle
         if not continuation:
             if duplicate:
                 errors.add(ValueError)
@@ -206,7 +206,7 @@ class ContextDriver(InvariantChecks):
         if tokens + chunk - skip > cfg.max_tokens:
             errors.add(TokenOverflowError)
         bs = cfg.block_size
-        if math.ceil((fin + chunk) / bs) - math.ceil(fin / bs) - skip // bs + idle \
+        if math.ceil((fin + chunk) / bs) - math.ceil(fin / bs) - hit.blocks + idle \
                 > self._model_free_blocks():
             errors.add(BlockOverflowError)
         return errors
@@ -222,11 +222,12 @@ class ContextDriver(InvariantChecks):
             # A restore: its tokens skipped, every block new (as many as a hit revives).
             bs = self.cfg.block_size
             # (With speculative steps its last block may be partly filled.)
-            hits = [Hit(restored // bs, restored // bs, restored)]
+            hits = [Hit(restored // bs, restored // bs, tokens=restored)]
         options = {hit: self._expected_add_errors(t, chunk, continuation, duplicate, hit)
                    for hit in hits}
         expected = set().union(*options.values())
         before = snapshot(ctx)
+        matched_before = ctx.prefix_cache_blocks_matched
         remaining = t.req.remaining_prompt_length
         arg = None if pass_none and chunk == remaining else chunk
         paused = ctx.paused_request_count
@@ -254,13 +255,21 @@ class ContextDriver(InvariantChecks):
         fin = t.req.finished_chunk_token_count
         row = ctx.host_request_ids().tolist().index(t.rid)
         skip = int(ctx.request_kv_length_offsets[row]) - fin
-        allowed = sorted({h.skip(self.cfg.block_size) for h, errors in options.items()
-                          if not errors})
-        require(skip in allowed, lambda: f"add_request(id={t.rid}, chunk={chunk}) took {skip} "
-                f"tokens from the prefix cache; the model allows {allowed}")
+        shared = skip // self.cfg.block_size if restored else \
+            ctx.prefix_cache_blocks_matched - matched_before
+        allowed = sorted({(h.blocks, h.skip_tokens(self.cfg.block_size))
+                          for h, errors in options.items() if not errors})
+        require((shared, skip) in allowed, lambda: f"add_request(id={t.rid}, chunk={chunk}) "
+                f"shared {shared} blocks and skipped {skip} tokens from the prefix cache; the "
+                f"model allows (blocks, tokens) in {allowed}")
+        t.shared = 0 if continuation else shared * self.cfg.block_size
         if self.prefix is not None and not continuation:
-            # A restored request holds private copies (its blocks are published as computed).
-            self.prefix.took(t.uid, t.prompt, 0 if restored else skip // self.cfg.block_size)
+            # A restored request holds private copies (its blocks are published at the add).
+            self.prefix.took(t.uid, t.prompt, 0 if restored else shared,
+                             0 if restored else skip // self.cfg.block_size)
+        if self.prefix is not None:
+            self.prefix.added(t.uid, t.prompt, fin + chunk, {x.uid for x in self.live.values()}
+                              | {t.uid})
         require(not restored or skip == restored, lambda: f"add_request(id={t.rid}) restored "
                 f"{skip} tokens from the host, {restored} were saved")
         if advance:
@@ -387,10 +396,11 @@ class ContextDriver(InvariantChecks):
         paused = any(x.paused for x in self.live.values())
         bs = self.cfg.block_size
         restored = self._restorable(t, remaining, False)
-        hits = [Hit(restored // bs, restored // bs, restored)] if restored else \
+        hits = [Hit(restored // bs, restored // bs, tokens=restored)] if restored else \
             self._prefix_hits(t, remaining)
         wants = {(len(self.live) < self.cfg.max_requests and not paused,
-                  self._model_active_tokens() + remaining - hit.skip(bs) <= self.cfg.max_tokens,
+                  self._model_active_tokens() + remaining - hit.skip_tokens(bs)
+                  <= self.cfg.max_tokens,
                   self._model_free_blocks() >= math.ceil(remaining / bs) - hit.blocks + hit.idle)
                  for hit in hits}
         require(tuple(got) in wants, lambda: f"check_availability(id={t.rid}, remaining="

@@ -208,3 +208,30 @@ def test_ctx_gpu_view_names_the_step_arrays_and_the_views_are_cut_once():
     ctx.initialize_attention_state()
     again = ctx.current_input_and_position_ids()
     assert again[0] is not first[0] and again[0][0, :3].tolist() == [101, 102, 103]
+
+
+def test_a_resolved_prefill_shares_its_blocks_and_a_hybrid_snapshots_its_boundary():
+    """With prefix caching the prompt's blocks are shared from its add on, and the resolve
+    snapshots a hybrid's state where its computed tokens end on a block boundary, as the update
+    does: a later request of the same prompt skips to it."""
+    from test_prefix_cache import hybrid_ctx
+
+    per_request = 4 * (6 * 4 + 2 * 3 * 5)
+    ctx = hybrid_ctx(prefix_caching_mamba_gb=2 * per_request / 1024 ** 3)
+    prompt = list(range(20, 28))          # two full blocks of 4
+    first = request(1, 8)
+    first.prompt_tokens = first.remaining_prompt_tokens = torch.tensor(prompt)
+    add(ctx, first)
+    ctx.initialize_attention_state()
+    conv, ssm = ctx.mamba_states_cache(1)
+    slot = int(ctx.mamba_metadata.request_to_mamba_state_idx[0])
+    conv[slot].fill_(3.0)                 # "the forward": the state after 8 tokens
+    ssm[slot].fill_(4.0)
+    ctx.resolve_requests(torch.ones(1, dtype=torch.int32))
+    snaps = ctx.prefix_cache.mamba
+    assert len(snaps.index) == 1
+    index = next(iter(snaps.index.values()))
+    assert (snaps.conv[:, index] == 3.0).all() and (snaps.ssm[:, index] == 4.0).all()
+    second = request(2, 9)
+    second.prompt_tokens = second.remaining_prompt_tokens = torch.tensor(prompt + [5])
+    assert ctx.prefix_cache_lookup(second) == 8

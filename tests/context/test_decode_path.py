@@ -51,6 +51,7 @@ def full_state(ctx) -> dict:
         device_tables=torch.stack([t.clone() for t in device.block_tables]),
         device_tokens=torch.stack([t.clone() for t in device.next_tokens]),
         device_req=device.arena.device["req"].clone(),
+        device_drafts=None if device.drafts is None else device.drafts.clone(),
         step_counts=(ctx.padded_active_token_count, ctx.padded_active_request_count,
                      ctx.using_cuda_graph_this_step() if ctx.is_tensor_state_allocated else None),
     )
@@ -59,7 +60,8 @@ def full_state(ctx) -> dict:
 
 def assert_equal_states(a: dict, b: dict, where: str) -> None:
     assert a.keys() == b.keys()
-    for key in ("all_rows", "all_blocks", "device_tables", "device_tokens", "device_req"):
+    for key in ("all_rows", "all_blocks", "device_tables", "device_tokens", "device_req",
+                "device_drafts"):
         x, y = a.pop(key), b.pop(key)
         same = torch.equal(x, y) if isinstance(x, torch.Tensor) else np.array_equal(x, y)
         assert same, f"{where}: {key} differs"
@@ -108,7 +110,9 @@ def _request(rid: int, length: int, gen: int) -> DynamicInferenceRequest:
 
 def _lockstep(name: str, seed: int, steps: int, monkeypatch, **extra) -> _Counting:
     """Drive a shortcut context and a general-path context with the same random calls and
-    compare them after every call; returns the decision counts."""
+    compare them after every call; returns the decision counts. ``num_speculative_tokens``
+    in ``extra``: speculative steps, with rewinds and drafts."""
+    k = extra.get("num_speculative_tokens", 0)
     counts = _Counting(monkeypatch)
     contexts = [make_ctx(**WORKLOADS[name], **extra) for _ in range(2)]
     contexts[1]._decode_shortcut = False
@@ -166,7 +170,19 @@ def _lockstep(name: str, seed: int, steps: int, monkeypatch, **extra) -> _Counti
             keep.append(done + 1 < gen and rng.random() > 0.04)
         mask = torch.tensor(keep, dtype=rng.choice([torch.bool, torch.uint8, torch.int64]))
         tokens = torch.tensor([rid * 10 + step_index for rid in ids], dtype=torch.int64)
-        results = [c.update_requests(mask.clone(), tokens.clone()) for c in contexts]
+        drafts = None
+        if k:
+            # Speculative steps: the verification accepts some drafts (a rewind), and the
+            # next drafts come with the update.
+            if rng.random() < 0.7:
+                accepted = torch.tensor([rng.randint(0, k) for _ in ids])
+                released = [c.rewind_kv_cache(accepted.clone()).tolist() for c in contexts]
+                assert released[0] == released[1], where
+                same(where + " rewind_kv_cache")
+            drafts = torch.arange(k * len(ids), dtype=torch.int64).view(k, -1) + step_index
+        results = [c.update_requests(mask.clone(), tokens.clone(),
+                                     None if drafts is None else drafts.clone())
+                   for c in contexts]
         assert results[0].tolist() == results[1].tolist(), where
         for attr in ("evicted_request_ids", "max_length_finished_request_ids"):
             assert getattr(contexts[0], attr).tolist() == getattr(contexts[1], attr).tolist(), \
@@ -193,6 +209,16 @@ def test_decode_update_equals_general_update(name, seed, small_crossing, monkeyp
     # Both paths ran (the general context makes a general plan for every update), and the
     # shortcut met rows that start a block.
     assert counts.decode >= 20 and counts.crossing >= 5, vars(counts)
+    assert counts.general - counts.decode >= 10, vars(counts)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("name", sorted(WORKLOADS))
+def test_speculative_decode_update_equals_general_update(name, seed, monkeypatch):
+    """With ``num_speculative_tokens = 2`` the steady decode update (rows advance by ``1 + k``,
+    take their next block early) leaves what the general path leaves, rewinds included."""
+    counts = _lockstep(name, seed, 120, monkeypatch, num_speculative_tokens=2)
+    assert counts.decode >= 10 and counts.crossing >= 5, vars(counts)
     assert counts.general - counts.decode >= 10, vars(counts)
 
 

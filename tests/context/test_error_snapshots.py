@@ -12,6 +12,8 @@ Triton kernels).
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from helpers import BLOCK, GIB, add, assert_same, check_invariants, make_ctx, snapshot
@@ -157,10 +159,22 @@ def s_hybrid_continued(backend):
 T9 = [5, 9, 13, 17, 21, 25, 29, 33, 37]  # two full blocks of 4 and one token
 
 
+def s_hybrid_cached(backend):
+    """A hybrid with prefix caching and 3 Mamba snapshots (0.19's mamba_slot_allocator):
+    request 1 (9 tokens) added, its two full blocks cached, the step initialized."""
+    layers, conv, ssm = ("M", "*"), (6, 4), (2, 3, 5)
+    ctx = make_ctx(kernel_backend=backend, num_layers=2, enable_prefix_caching=True,
+                   prefix_caching_mamba_gb=3 * 4 * (24 + 30) / GIB,
+                   mamba_inference_state_config=MambaInferenceStateConfig(layers, conv, ssm))
+    add(ctx, req(1, tokens=T9))
+    ctx.initialize_attention_state()
+    return ctx
+
+
 def s_cache_pending(backend, **overrides):
     """Prefix caching ("lru"): request 1 (9 tokens) computed, its two full blocks published;
     request 2 (the same 9 tokens + 3) added with a hit on them, the step initialized: its third
-    block is published at the next update."""
+    block was published at the add (Megatron-Core 0.19's registration)."""
     ctx = make_ctx(kernel_backend=backend, vocab_size=VOCAB, enable_prefix_caching=True,
                    prefix_caching_eviction_policy="lru", **overrides)
     add(ctx, req(1, tokens=T9))
@@ -186,6 +200,13 @@ def s_cache_stuck(backend):
 def _salted(r, salt):
     r.prefix_caching_salt = salt
     return r
+
+
+def s_processed(backend):
+    """s_prefill with Megatron-Core 0.19's processed log probs asked for."""
+    ctx = s_prefill(backend)
+    ctx.config = SimpleNamespace(logprobs_mode="processed_logprobs")
+    return ctx
 
 
 def s_deallocated(backend):
@@ -362,13 +383,10 @@ CASES = [
      lambda c: c.add_request(req(2, tokens=T9)), ValueError, "request_id=2", True),
     (f"{A}/prefix-caching-prompt-outside-vocab", s_cache_pending,
      lambda c: c.add_request(req(9, tokens=T9 + [VOCAB])), ValueError, "vocab", True),
-    # Megatron-Core 0.19's names: the chunk length under both names; reset keeping the cache
-    # while a request holds blocks (context/megatron019.py, docs/SEMANTICS.md §16).
+    # Megatron-Core 0.19's names: the chunk length under both names (context/megatron019.py,
+    # docs/SEMANTICS.md §16).
     (f"{A}/prefill_chunk_length-and-chunk_length", s_prefill,
      lambda c: c.add_request(req(9), 2, chunk_length=2), TypeError, "not both", True),
-    ("reset/preserve_prefix_cache-with-held-blocks", s_cache_pending,
-     lambda c: c.reset(preserve_prefix_cache=True), RuntimeError, "preserve_prefix_cache",
-     True),
     # Megatron-Core 0.19's step API (context/step_api.py, context/async_steps.py).
     ("reset_tensors/with-requests", s_decode, lambda c: c.reset_tensors(), RuntimeError,
      "reset_tensors", True),
@@ -401,6 +419,34 @@ CASES = [
      lambda c: c._swap_book_keeping_tensors(torch.tensor([0]), torch.tensor([1]), None,
                                             new_speculative_tokens=torch.zeros(3)),
      TypeError, "new_speculative_tokens", True),
+    # Megatron-Core 0.19's row operations by hand (context/row_ops.py).
+    ("rows/release-index-out-of-range", s_prefill,
+     lambda c: c.release_memory_blocks_from_request_indexes(torch.tensor([0, 99])), ValueError,
+     "max_requests", True),
+    ("rows/release-a-row-twice", s_prefill,
+     lambda c: c.release_memory_blocks_from_request_indexes([1, 1]), ValueError, "twice", True),
+    ("rows/release-float-indexes", s_prefill,
+     lambda c: c.release_memory_blocks_from_request_indexes(torch.tensor([0.0])), TypeError,
+     "integer", True),
+    ("rows/evict-wrong-active-count", s_decode,
+     lambda c: c.evict_overflow_paused_requests(5, _tokens(1, 2)), ValueError,
+     "active_request_count=5", True),
+    ("rows/evict-active-count-type", s_decode,
+     lambda c: c.evict_overflow_paused_requests("2", _tokens(1, 2)), TypeError,
+     "active_request_count", True),
+    # Megatron-Core 0.19's Mamba slots: a slot only for a cached block (mamba_slot_allocator).
+    ("mamba_slots/allocate-an-uncached-block", s_hybrid_cached,
+     lambda c: c.mamba_slot_allocator.allocate_slots_batch(
+         [int(c.block_table_host[0, 0]), int(c.block_table_host[0, 2])]), ValueError,
+     "not a cached prompt block", True),
+    ("mamba_slots/store-without-a-slot", s_hybrid_cached,
+     lambda c: c.mamba_slot_allocator.store_from_tensors(
+         int(c.block_table_host[0, 0]), 0, torch.zeros(2, 3, 5), torch.zeros(6, 4)),
+     ValueError, "no Mamba cache slot", True),
+    # Megatron-Core 0.19's processed log probs need a sampling backend (context/sampling.py).
+    ("log_probs/processed-without-sampling", s_processed,
+     lambda c: c.calculate_log_probs(torch.zeros(1, c.padded_active_token_count, VOCAB),
+                                     _tokens(4, 5)), ValueError, "sampling backend", True),
 ]
 
 

@@ -62,9 +62,9 @@ def test_a_computed_prompt_publishes_0_19_hashes_and_parents_and_eviction_clears
     ctx.prefix_cache_lru_clock = 3
     add(ctx, req(1, tokens))
     blocks = ctx.block_table_host[0, :3].tolist()
-    assert alloc.kv_hash_to_block_id == {}  # published once computed, not at add
-    step(ctx)
     hashes = compute_block_hashes_batched(torch.tensor(tokens), BS)
+    assert alloc.kv_hash_to_block_id == dict(zip(hashes, blocks))  # registered at add (0.19)
+    step(ctx)
     assert alloc.kv_hash_to_block_id == dict(zip(hashes, blocks))
     assert alloc.block_hashes[blocks].tolist() == hashes
     assert alloc.block_parent_id[blocks].tolist() == [-1, blocks[0], blocks[1]]

@@ -17,6 +17,7 @@ from dynctx.context import (
     MambaInferenceStateConfig,
     PrefixCachingEvictionPolicy,
     SamplingParams,
+    prefix_digests,
 )
 from dynctx.context import prefix_cache as pc
 
@@ -157,7 +158,7 @@ def test_a_digest_collision_costs_a_miss_never_a_wrong_block(monkeypatch):
         def digest(self):
             return b"\0" * 16
 
-    monkeypatch.setattr(pc.hashlib, "blake2b", Constant)
+    monkeypatch.setattr(prefix_digests.hashlib, "blake2b", Constant)
     ctx = cached_ctx()
     add(ctx, req(1, PROMPT))
     step(ctx)
@@ -231,14 +232,23 @@ def test_lru_allocator_evicts_least_recently_released_first():
     assert alloc.ref_counts[b[0]] == 1 and alloc.idle_count == 2 and alloc.total_avail == 2
 
 
-def test_total_avail_by_hand_uncaches_what_it_frees_or_takes():
+def test_total_avail_lowered_by_hand_keeps_the_taken_cached_blocks_evictable():
+    """Lowering ``total_avail`` by hand (0.19's tests empty the free pool so) takes the idle
+    cached blocks out of the free stack but keeps them cached without a reference, evictable
+    outside it as 0.19's are: they still hit, and an allocation that needs a block evicts the
+    least recently used leaf."""
     ctx = cached_ctx("lru")
     add(ctx, req(1, PROMPT))
     step(ctx, keep=set())
     alloc = ctx.block_allocator
     assert alloc.idle_count == 3
-    alloc.total_avail = 1          # takes all but one free block, the idle ones among them
-    assert alloc.idle_count == 1 and ctx.get_prefix_cache_stats()["prefix_cache_blocks"] == 1
+    alloc.total_avail = 0
+    assert alloc.idle_count == 0 and ctx.get_prefix_cache_stats()["prefix_cache_blocks"] == 3
+    assert int(alloc.get_evictable_block_count()) == 3
+    assert ctx.prefix_cache_lookup(req(2, PROMPT)) == 12
+    assert alloc.allocate_memory_blocks(1) is not None
+    assert ctx.get_prefix_cache_stats()["prefix_cache_blocks"] == 2
+    assert ctx.prefix_cache_lookup(req(2, PROMPT)) == 8
 
 
 @pytest.mark.parametrize("policy", ["ref_zero", "lru"])

@@ -313,8 +313,11 @@ def test_hybrid_snapshots_spill_and_come_back_with_their_blocks():
     hybrid_run(ctx, 2, B[:12], 5.0)             # the one device snapshot is B's: A's spills
     a3 = chain_links(np.array(A), BS)[2][0]
     assert list(tier.snapshots) == [a3] and a3 not in snaps.index
-    fill_device(ctx)                          # A's blocks spill too
-    assert a3 in tier.blocks
+    fill_device(ctx)                          # A's blocks spill too, and B's
+    b3 = chain_links(np.array(B), BS)[2][0]
+    assert a3 in tier.blocks and b3 in tier.blocks
+    # A snapshot goes with its block (0.19's slot does): B's spilled along with B's blocks.
+    assert list(tier.snapshots) == [a3, b3] and not snaps.index
     assert ctx.prefix_cache_lookup(req(4, A)) == 12
     add(ctx, req(4, A))
     before = snapshot(ctx)
@@ -330,7 +333,7 @@ def test_hybrid_snapshots_spill_and_come_back_with_their_blocks():
     stats = ctx.get_kv_offload_stats()
     assert stats["kv_offload_prefix_restored_snapshots"] == 1
     assert stats["kv_offload_prefix_restored_blocks"] == 3
-    assert list(tier.snapshots) == [a3]          # the host copy stays (the device has B's)
+    assert list(tier.snapshots) == [b3, a3]      # the host copy stays, most recently used
     ctx._parts.offload.check()
 
 

@@ -59,14 +59,16 @@ def test_compute_prefix_match_says_what_add_request_then_does():
     assert ctx.prefix_cache_prefill_skipped_tokens - skipped == 3 * BS
 
 
-def test_a_prompt_equal_to_cached_blocks_still_computes_its_last_token():
+def test_a_prompt_equal_to_cached_blocks_shares_them_and_computes_its_last_block():
     ctx = cached_ctx()
     tokens = list(range(10, 10 + 2 * BS))
     blocks = computed(ctx, tokens)
+    # Both blocks are shared (0.19's match); the chunk skips one and recomputes the last
+    # block's tokens, their K/V writes discarded.
     match = ctx._compute_prefix_match(req(2, tokens), 2 * BS)
-    assert match == (blocks[:1], 1, 0, 2, BS, BS)
-    # A shorter first chunk matches only the blocks it covers and one token more.
-    assert ctx._compute_prefix_match(req(3, tokens), BS)[0] == []
+    assert match == (blocks, 0, 0, 2, BS, BS)
+    # A shorter first chunk shares the blocks it covers whole and skips none of them.
+    assert ctx._compute_prefix_match(req(3, tokens), BS) == (blocks[:1], 0, 0, 1, 0, BS)
 
 
 def test_no_match_without_caching_for_a_continuation_or_prompt_log_probs():

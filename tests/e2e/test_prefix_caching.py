@@ -126,6 +126,29 @@ def test_budgets_count_a_shared_prefix_once(policy):
     assert_matches_transformers(hf, prompts, gens, on_results)
 
 
+def test_requests_arriving_together_share_their_prefix_in_the_same_step():
+    """Megatron-Core 0.19's registration at ``add_request``: four requests with a 32-token
+    prompt prefix arrive in one step; the first's blocks are shared by the three added after it
+    in that step (their K/V are written by that step's forward before any attention reads
+    them), two of them with a whole prompt of cached blocks, whose last block they recompute
+    with its K/V writes discarded. Tokens and step logits equal transformers'."""
+    hf = tiny_llama(seed=8)
+    vocab = hf.config.vocab_size
+    prefix = make_prompts([32], vocab, seed=31)[0]
+    prompts = [prefix + [3, 5], list(prefix), list(prefix), prefix + [7]]
+    gens = [6, 5, 4, 6]
+    engine = build_engine(hf, block_size=16, blocks=24, paused_blocks=2, max_tokens=128,
+                          kernel_backend="torch", record_logits=True,
+                          enable_prefix_caching=True, prefix_caching_eviction_policy="lru")
+    results = engine.generate_requests(greedy_requests(prompts, gens), arrival_steps=[0] * 4)
+    stats = engine.stats.prefix_cache
+    assert stats["prefix_cache_hits"] == 3 and stats["prefix_cache_blocks_matched"] == 6, stats
+    # 16 tokens skipped for each whole cached prompt (its last block recomputed), 32 for the
+    # longer one.
+    assert stats["prefix_cache_prefill_skipped_tokens"] == 16 + 16 + 32, stats
+    assert_matches_transformers(hf, prompts, gens, results)
+
+
 @pytest.mark.parametrize("policy", POLICIES)
 def test_deepseek_prefix_caching_under_pressure_matches_transformers(policy):
     hf = tiny_deepseek(seed=2)
@@ -179,14 +202,19 @@ def test_nemotron_h_prefix_caching_resumes_from_mamba_snapshots(policy):
     assert_matches_transformers(hf, prompts, gens, results)
 
 
-def test_nemotron_h_without_a_snapshot_budget_never_hits():
+def test_nemotron_h_without_a_snapshot_budget_shares_blocks_but_skips_nothing():
+    """0.19's "memory-only" mode: without a snapshot budget a hybrid skips no prompt token
+    (its Mamba state needs them all), but shares the cached blocks its chunk covers; the
+    tokens it recomputes there write their K/V to the dummy block."""
     hf = tiny_nemotron_h(seed=3)
     prompts, gens, arrivals = shared_prefix_workload(hf.config.vocab_size)
     engine = build_hybrid_engine(hf, block_size=16, blocks=40, paused_blocks=3, max_tokens=64,
                                  kernel_backend="torch", attention_backend="torch",
                                  enable_prefix_caching=True)
     results = run(engine, prompts[:4], gens[:4], arrivals[:4])
-    assert engine.stats.prefix_cache["prefix_cache_hits"] == 0
+    stats = engine.stats.prefix_cache
+    assert stats["prefix_cache_prefill_skipped_tokens"] == 0
+    assert stats["prefix_cache_blocks_matched"] > 0
     for prompt, gen, result in zip(prompts, gens, results):
         assert result.generated_tokens == hf_greedy(hf, prompt, gen)
 

@@ -3,87 +3,58 @@
 In dynctx mode ``conftest.py`` marks each listed case a strict ``xfail`` and ``mcore019``
 (deselected in CI; ``run_port.py`` runs them, and one that starts passing fails the run until
 its entry goes); every other ported case runs in CI. A key is ``Class::function`` or
-``function`` (every parametrization), or either with ``[params]`` (that case only). The reasons
-name the 0.19 API each case needs (the gap list of ``README.md``, where its 0.19 location is).
+``function`` (every parametrization), or either with ``[params]`` (that case only). Every
+entry is a deliberate difference, its reason naming its row of docs/SEMANTICS.md §16.
 """
 
 from __future__ import annotations
 
 from typing import Dict, Optional
 
-# The reasons (gap numbers: tests/megatron019/README.md).
+# The reasons: each a deliberate difference, with its row of docs/SEMANTICS.md §16.
 MAX_REQUESTS_ZERO = (
     '0.19 lets a derived max_requests round down to 0; dynctx keeps at least tp_size rows (docs/SEMANTICS.md §16 row 42)')
 UPDATE_WITHOUT_STEP = (
-    '0.19 updates requests added without a step; dynctx refuses update_requests before initialize_attention_state (docs/SEMANTICS.md §9)')
+    "0.19 updates requests added without a step; dynctx refuses update_requests before initialize_attention_state: tokens never forwarded have no K/V, and their blocks are cached from the add on (docs/SEMANTICS.md §16 row 58)")
 MAMBA_BUDGET_ERROR = (
-    "0.19's 'prefix cache budget' ValueError for prefix_caching_mamba_gb (gap 4): dynctx sizes its Mamba snapshots its own way (docs/SEMANTICS.md §16 row 31)")
+    "0.19 reserves its extraction scratch from prefix_caching_mamba_gb and raises 'prefix cache budget' when no slot is left; dynctx allocates the scratch at its first use, outside the budget (dynctx's models never fill it; docs/SEMANTICS.md §16 row 57)")
 INPUTS_BEFORE_STEP = (
     'reads current_input_and_position_ids() after writing padded_active_token_count by hand; dynctx refuses it before initialize_attention_state (docs/SEMANTICS.md §16 row 54)')
-TORCH_SAMPLING = (
-    'TorchSampling and processed log probs (gap 12), not built')
-MAMBA_SLOT_ALLOCATOR = (
-    "mamba_slot_allocator, 0.19's Mamba prefix-cache slots and the intermediate states its prefill extracts (MambaMetadata.intermediate_count; gap 5), not built")
-SPECULATIVE = (
-    "num_speculative_tokens > 0: 0.19's speculative steps (gap 9), not built yet")
 CHUNKED_ID_FIRST = (
     "writes chunked_prefill_request_id before the request's first chunk is added; dynctx keeps only -1 or the last active row's id (docs/SEMANTICS.md §16 row 40)")
-REGISTERED_AT_ADD = (
-    "0.19 registers a prompt's full blocks in add_request, so a request added before the step shares them; dynctx publishes a block once the forward that computed it ran (update_requests; docs/SEMANTICS.md §16 row 43)")
-HYBRID_MEMORY_ONLY = (
-    "0.19 shares a hybrid's matched blocks without a Mamba state and recomputes them ('memory-only'); a dynctx hybrid matches only up to a block with a Mamba snapshot (docs/SEMANTICS.md §16 row 31), and publishes blocks after their forward (row 43)")
-RELEASE_BY_INDEX = (
-    "release_memory_blocks_from_request_indexes, 0.19's release of hand-picked rows (gap 4), not built; past it the case needs blocks registered at add_request (docs/SEMANTICS.md §16 row 43)")
+CHUNKED_CONTINUATION_MATCH = (
+    "writes chunked_prefill_request_id before the first chunk is added (row 40), then matches a continuation chunk against the cache, which dynctx does for first chunks only (docs/SEMANTICS.md §16 rows 40, 43)")
+CHUNKED_ID_NOT_LAST = (
+    "writes chunked_prefill_request_id for a row that is not the last active one; dynctx keeps only -1 or the last active row's id (docs/SEMANTICS.md §16 row 40)")
+OFFSETS_DISAGREE = (
+    "a hand-written row whose request_kv_length_offsets and request_last_kv_block_offset disagree: dynctx places each speculative token in its position's block, 0.19 by the last-block offset (docs/SEMANTICS.md §16 row 47)")
+UNALLOCATED_RELEASE = (
+    "finishes a hand-written row holding block 1, which the allocator never handed out: dynctx's allocator refuses to release it (reference counts, docs/SEMANTICS.md §16 row 22)")
+PAUSED_SHARED_BLOCKS = (
+    "0.19 counts a paused row's blocks that active rows share against the paused budget and evicts it; dynctx counts a shared block once, against the active budget, so evicting the row would free nothing (docs/SEMANTICS.md §16 row 30)")
+HYBRID_RESTORES = (
+    "registers Mamba hashes without a stored state and restores two prefill rows in one step; dynctx makes only a stored state matchable (row 57) and resumes a hybrid from a snapshot as the step's last row (docs/SEMANTICS.md §16 row 31)")
 
 XFAILS: Dict[str, Dict[str, str]] = {
     'test_mcore019_dynamic_context.py': {
         'TestDynamicContext::test_async_sched_prepare_capacity_recovers_after_pause_resume': UPDATE_WITHOUT_STEP,
-        'TestDynamicContext::test_calculate_and_store_log_probs': TORCH_SAMPLING,
         'TestDynamicContext::test_chunked_prefill_all_active_requests_finish_while_hidden': UPDATE_WITHOUT_STEP,
         'TestDynamicContext::test_chunked_prefill_hidden_state_prevents_token_bloat': CHUNKED_ID_FIRST,
-        'TestDynamicContext::test_chunked_prefill_meets_prefix_caching': MAX_REQUESTS_ZERO,
+        'TestDynamicContext::test_chunked_prefill_meets_prefix_caching': CHUNKED_CONTINUATION_MATCH,
         'TestDynamicContext::test_chunked_prefill_prefix_caching_from_hidden_state': CHUNKED_ID_FIRST,
         'TestDynamicContext::test_chunked_prefill_state_preserved_across_decode_completions': UPDATE_WITHOUT_STEP,
-        'TestDynamicContext::test_chunked_prefill_swap_with_speculative_tokens': SPECULATIVE,
+        'TestDynamicContext::test_chunked_prefill_swap_with_speculative_tokens': CHUNKED_ID_NOT_LAST,
         'TestDynamicContext::test_current_input_and_position_ids_view_cache': INPUTS_BEFORE_STEP,
-        'TestDynamicContext::test_eviction_with_shared_prefix_blocks': REGISTERED_AT_ADD,
+        'TestDynamicContext::test_eviction_with_shared_prefix_blocks': PAUSED_SHARED_BLOCKS,
         'TestDynamicContext::test_mamba_memory_ratio_allocation': MAX_REQUESTS_ZERO,
-        'TestDynamicContext::test_prefix_caching_check_availability_with_speculative': SPECULATIVE,
-        'TestDynamicContext::test_prefix_match_exact_block_boundary': MAX_REQUESTS_ZERO,
-        'TestDynamicContext::test_speculative_boundary_crossing': SPECULATIVE,
-        'TestDynamicContext::test_speculative_boundary_crossing_with_prefix_caching': SPECULATIVE,
-        'TestDynamicContext::test_speculative_update_then_release_with_prefix_caching': SPECULATIVE,
-        'TestDynamicContext::test_speculative_with_prefix_caching_kv_offset': SPECULATIVE,
-        'TestDynamicContext::test_speculative_with_prefix_caching_shared_blocks': SPECULATIVE,
-        'TestDynamicContext::test_update_requests_with_finished_requests_and_speculative_tokens': SPECULATIVE,
+        'TestDynamicContext::test_speculative_boundary_crossing': OFFSETS_DISAGREE,
+        'TestDynamicContext::test_update_requests_with_finished_requests_and_speculative_tokens': UNALLOCATED_RELEASE,
     },
     'test_mcore019_dynamic_prefix_caching.py': {
-        'TestMambaPrefixCaching::test_hybrid_memory_only': HYBRID_MEMORY_ONLY,
-        'TestMambaPrefixCaching::test_hybrid_prefix_caching_without_mamba_budget_warns': MAMBA_SLOT_ALLOCATOR,
-        'TestMambaPrefixCaching::test_intermediate_count_bounded_by_token_budget': MAMBA_SLOT_ALLOCATOR,
-        'TestMambaPrefixCaching::test_intermediate_count_fills_scratch_buffer': MAMBA_SLOT_ALLOCATOR,
-        'TestMambaPrefixCaching::test_intermediate_offsets_use_configured_mamba_chunk_size': MAMBA_SLOT_ALLOCATOR,
         'TestMambaPrefixCaching::test_mamba_cache_budget_too_small_raises': MAMBA_BUDGET_ERROR,
-        'TestMambaPrefixCaching::test_mamba_cache_lifecycle': MAMBA_SLOT_ALLOCATOR,
-        'TestMambaPrefixCaching::test_mamba_intermediate_offsets': MAMBA_SLOT_ALLOCATOR,
-        'TestMambaPrefixCaching::test_mamba_prefill_skip_and_zero_prefill': MAMBA_SLOT_ALLOCATOR,
-        'TestMambaPrefixCaching::test_max_intermediate_states_per_step_formula': MAMBA_SLOT_ALLOCATOR,
-        'TestMambaSlotAllocator::test_allocate_slots_batch': MAMBA_SLOT_ALLOCATOR,
-        'TestMambaSlotAllocator::test_commit_intermediate_states_batched': MAMBA_SLOT_ALLOCATOR,
-        'TestMixedCachedAndFreshPrefill::test_mixed_batch[gpt]': REGISTERED_AT_ADD,
-        'TestMixedCachedAndFreshPrefill::test_mixed_batch[hybrid]': MAMBA_SLOT_ALLOCATOR,
+        'TestMixedCachedAndFreshPrefill::test_mixed_batch[hybrid]': HYBRID_RESTORES,
         'TestPerBlockRouting::test_routing_survives_prefix_match_lru': UPDATE_WITHOUT_STEP,
-        'TestPrefixCacheReuse::test_mamba_extraction_covers_last_block_of_continuation_chunk': MAMBA_SLOT_ALLOCATOR,
-        'TestPrefixCacheReuse::test_prefill_computed_and_skipped_counters': REGISTERED_AT_ADD,
-        'TestPrefixCacheReuse::test_reset_preserves_prefix_cache_when_requested': REGISTERED_AT_ADD,
-        'TestPrefixCachingCore::test_add_request_full_cache_partial_hit_pins_matched_blocks': RELEASE_BY_INDEX,
-        'TestPrefixCachingCore::test_block_allocation_with_prefix': REGISTERED_AT_ADD,
-        'TestPrefixCachingCore::test_block_sharing_patterns': REGISTERED_AT_ADD,
-        'TestPrefixCachingCore::test_check_availability_excludes_already_pinned_matches': RELEASE_BY_INDEX,
-        'TestPrefixCachingCore::test_prefill_token_savings': REGISTERED_AT_ADD,
-        'TestPrefixCachingCore::test_ref_count_lru': REGISTERED_AT_ADD,
-        'TestPrefixCachingCore::test_ref_count_refzero': RELEASE_BY_INDEX,
-        'TestPrefixCachingCore::test_registration_and_discovery': REGISTERED_AT_ADD,
+        'TestPrefixCachingCore::test_registration_and_discovery': UPDATE_WITHOUT_STEP,
     },
 }
 

@@ -107,9 +107,7 @@ class Gap:
 
 
 #: 0.19 names the ported files import that dynctx lacks -> their 0.19 source location.
-GAPS: Dict[str, str] = {
-    "TorchSampling": "megatron/core/inference/sampling/torch_sampling.py, class TorchSampling",
-}
+GAPS: Dict[str, str] = {}
 
 
 #: The names the ported files import -> the 0.19 module that defines them.
@@ -156,6 +154,7 @@ def _dynctx_names() -> Dict[str, Any]:
             "DynamicInferenceContext", "RequestOverflowError", "TokenOverflowError",
             "DynamicInferenceRequest", "compute_block_hashes_batched", "SamplingParams",
             "MAX_INTERMEDIATE_OFFSETS_PER_REQUEST", "ContextGPUView", "KVBlockAllocator",
+            "TorchSampling",
         )
     }
     import warnings
