@@ -64,6 +64,7 @@ class DeviceState:
         self.device, self.backend = device, backend
         self.speculative = speculative
         self.drafts = self.carried_drafts = self.logit_rows = self.logit_rows_host = None
+        self.rewind_counts = None
         self.max_requests, self.max_tokens = max_requests, max_tokens
         self.max_kv_block_count = max_kv_block_count
         self.hybrid = hybrid
@@ -101,7 +102,8 @@ class DeviceState:
         rows, tokens, row_blocks = self.max_requests, self.max_tokens, self.max_kv_block_count
         arena = sum(int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
                     for _, dtype, shape in self._sections)
-        drafts = 8 * (2 * rows + 1) * self.speculative + 8 * tokens if self.speculative else 0
+        drafts = 8 * (2 * rows + 1) * self.speculative + 8 * tokens + 4 * rows \
+            if self.speculative else 0
         return (arena + 3 * 4 * rows * row_blocks + 2 * 8 * rows
                 + (len(TOKEN_ARRAYS) + 1) * 8 * tokens + drafts)
 
@@ -131,6 +133,8 @@ class DeviceState:
             self.carried_drafts = torch.zeros(rows + 1, k, dtype=torch.int64, device=device)
             self.logit_rows = torch.zeros(tokens, dtype=torch.int64, device=device)
             self.logit_rows_host = np.zeros(tokens, dtype=np.int64)
+            # A rewind's rejected drafts per decode row, uploaded for the Mamba restore.
+            self.rewind_counts = torch.zeros(rows, dtype=torch.int32, device=device)
         self.logit_rows_used = 0  # rows of logit_rows past which every entry is 0
         # Between updates, rows [0, identity_plan_rows) of the arena's plan hold the identity
         # plan (0: unknown).
@@ -146,6 +150,7 @@ class DeviceState:
         for name in _ALLOCATED:
             setattr(self, name, None)
         self.drafts = self.carried_drafts = self.logit_rows = self.logit_rows_host = None
+        self.rewind_counts = None
         self._step_views = self._attn_views = {}
         self.allocated = False
 

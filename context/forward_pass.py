@@ -184,9 +184,13 @@ class ForwardPass:
         accepted = spec.check_accepted_counts(accepted_counts, k, self.step.drafted, table.active)
         plan = spec.plan_rewind(table, accepted, k)
         table.commit_rewind(plan)
-        if self.mamba is not None:
-            # The state after the accepted tokens, from the intermediate states.
-            self.mamba.restore_accepted(table.rows[FIELD_MAMBA_SLOT, plan.rows], accepted)
+        if self.mamba is not None and plan.rows.size:
+            # The state after the accepted tokens, from the intermediate states: one launch.
+            counts = self.device.rewind_counts[:plan.rows.size]
+            self.device.h2d.copy(counts, (k - accepted).astype(np.int32))
+            slots = self.device.arena.device["req"][FIELD_MAMBA_SLOT,
+                                                    plan.rows[0]:plan.rows[-1] + 1]
+            self.mamba.rewind(counts, slots)
         if plan.dropped.size:
             self.device.host_table_written = True
         self.device.arena.dirty = True

@@ -4,12 +4,13 @@ After a speculative step each decode row ``i`` has ``rejected[i]`` draft tokens 
 not accept (``0..k``). ``speculative_rewind`` applies them to what lives on the device, two
 optional parts of the same launch:
 
-* **Mamba states** (hybrids): for every Mamba layer ``l`` and row ``i`` with ``rejected[i] >
-  0`` and ``slot_ids[i] >= 0``, the conv and SSM states of the slot become the intermediate
-  state after its accepted tokens: ``states[l, slot] = intermediate[l, slot, k - rejected[i]]``
-  (Megatron-Core 0.19's ``mamba_state_selective_copy``, every layer and both state tensors in
-  one launch). Rows with nothing rejected keep their state (the state after all ``1 + k``
-  tokens, which the intermediate states hold at ``k`` too).
+* **Mamba states** (hybrids): for every Mamba layer ``l`` and row ``i`` with ``slot_ids[i] >=
+  0`` and ``rejected[i] > 0`` (or any ``rejected[i]`` with ``all_rows``), the conv and SSM
+  states of the slot become the intermediate state after its accepted tokens: ``states[l,
+  slot] = intermediate[l, slot, k - rejected[i]]`` (Megatron-Core 0.19's
+  ``mamba_state_selective_copy``, every layer and both state tensors in one launch). Without
+  ``all_rows`` a row with nothing rejected keeps its state: a deferred rewind cannot tell such
+  a row from one whose intermediate states were never written.
 * **Per-request fields** (a rewind the host has not applied yet: async scheduling,
   docs/SEMANTICS.md §19): ``kv_offsets[i] -= rejected[i]``, ``kv_lengths[i] -= rejected[i]``,
   and the cumulative KV lengths ``cu_kv[j] -= sum(rejected[:min(j, n)])`` for ``j >= 1`` (rows
@@ -27,8 +28,15 @@ import math
 import torch
 
 from . import autotune
-from ._common import (FLOAT_DTYPES, bits, check_grid, check_tensor, check_writable, custom_op,
-                      next_pow2)
+from ._common import (
+    FLOAT_DTYPES,
+    bits,
+    check_grid,
+    check_tensor,
+    check_writable,
+    custom_op,
+    next_pow2,
+)
 from ._shapes import MAMBA2_CONV_STATE, MAMBA2_MIXER, MAMBA2_SSM_STATE
 from .autotune import KernelConfig, KernelTuning, TuneCase
 from .backend import HAS_TRITON, resolve_backend
@@ -79,7 +87,8 @@ if HAS_TRITON:
         stride_ssm_inter_layer, stride_ssm_inter_slot, stride_ssm_inter_step,
         stride_ssm_inter_0, stride_ssm_inter_1, stride_ssm_inter_2,
         stride_kv_offsets, stride_kv_lengths, stride_cu_kv, stride_rejected, stride_slot_ids,
-        HAS_STATES: tl.constexpr, HAS_FIELDS: tl.constexpr, CONV_FLAT: tl.constexpr,
+        HAS_STATES: tl.constexpr, HAS_FIELDS: tl.constexpr, ALL_ROWS: tl.constexpr,
+        CONV_FLAT: tl.constexpr,
         SSM_FLAT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
     ):
         """Program (row, layer, chunk) restores BLOCK_R elements of one state row (the conv
@@ -91,7 +100,7 @@ if HAS_TRITON:
             rejected = tl.load(rejected_ptr + row * stride_rejected).to(tl.int64)
             slot = tl.load(slot_ids_ptr + row * stride_slot_ids).to(tl.int64)
             step = tl.minimum(tl.maximum(num_steps - 1 - rejected, 0), num_steps - 1)
-            restore = (rejected > 0) & (slot >= 0)
+            restore = ((rejected > 0) | ALL_ROWS) & (slot >= 0)
             if chunk < conv_chunks:
                 offs_r = chunk.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
                 _restore_chunk(conv_states_ptr, conv_inter_ptr, slot, step, offs_r,
@@ -212,8 +221,8 @@ def speculative_rewind(rejected: torch.Tensor, *, slot_ids: torch.Tensor | None 
                        ssm_intermediate: torch.Tensor | None = None,
                        kv_offsets: torch.Tensor | None = None,
                        kv_lengths: torch.Tensor | None = None, cu_kv: torch.Tensor | None = None,
-                       config: KernelConfig | None = None, backend: str | None = None,
-                       check: bool = True) -> None:
+                       all_rows: bool = False, config: KernelConfig | None = None,
+                       backend: str | None = None, check: bool = True) -> None:
     """Apply ``rejected`` draft tokens per row on the device in one launch (module docstring),
     writing the given tensors in place.
 
@@ -227,13 +236,16 @@ def speculative_rewind(rejected: torch.Tensor, *, slot_ids: torch.Tensor | None 
             and ``ssm_intermediate [L, S, k + 1, *ssm_shape]`` of their states' dtype, read.
         kv_offsets, kv_lengths, cu_kv (together or not at all): int32 ``[n]``, ``[n]`` and
             ``[m + 1]`` (``m >= n``), written in place.
+        all_rows: restore the rows with nothing rejected too (the synchronous rewind, as 0.19:
+            their state becomes the intermediate state after all ``1 + k`` tokens).
         check: False skips the checks (the context's own buffers, checked once).
 
     Every tensor is read or written through its own strides and storage offset; nothing is
     copied. Every argument is checked before anything is written. Zero rows launch nothing.
     """
     plan_key = launch_key((rejected, slot_ids, conv_states, ssm_states, conv_intermediate,
-                           ssm_intermediate, kv_offsets, kv_lengths, cu_kv), (check,), config)
+                           ssm_intermediate, kv_offsets, kv_lengths, cu_kv),
+                          (check, bool(all_rows)), config)
     plan = _PLANS.get(plan_key)
     pointers = (conv_states, ssm_states, kv_offsets, kv_lengths, cu_kv, conv_intermediate,
                 ssm_intermediate, rejected, slot_ids)
@@ -252,7 +264,7 @@ def speculative_rewind(rejected: torch.Tensor, *, slot_ids: torch.Tensor | None 
         speculative_rewind_ref(rejected, slot_ids=slot_ids, conv_states=conv_states,
                                ssm_states=ssm_states, conv_intermediate=conv_intermediate,
                                ssm_intermediate=ssm_intermediate, kv_offsets=kv_offsets,
-                               kv_lengths=kv_lengths, cu_kv=cu_kv)
+                               kv_lengths=kv_lengths, cu_kv=cu_kv, all_rows=all_rows)
         return
     layers = conv_states.shape[0] if has_states else 1
     if n == 0 or (not has_fields and (layers == 0 or conv_states.shape[1] == 0)):
@@ -275,7 +287,7 @@ def speculative_rewind(rejected: torch.Tensor, *, slot_ids: torch.Tensor | None 
                 stride_slot_ids=slot_ids.stride(0) if has_states else 0,
                 stride_kv_offsets=kv_offsets.stride(0) if has_fields else 0,
                 stride_kv_lengths=kv_lengths.stride(0) if has_fields else 0,
-                stride_cu_kv=cu_kv.stride(0) if has_fields else 0)
+                stride_cu_kv=cu_kv.stride(0) if has_fields else 0, ALL_ROWS=bool(all_rows))
     chunks = 1
     steps = 1
     for name, states, inter in (("conv", conv_states, conv_intermediate),
@@ -315,12 +327,13 @@ def speculative_rewind(rejected: torch.Tensor, *, slot_ids: torch.Tensor | None 
 
 def speculative_rewind_ref(rejected: torch.Tensor, *, slot_ids=None, conv_states=None,
                            ssm_states=None, conv_intermediate=None, ssm_intermediate=None,
-                           kv_offsets=None, kv_lengths=None, cu_kv=None) -> None:
+                           kv_offsets=None, kv_lengths=None, cu_kv=None,
+                           all_rows: bool = False) -> None:
     """Reference: the restored rows by advanced indexing, the fields by a cumulative sum."""
     counts = rejected.long()
     if conv_states is not None:
         steps = conv_intermediate.shape[2]
-        chosen = (counts > 0) & (slot_ids >= 0)
+        chosen = ((counts > 0) | all_rows) & (slot_ids >= 0)
         slots = slot_ids[chosen].long()
         step = (steps - 1 - counts[chosen]).clamp(0, steps - 1)
         for states, inter in ((conv_states, conv_intermediate), (ssm_states, ssm_intermediate)):
@@ -374,7 +387,8 @@ def speculative_rewind_presets() -> list[dict]:
     mamba = (MAMBA2_CONV_STATE, MAMBA2_SSM_STATE, MAMBA2_MIXER["dtype"])
     return [speculative_rewind_tune_key(num_requests=n, conv_shape=conv, ssm_shape=ssm,
                                         conv_dtype=dtype, ssm_dtype=dtype, fields=fields)
-            for (conv, ssm, dtype), fields in ((mamba, False), (mamba, True), (((), (), None), True))
+            for (conv, ssm, dtype), fields in ((mamba, False), (mamba, True),
+                                               (((), (), None), True))
             for n in (1, 16, 64)]
 
 
@@ -454,16 +468,16 @@ def _speculative_rewind_op(rejected: torch.Tensor, slot_ids: torch.Tensor | None
                            conv_intermediate: torch.Tensor | None,
                            ssm_intermediate: torch.Tensor | None,
                            kv_offsets: torch.Tensor | None, kv_lengths: torch.Tensor | None,
-                           cu_kv: torch.Tensor | None) -> None:
+                           cu_kv: torch.Tensor | None, all_rows: bool = False) -> None:
     speculative_rewind(rejected, slot_ids=slot_ids, conv_states=conv_states,
                        ssm_states=ssm_states, conv_intermediate=conv_intermediate,
                        ssm_intermediate=ssm_intermediate, kv_offsets=kv_offsets,
-                       kv_lengths=kv_lengths, cu_kv=cu_kv)
+                       kv_lengths=kv_lengths, cu_kv=cu_kv, all_rows=all_rows)
 
 
 @_speculative_rewind_op.register_fake
 def _(rejected, slot_ids, conv_states, ssm_states, conv_intermediate, ssm_intermediate,
-      kv_offsets, kv_lengths, cu_kv) -> None:
+      kv_offsets, kv_lengths, cu_kv, all_rows=False) -> None:
     return None
 
 

@@ -45,7 +45,7 @@ def make_case(case: dict, dtypes, gen) -> dict:
                                    ("ssm", case["ssm"], ssm_dtype)):
             buffer = torch.randn(layers + 1, slots + 2 * GUARD, *shape, generator=gen).to(dtype)
             states = buffer[1:, GUARD:GUARD + slots]
-            restored = (rejected > 0) & (slot_ids >= 0)
+            restored = ((rejected > 0) | case.get("all_rows", False)) & (slot_ids >= 0)
             states[:, slot_ids[restored].long()] = float("nan")
             inter = torch.randn(layers, k + 1, slots, *shape, generator=gen).to(dtype)
             if case.get("strided"):
@@ -91,11 +91,12 @@ def check(case: dict, dtypes, config=None, backend="triton") -> None:
     gen = torch.Generator().manual_seed(case.get("seed", 0))
     made = make_case(case, dtypes, gen)
     expected = {name: buffer.clone() for name, buffer in made["buffers"].items()}
-    speculative_rewind_ref(**views_of(case, expected, made["args"]))
+    all_rows = case.get("all_rows", False)
+    speculative_rewind_ref(**views_of(case, expected, made["args"]), all_rows=all_rows)
     read_only = {name: made["args"][name].clone() for name in
                  ("rejected", "slot_ids", "conv_intermediate", "ssm_intermediate")
                  if name in made["args"]}
-    speculative_rewind(**made["args"], config=config, backend=backend)
+    speculative_rewind(**made["args"], config=config, backend=backend, all_rows=all_rows)
     for name, buffer in made["buffers"].items():
         # Whole buffers: restored rows, rows left alone, other layers, guard bands.
         assert torch.equal(bits(buffer), bits(expected[name])), name
@@ -118,6 +119,8 @@ SHAPES = [
                  id="nothing-rejected"),
     pytest.param(dict(n=3, layers=2, slots=4, k=2, conv=CONV, ssm=SSM, rejected=[5, -1, 2]),
                  id="out-of-range-clamped"),
+    pytest.param(dict(n=4, layers=2, slots=6, k=2, conv=CONV, ssm=SSM, rejected=[0, 2, 0, 1],
+                      pad=(2,), all_rows=True, fields=False), id="all-rows"),
     pytest.param(dict(n=6, layers=2, slots=8, k=3, conv=CONV, ssm=SSM, rejected=[1, 2, 3, 0, 1, 2],
                       fields=False), id="states-only"),
     pytest.param(dict(n=300, layers=1, slots=1, k=3, conv=CONV, ssm=SSM, states=False,
@@ -154,7 +157,7 @@ def test_every_config(config):
 
 
 def test_every_config_fields_only():
-    case = dict(SHAPES[7].values[0], n=20, rejected=[i % 3 for i in range(20)])
+    case = dict(SHAPES[8].values[0], n=20, rejected=[i % 3 for i in range(20)])
     key = speculative_rewind_tune_key(num_requests=20, fields=True)
     for config in speculative_rewind_configs(key):
         check(case, MIXED, config=config)
@@ -193,7 +196,7 @@ def test_tune_case_checks_and_runs(states, fields):
     check_tune_case(tuning, key, tuning.configs(key))
 
 
-@pytest.mark.parametrize("case", [SHAPES[2], SHAPES[3], SHAPES[5]])
+@pytest.mark.parametrize("case", [SHAPES[2], SHAPES[3], SHAPES[5], SHAPES[6]])
 def test_torch_backend_matches_a_row_by_row_copy(case):
     """The torch backend runs the reference: compared with a rewind written independently, row
     by row, so that a wrong reference fails here."""
@@ -206,17 +209,20 @@ def test_torch_backend_matches_a_row_by_row_copy(case):
     running = 0
     for i, count in enumerate(args["rejected"].tolist()):
         slot = int(args["slot_ids"][i])
-        if count > 0 and slot >= 0:
+        if (count > 0 or case.get("all_rows")) and slot >= 0:
             for name in ("conv", "ssm"):
                 for layer in range(case["layers"]):
                     want[f"{name}_states"][layer, slot] = \
                         args[f"{name}_intermediate"][layer, slot, min(max(k - count, 0), k)]
         running += count
+        if "kv_offsets" not in want:
+            continue
         want["kv_offsets"][i] -= count
         want["kv_lengths"][i] -= count
         want["cu_kv"][i + 1] -= running
-    want["cu_kv"][case["n"] + 1:] -= running
-    speculative_rewind(**args, backend="torch")
+    if "cu_kv" in want:
+        want["cu_kv"][case["n"] + 1:] -= running
+    speculative_rewind(**args, backend="torch", all_rows=case.get("all_rows", False))
     for name, buffer in made["buffers"].items():
         assert torch.equal(bits(buffer), bits(expected[name])), name
 
