@@ -120,8 +120,10 @@ if HAS_TRITON:
         if HAS_FIELDS:
             if (row == 0) & (layer == 0) & (chunk == 0):
                 # One program: the cumulative lengths need the running sum of every row.
-                carry = tl.zeros((), dtype=tl.int64)
-                for start in range(0, num_cu_rows, BLOCK_N):
+                # (A while loop: Triton 3.6's interpreter cannot take runtime bounds in range().)
+                carry = tl.zeros([1], dtype=tl.int64)
+                start = 0
+                while start < num_cu_rows:
                     offs_n = start + tl.arange(0, BLOCK_N).to(tl.int64)
                     mask_n = offs_n < num_rows
                     values = tl.load(rejected_ptr + offs_n * stride_rejected, mask=mask_n,
@@ -139,6 +141,7 @@ if HAS_TRITON:
                     cu = tl.load(cu_ptrs, mask=mask_cu)
                     tl.store(cu_ptrs, (cu - shift).to(cu.dtype), mask=mask_cu)
                     carry += tl.sum(values, 0)
+                    start += BLOCK_N
 
 
 def _check_states(name: str, states, inter, layers: int, slots: int, device) -> int:
