@@ -92,7 +92,8 @@ class ForwardPass:
             mamba.restore_snapshots(table.mamba_restores)
         if self.speculative:
             self.logit_count = spec.num_logit_rows(step, self.speculative)
-            device.upload_logit_rows(step, device.arena.host["attn_cu_query"], self.logit_count)
+            device.spec.upload_logit_rows(step, device.arena.host["attn_cu_query"],
+                                          self.logit_count, device.h2d)
             self.rewound = False
         device.end_step()
         self.step, self.attention = step, device.attention_metadata(step)
@@ -108,16 +109,18 @@ class ForwardPass:
             self.mamba_metadata.reset_varlen_metadata()
 
     def update(self, mask: Optional[np.ndarray], new_tokens: torch.Tensor, step, limits: tuple,
-               new_drafts: Optional[torch.Tensor] = None
+               new_drafts: Optional[torch.Tensor] = None, draft_counts=None
                ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Apply one update: ``mask`` (host bool ``[active]``, None: every request kept) and the
-        checked ``new_tokens`` (and ``new_drafts [k, active]`` with speculative steps), after
+        checked ``new_tokens`` (and ``new_drafts [k, active]`` with speculative steps, of which
+        each row forwards its ``draft_counts``, host ints ``[active]``, or all ``k``), after
         ``step`` (the context's current step: None once anything changed since it was built).
         Returns the ids ``(newly paused, evicted, finished at max_sequence_length)``; the step
         ends."""
         table, device, steps = self.table, self.device, self.steps
         new_drafts = spec.check_draft_tokens(new_drafts, self.speculative, table.active,
                                              self.where)
+        draft_counts = spec.check_draft_counts(draft_counts, self.speculative, table.active)
         max_sequence_length = self.max_sequence_length
         chunked_id = table.chunked_id
         decode = None
@@ -137,7 +140,7 @@ class ForwardPass:
         else:
             if mask is None:
                 mask = np.ones(table.active, dtype=np.bool_)
-            plan = self._plan(mask, chunked_id, max_sequence_length)
+            plan = self._plan(mask, chunked_id, max_sequence_length, draft_counts)
             if table.offload is not None:  # evicted rows' blocks to the host, before release
                 table.offload.save_evicted(table, plan)
             table.commit_update(plan)
@@ -153,12 +156,14 @@ class ForwardPass:
         self.step = None
         return ids
 
-    def _plan(self, mask: np.ndarray, chunked_id: int, max_sequence_length: int):
+    def _plan(self, mask: np.ndarray, chunked_id: int, max_sequence_length: int,
+              draft_counts: Optional[np.ndarray] = None):
         """The general update's plan; with prefix caching the step's computed blocks are
         published first (taken back if the plan raises) and a hybrid's snapshots saved once
         the plan stands (the slots still hold the states the forward left)."""
         table = self.table
-        limits = dict(chunked_id=chunked_id, max_sequence_length=max_sequence_length)
+        limits = dict(chunked_id=chunked_id, max_sequence_length=max_sequence_length,
+                      draft_counts=draft_counts)
         if table.prefix_cache is None:
             return table.plan_update(mask, **limits)
         plan, snapshots = table.prefix_cache.plan_update(table, mask, **limits)
@@ -181,12 +186,15 @@ class ForwardPass:
             raise RuntimeError("rewind_kv_cache() needs num_speculative_tokens > 0")
         if self.rewound:
             raise RuntimeError("rewind_kv_cache() was called already in this step")
-        accepted = spec.check_accepted_counts(accepted_counts, k, self.step.drafted, table.active)
-        plan = spec.plan_rewind(table, accepted, k)
+        rows = table.paused + np.arange(self.step.drafted)
+        drafts = table.rows[FIELD_QUERY, rows].astype(np.int64) - 1
+        accepted = spec.check_accepted_counts(accepted_counts, drafts, table.active, k)
+        plan = spec.plan_rewind(table, rows, drafts - accepted)
         table.commit_rewind(plan)
         if self.mamba is not None and plan.rows.size:
-            # The state after the accepted tokens, from the intermediate states: one launch.
-            counts = self.device.rewind_counts[:plan.rows.size]
+            # The state after the accepted tokens, from the intermediate states: one launch
+            # (a row's state index is counted from the end: k - rejected).
+            counts = self.device.spec.rewind_counts[:plan.rows.size]
             self.device.h2d.copy(counts, (k - accepted).astype(np.int32))
             slots = self.device.arena.device["req"][FIELD_MAMBA_SLOT,
                                                     plan.rows[0]:plan.rows[-1] + 1]
@@ -205,7 +213,7 @@ class ForwardPass:
         self.require("speculative_required_logit_indices")
         if not self.speculative:
             return self.attention.cu_query_seq_lengths[1:self.table.active + 1].long() - 1
-        return self.device.logit_rows[:self.logit_count]
+        return self.device.spec.logit_rows[:self.logit_count]
 
     def num_last_token_logits(self) -> int:
         """Rows ``last_token_logits`` gives: one per request, ``1 + k`` per decode request with
@@ -343,7 +351,7 @@ class ForwardPass:
                              f"{padded} (padded_active_token_count)")
         if self.speculative:
             # Every decode token's row and each prefill's last (0.19's speculative gather).
-            return logits.index_select(0, self.device.logit_rows[:self.logit_count])
+            return logits.index_select(0, self.device.spec.logit_rows[:self.logit_count])
         return step_logits.last_rows(logits, meta.cu_query_seq_lengths, self.table.active,
                                      validate=self.validate, backend=self.kernel_backend)
 

@@ -263,11 +263,11 @@ class RequestTable:
         """``admission.plan_dummies`` against this table: every check, nothing changed."""
         return plan_dummies(self, requests, count_as_prefill, **limits)
 
-    def plan_update(self, mask: np.ndarray, *, chunked_id: int,
-                    max_sequence_length: int) -> UpdatePlan:
+    def plan_update(self, mask: np.ndarray, *, chunked_id: int, max_sequence_length: int,
+                    draft_counts: Optional[np.ndarray] = None) -> UpdatePlan:
         """``update_plan.plan_update`` against this table: every check, nothing changed."""
         return plan_update(self, mask, chunked_id=chunked_id,
-                           max_sequence_length=max_sequence_length)
+                           max_sequence_length=max_sequence_length, draft_counts=draft_counts)
 
     def plan_decode(self, *, chunked_id: int, max_sequence_length: int,
                     max_kv_offset: Optional[int] = None,

@@ -198,11 +198,14 @@ def _aligned_matches(data: bytes, pattern: bytes, limit: int) -> Optional[List[i
     return found
 
 
-def plan_update(table, mask: np.ndarray, *, chunked_id: int, max_sequence_length: int
-                ) -> UpdatePlan:
+def plan_update(table, mask: np.ndarray, *, chunked_id: int, max_sequence_length: int,
+                draft_counts: Optional[np.ndarray] = None) -> UpdatePlan:
     """The plan of one ``update_requests`` (see the module docstring); changes nothing.
 
     ``mask``: host bool ``[active]`` (True keeps the request), already checked for shape.
+    ``draft_counts``: speculative steps, host int ``[active]`` in ``[0, k]`` (checked): the
+    drafts each row forwards next (its query length ``1 + count``); a row resumed from the
+    paused ones forwards none; None: every row forwards ``k`` (docs/SEMANTICS.md §19).
     """
     paused, total = table.paused, table.total
     active_before = total - paused
@@ -233,6 +236,10 @@ def plan_update(table, mask: np.ndarray, *, chunked_id: int, max_sequence_length
     scratch = PlanScratch(table, AllocatorSimulation(allocator) if allocator.keeps_idle_blocks
                        else StackSimulation(allocator))
     fields = scratch.fields
+    if draft_counts is not None:
+        # Each old row's drafts in the next step: the given ones, none for a paused row.
+        scratch.next_drafts = np.zeros(total, dtype=np.int64)
+        scratch.next_drafts[paused:total] = draft_counts
     active = int(mask.sum())
     finished_ids = fields[FIELD_IDS, paused:total][~mask].astype(np.int64)
     paused_now = _EMPTY
@@ -256,7 +263,7 @@ def plan_update(table, mask: np.ndarray, *, chunked_id: int, max_sequence_length
                 # A step's 1 + k tokens must fit: the block is taken early (0.19), and rows
                 # past max_tokens // (1 + k) pause (without a chunked prefill, as 0.19).
                 need = (fields[FIELD_LAST_OFFSET, paused:total]
-                        >= table.block_size - 1 - table.speculative)
+                        + scratch.next_query(np.arange(paused, total)) >= table.block_size)
                 if chunked_id == -1:
                     need[table.max_tokens // table.decode_query:] = True
             else:
@@ -284,12 +291,14 @@ def plan_update(table, mask: np.ndarray, *, chunked_id: int, max_sequence_length
                 scratch.move(np.array([row, total - 1]), np.array([total - 1, row]))
         # The next step is a pure decode unless requests are added: 1 + k tokens a row (the
         # chunked request keeps one placeholder token until its next chunk).
-        per_row = table.decode_query
+        # 1 + k tokens a row, or 1 + its own drafts (none for a row resumed from the paused).
+        per_row = table.decode_query if draft_counts is None else \
+            scratch.next_query(np.arange(paused, total))
         fields[FIELD_KV_OFFSET, paused:total] += fields[FIELD_QUERY, paused:total]
         fields[FIELD_QUERY, paused:total] = per_row
         fields[FIELD_LAST_OFFSET, paused:total] = \
             (fields[FIELD_LAST_OFFSET, paused:total] + per_row) % table.block_size
-        if per_row > 1 and chunked_id != -1:
+        if table.speculative and chunked_id != -1:
             fields[FIELD_QUERY, total - 1] = 1
     newly_paused = _EMPTY
     if paused and paused_now.size:
