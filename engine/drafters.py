@@ -35,6 +35,9 @@ DRAFTER_NAMES = ("ngram",)
 class NgramDrafter:
     """Prompt lookup over each request's own tokens (no weights; any model).
 
+    ``min_ngram`` is 2 by default: one matching token is weak evidence (vLLM's n-gram
+    proposer defaults to 5), and a request without a match decodes without drafts.
+
     For ``n`` from ``max_ngram`` down to ``min_ngram``: the last ``n`` tokens of the history are
     searched for earlier in its last ``window`` tokens; the latest earlier occurrence proposes
     the ``k`` tokens that followed it (a continuation that runs into the end of the history is
@@ -45,7 +48,7 @@ class NgramDrafter:
 
     vocab_size: Optional[int] = None
 
-    def __init__(self, *, max_ngram: int = 3, min_ngram: int = 1, window: int = 512):
+    def __init__(self, *, max_ngram: int = 3, min_ngram: int = 2, window: int = 512):
         for name, value in (("max_ngram", max_ngram), ("min_ngram", min_ngram),
                             ("window", window)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

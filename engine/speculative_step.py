@@ -143,13 +143,23 @@ class SpeculativeStepper(Stepper):
         else:
             params = [in_flight.params_for(state) for state in states]
             indices = [in_flight.token_index(state) for state in states]
-        pre_sampled, pre_readout = sample_checked(last[decode_tokens:], params[decode:],
-                                                  indices[decode:], self.rng)
-        windows = decode_windows(queries[:decode], self.k)
-        nxt, accepted, refused, drafts, rows = self._verify(
-            last[:decode_tokens], windows, params[:decode], indices[:decode])
-        readout = torch.cat([nxt.masked_fill(refused, REFUSED), accepted, drafts.flatten(),
-                             pre_readout])
+        if decode_tokens > decode:
+            pre_sampled, pre_readout = sample_checked(last[decode_tokens:], params[decode:],
+                                                      indices[decode:], self.rng)
+            windows = decode_windows(queries[:decode], self.k)
+            nxt, accepted, refused, drafts, rows = self._verify(
+                last[:decode_tokens], windows, params[:decode], indices[:decode])
+            readout = torch.cat([nxt.masked_fill(refused, REFUSED), accepted, drafts.flatten(),
+                                 pre_readout])
+        else:
+            # A plain step (no row has drafts): every row samples its one row.
+            sampled, row_readout = sample_checked(last, params, indices, self.rng)
+            nxt, pre_sampled = sampled[:decode], sampled[decode:]
+            accepted = torch.zeros(decode, dtype=torch.int64, device=last.device)
+            drafts = torch.full((decode, self.k), -1, dtype=torch.int64, device=last.device)
+            rows = last[:decode, None, :].expand(decode, 1 + self.k, last.shape[-1])
+            readout = torch.cat([row_readout[:decode], accepted, drafts.flatten(),
+                                 row_readout[decode:]])
         batch = SpeculativeBatch(
             states=states, num_decode=decode, chunked_id=ctx.chunked_prefill_request_id,
             sampled=torch.cat([nxt, pre_sampled]), readout=readout,
@@ -183,7 +193,15 @@ class SpeculativeStepper(Stepper):
         drafts = torch.where(own, input_ids[index[1, :, :k]].long(), -1)
         accepted, nxt = greedy_verify(rows.argmax(dim=-1), drafts)
         refused = ~(rows.amax(dim=-1) > float("-inf")).all(dim=1)
-        sampled = [i for i, p in enumerate(params) if not is_greedy(p)]
+        sampled = [i for i, p in enumerate(params) if not is_greedy(p) and windows[2, i, 0]]
+        undrafted = [i for i, p in enumerate(params) if not is_greedy(p) and not windows[2, i, 0]]
+        if undrafted:
+            # A sampled row without drafts samples its one row as without speculation.
+            pick = upload(np.asarray(undrafted, dtype=np.int64), logits.device)
+            u_next, u_readout = sample_checked(rows[pick, 0], [params[i] for i in undrafted],
+                                               [indices[i] for i in undrafted], self.rng)
+            nxt = nxt.index_copy(0, pick, u_next)
+            refused = refused.index_copy(0, pick, u_readout == REFUSED)
         if sampled:
             chosen = [params[i] for i in sampled]
             packed = np.array([sampled, [p.temperature for p in chosen],

@@ -247,7 +247,7 @@ def test_seeded_sampled_requests_are_reproducible_and_unseeded_ones_run():
     def run(seed=0):
         engine = Engine.from_transformers(hf, block_size_tokens=8, buffer_size_gb=0.01,
                                           kernel_backend="torch", num_speculative_tokens=3,
-                                          seed=seed)
+                                          seed=seed, drafter=NgramDrafter(min_ngram=1))
         return engine.generate(prompts, max_new_tokens=16, sampling_params=params,
                                ignore_eos=True), engine
 
