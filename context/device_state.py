@@ -133,7 +133,7 @@ class DeviceState:
         self.identity_plan_rows = 0
         self._step_views: dict = {}
         self._attn_views: dict = {}
-        if not self.host_views and device.type == "cpu":
+        if (not self.host_views or self.deferred_rewind) and device.type == "cpu":
             self.share_arena(False)
         self.allocated = True
 
@@ -150,12 +150,25 @@ class DeviceState:
         if not self.allocated:
             raise TensorStateDeallocatedError.suspended(request_id)
 
+    @property
+    def deferred_rewind(self) -> bool:
+        return self.spec is not None and self.spec.deferred
+
+    def defer_rewinds(self) -> None:
+        """Rewinds from now on are deferred (``DraftRows``): the device's rows then differ
+        from the host's until the host settles them, so a CPU device's arena stops sharing
+        the host buffer (as on CUDA)."""
+        if not self.spec.deferred:
+            self.spec.deferred = True
+            if self.allocated and self.device.type == "cpu":
+                self.share_arena(False)
+
     def set_host_views(self, value: bool) -> None:
         """Hand out host views (True) or the device mirrors (False); on a CPU device the arena
         shares the host buffer exactly when host views are handed out."""
         self.host_views = bool(value)
         if self.allocated and self.device.type == "cpu":
-            self.share_arena(self.host_views)
+            self.share_arena(self.host_views and not self.deferred_rewind)
 
     def share_arena(self, shared: bool) -> None:
         """On a CPU device: whether the arena's device side is the host buffer itself (the
@@ -180,6 +193,7 @@ class DeviceState:
             tokens.zero_()
         if self.spec is not None:
             self.spec.drafts.zero_()
+            self.spec.lags.zero_()
         self.rows_used = [0, 0]
         self.host_table_written = False
         self.attn_block_table.fill_(-1)
@@ -243,13 +257,17 @@ class DeviceState:
                 req[FIELD_KV_OFFSET, paused:total], self.next_tokens[self.current][paused:total])
         return views
 
-    def begin_step(self, step, table, device_prompts: list) -> None:
-        """Upload the step's host state and build its per-token arrays (one launch)."""
+    def begin_step(self, step, table, device_prompts: list, mamba: tuple = ()) -> None:
+        """Upload the step's host state and build its per-token arrays (one launch); with a
+        deferred rewind, the rows' lags first (``DraftRows.apply_lags``; ``mamba``: a hybrid's
+        state tensors)."""
         self.arena.flush(self.h2d)
         if self.host_table_written:
             self.upload_block_table(table, table.total)
         else:
             self.flush_block_rows(table)
+        if self.spec is not None and self.spec.deferred and step.active:
+            self.spec.apply_lags(step, self.arena.device, mamba, self.backend)
         num_prompt = step.prompt_tokens
         # Speculative steps: the drafted rows' tokens are written on the device below.
         start = int(self.arena.host["attn_cu_query"][step.drafted]) if step.drafted else 0
@@ -440,6 +458,7 @@ class DeviceState:
         pending[index_dst] = pending[index_src]
         if self.spec is not None:
             self.spec.drafts[index_dst] = self.spec.drafts[index_src]
+            self.spec.lags[index_dst] = self.spec.lags[index_src]
         if next_tokens is not None and next_tokens.data_ptr() != pending.data_ptr():
             next_tokens[index_dst.to(next_tokens.device)] = \
                 next_tokens[index_src.to(next_tokens.device)]

@@ -10,7 +10,11 @@ decode row forwards (docs/SEMANTICS.md §19).
 * ``logit_rows``: ``speculative_required_logit_indices`` of the step (``upload_logit_rows``);
 * ``rewind_counts``: a rewind's rejected drafts per decode row (the Mamba restore's input);
 * the scratch of a ragged step (decode rows with their own draft counts), whose tokens are
-  gathered to their offsets in the prompt buffer (``write_row_tokens``).
+  gathered to their offsets in the prompt buffer (``write_row_tokens``);
+* with a deferred rewind (async scheduling, ``deferred``): ``lags``, int64 ``[R]``, each row's
+  rejected drafts the host has not applied yet, moved with the rows like the drafts and
+  applied on the device when the row's next step begins (``apply_lags``: its KV offset and
+  lengths lowered, a hybrid's Mamba states restored, one ``speculative_rewind`` launch).
 """
 
 from __future__ import annotations
@@ -18,7 +22,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ._fields import FIELD_QUERY
+from dynctx.kernels.speculative_rewind import speculative_rewind
+
+from ._fields import FIELD_KV_OFFSET, FIELD_MAMBA_SLOT, FIELD_QUERY
 from .speculative import logit_rows
 
 
@@ -31,10 +37,12 @@ class DraftRows:
         self.drafts = self.carried_drafts = self.logit_rows = self.logit_rows_host = None
         self.rewind_counts = self.row_tokens = self.token_source = None
         self.logit_rows_used = 0
+        self.deferred = False
+        self.lags = self.carried_lags = self.step_lags = None
 
     def nbytes(self) -> int:
         k, rows, tokens = self.k, self.rows, self.tokens
-        return 8 * (2 * rows + 1) * k + 16 * tokens + 4 * rows + 8 * rows * (1 + k)
+        return 8 * (2 * rows + 1) * k + 16 * tokens + 4 * rows + 8 * rows * (1 + k) + 24 * rows
 
     def allocate(self) -> None:
         k, rows, tokens, device = self.k, self.rows, self.tokens, self.device
@@ -49,10 +57,15 @@ class DraftRows:
         # place among them.
         self.row_tokens = torch.zeros(rows, 1 + k, dtype=torch.int64, device=device)
         self.token_source = torch.zeros(tokens, dtype=torch.int64, device=device)
+        self.lags = torch.zeros(rows, dtype=torch.int64, device=device)
+        # Row `rows` stays 0: the lag of a row without a source.
+        self.carried_lags = torch.zeros(rows + 1, dtype=torch.int64, device=device)
+        self.step_lags = torch.zeros(rows, dtype=torch.int64, device=device)
 
     def release(self) -> None:
         self.drafts = self.carried_drafts = self.logit_rows = self.logit_rows_host = None
         self.rewind_counts = self.row_tokens = self.token_source = None
+        self.lags = self.carried_lags = self.step_lags = None
 
     # ------------------------------------------------------------------ a step
     def write_row_tokens(self, step, table, next_tokens: torch.Tensor,
@@ -107,3 +120,43 @@ class DraftRows:
             torch.index_select(carried, 0, plan_src[:rows], out=self.drafts[:rows])
         if old_total > rows:
             self.drafts[rows:old_total].zero_()
+        if self.deferred:
+            # The lags travel the same way: the rows that were active take this step's.
+            lags = self.carried_lags
+            if paused:
+                lags[:paused].copy_(self.lags[:paused])
+            lags[paused:paused + new_drafts.shape[1]].copy_(
+                self.step_lags[:new_drafts.shape[1]])
+            if rows:
+                torch.index_select(lags, 0, plan_src[:rows], out=self.lags[:rows])
+            if old_total > rows:
+                self.lags[rows:old_total].zero_()
+
+    # ------------------------------------------------------------------ a deferred rewind
+    def record_lags(self, accepted: torch.Tensor, query_lengths: torch.Tensor, drafted: int,
+                    active: int) -> None:
+        """This step's rejected drafts per active row (``step_lags``), on the device: a
+        drafted decode row's ``query - 1 - accepted``, 0 for the other rows."""
+        lags = self.step_lags[:active]
+        lags.zero_()
+        if drafted:
+            torch.sub(query_lengths[:drafted].long() - 1, accepted[:drafted].long(),
+                      out=lags[:drafted])
+
+    def apply_lags(self, step, arena: dict, mamba: tuple, backend: str) -> None:
+        """The active rows' lags on the device, after the arena's upload and before the step's
+        per-token arrays: their KV offsets and lengths lowered (the cumulative lengths of
+        every row after them too) and a hybrid's Mamba states restored (``mamba``: ``(conv,
+        ssm, conv intermediate, ssm intermediate)``, or ``()``), one launch; this step's lags
+        start at zero."""
+        paused, total, active = step.paused, step.total, step.active
+        states = dict(zip(("conv_states", "ssm_states", "conv_intermediate",
+                           "ssm_intermediate"), mamba))
+        if states:
+            states["slot_ids"] = arena["req"][FIELD_MAMBA_SLOT, paused:total]
+        speculative_rewind(self.lags[paused:total],
+                           kv_offsets=arena["req"][FIELD_KV_OFFSET, paused:total],
+                           kv_lengths=arena["attn_kv_lengths"][:active],
+                           cu_kv=arena["attn_cu_kv"][:step.padded_requests + 1],
+                           backend=backend, check=False, **states)
+        self.step_lags[:active].zero_()

@@ -28,8 +28,8 @@ from typing import Any, List, Optional, Tuple
 import numpy as np
 import torch
 
+from . import deferred_rewind, rotary
 from . import logits as step_logits
-from . import rotary
 from . import speculative as spec
 from ._fields import FIELD_MAMBA_SLOT, FIELD_QUERY
 from .errors import NotHybridError
@@ -84,7 +84,8 @@ class ForwardPass:
                                zero_count=zero_count, device_prompts=device_prompts)
         if self.kv.begin_step(step.active_tokens, capture) and step.using_cuda_graph:
             step = step._replace(using_cuda_graph=False)
-        device.begin_step(step, table, device_prompts)
+        device.begin_step(step, table, device_prompts, mamba=self.mamba.rewind_tensors()
+                          if mamba is not None and device.deferred_rewind else ())
         if step.mamba:
             self.mamba_metadata.update_step(mamba.step_fields(step, device.arena.device,
                                                               device.h2d))
@@ -205,6 +206,23 @@ class ForwardPass:
         self.steps.prepared = None
         self.rewound = True
         return torch.from_numpy(plan.released)
+
+    def defer_kv_rewind(self, accepted_counts: torch.Tensor) -> None:
+        """The rejected drafts of this step's decode rows rewound on the device when their
+        next step begins, on the host by ``settle_kv_rewind`` (``deferred_rewind.defer``)."""
+        deferred_rewind.defer(self, accepted_counts)
+
+    def enable_deferred_rewind(self) -> None:
+        """This context's rewinds will be deferred (``defer_kv_rewind``): its device rows may
+        then differ from the host's, so a CPU context's arena stops sharing the host buffer
+        now (call it before capturing CUDA graphs: the arena's views move)."""
+        if not self.speculative:
+            raise RuntimeError("enable_deferred_rewind() needs num_speculative_tokens > 0")
+        self.device.defer_rewinds()
+
+    def settle_kv_rewind(self, request_ids, rejected_counts) -> torch.Tensor:
+        """The host's side of deferred rewinds (``deferred_rewind.settle``)."""
+        return deferred_rewind.settle(self, request_ids, rejected_counts)
 
     def logit_indices(self) -> torch.Tensor:
         """int64 ``[num_last_token_logits]``: the token rows verification needs, every decode

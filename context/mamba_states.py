@@ -221,6 +221,12 @@ class MambaStates:
                                ssm_intermediate=self.intermediate_ssm, all_rows=all_rows,
                                backend=self.kernel_backend, check=False)
 
+    def rewind_tensors(self) -> tuple:
+        """``(conv, ssm, conv intermediate, ssm intermediate)``: what a deferred rewind
+        restores from and into (``DraftRows.apply_lags``)."""
+        return (self.conv_states, self.ssm_states, self.intermediate_conv,
+                self.intermediate_ssm)
+
     def zero(self, slots: np.ndarray) -> None:
         """Zero the states of ``slots`` (every layer)."""
         index = torch.from_numpy(slots).to(self.device)

@@ -70,6 +70,7 @@ from .results import (
     deferred_metrics,
 )
 from .scheduler import Scheduler
+from .speculative_overlap import SpeculativeAsync
 from .speculative_step import stepper_for
 from .validation import check_bool, check_int, vocab_limit
 
@@ -178,7 +179,8 @@ class Engine:
         self._steps = stepper(model=model, context=context, scheduler=self.scheduler,
                               intake=self._intake, delivery=self._delivery, stats=self.stats,
                               rng=np.random.default_rng(seed), record_logits=record_logits)
-        self._async = AsyncScheduling(self._steps) if async_scheduling else None
+        scheduling = SpeculativeAsync if drafter is not None else AsyncScheduling
+        self._async = scheduling(self._steps) if async_scheduling else None
         self._suspended = False
         # The forward mode the graphs capture: every token's logits when the context checks
         # logits, else last-token logits; steps in the other mode run eagerly.

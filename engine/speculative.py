@@ -146,10 +146,12 @@ def decode_windows(queries: np.ndarray, k: int) -> np.ndarray:
 @dataclass
 class SpeculativeStats:
     """``engine.stats.speculative``'s counters: ``forward_steps`` (speculative engine steps
-    that ran the model), ``draft_tokens`` (drafts verified: ``k`` per decode request and step),
-    ``accepted_tokens`` (of those, accepted), ``acceptance_rate`` (their ratio, 0 before any
-    draft), ``emitted_tokens`` (tokens the decode requests gained: accepted plus one each) and
-    ``tokens_per_forward`` (``emitted_tokens`` per decode request and step, 1 to ``1 + k``)."""
+    that ran the model), ``decode_rows`` (decode requests over those steps), ``draft_tokens``
+    (drafts verified: up to ``k`` per decode request and step, none for one the drafter had
+    nothing for), ``accepted_tokens`` (of those, accepted), ``acceptance_rate`` (their ratio, 0
+    before any draft), ``emitted_tokens`` (tokens the decode requests gained: accepted plus one
+    each) and ``tokens_per_forward`` (``emitted_tokens`` per decode request and step, 1 to
+    ``1 + k``)."""
 
     num_speculative_tokens: int
     forward_steps: int = 0
@@ -160,7 +162,8 @@ class SpeculativeStats:
 
     def as_dict(self) -> Dict[str, float]:
         return {"num_speculative_tokens": self.num_speculative_tokens,
-                "forward_steps": self.forward_steps, "draft_tokens": self.draft_tokens,
+                "forward_steps": self.forward_steps, "decode_rows": self.decode_rows,
+                "draft_tokens": self.draft_tokens,
                 "accepted_tokens": self.accepted_tokens,
                 "acceptance_rate": self.accepted_tokens / self.draft_tokens
                 if self.draft_tokens else 0.0,

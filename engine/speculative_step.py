@@ -61,10 +61,6 @@ def stepper_for(context: Any, drafter: Any, *, async_scheduling: bool,
     if drafter is None:
         raise ValueError(f"the context has num_speculative_tokens={k}: give the engine a "
                          "drafter (engine/drafters.py)")
-    for name, value in (("async_scheduling", async_scheduling),):
-        if value:
-            raise ValueError(f"{name}=True is not supported with speculative decoding "
-                             f"(num_speculative_tokens={k})")
     return functools.partial(SpeculativeStepper, drafter=drafter)
 
 
@@ -172,6 +168,10 @@ class SpeculativeStepper(Stepper):
                 output if want_prompt_lp else None, states, decode, queries, decode_tokens)
             if in_flight is None or want_prompt_lp:
                 batch.log_prob_lists = batch.log_prob_values.tolist()
+            if in_flight is not None:
+                # Read with the tokens: each decode row's positions, each prefill's token.
+                batch.deferred_log_probs = batch.log_prob_values[
+                    :decode * (1 + self.k) + len(states) - decode]
         if self.record_logits:
             lengths = ctx.active_attn_metadata.kv_seq_lengths[:total - paused].tolist()
             batch.recorded = (lengths, rows.float().cpu(), last[decode_tokens:].float().cpu())
@@ -289,7 +289,7 @@ class SpeculativeStepper(Stepper):
                                           batch.chunked_id for row in rows):
             ctx.chunked_prefill_request_id = -1
             self.scheduler.discard(batch.chunked_id)
-        drafts, counts = self.next_drafts(rows)          # checked before anything changes
+        drafts, counts = self.next_drafts(rows, batch.chunked_id)   # checked first
         mask = torch.from_numpy(np.fromiter((row.keep for row in rows), dtype=np.bool_,
                                             count=len(rows)))
         if batch.num_decode:
@@ -326,15 +326,22 @@ class SpeculativeStepper(Stepper):
         self.stats.generated_tokens += extra
         self.after_update(result)
 
-    def next_drafts(self, rows: List[Row], assumed: Optional[dict] = None) -> tuple:
+    def next_drafts(self, rows: List[Row], chunked_id: int = -1,
+                    assumed: Optional[dict] = None) -> tuple:
         """``(new_speculative_tokens [k, active] int64, draft_counts [active])``: the drafter's
         proposals for each row that goes on decoding (a proposal's first -1 ends it), none for
-        the others (finishing rows, a non-final chunk). ``assumed``: async scheduling's
-        tokens a row is taken to gain in the step in flight (request id -> tokens), whose next
-        token the drafter guesses too (its first proposal, dropped)."""
+        the others (finishing rows, a non-final chunk), and none at all while a prompt is
+        chunked (``chunked_id`` kept: its next chunk takes the step's token budget).
+        ``assumed``: async scheduling's tokens a row is taken to gain in the step in flight
+        (request id -> tokens), whose next token the drafter guesses too (its first proposal,
+        dropped); then a hybrid's rows forward all ``k`` drafts or none (a deferred Mamba
+        restore counts a row's accepted drafts from ``k``), a shorter proposal padded with its
+        last draft."""
         k = self.k
         drafts = np.zeros((k, len(rows)), dtype=np.int64)
         counts = np.zeros(len(rows), dtype=np.int64)
+        if any(row.keep and row.state.request_id == chunked_id for row in rows):
+            return drafts, counts
         if assumed is None:
             going = [i for i, row in enumerate(rows) if row.keep and row.tokens]
         else:
@@ -358,6 +365,11 @@ class SpeculativeStepper(Stepper):
             # The first proposal guesses the token in flight: a row without it has none.
             own = np.where(own > 0, own - 1, 0)
             proposed = proposed[:, 1:]
+            if getattr(self.context, "mamba_metadata", None) is not None:
+                last = proposed[np.arange(len(going)), np.maximum(own - 1, 0)]
+                proposed = np.where(np.arange(k)[None, :] < own[:, None], proposed,
+                                    last[:, None])
+                own = np.where(own > 0, k, 0)
         drafts[:, going] = np.where(np.arange(k)[:, None] < own[None, :], proposed.T, 0)
         counts[going] = own
         return drafts, counts
