@@ -231,12 +231,14 @@ class StepBuilder:
         per_decode, graphs, decode_tokens = self.tokens_per_decode, True, decode
         if per_decode > 1 and decode:
             # Speculative: 1 + k tokens a decode row (0.19), or each row's own count
-            # (update_requests' draft_counts): a plain decode step when no row has drafts, a
-            # ragged one otherwise, which graphs only a model without Mamba layers replays.
+            # (update_requests' draft_counts): a plain decode step (padded as one) when no row
+            # has drafts, a ragged one (padded as 1 + k a row) otherwise; a model without
+            # Mamba layers replays the speculative graphs for both, a hybrid runs them eager.
             decode_queries = rows[FIELD_QUERY, paused:paused + decode]
             decode_tokens = int(decode_queries.sum())
             if decode_tokens != decode * per_decode:
-                per_decode, graphs = 1, not table.hybrid
+                graphs = not table.hybrid
+                per_decode = 1 if decode_tokens == decode else per_decode
         choice = self._choices.get((tokens, prefill, decode, chunked, table.hybrid, max_requests,
                                     max_tokens, tp, token_rounder, request_rounder, per_decode,
                                     graphs))
