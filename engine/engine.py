@@ -161,7 +161,9 @@ class Engine:
             # must be equal on every rank, else every rank raises alike.
             self._agreement([], dict(seed=seed, cuda_graphs=cuda_graphs,
                                      enable_chunked_prefill=enable_chunked_prefill,
-                                     async_scheduling=async_scheduling))
+                                     async_scheduling=async_scheduling,
+                                     drafter=None if drafter is None
+                                     else type(drafter).__name__))
         self._tp = tp
         self.context = context
         self.default_termination_id = default_termination_id
