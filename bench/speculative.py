@@ -16,7 +16,8 @@ quarter of the target's size (its embedding, first ``layers / 4`` layers and LM 
 truncated copy, so that its guesses relate to the target's), ``num_speculative_tokens=--k``.
 Reported per run: forward passes of the target (engine steps that ran the model), forward
 passes per generated token, wall time, tokens/s, the acceptance rate, the draft model's own
-forward passes, and whether every output is identical to the run without speculation (it must
+forward passes, tokens processed and rounds, the time spent in the drafter's ``propose``
+(the JSON), and whether every output is identical to the run without speculation (it must
 be: greedy verification is exact). Each configuration is timed best of ``--repeats`` after a
 warm-up, the configurations' runs alternating (a loaded machine's drift falls on all alike).
 
@@ -77,6 +78,18 @@ def run_once(target, prompt_list, new_tokens: int, k: int, make_drafter) -> dict
     from dynctx.engine import Engine
 
     drafter = make_drafter() if k else None
+    propose_s = [0.0]
+    if drafter is not None and not isinstance(drafter, str):
+        propose = drafter.propose
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return propose(*args, **kwargs)
+            finally:
+                propose_s[0] += time.perf_counter() - start
+
+        drafter.propose = timed
     options = dict(num_speculative_tokens=k, drafter=drafter) if k else {}
     engine = Engine.from_transformers(target, block_size_tokens=16, buffer_size_gb=0.05,
                                       max_tokens=512, kernel_backend="torch",
@@ -91,7 +104,11 @@ def run_once(target, prompt_list, new_tokens: int, k: int, make_drafter) -> dict
                 wall_s=wall, tokens_per_s=generated / wall,
                 acceptance_rate=engine.stats.speculative.get("acceptance_rate"),
                 draft_forward_passes=None if draft_engine is None
-                else draft_engine.stats.forward_steps, outputs=outputs)
+                else draft_engine.stats.forward_steps,
+                draft_tokens_processed=None if draft_engine is None
+                else draft_engine.stats.tokens_processed,
+                draft_rounds=getattr(drafter, "rounds", None), propose_s=propose_s[0],
+                outputs=outputs)
 
 
 def run_all(target, prompt_list, new_tokens: int, configs: list, repeats: int) -> list:
