@@ -10,10 +10,11 @@ tokens generate ``--new-tokens`` tokens each, all at once. Workloads:
 * ``random``: random prompts and weights drawn at 0.1, whose continuations do not repeat (where
   n-grams must not cost much: the goal is at most 10 % slower).
 
-Each workload runs without speculation, with the n-gram drafter (``k = --k`` and 1), and with
-a draft model a
-quarter of the target's size (its embedding, first ``layers / 4`` layers and LM head: a
-truncated copy, so that its guesses relate to the target's), ``num_speculative_tokens=--k``.
+Each workload runs without speculation, with the n-gram drafter (``k = --k`` and 1), with a
+draft model a quarter of the target's size (its embedding, first ``layers / 4`` layers and LM
+head: a truncated copy, so that its guesses relate to the target's), and under async
+scheduling without speculation and with the n-gram drafter (``*_async``: on a CPU the host's
+extra bookkeeping, no overlap); ``num_speculative_tokens=--k``.
 Reported per run: forward passes of the target (engine steps that ran the model), forward
 passes per generated token, wall time, tokens/s, the acceptance rate, the draft model's own
 forward passes, tokens processed and rounds, the time spent in the drafter's ``propose``
@@ -72,7 +73,8 @@ def prompts(kind: str, requests: int, length: int):
             for _ in range(requests)]
 
 
-def run_once(target, prompt_list, new_tokens: int, k: int, make_drafter) -> dict:
+def run_once(target, prompt_list, new_tokens: int, k: int, make_drafter,
+             async_scheduling: bool = False) -> dict:
     """One run of one configuration on a fresh engine (and drafter: ``make_drafter()``, None
     without speculation)."""
     from dynctx.engine import Engine
@@ -93,7 +95,8 @@ def run_once(target, prompt_list, new_tokens: int, k: int, make_drafter) -> dict
     options = dict(num_speculative_tokens=k, drafter=drafter) if k else {}
     engine = Engine.from_transformers(target, block_size_tokens=16, buffer_size_gb=0.05,
                                       max_tokens=512, kernel_backend="torch",
-                                      cuda_graphs=False, **options)
+                                      cuda_graphs=False, async_scheduling=async_scheduling,
+                                      **options)
     start = time.perf_counter()
     outputs = engine.generate(prompt_list, max_new_tokens=new_tokens, ignore_eos=True)
     wall = time.perf_counter() - start
@@ -112,13 +115,13 @@ def run_once(target, prompt_list, new_tokens: int, k: int, make_drafter) -> dict
 
 
 def run_all(target, prompt_list, new_tokens: int, configs: list, repeats: int) -> list:
-    """Every configuration ``(k, make_drafter)``, best of ``repeats`` runs after a warm-up
-    run of each; the runs of the configurations alternate (a loaded machine's drift falls on
-    all of them alike)."""
+    """Every configuration ``(k, make_drafter, async_scheduling)``, best of ``repeats`` runs
+    after a warm-up run of each; the runs of the configurations alternate (a loaded machine's
+    drift falls on all of them alike)."""
     best: list = [None] * len(configs)
     for _ in range(repeats + 1):   # the first round warms up
-        for index, (k, make) in enumerate(configs):
-            result = run_once(target, prompt_list, new_tokens, k, make)
+        for index, (k, make, overlap) in enumerate(configs):
+            result = run_once(target, prompt_list, new_tokens, k, make, overlap)
             if best[index] is None or result["wall_s"] < best[index]["wall_s"]:
                 best[index] = result
     return best
@@ -149,13 +152,15 @@ def main(argv=None) -> int:
     for kind in args.workloads.split(","):
         target, draft = models(args.hidden, args.layers, INIT[kind])
         prompt_list = prompts(kind, args.requests, args.prompt)
-        configs = [("plain", 0, None), ("ngram", args.k, lambda: "ngram"),
-                   ("ngram", 1, lambda: "ngram"),
-                   ("draft_model", args.k, lambda: draft_model_drafter(draft))]
+        configs = [("plain", 0, None, False), ("ngram", args.k, lambda: "ngram", False),
+                   ("ngram", 1, lambda: "ngram", False),
+                   ("draft_model", args.k, lambda: draft_model_drafter(draft), False),
+                   ("plain_async", 0, None, True),
+                   ("ngram_async", args.k, lambda: "ngram", True)]
         results = run_all(target, prompt_list, args.new_tokens,
-                          [(k, make) for _, k, make in configs], args.repeats)
+                          [(k, make, overlap) for _, k, make, overlap in configs], args.repeats)
         plain = results[0]
-        for (name, k, _), result in zip(configs, results):
+        for (name, k, _, _), result in zip(configs, results):
             result = dict(result, workload=kind, drafter=name, k=k,
                           identical=result["outputs"] == plain["outputs"],
                           speedup=result["tokens_per_s"] / plain["tokens_per_s"])

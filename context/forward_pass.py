@@ -125,12 +125,19 @@ class ForwardPass:
         max_sequence_length = self.max_sequence_length
         chunked_id = table.chunked_id
         decode = None
-        if mask is None and self.decode_shortcut and table.prefix_cache is None:
+        # Speculative: a plain step followed by another (no drafts given) updates as without
+        # speculation (the drafts then move with no row: none is forwarded, none stays paused).
+        plain = bool(self.speculative and draft_counts is not None and not draft_counts.any()
+                     and not device.deferred_rewind and step is not None
+                     and step.one_token_rows)
+        if mask is None and self.decode_shortcut and table.prefix_cache is None and (
+                plain or not self.speculative):
             # What the step knows of a decode update spares the plan recomputing it.
             max_kv_offset, blocks = steps.decode_facts(step, table)
             decode = table.plan_decode(chunked_id=chunked_id,
                                        max_sequence_length=max_sequence_length,
-                                       max_kv_offset=max_kv_offset, active_blocks=blocks)
+                                       max_kv_offset=max_kv_offset, active_blocks=blocks,
+                                       plain=plain)
         if decode is not None:
             # The steady decode step: nothing finishes, stays paused or is evicted.
             appended = table.commit_decode(decode)

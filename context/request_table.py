@@ -270,12 +270,13 @@ class RequestTable:
                            max_sequence_length=max_sequence_length, draft_counts=draft_counts)
 
     def plan_decode(self, *, chunked_id: int, max_sequence_length: int,
-                    max_kv_offset: Optional[int] = None,
-                    active_blocks: Optional[int] = None) -> Optional[DecodePlan]:
+                    max_kv_offset: Optional[int] = None, active_blocks: Optional[int] = None,
+                    plain: bool = False) -> Optional[DecodePlan]:
         """``update_plan.plan_decode`` against this table: the plan of the steady decode update
         of a mask that keeps every request, or None (then ``plan_update``); nothing changed."""
         return plan_decode(self, chunked_id=chunked_id, max_sequence_length=max_sequence_length,
-                           max_kv_offset=max_kv_offset, active_blocks=active_blocks)
+                           max_kv_offset=max_kv_offset, active_blocks=active_blocks,
+                           plain=plain)
 
     # ------------------------------------------------------------------ commits
     def commit_add(self, plan: AddPlan) -> None:

@@ -99,8 +99,8 @@ class DecodePlan(NamedTuple):
 
 
 def plan_decode(table, *, chunked_id: int, max_sequence_length: int,
-                max_kv_offset: Optional[int] = None,
-                active_blocks: Optional[int] = None) -> Optional[DecodePlan]:
+                max_kv_offset: Optional[int] = None, active_blocks: Optional[int] = None,
+                plain: bool = False) -> Optional[DecodePlan]:
     """The plan of the steady decode update of a mask that keeps every request, or None where
     ``plan_update`` must decide. ``max_kv_offset``: when the caller knows that every active row
     holds one token and the largest KV offset plus one (the step's ``max_seqlen_k``, its rows
@@ -115,10 +115,14 @@ def plan_decode(table, *, chunked_id: int, max_sequence_length: int,
     new block, and change nothing else: this plan says the same with a few vectorised
     operations over the rows (``tests/context/test_decode_path.py`` checks the two paths equal,
     state after state). Changes nothing.
+
+    Speculative steps take ``plan_update`` (their rows take blocks early), but for ``plain``:
+    one token a row in the step and in the next (no drafts either side), while the rows fit
+    the ``max_tokens // (1 + k)`` that ``plan_update`` pauses beyond.
     """
     total = table.total
-    if table.paused or chunked_id != -1 or not total or table.speculative:
-        # Speculative steps take plan_update (their rows take blocks early).
+    if table.paused or chunked_id != -1 or not total or (table.speculative and not (
+            plain and total <= table.max_tokens // table.decode_query)):
         return None
     rows = table.rows
     # A request whose next token would lie at max_sequence_length or beyond is finished, which

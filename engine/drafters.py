@@ -73,6 +73,10 @@ class NgramDrafter:
         columns = np.arange(width)[None, :] >= (width - lengths)[:, None]
         padded[columns] = flat
         drafts = np.full((rows, k), -1, dtype=np.int64)
+        # An n-gram match needs the last token earlier on: most rows of unrepetitive text
+        # have none, and then nothing is searched.
+        if not (padded[:, :-1] == padded[:, -1:]).any():
+            return drafts
         found = np.zeros(rows, dtype=bool)
         for n in range(min(self.max_ngram, width - 1), self.min_ngram - 1, -1):
             windows = np.lib.stride_tricks.sliding_window_view(padded, n, axis=1)

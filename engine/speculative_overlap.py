@@ -95,10 +95,15 @@ class SpeculativeAsync(AsyncScheduling):
         decode = batch.num_decode
         self._settle(batch)
         assumed = {}
+        # A row near max_sequence_length gets no drafts: the host counts the step in flight's
+        # drafts as accepted, and the context finishes a row whose count passes the limit.
+        limit = ctx.max_sequence_length - 2 * (1 + self.k)
         for i, row in enumerate(rows):
             state = row.state
             if (row.keep and state.request_id != batch.chunked_id
-                    and state.request_id not in self.retired and is_greedy(state.params)):
+                    and state.request_id not in self.retired and is_greedy(state.params)
+                    and len(state.request.prompt_tokens) + len(state.request.generated_tokens)
+                    < limit):
                 assumed[state.request_id] = self.proposed.get(state.request_id, []) \
                     if i < decode else []
         drafts, counts = steps.next_drafts(rows, batch.chunked_id, assumed=assumed)
@@ -159,6 +164,14 @@ class SpeculativeAsync(AsyncScheduling):
         """A row left the context: what was kept for it goes."""
         self.proposed.pop(request_id, None)
         self.unsettled.pop(request_id, None)
+
+    def before_suspend(self) -> List[int]:
+        """``AsyncScheduling.before_suspend``; the suspend then empties the context, so no
+        row keeps a lag or drafts."""
+        retired = super().before_suspend()
+        self.proposed.clear()
+        self.unsettled.clear()
+        return retired
 
     # ------------------------------------------------------------------ reading
     def resolve(self, new_tokens: Dict[int, int]) -> None:

@@ -104,6 +104,7 @@ class SpeculativeStepper(Stepper):
         self.k = int(self.context.num_speculative_tokens)
         self.counts = SpeculativeStats(self.k)
         self.stats.speculative = self.counts.as_dict()
+        self._prompts: dict = {}   # request id -> (request, its prompt as numpy)
 
     # ------------------------------------------------------------------ the step (Stepper.step)
     def forward(self, result: Any, in_flight: Any = None) -> Any:
@@ -292,7 +293,7 @@ class SpeculativeStepper(Stepper):
         drafts, counts = self.next_drafts(rows, batch.chunked_id)   # checked first
         mask = torch.from_numpy(np.fromiter((row.keep for row in rows), dtype=np.bool_,
                                             count=len(rows)))
-        if batch.num_decode:
+        if batch.num_decode and batch.draft_counts.any():
             accepted = np.zeros(len(rows), dtype=np.int64)
             accepted[:batch.num_decode] = batch.tokens[batch.num_decode:2 * batch.num_decode]
             ctx.rewind_kv_cache(torch.from_numpy(accepted))
@@ -352,9 +353,8 @@ class SpeculativeStepper(Stepper):
         ids = [rows[i].state.request_id for i in going]
         tails = [rows[i].tokens if assumed is None else assumed[ids[n]]
                  for n, i in enumerate(going)]
-        histories = [np.concatenate([
-            rows[i].state.request.prompt_tokens.cpu().numpy().astype(np.int64, copy=False),
-            np.asarray(rows[i].state.request.generated_tokens + list(tail), dtype=np.int64)])
+        histories = [np.concatenate([self._prompt(rows[i].state), np.asarray(
+            rows[i].state.request.generated_tokens + list(tail), dtype=np.int64)])
             for i, tail in zip(going, tails)]
         width = k if assumed is None else k + 1
         proposed = self.drafter.propose(ids, histories, width)
@@ -373,6 +373,18 @@ class SpeculativeStepper(Stepper):
         drafts[:, going] = np.where(np.arange(k)[:, None] < own[None, :], proposed.T, 0)
         counts[going] = own
         return drafts, counts
+
+    def _prompt(self, state: Any) -> np.ndarray:
+        """The request's prompt as int64 numpy (kept per request while it runs)."""
+        prompts = self._prompts
+        prompt = prompts.get(state.request_id)
+        if prompt is None or prompt[0] is not state.request:
+            prompt = prompts[state.request_id] = (state.request, state.request.prompt_tokens.cpu()
+                                                  .numpy().astype(np.int64, copy=False))
+            if len(prompts) > 4 * self.context.max_requests:
+                prompts.clear()
+                prompts[state.request_id] = prompt
+        return prompt[1]
 
     def _vocab(self) -> Optional[int]:
         return getattr(self.model, "vocab_size", None)

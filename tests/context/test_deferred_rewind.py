@@ -99,6 +99,39 @@ def test_deferred_rewinds_lay_every_step_out_as_the_synchronous_rewind(backend):
         assert c.block_allocator.total_avail == c.block_allocator.total_count - 1
 
 
+def test_plain_updates_take_the_decode_shortcut_and_agree_with_the_general_plan():
+    """An update after a plain step that gives no drafts takes the steady decode update's
+    shortcut (``plan_decode``), with the same state after every call as the general plan's;
+    updates with drafts take the general plan on both."""
+    contexts = [make_ctx(num_speculative_tokens=K, max_tokens=40, max_requests=6,
+                         buffer_size_gb=30 * BLOCK / GIB) for _ in range(2)]
+    contexts[1]._decode_shortcut = False
+    table, shortcuts = contexts[0]._table, []
+    plan_decode = table.plan_decode
+    table.plan_decode = lambda **kw: shortcuts.append(plan_decode(**kw)) or shortcuts[-1]
+    for ctx in contexts:
+        for rid, length in enumerate((5, 3, 14, 2)):
+            add(ctx, request(rid, length, gen=99))
+    for step in range(24):
+        snapshots = []
+        for ctx in contexts:
+            ctx.initialize_attention_state()
+            active = ctx.total_request_count - ctx.paused_request_count
+            counts = [0] * active if step % 6 else [(rid + step) % (K + 1)
+                                                   for rid in range(active)]
+            if step % 6 == 1:
+                ctx.rewind_kv_cache(torch.zeros(active, dtype=torch.int64))
+            ctx.update_requests(torch.ones(active, dtype=torch.bool),
+                                torch.arange(active) + step, torch.full((K, active), 5),
+                                draft_counts=counts)
+            check_invariants(ctx)
+            snapshots.append(snapshot(ctx, device=True))
+            del snapshots[-1]["kv_bytes"]   # never written
+        assert_same(*snapshots)
+    taken = [plan for plan in shortcuts if plan is not None]
+    assert len(taken) >= 8 and any(plan.full for plan in taken)   # blocks appended too
+
+
 def test_a_step_without_drafts_is_a_plain_decode_step():
     """Draft counts of zero: one token a row, fed from the pending tokens, one logit row each;
     the speculative graphs still fit it (its counts are within theirs)."""
