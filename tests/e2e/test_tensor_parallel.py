@@ -10,6 +10,8 @@ runs every check, so that the ranks import torch and transformers once:
   every rank returns the same tokens, equal to transformers' greedy ``generate``, and every
   step's last-token logits lie within 1e-4 (fp32) of transformers' full forward; the Llama,
   DeepSeek and NemotronH workloads pause, evict and chunk;
+* speculative decoding (Llama, n-gram drafts, k = 3), synchronous and under async scheduling:
+  both ranks gain the same tokens, equal to transformers';
 * every rank's context has the same sizes; ranks given different memory budgets end with the
   same (smallest) block counts, and different explicit ``max_requests`` are refused on every
   rank; a context step makes no collective call;
