@@ -10,14 +10,17 @@ tokens generate ``--new-tokens`` tokens each, all at once. Workloads:
 * ``random``: random prompts and weights drawn at 0.1, whose continuations do not repeat (where
   n-grams must not cost much: the goal is at most 10 % slower).
 
-Each workload runs without speculation, with the n-gram drafter (``k = --k`` and 1), and with
-a draft model a
-quarter of the target's size (its embedding, first ``layers / 4`` layers and LM head: a
-truncated copy, so that its guesses relate to the target's), ``num_speculative_tokens=--k``.
+Each workload runs without speculation, with the n-gram drafter (``k = --k`` and 1), with a
+draft model a quarter of the target's size (its embedding, first ``layers / 4`` layers and LM
+head: a truncated copy, so that its guesses relate to the target's), and under async
+scheduling without speculation and with the n-gram drafter (``*_async``: on a CPU the host's
+extra bookkeeping, no overlap); ``num_speculative_tokens=--k``.
 Reported per run: forward passes of the target (engine steps that ran the model), forward
 passes per generated token, wall time, tokens/s, the acceptance rate, the draft model's own
-forward passes, and whether every output is identical to the run without speculation (it must
-be: greedy verification is exact). Each run is timed best of ``--repeats`` after a warm-up.
+forward passes, tokens processed and rounds, the time spent in the drafter's ``propose``
+(the JSON), and whether every output is identical to the run without speculation (it must
+be: greedy verification is exact). Each configuration is timed best of ``--repeats`` after a
+warm-up, the configurations' runs alternating (a loaded machine's drift falls on all alike).
 
 Usage::
 
@@ -70,29 +73,58 @@ def prompts(kind: str, requests: int, length: int):
             for _ in range(requests)]
 
 
-def run(target, prompt_list, new_tokens: int, k: int, make_drafter, repeats: int) -> dict:
-    """One configuration, best of ``repeats`` runs after a warm-up; each run builds a fresh
-    engine (and drafter: ``make_drafter()``, None without speculation)."""
+def run_once(target, prompt_list, new_tokens: int, k: int, make_drafter,
+             async_scheduling: bool = False) -> dict:
+    """One run of one configuration on a fresh engine (and drafter: ``make_drafter()``, None
+    without speculation)."""
     from dynctx.engine import Engine
 
-    best = float("inf")
-    for _ in range(repeats + 1):   # the first run warms up
-        drafter = make_drafter() if k else None
-        options = dict(num_speculative_tokens=k, drafter=drafter) if k else {}
-        engine = Engine.from_transformers(target, block_size_tokens=16, buffer_size_gb=0.05,
-                                          max_tokens=512, kernel_backend="torch",
-                                          cuda_graphs=False, **options)
-        start = time.perf_counter()
-        outputs = engine.generate(prompt_list, max_new_tokens=new_tokens, ignore_eos=True)
-        best = min(best, time.perf_counter() - start)
+    drafter = make_drafter() if k else None
+    propose_s = [0.0]
+    if drafter is not None and not isinstance(drafter, str):
+        propose = drafter.propose
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return propose(*args, **kwargs)
+            finally:
+                propose_s[0] += time.perf_counter() - start
+
+        drafter.propose = timed
+    options = dict(num_speculative_tokens=k, drafter=drafter) if k else {}
+    engine = Engine.from_transformers(target, block_size_tokens=16, buffer_size_gb=0.05,
+                                      max_tokens=512, kernel_backend="torch",
+                                      cuda_graphs=False, async_scheduling=async_scheduling,
+                                      **options)
+    start = time.perf_counter()
+    outputs = engine.generate(prompt_list, max_new_tokens=new_tokens, ignore_eos=True)
+    wall = time.perf_counter() - start
     generated = sum(len(tokens) for tokens in outputs)
     draft_engine = getattr(drafter, "engine", None)
     return dict(forward_passes=engine.stats.forward_steps, generated_tokens=generated,
                 forward_passes_per_token=engine.stats.forward_steps / generated,
-                wall_s=best, tokens_per_s=generated / best,
+                wall_s=wall, tokens_per_s=generated / wall,
                 acceptance_rate=engine.stats.speculative.get("acceptance_rate"),
                 draft_forward_passes=None if draft_engine is None
-                else draft_engine.stats.forward_steps, outputs=outputs)
+                else draft_engine.stats.forward_steps,
+                draft_tokens_processed=None if draft_engine is None
+                else draft_engine.stats.tokens_processed,
+                draft_rounds=getattr(drafter, "rounds", None), propose_s=propose_s[0],
+                outputs=outputs)
+
+
+def run_all(target, prompt_list, new_tokens: int, configs: list, repeats: int) -> list:
+    """Every configuration ``(k, make_drafter, async_scheduling)``, best of ``repeats`` runs
+    after a warm-up run of each; the runs of the configurations alternate (a loaded machine's
+    drift falls on all of them alike)."""
+    best: list = [None] * len(configs)
+    for _ in range(repeats + 1):   # the first round warms up
+        for index, (k, make, overlap) in enumerate(configs):
+            result = run_once(target, prompt_list, new_tokens, k, make, overlap)
+            if best[index] is None or result["wall_s"] < best[index]["wall_s"]:
+                best[index] = result
+    return best
 
 
 def draft_model_drafter(draft):
@@ -120,12 +152,15 @@ def main(argv=None) -> int:
     for kind in args.workloads.split(","):
         target, draft = models(args.hidden, args.layers, INIT[kind])
         prompt_list = prompts(kind, args.requests, args.prompt)
-        plain = run(target, prompt_list, args.new_tokens, 0, None, args.repeats)
-        for name, k, make in (("plain", 0, None), ("ngram", args.k, lambda: "ngram"),
-                              ("ngram", 1, lambda: "ngram"),
-                              ("draft_model", args.k, lambda: draft_model_drafter(draft))):
-            result = plain if k == 0 else run(target, prompt_list, args.new_tokens, k, make,
-                                              args.repeats)
+        configs = [("plain", 0, None, False), ("ngram", args.k, lambda: "ngram", False),
+                   ("ngram", 1, lambda: "ngram", False),
+                   ("draft_model", args.k, lambda: draft_model_drafter(draft), False),
+                   ("plain_async", 0, None, True),
+                   ("ngram_async", args.k, lambda: "ngram", True)]
+        results = run_all(target, prompt_list, args.new_tokens,
+                          [(k, make, overlap) for _, k, make, overlap in configs], args.repeats)
+        plain = results[0]
+        for (name, k, _, _), result in zip(configs, results):
             result = dict(result, workload=kind, drafter=name, k=k,
                           identical=result["outputs"] == plain["outputs"],
                           speedup=result["tokens_per_s"] / plain["tokens_per_s"])

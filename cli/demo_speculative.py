@@ -14,13 +14,6 @@ def check_speculative(args) -> Optional[str]:
     if k >= args.block_size:
         return (f"--speculative-tokens {k} must be below --block-size {args.block_size} (a "
                 "step's 1 + k tokens fit in two blocks)")
-    if args.async_scheduling:
-        return "--speculative with --async-scheduling: not supported together yet"
-    if args.dtype != "fp32":
-        return (f"--speculative with --dtype {args.dtype}: the half-precision check records "
-                "every step's logits (record_logits), which speculative decoding refuses")
-    if args.tensor_parallel_size > 1:
-        return "--speculative with --tensor-parallel-size > 1: not supported yet"
     return None
 
 

@@ -16,8 +16,9 @@ The part lives as long as the context; its tensors are allocated by ``allocate``
 ``release`` (suspend). ``field_view``, ``block_table_view``, ``metadata_views`` and
 ``pull_bookkeeping`` hand out the per-request bookkeeping as Megatron-Core's tests write it: host
 views on a CPU device (``host_views``), the device mirrors on CUDA (docs/DESIGN.md §2).
-Speculative steps (``speculative`` > 0) keep the rows' drafts here too, moved with the rows
-(a few torch operations more an update, two more a step: docs/SEMANTICS.md §19).
+Speculative steps (``speculative`` > 0) keep the rows' drafts in ``spec`` (a
+``draft_rows.DraftRows``), moved with the rows (a few torch operations more an update, two
+more a step: docs/SEMANTICS.md §19).
 """
 
 from __future__ import annotations
@@ -32,9 +33,9 @@ from dynctx.kernels.compaction import compact_requests
 from dynctx.kernels.step_metadata import step_metadata
 
 from ._fields import FIELD_KV_OFFSET, FIELD_QUERY, NUM_FIELDS
+from .draft_rows import DraftRows
 from .errors import TensorStateDeallocatedError
 from .inputs import check_paused_tokens
-from .speculative import logit_rows
 from .staging import HostArena, HostToDevice
 
 TOKEN_ARRAYS = ("token_to_input_ids", "token_to_pos_ids", "token_to_request_idx",
@@ -54,8 +55,8 @@ class DeviceState:
         metadata_types: ``[(label, dtype, on_device)]`` of the request metadata.
         hybrid: whether the arena holds the step's Mamba sections.
         speculative: ``num_speculative_tokens`` (k); k > 0 keeps each row's pending drafts
-            (``drafts``, int64 ``[R, k]``) beside its pending token, a scratch of them for the
-            update's row moves, and the step's logit rows (docs/SEMANTICS.md §19).
+            and the step's logit rows in ``spec`` (``draft_rows.DraftRows``; docs/SEMANTICS.md
+            §19).
     """
 
     def __init__(self, *, device: torch.device, backend: str, max_requests: int,
@@ -63,7 +64,8 @@ class DeviceState:
                  speculative: int = 0):
         self.device, self.backend = device, backend
         self.speculative = speculative
-        self.drafts = self.carried_drafts = self.logit_rows = self.logit_rows_host = None
+        self.spec = DraftRows(speculative, max_requests, max_tokens, device) \
+            if speculative else None
         self.max_requests, self.max_tokens = max_requests, max_tokens
         self.max_kv_block_count = max_kv_block_count
         self.hybrid = hybrid
@@ -101,7 +103,7 @@ class DeviceState:
         rows, tokens, row_blocks = self.max_requests, self.max_tokens, self.max_kv_block_count
         arena = sum(int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
                     for _, dtype, shape in self._sections)
-        drafts = 8 * (2 * rows + 1) * self.speculative + 8 * tokens if self.speculative else 0
+        drafts = self.spec.nbytes() if self.spec is not None else 0
         return (arena + 3 * 4 * rows * row_blocks + 2 * 8 * rows
                 + (len(TOKEN_ARRAYS) + 1) * 8 * tokens + drafts)
 
@@ -124,20 +126,14 @@ class DeviceState:
         for name in TOKEN_ARRAYS:
             setattr(self, name, torch.zeros(tokens, dtype=torch.int64, device=device))
         self.prompt_tokens = torch.zeros(tokens, dtype=torch.int64, device=device)
-        if self.speculative:
-            k = self.speculative
-            self.drafts = torch.zeros(rows, k, dtype=torch.int64, device=device)
-            # Row `rows` stays 0: the drafts of a row without a source.
-            self.carried_drafts = torch.zeros(rows + 1, k, dtype=torch.int64, device=device)
-            self.logit_rows = torch.zeros(tokens, dtype=torch.int64, device=device)
-            self.logit_rows_host = np.zeros(tokens, dtype=np.int64)
-        self.logit_rows_used = 0  # rows of logit_rows past which every entry is 0
+        if self.spec is not None:
+            self.spec.allocate()
         # Between updates, rows [0, identity_plan_rows) of the arena's plan hold the identity
         # plan (0: unknown).
         self.identity_plan_rows = 0
         self._step_views: dict = {}
         self._attn_views: dict = {}
-        if not self.host_views and device.type == "cpu":
+        if (not self.host_views or self.deferred_rewind) and device.type == "cpu":
             self.share_arena(False)
         self.allocated = True
 
@@ -145,7 +141,8 @@ class DeviceState:
         """Drop every tensor (suspend)."""
         for name in _ALLOCATED:
             setattr(self, name, None)
-        self.drafts = self.carried_drafts = self.logit_rows = self.logit_rows_host = None
+        if self.spec is not None:
+            self.spec.release()
         self._step_views = self._attn_views = {}
         self.allocated = False
 
@@ -153,12 +150,25 @@ class DeviceState:
         if not self.allocated:
             raise TensorStateDeallocatedError.suspended(request_id)
 
+    @property
+    def deferred_rewind(self) -> bool:
+        return self.spec is not None and self.spec.deferred
+
+    def defer_rewinds(self) -> None:
+        """Rewinds from now on are deferred (``DraftRows``): the device's rows then differ
+        from the host's until the host settles them, so a CPU device's arena stops sharing
+        the host buffer (as on CUDA)."""
+        if not self.spec.deferred:
+            self.spec.deferred = True
+            if self.allocated and self.device.type == "cpu":
+                self.share_arena(False)
+
     def set_host_views(self, value: bool) -> None:
         """Hand out host views (True) or the device mirrors (False); on a CPU device the arena
         shares the host buffer exactly when host views are handed out."""
         self.host_views = bool(value)
         if self.allocated and self.device.type == "cpu":
-            self.share_arena(self.host_views)
+            self.share_arena(self.host_views and not self.deferred_rewind)
 
     def share_arena(self, shared: bool) -> None:
         """On a CPU device: whether the arena's device side is the host buffer itself (the
@@ -181,8 +191,9 @@ class DeviceState:
             table.fill_(-1)
         for tokens in self.next_tokens:
             tokens.zero_()
-        if self.drafts is not None:
-            self.drafts.zero_()
+        if self.spec is not None:
+            self.spec.drafts.zero_()
+            self.spec.lags.zero_()
         self.rows_used = [0, 0]
         self.host_table_written = False
         self.attn_block_table.fill_(-1)
@@ -246,16 +257,20 @@ class DeviceState:
                 req[FIELD_KV_OFFSET, paused:total], self.next_tokens[self.current][paused:total])
         return views
 
-    def begin_step(self, step, table, device_prompts: list) -> None:
-        """Upload the step's host state and build its per-token arrays (one launch)."""
+    def begin_step(self, step, table, device_prompts: list, mamba: tuple = ()) -> None:
+        """Upload the step's host state and build its per-token arrays (one launch); with a
+        deferred rewind, the rows' lags first (``DraftRows.apply_lags``; ``mamba``: a hybrid's
+        state tensors)."""
         self.arena.flush(self.h2d)
         if self.host_table_written:
             self.upload_block_table(table, table.total)
         else:
             self.flush_block_rows(table)
+        if self.spec is not None and self.spec.deferred and step.active:
+            self.spec.apply_lags(step, self.arena.device, mamba, self.backend)
         num_prompt = step.prompt_tokens
         # Speculative steps: the drafted rows' tokens are written on the device below.
-        start = step.drafted * (1 + self.speculative)
+        start = int(self.arena.host["attn_cu_query"][step.drafted]) if step.drafted else 0
         if num_prompt > start:
             self.h2d.copy(self.prompt_tokens[start:num_prompt], table.prompt[start:num_prompt])
         for tensor, offset in device_prompts:
@@ -265,10 +280,8 @@ class DeviceState:
         if step.drafted:
             # Speculative decode rows: pending token, then drafts, at the front of the prompt
             # buffer (the kernel feeds every row from it).
-            drafted = step.drafted
-            row_tokens = self.prompt_tokens[:drafted * (1 + self.speculative)].view(drafted, -1)
-            row_tokens[:, 0].copy_(next_tokens[:drafted])
-            row_tokens[:, 1:].copy_(self.drafts[paused:paused + drafted])
+            self.spec.write_row_tokens(step, table, next_tokens, self.prompt_tokens,
+                                       self.arena.host["attn_cu_query"], self.h2d)
         step_metadata(
             self.token_to_input_ids, self.token_to_pos_ids, self.token_to_request_idx,
             self.token_to_block_idx, self.token_to_position_in_request,
@@ -304,17 +317,6 @@ class DeviceState:
     def end_step(self) -> None:
         self.h2d.advance()
 
-    def upload_logit_rows(self, step, cu_query: np.ndarray, count: int) -> None:
-        """Speculative steps: ``speculative_required_logit_indices`` of ``step`` (``count``
-        rows, ``speculative.logit_rows``) into ``logit_rows``, zero past them (0.19's
-        ``active_logit_idxs``), one upload."""
-        upto, self.logit_rows_used = max(count, self.logit_rows_used), count
-        if upto:
-            logit_rows(step.decode, step.prefill, self.speculative, cu_query,
-                       self.logit_rows_host, step.active_tokens, step.padded_tokens, count)
-            self.logit_rows_host[count:upto] = 0
-            self.h2d.copy(self.logit_rows[:upto], self.logit_rows_host[:upto])
-
     def apply_update(self, plan, table, new_tokens: torch.Tensor,
                      new_drafts: Optional[torch.Tensor] = None) -> None:
         """Upload the committed host rows with the row plan and apply it in one launch (and,
@@ -328,23 +330,8 @@ class DeviceState:
         self._compact(table, new_tokens, new_token_offset=plan.old_paused, rows=rows,
                       old_total=plan.old_total)
         if new_drafts is not None:
-            self._move_drafts(new_drafts, plan.old_paused, rows, plan.old_total)
-
-    def _move_drafts(self, new_drafts: torch.Tensor, paused: int, rows: int,
-                     old_total: int) -> None:
-        """Rows ``[0, rows)`` take the drafts of their source row (the plan uploaded by
-        ``_compact``): paused rows keep theirs, the rows that were active take ``new_drafts``
-        (0.19's ``cat(paused_speculative_tokens, new_speculative_tokens)``); rows after them
-        are cleared."""
-        carried = self.carried_drafts
-        if paused:
-            carried[:paused].copy_(self.drafts[:paused])
-        carried[paused:paused + new_drafts.shape[1]].copy_(new_drafts.t())
-        if rows:
-            torch.index_select(carried, 0, self.arena.device["plan_src"][:rows],
-                               out=self.drafts[:rows])
-        if old_total > rows:
-            self.drafts[rows:old_total].zero_()
+            self.spec.move_drafts(new_drafts, plan.old_paused, rows, plan.old_total,
+                                  self.arena.device["plan_src"])
 
     def apply_decode(self, plan, appended, table, new_tokens: torch.Tensor,
                      new_drafts: Optional[torch.Tensor] = None) -> None:
@@ -364,7 +351,7 @@ class DeviceState:
         if appended is None:
             self._compact(table, new_tokens, new_token_offset=0, rows=rows, old_total=rows)
             if new_drafts is not None:   # rows in place: the drafts are the rows' next ones
-                self.drafts[:rows].copy_(new_drafts.t())
+                self.spec.drafts[:rows].copy_(new_drafts.t())
             return
         filled = appended[1].size
         swaps = plan.dst.size
@@ -373,7 +360,7 @@ class DeviceState:
         plan_col[:filled], plan_block[:filled] = appended
         self._compact(table, new_tokens, new_token_offset=0, rows=rows, old_total=rows)
         if new_drafts is not None:
-            self._move_drafts(new_drafts, 0, rows, rows)
+            self.spec.move_drafts(new_drafts, 0, rows, rows, self.arena.device["plan_src"])
         # The launch has read (on CUDA: the arena copy has staged) the plan: back to the
         # identity.
         if swaps:
@@ -463,7 +450,7 @@ class DeviceState:
 
     def paused_drafts(self, paused: int) -> Optional[torch.Tensor]:
         """The drafts of the ``paused`` paused rows, ``[k, paused]`` (a view), or None."""
-        return self.drafts[:paused].t() if paused and self.drafts is not None else None
+        return self.spec.drafts[:paused].t() if paused and self.spec is not None else None
 
     def write_paused_tokens(self, tokens: Optional[torch.Tensor], paused: int) -> None:
         """Write the pending tokens of the first ``len(tokens)`` of the ``paused`` paused rows;
@@ -484,8 +471,9 @@ class DeviceState:
         index_dst = torch.from_numpy(dst).to(pending.device)
         index_src = torch.from_numpy(src).to(pending.device)
         pending[index_dst] = pending[index_src]
-        if self.drafts is not None:
-            self.drafts[index_dst] = self.drafts[index_src]
+        if self.spec is not None:
+            self.spec.drafts[index_dst] = self.spec.drafts[index_src]
+            self.spec.lags[index_dst] = self.spec.lags[index_src]
         if next_tokens is not None and next_tokens.data_ptr() != pending.data_ptr():
             next_tokens[index_dst.to(next_tokens.device)] = \
                 next_tokens[index_src.to(next_tokens.device)]

@@ -282,6 +282,12 @@ class DynamicInferenceContext(StepAPI, row_ops.RowOps, prefix_match.PrefixMatchH
     get_kvcache_utilization_stats = _Part("_table", row_ops.get_kvcache_utilization_stats)
     get_kv_offload_stats = _Part("_parts", ContextParts.kv_offload_stats)  # (§21)
     host_request_ids = _Part("_table", RequestTable.host_request_ids)
+
+    def host_query_lengths(self):
+        """Host view of each row's query length in ``[0, total_request_count)`` (a speculative
+        decode row's ``1 +`` its drafts: docs/SEMANTICS.md §19)."""
+        return self._table.host("rows")[FIELD_QUERY, :self._table.total]
+
     kv_group_usage = _Part("_kv", kv_groups.kv_group_usage)  # KV groups: docs/SEMANTICS.md §22
 
     # ------------------------------------------------------------------ the step
@@ -310,7 +316,8 @@ class DynamicInferenceContext(StepAPI, row_ops.RowOps, prefix_match.PrefixMatchH
     reset_attention_state = _Part("_forward", ForwardPass.reset_attention_state)
 
     def update_requests(self, active_requests_mask: torch.Tensor, new_tokens: torch.Tensor,
-                        new_speculative_tokens: Optional[torch.Tensor] = None) -> torch.Tensor:
+                        new_speculative_tokens: Optional[torch.Tensor] = None,
+                        draft_counts: Any = None) -> torch.Tensor:
         """Advance the state after a forward pass (docs/SEMANTICS.md §9, the fixed version).
 
         ``active_requests_mask[i]`` (bool/0-1, one per active request) keeps request i; 0
@@ -333,7 +340,7 @@ class DynamicInferenceContext(StepAPI, row_ops.RowOps, prefix_match.PrefixMatchH
         mask = read_mask(active_requests_mask, active, self.device)  # None: every request kept
         (self.newly_paused_request_ids, self.evicted_request_ids,
          self.max_length_finished_request_ids) = self._forward.update(
-            mask, new_tokens, self._step, self._limits(), new_speculative_tokens)
+            mask, new_tokens, self._step, self._limits(), new_speculative_tokens, draft_counts)
         self.has_explicit_chunked_prefill_req = self._hand_written = False
         self._step = None
         if self.metrics_writer is not None:
@@ -361,6 +368,9 @@ class DynamicInferenceContext(StepAPI, row_ops.RowOps, prefix_match.PrefixMatchH
     scatter_mamba_states = _Part("_forward", ForwardPass.scatter_mamba_states)
     reset_mamba_state = _Part("_forward", ForwardPass.reset_mamba_state)
     rewind_kv_cache = _Part("_forward", ForwardPass.rewind_kv_cache)
+    defer_kv_rewind = _Part("_forward", ForwardPass.defer_kv_rewind)
+    enable_deferred_rewind = _Part("_forward", ForwardPass.enable_deferred_rewind)
+    settle_kv_rewind = _Part("_forward", ForwardPass.settle_kv_rewind)
     speculative_required_logit_indices = _Part("_forward", ForwardPass.logit_indices)
     num_last_token_logits = property(lambda self: self._forward.num_last_token_logits())
     paused_speculative_tokens = property(lambda self: self._forward.paused_drafts())

@@ -28,8 +28,8 @@ from typing import Any, Callable, List, Optional, Tuple
 import numpy as np
 import torch
 
+from . import deferred_rewind, rotary
 from . import logits as step_logits
-from . import rotary
 from . import speculative as spec
 from ._fields import FIELD_MAMBA_SLOT, FIELD_QUERY
 from .errors import NotHybridError
@@ -86,7 +86,8 @@ class ForwardPass:
                                zero_count=zero_count, device_prompts=device_prompts)
         if self.kv.begin_step(step.active_tokens, capture) and step.using_cuda_graph:
             step = step._replace(using_cuda_graph=False)
-        device.begin_step(step, table, device_prompts)
+        device.begin_step(step, table, device_prompts, mamba=self.mamba.rewind_tensors()
+                          if mamba is not None and device.deferred_rewind else ())
         if step.mamba:
             self.mamba_metadata.update_step(mamba.step_fields(step, device.arena.device,
                                                               device.h2d))
@@ -96,7 +97,8 @@ class ForwardPass:
                 self.intermediates.begin_step(self.mamba_metadata)
         if self.speculative:
             self.logit_count = spec.num_logit_rows(step, self.speculative)
-            device.upload_logit_rows(step, device.arena.host["attn_cu_query"], self.logit_count)
+            device.spec.upload_logit_rows(step, device.arena.host["attn_cu_query"],
+                                          self.logit_count, device.h2d)
             self.rewound = False
         device.end_step()
         self.step, self.attention = step, device.attention_metadata(step)
@@ -114,38 +116,50 @@ class ForwardPass:
             self.intermediates.end_step()
 
     def update(self, mask: Optional[np.ndarray], new_tokens: torch.Tensor, step, limits: tuple,
-               new_drafts: Optional[torch.Tensor] = None
+               new_drafts: Optional[torch.Tensor] = None, draft_counts=None
                ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Apply one update: ``mask`` (host bool ``[active]``, None: every request kept) and the
-        checked ``new_tokens`` (and ``new_drafts [k, active]`` with speculative steps), after
+        checked ``new_tokens`` (and ``new_drafts [k, active]`` with speculative steps, of which
+        each row forwards its ``draft_counts``, host ints ``[active]``, or all ``k``), after
         ``step`` (the context's current step: None once anything changed since it was built).
         Returns the ids ``(newly paused, evicted, finished at max_sequence_length)``; the step
         ends."""
         table, device, steps = self.table, self.device, self.steps
         new_drafts = spec.check_draft_tokens(new_drafts, self.speculative, table.active,
                                              self.where)
+        draft_counts = spec.check_draft_counts(draft_counts, self.speculative, table.active)
         max_sequence_length = self.max_sequence_length
         chunked_id = table.chunked_id
         decode = None
-        if mask is None and self.decode_shortcut and table.prefix_cache is None:
+        # Speculative: a plain step followed by another (no drafts given) updates as without
+        # speculation (the drafts then move with no row: none is forwarded, none stays paused).
+        plain = bool(self.speculative and draft_counts is not None and not draft_counts.any()
+                     and not device.deferred_rewind and step is not None
+                     and step.one_token_rows)
+        # Speculative: every row forwards k drafts next (none deferred) takes the speculative
+        # shortcut of plan_decode; ragged draft counts take the general plan.
+        every = draft_counts is None and not device.deferred_rewind
+        if mask is None and self.decode_shortcut and table.prefix_cache is None and (
+                plain or every or not self.speculative):
             # What the step knows of a decode update spares the plan recomputing it.
             max_kv_offset, blocks = steps.decode_facts(step, table)
             decode = table.plan_decode(chunked_id=chunked_id,
                                        max_sequence_length=max_sequence_length,
-                                       max_kv_offset=max_kv_offset, active_blocks=blocks)
+                                       max_kv_offset=max_kv_offset, active_blocks=blocks,
+                                       plain=plain)
         if decode is not None:
             # The steady decode step: nothing finishes, stays paused or is evicted.
             appended = table.commit_decode(decode)
             # (A speculative step's rows hold 1 + k tokens: the build computes its lengths.)
             steps.prepare(table, device.arena.host, limits,
-                          None if self.speculative else decode.max_kv_offset,
+                          None if self.speculative and not plain else decode.max_kv_offset,
                           decode.active_blocks)
             device.apply_decode(decode, appended, table, new_tokens, new_drafts)
             ids = EMPTY_IDS, EMPTY_IDS, EMPTY_IDS
         else:
             if mask is None:
                 mask = np.ones(table.active, dtype=np.bool_)
-            plan = self._plan(mask, chunked_id, max_sequence_length)
+            plan = self._plan(mask, chunked_id, max_sequence_length, draft_counts)
             if table.offload is not None:  # evicted rows' blocks to the host, before release
                 table.offload.save_evicted(table, plan)
             table.commit_update(plan)
@@ -161,12 +175,14 @@ class ForwardPass:
         self.step = None
         return ids
 
-    def _plan(self, mask: np.ndarray, chunked_id: int, max_sequence_length: int):
+    def _plan(self, mask: np.ndarray, chunked_id: int, max_sequence_length: int,
+              draft_counts: Optional[np.ndarray] = None):
         """The general update's plan; with prefix caching the step's computed blocks are
         published first (taken back if the plan raises) and a hybrid's snapshots saved once
         the plan stands (the slots still hold the states the forward left)."""
         table = self.table
-        limits = dict(chunked_id=chunked_id, max_sequence_length=max_sequence_length)
+        limits = dict(chunked_id=chunked_id, max_sequence_length=max_sequence_length,
+                      draft_counts=draft_counts)
         if table.prefix_cache is None:
             return table.plan_update(mask, **limits)
         plan, snapshots = table.prefix_cache.plan_update(table, mask, **limits)
@@ -189,18 +205,42 @@ class ForwardPass:
             raise RuntimeError("rewind_kv_cache() needs num_speculative_tokens > 0")
         if self.rewound:
             raise RuntimeError("rewind_kv_cache() was called already in this step")
-        accepted = spec.check_accepted_counts(accepted_counts, k, self.step.drafted, table.active)
-        plan = spec.plan_rewind(table, accepted, k)
+        rows = table.paused + np.arange(self.step.drafted)
+        drafts = table.rows[FIELD_QUERY, rows].astype(np.int64) - 1
+        accepted = spec.check_accepted_counts(accepted_counts, drafts, table.active, k)
+        plan = spec.plan_rewind(table, rows, drafts - accepted)
         table.commit_rewind(plan)
-        if self.mamba is not None:
-            # The state after the accepted tokens, from the intermediate states.
-            self.mamba.restore_accepted(table.rows[FIELD_MAMBA_SLOT, plan.rows], accepted)
+        if self.mamba is not None and plan.rows.size:
+            # The state after the accepted tokens, from the intermediate states: one launch
+            # (a row's state index is counted from the end: k - rejected).
+            counts = self.device.spec.rewind_counts[:plan.rows.size]
+            self.device.h2d.copy(counts, (k - accepted).astype(np.int32))
+            slots = self.device.arena.device["req"][FIELD_MAMBA_SLOT,
+                                                    plan.rows[0]:plan.rows[-1] + 1]
+            self.mamba.rewind(counts, slots)
         if plan.dropped.size:
             self.device.host_table_written = True
         self.device.arena.dirty = True
         self.steps.prepared = None
         self.rewound = True
         return torch.from_numpy(plan.released)
+
+    def defer_kv_rewind(self, accepted_counts: torch.Tensor) -> None:
+        """The rejected drafts of this step's decode rows rewound on the device when their
+        next step begins, on the host by ``settle_kv_rewind`` (``deferred_rewind.defer``)."""
+        deferred_rewind.defer(self, accepted_counts)
+
+    def enable_deferred_rewind(self) -> None:
+        """This context's rewinds will be deferred (``defer_kv_rewind``): its device rows may
+        then differ from the host's, so a CPU context's arena stops sharing the host buffer
+        now (call it before capturing CUDA graphs: the arena's views move)."""
+        if not self.speculative:
+            raise RuntimeError("enable_deferred_rewind() needs num_speculative_tokens > 0")
+        self.device.defer_rewinds()
+
+    def settle_kv_rewind(self, request_ids, rejected_counts) -> torch.Tensor:
+        """The host's side of deferred rewinds (``deferred_rewind.settle``)."""
+        return deferred_rewind.settle(self, request_ids, rejected_counts)
 
     def logit_indices(self) -> torch.Tensor:
         """int64 ``[num_last_token_logits]``: the token rows verification needs, every decode
@@ -209,7 +249,7 @@ class ForwardPass:
         self.require("speculative_required_logit_indices")
         if not self.speculative:
             return self.attention.cu_query_seq_lengths[1:self.table.active + 1].long() - 1
-        return self.device.logit_rows[:self.logit_count]
+        return self.device.spec.logit_rows[:self.logit_count]
 
     def num_last_token_logits(self) -> int:
         """Rows ``last_token_logits`` gives: one per request, ``1 + k`` per decode request with
@@ -347,7 +387,7 @@ class ForwardPass:
                              f"{padded} (padded_active_token_count)")
         if self.speculative:
             # Every decode token's row and each prefill's last (0.19's speculative gather).
-            return logits.index_select(0, self.device.logit_rows[:self.logit_count])
+            return logits.index_select(0, self.device.spec.logit_rows[:self.logit_count])
         return step_logits.last_rows(logits, meta.cu_query_seq_lengths, self.table.active,
                                      validate=self.validate, backend=self.kernel_backend)
 

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from dynctx.kernels.mamba_state import mamba_state_gather, mamba_state_scatter
+from dynctx.kernels.speculative_rewind import speculative_rewind
 
 from ._fields import FIELD_MAMBA_SLOT
 
@@ -212,7 +213,6 @@ class MambaStates:
         self.ssm_states: Optional[torch.Tensor] = None
         self.speculative = speculative
         self.intermediate_conv = self.intermediate_ssm = None
-        self.scratch_conv = self.scratch_ssm = None
         self.seq_idx: Optional[torch.Tensor] = None
         self.host_seq_idx: Optional[np.ndarray] = None
 
@@ -222,8 +222,8 @@ class MambaStates:
         conv = torch.empty((), dtype=layers.mamba_conv_states_dtype).element_size()
         ssm = torch.empty((), dtype=layers.mamba_ssm_states_dtype).element_size()
         rows = self.max_requests + (self.snapshots.count if self.snapshots is not None else 0)
-        if self.speculative:  # the intermediate states and the rewind's scratch rows
-            rows += self.max_requests * (self.speculative + 1) + self.max_requests
+        if self.speculative:  # the intermediate states
+            rows += self.max_requests * (self.speculative + 1)
         per_row = (conv * math.prod(self.conv_shape[2:])
                    + ssm * math.prod(self.ssm_shape[2:])) * layers.num_mamba_layers
         return rows * per_row + 4 * self.max_tokens
@@ -246,10 +246,6 @@ class MambaStates:
             self.intermediate_ssm = torch.zeros(
                 (count, rows, steps, *self.ssm_shape[2:]),
                 dtype=layers.mamba_ssm_states_dtype, device=device)
-            self.scratch_conv = torch.empty(self.conv_shape[1:],
-                                            dtype=layers.mamba_conv_states_dtype, device=device)
-            self.scratch_ssm = torch.empty(self.ssm_shape[1:],
-                                           dtype=layers.mamba_ssm_states_dtype, device=device)
         self.slots.reset()
         if self.snapshots is not None:
             self.snapshots.allocate()
@@ -257,7 +253,6 @@ class MambaStates:
     def release(self) -> None:
         self.conv_states = self.ssm_states = self.seq_idx = self.host_seq_idx = None
         self.intermediate_conv = self.intermediate_ssm = None
-        self.scratch_conv = self.scratch_ssm = None
         self.slots.reset()
         if self.snapshots is not None:
             self.snapshots.release()
@@ -273,26 +268,25 @@ class MambaStates:
         the ``j``-th token of the slot's decode step (0.19's layout)."""
         return self.intermediate_conv[index], self.intermediate_ssm[index]
 
-    def restore_accepted(self, slots: np.ndarray, accepted: np.ndarray) -> None:
-        """Rewind: each slot's state becomes its intermediate state after its accepted
-        tokens (``current[l, slot] = intermediate[l, slot, accepted]``, 0.19's
-        ``mamba_state_selective_copy``), for every Mamba layer: one gather into scratch rows
-        and one scatter per layer and state (the state kernels; two small uploads)."""
-        n = slots.size
-        if not n:
-            return
-        steps = self.speculative + 1
-        index = torch.from_numpy(slots.astype(np.int64) * steps + accepted).to(self.device)
-        slot_ids = torch.from_numpy(slots.astype(np.int64)).to(self.device)
-        backend = self.kernel_backend
-        for states, inter, scratch in ((self.conv_states, self.intermediate_conv,
-                                        self.scratch_conv),
-                                       (self.ssm_states, self.intermediate_ssm,
-                                        self.scratch_ssm)):
-            for layer in range(states.shape[0]):
-                rows = inter[layer].flatten(0, 1)   # [max_requests * (k + 1), *shape]
-                mamba_state_gather(rows, index, scratch[:n], backend=backend)
-                mamba_state_scatter(states[layer], slot_ids, scratch[:n], backend=backend)
+    def rewind(self, rejected: torch.Tensor, slot_ids: torch.Tensor,
+               all_rows: bool = True) -> None:
+        """Rewind: each row's state becomes its intermediate state after its accepted tokens
+        (``current[l, slot] = intermediate[l, slot, k - rejected]``, 0.19's
+        ``mamba_state_selective_copy``; only where ``rejected > 0`` without ``all_rows``), every
+        Mamba layer and both state tensors in one ``speculative_rewind`` launch. ``rejected``,
+        ``slot_ids``: ``[n]`` device tensors."""
+        if rejected.shape[0]:
+            speculative_rewind(rejected, slot_ids=slot_ids, conv_states=self.conv_states,
+                               ssm_states=self.ssm_states,
+                               conv_intermediate=self.intermediate_conv,
+                               ssm_intermediate=self.intermediate_ssm, all_rows=all_rows,
+                               backend=self.kernel_backend, check=False)
+
+    def rewind_tensors(self) -> tuple:
+        """``(conv, ssm, conv intermediate, ssm intermediate)``: what a deferred rewind
+        restores from and into (``DraftRows.apply_lags``)."""
+        return (self.conv_states, self.ssm_states, self.intermediate_conv,
+                self.intermediate_ssm)
 
     def zero(self, slots: np.ndarray) -> None:
         """Zero the states of ``slots`` (every layer)."""

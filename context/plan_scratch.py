@@ -82,6 +82,16 @@ class PlanScratch:
         self.blocked: Optional[Tuple[np.ndarray, int]] = None
         # Prefix caching: the budgets count distinct blocks (docs/SEMANTICS.md §17.4).
         self.distinct = table.prefix_cache is not None
+        # Speculative steps: the drafts each row (by its origin) forwards in the next step;
+        # None: k each (update_plan.plan_update sets it from update_requests' draft_counts).
+        self.next_drafts: Optional[np.ndarray] = None
+
+    def next_query(self, rows: np.ndarray) -> np.ndarray:
+        """Speculative steps: the next step's tokens of scratch rows ``rows`` (``1 +`` their
+        drafts)."""
+        if self.next_drafts is None:
+            return np.full(rows.size, self.table.decode_query, dtype=np.int64)
+        return 1 + self.next_drafts[self.origin[rows]]
 
     def held(self, rows: np.ndarray) -> np.ndarray:
         """``held_blocks`` of the scratch rows ``rows``, their appended blocks included."""
@@ -156,11 +166,12 @@ class PlanScratch:
     def _resume_speculative(self, paused: int, active: int, active_budget: int
                             ) -> Tuple[int, int]:
         """``resume`` with ``num_speculative_tokens = k > 0`` (0.19's ``resume_paused_requests``):
-        a row needs a block only when its last offset reached ``block_size - 1 - k``."""
+        a row needs a block only when its next step's tokens cross into one (its last offset
+        reached ``block_size - 1 - k``, or ``- drafts`` with its own count)."""
         table, counts = self.table, self.fields[FIELD_BLOCKS]
         order = np.arange(paused - 1, -1, -1)
-        needs_block = (self.fields[FIELD_LAST_OFFSET, order]
-                       >= table.block_size - 1 - table.speculative).astype(np.int64)
+        needs_block = (self.fields[FIELD_LAST_OFFSET, order] + self.next_query(order)
+                       >= table.block_size).astype(np.int64)
         if self.distinct:
             held_active = self.active_blocks(paused, active)
             avail_active = active_budget - held_active.size

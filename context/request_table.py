@@ -249,19 +249,20 @@ class RequestTable:
         """``admission.plan_dummies`` against this table: every check, nothing changed."""
         return plan_dummies(self, requests, count_as_prefill, **limits)
 
-    def plan_update(self, mask: np.ndarray, *, chunked_id: int,
-                    max_sequence_length: int) -> UpdatePlan:
+    def plan_update(self, mask: np.ndarray, *, chunked_id: int, max_sequence_length: int,
+                    draft_counts: Optional[np.ndarray] = None) -> UpdatePlan:
         """``update_plan.plan_update`` against this table: every check, nothing changed."""
         return plan_update(self, mask, chunked_id=chunked_id,
-                           max_sequence_length=max_sequence_length)
+                           max_sequence_length=max_sequence_length, draft_counts=draft_counts)
 
     def plan_decode(self, *, chunked_id: int, max_sequence_length: int,
-                    max_kv_offset: Optional[int] = None,
-                    active_blocks: Optional[int] = None) -> Optional[DecodePlan]:
+                    max_kv_offset: Optional[int] = None, active_blocks: Optional[int] = None,
+                    plain: bool = False) -> Optional[DecodePlan]:
         """``update_plan.plan_decode`` against this table: the plan of the steady decode update
         of a mask that keeps every request, or None (then ``plan_update``); nothing changed."""
         return plan_decode(self, chunked_id=chunked_id, max_sequence_length=max_sequence_length,
-                           max_kv_offset=max_kv_offset, active_blocks=active_blocks)
+                           max_kv_offset=max_kv_offset, active_blocks=active_blocks,
+                           plain=plain)
 
     # ------------------------------------------------------------------ commits
     def commit_add(self, plan: AddPlan) -> None:
@@ -404,7 +405,7 @@ class RequestTable:
         apply ``plan_update``'s plan of the same update). Returns None, or for the rows that
         start a block, now rows ``[0, filled)``: ``(columns, blocks)``, where each appended its
         block in the block table."""
-        rows, total, per_row = self.rows, self.total, self.decode_query
+        rows, total, per_row = self.rows, self.total, plan.per_row
         kv_offsets, last_offsets = rows[FIELD_KV_OFFSET, :total], rows[FIELD_LAST_OFFSET, :total]
         if plan.kv_offsets is None:
             # Every row held one token: the KV offsets advance by one.

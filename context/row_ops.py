@@ -191,7 +191,7 @@ class RowOps:
         if plan is None:
             return None
         pending = device.next_tokens[device.current][:plan.old_total]
-        drafts = device.drafts[:plan.old_total].t() if device.drafts is not None else None
+        drafts = device.spec.drafts[:plan.old_total].t() if device.spec is not None else None
         table.commit_update(plan)
         if table.prefix_cache is not None:
             table.prefix_cache.drop_done(table.live_ids)

@@ -65,10 +65,38 @@ def check_draft_tokens(new_speculative_tokens: Optional[torch.Tensor], k: int, a
     return tokens
 
 
-def check_accepted_counts(accepted_counts, k: int, decode_rows: int, active: int) -> np.ndarray:
-    """``rewind_kv_cache``'s ``accepted_counts`` as host int64 ``[active]``: for the first
-    ``decode_rows`` active rows (the decode requests that forwarded drafts) the drafts
-    accepted, in ``[0, k]``; entries of prefill rows are ignored (0.19 ignores them too)."""
+def check_draft_counts(draft_counts, k: int, active: int) -> Optional[np.ndarray]:
+    """``update_requests``' ``draft_counts``: None (every row forwards ``k`` drafts), or host
+    integers ``[active]`` in ``[0, k]``: the drafts each row forwards next (a list, a numpy
+    array or a CPU tensor; never read from a device, which would sync)."""
+    if draft_counts is None:
+        return None
+    if k == 0:
+        raise ValueError("draft_counts was given, but the context has num_speculative_tokens=0")
+    if isinstance(draft_counts, torch.Tensor):
+        if draft_counts.device.type != "cpu":
+            raise ValueError(f"draft_counts must be on the host (a read from "
+                             f"{draft_counts.device} would sync), got {draft_counts.device}")
+        draft_counts = draft_counts.numpy()
+    counts = np.asarray(draft_counts)
+    if counts.dtype.kind not in "iu":
+        raise TypeError(f"draft_counts must hold integers, got dtype {counts.dtype}")
+    if counts.shape != (active,):
+        raise StepShapeError(f"draft_counts has shape {tuple(counts.shape)}, expected "
+                             f"[active requests={active}]")
+    bad = np.flatnonzero((counts < 0) | (counts > k))
+    if bad.size:
+        raise ValueError(f"draft_counts[{int(bad[0])}]={int(counts[bad[0]])} must lie in "
+                         f"[0, num_speculative_tokens={k}]")
+    return counts.astype(np.int64)
+
+
+def check_accepted_counts(accepted_counts, drafts: np.ndarray, active: int,
+                          k: int) -> np.ndarray:
+    """``rewind_kv_cache``'s ``accepted_counts`` as host int64 ``[decode rows]``: for each of
+    the decode requests that forwarded drafts (``drafts``, host ints, each row's count: ``k``,
+    or its own) the drafts accepted, in ``[0, drafts]``; entries of prefill rows are ignored
+    (0.19 ignores them too)."""
     if isinstance(accepted_counts, torch.Tensor):
         if accepted_counts.dtype.is_floating_point or accepted_counts.dtype == torch.bool:
             raise TypeError(f"accepted_counts must be an integer tensor, got "
@@ -82,11 +110,14 @@ def check_accepted_counts(accepted_counts, k: int, decode_rows: int, active: int
     if host.shape != (active,):
         raise StepShapeError(f"accepted_counts has shape {tuple(host.shape)}, expected "
                              f"[active requests={active}]")
-    decode = host[:decode_rows].astype(np.int64)
-    bad = np.flatnonzero((decode < 0) | (decode > k))
+    decode = host[:drafts.size].astype(np.int64)
+    bad = np.flatnonzero((decode < 0) | (decode > drafts))
     if bad.size:
-        raise ValueError(f"accepted_counts[{int(bad[0])}]={int(decode[bad[0]])} must lie in "
-                         f"[0, num_speculative_tokens={k}] (a decode request's accepted drafts)")
+        row = int(bad[0])
+        bound = f"num_speculative_tokens={k}" if drafts[row] == k else \
+            f"{int(drafts[row])}, the drafts it forwarded"
+        raise ValueError(f"accepted_counts[{row}]={int(decode[row])} must lie in [0, {bound}] "
+                         "(a decode request's accepted drafts)")
     return decode
 
 
@@ -105,14 +136,13 @@ class RewindPlan(NamedTuple):
     released: np.ndarray
 
 
-def plan_rewind(table, accepted: np.ndarray, k: int) -> RewindPlan:
-    """The rewind of the first ``accepted.size`` active rows of ``table`` (decode rows that
-    forwarded ``1 + k`` tokens), ``k - accepted`` tokens each; changes nothing (0.19's
-    ``rewind_kv_cache``, vectorised: offsets lowered, a block that now holds nothing dropped).
-    """
-    rows = table.paused + np.arange(accepted.size)
+def plan_rewind(table, rows: np.ndarray, rewind: np.ndarray) -> RewindPlan:
+    """The rewind of ``table``'s rows ``rows`` (ascending decode rows of the step, which
+    forwarded their pending token and drafts), ``rewind`` tokens each (their rejected drafts);
+    changes nothing (0.19's ``rewind_kv_cache``, vectorised: offsets lowered, a block that now
+    holds nothing dropped)."""
     fields = table.rows
-    rewind = (k - accepted).astype(np.int64)
+    rewind = rewind.astype(np.int64)
     kv = fields[FIELD_KV_OFFSET, rows].astype(np.int64) - rewind
     diff = fields[FIELD_LAST_OFFSET, rows].astype(np.int64) - rewind
     crossed = diff < 0
@@ -147,9 +177,12 @@ def logit_rows(decode: int, prefill: int, k: int, cu_query: np.ndarray, out: np.
 
 
 def num_logit_rows(step, k: int) -> int:
-    """0.19's ``num_last_token_logits``: ``1 + k`` rows per decode request plus one per prefill,
-    counted on the padded dimensions under a CUDA graph."""
+    """0.19's ``num_last_token_logits``: ``1 + k`` rows per decode request (its own tokens, with
+    draft counts) plus one per prefill, counted on the padded dimensions under a CUDA graph."""
     dims = step.padded if step.using_cuda_graph else step.batch_dimensions
     if k == 0:
         return dims.req_count if step.using_cuda_graph else step.active
+    if not step.using_cuda_graph:
+        # Each decode row's own tokens (1 + k, or its draft count's: §19).
+        return step.decode_tokens + dims.prefill_req_count
     return dims.decode_req_count * (1 + k) + dims.prefill_req_count

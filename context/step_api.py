@@ -154,7 +154,7 @@ class StepAPI:
 
     def _logit_rows_buffer(self) -> torch.Tensor:
         if self._table.speculative:
-            return self._device.logit_rows
+            return self._device.spec.logit_rows
         buffer = self.__dict__.get("_logit_rows")
         if buffer is None or buffer.device != self._device.token_to_input_ids.device:
             buffer = self.__dict__["_logit_rows"] = torch.zeros(
@@ -281,7 +281,7 @@ class StepAPI:
         pending[paused:paused + active].copy_(tokens.reshape(-1))
         if k and active:
             grouped[:, 1:].copy_(drafts.t())
-            device.drafts[paused:paused + active].copy_(drafts.t())
+            device.spec.drafts[paused:paused + active].copy_(drafts.t())
         if padded is not None and count < padded:
             inputs[count:padded].zero_()
 
@@ -308,7 +308,7 @@ class StepAPI:
         if table.prefix_cache is not None:
             table.prefix_cache.drop_done(table.live_ids)
         pending = device.next_tokens[device.current][:old_total]
-        drafts = device.drafts[:old_total].t() if device.drafts is not None else None
+        drafts = device.spec.drafts[:old_total].t() if device.spec is not None else None
         device.apply_update(plan, table, pending, drafts)
         self._forward.reset_attention_state()
         self._forward.step = None

@@ -73,8 +73,12 @@ class Step(NamedTuple):
     fed_decode: int = 0        # dummy decode rows fed from the prompt buffer (after the decodes)
     one_token_rows: bool = False  # every active row holds one token (a decode step)
     # Speculative steps: the first ``drafted`` decode rows forward their pending token and
-    # drafts, which the device writes into the prompt buffer (then every decode row is fed).
+    # drafts, which the device writes into the prompt buffer (then every decode row is fed);
+    # ``decode_tokens`` the decode rows' tokens (``1 + k`` each, or their own counts: then
+    # ``ragged``, the rows' tokens are scattered to their offsets).
     drafted: int = 0
+    decode_tokens: int = 0
+    ragged: bool = False
 
     @property
     def active(self) -> int:
@@ -187,17 +191,20 @@ class StepBuilder:
 
     def choose(self, active: int, prefill: int, decode: int, chunked: bool, *, strict: bool,
                max_requests: int, max_tokens: int, tp: int, token_rounder: int,
-               request_rounder: int):
-        """``select_step_dimensions`` of the step's counts, remembered."""
+               request_rounder: int, tokens_per_decode: Optional[int] = None,
+               graphs: bool = True):
+        """``select_step_dimensions`` of the step's counts, remembered (``tokens_per_decode``:
+        the decode rows' tokens, the builder's by default; ``graphs`` False: eager)."""
+        per_decode = self.tokens_per_decode if tokens_per_decode is None else tokens_per_decode
         key = (active, prefill, decode, chunked, strict, max_requests, max_tokens, tp,
-               token_rounder, request_rounder)
+               token_rounder, request_rounder, per_decode, graphs)
         choice = self._choices.get(key)
         if choice is None:
             real = InferenceBatchDimensions(active, prefill, decode, chunked)
             choice = select_step_dimensions(
-                real, self.ladder, strict=strict, max_requests=max_requests,
+                real, self.ladder if graphs else (), strict=strict, max_requests=max_requests,
                 max_tokens=max_tokens, tp_size=tp, token_rounder=token_rounder,
-                request_rounder=request_rounder, tokens_per_decode=self.tokens_per_decode)
+                request_rounder=request_rounder, tokens_per_decode=per_decode)
             if len(self._choices) >= self._MAX_REMEMBERED:
                 self._choices.clear()
             self._choices[key] = choice
@@ -220,18 +227,31 @@ class StepBuilder:
         # A continuation chunk of a hybrid starts from its saved Mamba state (docs/SEMANTICS.md
         # §0.3); the context knows it added one, whatever the engine's explicit flag says.
         chunked = table.hybrid and table.continuation_added
+        rows = table.rows
+        per_decode, graphs, decode_tokens = self.tokens_per_decode, True, decode
+        if per_decode > 1 and decode:
+            # Speculative: 1 + k tokens a decode row (0.19), or each row's own count
+            # (update_requests' draft_counts): a plain decode step (padded as one) when no row
+            # has drafts, a ragged one (padded as 1 + k a row) otherwise; a model without
+            # Mamba layers replays the speculative graphs for both, a hybrid runs them eager.
+            decode_queries = rows[FIELD_QUERY, paused:paused + decode]
+            decode_tokens = int(decode_queries.sum())
+            if decode_tokens != decode * per_decode:
+                graphs = not table.hybrid
+                per_decode = 1 if decode_tokens == decode else per_decode
         choice = self._choices.get((tokens, prefill, decode, chunked, table.hybrid, max_requests,
-                                    max_tokens, tp, token_rounder, request_rounder))
+                                    max_tokens, tp, token_rounder, request_rounder, per_decode,
+                                    graphs))
         if choice is None:
             choice = self.choose(tokens, prefill, decode, chunked, strict=table.hybrid,
                                  max_requests=max_requests, max_tokens=max_tokens, tp=tp,
-                                 token_rounder=token_rounder, request_rounder=request_rounder)
+                                 token_rounder=token_rounder, request_rounder=request_rounder,
+                                 tokens_per_decode=per_decode, graphs=graphs)
         padded = choice.padded_batch_dimensions
         padded_requests = padded.req_count
 
         # Attention metadata, on the host: padded rows get q = kv = 0, cu values carry over.
         max_seqlen_k = None
-        rows = table.rows
         queries = rows[FIELD_QUERY, paused:total]
         query_lengths, kv_lengths = arena["attn_query_lengths"], arena["attn_kv_lengths"]
         cu_q, cu_kv = arena["attn_cu_query"], arena["attn_cu_kv"]
@@ -272,7 +292,8 @@ class StepBuilder:
         fed_decode, drafted = table.fed_decode, 0
         if self.tokens_per_decode > 1:
             # Speculative: the device writes the drafted rows' tokens into the prompt buffer
-            # (DeviceState.begin_step), so that the kernel feeds every decode row from it.
+            # (DeviceState.begin_step), so that the kernel feeds every decode row from it (the
+            # prompts are staged after them), a plain step's one token a row too.
             fed_decode, drafted = decode, decode - table.fed_decode
         return Step(paused=paused, total=total, active_tokens=tokens, prefill=prefill,
                     decode=decode, batch_dimensions=choice.batch_dimensions, padded=padded,
@@ -281,7 +302,9 @@ class StepBuilder:
                     max_seqlen_k=(max_seqlen_k if max_seqlen_k is not None
                                   else int(np.maximum.reduce(kv)) if requests else 1),
                     mamba=mamba, fed_decode=fed_decode, one_token_rows=max_seqlen_q == 1
-                    and prefill == 0 and tokens == requests, drafted=drafted)
+                    and prefill == 0 and tokens == requests, drafted=drafted,
+                    decode_tokens=decode_tokens,
+                    ragged=decode_tokens not in (decode, decode * self.tokens_per_decode))
 
 
 def _mamba_host(table, arena: dict, seq_idx: np.ndarray, paused: int, requests: int,

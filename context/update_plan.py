@@ -87,7 +87,8 @@ class DecodePlan(NamedTuple):
     (the general path pauses them to the front and resumes them, LIFO, each with one new
     block).
     ``active_blocks``: the sum of the active rows' block counts afterwards, or None when the
-    plan did not need it.
+    plan did not need it. ``per_row``: each row's tokens in the next step (``1 + k`` for a
+    speculative decode plan, else 1).
     """
 
     max_kv_offset: int
@@ -96,11 +97,12 @@ class DecodePlan(NamedTuple):
     dst: Optional[np.ndarray]
     src: Optional[np.ndarray]
     active_blocks: Optional[int] = None
+    per_row: int = 1
 
 
 def plan_decode(table, *, chunked_id: int, max_sequence_length: int,
-                max_kv_offset: Optional[int] = None,
-                active_blocks: Optional[int] = None) -> Optional[DecodePlan]:
+                max_kv_offset: Optional[int] = None, active_blocks: Optional[int] = None,
+                plain: bool = False) -> Optional[DecodePlan]:
     """The plan of the steady decode update of a mask that keeps every request, or None where
     ``plan_update`` must decide. ``max_kv_offset``: when the caller knows that every active row
     holds one token and the largest KV offset plus one (the step's ``max_seqlen_k``, its rows
@@ -115,13 +117,20 @@ def plan_decode(table, *, chunked_id: int, max_sequence_length: int,
     new block, and change nothing else: this plan says the same with a few vectorised
     operations over the rows (``tests/context/test_decode_path.py`` checks the two paths equal,
     state after state). Changes nothing.
+
+    Speculative steps (``k > 0``) whose every row forwards ``k`` drafts next take
+    ``_plan_speculative_decode`` (their rows take blocks early); ``plain`` ones (one token a row
+    in the step and in the next, no drafts either side) this plan, while the rows fit the
+    ``max_tokens // (1 + k)`` that ``plan_update`` pauses beyond.
     """
     total = table.total
     if table.paused or chunked_id != -1 or not total:
         return None
     rows = table.rows
-    if table.speculative:
+    if table.speculative and not plain:
         return _plan_speculative_decode(table, max_sequence_length, active_blocks)
+    if table.speculative and total > table.max_tokens // table.decode_query:
+        return None   # plan_update pauses the rows beyond
     # A request whose next token would lie at max_sequence_length or beyond is finished, which
     # plan_update decides.
     if max_kv_offset is not None:
@@ -161,7 +170,8 @@ def _plan_speculative_decode(table, max_sequence_length: int,
         return None
     threshold = table.block_size - 1 - table.speculative
     full = np.flatnonzero(rows[FIELD_LAST_OFFSET, :total] >= threshold).tolist()
-    return _decode_moves(table, max_kv_offset, kv_offsets, full, active_blocks)
+    plan = _decode_moves(table, max_kv_offset, kv_offsets, full, active_blocks)
+    return None if plan is None else plan._replace(per_row=table.decode_query)
 
 
 def _decode_moves(table, max_kv_offset: int, kv_offsets: Optional[np.ndarray], full: List[int],
@@ -227,11 +237,14 @@ def _aligned_matches(data: bytes, pattern: bytes, limit: int) -> Optional[List[i
     return found
 
 
-def plan_update(table, mask: np.ndarray, *, chunked_id: int, max_sequence_length: int
-                ) -> UpdatePlan:
+def plan_update(table, mask: np.ndarray, *, chunked_id: int, max_sequence_length: int,
+                draft_counts: Optional[np.ndarray] = None) -> UpdatePlan:
     """The plan of one ``update_requests`` (see the module docstring); changes nothing.
 
     ``mask``: host bool ``[active]`` (True keeps the request), already checked for shape.
+    ``draft_counts``: speculative steps, host int ``[active]`` in ``[0, k]`` (checked): the
+    drafts each row forwards next (its query length ``1 + count``); a row resumed from the
+    paused ones forwards none; None: every row forwards ``k`` (docs/SEMANTICS.md §19).
     """
     paused, total = table.paused, table.total
     active_before = total - paused
@@ -262,6 +275,10 @@ def plan_update(table, mask: np.ndarray, *, chunked_id: int, max_sequence_length
     scratch = PlanScratch(table, AllocatorSimulation(allocator) if allocator.keeps_idle_blocks
                        else StackSimulation(allocator))
     fields = scratch.fields
+    if draft_counts is not None:
+        # Each old row's drafts in the next step: the given ones, none for a paused row.
+        scratch.next_drafts = np.zeros(total, dtype=np.int64)
+        scratch.next_drafts[paused:total] = draft_counts
     active = int(mask.sum())
     finished_ids = fields[FIELD_IDS, paused:total][~mask].astype(np.int64)
     paused_now = _EMPTY
@@ -285,7 +302,7 @@ def plan_update(table, mask: np.ndarray, *, chunked_id: int, max_sequence_length
                 # A step's 1 + k tokens must fit: the block is taken early (0.19), and rows
                 # past max_tokens // (1 + k) pause (without a chunked prefill, as 0.19).
                 need = (fields[FIELD_LAST_OFFSET, paused:total]
-                        >= table.block_size - 1 - table.speculative)
+                        + scratch.next_query(np.arange(paused, total)) >= table.block_size)
                 if chunked_id == -1:
                     need[table.max_tokens // table.decode_query:] = True
             else:
@@ -313,12 +330,14 @@ def plan_update(table, mask: np.ndarray, *, chunked_id: int, max_sequence_length
                 scratch.move(np.array([row, total - 1]), np.array([total - 1, row]))
         # The next step is a pure decode unless requests are added: 1 + k tokens a row (the
         # chunked request keeps one placeholder token until its next chunk).
-        per_row = table.decode_query
+        # 1 + k tokens a row, or 1 + its own drafts (none for a row resumed from the paused).
+        per_row = table.decode_query if draft_counts is None else \
+            scratch.next_query(np.arange(paused, total))
         fields[FIELD_KV_OFFSET, paused:total] += fields[FIELD_QUERY, paused:total]
         fields[FIELD_QUERY, paused:total] = per_row
         fields[FIELD_LAST_OFFSET, paused:total] = \
             (fields[FIELD_LAST_OFFSET, paused:total] + per_row) % table.block_size
-        if per_row > 1 and chunked_id != -1:
+        if table.speculative and chunked_id != -1:
             fields[FIELD_QUERY, total - 1] = 1
     newly_paused = _EMPTY
     if paused and paused_now.size:

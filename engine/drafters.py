@@ -7,10 +7,12 @@ The drafter interface (how an MTP head or any other proposer plugs in) is three 
   is not the target's before anything is built.
 * ``propose(request_ids, histories, k)``: ``request_ids`` (ints) and ``histories`` (one 1-D
   int64 numpy array per request: its prompt, every token it generated, the token the next step
-  forwards last) give the requests that decode next; returns ``k`` draft tokens per request,
-  as an integer array or tensor ``[len(request_ids), k]`` of ids in ``[0, vocabulary)``.
-  Drafts are proposals only: a wrong one costs compute, never a different output. The drafts
-  are deterministic, so verification treats them as one-hot proposals (``q``).
+  forwards last) give the requests that decode next; returns up to ``k`` draft tokens per
+  request, as an integer array or tensor ``[len(request_ids), k]`` of ids in ``[0,
+  vocabulary)``, where a -1 ends a request's drafts: a row of -1s proposes nothing, and that
+  request decodes one token without drafts (a step where none has drafts is a plain decode
+  step). Drafts are proposals only: a wrong one costs compute, never a different output. The
+  drafts are deterministic, so verification treats them as one-hot proposals (``q``).
 * ``release(request_ids)``: those requests left the target's context (finished, or evicted
   for recompute); a drafter that keeps per-request state drops it.
   A request that comes back (re-added after an eviction, or after the engine's suspend and
@@ -33,16 +35,20 @@ DRAFTER_NAMES = ("ngram",)
 class NgramDrafter:
     """Prompt lookup over each request's own tokens (no weights; any model).
 
+    ``min_ngram`` is 2 by default: one matching token is weak evidence (vLLM's n-gram
+    proposer defaults to 5), and a request without a match decodes without drafts.
+
     For ``n`` from ``max_ngram`` down to ``min_ngram``: the last ``n`` tokens of the history are
     searched for earlier in its last ``window`` tokens; the latest earlier occurrence proposes
     the ``k`` tokens that followed it (a continuation that runs into the end of the history is
     padded with its last proposed token). The longest ``n`` that matches wins; without a match
-    the draft repeats the last token. All requests are searched at once over one padded
-    ``[requests, window]`` matrix (one pass a ``n``, no per-request loop)."""
+    the request gets no drafts (-1s), so that it decodes without speculation's cost. All
+    requests are searched at once over one padded ``[requests, window]`` matrix (one pass a
+    ``n``, no per-request loop)."""
 
     vocab_size: Optional[int] = None
 
-    def __init__(self, *, max_ngram: int = 3, min_ngram: int = 1, window: int = 512):
+    def __init__(self, *, max_ngram: int = 3, min_ngram: int = 2, window: int = 512):
         for name, value in (("max_ngram", max_ngram), ("min_ngram", min_ngram),
                             ("window", window)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -66,8 +72,11 @@ class NgramDrafter:
         flat = np.concatenate([h[len(h) - n:] for h, n in zip(histories, lengths)])
         columns = np.arange(width)[None, :] >= (width - lengths)[:, None]
         padded[columns] = flat
-        last = padded[:, -1]
-        drafts = np.repeat(last[:, None], k, axis=1)
+        drafts = np.full((rows, k), -1, dtype=np.int64)
+        # An n-gram match needs the last token earlier on: most rows of unrepetitive text
+        # have none, and then nothing is searched.
+        if not (padded[:, :-1] == padded[:, -1:]).any():
+            return drafts
         found = np.zeros(rows, dtype=bool)
         for n in range(min(self.max_ngram, width - 1), self.min_ngram - 1, -1):
             windows = np.lib.stride_tricks.sliding_window_view(padded, n, axis=1)

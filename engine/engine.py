@@ -70,6 +70,7 @@ from .results import (
     deferred_metrics,
 )
 from .scheduler import Scheduler
+from .speculative_overlap import SpeculativeAsync
 from .speculative_step import stepper_for
 from .validation import check_bool, check_int, vocab_limit
 
@@ -160,7 +161,9 @@ class Engine:
             # must be equal on every rank, else every rank raises alike.
             self._agreement([], dict(seed=seed, cuda_graphs=cuda_graphs,
                                      enable_chunked_prefill=enable_chunked_prefill,
-                                     async_scheduling=async_scheduling))
+                                     async_scheduling=async_scheduling,
+                                     drafter=None if drafter is None
+                                     else type(drafter).__name__))
         self._tp = tp
         self.context = context
         self.default_termination_id = default_termination_id
@@ -178,7 +181,8 @@ class Engine:
         self._steps = stepper(model=model, context=context, scheduler=self.scheduler,
                               intake=self._intake, delivery=self._delivery, stats=self.stats,
                               rng=np.random.default_rng(seed), record_logits=record_logits)
-        self._async = AsyncScheduling(self._steps) if async_scheduling else None
+        self._async = (SpeculativeAsync if drafter is not None else AsyncScheduling)(
+            self._steps) if async_scheduling else None
         self._suspended = False
         # The forward mode the graphs capture: every token's logits when the context checks
         # logits, else last-token logits; steps in the other mode run eagerly.
@@ -232,8 +236,8 @@ class Engine:
         returns the same outputs (docs/SEMANTICS.md §18).
         ``num_speculative_tokens=k`` (1 <= k < ``block_size_tokens``) decodes speculatively:
         ``drafter`` (default ``"ngram"``; a transformers causal LM of the same vocabulary; or an
-        object with the drafter interface of ``engine/drafters.py``) proposes ``k`` tokens a
-        step that the model verifies (``engine/speculative_step.py``, docs/SEMANTICS.md §19).
+        object with the drafter interface of ``engine/drafters.py``) proposes up to ``k``
+        tokens a step that the model verifies (docs/SEMANTICS.md §19).
         """
         return build_from_transformers(
             cls, hf_model, rope=rope, attention_backend=attention_backend,

@@ -138,10 +138,14 @@ class GraphRunner:
         output = self._replay(dims, graph)
         self.replays[dims] += 1
         if self.last_token_only:
-            # A speculative step's decode requests have 1 + k rows each (docs/SEMANTICS.md §19).
+            # A speculative step's decode requests have 1 + their drafts rows each
+            # (docs/SEMANTICS.md §19).
             ctx = self.context
-            return output[:ctx.get_active_request_count()
-                          + getattr(ctx, "num_speculative_tokens", 0) * ctx.num_decode_requests]
+            rows = ctx.get_active_request_count()
+            if getattr(ctx, "num_speculative_tokens", 0):
+                paused, decode = ctx.paused_request_count, ctx.num_decode_requests
+                rows += int(ctx.host_query_lengths()[paused:paused + decode].sum()) - decode
+            return output[:rows]
         return output
 
     def _check_addresses(self, dims: InferenceBatchDimensions, captured: Dict[str, int]) -> None:

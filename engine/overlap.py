@@ -148,26 +148,28 @@ class TokenReadback:
 
 
 @dataclass
-class _Delivery:
+class PendingDelivery:
     """A row of step n whose token will be delivered: its index among the step's active
     rows, its state, and whether update n kept it in the context."""
 
     index: int
     state: RequestState
     kept: bool
+    drafted: int = -1   # speculative steps: the drafts a decode row forwarded (-1: not one)
 
 
 @dataclass
-class _PendingStep:
+class PendingStep:
     """Step n, sampled and updated, its tokens not read yet."""
 
     step: int
-    deliveries: List[_Delivery]
+    deliveries: List[PendingDelivery]
     evicted: Set[int]
     paused: Set[int]
     handle: Readback
     delivered_ids: Set[int]
     log_prob_handle: Optional[Readback] = None
+    num_decode: int = 0   # speculative steps: the decode rows of the readout
 
 
 class AsyncScheduling:
@@ -180,7 +182,7 @@ class AsyncScheduling:
         ctx = steps.context
         self.readback = TokenReadback(ctx.device, ctx.max_requests)
         self.log_prob_readback = TokenReadback(ctx.device, ctx.max_requests, torch.float32)
-        self.pending: Optional[_PendingStep] = None
+        self.pending: Optional[PendingStep] = None
         self.retired: Dict[int, RequestState] = {}
         # A retired request's finish (reason, time, step, error), applied when its row is
         # released.
@@ -288,7 +290,7 @@ class AsyncScheduling:
                 continue
             row.apply_log_probs()
             if request_id != batch.chunked_id:
-                deliveries.append(_Delivery(i, row.state, row.keep))
+                deliveries.append(PendingDelivery(i, row.state, row.keep))
         result.paused_ids = [rid for rid in paused_ids if rid not in self.retired]
         evicted_live = []
         for request_id in evicted_ids:
@@ -300,7 +302,7 @@ class AsyncScheduling:
         if deliveries:
             # Only the evicted rows of this step need their token before a re-admission.
             delivered = {d.state.request_id for d in deliveries}
-            self.pending = _PendingStep(step=steps.step_count, deliveries=deliveries,
+            self.pending = PendingStep(step=steps.step_count, deliveries=deliveries,
                                         evicted=set(evicted_live) & delivered,
                                         paused=set(result.paused_ids) & delivered,
                                         handle=handles[0], delivered_ids=delivered,

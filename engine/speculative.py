@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
+import numpy as np
 import torch
 
 from .sampling import filter_sorted_logits
@@ -72,15 +73,20 @@ def draw(dist: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
 
 
 def rejection_sample(p: torch.Tensor, drafts: torch.Tensor, u_accept: torch.Tensor,
-                     u_draw: torch.Tensor, q: Optional[torch.Tensor] = None
+                     u_draw: torch.Tensor, q: Optional[torch.Tensor] = None,
+                     num_drafts: Optional[torch.Tensor] = None
                      ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Rejection sampling of ``drafts`` int ``[R, k]`` against the target's probabilities
     ``p`` ``[R, 1 + k, V]``; ``q`` ``[R, k, V]`` the drafter's (None: one-hot at the drafts).
     ``u_accept`` ``[R, k]`` and ``u_draw`` ``[R, 1 + k]`` are uniforms in [0, 1): draft ``j``
     is tested with ``u_accept[:, j]``, and the token drawn after ``a`` accepted drafts uses
-    ``u_draw[:, a]``. Returns ``(accepted [R], next [R])``, int64."""
+    ``u_draw[:, a]``. ``num_drafts`` ``[R]`` (None: ``k`` each): a row's drafts past its count
+    are none (after all of its own are accepted, its bonus token is drawn from ``p``). Returns
+    ``(accepted [R], next [R])``, int64."""
     rows, k = drafts.shape
-    drafts = drafts.long()
+    own = None if num_drafts is None else \
+        torch.arange(k, device=drafts.device)[None, :] < num_drafts.long()[:, None]
+    drafts = drafts.long().clamp(min=0)
     p = p.float()
     p_draft = p[:, :k].gather(2, drafts[..., None]).squeeze(2)                 # [R, k]
     if q is None:
@@ -90,10 +96,12 @@ def rejection_sample(p: torch.Tensor, drafts: torch.Tensor, u_accept: torch.Tens
         q_draft = q.gather(2, drafts[..., None]).squeeze(2)
     # u < min(1, p / q), without dividing (q = 0 never proposed the draft: accept iff p > 0).
     accept = u_accept.to(p.dtype) * q_draft < p_draft
+    if own is not None:
+        accept &= own
     accepted = torch.cumprod(accept.long(), dim=1).sum(dim=1)                 # [R]
     index = torch.arange(rows, device=p.device)
     at = p[index, accepted]                                                   # [R, V]
-    rejected = accepted < k
+    rejected = accepted < (k if num_drafts is None else num_drafts.long())
     position = accepted.clamp(max=k - 1)
     if q is None:
         proposal = torch.zeros_like(at).scatter_(1, drafts[index, position][:, None], 1.0)
@@ -107,13 +115,43 @@ def rejection_sample(p: torch.Tensor, drafts: torch.Tensor, u_accept: torch.Tens
     return accepted, nxt
 
 
+def speculative_log_probs(rows: torch.Tensor, drafts: torch.Tensor, accepted: torch.Tensor,
+                          nxt: torch.Tensor) -> torch.Tensor:
+    """fp32 ``[R, 1 + k]``: at position ``j`` the log prob (log-softmax of the raw logits
+    ``rows`` ``[R, 1 + k, V]``) of the token a request gains there: draft ``j`` while
+    ``j < accepted``, the target's ``next`` at ``accepted`` (positions after it: junk)."""
+    chosen = torch.cat([drafts.long().clamp(min=0), nxt.long()[:, None]], dim=1)
+    chosen = chosen.scatter(1, accepted.long()[:, None], nxt.long()[:, None])
+    return torch.log_softmax(rows.float(), dim=-1).gather(2, chosen[..., None]).squeeze(2)
+
+
+def decode_windows(queries: np.ndarray, k: int) -> np.ndarray:
+    """The host index of a speculative step's decode rows, int64 ``[3, D, 1 + k]``, from each
+    row's query length ``queries`` ``[D]`` (``1 + `` its drafts): ``[0]`` the logit row of
+    each position (past a row's own tokens, its last), ``[1]`` the input position of draft
+    ``j`` at ``[1, :, j]`` (clamped into the row; the last column unused), ``[2]`` 1 where
+    draft ``j`` is one of the row's own."""
+    rows = queries.size
+    starts = np.zeros(rows, dtype=np.int64)
+    np.cumsum(queries[:-1], out=starts[1:])
+    last = queries.astype(np.int64)[:, None] - 1
+    positions = np.arange(1 + k)[None, :]
+    out = np.empty((3, rows, 1 + k), dtype=np.int64)
+    out[0] = starts[:, None] + np.minimum(positions, last)
+    out[1] = starts[:, None] + np.minimum(positions + 1, last)
+    out[2] = positions < last
+    return out
+
+
 @dataclass
 class SpeculativeStats:
     """``engine.stats.speculative``'s counters: ``forward_steps`` (speculative engine steps
-    that ran the model), ``draft_tokens`` (drafts verified: ``k`` per decode request and step),
-    ``accepted_tokens`` (of those, accepted), ``acceptance_rate`` (their ratio, 0 before any
-    draft), ``emitted_tokens`` (tokens the decode requests gained: accepted plus one each) and
-    ``tokens_per_forward`` (``emitted_tokens`` per decode request and step, 1 to ``1 + k``)."""
+    that ran the model), ``decode_rows`` (decode requests over those steps), ``draft_tokens``
+    (drafts verified: up to ``k`` per decode request and step, none for one the drafter had
+    nothing for), ``accepted_tokens`` (of those, accepted), ``acceptance_rate`` (their ratio, 0
+    before any draft), ``emitted_tokens`` (tokens the decode requests gained: accepted plus one
+    each) and ``tokens_per_forward`` (``emitted_tokens`` per decode request and step, 1 to
+    ``1 + k``)."""
 
     num_speculative_tokens: int
     forward_steps: int = 0
@@ -124,7 +162,8 @@ class SpeculativeStats:
 
     def as_dict(self) -> Dict[str, float]:
         return {"num_speculative_tokens": self.num_speculative_tokens,
-                "forward_steps": self.forward_steps, "draft_tokens": self.draft_tokens,
+                "forward_steps": self.forward_steps, "decode_rows": self.decode_rows,
+                "draft_tokens": self.draft_tokens,
                 "accepted_tokens": self.accepted_tokens,
                 "acceptance_rate": self.accepted_tokens / self.draft_tokens
                 if self.draft_tokens else 0.0,

@@ -14,10 +14,11 @@ from .mla_latent import mla_latent_append
 from .paged_attention import paged_attention
 from .rope import fused_qk_rope
 from .rope_kv_append import rope_kv_append
+from .speculative_rewind import speculative_rewind
 from .step_metadata import step_metadata
 
 __all__ = [
     "compact_requests", "fused_qk_rope", "kv_append", "last_token_logits", "mamba_state_gather",
     "mamba_state_scatter", "mla_latent_append", "paged_attention", "rope_kv_append",
-    "step_metadata", "token_log_probs",
+    "speculative_rewind", "step_metadata", "token_log_probs",
 ]

@@ -17,12 +17,13 @@ from .autotune import KernelTuning
 # Kernel modules in tuning order. `--preset` picks groups of modules: "llama" is the attention
 # path every model shares, "mla" and "mamba" the kernels only those models add.
 KERNEL_MODULES = ("kv_append", "rope", "rope_kv_append", "step_metadata", "last_token_logits",
-                  "compaction", "mla_latent", "mamba_state", "paged_attention")
+                  "compaction", "mla_latent", "mamba_state", "speculative_rewind",
+                  "paged_attention")
 PRESET_MODULES = {
     "llama": ("kv_append", "rope", "rope_kv_append", "step_metadata", "last_token_logits",
               "compaction", "paged_attention"),
     "mla": ("mla_latent",),
-    "mamba": ("mamba_state",),
+    "mamba": ("mamba_state", "speculative_rewind"),
 }
 
 

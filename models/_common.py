@@ -325,8 +325,11 @@ class PagedAdapter:
         attention = self.attention_for(ctx)
         extra = dict(dtype=self.dtype) if self._plan_with_dtype else {}
         # The decode paths take one query a request: a speculative step's decode requests
-        # (1 + k queries each, docs/SEMANTICS.md §19) run on the varlen path with the prefills.
-        decode = 0 if getattr(ctx, "num_speculative_tokens", 0) else ctx.num_decode_requests
+        # (1 + k queries each, docs/SEMANTICS.md §19) run on the varlen path with the prefills,
+        # unless none has drafts (a plain decode step: every query length 1).
+        decode = ctx.num_decode_requests
+        if getattr(ctx, "num_speculative_tokens", 0) and meta.max_seqlen_q != 1:
+            decode = 0
         attention.plan(cu_query_lengths=meta.cu_query_seq_lengths,
                        kv_seq_lengths=meta.kv_seq_lengths, block_table=meta.block_table,
                        max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_k,

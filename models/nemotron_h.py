@@ -270,13 +270,20 @@ class NemotronHAdapter(PagedMhaAdapter):
         group, regular prefills and the continuation chunk another."""
         meta = ctx.mamba_metadata
         num_decode, num_regular = (int(v) for v in meta.device_decode_prefill)
-        # Speculative steps (docs/SEMANTICS.md §19): a decode row forwards 1 + k tokens.
-        per_decode = 1 + int(getattr(ctx, "num_speculative_tokens", 0) or 0)
-        decode_tokens = num_decode * per_decode
+        # Speculative steps (docs/SEMANTICS.md §19): a decode row forwards 1 + its drafts (k,
+        # or its own count).
+        if getattr(ctx, "num_speculative_tokens", 0):
+            paused = ctx.paused_request_count
+            per_row = ctx.host_query_lengths()[paused:paused + num_decode].tolist()
+        else:
+            per_row = [1] * num_decode
+        decode_tokens = sum(per_row)
         groups = []
         if num_decode:
-            groups.append((meta.batch_indices_decode[:num_decode],
-                           list(range(0, decode_tokens, per_decode)), [per_decode] * num_decode))
+            starts = [0] * num_decode
+            for i in range(1, num_decode):
+                starts[i] = starts[i - 1] + per_row[i - 1]
+            groups.append((meta.batch_indices_decode[:num_decode], starts, per_row))
         slots, starts, lengths = [], [], []
         if num_regular:
             cu = meta.cu_seqlens[:num_regular + 1].tolist()
@@ -341,8 +348,8 @@ class NemotronHAdapter(PagedMhaAdapter):
             inter_conv, inter_ssm = ctx.mamba_states_cache(layer_number, intermediate=True)
             windows = history.unfold(2, K, 1)[:, :, 1:L + 1]                     # [R, C, L, K]
             slot_ids = slots.long()
-            inter_conv[slot_ids] = windows.transpose(1, 2).to(inter_conv.dtype)
-            inter_ssm[slot_ids] = torch.stack(states, dim=1).to(inter_ssm.dtype)
+            inter_conv[slot_ids, :L] = windows.transpose(1, 2).to(inter_conv.dtype)
+            inter_ssm[slot_ids, :L] = torch.stack(states, dim=1).to(inter_ssm.dtype)
         y = torch.stack(ys, dim=1) + x * w.D.float()[:, None]                   # [R, L, H, P]
         y = _gated_group_rms_norm(y.reshape(R, L, self.d_inner), gate, w.norm_weight,
                                   w.norm_group, w.norm_eps)

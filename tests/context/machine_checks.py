@@ -361,7 +361,8 @@ class InvariantChecks(BudgetChecks, Patterns, GroupChecks, HostTierChecks):
                 f"expected {want_cu_kv.tolist()}")
         want_kv = np.concatenate([kv_lens, np.zeros(R - A, dtype=kv_lens.dtype)])
         require(np.array_equal(kv_seq, want_kv), lambda: f"kv_seq_lengths {kv_seq.tolist()}")
-        require(max_q >= q_lens.max() and (prefill > 0 or max_q == 1 + cfg.speculative),
+        require(max_q >= q_lens.max() and (prefill > 0 or max_q == 1 + cfg.speculative
+                                           or (cfg.draft_counts and max_q == q_lens.max())),
                 lambda: f"max_seqlen_q {max_q} for query lengths {q_lens.tolist()}")
         require(max_k >= kv_lens.max(), lambda: f"max_seqlen_k {max_k} < {kv_lens.max()}")
         attn_table = ctx.active_attn_metadata.block_table.numpy()
@@ -480,8 +481,9 @@ class InvariantChecks(BudgetChecks, Patterns, GroupChecks, HostTierChecks):
                 # Paused: its next 1 + k tokens cross into a new block (k = 0: its last block
                 # is full), which it could not get.
                 last = h[FIELD_LAST_OFFSET, row]
+                drafts = cfg.speculative if t.next_drafts < 0 else t.next_drafts
                 require(offset + q == t.cached and last == (t.cached - 1) % bs
-                        and last >= bs - 1 - cfg.speculative,
+                        and last >= bs - 1 - drafts,
                         lambda: f"paused {where}: offset {offset} + query {q} != cached "
                         f"{t.cached} or its next step fits its last block (offset {last})")
             else:
@@ -552,7 +554,7 @@ class InvariantChecks(BudgetChecks, Patterns, GroupChecks, HostTierChecks):
                     f"{None if pending is None else pending.tolist()}, expected {want}")
             if cfg.speculative:
                 drafts = ctx.paused_speculative_tokens
-                want = [t.drafts for t in rows[:P]]
+                want = [t.kept_drafts for t in rows[:P]]
                 require((drafts is None and P == 0) or (drafts is not None
                         and drafts.T.tolist() == want), lambda: f"paused_speculative_tokens "
                         f"{None if drafts is None else drafts.T.tolist()}, expected {want}")

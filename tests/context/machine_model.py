@@ -75,6 +75,9 @@ class MachineConfig:
     # Speculative steps (docs/SEMANTICS.md §19): a decode request forwards its pending token and
     # this many drafts; the driver accepts a chosen number of them and rewinds the rest.
     speculative: int = 0
+    # With speculative steps: each update gives every row its own draft count (0..k; rows
+    # resumed from the paused ones forward none), so steps are plain, ragged or uniform.
+    draft_counts: bool = False
     # KV offload (docs/SEMANTICS.md §21): host blocks for evicted requests (0: off); an
     # evicted request re-added with its saved tokens restores them instead of recomputing.
     kv_offload_blocks: int = 0
@@ -201,6 +204,11 @@ CONFIGS = {c.name: c for c in [
                   layer_types=HYBRID_LAYERS, speculative=1),
     MachineConfig("spec2-pc-lru-bs4-paused4", block_size=4, buffer_blocks=16, paused_blocks=4,
                   prefix_caching="lru", speculative=2),
+    MachineConfig("spec3-counts-bs8-paused3", block_size=8, buffer_blocks=12, paused_blocks=3,
+                  speculative=3, draft_counts=True),
+    MachineConfig("spec2-counts-hyb-pc-lru-bs4-half", block_size=4, buffer_blocks=24,
+                  paused_blocks=None, layer_types=HYBRID_LAYERS, prefix_caching="lru",
+                  speculative=2, draft_counts=True),
     MachineConfig("off-bs4-paused4", block_size=4, buffer_blocks=16, paused_blocks=4,
                   kv_offload_blocks=12),
     MachineConfig("off-tiny-bs4-paused0", block_size=4, buffer_blocks=14, paused_blocks=0,
@@ -268,6 +276,7 @@ CI_CONFIGS = [CONFIGS[n] for n in ("bs4-paused4", "bs8-half", "bs4-paused0", "ml
                                    "hyb-bs4-paused4", "hyb-bs8-half", "pc-lru-bs4-paused4",
                                    "pc-hyb-lru-bs4-half", "spec2-bs4-paused4",
                                    "spec1-hyb-bs4-paused4", "spec2-pc-lru-bs4-paused4",
+                                   "spec3-counts-bs8-paused3",
                                    "off-bs4-paused4", "off-tiny-bs4-paused0",
                                    "off-hyb-bs4-paused4", "kvg-bs4-paused4",
                                    "off-pc-lru-bs4-paused4", "off-pc-hyb-lru-bs4-snap1",
@@ -313,6 +322,8 @@ class Tracked:
     shared: int = 0               # prefix caching: the first chunk's tokens in shared blocks
     drafts: List[int] = field(default_factory=list)  # speculative: the query's tokens after
     #                               the pending one (its drafts, not yet generated)
+    kept_drafts: List[int] = field(default_factory=list)  # all k drafts the device keeps
+    next_drafts: int = -1         # speculative: the drafts its next step forwards (-1: k)
     # KV offload: an evicted incarnation's (uid, cached tokens, Mamba writes, Mamba length),
     # which a restore carries over (its K/V and Mamba patterns are the old incarnation's).
     restore: Optional[tuple] = None

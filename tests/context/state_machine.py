@@ -40,6 +40,10 @@ decode request's pending token and ``k`` drafts, accept a chosen number of them 
 ``rewind_kv_cache``, its released blocks checked; a hybrid's Mamba state restored from the
 intermediate states the driver writes), pass the next drafts to ``update_requests`` and check
 them on paused rows; every other check holds as it is, with the query ``1 + k`` tokens long.
+With ``draft_counts`` (names ``spec*-counts-*``) each update gives every row its own draft
+count (``update_requests(draft_counts=)``): queries of ``1 + d`` tokens, plain and ragged steps,
+a row's block taken when its next ``1 + d`` tokens cross into it, a row resumed from the paused
+ones forwarding none.
 
 Prefix caching configurations (``MachineConfig.prefix_caching``, names ``pc-*``) draw prompts
 from two token families so that they share prefixes, and key the K/V and Mamba patterns by
@@ -507,9 +511,11 @@ class ContextDriver(InvariantChecks):
         k = cfg.speculative
         drafts = [[(sample_token(t.rid, t.cached + 1 + j) + 1 + j) % VOCAB for j in range(k)]
                   for t in active]
+        draft_counts = [(t.rid + choice + self.stats["steps"]) % (k + 1) for t in active] \
+            if cfg.draft_counts else None
         newly = ctx.update_requests(mask_tensor, torch.tensor(samples, dtype=torch.int64),
                                     torch.tensor(drafts, dtype=torch.int64).reshape(
-                                        len(active), k).T if k else None)
+                                        len(active), k).T if k else None, draft_counts=draft_counts)
         self.stats["steps"] += 1
         if self.prefix is not None:
             self.prefix.after_update([(t.uid, t.prompt, t.cached) for t in active],
@@ -522,8 +528,10 @@ class ContextDriver(InvariantChecks):
         finished |= at_max_length
         self.stats["max_length_finished"] += len(at_max_length)
         eligible = set()
-        for t, token, draft in zip(active, samples, drafts):
+        for i, (t, token, draft) in enumerate(zip(active, samples, drafts)):
             t.continued = False
+            t.kept_drafts = draft
+            t.next_drafts = k if draft_counts is None else draft_counts[i]
             if t.rid in finished:
                 del self.live[t.rid]
                 continue
@@ -532,10 +540,11 @@ class ContextDriver(InvariantChecks):
                 t.placeholder = True  # the sampled token of a non-final chunk is junk
             else:
                 t.generated.append(token)
-                t.query, t.drafts = [token] + draft, draft
-                # Its next 1 + k tokens cross into a new block (k = 0: its last block is
+                d = t.next_drafts
+                t.query, t.drafts = [token] + draft[:d], draft[:d]
+                # Its next 1 + d tokens cross into a new block (k = 0: its last block is
                 # full): it may pause.
-                if (t.cached - 1) % cfg.block_size >= cfg.block_size - 1 - k:
+                if (t.cached - 1) % cfg.block_size >= cfg.block_size - 1 - d:
                     eligible.add(t.rid)
         self.stats["finished"] += len(finished)
 
@@ -573,6 +582,9 @@ class ContextDriver(InvariantChecks):
         self.stats["pauses"] += len(newly)
         self.stats["resumes"] += len(old_paused - paused_now - set(evicted))
         for t in self.live.values():
+            if cfg.draft_counts and t.rid in old_paused and t.rid not in paused_now:
+                # Resumed from the paused ones: it forwards no drafts (§19, draft counts).
+                t.query, t.drafts, t.next_drafts = t.query[:1], [], 0
             t.paused = t.rid in paused_now
         for row, rid in enumerate(ids):
             old, new = old_blocks[rid], table[row, :counts[row]].tolist()
@@ -655,8 +667,9 @@ class ContextDriver(InvariantChecks):
         token in the intermediate states), and ``rewind_kv_cache`` the rest; check the blocks it
         released (a decode row's blocks past its kept tokens, in row order)."""
         ctx, cfg = self.ctx, self.cfg
-        k, bs = cfg.speculative, cfg.block_size
-        accepted = [-1 if t.prefill else (choice + 7 * t.rid + t.query_start) % (k + 1)
+        bs = cfg.block_size
+        # Each decode row accepts between none and all of its own drafts.
+        accepted = [-1 if t.prefill else (choice + 7 * t.rid + t.query_start) % len(t.query)
                     for t in active]
         self.note(f"rewind(accepted={accepted})")
         P = ctx.paused_request_count
@@ -676,7 +689,7 @@ class ContextDriver(InvariantChecks):
             expected += blocks[keep:]
             t.blocks = t.blocks[:keep]
             self.stats["accepted_drafts"] += a
-            self.stats["rejected_drafts"] += k - a
+            self.stats["rejected_drafts"] += len(t.drafts) - a
         require(released == expected, lambda: f"rewind_kv_cache released {released}, expected "
                 f"{expected} (the blocks past each decode row's kept tokens)")
         self.stats["rewound_blocks"] += len(released)

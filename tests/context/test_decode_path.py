@@ -51,7 +51,7 @@ def full_state(ctx) -> dict:
         device_tables=torch.stack([t.clone() for t in device.block_tables]),
         device_tokens=torch.stack([t.clone() for t in device.next_tokens]),
         device_req=device.arena.device["req"].clone(),
-        device_drafts=None if device.drafts is None else device.drafts.clone(),
+        device_drafts=None if device.spec is None else device.spec.drafts.clone(),
         step_counts=(ctx.padded_active_token_count, ctx.padded_active_request_count,
                      ctx.using_cuda_graph_this_step() if ctx.is_tensor_state_allocated else None),
     )

@@ -99,12 +99,14 @@ def test_a_drafter_of_another_vocabulary_is_refused(monkeypatch):
                                  num_speculative_tokens=2, drafter=tiny_llama(vocab=32))
 
 
-def test_unsupported_engine_options_with_speculation():
+def test_async_scheduling_with_speculation_refuses_what_it_refuses_without():
+    """record_logits (a copy of every step's logits) conflicts with async scheduling with or
+    without speculation, named before anything runs."""
     hf = tiny_llama(vocab=64)
-    for option in ("async_scheduling", "record_logits"):
-        with pytest.raises(ValueError, match=f"{option}=True is not supported with speculative"):
-            Engine.from_transformers(hf, block_size_tokens=8, buffer_size_gb=0.01,
-                                     num_speculative_tokens=2, **{option: True})
+    with pytest.raises(ValueError, match="async_scheduling=True conflicts with record_logits"):
+        Engine.from_transformers(hf, block_size_tokens=8, buffer_size_gb=0.01,
+                                 num_speculative_tokens=2, async_scheduling=True,
+                                 record_logits=True)
 
 
 # ---------------------------------------------------------------------------- the drafters
@@ -112,10 +114,11 @@ def test_ngram_drafter_proposes_what_followed_the_longest_recent_match():
     drafter = NgramDrafter(max_ngram=3)
     histories = [np.array([1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3]),   # 3-gram: the latest match
                  np.array([4, 5, 6, 4, 5]),                        # 2-gram, runs off the end
-                 np.array([8, 9, 10]),                             # no match: repeat
+                 np.array([8, 9, 10]),                             # no match: none
                  np.array([3])]
     drafts = drafter.propose([0, 1, 2, 3], histories, 3)
-    assert drafts.tolist() == [[7, 5, 1], [6, 4, 5], [10, 10, 10], [3, 3, 3]]
+    # No match: no drafts (-1s), so that the request decodes without speculation's cost.
+    assert drafts.tolist() == [[7, 5, 1], [6, 4, 5], [-1, -1, -1], [-1, -1, -1]]
     with pytest.raises(ValueError, match="min_ngram=4 must be <= max_ngram=3"):
         NgramDrafter(min_ngram=4)
 
@@ -146,9 +149,10 @@ def test_llama_under_pressure_equals_transformers_with_each_drafter():
     spec = engine.stats.speculative
     # The oracle's drafts are right two times in three: some steps accept every draft.
     assert 0.3 < spec["acceptance_rate"] < 1 and spec["tokens_per_forward"] > 1.3, spec
-    # k drafts a decode row; each gains its accepted drafts and one more (fewer when cut).
-    decode_rows = spec["draft_tokens"] // k
-    assert spec["draft_tokens"] == k * decode_rows
+    # At most k drafts a decode row; each gains its accepted drafts and one more (fewer when
+    # cut).
+    decode_rows = spec["decode_rows"]
+    assert 0 < spec["draft_tokens"] <= k * decode_rows
     assert spec["emitted_tokens"] <= spec["accepted_tokens"] + decode_rows
     assert set(oracle.released) >= set(range(len(prompts)))
 
@@ -264,7 +268,7 @@ def test_seeded_sampled_requests_are_reproducible_and_unseeded_ones_run():
     def run(seed=0):
         engine = Engine.from_transformers(hf, block_size_tokens=8, buffer_size_gb=0.01,
                                           kernel_backend="torch", num_speculative_tokens=3,
-                                          seed=seed)
+                                          seed=seed, drafter=NgramDrafter(min_ngram=1))
         return engine.generate(prompts, max_new_tokens=16, sampling_params=params,
                                ignore_eos=True), engine
 
@@ -278,17 +282,62 @@ def test_seeded_sampled_requests_are_reproducible_and_unseeded_ones_run():
     assert all(0 <= t < 64 for tokens in out for t in tokens)
 
 
-def test_log_probs_are_refused_per_request():
+def _log_prob_requests(prompts, skip_prompt=(False, True, False)):
+    return [DynamicInferenceRequest(
+        request_id=i, prompt_tokens=list(prompt),
+        sampling_params=SamplingParams(temperature=0.0, top_k=1, num_tokens_to_generate=10,
+                                       return_log_probs=True, skip_prompt_log_probs=skip,
+                                       termination_id=-1))
+        for i, (prompt, skip) in enumerate(zip(prompts, skip_prompt))]
+
+
+def test_log_probs_are_those_of_the_accepted_tokens():
+    """Requests with return_log_probs get the log probs of every token they gain (accepted
+    drafts and the target's own) and of their prompts, equal to the engine's without
+    speculation (fp32 log-softmax of the same rows, computed in other batches: 1e-5), under
+    chunked prefill (max_tokens 8 splits the 20-token prompt)."""
     hf = tiny_llama(vocab=64)
-    engine = Engine.from_transformers(hf, block_size_tokens=8, buffer_size_gb=0.01,
-                                      kernel_backend="torch", num_speculative_tokens=2)
-    request = DynamicInferenceRequest(
-        request_id=0, prompt_tokens=[1, 2, 3],
-        sampling_params=SamplingParams(num_tokens_to_generate=4, return_log_probs=True))
-    result = engine.generate_requests([request])[0]
-    assert result.finish_reason == "error" and "return_log_probs" in result.error
-    assert engine.generate([[1, 2, 3]], max_new_tokens=3, ignore_eos=True) == \
-        [hf_greedy(hf, [1, 2, 3], 3)]
+    prompts = [[5, 6, 7, 8] * 5, [9, 10, 11] * 3, [3, 4] * 4 + [5]]
+    options = dict(block_size_tokens=8, buffer_size_gb=0.01, max_tokens=8,
+                   kernel_backend="torch")
+    plain = Engine.from_transformers(hf, **options).generate_requests(_log_prob_requests(prompts))
+    oracle = OracleDrafter([p + r.generated_tokens for p, r in zip(prompts, plain)], 64)
+    engine = Engine.from_transformers(hf, **options, num_speculative_tokens=3, drafter=oracle)
+    results = engine.generate_requests(_log_prob_requests(prompts))
+    assert engine.stats.speculative["accepted_tokens"] > 0
+    for got, want in zip(results, plain):
+        assert got.finish_reason == want.finish_reason == "length"
+        assert got.generated_tokens == want.generated_tokens
+        assert len(got.generated_log_probs) == len(want.generated_log_probs) == 10
+        assert np.allclose(got.generated_log_probs, want.generated_log_probs, atol=1e-5)
+        if want.prompt_log_probs is None:
+            assert got.prompt_log_probs is None
+        else:
+            assert len(got.prompt_log_probs) == len(want.prompt_log_probs)
+            assert np.allclose(got.prompt_log_probs, want.prompt_log_probs, atol=1e-5)
+
+
+def test_record_logits_records_each_gained_tokens_row():
+    """record_logits with speculation: one ``(tokens before it, logits row)`` per generated
+    token, as the engine without speculation records them (same lengths, rows within fp32
+    rounding of another batch)."""
+    hf = tiny_llama(vocab=64)
+    prompts = [[5, 6, 7, 8] * 3, [9, 10, 11] * 2]
+    options = dict(block_size_tokens=8, buffer_size_gb=0.01, kernel_backend="torch",
+                   record_logits=True)
+    requests = lambda: greedy_requests(prompts, [9, 9])  # noqa: E731
+    plain = Engine.from_transformers(hf, **options).generate_requests(requests())
+    oracle = OracleDrafter([p + r.generated_tokens for p, r in zip(prompts, plain)], 64)
+    engine = Engine.from_transformers(hf, **options, num_speculative_tokens=3, drafter=oracle)
+    results = engine.generate_requests(requests())
+    assert engine.stats.speculative["accepted_tokens"] > 0
+    for got, want in zip(results, plain):
+        assert got.generated_tokens == want.generated_tokens
+        assert [n for n, _ in got.step_logits] == [n for n, _ in want.step_logits] == \
+            list(range(len(got.prompt_tokens), len(got.prompt_tokens) + 9))
+        for (_, row), (_, ref), token in zip(got.step_logits, want.step_logits,
+                                             got.generated_tokens):
+            assert int(row.argmax()) == token and torch.allclose(row, ref, atol=1e-5)
 
 
 def test_a_drafter_that_breaks_its_contract_raises_naming_it():
@@ -301,7 +350,7 @@ def test_a_drafter_that_breaks_its_contract_raises_naming_it():
     engine = Engine.from_transformers(hf, block_size_tokens=8, buffer_size_gb=0.01,
                                       kernel_backend="torch", num_speculative_tokens=2,
                                       drafter=Bad())
-    with pytest.raises(ValueError, match=r"drafter.propose returned token ids in \[64, 64\]"):
+    with pytest.raises(ValueError, match=r"drafter.propose returned token id 64, outside"):
         engine.generate([[1, 2, 3]], max_new_tokens=3)
 
 

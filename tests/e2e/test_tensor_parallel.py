@@ -10,6 +10,8 @@ runs every check, so that the ranks import torch and transformers once:
   every rank returns the same tokens, equal to transformers' greedy ``generate``, and every
   step's last-token logits lie within 1e-4 (fp32) of transformers' full forward; the Llama,
   DeepSeek and NemotronH workloads pause, evict and chunk;
+* speculative decoding (Llama, n-gram drafts, k = 3), synchronous and under async scheduling:
+  both ranks gain the same tokens, equal to transformers';
 * every rank's context has the same sizes; ranks given different memory budgets end with the
   same (smallest) block counts, and different explicit ``max_requests`` are refused on every
   rank; a context step makes no collective call;
@@ -66,10 +68,31 @@ def test_every_rank_matches_transformers(ranks, model):
         assert pauses > 0 and evictions > 0 and chunked > 0, first["pressure"]
 
 
+@pytest.mark.parametrize("mode", ["llama_speculative", "llama_speculative_async"])
+def test_speculative_decoding_on_two_ranks(ranks, mode):
+    """Speculative steps (k = 3, n-gram drafts), synchronous and under async scheduling: both
+    ranks gain the same tokens from the same drafts, equal to transformers' greedy generate
+    (and, synchronously, every gained token's logits within 1e-4), under pauses, evictions and
+    chunked prefill."""
+    first, second = ranks[0][mode], ranks[1][mode]
+    for key in ("tokens", "finish", "sizes", "pressure", "speculative"):
+        assert first[key] == second[key], key
+    assert first["checked"] + second["checked"] == len(first["tokens"])
+    for out in (first, second):
+        assert out["mismatches"] == [], f"requests differing from transformers: {out}"
+        if "worst_logit_error" in out:
+            assert out["steps_checked"] > 0
+            assert out["worst_logit_error"] <= FP32_LOGITS_ATOL, out["worst_logit_error"]
+    spec = first["speculative"]
+    assert spec["accepted_tokens"] > 0 and spec["tokens_per_forward"] > 1, spec
+    pauses, evictions, chunked = first["pressure"]
+    assert pauses > 0 and chunked > 0, first["pressure"]
+
+
 def test_shards(ranks):
     # (query heads, KV heads) per rank: 4/2 -> 2/1; 4/1 -> 2/1 (the KV head replicated).
     heads = {model: ranks[0][model]["local_heads"] for model in ranks[0]
-             if model not in ("sizing", "lockstep")}
+             if model not in ("sizing", "lockstep", "llama_speculative_async")}
     assert heads["llama"] == dict(num_q_heads=2, num_kv_heads=1)
     assert heads["llama_replicated_kv"] == dict(num_q_heads=2, num_kv_heads=1)
     assert ranks[0]["llama"]["kv_shape"][-2:] == (1, 16)

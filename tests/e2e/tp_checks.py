@@ -33,6 +33,7 @@ from test_nemotron_h import tiny_nemotron_h
 
 from dynctx.context import DynamicInferenceContext, DynamicInferenceRequest, SamplingParams
 from dynctx.engine import Engine
+from dynctx.engine.drafters import NgramDrafter
 from dynctx.models.deepseek import mla_block_bytes
 
 TP = 2
@@ -84,8 +85,8 @@ def _engine(hf: Any, per_rank_block_bytes: Callable[[Any, int], float], *, block
         buffer_size_gb=gib_for_blocks(hf, block_size, blocks, per_rank_block_bytes),
         paused_buffer_size_gb=gib_for_blocks(hf, block_size, paused_blocks,
                                              per_rank_block_bytes),
-        record_logits=True, tensor_model_parallel_size=TP,
-        max_sequence_length=MAX_SEQUENCE_LENGTH, **kwargs)
+        **dict(dict(record_logits=True), **kwargs), tensor_model_parallel_size=TP,
+        max_sequence_length=MAX_SEQUENCE_LENGTH)
 
 
 def llama_pressure() -> Dict[str, Any]:
@@ -130,6 +131,44 @@ def nemotron_h_pressure() -> Dict[str, Any]:
     ctx = engine.context
     out["mamba_shapes"] = (tuple(ctx.mamba_conv_states_shape), tuple(ctx.mamba_ssm_states_shape))
     return out
+
+
+def llama_speculative() -> Dict[str, Any]:
+    """Speculative decoding on two ranks (k = 3, n-gram drafts on prompts that repeat): every
+    rank drafts alike from the same tokens, verifies the same logits, rewinds alike; under
+    pressure, every gained token's logits recorded and checked."""
+    hf = tiny_llama()
+    prompts = [([3, 4, 5, 6, 7] * 10)[:n] for n in LENGTHS[:8]]
+    requests = greedy_requests(prompts, GENS[:8])
+    engine = _engine(hf, lambda hf, bs: block_bytes(hf, bs) / TP, block_size=16, blocks=14,
+                     paused_blocks=3, max_tokens=32, num_speculative_tokens=3,
+                     drafter=NgramDrafter(min_ngram=1))
+    out = _run(hf, engine, prompts, requests, [i // 2 for i in range(len(prompts))])
+    out["speculative"] = engine.stats.speculative
+    return out
+
+
+def llama_speculative_async() -> Dict[str, Any]:
+    """The same under async scheduling (rewinds deferred and settled alike on both ranks)."""
+    hf = tiny_llama()
+    prompts = [([3, 4, 5, 6, 7] * 10)[:n] for n in LENGTHS[:8]]
+    requests = greedy_requests(prompts, GENS[:8])
+    engine = _engine(hf, lambda hf, bs: block_bytes(hf, bs) / TP, block_size=16, blocks=14,
+                     paused_blocks=3, max_tokens=32, num_speculative_tokens=3,
+                     drafter=NgramDrafter(min_ngram=1), async_scheduling=True,
+                     record_logits=False)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    results = engine.generate_requests(requests if rank == 0 else None,
+                                       arrival_steps=[i // 2 for i in range(len(prompts))]
+                                       if rank == 0 else None)
+    mine = [i for i in range(len(results)) if i % world == rank]
+    stats = engine.stats
+    return dict(tokens=[r.generated_tokens for r in results],
+                finish=[r.finish_reason for r in results], sizes=_sizes(engine.context),
+                pressure=(stats.pauses, stats.evictions, stats.chunked_prefills),
+                checked=len(mine), speculative=stats.speculative,
+                mismatches=[i for i in mine if results[i].generated_tokens != hf_greedy(
+                    hf, prompts[i], len(results[i].generated_tokens))])
 
 
 def nemotron_h_replicated_kv() -> Dict[str, Any]:
@@ -389,4 +428,6 @@ def all_checks() -> Dict[str, Any]:
     return {name: fn() for name, fn in (
         ("sizing", sizing), ("llama", llama_pressure), ("llama_replicated_kv", llama_replicated_kv),
         ("deepseek", deepseek_pressure), ("nemotron_h", nemotron_h_pressure),
-        ("nemotron_h_replicated_kv", nemotron_h_replicated_kv), ("lockstep", lockstep))}
+        ("nemotron_h_replicated_kv", nemotron_h_replicated_kv),
+        ("llama_speculative", llama_speculative),
+        ("llama_speculative_async", llama_speculative_async), ("lockstep", lockstep))}
