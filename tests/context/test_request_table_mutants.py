@@ -97,3 +97,31 @@ def test_dummy_device_prompts_reach_the_input_ids_at_their_offsets(device_prompt
     ctx.add_dummy_requests_parallel([req(1, length=2), on_device(2, 3), on_device(3, 2)])
     ctx.initialize_attention_state()
     assert ctx.token_to_input_ids[:7].tolist() == [100, 101, 20, 21, 22, 30, 31]
+
+
+def test_dummy_rows_end_on_the_dummy_block_and_their_ids_are_taken():
+    """Each dummy row's last block is the dummy block (its every block is), and its id is live:
+    a request with that id is refused until the dummies are gone."""
+    ctx = make_ctx()
+    add(ctx, req(1))
+    ctx.add_dummy_requests_parallel([req(2, length=3), req(3, length=6)])
+    dummy = ctx.block_allocator.dummy_block_idx
+    assert ctx.request_last_kv_block_id[1:3].tolist() == [dummy, dummy]
+    assert ctx.request_last_kv_block_id[0].item() != dummy
+    with pytest.raises(ValueError, match="already in the context"):
+        ctx.add_request(req(3))
+
+
+@pytest.mark.parametrize("rid", [0, 1, 7])
+def test_a_step_without_the_next_chunk_is_refused_whatever_the_request_id(rid):
+    """The chunked prefill request's placeholder token is never forwarded, also for the ids 0
+    and 1 (the check compares the id with -1)."""
+    ctx = make_ctx(max_tokens=16)
+    long = DynamicInferenceRequest(request_id=rid, prompt_tokens=torch.arange(100, 120),
+                                   sampling_params=SamplingParams(num_tokens_to_generate=4))
+    add(ctx, long, chunk_length=8)
+    ctx.chunked_prefill_request_id = rid
+    ctx.initialize_attention_state()
+    ctx.update_requests(torch.tensor([True]), torch.tensor([55]))
+    with pytest.raises(RuntimeError, match="needs its next chunk"):
+        ctx.initialize_attention_state()
