@@ -45,7 +45,8 @@ no ``.git``, so pass its revision as ``DYNCTX_GIT_REVISION``. ``--rerun`` takes 
 earlier reports (of different modules), runs only their survivors against today's tests and
 writes one report of the same mutants scored again, each module's earlier score kept as
 ``before`` and the mutants the new tests killed as ``killed_since``; survivors that
-CONTRIBUTING.md's table names as equivalent (by module and line) are not run again.
+CONTRIBUTING.md's table names as equivalent (by module and line) are not run again, unless
+``--named-too`` (a line can hold an equivalent survivor beside one a new test kills).
 
 One thread (``OMP_NUM_THREADS=1``), one mutant at a time. The report (``--out``, default
 ``bench/results/mutation.json``) holds per module the score, the survivors (line, mutation and
@@ -839,6 +840,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="earlier reports (of different modules): run their survivors "
                              "again (after new tests) and write one report of the same "
                              "mutants scored again, the earlier scores as 'before'")
+    parser.add_argument("--named-too", action="store_true",
+                        help="with --rerun: run the survivors CONTRIBUTING.md names equivalent "
+                             "too (a line can hold an equivalent survivor and one a new test "
+                             "kills: the table names lines)")
     parser.add_argument("--join", type=Path, nargs="+", default=None,
                         help="reports of separate runs (different modules, run side by side): "
                              "write them as one report, running nothing")
@@ -863,7 +868,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.modules is None:
         args.modules = list(TARGETS) if earlier is None else \
             [m["module"] for m in earlier["modules"]]
-    named = named_equivalent()
+    named = set() if args.named_too else named_equivalent()
     survivors_of = {} if earlier is None else \
         {m["module"]: [s for s in m["survivors"] if (m["module"], s["line"]) not in named]
          for m in earlier["modules"]}
@@ -924,6 +929,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             command += ["--coverage-dir", str(args.coverage_dir.resolve())]
         if args.rerun is not None:
             command += ["--rerun", *(str(path.resolve()) for path in args.rerun)]
+            if args.named_too:
+                command.append("--named-too")
         worker = subprocess.Popen(command, env=env, cwd=ROOT)
         try:
             code = worker.wait()
