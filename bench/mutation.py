@@ -114,6 +114,8 @@ CONTEXT_TESTS = ("tests/context/test_request_table_unbound.py",
                  "tests/context/test_megatron_compat.py::test_move_and_swap_book_keeping_tensors")
 CONTEXT_KEYWORD = "not rotary_methods_match_megatron and not sizes_equal_megatron"
 ATTENTION_TESTS = ("tests/kernels/test_paged_attention.py",)
+PLAN_BACKENDS = ("tests/kernels/test_launch_plan.py::TestUnderTheInterpreter::"
+                 "test_a_plan_never_serves_the_torch_backend")
 TARGETS: Dict[str, Target] = {
     "context/update_plan.py": Target(CONTEXT_TESTS, keyword=CONTEXT_KEYWORD),
     "context/plan_scratch.py": Target(CONTEXT_TESTS, keyword=CONTEXT_KEYWORD),
@@ -129,9 +131,12 @@ TARGETS: Dict[str, Target] = {
                                   "tests/e2e/test_sampling.py",
                                   "tests/e2e/test_sampling_mutants.py",
                                   "tests/e2e/test_finish_rule.py")),
-    "kernels/kv_append.py": Target(("tests/kernels/test_kv_append.py",), interpreter=True,
+    "kernels/kv_append.py": Target(("tests/kernels/test_kv_append.py",
+                                    "tests/kernels/test_kv_append_fp8.py", PLAN_BACKENDS),
+                                   interpreter=True,
                                    functions=("_kv_append_kernel", "kv_append")),
-    "kernels/compaction.py": Target(("tests/kernels/test_compaction.py",), interpreter=True,
+    "kernels/compaction.py": Target(("tests/kernels/test_compaction.py", PLAN_BACKENDS),
+                                    interpreter=True,
                                     functions=("_compact_requests_kernel", "compact_requests")),
     # Paged attention: the launcher (validation aside) and, per file since the split, the
     # kernels and launchers' index arithmetic (the config tables and tuning cases are not).
