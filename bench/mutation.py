@@ -113,7 +113,9 @@ CONTEXT_TESTS = ("tests/context/test_request_table_unbound.py",
                  "tests/context/test_cuda_graphs_megatron.py::test_capture_dummies_equal_megatron",
                  "tests/context/test_megatron_compat.py::test_move_and_swap_book_keeping_tensors")
 CONTEXT_KEYWORD = "not rotary_methods_match_megatron and not sizes_equal_megatron"
-ATTENTION_TESTS = ("tests/kernels/test_paged_attention.py",)
+ATTENTION_TESTS = ("tests/kernels/test_paged_attention.py",
+                   "tests/kernels/test_paged_attention_windows.py",
+                   "tests/kernels/test_paged_attention_fp8.py")
 PLAN_BACKENDS = ("tests/kernels/test_launch_plan.py::TestUnderTheInterpreter::"
                  "test_a_plan_never_serves_the_torch_backend")
 TARGETS: Dict[str, Target] = {
