@@ -45,7 +45,8 @@ no ``.git``, so pass its revision as ``DYNCTX_GIT_REVISION``. ``--rerun`` takes 
 earlier reports (of different modules), runs only their survivors against today's tests and
 writes one report of the same mutants scored again, each module's earlier score kept as
 ``before`` and the mutants the new tests killed as ``killed_since``; survivors that
-CONTRIBUTING.md's table names as equivalent (by module and line) are not run again.
+CONTRIBUTING.md's table names as equivalent (by module and line) are not run again, unless
+``--named-too`` (a line can hold an equivalent survivor beside one a new test kills).
 
 One thread (``OMP_NUM_THREADS=1``), one mutant at a time. The report (``--out``, default
 ``bench/results/mutation.json``) holds per module the score, the survivors (line, mutation and
@@ -109,9 +110,14 @@ CONTEXT_TESTS = ("tests/context/test_request_table_unbound.py",
                  "tests/context/test_speculative.py", "tests/context/test_update_plan_mutants.py",
                  "tests/context/test_bad_inputs.py", "tests/context/test_request_table_mutants.py",
                  "tests/context/test_block_allocator_mutants.py",
-                 "tests/context/test_cuda_graphs_megatron.py::test_capture_dummies_equal_megatron")
+                 "tests/context/test_cuda_graphs_megatron.py::test_capture_dummies_equal_megatron",
+                 "tests/context/test_megatron_compat.py::test_move_and_swap_book_keeping_tensors")
 CONTEXT_KEYWORD = "not rotary_methods_match_megatron and not sizes_equal_megatron"
-ATTENTION_TESTS = ("tests/kernels/test_paged_attention.py",)
+ATTENTION_TESTS = ("tests/kernels/test_paged_attention.py",
+                   "tests/kernels/test_paged_attention_windows.py",
+                   "tests/kernels/test_paged_attention_fp8.py")
+PLAN_BACKENDS = ("tests/kernels/test_launch_plan.py::TestUnderTheInterpreter::"
+                 "test_a_plan_never_serves_the_torch_backend")
 TARGETS: Dict[str, Target] = {
     "context/update_plan.py": Target(CONTEXT_TESTS, keyword=CONTEXT_KEYWORD),
     "context/plan_scratch.py": Target(CONTEXT_TESTS, keyword=CONTEXT_KEYWORD),
@@ -119,14 +125,20 @@ TARGETS: Dict[str, Target] = {
     "context/block_allocator.py": Target(CONTEXT_TESTS, keyword=CONTEXT_KEYWORD),
     "context/prefix_cache.py": Target(("tests/context/test_prefix_chains.py",
                                        "tests/context/test_prefix_cache.py",
-                                       "tests/context/test_prefix_cache_mutants.py")),
+                                       "tests/context/test_prefix_cache_mutants.py",
+                                       "tests/context/test_prefix_match.py")),
     "engine/sampling.py": Target(("tests/e2e/test_finish_rule.py::test_finish_reason",
                                   "tests/e2e/test_sampling_oracle.py",
                                   "tests/e2e/test_sampling_edges.py",
-                                  "tests/e2e/test_sampling.py", "tests/e2e/test_finish_rule.py")),
-    "kernels/kv_append.py": Target(("tests/kernels/test_kv_append.py",), interpreter=True,
+                                  "tests/e2e/test_sampling.py",
+                                  "tests/e2e/test_sampling_mutants.py",
+                                  "tests/e2e/test_finish_rule.py")),
+    "kernels/kv_append.py": Target(("tests/kernels/test_kv_append.py",
+                                    "tests/kernels/test_kv_append_fp8.py", PLAN_BACKENDS),
+                                   interpreter=True,
                                    functions=("_kv_append_kernel", "kv_append")),
-    "kernels/compaction.py": Target(("tests/kernels/test_compaction.py",), interpreter=True,
+    "kernels/compaction.py": Target(("tests/kernels/test_compaction.py", PLAN_BACKENDS),
+                                    interpreter=True,
                                     functions=("_compact_requests_kernel", "compact_requests")),
     # Paged attention: the launcher (validation aside) and, per file since the split, the
     # kernels and launchers' index arithmetic (the config tables and tuning cases are not).
@@ -837,6 +849,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="earlier reports (of different modules): run their survivors "
                              "again (after new tests) and write one report of the same "
                              "mutants scored again, the earlier scores as 'before'")
+    parser.add_argument("--named-too", action="store_true",
+                        help="with --rerun: run the survivors CONTRIBUTING.md names equivalent "
+                             "too (a line can hold an equivalent survivor and one a new test "
+                             "kills: the table names lines)")
     parser.add_argument("--join", type=Path, nargs="+", default=None,
                         help="reports of separate runs (different modules, run side by side): "
                              "write them as one report, running nothing")
@@ -861,7 +877,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.modules is None:
         args.modules = list(TARGETS) if earlier is None else \
             [m["module"] for m in earlier["modules"]]
-    named = named_equivalent()
+    named = set() if args.named_too else named_equivalent()
     survivors_of = {} if earlier is None else \
         {m["module"]: [s for s in m["survivors"] if (m["module"], s["line"]) not in named]
          for m in earlier["modules"]}
@@ -922,6 +938,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             command += ["--coverage-dir", str(args.coverage_dir.resolve())]
         if args.rerun is not None:
             command += ["--rerun", *(str(path.resolve()) for path in args.rerun)]
+            if args.named_too:
+                command.append("--named-too")
         worker = subprocess.Popen(command, env=env, cwd=ROOT)
         try:
             code = worker.wait()

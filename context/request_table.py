@@ -273,7 +273,6 @@ class RequestTable:
             matched = self.prefix_cache.commit_add(plan.request_id, plan.prefix, plan.chunk)
         new_blocks = self.allocator.allocate_memory_blocks_host(plan.needed - plan.already)
         if plan.is_continuation:
-            self.active_tokens -= 1
             self.continuation_added = True
         else:
             rows[:, row] = 0

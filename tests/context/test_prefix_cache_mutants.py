@@ -1,8 +1,11 @@
 """Prefix caching cases that bench/mutation.py's survivors showed untested (CONTRIBUTING.md
-"Mutation testing"): a bytes salt, and the first-chunk boundary of a hybrid's prompt that ends
-on a block boundary (its last block is never matched: its last token is computed)."""
+"Mutation testing"): a bytes salt, the first-chunk boundary of a hybrid's prompt that ends
+on a block boundary (its last block is never matched: its last token is computed), a reset
+that forgets the cache, and the snapshot count of the arguments."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import torch
 from helpers import add, make_ctx
@@ -54,3 +57,32 @@ def test_a_hybrid_first_chunk_never_ends_past_the_last_matchable_block():
     assert ctx.prefix_cache_first_chunk_boundary(req(3, PROMPT[:12])) == 2 * BS
     assert ctx.prefix_cache_first_chunk_boundary(req(4, PROMPT[:9])) == 2 * BS
     assert ctx.prefix_cache_first_chunk_boundary(req(5, PROMPT[:8])) == BS
+    # One whole block: never matched (its last token is computed), so no boundary at all.
+    assert ctx.prefix_cache_first_chunk_boundary(req(6, PROMPT[:4])) == 0
+
+
+def test_a_reset_forgets_every_cached_block():
+    ctx = make_ctx(enable_prefix_caching=True, prefix_caching_eviction_policy="lru")
+    add(ctx, req(1, PROMPT))
+    ctx.initialize_attention_state()
+    ctx.update_requests(torch.tensor([False]), torch.tensor([7]))
+    assert ctx.prefix_cache_lookup(req(2, PROMPT)) == 3 * BS
+    ctx.reset()
+    assert ctx.prefix_cache_lookup(req(2, PROMPT)) == 0
+    assert ctx.get_prefix_cache_stats()["prefix_cache_blocks"] == 0
+    add(ctx, req(2, PROMPT))
+    assert ctx.request_query_lengths[0] == len(PROMPT)
+    # Computed again, its blocks are cached again (no stale entry stands in their way).
+    ctx.initialize_attention_state()
+    ctx.update_requests(torch.tensor([True]), torch.tensor([7]))
+    assert ctx.prefix_cache_lookup(req(3, PROMPT)) == 3 * BS
+    assert ctx.get_prefix_cache_stats()["prefix_cache_blocks"] == 3
+
+
+def test_snapshot_count_is_minus_one_without_caching_or_mamba_layers():
+    hybrid = SimpleNamespace(is_hybrid_model=True, mamba_bytes_per_request=1024)
+    plain = SimpleNamespace(is_hybrid_model=False, mamba_bytes_per_request=0)
+    assert pc.prefix_snapshot_count((False, "lru", 1.0), hybrid) == -1
+    assert pc.prefix_snapshot_count((True, "lru", 1.0), plain) == -1
+    assert pc.prefix_snapshot_count((True, "lru", None), hybrid) == 0
+    assert pc.prefix_snapshot_count((True, "lru", 3.5 * 1024 / 1024 ** 3), hybrid) == 3

@@ -4,10 +4,11 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from helpers import add, make_ctx, step
 
-from dynctx.context import DynamicInferenceRequest, SamplingParams
+from dynctx.context import DynamicInferenceRequest, SamplingParams, admission
 
 PARAMS = {1: dict(temperature=0.5, top_k=3, top_p=0.25, termination_id=7),
           2: dict(temperature=1.5, top_k=0, top_p=0.0, termination_id=None,
@@ -44,3 +45,83 @@ def test_added_requests_hold_their_sampling_metadata_in_their_rows():
     step(ctx, finished_ids=(1,))     # the last row moves into the first
     assert ctx.host_request_ids()[:2].tolist() == [3, 2]
     check_rows(ctx)
+
+
+def test_dummy_requests_hold_their_sampling_metadata_in_their_rows():
+    """``add_dummy_requests_parallel`` writes each dummy's metadata into its row, after the
+    rows already there."""
+    ctx = make_ctx()
+    add(ctx, req(1))
+    ctx.add_dummy_requests_parallel([req(2, length=3), req(3, length=2)])
+    assert ctx.host_request_ids()[:3].tolist() == [1, 2, 3]
+    check_rows(ctx)
+
+
+class _OnDevice(torch.Tensor):
+    """A CPU tensor that reports ``cuda:0``: a prompt already on the context's device."""
+
+    @property
+    def device(self):
+        return torch.device("cuda", 0)
+
+
+@pytest.fixture
+def device_prompts(monkeypatch):
+    """A CPU context that takes ``_OnDevice`` prompts as its own (``admission.same_device``
+    stands in for a context on ``cuda:0``): they take the device-prompt path, copied into the
+    step's input ids on the device (``DeviceState.begin_step``) instead of through the host
+    prompt buffer."""
+    monkeypatch.setattr(admission, "same_device", lambda a, b: True)
+
+
+def on_device(rid, length):
+    prompt = torch.arange(10 * rid, 10 * rid + length).as_subclass(_OnDevice)
+    assert prompt.device.type == "cuda"
+    return DynamicInferenceRequest(request_id=rid, prompt_tokens=prompt,
+                                   sampling_params=SamplingParams(num_tokens_to_generate=4))
+
+
+def test_device_prompts_reach_the_input_ids_at_their_offsets(device_prompts):
+    """Host and device prompts mixed, the last one chunked: every prompt token lands at its
+    offset of ``token_to_input_ids``."""
+    ctx = make_ctx()
+    add(ctx, req(1, length=3))            # host: 100, 101, 102
+    add(ctx, on_device(2, 4))             # device: 20..23
+    add(ctx, on_device(3, 5), 2)          # device, first chunk: 30, 31
+    ctx.initialize_attention_state()
+    assert ctx.token_to_input_ids[:9].tolist() == [100, 101, 102, 20, 21, 22, 23, 30, 31]
+
+
+def test_dummy_device_prompts_reach_the_input_ids_at_their_offsets(device_prompts):
+    ctx = make_ctx()
+    ctx.add_dummy_requests_parallel([req(1, length=2), on_device(2, 3), on_device(3, 2)])
+    ctx.initialize_attention_state()
+    assert ctx.token_to_input_ids[:7].tolist() == [100, 101, 20, 21, 22, 30, 31]
+
+
+def test_dummy_rows_end_on_the_dummy_block_and_their_ids_are_taken():
+    """Each dummy row's last block is the dummy block (its every block is), and its id is live:
+    a request with that id is refused until the dummies are gone."""
+    ctx = make_ctx()
+    add(ctx, req(1))
+    ctx.add_dummy_requests_parallel([req(2, length=3), req(3, length=6)])
+    dummy = ctx.block_allocator.dummy_block_idx
+    assert ctx.request_last_kv_block_id[1:3].tolist() == [dummy, dummy]
+    assert ctx.request_last_kv_block_id[0].item() != dummy
+    with pytest.raises(ValueError, match="already in the context"):
+        ctx.add_request(req(3))
+
+
+@pytest.mark.parametrize("rid", [0, 1, 7])
+def test_a_step_without_the_next_chunk_is_refused_whatever_the_request_id(rid):
+    """The chunked prefill request's placeholder token is never forwarded, also for the ids 0
+    and 1 (the check compares the id with -1)."""
+    ctx = make_ctx(max_tokens=16)
+    long = DynamicInferenceRequest(request_id=rid, prompt_tokens=torch.arange(100, 120),
+                                   sampling_params=SamplingParams(num_tokens_to_generate=4))
+    add(ctx, long, chunk_length=8)
+    ctx.chunked_prefill_request_id = rid
+    ctx.initialize_attention_state()
+    ctx.update_requests(torch.tensor([True]), torch.tensor([55]))
+    with pytest.raises(RuntimeError, match="needs its next chunk"):
+        ctx.initialize_attention_state()

@@ -60,11 +60,12 @@ def test_seeded_draws_do_not_depend_on_the_batch():
 
 def test_top_k_and_top_p_filter():
     sorted_logits = torch.log(torch.tensor([[0.5, 0.3, 0.1, 0.06, 0.04]] * 4))
-    kept = filter_sorted_logits(sorted_logits, torch.tensor([0, 2, 0, 0]),
-                                torch.tensor([0.0, 0.0, 0.75, 0.5]))
+    kept = filter_sorted_logits(sorted_logits.repeat(2, 1)[:5], torch.tensor([0, 2, 0, 0, 1]),
+                                torch.tensor([0.0, 0.0, 0.75, 0.5, 0.0]))
     finite = torch.isfinite(kept).sum(-1).tolist()
-    # no filter; top-2; top-p 0.75 keeps 0.5+0.3; top-p 0.5 keeps the first (mass reaches 0.5)
-    assert finite == [5, 2, 2, 1]
+    # no filter; top-2; top-p 0.75 keeps 0.5+0.3; top-p 0.5 keeps the first (mass reaches 0.5);
+    # top-1 keeps one (as stated; the engine's callers send no greedy row, is_greedy)
+    assert finite == [5, 2, 2, 1, 1]
 
 
 def test_sampled_frequencies_follow_the_distribution():

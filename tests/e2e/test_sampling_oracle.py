@@ -88,3 +88,23 @@ def test_greedy_rows_beside_sampled_rows_keep_the_argmax_and_rows_stay_apart():
         u = np.random.default_rng([p.seed, indices[i]]).random()
         token, distance = oracle(logits[i].double().numpy(), p.temperature, p.top_k, p.top_p, u)
         assert distance > MARGIN and tokens[i] == token, i
+
+
+def test_tied_logits_rank_by_token_id():
+    """Equal logits keep their token order in the sorted distribution (a stable sort): the
+    token a seeded draw picks among ties is the oracle's. 24 entries in three tied groups (an
+    unstable CPU sort reorders ties from 17 entries up)."""
+    logits = torch.tensor([0.0, 1.0, 2.0] * 8)
+    rows = 32
+    params = [SamplingParams(temperature=1.0, seed=500 + i) for i in range(rows)]
+    tokens = sample(logits.repeat(rows, 1), params, [0] * rows,
+                    np.random.default_rng(0)).tolist()
+    checked = 0
+    for i in range(rows):
+        u = np.random.default_rng([500 + i, 0]).random()
+        token, distance = oracle(logits.double().numpy(), 1.0, 0, 1.0, u)
+        if distance > MARGIN:
+            assert tokens[i] == token, (i, u)
+            checked += 1
+    assert checked >= rows - 2
+    assert len(set(tokens)) >= 8

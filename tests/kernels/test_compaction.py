@@ -122,6 +122,9 @@ CASES = [
                       new_token_offset=2, num_new_tokens=4), id="int32_new_tokens"),
     pytest.param(dict(max_requests=10, max_blocks=9, plan_src=[9, 8, 7, 6, 5, 4, 3, 2, 1, 0],
                       appends={9: (8, 77)}), id="full_table_reversed"),
+    # A block table of one column (max_kv_block_count 1).
+    pytest.param(dict(max_requests=4, max_blocks=1, plan_src=[1, 0, -1], clear_rows=4,
+                      appends={2: (0, 40)}), id="one_column"),
 ]
 
 
@@ -168,6 +171,23 @@ def test_disjoint_halves_of_one_allocation_are_allowed():
                      new_token_offset=4, num_rows=4, clear_rows=0, backend="triton")
     assert torch.equal(both[:4], both[4:].flip(0))
     assert torch.equal(tokens[:4], torch.tensor([7, 6, 5, 4], device=DEVICE))
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_a_source_row_just_past_the_sampled_rows_takes_token_0(backend):
+    """Source row ``new_token_offset + len(new_tokens)``: its blocks, and token 0, as a row
+    without a source; the kernel reads no token past ``new_tokens`` (here a view whose next
+    element is 99)."""
+    src_table, src_tokens = _source_state(6, 3)
+    buffer = torch.tensor([50, 51, 99], device=DEVICE)
+    plan = [torch.tensor(v, dtype=torch.int32, device=DEVICE)
+            for v in ([4, 3, 1], [-1] * 3, [-1] * 3)]
+    table = torch.full_like(src_table, 3)
+    tokens = torch.full_like(src_tokens, 3)
+    compact_requests(table, src_table, tokens, src_tokens, buffer[:2], *plan,
+                     new_token_offset=2, num_rows=3, clear_rows=3, backend=backend)
+    assert torch.equal(table[:3], src_table[[4, 3, 1]])
+    assert tokens[:3].tolist() == [0, 51, int(src_tokens[1])]
 
 
 def test_custom_op_matches_reference():

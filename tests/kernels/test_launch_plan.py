@@ -265,6 +265,40 @@ class TestUnderTheInterpreter:
             call(*good)
             assert plan_caches()["compact_requests"].hits == hits + 1, message
 
+    def test_a_plan_never_serves_the_torch_backend(self, monkeypatch):
+        """After a Triton launch planned these arguments, ``backend="torch"`` still runs the
+        torch reference (the plan is the Triton path's only)."""
+        import importlib
+
+        from dynctx.kernels import compaction
+
+        kv_module = importlib.import_module("dynctx.kernels.kv_append")   # not the function
+        clear_plans()
+        ran = []
+        for module, name in ((kv_module, "kv_append_ref"),
+                             (compaction, "compact_requests_ref")):
+            real = getattr(module, name)
+            monkeypatch.setattr(module, name,
+                                lambda *a, _real=real, _name=name, **k: (ran.append(_name),
+                                                                         _real(*a, **k)))
+        cache, key, value, block_ids, slots = self._kv_case(3)
+        for backend in ("triton", "triton", "torch"):
+            kv_module.kv_append(cache[0], cache[1], key, value, block_ids, slots,
+                                backend=backend)
+        table = torch.arange(12, dtype=torch.int32).view(4, 3)
+        tokens = torch.arange(4, dtype=torch.int64)
+        plan = [torch.tensor(v, dtype=torch.int32) for v in ([1, 0, 3], [-1] * 3, [-1] * 3)]
+        for backend in ("triton", "triton", "torch"):
+            dst, dst_tokens = torch.zeros_like(table), torch.zeros_like(tokens)
+            compaction.compact_requests(dst, table, dst_tokens, tokens,
+                                        torch.tensor([70, 71]), *plan, new_token_offset=2,
+                                        num_rows=3, clear_rows=4, backend=backend)
+            assert dst[:3].tolist() == [[3, 4, 5], [0, 1, 2], [9, 10, 11]], backend
+            assert dst_tokens.tolist() == [1, 0, 71, 0], backend
+        assert plan_caches()["kv_append"].hits >= 1
+        assert plan_caches()["compact_requests"].hits >= 1
+        assert ran == ["kv_append_ref", "compact_requests_ref"]
+
     def test_varying_counts_reusing_plans_match_the_reference(self):
         from dynctx.kernels import kv_append, last_token_logits, mamba_state_gather
 

@@ -319,3 +319,89 @@ def test_decode_over_more_than_256_splits():
     config = KernelConfig.make(BLOCK_N=128, SPLIT_TOKENS=128, num_warps=4)
     assert config in paged_attention_decode_configs({})
     check_against_reference(case, q_lens, kv_lens, config=config)
+
+
+# ---------------------------------------------------------------- the launcher's own paths
+# (cases bench/mutation.py's survivors showed untested: CONTRIBUTING.md "Mutation testing")
+def _small_case(q_lens, kv_lens, seed=7):
+    return make_case(q_lens, kv_lens, padded_requests=len(kv_lens), padded_tokens=sum(q_lens),
+                     block_size=16, heads=4, kv_heads=1, dim=8, dtype=torch.float32, seed=seed)
+
+
+def test_every_request_may_be_named_decode():
+    q_lens, kv_lens = [1, 1, 1], [5, 20, 33]
+    check_against_reference(_small_case(q_lens, kv_lens), q_lens, kv_lens,
+                            num_decode_requests=3)
+
+
+def test_a_decode_config_serves_one_token_prompts_beside_decode_requests():
+    """``max_seqlen_q`` 1: every request runs the decode kernel, so one kernel's config is
+    fine whatever ``num_decode_requests`` counts (here one decode row, one 1-token prompt)."""
+    q_lens, kv_lens = [1, 1], [17, 1]
+    config = paged_attention_decode_default_config(DECODE_KEY)
+    check_against_reference(_small_case(q_lens, kv_lens), q_lens, kv_lens, config=config,
+                            num_decode_requests=1)
+
+
+def test_the_torch_backend_writes_into_out():
+    q_lens, kv_lens = [1, 6], [9, 6]
+    case = _small_case(q_lens, kv_lens)
+    out = poisoned_out(case[0])
+    got = paged_attention(*case, max_seqlen_q=6, max_seqlen_k=9, num_decode_requests=1, out=out,
+                          backend="torch")
+    assert got is out
+    assert torch.equal(out, paged_attention_ref(*case))
+
+
+def test_repeat_launches_replay_a_plan_and_torch_never_does(monkeypatch):
+    """The second identical Triton call replays the first one's plan (and allocates its own
+    ``out``); ``backend="torch"`` after it runs the reference, and only it does."""
+    import importlib
+
+    from dynctx.kernels.launch_plan import clear_plans, plan_caches
+
+    module = importlib.import_module("dynctx.kernels.paged_attention")   # not the function
+    calls = []
+    monkeypatch.setattr(module, "paged_attention_ref",
+                        lambda *a, **k: (calls.append(1), paged_attention_ref(*a, **k))[1])
+    q_lens, kv_lens = [1, 1], [30, 7]
+    case = _small_case(q_lens, kv_lens)
+    expected = paged_attention_ref(*case)
+    clear_plans()
+    plans = plan_caches()["paged_attention"]
+    results, hits = [], []
+    for backend in ("triton", "triton", "torch"):
+        before = plans.hits
+        results.append(paged_attention(*case, max_seqlen_q=1, max_seqlen_k=30, backend=backend))
+        hits.append(plans.hits - before)
+    assert hits[:2] == [0, 1] and calls == [1]
+    assert results[0] is not results[1]
+    for got in results:
+        torch.testing.assert_close(got, expected, **ATTENTION_TOLERANCE[torch.float32])
+
+
+@pytest.mark.parametrize("q_lens", [[1], [2]], ids=["decode", "varlen"])
+def test_a_grid_over_cudas_limit_is_refused(q_lens):
+    """65536 KV heads: a grid axis of 65536 programs, over CUDA's 65535 (axis 1 of the decode
+    grid, axis 2 of the varlen one), refused before the launch."""
+    heads = 65536
+    query = torch.zeros(sum(q_lens), heads, 16, device=DEVICE)
+    cache = torch.zeros(1, 2, heads, 16, device=DEVICE)
+    cu = torch.tensor([0, sum(q_lens)], dtype=torch.int32, device=DEVICE)
+    kv = torch.tensor([2], dtype=torch.int32, device=DEVICE)
+    table = torch.zeros(1, 1, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="over CUDA's limit of 65535"):
+        paged_attention(query, cache, cache, cu, kv, table, max_seqlen_q=max(q_lens),
+                        max_seqlen_k=2, backend="triton")
+
+
+def test_a_request_whose_splits_are_all_empty_merges_to_zeros():
+    partial = torch.randn(2, 1, 4, 16, generator=torch.Generator().manual_seed(1))
+    lse = torch.randn(2, 1, 4, generator=torch.Generator().manual_seed(2))
+    lse[1] = float("-inf")   # no key in any split (a request without keys)
+    out = torch.full((2, 1, 16), float("nan"))
+    cu = torch.tensor([0, 1, 2], dtype=torch.int32)
+    merge_attention_splits(out.to(DEVICE), partial.to(DEVICE), lse.to(DEVICE), cu.to(DEVICE),
+                           block_d=16)
+    torch.testing.assert_close(out.cpu(), merge_attention_splits_ref(partial, lse))
+    assert torch.equal(out[1].cpu(), torch.zeros(1, 16))
