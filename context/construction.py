@@ -22,7 +22,7 @@ import torch
 from dynctx.kernels.backend import check_backend_name, resolve_backend
 from dynctx.kernels.devices import indexed_device
 
-from . import compat
+from . import compat, prefix_options
 from .device_state import DeviceState
 from .errors import get_mem_size_str
 from .forward_pass import ForwardPass
@@ -35,12 +35,6 @@ from .kv_scales import check_kv_scales, resolve_kv_cache_dtype
 from .mamba_states import MambaMetadata, MambaStates
 from .offload import Offload, check_offload_args
 from .parallel import CountAgreement, ParallelGroups
-from .prefix_options import (
-    check_prefix_caching_args,
-    host_tier_with_groups,
-    prefix_snapshot_count,
-    warn_without_snapshots,
-)
 from .request_table import RequestTable
 from .requests import DynamicInferenceRequest
 from .sizing import (
@@ -207,7 +201,7 @@ def settle(*, agreement: CountAgreement, groups: ParallelGroups, default_max_tok
     offload_gb, management_mode, host_tier = check_offload_args(
         kv_offload_gb, kv_cache_management_mode, host_tier=prefix_caching_host_tier,
         enable_prefix_caching=enable_prefix_caching)
-    prefix_caching = check_prefix_caching_args(
+    prefix_caching = prefix_options.check_prefix_caching_args(
         enable_prefix_caching, prefix_caching_eviction_policy, prefix_caching_mamba_gb)
     device = resolve_device(device)
     check_backend_name(kernel_backend)
@@ -239,11 +233,11 @@ def settle(*, agreement: CountAgreement, groups: ParallelGroups, default_max_tok
                          speculative=speculative,
                          mla=bool(cache_mla_latent),
                          hybrid=layers.is_hybrid_model)
-    host_tier = host_tier_with_groups(host_tier, prefix_caching_host_tier, kv_spec,
-                                      kv_layer_windows)
+    host_tier = prefix_options.host_tier_with_groups(host_tier, prefix_caching_host_tier,
+                                                     kv_spec, kv_layer_windows)
     # The settings that steer the bookkeeping agree over the ranks, and the hybrid prefix
     # cache's snapshot count is reduced with the block counts (one all-reduce).
-    agreement.extra = [prefix_snapshot_count(prefix_caching, layers)]
+    agreement.extra = [prefix_options.prefix_snapshot_count(prefix_caching, layers)]
     agreement.same = dict(
         zip(("enable_prefix_caching", "prefix_caching_eviction_policy"), prefix_caching),
         num_cuda_graphs=num_cuda_graphs, validate=bool(validate), vocab_size=vocab_size,
@@ -414,7 +408,8 @@ def build_parts(settings: ContextSettings) -> ContextParts:
     mamba = None
     if layers.is_hybrid_model:
         if enable:
-            warn_without_snapshots(settings.snapshots, mamba_gb, layers.mamba_bytes_per_request)
+            prefix_options.warn_without_snapshots(settings.snapshots, mamba_gb,
+                                                  layers.mamba_bytes_per_request)
         mamba = MambaStates(layers, max_requests=rows, max_tokens=tokens, device=device,
                             kernel_backend=attrs["kernel_backend"],
                             snapshot_count=settings.snapshots,
