@@ -23,6 +23,7 @@ The first call of each launcher compiles its kernel for sm_90 (a few seconds eac
     python -P bench/launch_overhead.py                 # the table
     python -P bench/launch_overhead.py --json out.json
     python -P bench/launch_overhead.py --kernel kv_append --kernel step_metadata
+    python -P bench/launch_overhead.py --decode-loop 200 --layers 32   # see decode_loop
 """
 
 from __future__ import annotations
@@ -93,6 +94,12 @@ def recorded_dispatch(launch):
 def recorded_call(tuning, case):
     """The launcher call ``case.run(None)`` makes, as a function that repeats it with the same
     arguments (so the case's own argument building, views of its buffers, is not timed)."""
+    launcher, args, kwargs = recorded_arguments(tuning, case)
+    return lambda: launcher(*args, **kwargs)
+
+
+def recorded_arguments(tuning, case):
+    """``(launcher, args, kwargs)`` of the launcher call ``case.run(None)`` makes."""
     import importlib
 
     module = importlib.import_module(tuning.make_case.__module__)
@@ -111,7 +118,7 @@ def recorded_call(tuning, case):
     if len(calls) != 1:
         raise RuntimeError(f"{tuning.name}: its case called {name} {len(calls)} times, not once")
     (args, kwargs), = calls
-    return lambda: launcher(*args, **kwargs)
+    return launcher, args, kwargs
 
 
 def small_key(key: dict) -> dict:
@@ -177,6 +184,79 @@ def measure(calls: int, repeats: int, kernels: list[str] | None = None) -> dict:
                          "triton": triton.__version__}, "machine": platform.machine()}
 
 
+def decode_loop(steps: int, layers: int, start: int, repeats: int) -> dict:
+    """Host µs per decode step of paged attention: ``steps`` steps of ``layers`` calls (one per
+    layer, the same lengths), ``max_seqlen_k`` from ``start`` growing by one a step, as the
+    decode tuning's scratch case calls it (its first preset, counts made small, the block table
+    sized for the last step). Three ways, in the same run: ``classes``, the plan key as it is
+    (the lengths' classes, kernels/paged_attention_plan.py); ``exact``, the key holding the
+    lengths themselves, as before it (``length_classes`` answering the lengths: every step's
+    first call misses); ``no plan``, every call the full path. Each loop starts with the plans
+    emptied; per step the minimum over ``repeats`` loops."""
+    import importlib
+
+    from dynctx.kernels.stub_driver import stub_driver
+
+    # (The module: dynctx.kernels' own paged_attention is the launcher.)
+    attention_module = importlib.import_module("dynctx.kernels.paged_attention")
+
+    registry.import_kernel_modules(quiet=True)
+    tuning = autotune.get_tuning("paged_attention_decode")
+    key = dict(small_key(tuning.presets()[0]), max_seqlen_k=start + steps - 1)
+    case = tuning.make_case(key, torch.device("cpu"))
+    classes = attention_module.length_classes
+    ways = {"classes": (classes, "1"), "exact": (lambda q, k, decode, window: (q, k), "1"),
+            "no plan": (classes, "0")}
+    cache = launch_plan.plan_caches()["paged_attention"]
+    result = {"steps": steps, "layers": layers, "start": start, "repeats": repeats,
+              "key": registry.key_text(key), "ways": {}}
+    previous = os.environ.get(launch_plan.PLANS_ENV)
+    with stub_driver(record_launches=False):
+        launcher, args, kwargs = recorded_arguments(tuning, case)
+        for way, (length_classes, plans) in ways.items():
+            attention_module.length_classes = length_classes
+            os.environ[launch_plan.PLANS_ENV] = plans
+            best, misses = [float("inf")] * steps, 0
+            try:
+                for _ in range(repeats + 1):  # the first loop warms up, untimed
+                    clear_plans()
+                    misses = cache.misses
+                    for step in range(steps):
+                        kwargs["max_seqlen_k"] = start + step
+                        begin = time.thread_time_ns()
+                        for _ in range(layers):
+                            launcher(*args, **kwargs)
+                        best[step] = min(best[step], (time.thread_time_ns() - begin) / 1000.0)
+                    misses = cache.misses - misses
+            finally:
+                attention_module.length_classes = classes
+                if previous is None:
+                    os.environ.pop(launch_plan.PLANS_ENV, None)
+                else:
+                    os.environ[launch_plan.PLANS_ENV] = previous
+                clear_plans()
+            ordered = sorted(best)
+            result["ways"][way] = {
+                "step_us_mean": round(sum(best) / steps, 2),
+                "step_us_median": round(ordered[steps // 2], 2),
+                "step_us_max": round(ordered[-1], 2),
+                "call_us_mean": round(sum(best) / steps / layers, 2),
+                "misses_per_loop": misses}
+    return result
+
+
+def print_decode_loop(result: dict) -> None:
+    print(f"paged attention decode loop: {result['steps']} steps x {result['layers']} layers, "
+          f"max_seqlen_k {result['start']}..{result['start'] + result['steps'] - 1} "
+          f"({result['key']})")
+    print(f"{'key':<10}{'step mean':>11}{'median':>9}{'max':>10}{'per call':>10}{'misses':>8}"
+          "   (host CPU us per step)")
+    for way, row in result["ways"].items():
+        print(f"{way:<10}{row['step_us_mean']:>11.2f}{row['step_us_median']:>9.2f}"
+              f"{row['step_us_max']:>10.2f}{row['call_us_mean']:>10.2f}"
+              f"{row['misses_per_loop']:>8}")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--calls", type=int, default=2000)
@@ -185,13 +265,32 @@ def main(argv=None) -> int:
     parser.add_argument("--kernel", action="append", help="only these tunings (repeatable)")
     parser.add_argument("--baseline", help="a run's --json from before a change: kept in the "
                         "results as 'baseline', its launch column printed as 'before'")
+    parser.add_argument("--decode-loop", type=int, metavar="STEPS", help="instead of the table, "
+                        "paged attention over STEPS decode steps of a growing max_seqlen_k")
+    parser.add_argument("--layers", type=int, default=32, help="calls per decode step")
+    parser.add_argument("--start", type=int, default=1000, help="the first step's max_seqlen_k")
     args = parser.parse_args(argv)
     if not HAS_TRITON or triton_interpreting():
         print("launch_overhead: needs triton, compiled (TRITON_INTERPRET unset)", file=sys.stderr)
         return 2
+    command = "python -P bench/launch_overhead.py " + " ".join(
+        argv if argv is not None else sys.argv[1:])
+    if args.decode_loop:
+        result = decode_loop(args.decode_loop, args.layers, args.start, args.repeats)
+        result.update(benchmark="launch_overhead decode loop", command=command,
+                      load_average=list(os.getloadavg()),
+                      versions={"python": platform.python_version(),
+                                "torch": torch.__version__,
+                                "triton": __import__("triton").__version__},
+                      machine=platform.machine())
+        print_decode_loop(result)
+        if args.json:
+            with open(args.json, "w", encoding="utf-8") as f:
+                json.dump(result, f, indent=2, sort_keys=True)
+                f.write("\n")
+        return 0
     result = measure(args.calls, args.repeats, args.kernel)
-    result.update(benchmark="launch_overhead", command="python -P bench/launch_overhead.py "
-                  + " ".join(argv if argv is not None else sys.argv[1:]),
+    result.update(benchmark="launch_overhead", command=command,
                   load_average=list(os.getloadavg()))
     before = {}
     if args.baseline:

@@ -211,10 +211,10 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     if plan is not None:
         found = plan.launches_for(max_seqlen_q, max_seqlen_k)
         if found is not None:
-            return plan.launch(*found, (query, key_cache, value_cache,
-                                        torch.zeros_like(query) if out is None else out, sinks,
-                                        key_scale, value_scale, cu_query_lengths,
-                                        kv_seq_lengths, block_table))
+            return plan.launch(found, (query, key_cache, value_cache,
+                                       torch.zeros_like(query) if out is None else out, sinks,
+                                       key_scale, value_scale, cu_query_lengths, kv_seq_lengths,
+                                       block_table))
     num_requests = _check_inputs(query, key_cache, value_cache, cu_query_lengths, kv_seq_lengths,
                                  block_table, num_requests, max_seqlen_q, max_seqlen_k, out,
                                  window, sinks, key_scale, value_scale)

@@ -28,7 +28,6 @@ from __future__ import annotations
 import torch
 
 from ._common import GRID_LIMITS
-from .autotune import bucket_tokens
 from .launch_plan import KernelLaunch, launch_all
 from .paged_attention_decode import decode_workspace, walked_keys
 
@@ -42,19 +41,32 @@ MAX_VARIANTS = 64
 
 def length_classes(max_seqlen_q, max_seqlen_k, num_decode_requests, window) -> tuple:
     """The plan key's stand-ins for ``max_seqlen_q`` and ``max_seqlen_k`` (module docstring):
-    ``(1 or "more", bucket of the keys walked)`` where the decode kernel runs, ``("more",
+    ``(1 or "more", bucket_tokens of the keys walked)`` where the decode kernel runs, ``("more",
     "positive")`` where only the varlen one does, the two values themselves where they are not
-    positive ints (or the window or decode count is not an int >= 0, which the checks
-    refuse)."""
-    if (type(max_seqlen_q) is not int or type(max_seqlen_k) is not int or max_seqlen_q <= 0
-            or max_seqlen_k <= 0 or type(num_decode_requests) is not int
-            or type(window) is not int or window < 0):
-        return max_seqlen_q, max_seqlen_k
-    if max_seqlen_q == 1:
-        return 1, bucket_tokens(walked_keys(max_seqlen_k, window))
-    if num_decode_requests > 0:
-        return "more", bucket_tokens(walked_keys(max_seqlen_k, window))
-    return "more", "positive"
+    positive ints (or the window or decode count is not an int, or the window negative: the
+    checks refuse those). Every call of the launcher asks, and the layers of a step ask with
+    the same objects: the last answer is kept for them."""
+    global _LAST_CLASSES
+    last = _LAST_CLASSES
+    if (max_seqlen_k is last[0] and max_seqlen_q is last[1] and window is last[2]
+            and num_decode_requests is last[3]):
+        return last[4]
+    classes = (max_seqlen_q, max_seqlen_k)
+    if (type(max_seqlen_q) is type(max_seqlen_k) is type(window) is type(num_decode_requests)
+            is int and max_seqlen_q > 0 and max_seqlen_k > 0 and window >= 0):
+        if max_seqlen_q == 1 or num_decode_requests > 0:
+            walked = window if 0 < window < max_seqlen_k else max_seqlen_k
+            # bucket_tokens(walked), written out: the next power of two.
+            classes = (1 if max_seqlen_q == 1 else "more",
+                       1 << (walked - 1).bit_length() if walked > 1 else 1)
+        else:
+            classes = ("more", "positive")
+    # (One tuple, read and written whole: another thread sees this answer or the last.)
+    _LAST_CLASSES = (max_seqlen_k, max_seqlen_q, window, num_decode_requests, classes)
+    return classes
+
+
+_LAST_CLASSES = (None, None, None, None, None)
 
 
 def _fits(grid: tuple) -> bool:
@@ -64,8 +76,8 @@ def _fits(grid: tuple) -> bool:
 class AttentionPlan:
     """A key's kernel calls: the split-KV decode and its merge, then the varlen kernel (either
     part may be absent), per split and tile count, with the size of the decode's fp32
-    workspace; ``launch(launches, tensors)`` (laid out as ``ROLES``, without the workspace)
-    replays the ones ``launches_for`` gave."""
+    workspace; ``launch(found, tensors)`` (laid out as ``ROLES``, without the workspace)
+    replays what ``launches_for`` found."""
 
     def __init__(self, decode: tuple | None, varlen: KernelLaunch | None, workspace: int, *,
                  num_q_heads: int, head_dim: int, capacity: int, window: int):
@@ -81,6 +93,7 @@ class AttentionPlan:
         counts = (0 if decode is None else self.decode.kwargs["num_splits"],
                   0 if varlen is None else varlen.grid[1])
         self.variants = {counts: (launches, workspace)}
+        self._last = (None, None, None)
         # Under the interpreter no launch has a compiled kernel to call.
         self.direct = all(launch.direct for launch in launches)
 
@@ -93,13 +106,22 @@ class AttentionPlan:
         """``(launches, workspace)`` for a call of this plan's key with these lengths, or
         None where the full path must decide (a length over the block table's capacity, a
         grid over CUDA's limits, a count Triton would compile another kernel for)."""
+        # The layers of a step call with the same lengths: the last answer first.
+        last = self._last
+        if last[0] == max_seqlen_k and last[1] == max_seqlen_q:
+            return last[2]
         if max_seqlen_k > self.capacity:
             return None
         counts = (0 if self.split_tokens is None
                   else -(-walked_keys(max_seqlen_k, self.window) // self.split_tokens),
                   0 if self.tile_tokens is None else -(-max_seqlen_q // self.tile_tokens))
         found = self.variants.get(counts)
-        return found if found is not None else self._vary(*counts)
+        if found is None:
+            found = self._vary(*counts)
+            if found is None:
+                return None
+        self._last = (max_seqlen_k, max_seqlen_q, found)
+        return found
 
     def _vary(self, splits: int, tiles: int) -> tuple | None:
         launches, workspace = [], 0
@@ -121,7 +143,8 @@ class AttentionPlan:
         found = self.variants[splits, tiles] = (tuple(launches), workspace)
         return found
 
-    def launch(self, launches: tuple, workspace: int, tensors: tuple) -> torch.Tensor:
+    def launch(self, found: tuple, tensors: tuple) -> torch.Tensor:
+        launches, workspace = found
         workspace = (tensors[0].new_empty(workspace, dtype=torch.float32) if workspace
                      else None)
         tensors = (*tensors, workspace)
