@@ -147,13 +147,14 @@ class KernelLaunch:
         """This launch with ``grid`` and ``values`` (scalar arguments by name) in place of its
         own, made without Triton; None where Triton would pick another compiled kernel for
         them (a value of another type, or specialised otherwise: then take the full path).
-        Raises ``ValueError`` for a pointer, a constexpr or a kernel under heuristics (which
-        could read the value): no plan may vary those."""
+        Raises ``ValueError`` for a pointer, a constexpr, or any value of a kernel under
+        heuristics (which could read it): no plan may vary those."""
         jit = self.kernel
-        if HAS_TRITON and isinstance(jit, Heuristics):
-            raise ValueError(f"{jit.fn.__name__}: a kernel under heuristics is never varied")
+        if values and HAS_TRITON and isinstance(jit, Heuristics):
+            raise ValueError(f"{jit.fn.__name__}: a kernel under heuristics takes no other "
+                             "values (only another grid)")
         # (An interpreted kernel has no params: its signature names the constexprs.)
-        signature = inspect.signature(jit.fn).parameters
+        signature = inspect.signature(jit.fn).parameters if values else {}
         params = {param.name: param for param in getattr(jit, "params", ())}
         fixed_names = [name for name in signature if name not in self.pointer_names]
         fixed = list(self._fixed) if self._compiled is not None else None
@@ -171,7 +172,9 @@ class KernelLaunch:
                 fixed[fixed_names.index(name)] = value
         other = object.__new__(KernelLaunch)
         for slot in KernelLaunch.__slots__:
-            setattr(other, slot, getattr(self, slot))
+            # (Without a compiled kernel the replay's slots were never set.)
+            if hasattr(self, slot):
+                setattr(other, slot, getattr(self, slot))
         other.grid = tuple(grid)
         other.kwargs = {**self.kwargs, **values}
         if fixed is not None:

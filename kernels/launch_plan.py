@@ -303,6 +303,59 @@ class PlanCache:
                 f"{self.hits} hits, {self.misses} misses)")
 
 
+# Counts a CountPlan keeps launches for: the count tuples of a run's recent steps.
+MAX_VARIANTS = 64
+
+
+class CountPlan:
+    """The plan of a launcher whose key holds its host counts by class (what picks its config
+    and which launches run) rather than by value: one launch per tuple of counts, the first
+    made by the full path, each other by ``vary(counts, tensors)`` (the launcher's checks of
+    those counts against this call's tensors, which raise as the full path's do, then its
+    first launch ``varied`` to their grid and values; None: take the full path) and kept, at
+    most ``MAX_VARIANTS``. ``extra`` is the launcher's own (an output's shape, say)."""
+
+    __slots__ = ("variants", "vary", "extra")
+
+    def __init__(self, counts: tuple, launch: KernelLaunch, vary, extra=None):
+        self.variants = {counts: launch}
+        self.vary, self.extra = vary, extra
+
+    @classmethod
+    def first_axis(cls, count: int, launch: KernelLaunch, lowest: int, highest: int, *,
+                   extra=None) -> "CountPlan":
+        """The plan of a launch whose count is its grid's first axis and no argument: other
+        counts vary that axis where ``lowest <= count <= highest`` (what the launcher's checks
+        let through for its key); the full path decides any other."""
+        def vary(other, tensors):
+            if type(other) is int and lowest <= other <= highest:
+                return launch.varied((other, *launch.grid[1:]))
+            return None
+        return cls(count, launch, vary, extra)
+
+    @property
+    def launches(self) -> tuple:
+        return tuple(self.variants.values())
+
+    def launch_for(self, counts: tuple, tensors: tuple) -> KernelLaunch | None:
+        launch = self.variants.get(counts)
+        if launch is None:
+            launch = self.vary(counts, tensors)
+            if launch is not None:
+                if len(self.variants) >= MAX_VARIANTS:
+                    self.variants.clear()
+                self.variants[counts] = launch
+        return launch
+
+
+def count_class(count):
+    """A count as a key part where it picks a config: its ``bucket_tokens`` (the next power
+    of two, 0 kept apart) for a plain int >= 0, else itself (the full path decides)."""
+    if type(count) is int and count >= 0:
+        return 1 << (count - 1).bit_length() if count > 1 else count
+    return count
+
+
 def plan_caches() -> dict[str, PlanCache]:
     return {cache.name: cache for cache in _CACHES}
 
