@@ -153,23 +153,24 @@ class KernelLaunch:
         if values and HAS_TRITON and isinstance(jit, Heuristics):
             raise ValueError(f"{jit.fn.__name__}: a kernel under heuristics takes no other "
                              "values (only another grid)")
-        # (An interpreted kernel has no params: its signature names the constexprs.)
-        signature = inspect.signature(jit.fn).parameters if values else {}
-        params = {param.name: param for param in getattr(jit, "params", ())}
-        fixed_names = [name for name in signature if name not in self.pointer_names]
+        scalars = self._scalars if values else {}
         fixed = list(self._fixed) if self._compiled is not None else None
         for name, value in values.items():
             old = self.kwargs.get(name)
-            param = params.get(name)
-            if name not in self.kwargs or "constexpr" in str(signature[name].annotation):
+            if name not in scalars:
                 raise ValueError(f"{name} is no scalar argument of {jit.fn.__name__}")
             if type(value) is not type(old) or type(value) not in (int, float):
                 return None
             if fixed is not None:
-                if param.annotation_type or (_specialised(param, value)
-                                             != _specialised(param, old)):
+                param, index, unspecialised = scalars[name]
+                # An unspecialised int keeps its kernel within int32 (Triton's i32 argument);
+                # anything else is compared as Triton specialises it.
+                if not (unspecialised and type(value) is int and _I32 <= value < -_I32
+                        and _I32 <= old < -_I32) and (
+                            param.annotation_type
+                            or _specialised(param, value) != _specialised(param, old)):
                     return None
-                fixed[fixed_names.index(name)] = value
+                fixed[index] = value
         other = object.__new__(KernelLaunch)
         for slot in KernelLaunch.__slots__:
             # (Without a compiled kernel the replay's slots were never set.)
@@ -181,6 +182,27 @@ class KernelLaunch:
             other._fixed = tuple(fixed)
             other._grid3 = (other.grid + (1, 1))[:3]
         return other
+
+    @property
+    def _scalars(self) -> dict:
+        """The arguments ``varied`` may change, by name: ``(param, index in _fixed, whether it
+        is an unannotated do_not_specialize one)`` (param None under the interpreter); read
+        from the kernel's signature once (it is slow)."""
+        # (By the kernel's id, kept alive in the entry: hashing a JITFunction is slow.)
+        key = (id(self.kernel), self.pointer_names)
+        kernel, scalars = _SCALARS.get(key, (None, None))
+        if kernel is not self.kernel:
+            # (An interpreted kernel has no params: its signature names the constexprs.)
+            signature = inspect.signature(self.kernel.fn).parameters
+            params = {param.name: param for param in getattr(self.kernel, "params", ())}
+            fixed = [name for name in signature if name not in self.pointer_names]
+            scalars = {name: (params.get(name), fixed.index(name),
+                              name in params and params[name].do_not_specialize
+                              and not params[name].annotation_type)
+                       for name in fixed if name in self.kwargs
+                       and "constexpr" not in str(signature[name].annotation)}
+            _SCALARS[key] = (self.kernel, scalars)
+        return scalars
 
     def launch_with(self, tensors: dict) -> None:
         """``launch`` with each pointer taken from ``tensors`` by its role."""
@@ -253,6 +275,12 @@ def launch_all(launches: tuple, tensors) -> None:
             launch._rebuild(launch._pick(tensors))
         else:
             launch._replay(launch._pick(tensors), stream, enter, leave, read)
+
+
+# KernelLaunch._scalars per (kernel, pointer names): a few dozen kernels in a process.
+_SCALARS: dict = {}
+# The least int32: Triton passes an int in [_I32, -_I32) as i32, a larger one as i64 or u64.
+_I32 = -2 ** 31
 
 
 def _specialised(param, value) -> tuple:

@@ -221,6 +221,8 @@ class TestOnTheStubDriver:
         assert same.kwargs["num_splits"] == 7 and decode.kwargs["num_splits"] != 7
         # A 64-bit value: Triton would compile the kernel for an i64 argument.
         assert decode.varied(decode.grid, lse_offset=2 ** 31) is None
+        for value in (2 ** 31 - 1, -2 ** 31):   # int32's ends: Triton's i32, the same kernel
+            assert decode.varied(decode.grid, lse_offset=value)._compiled is decode._compiled
         assert decode.varied(decode.grid, num_splits=2.0) is None
         with pytest.raises(ValueError, match="BLOCK_N is no scalar argument"):
             decode.varied(decode.grid, BLOCK_N=32)
