@@ -169,7 +169,8 @@ def compact_requests(dst_block_table: torch.Tensor, src_block_table: torch.Tenso
     counts = (new_token_offset, num_rows, clear_rows)
     plan, plan_key = _PLANS.find(
         (dst_block_table, src_block_table, dst_next_tokens, src_next_tokens, new_tokens, plan_src,
-         plan_append_col, plan_append_block), (*_row_classes(*counts), check, backend), config)
+         plan_append_col, plan_append_block),
+        (*_row_classes(new_token_offset, num_rows, clear_rows), check, backend), config)
     launch = None if plan is None else plan.launch_for(counts, ())
     if launch is not None:
         if plan.extra:
@@ -259,11 +260,22 @@ def compact_requests(dst_block_table: torch.Tensor, src_block_table: torch.Tenso
 
 def _row_classes(new_token_offset, num_rows, clear_rows) -> tuple:
     """The plan key's stand-in for the counts: the bucket of the rows written (the config's),
-    or the counts themselves where one is not a plain int >= 0."""
+    or the counts themselves where one is not a plain int >= 0. Every call asks, mostly with
+    the last call's count objects: the last answer is kept for them."""
+    global _LAST_CLASSES
+    last = _LAST_CLASSES
+    if num_rows is last[0] and clear_rows is last[1] and new_token_offset is last[2]:
+        return last[3]
+    classes = (new_token_offset, num_rows, clear_rows)
     if (type(new_token_offset) is type(num_rows) is type(clear_rows) is int and num_rows >= 0
             and clear_rows >= 0):
-        return (count_class(max(num_rows, clear_rows)),)
-    return new_token_offset, num_rows, clear_rows
+        classes = (count_class(max(num_rows, clear_rows)),)
+    # (One tuple, read and written whole: another thread sees this answer or the last.)
+    _LAST_CLASSES = (num_rows, clear_rows, new_token_offset, classes)
+    return classes
+
+
+_LAST_CLASSES = (None,) * 4
 
 
 def _vary_rows(launch, limits, counts: tuple, tensors: tuple):

@@ -23,11 +23,13 @@ where torch lacks that check (``GUARDS`` is None: it is private to torch, so it 
 import and dropped if it does not refuse what it must), the LRU of keys built from Python
 (``launch_key``); a hit there is promoted. Both give the same plan for the same call.
 
-A key holds the scalar arguments as they are, but for a length that changes on every call
-and shapes nothing but counts a plan can recompute: paged attention's key holds the class of
-``max_seqlen_q`` and ``max_seqlen_k`` (``paged_attention_plan.py``), and its plan checks the
-bound the key no longer covers and varies its launches (``KernelLaunch.varied``) per count.
-``KernelLaunch`` (``kernel_launch.py``) is what a plan replays.
+A key holds the scalar arguments as they are, but for the host lengths and counts that
+change from step to step and decide nothing but a config's bucket and counts a plan can
+recompute: those are in the key by class (``count_class``: the bucket of the tuning key),
+and the plan keeps a launch per value, made from its first by ``KernelLaunch.varied`` after
+the launcher's checks of the value (``CountPlan``; paged attention's own,
+``paged_attention_plan.py``). ``KernelLaunch`` (``kernel_launch.py``) is what a plan
+replays.
 
 Each launcher module owns its ``PlanCache`` (an LRU of at most ``capacity`` keys); the caches
 register here only so that ``clear_plans()`` and ``plan_caches()`` can reach them.

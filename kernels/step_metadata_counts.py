@@ -28,13 +28,26 @@ def count_classes(num_requests, num_decode, active_tokens, padded_tokens, padded
                   row_offset) -> tuple:
     """The plan key's stand-ins for the counts: the buckets of the padded tokens and of the
     requests, whether a prefill row is there, whether any padded request is (an empty step
-    launches nothing); the counts themselves where one is not a plain int."""
-    counts = (num_requests, num_decode, active_tokens, padded_tokens, padded_requests,
-              row_offset)
-    if not all(type(count) is int for count in counts):
-        return counts
-    return (count_class(padded_tokens), count_class(num_requests), num_requests > num_decode,
-            count_class(padded_requests))
+    launches nothing); the counts themselves where one is not a plain int. Every call asks,
+    mostly with the last call's count objects: the last answer is kept for them."""
+    global _LAST_CLASSES
+    last = _LAST_CLASSES
+    if (padded_tokens is last[0] and num_requests is last[1] and num_decode is last[2]
+            and padded_requests is last[3] and active_tokens is last[4]
+            and row_offset is last[5]):
+        return last[6]
+    if (type(num_requests) is type(num_decode) is type(active_tokens) is type(padded_tokens)
+            is type(padded_requests) is type(row_offset) is int):
+        classes = (count_class(padded_tokens), count_class(num_requests),
+                   num_requests > num_decode, count_class(padded_requests))
+        # (One tuple, read and written whole: another thread sees this answer or the last.)
+        _LAST_CLASSES = (padded_tokens, num_requests, num_decode, padded_requests,
+                         active_tokens, row_offset, classes)
+        return classes
+    return num_requests, num_decode, active_tokens, padded_tokens, padded_requests, row_offset
+
+
+_LAST_CLASSES = (None,) * 7
 
 
 def grid_and_sizes(num_requests, num_decode, active_tokens, padded_tokens, padded_requests,
