@@ -223,6 +223,13 @@ class TestOnTheStubDriver:
         assert decode.varied(decode.grid, lse_offset=2 ** 31) is None
         for value in (2 ** 31 - 1, -2 ** 31):   # int32's ends: Triton's i32, the same kernel
             assert decode.varied(decode.grid, lse_offset=value)._compiled is decode._compiled
+        # ... as Triton's own specialiser has it (varied skips asking it within int32).
+        from dynctx.kernels.kernel_launch import _specialised
+
+        param, _, unspecialised = decode._scalars["lse_offset"]
+        assert unspecialised
+        assert (_specialised(param, 2 ** 31 - 1) == _specialised(param, -2 ** 31)
+                == _specialised(param, 7) != _specialised(param, 2 ** 31))
         assert decode.varied(decode.grid, num_splits=2.0) is None
         with pytest.raises(ValueError, match="BLOCK_N is no scalar argument"):
             decode.varied(decode.grid, BLOCK_N=32)
