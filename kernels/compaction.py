@@ -24,6 +24,8 @@ raises ``IndexError`` instead.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from . import autotune
@@ -31,7 +33,7 @@ from ._common import check_tensor, check_writable, custom_op
 from .autotune import KernelConfig, KernelTuning, TuneCase, bucket_tokens
 from .backend import HAS_TRITON, resolve_backend
 from .devices import same_device
-from .launch_plan import KernelLaunch, PlanCache
+from .launch_plan import CountPlan, KernelLaunch, PlanCache, count_class
 
 # Per launch key (launch_plan.py): the checks passed, the config, the grid, the arguments.
 _PLANS = PlanCache("compact_requests")
@@ -162,15 +164,18 @@ def compact_requests(dst_block_table: torch.Tensor, src_block_table: torch.Tenso
     copied at the edge. Every argument is checked before anything is written: a refused call
     leaves ``dst_*`` untouched.
     """
+    # The counts by class (the config's bucket), their launches per value in the plan
+    # (launch_plan.CountPlan, _vary_rows).
+    counts = (new_token_offset, num_rows, clear_rows)
     plan, plan_key = _PLANS.find(
         (dst_block_table, src_block_table, dst_next_tokens, src_next_tokens, new_tokens, plan_src,
          plan_append_col, plan_append_block),
-        (new_token_offset, num_rows, clear_rows, check, backend), config)
-    if plan is not None:
-        launch, pairs = plan
-        if pairs:
+        (*_row_classes(new_token_offset, num_rows, clear_rows), check, backend), config)
+    launch = None if plan is None else plan.launch_for(counts, ())
+    if launch is not None:
+        if plan.extra:
             _check_disjoint((dst_block_table, src_block_table, dst_next_tokens, src_next_tokens,
-                             new_tokens), pairs)
+                             new_tokens), plan.extra)
         launch.launch((dst_block_table, dst_next_tokens, src_block_table, src_next_tokens,
                        new_tokens, plan_src, plan_append_col, plan_append_block))
         return
@@ -234,7 +239,7 @@ def compact_requests(dst_block_table: torch.Tensor, src_block_table: torch.Tenso
         src_block_table_ptr=src_block_table, src_next_tokens_ptr=src_next_tokens,
         new_tokens_ptr=new_tokens, plan_src_ptr=plan_src, plan_append_col_ptr=plan_append_col,
         plan_append_block_ptr=plan_append_block)
-    _PLANS.put(plan_key, (KernelLaunch(_compact_requests_kernel, grid, dict(
+    launch = KernelLaunch(_compact_requests_kernel, grid, dict(
         **pointers, num_rows=num_rows, end_rows=end_rows, num_src_rows=src_block_table.shape[0],
         new_token_offset=new_token_offset, num_new_tokens=new_tokens.shape[0],
         max_blocks=max_blocks,
@@ -244,7 +249,50 @@ def compact_requests(dst_block_table: torch.Tensor, src_block_table: torch.Tenso
         stride_new_tokens=new_tokens.stride(0), stride_plan_src=plan_src.stride(0),
         stride_plan_append_col=plan_append_col.stride(0),
         stride_plan_append_block=plan_append_block.stride(0),
-        **config.launch_kwargs()), pointers), pairs))
+        **config.launch_kwargs()), pointers)
+    # The counts the checks let through for this key (any, without checks).
+    limits = None if not check else (
+        min(dst_block_table.shape[0], dst_next_tokens.shape[0]), src_next_tokens.shape[0],
+        min(entries.numel() for entries in (plan_src, plan_append_col, plan_append_block)))
+    _PLANS.put(plan_key, CountPlan(counts, launch, functools.partial(_vary_rows, launch, limits),
+                                   pairs))
+
+
+def _row_classes(new_token_offset, num_rows, clear_rows) -> tuple:
+    """The plan key's stand-in for the counts: the bucket of the rows written (the config's),
+    or the counts themselves where one is not a plain int >= 0. Every call asks, mostly with
+    the last call's count objects: the last answer is kept for them."""
+    global _LAST_CLASSES
+    last = _LAST_CLASSES
+    if num_rows is last[0] and clear_rows is last[1] and new_token_offset is last[2]:
+        return last[3]
+    classes = (new_token_offset, num_rows, clear_rows)
+    if (type(new_token_offset) is type(num_rows) is type(clear_rows) is int and num_rows >= 0
+            and clear_rows >= 0):
+        classes = (count_class(max(num_rows, clear_rows)),)
+    # (One tuple, read and written whole: another thread sees this answer or the last.)
+    _LAST_CLASSES = (num_rows, clear_rows, new_token_offset, classes)
+    return classes
+
+
+_LAST_CLASSES = (None,) * 4
+
+
+def _vary_rows(launch, limits, counts: tuple, tensors: tuple):
+    """A plan's launch for other counts: its rows' grid and count arguments where the checks
+    let them through (``limits``: rows written, source tokens, plan entries), else None (the
+    full path refuses them)."""
+    new_token_offset, num_rows, clear_rows = counts
+    if not type(new_token_offset) is type(num_rows) is type(clear_rows) is int:
+        return None
+    end_rows = max(num_rows, clear_rows)
+    if limits is not None and not (0 <= num_rows <= limits[2] and 0 <= clear_rows
+                                   and end_rows <= limits[0]
+                                   and 0 <= new_token_offset <= limits[1]):
+        return None
+    grid = (triton.cdiv(end_rows, launch.kwargs["BLOCK_R"]), *launch.grid[1:])
+    return launch.varied(grid, num_rows=num_rows, end_rows=end_rows,
+                         new_token_offset=new_token_offset)
 
 
 def compact_requests_ref(dst_block_table: torch.Tensor, src_block_table: torch.Tensor,

@@ -22,7 +22,7 @@ from ._shapes import LLAMA_3_8B
 from .autotune import KernelConfig, KernelTuning, TuneCase, bucket_tokens, dtype_name
 from .backend import HAS_TRITON, resolve_backend
 from .devices import same_device
-from .launch_plan import KernelLaunch, PlanCache
+from .launch_plan import CountPlan, KernelLaunch, PlanCache, count_class
 
 # Per launch key (launch_plan.py): the checks passed, the config, the grid, the arguments and
 # the shape and dtype of the outputs each call allocates.
@@ -162,12 +162,12 @@ def last_token_logits(logits: torch.Tensor, cu_query_lengths: torch.Tensor, num_
     Returns ``[num_requests, V]``: row ``i`` is ``logits[cu_query_lengths[i + 1] - 1]``, bit-exact
     (or its fp32 log-softmax).
     """
-    plan, plan_key = _LAST_TOKEN_PLANS.find((logits, cu_query_lengths, out),
-                                            (num_requests, log_softmax, backend), config)
-    if plan is not None:
-        launch, out_shape, out_dtype = plan
+    plan, plan_key = _LAST_TOKEN_PLANS.find((logits, cu_query_lengths, out), (
+        count_class(num_requests), log_softmax, backend), config)   # (the config's bucket)
+    launch = None if plan is None else plan.launch_for(num_requests, ())
+    if launch is not None:
         if out is None:
-            out = torch.empty(out_shape, dtype=out_dtype, device=logits.device)
+            out = logits.new_empty((num_requests, plan.extra[0]), dtype=plan.extra[1])
         launch.launch((out, logits, cu_query_lengths))
         return out
     logits = _check_logits(logits)
@@ -192,6 +192,8 @@ def last_token_logits(logits: torch.Tensor, cu_query_lengths: torch.Tensor, num_
         rows = last_token_logits_ref(logits, cu_query_lengths, num_requests,
                                      log_softmax=log_softmax)
         return rows if out is None else out.copy_(rows)
+    # The counts a plan of this key takes (launch_plan.CountPlan): cu_query_lengths' (out's).
+    rows = (num_requests,) * 2 if out is not None else (1, cu_query_lengths.numel() - 1)
     if out is None:
         out = torch.empty(num_requests, vocab_size, dtype=out_dtype, device=logits.device)
     if num_requests == 0 or vocab_size == 0:
@@ -218,7 +220,8 @@ def last_token_logits(logits: torch.Tensor, cu_query_lengths: torch.Tensor, num_
             stride_logits_row=logits.stride(0), stride_logits_col=logits.stride(1),
             stride_cu=cu_query_lengths.stride(0),
             **config.launch_kwargs()), pointers)
-    _LAST_TOKEN_PLANS.put(plan_key, (launch, tuple(out.shape), out.dtype))
+    _LAST_TOKEN_PLANS.put(plan_key, CountPlan.first_axis(num_requests, launch, *rows,
+                                                         extra=(vocab_size, out.dtype)))
     return out
 
 

@@ -23,18 +23,13 @@ where torch lacks that check (``GUARDS`` is None: it is private to torch, so it 
 import and dropped if it does not refuse what it must), the LRU of keys built from Python
 (``launch_key``); a hit there is promoted. Both give the same plan for the same call.
 
-``KernelLaunch`` calls the ``CompiledKernel`` that Triton's ``JITFunction.run`` returned,
-the way that ``run`` does (the same in Triton 3.6 and 3.9: ``kernel.run(grid_0, grid_1,
-grid_2, stream, kernel.function, kernel.packed_metadata, launch_metadata, enter_hook,
-exit_hook, *args)``, every kernel parameter in order, constexprs included), which also skips
-Triton's own binding. It reads the current device and stream at every launch (a CUDA graph
-captures on its own stream) and goes through Triton again when the device changed; while
-Triton's launch-hook chains are empty it hands the launcher no hooks and builds no launch
-metadata (nothing would read them), as soon as a profiler joins one it does as ``run``. Under
-``TRITON_INTERPRET=1`` there is no compiled kernel: the plan calls the kernel through Triton
-with its stored arguments. Triton's knobs (``debug``, instrumentation) are read, and its check
-that a kernel's globals did not change is made, when a plan is made; ``clear_plans()`` forgets
-every plan (call it after changing either).
+A key holds the scalar arguments as they are, but for the host lengths and counts that
+change from step to step and decide nothing but a config's bucket and counts a plan can
+recompute: those are in the key by class (``count_class``: the bucket of the tuning key),
+and the plan keeps a launch per value, made from its first by ``KernelLaunch.varied`` after
+the launcher's checks of the value (``CountPlan``; paged attention's own,
+``paged_attention_plan.py``). ``KernelLaunch`` (``kernel_launch.py``) is what a plan
+replays.
 
 Each launcher module owns its ``PlanCache`` (an LRU of at most ``capacity`` keys); the caches
 register here only so that ``clear_plans()`` and ``plan_caches()`` can reach them.
@@ -47,13 +42,14 @@ import operator
 import os
 import weakref
 from collections import OrderedDict
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 
 from . import autotune
 from .autotune import KernelConfig
 from .backend import BACKEND_ENV, HAS_TRITON, env_get
+from .kernel_launch import KernelLaunch, launch_all, tensor_arguments  # noqa: F401 (re-export)
 
 # Keys per launcher: a run sees a few dozen token counts per launcher (decode batch sizes,
 # prefill chunks); the LRU keeps the recent ones.
@@ -67,15 +63,7 @@ PLANS_ENV = "DYNCTX_LAUNCH_PLANS"
 _CACHES: "weakref.WeakSet[PlanCache]" = weakref.WeakSet()
 
 if HAS_TRITON:
-    from triton import knobs
     from triton.runtime import driver as _DRIVERS
-    from triton.runtime.autotuner import Heuristics
-    from triton.runtime.jit import JITFunction
-
-    try:
-        from triton.knobs import HookChain as _HookChain
-    except ImportError:  # hooks of another kind: every launch builds their metadata
-        _HookChain = None
 else:
     class _DRIVERS:  # no Triton: no driver, and no plan is ever made
         _active = None
@@ -317,6 +305,59 @@ class PlanCache:
                 f"{self.hits} hits, {self.misses} misses)")
 
 
+# Counts a CountPlan keeps launches for: the count tuples of a run's recent steps.
+MAX_VARIANTS = 64
+
+
+class CountPlan:
+    """The plan of a launcher whose key holds its host counts by class (what picks its config
+    and which launches run) rather than by value: one launch per tuple of counts, the first
+    made by the full path, each other by ``vary(counts, tensors)`` (the launcher's checks of
+    those counts against this call's tensors, which raise as the full path's do, then its
+    first launch ``varied`` to their grid and values; None: take the full path) and kept, at
+    most ``MAX_VARIANTS``. ``extra`` is the launcher's own (an output's shape, say)."""
+
+    __slots__ = ("variants", "vary", "extra")
+
+    def __init__(self, counts: tuple, launch: KernelLaunch, vary, extra=None):
+        self.variants = {counts: launch}
+        self.vary, self.extra = vary, extra
+
+    @classmethod
+    def first_axis(cls, count: int, launch: KernelLaunch, lowest: int, highest: int, *,
+                   extra=None) -> "CountPlan":
+        """The plan of a launch whose count is its grid's first axis and no argument: other
+        counts vary that axis where ``lowest <= count <= highest`` (what the launcher's checks
+        let through for its key); the full path decides any other."""
+        def vary(other, tensors):
+            if type(other) is int and lowest <= other <= highest:
+                return launch.varied((other, *launch.grid[1:]))
+            return None
+        return cls(count, launch, vary, extra)
+
+    @property
+    def launches(self) -> tuple:
+        return tuple(self.variants.values())
+
+    def launch_for(self, counts: tuple, tensors: tuple) -> KernelLaunch | None:
+        launch = self.variants.get(counts)
+        if launch is None:
+            launch = self.vary(counts, tensors)
+            if launch is not None:
+                if len(self.variants) >= MAX_VARIANTS:
+                    self.variants.clear()
+                self.variants[counts] = launch
+        return launch
+
+
+def count_class(count):
+    """A count as a key part where it picks a config: its ``bucket_tokens`` (the next power
+    of two, 0 kept apart) for a plain int >= 0, else itself (the full path decides)."""
+    if type(count) is int and count >= 0:
+        return 1 << (count - 1).bit_length() if count > 1 else count
+    return count
+
+
 def plan_caches() -> dict[str, PlanCache]:
     return {cache.name: cache for cache in _CACHES}
 
@@ -325,175 +366,3 @@ def clear_plans() -> None:
     """Forget every launcher's plans: the next calls take the full path and plan again."""
     for cache in list(_CACHES):
         cache.clear()
-
-
-def _unwrap(kernel, kwargs: dict) -> tuple[Any, dict]:
-    """The ``JITFunction`` under ``@triton.heuristics`` layers and the keyword arguments it
-    gets from them (each heuristic evaluated as ``Heuristics.run`` does)."""
-    kwargs = dict(kwargs)
-    while isinstance(kernel, Heuristics):
-        for name, heuristic in kernel.values.items():
-            kwargs[name] = heuristic(kwargs)
-        kernel = kernel.fn
-    return kernel, kwargs
-
-
-def _role_of(name: str, value, roles: dict) -> str:
-    for role, tensor in roles.items():
-        if tensor is value:
-            return role
-    raise ValueError(f"pointer argument {name} is none of the tensors {sorted(roles)}")
-
-
-def tensor_arguments(kwargs: dict) -> tuple[str, ...]:
-    """The names of the tensor values of ``kwargs``: a kernel call's pointers."""
-    return tuple(name for name, value in kwargs.items() if isinstance(value, torch.Tensor))
-
-
-class KernelLaunch:
-    """One kernel call of a plan: launched once through Triton when made, then replayed with
-    new pointers by ``launch(pointers)``.
-
-    ``pointer_names`` are the kernel arguments that change from call to call (the tensors,
-    whose addresses move); ``launch`` takes them in that order, as a tuple. Every other
-    argument is fixed by the launch key and kept.
-    """
-
-    __slots__ = ("kernel", "grid", "kwargs", "pointer_names", "roles", "_pick", "_compiled",
-                 "_fixed", "_permute", "_device", "_grid3", "_run", "_function", "_packed")
-
-    def __init__(self, kernel, grid: tuple[int, ...], kwargs: dict, pointer_names: Iterable[str],
-                 roles: dict | None = None):
-        self.kernel = kernel
-        self.grid = tuple(grid)
-        self.pointer_names = tuple(pointer_names)
-        # With ``roles`` (role name -> this call's tensor), each pointer is named by the role
-        # whose tensor it is, and ``launch_with({role: tensor})`` launches a later call.
-        self.roles = None if roles is None else tuple(
-            _role_of(name, kwargs[name], roles) for name in self.pointer_names)
-        missing = [name for name in self.pointer_names if name not in kwargs]
-        if missing:
-            raise ValueError(f"pointer arguments {missing} are not among the kernel's arguments")
-        unnamed = [name for name, value in kwargs.items()
-                   if isinstance(value, torch.Tensor) and name not in self.pointer_names]
-        if unnamed:
-            raise ValueError(f"tensor arguments {unnamed} are not named as pointers: a plan "
-                             "would launch later calls with this call's tensors")
-        # Kept without the pointers: a plan must not hold the tensors of the call that made it.
-        self.kwargs = {name: value for name, value in kwargs.items()
-                       if name not in self.pointer_names}
-        self._compiled = None
-        jit, full = _unwrap(kernel, kwargs)
-        if isinstance(jit, JITFunction):
-            if self.roles is not None:
-                # Taken by role, the pointers can come in the kernel's order: a launch is then
-                # the pointers followed by the fixed arguments, with no permutation (_build).
-                order = {param.name: index for index, param in enumerate(jit.params)}
-                pairs = sorted(zip(self.pointer_names, self.roles), key=lambda p: order[p[0]])
-                self.pointer_names = tuple(name for name, _ in pairs)
-                self.roles = tuple(role for _, role in pairs)
-            self._build(jit, full)
-        else:
-            # The interpreter (TRITON_INTERPRET=1): Triton runs the kernel itself.
-            kernel[self.grid](**kwargs)
-        self._pick = None if not self.roles else (
-            operator.itemgetter(*self.roles) if len(self.roles) > 1
-            else (lambda tensors, role=self.roles[0]: (tensors[role],)))
-
-    def _build(self, jit, full: dict) -> None:
-        """Launch once through ``jit.run`` and keep what a replay needs of its kernel."""
-        device = _DRIVERS.active.get_current_device()
-        compiled = jit.run(grid=self.grid, warmup=False, **full)
-        if compiled is None or not hasattr(compiled, "packed_metadata"):
-            return
-        names = [param.name for param in jit.params]
-        defaults = jit.signature.parameters
-        args = [full[name] if name in full else defaults[name].default for name in names]
-        slots = [names.index(name) for name in self.pointer_names]
-        fixed = [index for index in range(len(names)) if index not in slots]
-        # A launch's arguments: the pointers, then the fixed ones, put in the kernel's order by
-        # one C-level permutation (none when the pointers come first and in order, the
-        # kernels' convention).
-        self._fixed = tuple(args[index] for index in fixed)
-        position = {index: at for at, index in enumerate(slots + fixed)}
-        order = tuple(position[index] for index in range(len(names)))
-        self._permute = None if order == tuple(range(len(names))) else operator.itemgetter(*order)
-        self._device = device
-        self._grid3 = (self.grid + (1, 1))[:3]
-        # What JITFunction.run reads from the kernel on every launch, read once.
-        self._run = compiled.run
-        self._function = compiled.function
-        self._packed = compiled.packed_metadata
-        self._compiled = compiled
-
-    def launch_with(self, tensors: dict) -> None:
-        """``launch`` with each pointer taken from ``tensors`` by its role."""
-        self.launch(self._pick(tensors))
-
-    @property
-    def direct(self) -> bool:
-        """Whether ``launch`` calls the compiled kernel itself (not the interpreter)."""
-        return self._compiled is not None
-
-    def launch(self, pointers: tuple) -> None:
-        compiled = self._compiled
-        if compiled is None:
-            self.kernel[self.grid](**self.kwargs, **dict(zip(self.pointer_names, pointers)))
-            return
-        active = _DRIVERS.active
-        device = active.get_current_device()
-        if device != self._device:
-            self._rebuild(pointers)
-            return
-        self._replay(pointers, active.get_current_stream(device), *_launch_hooks())
-
-    def take_by_position(self, roles: tuple) -> None:
-        """Take ``launch_with``'s pointers from a tuple laid out as ``roles`` (role names)
-        instead of a dict: a tuple is cheaper to build per call."""
-        positions = tuple(roles.index(role) for role in self.roles)
-        self._pick = (operator.itemgetter(*positions) if len(positions) > 1
-                      else operator.itemgetter(slice(positions[0], positions[0] + 1)))
-
-    def _rebuild(self, pointers: tuple) -> None:
-        """Another current device: Triton compiles (or finds) the kernel for it, once."""
-        self._compiled = None
-        self._build(*_unwrap(self.kernel, {**self.kwargs,
-                                           **dict(zip(self.pointer_names, pointers))}))
-
-    def _replay(self, pointers: tuple, stream, enter, leave, read: bool) -> None:
-        args = pointers + self._fixed
-        if self._permute is not None:
-            args = self._permute(args)
-        metadata = self._compiled.launch_metadata(self.grid, stream, *args) if read else None
-        grid_0, grid_1, grid_2 = self._grid3
-        self._run(grid_0, grid_1, grid_2, stream, self._function, self._packed, metadata, enter,
-                  leave, *args)
-
-
-def _launch_hooks() -> tuple:
-    """``(enter, leave, read)``: the launch hooks to hand the launcher and whether one reads
-    the launch's metadata. As JITFunction.run does, the hooks (a profiler's) get it from
-    CompiledKernel.launch_metadata (None without an enter hook). Triton's hooks are chains,
-    empty unless something joined one: then the launcher is handed none (it calls a hook that
-    is not None, and an empty chain does nothing) and no metadata is built."""
-    runtime = knobs.runtime
-    enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
-    if (type(enter) is _HookChain and not enter.calls and type(leave) is _HookChain
-            and not leave.calls):
-        return None, None, False
-    return enter, leave, enter is not None
-
-
-def launch_all(launches: tuple, tensors) -> None:
-    """``launch_with(tensors)`` of each of ``launches`` in order (the kernel calls of one
-    plan, each calling its compiled kernel), the current device, stream and launch hooks read
-    once for all of them."""
-    active = _DRIVERS.active
-    device = active.get_current_device()
-    stream = active.get_current_stream(device)
-    enter, leave, read = _launch_hooks()
-    for launch in launches:
-        if launch._device != device:
-            launch._rebuild(launch._pick(tensors))
-        else:
-            launch._replay(launch._pick(tensors), stream, enter, leave, read)

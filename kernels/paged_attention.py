@@ -35,7 +35,7 @@ from .autotune import KernelConfig, KernelTuning, TuneCase
 from .backend import resolve_backend
 from .devices import same_device
 from .fp8 import check_head_scale, dequantize_ref, is_fp8
-from .launch_plan import PlanCache, launch_all
+from .launch_plan import PlanCache
 from .paged_attention_decode import (
     launch_decode,
     paged_attention_decode_configs,
@@ -43,6 +43,7 @@ from .paged_attention_decode import (
     paged_attention_decode_presets,
     paged_attention_decode_tune_key,
 )
+from .paged_attention_plan import AttentionPlan, length_classes
 from .paged_attention_tile import ATTENTION_TOLERANCE, MAX_GROUP, MAX_HEAD_DIM
 from .paged_attention_varlen import (
     launch_varlen,
@@ -201,15 +202,19 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
 
     Returns ``[n, Hq, D]`` in query's dtype; padding rows are zero when the launcher allocates.
     """
+    # The key holds the lengths' classes, not the lengths (paged_attention_plan.py).
     plan, plan_key = _PLANS.find(
         (query, key_cache, value_cache, cu_query_lengths, kv_seq_lengths, block_table, sinks, out,
          key_scale, value_scale),
-        (max_seqlen_q, max_seqlen_k, softmax_scale, num_requests, num_decode_requests, window,
-         backend), config)
+        (*length_classes(max_seqlen_q, max_seqlen_k, num_decode_requests, window),
+         softmax_scale, num_requests, num_decode_requests, window, backend), config)
     if plan is not None:
-        return plan.launch((query, key_cache, value_cache,
-                            torch.zeros_like(query) if out is None else out, sinks, key_scale,
-                            value_scale, cu_query_lengths, kv_seq_lengths, block_table))
+        found = plan.launches_for(max_seqlen_q, max_seqlen_k)
+        if found is not None:
+            return plan.launch(found, (query, key_cache, value_cache,
+                                       torch.zeros_like(query) if out is None else out, sinks,
+                                       key_scale, value_scale, cu_query_lengths, kv_seq_lengths,
+                                       block_table))
     num_requests = _check_inputs(query, key_cache, value_cache, cu_query_lengths, kv_seq_lengths,
                                  block_table, num_requests, max_seqlen_q, max_seqlen_k, out,
                                  window, sinks, key_scale, value_scale)
@@ -244,50 +249,21 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                    block_table=block_table)
     roles = {name: tensor for name, tensor in tensors.items() if tensor is not None}
     launch = dict(tensors, scale=scale, window=window, config=config, roles=roles)
-    launches, workspace = [], 0
+    pair, varlen, workspace = None, None, 0
     if decode:
         *pair, workspace = launch_decode(**launch, num_requests=decode, max_seqlen_k=max_seqlen_k)
-        launches += pair
     if decode < num_requests:
         # The kernel indexes from the first prefill request (a host count, not a view of the
         # index tensors: their alignment would change with it, and with it the compiled kernel).
-        launches.append(launch_varlen(**launch, first_request=decode,
-                                      num_requests=num_requests - decode,
-                                      max_seqlen_q=max_seqlen_q))
+        varlen = launch_varlen(**launch, first_request=decode, num_requests=num_requests - decode,
+                               max_seqlen_q=max_seqlen_q)
     # A plan names each pointer by the argument it was: only where no two arguments are one
     # tensor (a later call of that key may pass two).
     if len({id(tensor) for tensor in roles.values()}) == len(roles):
-        _PLANS.put(plan_key, _AttentionPlan(tuple(launches), workspace))
+        _PLANS.put(plan_key, AttentionPlan(
+            pair, varlen, workspace, num_q_heads=num_q_heads, head_dim=head_dim,
+            capacity=block_table.shape[1] * key_cache.shape[1], window=window))
     return out
-
-
-# The tensors of a planned call, in the order paged_attention passes them (the workspace last).
-_ROLES = ("query", "key_cache", "value_cache", "out", "sinks", "key_scale", "value_scale",
-          "cu_query_lengths", "kv_seq_lengths", "block_table", "workspace")
-
-
-class _AttentionPlan:
-    """A key's kernel calls (launch_plan.py): the split-KV decode and its merge, then the
-    varlen kernel (either pair may be absent), and the size of the decode's fp32 workspace;
-    ``launch(tensors)`` (laid out as ``_ROLES``, without the workspace) replays them."""
-
-    def __init__(self, launches: tuple, workspace: int):
-        self.launches, self.workspace = launches, workspace
-        for launch in launches:
-            launch.take_by_position(_ROLES)
-        # Under the interpreter no launch has a compiled kernel to call.
-        self.direct = all(launch.direct for launch in launches)
-
-    def launch(self, tensors: tuple) -> torch.Tensor:
-        workspace = (tensors[0].new_empty(self.workspace, dtype=torch.float32)
-                     if self.workspace else None)
-        tensors = (*tensors, workspace)
-        if self.direct:
-            launch_all(self.launches, tensors)
-        else:
-            for launch in self.launches:
-                launch.launch_with(tensors)
-        return tensors[3]
 
 
 def paged_attention_ref(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

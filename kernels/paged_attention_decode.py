@@ -115,6 +115,20 @@ if HAS_TRITON:
         tl.store(partial_lse_ptr + lse_offset + rows, lse, mask=mask_g)
 
 
+def walked_keys(max_seqlen_k: int, window: int) -> int:
+    """The keys a query walks at most: a window bounds them (the grid and the tuning key take
+    that bound)."""
+    return min(max_seqlen_k, window) if window else max_seqlen_k
+
+
+def decode_workspace(num_requests: int, num_q_heads: int, head_dim: int,
+                     num_splits: int) -> tuple[int, int]:
+    """``(lse_offset, size)`` of the fp32 workspace between the decode kernel and the merge:
+    the partial outputs ``[requests, Hq, splits, D]``, then their log-sum-exps."""
+    lse_offset = num_requests * num_q_heads * num_splits * head_dim
+    return lse_offset, lse_offset + num_requests * num_q_heads * num_splits
+
+
 def launch_decode(*, query, key_cache, value_cache, out, scale, window, sinks, config,
                   cu_query_lengths, kv_seq_lengths, block_table, num_requests,
                   max_seqlen_k, key_scale=None, value_scale=None, roles=None):
@@ -126,8 +140,7 @@ def launch_decode(*, query, key_cache, value_cache, out, scale, window, sinks, c
     log-sum-exps ``[requests, Hq, splits]``, one allocation."""
     num_q_heads, head_dim = query.shape[1:]
     num_kv_heads = key_cache.shape[2]
-    # A window bounds the keys a query walks: the grid and the tuning key take that bound.
-    walked = min(max_seqlen_k, window) if window else max_seqlen_k
+    walked = walked_keys(max_seqlen_k, window)
     if config is None:
         key = paged_attention_decode_tune_key(
             num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
@@ -141,8 +154,7 @@ def launch_decode(*, query, key_cache, value_cache, out, scale, window, sinks, c
     check_grid("paged_attention decode", grid,
                f"max_seqlen_k={max_seqlen_k} (window {window}) in splits of "
                f"{config.kwargs['SPLIT_TOKENS']}")
-    lse_offset = num_requests * num_q_heads * num_splits * head_dim
-    size = lse_offset + num_requests * num_q_heads * num_splits
+    lse_offset, size = decode_workspace(num_requests, num_q_heads, head_dim, num_splits)
     workspace = torch.empty(size, dtype=torch.float32, device=query.device)
     roles = {**(roles or {}), "workspace": workspace}
     # tl.dot wants at least 16 rows: the group's query heads, padded.

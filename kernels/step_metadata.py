@@ -26,22 +26,28 @@ copy (or clear) one row of ``attn_block_table`` in ``BLOCK_C`` column tiles.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from . import autotune
-from ._common import check_tensor, check_writable, custom_op
+from ._common import custom_op
 from ._shapes import BLOCK_SIZE
 from .autotune import KernelConfig, KernelTuning, TuneCase, bucket_tokens
 from .backend import HAS_TRITON, resolve_backend
-from .launch_plan import KernelLaunch, PlanCache
+from .launch_plan import CountPlan, KernelLaunch, PlanCache
+from .step_metadata_counts import (
+    TOKEN_OUTPUTS,
+    check_step,
+    count_classes,
+    grid_and_sizes,
+    vary_step,
+)
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
 
-TOKEN_OUTPUTS = ("token_to_input_ids", "token_to_pos_ids", "token_to_request_idx",
-                 "token_to_block_idx", "token_to_position_in_request",
-                 "token_to_local_position_within_kv_block")
 
 # The kernel's stride argument of each TOKEN_OUTPUTS entry, in the same order.
 _OUTPUT_STRIDES = ("input_ids", "pos_ids", "request_idx", "block_idx", "position", "local_slot")
@@ -227,87 +233,53 @@ def step_metadata(token_to_input_ids: torch.Tensor, token_to_pos_ids: torch.Tens
     tensors = (token_to_input_ids, token_to_pos_ids, token_to_request_idx, token_to_block_idx,
                token_to_position_in_request, token_to_local_position_within_kv_block,
                attn_block_table, next_tokens, prompt_tokens, block_table, kv_offsets,
-               cu_query_lengths)
-    plan, plan_key = _PLANS.find((*tensors, query_lengths), (
-        num_requests, num_decode, active_tokens, padded_tokens, padded_requests, row_offset,
-        block_size, dummy_block, check, backend), config)
+               cu_query_lengths, query_lengths)
+    counts = (num_requests, num_decode, active_tokens, padded_tokens, padded_requests, row_offset)
+    # The counts by class (step_metadata_counts.py), their launches per value in the plan.
+    plan, plan_key = _PLANS.find(tensors, (*count_classes(*counts), block_size, dummy_block,
+                                           check, backend), config)
     if plan is not None:
-        return plan.launch(tensors)
+        launch = plan.launch_for(counts, tensors)
+        if launch is not None:
+            return launch.launch(tensors[:-1])
     device = block_table.device if isinstance(block_table, torch.Tensor) else None
     num_requests, num_decode, active_tokens, padded_tokens, padded_requests, block_size = map(
         int, (num_requests, num_decode, active_tokens, padded_tokens, padded_requests, block_size))
-    token_outputs = tensors[:6]
-    outputs = dict(zip(TOKEN_OUTPUTS, token_outputs), attn_block_table=attn_block_table)
     if check:
-        if not 0 <= num_decode <= num_requests:
-            raise ValueError(f"num_decode={num_decode} must be in [0, num_requests={num_requests}]")
-        if not 0 <= active_tokens <= padded_tokens:
-            raise ValueError(f"active_tokens={active_tokens} and padded_tokens={padded_tokens} "
-                             "must satisfy 0 <= active_tokens <= padded_tokens")
-        if padded_requests < num_requests:
-            raise ValueError(f"padded_requests={padded_requests} < num_requests={num_requests}")
-        if block_size <= 0:
-            raise ValueError(f"block_size={block_size} must be positive")
-        check_tensor("block_table", block_table, dims=2, dtypes=(torch.int32,), device=device,
-                     min_rows=num_requests, device_of="block_table")
-        for name, out in zip(TOKEN_OUTPUTS, token_outputs):
-            check_tensor(name, out, dims=1, dtypes=(torch.int64,), device=device,
-                         min_rows=padded_tokens, device_of="block_table")
-        check_tensor("attn_block_table", attn_block_table, dims=2, dtypes=(torch.int32,),
-                     device=device, min_rows=padded_requests, device_of="block_table")
-        if attn_block_table.shape[1] != block_table.shape[1]:
-            raise ValueError(f"attn_block_table has {attn_block_table.shape[1]} columns, "
-                             f"block_table {block_table.shape[1]}")
-        for name, tensor, dtypes, rows in (
-                ("query_lengths", query_lengths, (torch.int32,), num_requests),
-                ("kv_offsets", kv_offsets, (torch.int32,), num_requests),
-                ("cu_query_lengths", cu_query_lengths, (torch.int32,), num_requests + 1),
-                ("next_tokens", next_tokens, (torch.int64, torch.int32), num_requests),
-                ("prompt_tokens", prompt_tokens, (torch.int64, torch.int32),
-                 max(active_tokens - num_decode, 0))):
-            check_tensor(name, tensor, dims=1, dtypes=dtypes, device=device, min_rows=rows,
-                         device_of="block_table")
-        check_writable(*((name, out[:padded_tokens])
-                         for name, out in zip(TOKEN_OUTPUTS, token_outputs)),
-                       ("attn_block_table", attn_block_table[:padded_requests]))
+        check_step(tensors, num_requests, num_decode, active_tokens, padded_tokens,
+                   padded_requests, block_size)
     if resolve_backend(backend, device) == "torch":
-        step_metadata_ref(**outputs, block_table=block_table, query_lengths=query_lengths,
-                          kv_offsets=kv_offsets, cu_query_lengths=cu_query_lengths,
-                          next_tokens=next_tokens, prompt_tokens=prompt_tokens,
-                          num_requests=num_requests, num_decode=num_decode,
-                          active_tokens=active_tokens, padded_tokens=padded_tokens,
-                          padded_requests=padded_requests, row_offset=row_offset,
-                          block_size=block_size, dummy_block=dummy_block)
+        step_metadata_ref(**dict(zip(TOKEN_OUTPUTS, tensors[:6])),
+                          attn_block_table=attn_block_table, block_table=block_table,
+                          query_lengths=query_lengths, kv_offsets=kv_offsets,
+                          cu_query_lengths=cu_query_lengths, next_tokens=next_tokens,
+                          prompt_tokens=prompt_tokens, num_requests=num_requests,
+                          num_decode=num_decode, active_tokens=active_tokens,
+                          padded_tokens=padded_tokens, padded_requests=padded_requests,
+                          row_offset=row_offset, block_size=block_size, dummy_block=dummy_block)
         return
     max_blocks = block_table.shape[1]
-    num_prefill = num_requests - num_decode
     if padded_tokens == 0 and padded_requests == 0:
         return
     if config is None:
         key = step_metadata_tune_key(max_blocks=max_blocks, block_size=block_size,
                                      num_tokens=padded_tokens, num_requests=num_requests,
-                                     prefill=num_prefill > 0)
+                                     prefill=num_requests > num_decode)
         config, _ = autotune.resolve_config("step_metadata", key, device)
-    block_t = config.kwargs["BLOCK_T"]
-    num_decode_programs = triton.cdiv(num_decode, block_t)
-    num_prefill_programs = triton.cdiv(active_tokens - num_decode, block_t) if num_prefill else 0
-    num_pad_programs = triton.cdiv(padded_tokens - active_tokens, block_t)
-    grid = (num_decode_programs + num_prefill_programs + num_pad_programs + padded_requests,)
+    grid, sizes = grid_and_sizes(num_requests, num_decode, active_tokens, padded_tokens,
+                                 padded_requests, row_offset, config.kwargs["BLOCK_T"])
     pointers = dict(zip(_POINTERS, tensors))
-    _PLANS.put(plan_key, KernelLaunch(_step_metadata_kernel, grid, dict(
-        **pointers, num_requests=num_requests, num_decode=num_decode, active_tokens=active_tokens,
-        padded_tokens=padded_tokens, padded_requests=padded_requests,
-        num_decode_programs=num_decode_programs, num_prefill_programs=num_prefill_programs,
-        num_pad_programs=num_pad_programs,
-        num_search_steps=(num_prefill - 1).bit_length() if num_prefill else 0,
-        row_offset=int(row_offset), block_size=block_size, dummy_block=int(dummy_block),
+    launch = KernelLaunch(_step_metadata_kernel, grid, dict(
+        **pointers, **sizes, block_size=block_size, dummy_block=int(dummy_block),
         max_blocks=max_blocks,
         stride_attn_row=attn_block_table.stride(0), stride_attn_col=attn_block_table.stride(1),
         stride_table_row=block_table.stride(0), stride_table_col=block_table.stride(1),
-        **{"stride_" + short: out.stride(0) for short, out in zip(_OUTPUT_STRIDES, token_outputs)},
+        **{"stride_" + short: out.stride(0) for short, out in zip(_OUTPUT_STRIDES, tensors[:6])},
         stride_next_tokens=next_tokens.stride(0), stride_prompt_tokens=prompt_tokens.stride(0),
         stride_kv_offsets=kv_offsets.stride(0), stride_cu=cu_query_lengths.stride(0),
-        **config.launch_kwargs()), pointers))
+        **config.launch_kwargs()), pointers)
+    _PLANS.put(plan_key, CountPlan(counts, launch, functools.partial(
+        vary_step, launch, check, block_size)))
 
 
 def step_metadata_ref(token_to_input_ids: torch.Tensor, token_to_pos_ids: torch.Tensor,
