@@ -336,20 +336,7 @@ class AsyncScheduling:
                                        len(state.request.generated_tokens))
             if reason is None:
                 continue
-            request_id = state.request_id
-            if item.kept and request_id not in pending.evicted:
-                # Its row is still in the context: the result comes once an update releases
-                # it (``release``), so that a delivered request has left the context and its
-                # id is free, as in the synchronous engine.
-                self.retired[request_id] = state
-                self._retired_finish[request_id] = (reason, now, pending.step, error)
-                self.counts["retired"] += 1
-                self.counts["retired_paused"] += request_id in pending.paused
-                continue
-            delivery.finish(state, reason, now, step=pending.step, error=error)
-            if item.kept:
-                self.steps.scheduler.discard(request_id)  # re-queued for recompute: not wanted
-                self.counts["evicted_stops"] += 1
+            self.finish_or_retire(state, item.kept, reason, now, pending, error)
 
     def before_suspend(self) -> List[int]:
         """Read the tokens in flight (the checkpoints need them); returns the retired ids,
@@ -369,3 +356,21 @@ class AsyncScheduling:
         reason, finished_at, step, error = self._retired_finish.pop(request_id)
         self.steps.delivery.finish(state, reason, finished_at, step=step, error=error)
         return True
+
+    def finish_or_retire(self, state: RequestState, kept: bool, reason: str, now: float,
+                         pending: PendingStep, error: Optional[str]) -> None:
+        """A request that finished at ``pending``'s step: delivered now, or retired while its
+        row is still in the context (``kept``, not evicted) until an update releases it
+        (``release``), so that a delivered request has left the context and its id is free,
+        as in the synchronous engine."""
+        request_id = state.request_id
+        if kept and request_id not in pending.evicted:
+            self.retired[request_id] = state
+            self._retired_finish[request_id] = (reason, now, pending.step, error)
+            self.counts["retired"] += 1
+            self.counts["retired_paused"] += request_id in pending.paused
+            return
+        self.steps.delivery.finish(state, reason, now, step=pending.step, error=error)
+        if kept:
+            self.steps.scheduler.discard(request_id)  # re-queued for recompute: not wanted
+            self.counts["evicted_stops"] += 1

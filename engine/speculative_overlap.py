@@ -225,16 +225,7 @@ class SpeculativeAsync(AsyncScheduling):
             if reason is None:
                 continue
             left.append(request_id)
-            if item.kept and request_id not in pending.evicted:
-                self.retired[request_id] = state
-                self._retired_finish[request_id] = (reason, now, pending.step, error)
-                self.counts["retired"] += 1
-                self.counts["retired_paused"] += request_id in pending.paused
-                continue
-            delivery.finish(state, reason, now, step=pending.step, error=error)
-            if item.kept:
-                steps.scheduler.discard(request_id)
-                self.counts["evicted_stops"] += 1
+            self.finish_or_retire(state, item.kept, reason, now, pending, error)
         steps.stats.speculative = counts.as_dict()
         if left:
             steps.drafter.release(left)
