@@ -1,0 +1,116 @@
+"""The draft-model drafter kept in step with the target's requests (``engine/draft_model.py``,
+docs/SEMANTICS.md §19): greedy outputs equal transformers' greedy ``generate`` and the engine
+without speculation under pauses, evictions and chunked prefill (Llama and Qwen3 on the
+generic path, each with a smaller draft model and as its own draft model, which accepts at
+least 99 % of its drafts); and, step by step, the draft context holds what the target holds:
+each request admitted with the target's admission, its draft row never growing while the
+target holds it paused, finished (or evicted) with the target's row, re-added with it, and
+every row's tokens the target's history followed by its drafts."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from e2e_helpers import (
+    assert_pressure_stats,
+    build_engine,
+    greedy_requests,
+    hf_greedy,
+    make_prompts,
+    tiny_llama,
+)
+from generic_families import kv_block_bytes, tiny_family, without_windows
+
+from dynctx.engine import Engine
+from dynctx.engine.draft_model import DraftModelDrafter
+
+LENGTHS = [1, 5, 17, 40, 3, 33, 16, 48, 2, 9, 31, 12, 20, 7, 45, 15]
+GENS = [40, 24, 40, 16, 40, 32, 40, 24, 40, 12, 40, 28, 36, 40, 20, 40]
+
+
+def _pressure(hf, drafter, *, gib=None, step_check=None, **extra):
+    """The workload of tests/e2e/test_speculative_engine.py under pressure (10 blocks of 16,
+    2 paused, 32 tokens a step: pauses, evictions, chunked prefill), k = 3."""
+    prompts = make_prompts(LENGTHS, hf.config.vocab_size)
+    requests = greedy_requests(prompts, GENS)
+    kwargs = dict(kernel_backend="torch", **extra)
+    if gib is not None:
+        kwargs["gib"] = gib
+    engine = build_engine(hf, block_size=16, blocks=10, paused_blocks=2, max_tokens=32,
+                          num_speculative_tokens=3, drafter=drafter, **kwargs)
+    if step_check is not None:
+        engine.step_callback = lambda result: step_check(engine, result)
+    results = engine.generate_requests(requests, arrival_steps=[i // 2 for i in
+                                                                 range(len(requests))])
+    return engine, prompts, requests, results
+
+
+class FollowCheck:
+    """After each target step, the draft side against the target's context and requests."""
+
+    def __init__(self, drafter: DraftModelDrafter):
+        self.drafter = drafter
+        self.steps = self.paused_rows = 0
+        self.anchors = {}
+
+    def __call__(self, engine, result):
+        drafter, ctx = self.drafter, engine.context
+        live = ctx.host_request_ids()[:ctx.total_request_count].tolist()
+        paused = set(live[:ctx.paused_request_count])
+        held = {rid for rid, seq in drafter.by_target.items() if seq.state in ("live", "queued")}
+        # Every request the target holds is a row of the draft context since the step that
+        # admitted it (its prompt prefilled as far as the target's), and nothing else.
+        assert held == set(live), (sorted(held), sorted(live))
+        for rid in live:
+            seq = drafter.by_target[rid]
+            request = engine._intake.state(rid).request
+            assert seq.state == "live", rid
+            assert seq.cached >= min(request.finished_chunk_token_count, seq.known - 1), rid
+            history = np.concatenate([request.prompt_tokens.numpy(),
+                                      np.asarray(request.generated_tokens, dtype=np.int64)])
+            # Its tokens start with what the target has (prompt, verified tokens).
+            upto = min(seq.known, len(history))
+            assert np.array_equal(seq.tokens[:upto], history[:upto]), rid
+            if rid in paused and seq.state == "live":
+                # A paused request's draft row keeps the place the target left it at.
+                anchor = self.anchors.setdefault(rid, seq.anchor)
+                assert seq.anchor == anchor and seq.cached <= anchor + 4, rid
+                self.paused_rows += 1
+            else:
+                self.anchors.pop(rid, None)
+        self.steps += 1
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_outputs_equal_transformers_and_the_engine_without_speculation(family):
+    if family == "llama":
+        hf = tiny_llama()
+        draft = tiny_llama(seed=1, hidden=32, intermediate=64, layers=1)
+        gib = None
+    else:
+        hf = without_windows(tiny_family("qwen3"))
+        draft = without_windows(tiny_family("qwen3", seed=1))
+        gib = lambda h, bs, n: n * kv_block_bytes(hf)(h, bs) / 1024 ** 3  # noqa: E731
+    sizes = {} if gib is None else dict(gib=gib)
+    plain = build_engine(hf, block_size=16, blocks=10, paused_blocks=2, max_tokens=32,
+                         kernel_backend="torch", **sizes)
+    prompts = make_prompts(LENGTHS, hf.config.vocab_size)
+    expected = [r.generated_tokens for r in plain.generate_requests(
+        greedy_requests(prompts, GENS), arrival_steps=[i // 2 for i in range(len(LENGTHS))])]
+    assert expected == [hf_greedy(hf, p, g) for p, g in zip(prompts, GENS)]
+    for model, rate in ((draft, 0.0), (hf, 0.99)):
+        drafter = DraftModelDrafter(model, Engine, kernel_backend="torch")
+        check = FollowCheck(drafter)
+        engine, prompts, requests, results = _pressure(hf, drafter, step_check=check, **sizes)
+        assert_pressure_stats(engine.stats, results)
+        assert [r.generated_tokens for r in results] == expected
+        assert all(r.finish_reason == "length" for r in results)
+        spec = engine.stats.speculative
+        assert spec["acceptance_rate"] >= rate and spec["accepted_tokens"] > 0, spec
+        # Kept in step: one draft request per target admission (each new request, each one
+        # re-added after an eviction), none left at the end; paused rows were followed; the
+        # rejected drafts were rewound.
+        assert drafter.next_id == len(requests) + engine.stats.evictions
+        assert drafter.by_target == {}
+        assert check.steps > 20 and check.paused_rows > 0
+        assert drafter.rewound_tokens > 0
