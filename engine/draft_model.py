@@ -28,10 +28,11 @@ every request the target holds, for its whole life in the target.
 
 The draft context is sized from the target's (``bind``): the same block size and request rows,
 the target's token budget plus a token a row, and its blocks plus a few a row, so that it holds
-whatever the target holds. Should it still pause or evict a row of its own (a draft model with
-more KV bytes than the target's budget), or finish one at the draft model's
-``max_position_embeddings``, that row gets the n-gram drafter's proposal until it catches up:
-drafts never change the outputs, only how many are accepted. Greedy drafts are deterministic:
+whatever the target holds. Options given to the drafter win over these sizes: should the
+draft context then pause or evict a row of its own, or finish one at the draft model's
+``max_position_embeddings``, that row gets the n-gram drafter's proposal until it is back in
+step; should it find no row able to run, it starts over, every request re-added. Drafts never
+change the outputs, only how many are accepted. Greedy drafts are deterministic:
 verification treats them as one-hot proposals. A draft model with sliding windows keeps every
 block (``kv_groups=False``: a rewind may reach tokens a window passed); a hybrid draft model
 (Mamba layers) is refused at ``bind``: its states cannot go back to earlier steps.
@@ -118,7 +119,10 @@ class DraftModelDrafter:
     the draft model's adapter and context at ``bind``, from ``engine_options`` (the kernel
     backend, the device, ...) and the sizes the target's context gives; an option given here
     wins. Counters: ``rounds`` (``propose`` calls that ran the draft), ``forward_passes``,
-    ``tokens_processed`` and ``rewound_tokens`` of the draft context."""
+    ``tokens_processed`` and ``rewound_tokens`` of the draft context; what only a draft budget
+    given smaller than the target's makes happen: ``own_pauses`` and ``own_evictions`` (rows
+    the draft context paused or evicted by itself), ``restarts`` (the draft context emptied and
+    its requests re-added: ``update_requests`` found no row able to run)."""
 
     follows_requests = True
 
@@ -135,6 +139,7 @@ class DraftModelDrafter:
         self.next_id = 0
         self.in_step = False     # the draft context's last forward waits for its update
         self.rounds = self.forward_passes = self.tokens_processed = self.rewound_tokens = 0
+        self.restarts = self.own_pauses = self.own_evictions = 0
 
     # ------------------------------------------------------------------ the interface
     def bind(self, target: Any) -> None:
@@ -296,12 +301,21 @@ class DraftModelDrafter:
                               dtype=np.int64)
         finished = ctx.host_request_ids()[ctx.paused_request_count:ctx.total_request_count][
             ~keep].tolist()
-        ctx.update_requests(torch.from_numpy(keep), torch.from_numpy(tokens).to(ctx.device))
+        try:
+            ctx.update_requests(torch.from_numpy(keep), torch.from_numpy(tokens).to(ctx.device))
+        except RuntimeError as error:
+            if "no request can run" not in str(error):
+                raise
+            # No row of the draft context can run (its blocks, given smaller than the
+            # target's, cannot hold its paused rows): it starts over, every row re-added.
+            self._start_over()
+            return
         self.in_step = False
         for draft_id in finished:
             self.by_draft.pop(draft_id, None)
         for draft_id in ctx.max_length_finished_request_ids.tolist():
             self.by_draft.pop(draft_id).state = "gone"
+        self.own_pauses += len(ctx.newly_paused_request_ids)
         requeue = []
         for draft_id in ctx.evicted_request_ids.tolist():
             seq = self.by_draft[draft_id]
@@ -309,9 +323,26 @@ class DraftModelDrafter:
                 seq.state, seq.request, seq.pending = "queued", None, None
                 seq.cached = seq.valid = 0
                 requeue.append(draft_id)
+                self.own_evictions += 1
             else:
                 del self.by_draft[draft_id]
         self.scheduler.after_update(requeue)
+
+    def _start_over(self) -> None:
+        """Empty the draft context (``reset``) and queue every request it held again, with
+        its tokens as the prompt."""
+        self.context.reset()
+        self.scheduler.clear()
+        self.in_step = False
+        for draft_id, seq in list(self.by_draft.items()):
+            if seq.state == "leaving":
+                del self.by_draft[draft_id]
+                continue
+            seq.state, seq.request, seq.pending = "queued", None, None
+            seq.cached = seq.valid = 0
+            self.scheduler.submit(draft_id, 0)
+        self.scheduler.release(0)
+        self.restarts += 1
 
     def _request_for(self, draft_id: int) -> DynamicInferenceRequest:
         """The scheduler's request of a queued draft request: its tokens as the prompt (built
