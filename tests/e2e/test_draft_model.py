@@ -137,3 +137,58 @@ def test_a_draft_context_too_small_for_the_target_still_gives_the_outputs():
                                                      for p, g in zip(prompts, GENS[:8])]
     assert drafter.restarts > 0 and drafter.own_pauses + drafter.own_evictions > 0
     assert engine.stats.speculative["acceptance_rate"] > 0.9
+
+
+def test_each_round_rewinds_the_rejected_drafts_and_feeds_the_accepted_ones_and_the_bonus():
+    """One request driven by hand through ``admit`` / ``propose`` / ``release`` (the draft
+    model is the target itself, so its drafts are transformers' greedy continuation of the
+    history it is given): k draft steps a round; after a partial acceptance the rejected
+    drafts are rewound and the bonus token fed; after a full one, the last draft and the bonus
+    (k + 1 steps); a paused request's row stays where it was; a released one finishes."""
+    hf = tiny_llama(vocab=64)
+    target = Engine.from_transformers(hf, block_size_tokens=8, buffer_size_gb=0.01,
+                                      max_tokens=64, kernel_backend="torch",
+                                      num_speculative_tokens=3, drafter="ngram").context
+    drafter = DraftModelDrafter(hf, Engine, kernel_backend="torch")
+    drafter.bind(target)
+    prompt = [3, 9, 4, 17, 8, 21, 5]
+    first = hf_greedy(hf, prompt, 1)
+    drafter.admit(7, np.array(prompt))
+
+    def round_of(history):
+        before = (drafter.forward_passes, drafter.rewound_tokens)
+        drafts = drafter.propose([7], [np.array(history)], 3)[0].tolist()
+        assert drafts == hf_greedy(hf, history, 3), history
+        return drafter.forward_passes - before[0], drafter.rewound_tokens - before[1], drafts
+
+    history = prompt + first
+    assert round_of(history)[:2] == (3, 0)      # the prefill of the history gives draft 1
+    passes, rewound, drafts = round_of(history)  # nothing new: already drafted
+    assert (passes, rewound) == (0, 0)
+    # One draft accepted, then a bonus token of the target's own (not the second draft): the
+    # second draft goes (the third was never forwarded), the bonus is fed.
+    bonus = (drafts[1] + 1) % 64
+    history = history + drafts[:1] + [bonus]
+    passes, rewound, drafts = round_of(history)
+    assert (passes, rewound) == (3, 1)
+    # Every draft accepted, and the bonus: the third draft and the bonus are fed (k + 1 steps).
+    history = history + drafts + hf_greedy(hf, history + drafts, 1)
+    passes, rewound, drafts = round_of(history)
+    assert (passes, rewound) == (4, 0)
+    # Paused (missing from the calls) while another request runs: its row stays in place.
+    seq = drafter.by_target[7]
+    cached, length = seq.cached, seq.length
+    drafter.admit(8, np.array([5, 6, 7]))
+    for step in range(3):
+        other = [5, 6, 7] + hf_greedy(hf, [5, 6, 7], 1 + step)
+        drafter.propose([8], [np.array(other)], 3)
+        assert seq.cached <= cached + 4 and seq.length <= length + 4 and seq.anchor == length
+    history = history + drafts[:2] + [(drafts[2] + 1) % 64]
+    passes, rewound, drafts = round_of(history)
+    assert seq.cached == len(history) + 2
+    # Released: its row finishes at the next round's update.
+    drafter.release([7])
+    rows = drafter.context.total_request_count
+    drafter.propose([8], [np.array(other + [1])], 3)
+    assert drafter.context.total_request_count == rows - 1
+    assert drafter.context.host_request_ids()[:rows - 1].tolist() == [drafter.by_target[8].draft_id]
