@@ -22,8 +22,9 @@ extra bookkeeping, no overlap); ``num_speculative_tokens=--k``.
 Reported per run: forward passes of the target (engine steps that ran the model), forward
 passes per generated token, wall time, tokens/s, the acceptance rate, the draft model's own
 forward passes, tokens processed and rounds, the time spent in the drafter's ``propose``
-(the JSON), and whether every output is identical to the run without speculation (it must
-be: greedy verification is exact). Each configuration is timed best of ``--repeats`` after a
+(the JSON; wall and, steadier on a shared machine, the process's CPU time, beside the whole
+run's), and whether every output is identical to the run without speculation (it must be:
+greedy verification is exact). Each configuration is timed best of ``--repeats`` after a
 warm-up, the configurations' runs alternating (a loaded machine's drift falls on all alike).
 
 Usage::
@@ -84,16 +85,17 @@ def run_once(target, prompt_list, new_tokens: int, k: int, make_drafter,
     from dynctx.engine import Engine
 
     drafter = make_drafter() if k else None
-    propose_s = [0.0]
+    propose_s = [0.0, 0.0]   # wall, CPU
     if drafter is not None and not isinstance(drafter, str):
         propose = drafter.propose
 
         def timed(*args, **kwargs):
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             try:
                 return propose(*args, **kwargs)
             finally:
                 propose_s[0] += time.perf_counter() - start
+                propose_s[1] += time.process_time() - cpu
 
         drafter.propose = timed
     options = dict(num_speculative_tokens=k, drafter=drafter) if k else {}
@@ -101,18 +103,19 @@ def run_once(target, prompt_list, new_tokens: int, k: int, make_drafter,
                                       max_tokens=512, kernel_backend="torch",
                                       cuda_graphs=False, async_scheduling=async_scheduling,
                                       **options)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     outputs = engine.generate(prompt_list, max_new_tokens=new_tokens, ignore_eos=True)
-    wall = time.perf_counter() - start
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu
     generated = sum(len(tokens) for tokens in outputs)
     return dict(forward_passes=engine.stats.forward_steps, generated_tokens=generated,
                 forward_passes_per_token=engine.stats.forward_steps / generated,
-                wall_s=wall, tokens_per_s=generated / wall,
+                wall_s=wall, tokens_per_s=generated / wall, cpu_s=cpu,
+                tokens_per_cpu_s=generated / cpu,
                 acceptance_rate=engine.stats.speculative.get("acceptance_rate"),
                 draft_forward_passes=getattr(drafter, "forward_passes", None),
                 draft_tokens_processed=getattr(drafter, "tokens_processed", None),
                 draft_rounds=getattr(drafter, "rounds", None), propose_s=propose_s[0],
-                outputs=outputs)
+                propose_cpu_s=propose_s[1], outputs=outputs)
 
 
 def run_all(target, prompt_list, new_tokens: int, configs: list, repeats: int) -> list:
