@@ -168,6 +168,7 @@ class DraftModelDrafter:
     def admit(self, request_id: int, prompt: np.ndarray) -> None:
         """The target added request ``request_id`` with ``prompt``: its draft request joins
         the draft scheduler's queue (one it held before is replaced)."""
+        self._check_bound()
         self.release([request_id])
         seq = self.by_target[int(request_id)] = self._new(np.asarray(prompt, dtype=np.int64))
         seq.anchor = seq.length
@@ -188,6 +189,7 @@ class DraftModelDrafter:
     def propose(self, request_ids: Sequence[int], histories: Sequence[np.ndarray],
                 k: int) -> np.ndarray:
         """Drafts for ``request_ids`` (module docstring): ``[n, k]``, -1 past a row's own."""
+        self._check_bound()
         seqs: List[DraftSequence] = []
         for request_id, history in zip(request_ids, histories):
             seq = self.by_target.get(int(request_id))
@@ -217,6 +219,11 @@ class DraftModelDrafter:
         return drafts
 
     # ------------------------------------------------------------------ a round
+    def _check_bound(self) -> None:
+        if self.context is None:
+            raise RuntimeError("DraftModelDrafter.bind(target_context) comes first (the "
+                               "engine calls it when built with this drafter)")
+
     def _new(self, tokens: np.ndarray) -> DraftSequence:
         seq = DraftSequence(self.next_id, tokens)
         self.by_draft[self.next_id] = seq

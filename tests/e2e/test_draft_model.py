@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 from e2e_helpers import (
     assert_pressure_stats,
     build_engine,
@@ -192,3 +193,27 @@ def test_each_round_rewinds_the_rejected_drafts_and_feeds_the_accepted_ones_and_
     drafter.propose([8], [np.array(other + [1])], 3)
     assert drafter.context.total_request_count == rows - 1
     assert drafter.context.host_request_ids()[:rows - 1].tolist() == [drafter.by_target[8].draft_id]
+
+
+def test_async_scheduling_drafts_from_the_assumed_tokens_and_keeps_the_outputs():
+    """Under async scheduling the drafter is given each history with the step in flight's
+    drafts as if accepted, and proposes one token further: the draft rows follow those
+    histories (rewound when they turn out wrong), and the outputs stay transformers'."""
+    hf = tiny_llama(vocab=64)
+    prompts = [[3, 9, 4, 17, 8], [5, 6, 7], [11, 2, 30, 31, 32, 33, 1, 9, 20]]
+    # The target with its weights nudged: drafts accepted in part, the rest rewound.
+    draft = tiny_llama(vocab=64)
+    with torch.no_grad():
+        noise = torch.Generator().manual_seed(3)
+        for weight in draft.parameters():
+            weight.add_(0.001 * torch.randn(weight.shape, generator=noise))
+    drafter = DraftModelDrafter(draft, Engine, kernel_backend="torch")
+    with pytest.raises(RuntimeError, match="bind"):
+        drafter.propose([0], [np.array(prompts[0])], 3)
+    engine = Engine.from_transformers(hf, block_size_tokens=8, buffer_size_gb=0.01,
+                                      max_tokens=64, kernel_backend="torch",
+                                      num_speculative_tokens=3, drafter=drafter,
+                                      async_scheduling=True)
+    assert engine.generate(prompts, max_new_tokens=14, ignore_eos=True) == \
+        [hf_greedy(hf, p, 14) for p in prompts]
+    assert engine.stats.speculative["accepted_tokens"] > 0 and drafter.rewound_tokens > 0
