@@ -127,6 +127,10 @@ class DraftModelDrafter:
     follows_requests = True
 
     def __init__(self, hf_model: Any, engine_class: Any, **engine_options: Any):
+        if engine_options.get("enable_prefix_caching"):
+            raise ValueError("enable_prefix_caching=True for the draft model's context: a "
+                             "draft row's rewind may reach the last token of its prompt, "
+                             "whose block prefix caching would have published")
         self.hf_model, self.engine_class = hf_model, engine_class
         self.options = dict(engine_options)
         self.vocab_size = int(hf_model.config.vocab_size)

@@ -198,7 +198,8 @@ def test_each_round_rewinds_the_rejected_drafts_and_feeds_the_accepted_ones_and_
 def test_async_scheduling_drafts_from_the_assumed_tokens_and_keeps_the_outputs():
     """Under async scheduling the drafter is given each history with the step in flight's
     drafts as if accepted, and proposes one token further: the draft rows follow those
-    histories (rewound when they turn out wrong), and the outputs stay transformers'."""
+    histories (rewound when they turn out wrong), and the outputs stay transformers'. (Also:
+    prefix caching for the draft context is refused, and so is a proposal before ``bind``.)"""
     hf = tiny_llama(vocab=64)
     prompts = [[3, 9, 4, 17, 8], [5, 6, 7], [11, 2, 30, 31, 32, 33, 1, 9, 20]]
     # The target with its weights nudged: drafts accepted in part, the rest rewound.
@@ -207,6 +208,8 @@ def test_async_scheduling_drafts_from_the_assumed_tokens_and_keeps_the_outputs()
         noise = torch.Generator().manual_seed(3)
         for weight in draft.parameters():
             weight.add_(0.001 * torch.randn(weight.shape, generator=noise))
+    with pytest.raises(ValueError, match="enable_prefix_caching=True for the draft model"):
+        DraftModelDrafter(draft, Engine, enable_prefix_caching=True)
     drafter = DraftModelDrafter(draft, Engine, kernel_backend="torch")
     with pytest.raises(RuntimeError, match="bind"):
         drafter.propose([0], [np.array(prompts[0])], 3)
