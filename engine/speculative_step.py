@@ -14,7 +14,8 @@ with three changes:
   the drafter proposes the next step's drafts from each kept request's tokens
   (``engine/drafters.py``), and ``update_requests`` gets them as ``new_speculative_tokens``
   with each row's count (``draft_counts``): a step where no request has drafts is a plain
-  decode step.
+  decode step. A drafter that follows the requests (the draft model) is bound to the
+  context, told of each admission, and asked at every step (``engine/drafters.py``).
 
 The host reads the device once a step: the verified tokens, accepted counts, the forwarded
 drafts and the prefill samples, in one tensor (and the log probs, when a request asks for
