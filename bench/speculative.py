@@ -12,14 +12,19 @@ tokens generate ``--new-tokens`` tokens each, all at once. Workloads:
 
 Each workload runs without speculation, with the n-gram drafter (``k = --k`` and 1), with a
 draft model a quarter of the target's size (its embedding, first ``layers / 4`` layers and LM
-head: a truncated copy, so that its guesses relate to the target's), and under async
+head: a truncated copy, so that its guesses relate to the target's) twice: ``draft_model``,
+the drafter of ``engine/draft_model.py`` (its context kept in step with the target's
+requests, the rejected drafts rewound), and ``draft_readmit``, the same model drafting as the
+drafter did before (``ReadmitDrafter``: each round re-adds every request with its history to
+a prefix-cached engine of its own), so that the two compare in one run; and under async
 scheduling without speculation and with the n-gram drafter (``*_async``: on a CPU the host's
 extra bookkeeping, no overlap); ``num_speculative_tokens=--k``.
 Reported per run: forward passes of the target (engine steps that ran the model), forward
 passes per generated token, wall time, tokens/s, the acceptance rate, the draft model's own
 forward passes, tokens processed and rounds, the time spent in the drafter's ``propose``
-(the JSON), and whether every output is identical to the run without speculation (it must
-be: greedy verification is exact). Each configuration is timed best of ``--repeats`` after a
+(the JSON; wall and, steadier on a shared machine, the process's CPU time, beside the whole
+run's), and whether every output is identical to the run without speculation (it must be:
+greedy verification is exact). Each configuration is timed best of ``--repeats`` after a
 warm-up, the configurations' runs alternating (a loaded machine's drift falls on all alike).
 
 Usage::
@@ -80,16 +85,17 @@ def run_once(target, prompt_list, new_tokens: int, k: int, make_drafter,
     from dynctx.engine import Engine
 
     drafter = make_drafter() if k else None
-    propose_s = [0.0]
+    propose_s = [0.0, 0.0]   # wall, CPU
     if drafter is not None and not isinstance(drafter, str):
         propose = drafter.propose
 
         def timed(*args, **kwargs):
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             try:
                 return propose(*args, **kwargs)
             finally:
                 propose_s[0] += time.perf_counter() - start
+                propose_s[1] += time.process_time() - cpu
 
         drafter.propose = timed
     options = dict(num_speculative_tokens=k, drafter=drafter) if k else {}
@@ -97,21 +103,19 @@ def run_once(target, prompt_list, new_tokens: int, k: int, make_drafter,
                                       max_tokens=512, kernel_backend="torch",
                                       cuda_graphs=False, async_scheduling=async_scheduling,
                                       **options)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     outputs = engine.generate(prompt_list, max_new_tokens=new_tokens, ignore_eos=True)
-    wall = time.perf_counter() - start
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu
     generated = sum(len(tokens) for tokens in outputs)
-    draft_engine = getattr(drafter, "engine", None)
     return dict(forward_passes=engine.stats.forward_steps, generated_tokens=generated,
                 forward_passes_per_token=engine.stats.forward_steps / generated,
-                wall_s=wall, tokens_per_s=generated / wall,
+                wall_s=wall, tokens_per_s=generated / wall, cpu_s=cpu,
+                tokens_per_cpu_s=generated / cpu,
                 acceptance_rate=engine.stats.speculative.get("acceptance_rate"),
-                draft_forward_passes=None if draft_engine is None
-                else draft_engine.stats.forward_steps,
-                draft_tokens_processed=None if draft_engine is None
-                else draft_engine.stats.tokens_processed,
+                draft_forward_passes=getattr(drafter, "forward_passes", None),
+                draft_tokens_processed=getattr(drafter, "tokens_processed", None),
                 draft_rounds=getattr(drafter, "rounds", None), propose_s=propose_s[0],
-                outputs=outputs)
+                propose_cpu_s=propose_s[1], outputs=outputs)
 
 
 def run_all(target, prompt_list, new_tokens: int, configs: list, repeats: int) -> list:
@@ -128,12 +132,63 @@ def run_all(target, prompt_list, new_tokens: int, configs: list, repeats: int) -
 
 
 def draft_model_drafter(draft):
-    """A fresh draft-model drafter over ``draft`` (its own engine and context)."""
+    """A fresh draft-model drafter over ``draft``: its own context, kept in step with the
+    target's requests (``engine/draft_model.py``), sized after the target's."""
     from dynctx.engine import Engine
     from dynctx.engine.draft_model import DraftModelDrafter
 
-    return DraftModelDrafter(draft, Engine, block_size_tokens=16, buffer_size_gb=0.05,
-                             max_tokens=512, kernel_backend="torch")
+    return DraftModelDrafter(draft, Engine, kernel_backend="torch")
+
+
+class ReadmitDrafter:
+    """The draft-model drafter as it was before it followed the target's requests (the
+    baseline of the ``draft_readmit`` rows): its own engine with prefix caching (``"lru"``);
+    each round adds every proposed request with its whole history as the prompt, generates
+    ``k`` tokens greedily and finishes them, the cached full blocks sparing most of the
+    recompute."""
+
+    def __init__(self, draft):
+        from dynctx.engine import Engine
+        from dynctx.engine.drafters import NgramDrafter
+
+        self.engine = Engine.from_transformers(
+            draft, enable_prefix_caching=True, prefix_caching_eviction_policy="lru",
+            cuda_graphs=False, block_size_tokens=16, buffer_size_gb=0.05, max_tokens=512,
+            kernel_backend="torch")
+        self.vocab_size = int(draft.config.vocab_size)
+        self.max_length = int(self.engine.context.max_sequence_length)
+        self.fallback = NgramDrafter()
+        self.rounds = 0
+
+    def propose(self, request_ids, histories, k):
+        from dynctx.context import DynamicInferenceRequest, SamplingParams
+
+        drafts = self.fallback.propose(request_ids, histories, k)
+        fits = [i for i, history in enumerate(histories) if len(history) + k <= self.max_length]
+        if not fits:
+            return drafts
+        requests = [DynamicInferenceRequest(
+            request_id=n, prompt_tokens=histories[i].tolist(),
+            sampling_params=SamplingParams(temperature=0.0, top_k=1, num_tokens_to_generate=k))
+            for n, i in enumerate(fits)]
+        for i, result in zip(fits, self.engine.generate_requests(requests)):
+            tokens = result.generated_tokens
+            if result.finish_reason != "error" and tokens:
+                drafts[i, :len(tokens)] = tokens
+                drafts[i, len(tokens):] = tokens[-1]
+        self.rounds += 1
+        return drafts
+
+    def release(self, request_ids):
+        """Nothing is held per request between rounds."""
+
+    @property
+    def forward_passes(self):
+        return self.engine.stats.forward_steps
+
+    @property
+    def tokens_processed(self):
+        return self.engine.stats.tokens_processed
 
 
 def main(argv=None) -> int:
@@ -155,6 +210,7 @@ def main(argv=None) -> int:
         configs = [("plain", 0, None, False), ("ngram", args.k, lambda: "ngram", False),
                    ("ngram", 1, lambda: "ngram", False),
                    ("draft_model", args.k, lambda: draft_model_drafter(draft), False),
+                   ("draft_readmit", args.k, lambda: ReadmitDrafter(draft), False),
                    ("plain_async", 0, None, True),
                    ("ngram_async", args.k, lambda: "ngram", True)]
         results = run_all(target, prompt_list, args.new_tokens,

@@ -368,6 +368,7 @@ class DynamicInferenceContext(StepAPI, row_ops.RowOps, prefix_match.PrefixMatchH
     scatter_mamba_states = _Part("_forward", ForwardPass.scatter_mamba_states)
     reset_mamba_state = _Part("_forward", ForwardPass.reset_mamba_state)
     rewind_kv_cache = _Part("_forward", ForwardPass.rewind_kv_cache)
+    rewind_tokens = _Part("_forward", ForwardPass.rewind_tokens)   # docs/SEMANTICS.md §19
     defer_kv_rewind = _Part("_forward", ForwardPass.defer_kv_rewind)
     enable_deferred_rewind = _Part("_forward", ForwardPass.enable_deferred_rewind)
     settle_kv_rewind = _Part("_forward", ForwardPass.settle_kv_rewind)

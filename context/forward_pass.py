@@ -28,7 +28,7 @@ from typing import Any, Callable, List, Optional, Tuple
 import numpy as np
 import torch
 
-from . import deferred_rewind, rotary
+from . import deferred_rewind, rotary, token_rewind
 from . import logits as step_logits
 from . import speculative as spec
 from ._fields import FIELD_MAMBA_SLOT, FIELD_QUERY
@@ -224,6 +224,11 @@ class ForwardPass:
         self.steps.prepared = None
         self.rewound = True
         return torch.from_numpy(plan.released)
+
+    def rewind_tokens(self, rewind_counts) -> torch.Tensor:
+        """Each active row's last ``rewind_counts[i]`` tokens dropped, across earlier steps
+        (``token_rewind.rewind_tokens``)."""
+        return token_rewind.rewind_tokens(self, rewind_counts)
 
     def defer_kv_rewind(self, accepted_counts: torch.Tensor) -> None:
         """The rejected drafts of this step's decode rows rewound on the device when their

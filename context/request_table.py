@@ -448,16 +448,18 @@ class RequestTable:
 
     def commit_rewind(self, plan) -> None:
         """Apply a ``speculative.RewindPlan`` made from this table: the rewound rows' offsets,
-        block counts and last blocks, the dropped blocks cleared from their rows and released
-        (with prefix caching, a reference each: such a block is never published, as only the
-        prompt's blocks are)."""
+        block counts and last blocks, the dropped blocks (one or more a row) cleared from their
+        rows and released (with prefix caching, a reference each: such a block is never
+        published, as the plans check)."""
         rows = plan.rows
         self.rows[FIELD_KV_OFFSET, rows] = plan.kv_offsets
         self.rows[FIELD_LAST_OFFSET, rows] = plan.last_offsets
         self.rows[FIELD_BLOCKS, rows] = plan.block_counts
         self.rows[FIELD_LAST_BLOCK, rows] = plan.last_blocks
         if plan.dropped.size:
-            self.block_table[plan.dropped, self.rows[FIELD_BLOCKS, plan.dropped]] = -1
+            columns = self.rows[FIELD_BLOCKS, plan.dropped] if plan.columns is None \
+                else plan.columns
+            self.block_table[plan.dropped, columns] = -1
             self.allocator.release_memory_blocks(plan.released)
 
     def permute_rows(self, dst: np.ndarray, src: np.ndarray) -> None:

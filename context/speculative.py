@@ -125,7 +125,10 @@ class RewindPlan(NamedTuple):
     """What ``rewind_kv_cache`` changes, decided before anything changes: ``rows`` (absolute
     rows rewound, ascending), their new ``FIELD_KV_OFFSET``, ``FIELD_LAST_OFFSET``,
     ``FIELD_BLOCKS``, ``FIELD_LAST_BLOCK``; ``dropped``: the rows (a subset of ``rows``) whose
-    last block now holds nothing, and ``released``: those blocks, in row order."""
+    last block now holds nothing, and ``released``: those blocks, in row order. ``columns``:
+    each released block's column in its row (``dropped`` then names a row once per block: a
+    rewind of several blocks, ``token_rewind``); None: the row's new block count, one block a
+    row."""
 
     rows: np.ndarray
     kv_offsets: np.ndarray
@@ -134,6 +137,7 @@ class RewindPlan(NamedTuple):
     last_blocks: np.ndarray
     dropped: np.ndarray
     released: np.ndarray
+    columns: Optional[np.ndarray] = None
 
 
 def plan_rewind(table, rows: np.ndarray, rewind: np.ndarray) -> RewindPlan:

@@ -188,9 +188,9 @@ def build_from_transformers(engine_class: type, hf_model: Any, *, rope: str,
                         drafter=drafter)
 
 
-# The target's context options a draft model's engine shares (engine/draft_model.py).
-DRAFT_SHARED_OPTIONS = ("block_size_tokens", "buffer_size_gb", "paused_buffer_size_gb",
-                        "max_tokens", "kernel_backend", "device")
+# The target's context options a draft model's context shares (engine/draft_model.py; it
+# takes its sizes from the target's context).
+DRAFT_SHARED_OPTIONS = ("kernel_backend", "device")
 
 
 def speculative_options(engine_class: type, hf_model: Any, k: Any, drafter: Any,

@@ -18,6 +18,20 @@ The drafter interface (how an MTP head or any other proposer plugs in) is three 
   A request that comes back (re-added after an eviction, or after the engine's suspend and
   resume) is proposed for from its whole history again.
 
+A drafter may also **follow the target's requests** step by step (the draft model does,
+``engine/draft_model.py``: its own context holds every request the target holds). It then has
+``follows_requests = True`` and two more methods, and ``propose`` is called more often:
+
+* ``bind(context)``: once, when the engine is built, with the target's context (its block
+  size, request rows, token budget and blocks size the drafter's own);
+* ``admit(request_id, prompt)``: right after the target adds a request (its first chunk), with
+  its whole prompt (1-D int64 numpy); a request re-added (after an eviction or a suspend)
+  comes again, with its generated tokens in the prompt, and replaces what the drafter held;
+* ``propose`` is called at every step that runs a forward pass, with the requests that decode
+  next (none is an empty call), and ``k = 0`` while a prompt is being chunked (the drafter
+  keeps up with their tokens and its admissions, and returns ``[n, 0]``); a request the
+  target paused is missing from the calls until it runs again.
+
 ``NgramDrafter`` is prompt lookup: the longest recent n-gram of the request's own tokens that
 occurred before proposes the tokens that followed it. ``make_drafter`` resolves
 ``Engine.from_transformers``' ``drafter`` option (a transformers model: ``engine/draft_model.py``).
@@ -101,9 +115,15 @@ class NgramDrafter:
         """Nothing is kept per request."""
 
 
+def follows_requests(drafter: Any) -> bool:
+    """Whether ``drafter`` follows the target's requests (module docstring)."""
+    return bool(getattr(drafter, "follows_requests", False))
+
+
 def check_drafter(drafter: Any, target_vocab: Optional[int]) -> None:
     """``drafter`` has the interface (module docstring) and the target's vocabulary."""
-    for name in ("propose", "release"):
+    names = ("propose", "release") + (("bind", "admit") if follows_requests(drafter) else ())
+    for name in names:
         if not callable(getattr(drafter, name, None)):
             raise TypeError(f"drafter={drafter!r} must have a callable {name}() (the drafter "
                             "interface, dynctx.engine.drafters), or be 'ngram' or a "
@@ -112,6 +132,25 @@ def check_drafter(drafter: Any, target_vocab: Optional[int]) -> None:
     if vocab is not None and target_vocab is not None and int(vocab) != int(target_vocab):
         raise ValueError(f"drafter has vocab_size={vocab}, the target model {target_vocab}: "
                          "drafts must come from the target's vocabulary")
+
+
+def check_proposals(proposed: np.ndarray, rows: int, k: int,
+                    vocab: Optional[int]) -> np.ndarray:
+    """A drafter's ``propose`` answer is integer ``[rows, k]``; each row's drafts are its
+    entries before its first -1 (none when it starts with -1), each in the vocabulary. Returns
+    the rows' draft counts."""
+    if proposed.shape != (rows, k) or proposed.dtype.kind not in "iu":
+        raise ValueError(f"drafter.propose returned {proposed.dtype} {tuple(proposed.shape)}, "
+                         f"expected integers [{rows} requests, num_speculative_tokens={k}]")
+    ended = proposed < 0
+    own = np.where(ended.any(axis=1), ended.argmax(axis=1), k) if rows else \
+        np.zeros(0, dtype=np.int64)
+    kept = np.arange(k)[None, :] < own[:, None]
+    bad = (proposed < -1) | (kept & (proposed >= (np.inf if vocab is None else vocab)))
+    if bad.any():
+        raise ValueError(f"drafter.propose returned token id {int(proposed[bad][0])}, outside "
+                         f"[0, vocab_size={vocab}) (-1 ends a request's drafts)")
+    return own.astype(np.int64)
 
 
 def make_drafter(drafter: Any, target_vocab: Optional[int]) -> Any:

@@ -14,7 +14,8 @@ with three changes:
   the drafter proposes the next step's drafts from each kept request's tokens
   (``engine/drafters.py``), and ``update_requests`` gets them as ``new_speculative_tokens``
   with each row's count (``draft_counts``): a step where no request has drafts is a plain
-  decode step.
+  decode step. A drafter that follows the requests (the draft model) is bound to the
+  context, told of each admission, and asked at every step (``engine/drafters.py``).
 
 The host reads the device once a step: the verified tokens, accepted counts, the forwarded
 drafts and the prefill samples, in one tensor (and the log probs, when a request asks for
@@ -34,6 +35,7 @@ from typing import Any, List, Optional
 import numpy as np
 import torch
 
+from .drafters import check_proposals, follows_requests
 from .sampling import REFUSED, finish_reason, is_greedy, sample_checked, uniform_draw, upload
 from .speculative import (
     SpeculativeStats,
@@ -105,6 +107,23 @@ class SpeculativeStepper(Stepper):
         self.counts = SpeculativeStats(self.k)
         self.stats.speculative = self.counts.as_dict()
         self._prompts: dict = {}   # request id -> (request, its prompt as numpy)
+        # A drafter that follows the target's requests (engine/drafters.py) sizes itself
+        # after the target's context and hears of every admission.
+        self.follows = follows_requests(drafter)
+        if self.follows:
+            drafter.bind(self.context)
+
+    def admit(self) -> Any:
+        """``Stepper.admit``; a drafter that follows the requests hears of each new one (a
+        re-added one too) with its prompt."""
+        schedule = super().admit()
+        if self.follows:
+            for admission in schedule.admitted:
+                if not admission.continuation:
+                    request = self.intake.live_request(admission.request_id)
+                    self.drafter.admit(admission.request_id, request.prompt_tokens.cpu().numpy()
+                                       .astype(np.int64, copy=False))
+        return schedule
 
     # ------------------------------------------------------------------ the step (Stepper.step)
     def forward(self, result: Any, in_flight: Any = None) -> Any:
@@ -341,14 +360,17 @@ class SpeculativeStepper(Stepper):
         k = self.k
         drafts = np.zeros((k, len(rows)), dtype=np.int64)
         counts = np.zeros(len(rows), dtype=np.int64)
-        if any(row.keep and row.state.request_id == chunked_id for row in rows):
+        # A drafter that follows the requests is told of the rows while a prompt is chunked
+        # too (it proposes none then: ``width`` 0).
+        chunking = any(row.keep and row.state.request_id == chunked_id for row in rows)
+        if chunking and not self.follows:
             return drafts, counts
         if assumed is None:
             going = [i for i, row in enumerate(rows) if row.keep and row.tokens]
         else:
             going = [i for i, row in enumerate(rows)
                      if row.keep and row.state.request_id in assumed]
-        if not going:
+        if not going and not self.follows:
             return drafts, counts
         ids = [rows[i].state.request_id for i in going]
         tails = [rows[i].tokens if assumed is None else assumed[ids[n]]
@@ -356,8 +378,10 @@ class SpeculativeStepper(Stepper):
         histories = [np.concatenate([self._prompt(rows[i].state), np.asarray(
             rows[i].state.request.generated_tokens + list(tail), dtype=np.int64)])
             for i, tail in zip(going, tails)]
-        width = k if assumed is None else k + 1
+        width = 0 if chunking else k if assumed is None else k + 1
         proposed = self.drafter.propose(ids, histories, width)
+        if not going or width == 0:
+            return drafts, counts
         proposed = (proposed.detach().cpu().numpy() if isinstance(proposed, torch.Tensor)
                     else np.asarray(proposed))
         own = check_proposals(proposed, len(going), width, self._vocab())
@@ -464,21 +488,3 @@ def record_rows(state: Any, recorded: tuple, i: int, decode: int, draft_counts: 
             state.step_logits.append((before + j, decode_rows[i, j].clone()))
     elif gained:
         state.step_logits.append((int(lengths[i]), prefill_rows[i - decode].clone()))
-
-
-def check_proposals(proposed: np.ndarray, rows: int, k: int, vocab: Optional[int]) -> np.ndarray:
-    """A drafter's ``propose`` answer is integer ``[rows, k]``; each row's drafts are its
-    entries before its first -1 (none when it starts with -1), each in the vocabulary. Returns
-    the rows' draft counts."""
-    if proposed.shape != (rows, k) or proposed.dtype.kind not in "iu":
-        raise ValueError(f"drafter.propose returned {proposed.dtype} {tuple(proposed.shape)}, "
-                         f"expected integers [{rows} requests, num_speculative_tokens={k}]")
-    ended = proposed < 0
-    own = np.where(ended.any(axis=1), ended.argmax(axis=1), k) if rows else \
-        np.zeros(0, dtype=np.int64)
-    kept = np.arange(k)[None, :] < own[:, None]
-    bad = (proposed < -1) | (kept & (proposed >= (np.inf if vocab is None else vocab)))
-    if bad.any():
-        raise ValueError(f"drafter.propose returned token id {int(proposed[bad][0])}, outside "
-                         f"[0, vocab_size={vocab}) (-1 ends a request's drafts)")
-    return own.astype(np.int64)

@@ -128,8 +128,9 @@ class Stepper:
         self.after_update(result)
 
     # ------------------------------------------------------------------ the shared pieces
-    def admit(self) -> None:
-        """Release arrivals and schedule; refused requests finish with an error."""
+    def admit(self) -> Any:
+        """Release arrivals and schedule; refused requests finish with an error. Returns the
+        ``Schedule`` (the admissions in order)."""
         now = time.perf_counter()
         states = self.intake.states
         for request_id in self.scheduler.release(self.step_count):
@@ -140,6 +141,7 @@ class Stepper:
         for request_id, error in schedule.refused:
             self.delivery.finish(states[request_id], "error", now, step=self.step_count,
                                  error=f"the context refused the request: {error}")
+        return schedule
 
     def _note_admission(self, admission: Admission) -> None:
         state = self.intake.states[admission.request_id]

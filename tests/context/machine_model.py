@@ -86,6 +86,10 @@ class MachineConfig:
     # False where no request can pause: every layer windowed, the windows' worst cases within
     # the buffer (group 0's blocks then never run short).
     pauses: bool = True
+    # Token rewinds (docs/SEMANTICS.md §19, ``rewind_tokens``): each step drops a chosen number
+    # of decode rows' generated tokens, across earlier steps and blocks (k = 0, no hybrid, no
+    # KV groups: where the context allows it).
+    token_rewinds: bool = False
 
     @property
     def hybrid(self) -> bool:
@@ -271,6 +275,13 @@ CONFIGS = {c.name: c for c in [
     MachineConfig("kvw-pc-lru-fit-bs4", block_size=4, buffer_blocks=24, paused_blocks=4,
                   max_requests=4, max_tokens=16, windows=(6, 6), prefix_caching="lru",
                   pauses=False),
+    # Token rewinds: rows shrink across blocks, then pause, resume and are evicted again.
+    MachineConfig("rw-bs4-paused4", block_size=4, buffer_blocks=16, paused_blocks=4,
+                  token_rewinds=True),
+    MachineConfig("rw-pc-lru-bs4-paused4", block_size=4, buffer_blocks=16, paused_blocks=4,
+                  prefix_caching="lru", token_rewinds=True),
+    MachineConfig("rw-off-bs4-paused0", block_size=4, buffer_blocks=14, paused_blocks=0,
+                  kv_offload_blocks=12, token_rewinds=True),
 ]}
 CI_CONFIGS = [CONFIGS[n] for n in ("bs4-paused4", "bs8-half", "bs4-paused0", "mla-bs8-paused3",
                                    "hyb-bs4-paused4", "hyb-bs8-half", "pc-lru-bs4-paused4",
@@ -281,7 +292,7 @@ CI_CONFIGS = [CONFIGS[n] for n in ("bs4-paused4", "bs8-half", "bs4-paused0", "ml
                                    "off-hyb-bs4-paused4", "kvg-bs4-paused4",
                                    "off-pc-lru-bs4-paused4", "off-pc-hyb-lru-bs4-snap1",
                                    "kvw-pc-lru-fit-bs4", "kvg-spec2-bs4-paused4",
-                                   "kvw-off-pc-lru-bs4-paused0")]
+                                   "kvw-off-pc-lru-bs4-paused0", "rw-pc-lru-bs4-paused4")]
 
 
 def sample_token(rid: int, position: int) -> int:

@@ -45,6 +45,11 @@ count (``update_requests(draft_counts=)``): queries of ``1 + d`` tokens, plain a
 a row's block taken when its next ``1 + d`` tokens cross into it, a row resumed from the paused
 ones forwarding none.
 
+Token-rewind configurations (``MachineConfig.token_rewinds``, names ``rw-*``) call
+``rewind_tokens`` at one step in three: decode rows drop a chosen number of their generated
+tokens, this step's and earlier ones (``_rewind_tokens``: the released blocks, in row order,
+and the lengths checked); every other check then holds with the shorter rows.
+
 Prefix caching configurations (``MachineConfig.prefix_caching``, names ``pc-*``) draw prompts
 from two token families so that they share prefixes, and key the K/V and Mamba patterns by
 content (the tokens up to the position, or those a state absorbed) instead of by incarnation:
@@ -490,6 +495,8 @@ class ContextDriver(InvariantChecks):
         else:
             for t in active:
                 t.cached = t.query_start + len(t.query)
+        if cfg.token_rewinds:
+            self._rewind_tokens(active, choice)
         self.check_kv()
         samples = [sample_token(t.rid, t.cached) for t in active]
         self._check_logits(active, samples, logprobs)
@@ -696,6 +703,40 @@ class ContextDriver(InvariantChecks):
         lengths = ctx.get_active_sequence_lengths().tolist()
         require(lengths == [t.cached for t in active], lambda: f"after the rewind the active "
                 f"lengths are {lengths}, expected {[t.cached for t in active]}")
+
+    def _rewind_tokens(self, active: List[Tracked], choice: int) -> None:
+        """``rewind_tokens``: at one step in three, decode rows drop a chosen number of their
+        generated tokens (this step's and earlier ones, up to a block and a half; the prompt
+        kept); check the blocks it released (each row's blocks past its kept tokens, in row
+        order) and the lengths."""
+        if choice % 3:
+            return
+        ctx, bs = self.ctx, self.cfg.block_size
+        counts = []
+        for t in active:
+            most = 0 if t.prefill or t.chunking else min(t.cached - max(len(t.prompt), 1),
+                                                        bs + bs // 2)
+            counts.append(0 if most <= 0 else (choice + 5 * t.rid + t.cached) % (most + 1))
+        self.note(f"rewind_tokens({counts})")
+        P = ctx.paused_request_count
+        table, held_counts = ctx.block_table_host, ctx.kv_block_counts_host
+        held = [table[P + i, :held_counts[P + i]].tolist() for i in range(len(active))]
+        released = ctx.rewind_tokens(counts).tolist()
+        expected = []
+        for t, n, blocks in zip(active, counts, held):
+            if n:
+                t.cached -= n
+                del t.generated[t.cached - len(t.prompt):]
+                keep = math.ceil(t.cached / bs)
+                expected += blocks[keep:]
+                t.blocks = t.blocks[:keep]
+                self.stats["rewound_tokens"] += n
+        require(released == expected, lambda: f"rewind_tokens released {released}, expected "
+                f"{expected} (the blocks past each row's kept tokens)")
+        self.stats["rewound_blocks"] += len(released)
+        lengths = ctx.get_active_sequence_lengths().tolist()
+        require(lengths == [t.cached for t in active], lambda: f"after rewind_tokens the "
+                f"active lengths are {lengths}, expected {[t.cached for t in active]}")
 
     def _speculative_mamba(self, active: List[Tracked], accepted: List[int]) -> None:
         """What a hybrid's Mamba layers leave after a speculative step: each decode request's

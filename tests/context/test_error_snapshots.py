@@ -109,6 +109,16 @@ def s_chunked(backend):
     return ctx
 
 
+def s_chunk_in_step(backend):
+    """Request 1 and request 3's first chunk (8 of 20 tokens) added, the step initialized."""
+    ctx = make_ctx(kernel_backend=backend, vocab_size=VOCAB)
+    add(ctx, req(1, 3))
+    add(ctx, req(3, 20), chunk_length=8)
+    ctx.chunked_prefill_request_id = 3
+    ctx.initialize_attention_state()
+    return ctx
+
+
 def s_full_rows(backend):
     ctx = make_ctx(kernel_backend=backend, max_requests=4, max_tokens=64)
     for rid in range(4):
@@ -434,6 +444,24 @@ CASES = [
     ("rows/evict-active-count-type", s_decode,
      lambda c: c.evict_overflow_paused_requests("2", _tokens(1, 2)), TypeError,
      "active_request_count", True),
+    # rewind_tokens (docs/SEMANTICS.md §19, "Token rewind", context/token_rewind.py).
+    ("rewind_tokens/outside-a-step", s_added, lambda c: c.rewind_tokens([0, 0, 0]),
+     RuntimeError, "between initialize_attention_state", True),
+    ("rewind_tokens/shape", s_decode, lambda c: c.rewind_tokens(_tokens(1)), ValueError,
+     "rewind_counts has shape", True),
+    ("rewind_tokens/float", s_decode,
+     lambda c: c.rewind_tokens(_tokens(1.0, 0.0, dtype=torch.float32)), TypeError,
+     "rewind_counts", True),
+    ("rewind_tokens/negative", s_decode, lambda c: c.rewind_tokens(_tokens(-1, 0)), ValueError,
+     r"rewind_counts\[0\]=-1", True),
+    ("rewind_tokens/every-token", s_decode, lambda c: c.rewind_tokens(_tokens(0, 99)),
+     ValueError, r"rewind_counts\[1\]=99 must lie in", True),
+    ("rewind_tokens/the-chunked-prefill", s_chunk_in_step,
+     lambda c: c.rewind_tokens(_tokens(0, 1)), ValueError, "chunked prefill in flight", True),
+    ("rewind_tokens/into-a-published-block", s_cache_pending,
+     lambda c: c.rewind_tokens(_tokens(0, 5)), ValueError, "prefix cache published", True),
+    ("rewind_tokens/hybrid", s_hybrid_cached, lambda c: c.rewind_tokens(_tokens(1)),
+     ValueError, "hybrid", True),
     # Megatron-Core 0.19's Mamba slots: a slot only for a cached block (mamba_slot_allocator).
     ("mamba_slots/allocate-an-uncached-block", s_hybrid_cached,
      lambda c: c.mamba_slot_allocator.allocate_slots_batch(
