@@ -2,7 +2,7 @@
 "Mutation testing"): free rows hold reset values after ``update_requests`` clears them
 (docs/SEMANTICS.md §1), whether the finished row is refilled by a mover or left past the end;
 speculative rows past ``max_tokens // (1 + k)`` pause and stay paused; a table without budget
-advice still says why no request can run."""
+advice still says why no request can run, and a speculative one which request is stuck."""
 
 from __future__ import annotations
 
@@ -100,6 +100,20 @@ def test_speculative_rows_past_max_tokens_over_one_plus_k_pause_and_stay_paused(
     assert (ctx.paused_request_count, ctx.total_request_count) == (1, 5)
     assert ctx.request_query_lengths[1:5].tolist() == [2, 2, 2, 2]
     check_invariants(ctx)
+
+
+def test_a_stuck_speculative_request_is_named_with_the_blocks_it_needs():
+    """An active budget of 3 blocks and a speculative request whose next step crosses into its
+    4th: the error names the request and what it needs, as without speculation."""
+    ctx = make_ctx(num_speculative_tokens=1, buffer_size_gb=6 * BLOCK / GIB,
+                   paused_buffer_size_gb=2 * BLOCK / GIB, max_requests=4, max_tokens=64)
+    add(ctx, request(1, 11, gen=40))
+    with pytest.raises(RuntimeError, match=r"no request can run: .*: request 1 needs 4 blocks "
+                                           r"of the active budget to run on"):
+        for _ in range(8):
+            ctx.initialize_attention_state()
+            ctx.update_requests(torch.ones(1, dtype=torch.bool), torch.tensor([7]),
+                                torch.zeros(1, 1, dtype=torch.int64))
 
 
 def test_no_request_can_run_without_budget_advice():
