@@ -129,7 +129,7 @@ def test_a_chain_partly_on_the_device_partly_on_the_host():
     the host tail (and the allocator's least recently used blocks are a chain's tail)."""
     ctx = tier_ctx(device_blocks=12)
     run_once(ctx, 1, A)
-    mark_blocks(ctx)    # (never-written bytes may hold NaNs, which torch.equal calls unequal)
+    mark_blocks(ctx)   # (the buffer starts uninitialised: NaN bits would never compare equal)
     # Every uncached free block and one more: one idle block (A's tail) is reused.
     fill_device(ctx, ctx.block_allocator.total_avail - 3 + 1)
     tier = ctx._parts.offload.tier
