@@ -110,9 +110,17 @@ CONTEXT_TESTS = ("tests/context/test_request_table_unbound.py",
                  "tests/context/test_speculative.py", "tests/context/test_update_plan_mutants.py",
                  "tests/context/test_bad_inputs.py", "tests/context/test_request_table_mutants.py",
                  "tests/context/test_block_allocator_mutants.py",
+                 "tests/context/test_deferred_rewind.py", "tests/context/test_prefix_host_tier.py",
+                 "tests/context/test_kv_groups_prefix.py",
                  "tests/context/test_cuda_graphs_megatron.py::test_capture_dummies_equal_megatron",
                  "tests/context/test_megatron_compat.py::test_move_and_swap_book_keeping_tensors")
 CONTEXT_KEYWORD = "not rotary_methods_match_megatron and not sizes_equal_megatron"
+# The prefix cache, its digests and its host tier (spilled blocks restored into new ones): the
+# context's prefix tests, then two engines against transformers with the tier under pressure.
+PREFIX_TESTS = ("tests/context/test_prefix_chains.py", "tests/context/test_prefix_cache.py",
+                "tests/context/test_prefix_cache_mutants.py", "tests/context/test_prefix_match.py",
+                "tests/context/test_prefix_host_tier.py", "tests/context/test_kv_groups_prefix.py",
+                "tests/e2e/test_prefix_host_tier_e2e.py")
 ATTENTION_TESTS = ("tests/kernels/test_paged_attention.py",
                    "tests/kernels/test_paged_attention_windows.py",
                    "tests/kernels/test_paged_attention_fp8.py")
@@ -123,10 +131,11 @@ TARGETS: Dict[str, Target] = {
     "context/plan_scratch.py": Target(CONTEXT_TESTS, keyword=CONTEXT_KEYWORD),
     "context/request_table.py": Target(CONTEXT_TESTS, keyword=CONTEXT_KEYWORD),
     "context/block_allocator.py": Target(CONTEXT_TESTS, keyword=CONTEXT_KEYWORD),
-    "context/prefix_cache.py": Target(("tests/context/test_prefix_chains.py",
-                                       "tests/context/test_prefix_cache.py",
-                                       "tests/context/test_prefix_cache_mutants.py",
-                                       "tests/context/test_prefix_match.py")),
+    "context/prefix_cache.py": Target(PREFIX_TESTS),
+    # The digests and the table of cached blocks (not the statistics' names and rates).
+    "context/prefix_digests.py": Target(PREFIX_TESTS, functions=(
+        "salt_digest", "chain_links", "wants_every_prompt_logit", "forget", "clear")),
+    "context/host_tier.py": Target(PREFIX_TESTS),
     "engine/sampling.py": Target(("tests/e2e/test_finish_rule.py::test_finish_reason",
                                   "tests/e2e/test_sampling_oracle.py",
                                   "tests/e2e/test_sampling_edges.py",

@@ -1,7 +1,8 @@
 """Block-allocator cases that bench/mutation.py's survivors showed untested (CONTRIBUTING.md
 "Mutation testing"): under the "lru" policy, a step that releases block 0 (the stack hands it
-out last, so only a full pool reaches it) gives it back like any other block; an update whose
-plan fails takes back the cached marks the prefix cache set."""
+out last, so only a full pool reaches it) gives it back like any other block, and a prefix hit
+shares it like any other; an update whose plan fails takes back the cached marks the prefix
+cache set."""
 
 from __future__ import annotations
 
@@ -21,6 +22,21 @@ def test_the_lru_plan_releases_block_0_like_any_other():
     step(ctx, finished_ids=(1, 2))
     assert ctx.total_request_count == 0
     assert allocator.total_avail == allocator.total_count - 1
+    check_invariants(ctx)
+
+
+def test_a_prefix_hit_shares_block_0_like_any_other():
+    ctx = make_ctx(enable_prefix_caching=True, prefix_caching_eviction_policy="lru",
+                   max_tokens=256, max_sequence_length=256, paused_buffer_size_gb=0)
+    allocator = ctx.block_allocator
+    add(ctx, request(1, 99))
+    add(ctx, request(2, 56))           # 25 + 14 blocks: the whole pool, block 0 the first
+    assert ctx.block_table_host[1, 0] == 0 and allocator.total_avail == 0
+    same = request(2, 56)
+    same.request_id = 3                # request 2's prompt: its 14 blocks shared, none taken
+    add(ctx, same)
+    assert ctx.block_table_host[2, :14].tolist() == ctx.block_table_host[1, :14].tolist()
+    assert allocator.ref_counts[0] == 2
     check_invariants(ctx)
 
 

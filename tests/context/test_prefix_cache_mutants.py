@@ -1,7 +1,8 @@
 """Prefix caching cases that bench/mutation.py's survivors showed untested (CONTRIBUTING.md
 "Mutation testing"): a bytes salt, the first-chunk boundary of a hybrid's prompt that ends
 on a block boundary (its last block is never matched: its last token is computed), a reset
-that forgets the cache, and the snapshot count of the arguments."""
+that forgets the cache, the snapshot count of the arguments, and 0.19's Mamba match count of a
+chain whose snapshot lies past the range asked."""
 
 from __future__ import annotations
 
@@ -86,3 +87,24 @@ def test_snapshot_count_is_minus_one_without_caching_or_mamba_layers():
     assert pc.prefix_snapshot_count((True, "lru", 1.0), plain) == -1
     assert pc.prefix_snapshot_count((True, "lru", None), hybrid) == 0
     assert pc.prefix_snapshot_count((True, "lru", 3.5 * 1024 / 1024 ** 3), hybrid) == 3
+
+
+def test_the_mamba_match_count_never_looks_past_the_blocks_asked():
+    """0.19's ``_find_mamba_match_count``: a snapshot at the end of block 2 counts for a range
+    that includes block 2, never for one that stops before it."""
+    per_request = 4 * (6 * 4 + 2 * 3 * 5)
+    ctx = make_ctx(num_layers=2, enable_prefix_caching=True,
+                   prefix_caching_eviction_policy="lru",
+                   mamba_inference_state_config=MambaInferenceStateConfig(
+                       ("M", "*"), (6, 4), (2, 3, 5)),
+                   prefix_caching_mamba_gb=2 * per_request / 1024 ** 3)
+    add(ctx, req(1, PROMPT[:8]))
+    ctx.initialize_attention_state()
+    ctx.update_requests(torch.tensor([False]), torch.tensor([7]))
+    # 8 tokens: two blocks cached, the state snapshotted at the end of the second.
+    assert len(ctx.prefix_cache.mamba.index) == 1
+    longer = req(2, PROMPT)
+    assert ctx._find_mamba_match_count(longer, 0, 1) == 0
+    assert ctx._find_mamba_match_count(longer, 0, 2) == 2
+    assert ctx._find_mamba_match_count(longer, 1, 2) == 1
+    assert ctx._find_mamba_match_count(longer, 0, 3) == 2

@@ -336,6 +336,13 @@ def test_hybrid_snapshots_spill_and_come_back_with_their_blocks():
     assert stats["kv_offload_prefix_restored_blocks"] == 3
     assert list(tier.snapshots) == [b3, a3]      # the host copy stays, most recently used
     ctx._parts.offload.check()
+    # Room for a swap: the least recently used spilled snapshot goes, its state slot freed.
+    pool = ctx._parts.offload.pool
+    free = pool.free_states
+    assert tier.drop_states(1) == 1
+    assert list(tier.snapshots) == [a3] and pool.free_states == free + 1
+    assert ctx.get_kv_offload_stats()["kv_offload_prefix_dropped_snapshots"] == 1
+    ctx._parts.offload.check()
 
 
 def test_a_restored_request_publishes_its_blocks():

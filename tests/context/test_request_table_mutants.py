@@ -1,6 +1,8 @@
 """Request-table cases that bench/mutation.py's survivors showed untested (CONTRIBUTING.md
 "Mutation testing"): each added request's sampling metadata lands in its row of
-``request_metadata`` (Megatron-Core's per-request metadata tensors), and moves with the row."""
+``request_metadata`` (Megatron-Core's per-request metadata tensors), and moves with the row; a
+hybrid's prefix hit restores the Mamba snapshot it resumes from, the first one (index 0)
+included."""
 
 from __future__ import annotations
 
@@ -8,7 +10,12 @@ import pytest
 import torch
 from helpers import add, make_ctx, step
 
-from dynctx.context import DynamicInferenceRequest, SamplingParams, admission
+from dynctx.context import (
+    DynamicInferenceRequest,
+    MambaInferenceStateConfig,
+    SamplingParams,
+    admission,
+)
 
 PARAMS = {1: dict(temperature=0.5, top_k=3, top_p=0.25, termination_id=7),
           2: dict(temperature=1.5, top_k=0, top_p=0.0, termination_id=None,
@@ -125,3 +132,30 @@ def test_a_step_without_the_next_chunk_is_refused_whatever_the_request_id(rid):
     ctx.update_requests(torch.tensor([True]), torch.tensor([55]))
     with pytest.raises(RuntimeError, match="needs its next chunk"):
         ctx.initialize_attention_state()
+
+
+def test_a_hybrid_hit_restores_snapshot_0():
+    per_request = 4 * (6 * 4 + 2 * 3 * 5)
+    ctx = make_ctx(num_layers=2, enable_prefix_caching=True, prefix_caching_eviction_policy="lru",
+                   mamba_inference_state_config=MambaInferenceStateConfig(
+                       ("M", "*"), (6, 4), (2, 3, 5)),
+                   prefix_caching_mamba_gb=per_request / 1024 ** 3)
+    prompt = torch.arange(100, 113)
+    first = DynamicInferenceRequest(request_id=1, prompt_tokens=prompt[:8],
+                                    sampling_params=SamplingParams(num_tokens_to_generate=4))
+    add(ctx, first)
+    ctx.initialize_attention_state()
+    conv, ssm = ctx.mamba_states_cache(1)
+    slot = int(ctx.mamba_metadata.request_to_mamba_state_idx[0])
+    conv[slot].fill_(3.0)                # "the forward": the state after 8 tokens
+    ssm[slot].fill_(4.0)
+    ctx.update_requests(torch.tensor([False]), torch.tensor([7]))
+    assert list(ctx.prefix_cache.mamba.index.values()) == [0]
+    conv.fill_(9.0)                      # whatever the slots hold now
+    ssm.fill_(9.0)
+    add(ctx, DynamicInferenceRequest(request_id=2, prompt_tokens=prompt,
+                                     sampling_params=SamplingParams(num_tokens_to_generate=4)))
+    assert int(ctx.request_kv_length_offsets[0]) == 8   # it resumes after the 2 blocks
+    ctx.initialize_attention_state()
+    slot = int(ctx.mamba_metadata.request_to_mamba_state_idx[0])
+    assert bool((conv[slot] == 3.0).all()) and bool((ssm[slot] == 4.0).all())

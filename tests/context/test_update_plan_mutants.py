@@ -1,12 +1,15 @@
 """Update-plan cases that bench/mutation.py's survivors showed untested (CONTRIBUTING.md
 "Mutation testing"): free rows hold reset values after ``update_requests`` clears them
-(docs/SEMANTICS.md §1), whether the finished row is refilled by a mover or left past the end."""
+(docs/SEMANTICS.md §1), whether the finished row is refilled by a mover or left past the end;
+speculative rows past ``max_tokens // (1 + k)`` pause and stay paused; a table without budget
+advice still says why no request can run, and a speculative one which request is stuck."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import add, check_invariants, make_ctx, request, step
+import torch
+from helpers import BLOCK, GIB, add, check_invariants, make_ctx, request, step
 
 from dynctx.context import MambaInferenceStateConfig
 from dynctx.context._fields import FIELD_BLOCKS, FIELD_IDS
@@ -82,3 +85,45 @@ def test_eviction_takes_the_fewest_rows_that_cover_the_overflow():
                 (counts, paused, budget)
             assert np.all(scratch.fields[FIELD_IDS, 6 - want:] == -1)
     assert exact, "no case where the evicted rows free exactly the overflow"
+
+
+def test_speculative_rows_past_max_tokens_over_one_plus_k_pause_and_stay_paused():
+    """0.19: a speculative step forwards ``1 + k`` tokens a row, so the rows past
+    ``max_tokens // (1 + k)`` pause at the update (even those that need no new block), and the
+    resume after it takes none of them back."""
+    ctx = make_ctx(num_speculative_tokens=1, max_tokens=8)
+    for rid in range(1, 6):
+        add(ctx, request(rid, 1))    # offset 0: the next 2 tokens fit the block
+    ctx.initialize_attention_state()
+    ctx.update_requests(torch.ones(5, dtype=torch.bool), torch.tensor([7] * 5),
+                        torch.zeros(1, 5, dtype=torch.int64))
+    assert (ctx.paused_request_count, ctx.total_request_count) == (1, 5)
+    assert ctx.request_query_lengths[1:5].tolist() == [2, 2, 2, 2]
+    check_invariants(ctx)
+
+
+def test_a_stuck_speculative_request_is_named_with_the_blocks_it_needs():
+    """An active budget of 3 blocks and a speculative request whose next step crosses into its
+    4th: the error names the request and what it needs, as without speculation."""
+    ctx = make_ctx(num_speculative_tokens=1, buffer_size_gb=6 * BLOCK / GIB,
+                   paused_buffer_size_gb=2 * BLOCK / GIB, max_requests=4, max_tokens=64)
+    add(ctx, request(1, 11, gen=40))
+    with pytest.raises(RuntimeError, match=r"no request can run: .*: request 1 needs 4 blocks "
+                                           r"of the active budget to run on"):
+        for _ in range(8):
+            ctx.initialize_attention_state()
+            ctx.update_requests(torch.ones(1, dtype=torch.bool), torch.tensor([7]),
+                                torch.zeros(1, 1, dtype=torch.int64))
+
+
+def test_no_request_can_run_without_budget_advice():
+    """A request table built without ``budget_advice`` (the context always gives one) says why
+    no request can run, without the advice."""
+    ctx = make_ctx(buffer_size_gb=6 * BLOCK / GIB, paused_buffer_size_gb=2 * BLOCK / GIB,
+                   max_requests=4, max_tokens=64)
+    ctx._table.budget_advice = None
+    add(ctx, request(1, 11, gen=40))
+    with pytest.raises(RuntimeError, match=r"no request can run: .*to reach its \d+ tokens; "
+                                           r"nothing was changed"):
+        for _ in range(8):
+            step(ctx)

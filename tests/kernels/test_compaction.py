@@ -173,6 +173,30 @@ def test_disjoint_halves_of_one_allocation_are_allowed():
     assert torch.equal(tokens[:4], torch.tensor([7, 6, 5, 4], device=DEVICE))
 
 
+@pytest.mark.parametrize("check", [True, False])
+def test_numpy_integers_are_host_ints(check):
+    """``new_token_offset``, ``num_rows`` and ``clear_rows`` from host numpy arithmetic (a
+    plan's row counts) launch as the ints they are, with or without the checks."""
+    import numpy as np
+
+    src_table, src_tokens = _source_state(6, 3)
+    plan = [torch.tensor(v, dtype=torch.int32, device=DEVICE)
+            for v in ([4, 3, 1], [-1, 2, -1], [-1, 77, -1])]
+    new = torch.tensor([50, 51], device=DEVICE)
+    outputs = []
+    for as_int in (int, np.int64):
+        table, tokens = torch.full_like(src_table, 3), torch.full_like(src_tokens, 3)
+        compact_requests(table, src_table, tokens, src_tokens, new, *plan,
+                         new_token_offset=as_int(2), num_rows=as_int(3), clear_rows=as_int(5),
+                         backend="triton", check=check)
+        outputs.append((table, tokens))
+    expected = (torch.full_like(src_table, 3), torch.full_like(src_tokens, 3))
+    compact_requests_ref(*expected[:1], src_table, expected[1], src_tokens, new, *plan,
+                         new_token_offset=2, num_rows=3, clear_rows=5)
+    for table, tokens in outputs:
+        assert torch.equal(table, expected[0]) and torch.equal(tokens, expected[1])
+
+
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 def test_a_source_row_just_past_the_sampled_rows_takes_token_0(backend):
     """Source row ``new_token_offset + len(new_tokens)``: its blocks, and token 0, as a row

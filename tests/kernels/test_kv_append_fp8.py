@@ -105,6 +105,24 @@ def test_every_config(kv_dtype, config):
 
 
 @pytest.mark.parametrize("kv_dtype", FP8)
+def test_a_replayed_launch_reads_the_calls_own_scales(kv_dtype):
+    """A second call of the same shapes replays the first's launch plan (kernels/launch_plan.py):
+    it quantizes with its own scales, here other values in other tensors."""
+    from dynctx.kernels.kv_append import _PLANS
+
+    check(kv_dtype, torch.float16)
+    buffer, key, value, block_ids, slots, ks, vs = build(kv_dtype, torch.float16, seed=1)
+    ks, vs = ks.flip(0) * 2, vs.flip(0) / 4
+    expected = buffer.clone()
+    kv_append_ref(*caches(expected), key, value, block_ids, slots, key_scale=ks, value_scale=vs)
+    hits = _PLANS.hits
+    kv_append(*caches(buffer), key, value, block_ids, slots, key_scale=ks, value_scale=vs,
+              backend="triton")
+    assert _PLANS.hits == hits + 1
+    assert torch.equal(bits(buffer), bits(expected))
+
+
+@pytest.mark.parametrize("kv_dtype", FP8)
 def test_reference_saturates_and_rounds_to_nearest(kv_dtype):
     """Independently of the kernel: what ``quantize_ref`` stores reads back within half a
     spacing of the format, saturates at its largest value and never makes inf or NaN."""
