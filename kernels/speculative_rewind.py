@@ -40,7 +40,7 @@ from ._common import (
 from ._shapes import MAMBA2_CONV_STATE, MAMBA2_MIXER, MAMBA2_SSM_STATE
 from .autotune import KernelConfig, KernelTuning, TuneCase
 from .backend import HAS_TRITON, resolve_backend
-from .launch_plan import KernelLaunch, PlanCache, launch_key
+from .launch_plan import KernelLaunch, PlanCache
 from .mamba_state import row_layout
 
 NAME = "speculative_rewind"
@@ -246,15 +246,16 @@ def speculative_rewind(rejected: torch.Tensor, *, slot_ids: torch.Tensor | None 
     Every tensor is read or written through its own strides and storage offset; nothing is
     copied. Every argument is checked before anything is written. Zero rows launch nothing.
     """
-    plan_key = launch_key((rejected, slot_ids, conv_states, ssm_states, conv_intermediate,
-                           ssm_intermediate, kv_offsets, kv_lengths, cu_kv),
-                          (check, bool(all_rows)), config)
-    plan = _PLANS.get(plan_key)
-    pointers = (conv_states, ssm_states, kv_offsets, kv_lengths, cu_kv, conv_intermediate,
-                ssm_intermediate, rejected, slot_ids)
-    if plan is not None and resolve_backend(backend, rejected.device) == "triton":
+    # (Only the Triton path stores a plan, and ``backend`` is in the key with the state that
+    # resolves it: a hit is a Triton launch.)
+    plan, plan_key = _PLANS.find((rejected, slot_ids, conv_states, ssm_states, conv_intermediate,
+                                  ssm_intermediate, kv_offsets, kv_lengths, cu_kv),
+                                 (check, bool(all_rows), backend), config)
+    if plan is not None:
         if plan != "empty":
-            plan.launch(tuple(p for p in pointers if p is not None))
+            plan.launch(tuple(p for p in (conv_states, ssm_states, kv_offsets, kv_lengths, cu_kv,
+                                          conv_intermediate, ssm_intermediate, rejected,
+                                          slot_ids) if p is not None))
         return
     if check:
         has_states, has_fields = _check(rejected, slot_ids, conv_states, ssm_states,
