@@ -52,8 +52,10 @@ only "it ran":
   counts, mixed steps) with launch plans on and off: bit-equal, plans reused and varied; the
   outputs within tolerance of the torch path; a planned launch captured in a graph = eager.
 * ``megatron019_trio``: Megatron-Core 0.19's ``resolve_requests`` / ``prepare_requests`` /
-  ``commit_sampled_tokens`` (k = 0 and 2) behind a busy kernel give ``update_requests``' rows
-  and token arrays, read on a side stream after the bookkeeping event (no megatron imported).
+  ``commit_sampled_tokens`` (or, every other step, the step built first and
+  ``copy_async_sched_sample_to_forward`` of device tokens into it), k = 0 and 2, behind a busy
+  kernel give ``update_requests``' rows and token arrays, read on a side stream after the
+  bookkeeping event (no megatron imported).
 * ``speculative_modes``: k = 3 drafts (accepted in part) in eager, graphs, async and both:
   tokens = transformers', decode graphs replayed, rewinds deferred under async; a NemotronH
   under async scheduling too (its Mamba states rewound on the device).

@@ -1,9 +1,10 @@
 """The smoke checks of the step paths (bench/device_smoke.py's docstring says what each
 proves): speculative decoding in every engine mode (and a hybrid's deferred rewind), the draft
 model kept in step, the ``speculative_rewind`` kernel, launch plans reused with new grids and
-counts (and captured in a graph), and Megatron-Core 0.19's async trio with its bookkeeping
-event. Each takes the ``Env`` and returns ``(summary line, details)`` or raises, as the checks
-of ``device_smoke_checks.py`` do. Nothing here imports megatron-core.
+counts (and captured in a graph), and Megatron-Core 0.19's async trio (commit or the device copy
+of the sampled tokens) with its bookkeeping event. Each takes the ``Env`` and returns ``(summary
+line, details)`` or raises, as the checks of ``device_smoke_checks.py`` do. Nothing here imports
+megatron-core.
 """
 
 from __future__ import annotations
@@ -570,9 +571,12 @@ def _trio(env: Env, k: int) -> dict:
                 request_id=rid, prompt_tokens=torch.arange(100 + rid, 100 + rid + length),
                 sampling_params=SamplingParams(num_tokens_to_generate=8)))
         ctx.initialize_attention_state()
-    waited = dict(resolve=0, prepare=0, commit=0)
+    waited = dict(resolve=0, prepare=0, commit=0, copy=0)
     events, mismatches = [], []
     for step in range(5):
+        # Even steps commit the host's tokens before the step is built; odd steps build it,
+        # then copy the tokens on the device into it (0.19's async order).
+        on_device = step % 2 == 1
         sync.update_requests(*_trio_sampled(sync, step, k))
         sync.initialize_attention_state()
         want = _trio_rows(sync, dict(input=sync.token_to_input_ids,
@@ -585,15 +589,25 @@ def _trio(env: Env, k: int) -> dict:
         if marker is not None:
             marker.record()
         _, survivors = trio.resolve_requests(mask)
-        for name, call in (("prepare", trio.prepare_requests),
-                           ("commit", lambda: trio.commit_sampled_tokens(
-                               tokens[survivors], None if drafts is None
-                               else drafts[:, survivors]))):
+        sampled = tokens[survivors]
+        sampled_drafts = None if drafts is None else drafts[:, survivors]
+        calls = [("prepare", trio.prepare_requests)]
+        if not on_device:
+            calls.append(("commit", lambda: trio.commit_sampled_tokens(sampled, sampled_drafts)))
+        for name, call in calls:
             call()
             if marker is not None:   # the host waited for the busy kernel before going on
                 waited[name] += bool(marker.query())
         waited["resolve"] += 1   # the mask is read back: resolve waits by design
         event = trio.initialize_attention_state(record_bookkeeping_done_event=True)
+        if on_device:
+            trio.copy_async_sched_sample_to_forward(
+                sampled.to(env.device), None if sampled_drafts is None
+                else sampled_drafts.to(env.device))
+            if marker is not None:
+                waited["copy"] += bool(marker.query())
+            # The consumer waits for the copy too: an event recorded after it.
+            event = trio.transfer_bookkeeping_to_gpu(record_done_event=True)
         events.append(type(event).__name__)
         arrays = _snapshot(env, trio, event)
         env.sync()
@@ -617,12 +631,13 @@ def check_megatron019_trio(env: Env):
     if problems:
         raise CheckFailed("; ".join(problems), details)
     waited = details["k2"]["host_waited_on_busy"]
-    return (f"resolve + prepare + commit (k=0, 2) behind a 20 ms busy kernel = update_requests, "
-            f"the step's arrays read on a side stream after the bookkeeping {expected}; host "
-            f"waited on the busy kernel in prepare {waited['prepare']}/5, commit "
-            f"{waited['commit']}/5" if env.cuda else
-            "resolve + prepare + commit (k=0, 2) = update_requests; BookkeepingDone events"), \
-        details
+    return (f"resolve + prepare + commit or copy_async_sched_sample_to_forward (k=0, 2) behind "
+            f"a 20 ms busy kernel = update_requests, the step's arrays read on a side stream "
+            f"after the bookkeeping {expected}; host waited on the busy kernel in prepare "
+            f"{waited['prepare']}/5, commit {waited['commit']}/3, copy {waited['copy']}/2"
+            if env.cuda else
+            "resolve + prepare + commit or copy_async_sched_sample_to_forward (k=0, 2) = "
+            "update_requests; BookkeepingDone events"), details
 
 
 CHECK_FUNCTIONS: Dict[str, Callable[[Env], tuple]] = {
