@@ -229,6 +229,7 @@ class StepBuilder:
         chunked = table.hybrid and table.continuation_added
         rows = table.rows
         per_decode, graphs, decode_tokens = self.tokens_per_decode, True, decode
+        strict = table.hybrid
         if per_decode > 1 and decode:
             # Speculative: 1 + k tokens a decode row (0.19), or each row's own count
             # (update_requests' draft_counts): a plain decode step (padded as one) when no row
@@ -239,11 +240,14 @@ class StepBuilder:
             if decode_tokens != decode * per_decode:
                 graphs = not table.hybrid
                 per_decode = 1 if decode_tokens == decode else per_decode
-        choice = self._choices.get((tokens, prefill, decode, chunked, table.hybrid, max_requests,
+            # A drafted decode row needs its 1 + d logit rows: a graph's prefill slot, which
+            # gives one row per request, may not take it (strict matching).
+            strict = strict or decode_tokens > decode
+        choice = self._choices.get((tokens, prefill, decode, chunked, strict, max_requests,
                                     max_tokens, tp, token_rounder, request_rounder, per_decode,
                                     graphs))
         if choice is None:
-            choice = self.choose(tokens, prefill, decode, chunked, strict=table.hybrid,
+            choice = self.choose(tokens, prefill, decode, chunked, strict=strict,
                                  max_requests=max_requests, max_tokens=max_tokens, tp=tp,
                                  token_rounder=token_rounder, request_rounder=request_rounder,
                                  tokens_per_decode=per_decode, graphs=graphs)

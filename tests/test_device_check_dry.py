@@ -114,6 +114,24 @@ def test_dry_run_smoke_lines_and_pytest_sections(dry_run):
     assert by_name["engine_modes"]["details"]["graphs"]["graph_replays"] > 0
     assert set(by_name["engine_syncs"]["details"]) >= {"eager", "graphs", "async",
                                                        "graphs_async", "goal_met"}
+    # The new paths ran, not only passed: pressure, replays, plans reused, references met.
+    offload = by_name["kv_offload"]["details"]["offload_and_host_tier"]
+    assert offload["kv_offload_restored_requests"] and offload["kv_offload_prefix_restored_blocks"]
+    assert by_name["mamba_offload"]["details"]["offload_and_host_tier"][
+        "kv_offload_prefix_restored_snapshots"] > 0
+    assert by_name["kv_groups"]["details"]["gemma3_graphs"]["graph_replays"] > 0
+    assert by_name["speculative_modes"]["details"]["graphs"]["replays"]["decode"] > 0
+    assert by_name["speculative_modes"]["details"]["async"]["defer_kv_rewind"] > 0
+    assert by_name["draft_model"]["details"]["eager"]["rewound_tokens"] > 0
+    plans = by_name["launch_plans"]["details"]
+    assert plans["with_plans"]["attention_hits"] and plans["with_plans"]["attention_varied"]
+    assert max(plans["max_abs_error_vs_ref"].values()) <= 5e-5
+    assert by_name["megatron019_trio"]["details"]["k2"]["mismatched_steps"] == []
+    assert by_name["fp8_kv"]["details"]["engine"]["cache_dtype"] == "float8_e4m3fn"
+    assert by_name["fp8_kv"]["details"]["flashinfer"]["status"].startswith("absent")
+    # The workers refused megatron and flashinfer, as the GPU machine's image lacks them.
+    assert "[smoke] the workers refuse to import: megatron,flashinfer" in \
+        (out / "device_check.log").read_text()
     tests = (out / "tests.log").read_text()
     assert "=== section kernels: pytest -v" in tests and "=== section e2e: pytest -v" in tests
     summary = (out / "summary.txt").read_text()
@@ -160,11 +178,32 @@ def test_bad_knobs_are_refused_before_anything_runs(tmp_path, value, message):
 def test_smoke_groups_split_by_worker():
     names = list(device_smoke.CHECK_NAMES)
     assert device_smoke.plan_groups(names, 1) == [names]
-    two = device_smoke.plan_groups(names, 2)
-    assert two == [[n for n, g in device_smoke.CHECKS if g == "engine"],
-                   [n for n, g in device_smoke.CHECKS if g == "kernels"]]
+    group = {g: [n for n, h in device_smoke.CHECKS if h == g]
+             for g in ("engine", "kernels", "memory", "speculative")}
+    assert sum(map(len, group.values())) == len(names) == 18
+    assert device_smoke.plan_groups(names, 4) == list(group.values())
+    assert device_smoke.plan_groups(names, 2) == [group["engine"] + group["memory"],
+                                                  group["kernels"] + group["speculative"]]
     assert device_smoke.plan_groups(["pinned_ring", "engine_cuda"], 8) == [["engine_cuda"],
                                                                           ["pinned_ring"]]
+
+
+def test_smoke_workers_refuse_the_absent_modules():
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import device_smoke\n"
+            "print(device_smoke.block_imports(' megatron, flashinfer,'))\n"
+            "import json\n"   # any other module still imports
+            "for name in ('megatron.core.inference', 'flashinfer'):\n"
+            "    try:\n"
+            "        __import__(name)\n"
+            "    except ModuleNotFoundError as exc:\n"
+            "        print(exc)\n")
+    proc = subprocess.run([sys.executable, "-P", "-c", code, str(ROOT / "bench")], env=_env(),
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == [
+        "['megatron', 'flashinfer']",
+        "No module named 'megatron' (DYNCTX_SMOKE_ABSENT blocks it)",
+        "No module named 'flashinfer' (DYNCTX_SMOKE_ABSENT blocks it)"]
 
 
 def _smoke(tmp_path, *argv):

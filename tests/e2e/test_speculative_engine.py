@@ -420,3 +420,23 @@ def test_graph_replays_of_speculative_steps_and_suspend_resume_keep_the_outputs(
     results += engine.run()
     assert {r.request_id: r.generated_tokens for r in results} == dict(enumerate(expected))
     assert engine.graph_replays > 0 and engine.stats.speculative["accepted_tokens"] > 0
+
+
+def test_a_mixed_step_with_drafted_rows_is_not_replayed_in_a_prefill_graph():
+    """A step of drafted decode rows and a prefill chunk: the ladder's mixed graphs have
+    prefill slots only, which give one logit row a request, so the drafted rows (``1 + d``
+    rows each) must not take them: the step runs eagerly (or in a graph with decode slots),
+    and the outputs are transformers' (a replay in a prefill graph lost the prefill's row)."""
+    hf = tiny_llama()
+    prompts = make_prompts([3, 17, 40, 9], 256)
+    expected = [hf_greedy(hf, p, 10) for p in prompts]
+    oracle = OracleDrafter([p + e for p, e in zip(prompts, expected)], 256)
+    engine = build_engine(hf, block_size=16, blocks=48, paused_blocks=8, max_tokens=32,
+                          max_requests=8, kernel_backend="torch", num_cuda_graphs=4,
+                          num_speculative_tokens=3, drafter=oracle)
+    assert any(d.prefill_req_count and not d.decode_req_count
+               for d in engine.context.cuda_graph_batch_dimensions_list)
+    results = engine.generate(prompts, max_new_tokens=10, arrival_steps=[0, 0, 1, 2],
+                              ignore_eos=True)
+    assert results == expected
+    assert engine.graph_replays > 0 and engine.stats.speculative["accepted_tokens"] > 0
