@@ -63,7 +63,9 @@ def _step(ctx, keep=True):
         ctx.initialize_attention_state()
     n = ctx.total_request_count - ctx.paused_request_count
     mask = torch.full((n,), keep, dtype=torch.bool)
-    return ctx.update_requests(mask, torch.arange(n, dtype=torch.int64) + 7)
+    k = ctx.num_speculative_tokens
+    return ctx.update_requests(mask, torch.arange(n, dtype=torch.int64) + 7,
+                               torch.full((k, n), 9) if k else None)
 
 
 # ---------------------------------------------------------------- states
@@ -216,6 +218,40 @@ def s_processed(backend):
     """s_prefill with Megatron-Core 0.19's processed log probs asked for."""
     ctx = s_prefill(backend)
     ctx.config = SimpleNamespace(logprobs_mode="processed_logprobs")
+    return ctx
+
+
+K = 2
+
+
+def s_speculative(backend, **overrides):
+    """``num_speculative_tokens=2`` with ``validate`` and ``vocab_size``: requests 1 (5 tokens)
+    and 2 (2 tokens) after one update with drafts; a decode step of 1 + 2 tokens each
+    initialized."""
+    ctx = make_ctx(kernel_backend=backend, vocab_size=VOCAB, validate=True,
+                   num_speculative_tokens=K, **overrides)
+    add(ctx, req(1, 5))
+    add(ctx, req(2, 2))
+    _step(ctx)
+    ctx.initialize_attention_state()
+    return ctx
+
+
+def s_settling(backend):
+    """``s_speculative`` with deferred rewinds: the step's rewind deferred (request 1 rejects
+    one draft), the next step initialized (the device applied the lag): ready to settle."""
+    ctx = s_speculative(backend)
+    ctx.enable_deferred_rewind()
+    ctx.defer_kv_rewind(_tokens(1, 2))
+    _step(ctx)
+    ctx.initialize_attention_state()
+    return ctx
+
+
+def s_settled(backend):
+    """``s_settling`` with request 1's rewind settled."""
+    ctx = s_settling(backend)
+    ctx.settle_kv_rewind([1], [1])
     return ctx
 
 
@@ -462,6 +498,52 @@ CASES = [
      lambda c: c.rewind_tokens(_tokens(0, 5)), ValueError, "prefix cache published", True),
     ("rewind_tokens/hybrid", s_hybrid_cached, lambda c: c.rewind_tokens(_tokens(1)),
      ValueError, "hybrid", True),
+    # Speculative steps (docs/SEMANTICS.md §19): the rewinds' counts and the drafts.
+    ("rewind_kv_cache/complex", s_speculative,
+     lambda c: c.rewind_kv_cache(torch.zeros(2, dtype=torch.complex64)), TypeError,
+     "accepted_counts must be an integer tensor", True),
+    ("rewind_kv_cache/meta", s_speculative,
+     lambda c: c.rewind_kv_cache(_tokens(0, 0, device="meta")), ValueError,
+     "accepted_counts is on the meta device", True),
+    ("rewind_tokens/meta", s_speculative,
+     lambda c: c.rewind_tokens(_tokens(0, 0, device="meta")), ValueError,
+     "rewind_counts is on the meta device", True),
+    ("rewind_tokens/ragged", s_speculative, lambda c: c.rewind_tokens([[0], [0, 1]]),
+     TypeError, "rewind_counts must be integers of one shape", True),
+    ("update/drafts-outside-vocab", s_speculative,
+     lambda c: c.update_requests(_tokens(1, 1), _tokens(4, 5), torch.full((K, 2), VOCAB)),
+     ValueError, r"new_speculative_tokens holds ids in \[500, 500\], outside \[0, 500\)", True),
+    ("update/drafts-negative", s_speculative,
+     lambda c: c.update_requests(_tokens(1, 1), _tokens(4, 5), torch.full((K, 2), -1)),
+     ValueError, "new_speculative_tokens holds ids in", True),
+    ("update/drafts-forwarded-outside-vocab", s_speculative,
+     lambda c: c.update_requests(_tokens(1, 1), _tokens(4, 5),
+                                 torch.tensor([[3, -1], [VOCAB, -1]]), draft_counts=[2, 0]),
+     ValueError, "new_speculative_tokens holds ids in", True),
+    ("defer_kv_rewind/complex", s_speculative,
+     lambda c: c.defer_kv_rewind(torch.zeros(2, dtype=torch.complex64)), TypeError,
+     "accepted_counts must be an integer tensor", True),
+    ("defer_kv_rewind/negative-with-validate", s_speculative,
+     lambda c: c.defer_kv_rewind(_tokens(-5, 0)), ValueError,
+     r"accepted_counts\[0\]=-5 must lie in \[0, num_speculative_tokens=2\]", True),
+    ("defer_kv_rewind/beyond-k-with-validate", s_speculative,
+     lambda c: c.defer_kv_rewind(_tokens(0, 9)), ValueError,
+     r"accepted_counts\[1\]=9 must lie in", True),
+    ("settle_kv_rewind/float-ids", s_settling, lambda c: c.settle_kv_rewind([1.5], [1]),
+     TypeError, "request_ids must hold integers", True),
+    ("settle_kv_rewind/bool-ids", s_settling, lambda c: c.settle_kv_rewind([True], [1]),
+     TypeError, "request_ids must hold integers", True),
+    ("settle_kv_rewind/str-ids", s_settling, lambda c: c.settle_kv_rewind(["a"], [1]),
+     TypeError, "request_ids must hold integers", True),
+    ("settle_kv_rewind/huge-id", s_settling, lambda c: c.settle_kv_rewind([2 ** 70], [1]),
+     TypeError, "request_ids must hold integers", True),
+    ("settle_kv_rewind/counts-meta", s_settling,
+     lambda c: c.settle_kv_rewind([1], _tokens(1, device="meta")), ValueError,
+     "rejected_counts is on the meta device", True),
+    ("settle_kv_rewind/an-id-twice", s_settling, lambda c: c.settle_kv_rewind([1, 1], [1, 1]),
+     ValueError, "request 1 is settled twice in this step", True),
+    ("settle_kv_rewind/again-in-the-step", s_settled, lambda c: c.settle_kv_rewind([1], [1]),
+     ValueError, "request 1 is settled twice in this step", True),
     # Megatron-Core 0.19's Mamba slots: a slot only for a cached block (mamba_slot_allocator).
     ("mamba_slots/allocate-an-uncached-block", s_hybrid_cached,
      lambda c: c.mamba_slot_allocator.allocate_slots_batch(
