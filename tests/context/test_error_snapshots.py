@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from helpers import BLOCK, GIB, add, assert_same, check_invariants, make_ctx, snapshot
@@ -684,6 +685,10 @@ OFFLOAD_OPTION_ERRORS = [
                  id="bool"),
     pytest.param(dict(kv_offload_gb=BLOCK / GIB / 2), ValueError, r"holds no KV block",
                  id="under_one_block"),
+    pytest.param(dict(kv_offload_gb=np.complex128(1)), TypeError,
+                 r"kv_offload_gb=np.complex128\(1\+0j\) must be a number", id="complex"),
+    pytest.param(dict(kv_offload_gb=1e9), ValueError, r"kv_offload_gb=1000000000.0 asks for "
+                 r".* of host memory, but the host has .* available", id="beyond_the_host"),
     pytest.param(dict(kv_cache_management_mode="swap"), ValueError,
                  r"kv_cache_management_mode='swap' must be one of \['persist', 'offload', "
                  r"'recompute'\]", id="unknown_mode"),
