@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from ._fields import FIELD_MAMBA_SLOT, FIELD_QUERY
+from .block_allocator import _block_ids
 from .megatron019 import MAX_INTERMEDIATE_OFFSETS_PER_REQUEST
 
 __all__ = ["MAX_INTERMEDIATE_OFFSETS_PER_REQUEST", "MambaSlotAllocator"]
@@ -109,7 +110,7 @@ class MambaSlotAllocator:
         """A slot for each of ``block_ids`` (cached blocks): its own, else a free one, else
         the least recently used snapshot's; a block listed twice gets one slot. Its state is
         the caller's to write (``store_*``, ``commit_intermediate_states``)."""
-        digests = [self._digest(b) for b in block_ids]
+        digests = [self._digest(b) for b in _block_ids(block_ids, "block_ids").tolist()]
         return [self._snap.take(d) for d in digests]
 
     def get_slot(self, block_id: int) -> int:
@@ -137,22 +138,50 @@ class MambaSlotAllocator:
         slot = self.get_slot(block_id)
         if slot < 0:
             raise ValueError(f"block {block_id} has no Mamba cache slot (allocate_slots_batch)")
+        layers = self._snap.ssm.shape[0]
+        if isinstance(layer_idx, bool) or not isinstance(layer_idx, (int, np.integer)) \
+                or not 0 <= layer_idx < layers:
+            raise ValueError(f"layer_idx={layer_idx!r} must be an int in [0, {layers}) (the "
+                             "Mamba layers)")
+        for name, state, into in (("ssm_state", ssm_state, self._snap.ssm),
+                                  ("conv_state", conv_state, self._snap.conv)):
+            if not isinstance(state, torch.Tensor) or tuple(state.shape) != into.shape[2:] \
+                    or state.device.type == "meta":
+                raise ValueError(f"{name} must be a tensor of shape {list(into.shape[2:])} with "
+                                 f"data, got {_shape(state)}")
         self._snap.ssm[layer_idx, slot].copy_(ssm_state)
         self._snap.conv[layer_idx, slot].copy_(conv_state)
 
     def store_from_live_batch(self, slots: Sequence[int], request_indices: Sequence[int]) -> None:
         """Snapshots ``slots`` take the live states of the rows ``request_indices``."""
-        if len(slots):
-            rows = self._table.rows[FIELD_MAMBA_SLOT, np.asarray(request_indices, np.int64)]
-            self._snap.copy_in(list(slots), rows.tolist(), self._states.conv_states,
+        targets = _block_ids(slots, "slots")
+        indices = _block_ids(request_indices, "request_indices")
+        if targets.size != indices.size:
+            raise ValueError(f"slots has {targets.size} entries, request_indices {indices.size}")
+        if np.any((targets < 0) | (targets >= self.max_slots)):
+            raise ValueError(f"slots={targets.tolist()}: each must lie in [0, max_slots="
+                             f"{self.max_slots})")
+        if targets.size:
+            rows = self._live_slots(indices, "request_indices")
+            self._snap.copy_in(targets.tolist(), rows.tolist(), self._states.conv_states,
                                self._states.ssm_states)
+
+    def _live_slots(self, indices: np.ndarray, name: str) -> np.ndarray:
+        """The Mamba slots of the live rows ``indices`` (``ValueError`` naming ``name`` for a
+        row outside the live ones)."""
+        total = self._table.total
+        slots = self._table.rows[FIELD_MAMBA_SLOT, np.clip(indices, 0, max(total - 1, 0))]
+        if np.any((indices < 0) | (indices >= total) | (slots < 0)):
+            raise ValueError(f"{name}={indices.tolist()}: each must be a live row in [0, "
+                             f"total_request_count={total}) holding a Mamba slot")
+        return slots
 
     def restore_to_live(self, request_idx: int, block_id: int) -> bool:
         """The row's live state takes the block's snapshot; False when it has none."""
+        live = int(self._live_slots(_block_ids([request_idx], "request_idx"), "request_idx")[0])
         slot = self.get_slot(block_id)
         if slot < 0:
             return False
-        live = int(self._table.rows[FIELD_MAMBA_SLOT, int(request_idx)])
         self._states.restore_snapshots([(live, slot)])
         return True
 
@@ -160,6 +189,8 @@ class MambaSlotAllocator:
         """0.19 registers the hashes of blocks whose state it stored; a snapshot is matched
         by its block's digest as soon as it exists, so only those with one are touched (a hash
         without a stored state is not made matchable: never a wrong state)."""
+        if len(block_ids) != len(hashes):
+            raise ValueError(f"hashes has {len(hashes)} entries, block_ids {len(block_ids)}")
         for block, value in zip(block_ids, hashes):
             if value > 0 and self.has_state(block):
                 self._snap.index.move_to_end(self._digest(block))
@@ -317,3 +348,9 @@ def attach(mamba, table, metadata, forward, *, mamba_gb: Optional[float], block_
     metadata.max_intermediate_count = allocator.max_intermediate_count
     forward.intermediates = allocator
     return allocator
+
+
+def _shape(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"{list(value.shape)} on {value.device}"
+    return type(value).__name__

@@ -256,6 +256,13 @@ def s_settled(backend):
     return ctx
 
 
+def s_hybrid_slot(backend):
+    """``s_hybrid_cached`` with a Mamba slot for request 1's first (cached) block."""
+    ctx = s_hybrid_cached(backend)
+    ctx.mamba_slot_allocator.allocate_slots_batch([int(ctx.block_table_host[0, 0])])
+    return ctx
+
+
 def s_deallocated(backend):
     ctx = s_prefill(backend)
     ctx.deallocate_all_tensors()
@@ -554,6 +561,32 @@ CASES = [
      lambda c: c.mamba_slot_allocator.store_from_tensors(
          int(c.block_table_host[0, 0]), 0, torch.zeros(2, 3, 5), torch.zeros(6, 4)),
      ValueError, "no Mamba cache slot", True),
+    ("mamba_slots/allocate-a-str", s_hybrid_cached,
+     lambda c: c.mamba_slot_allocator.allocate_slots_batch(["a"]), TypeError,
+     "block_ids must hold integer block ids", True),
+    ("mamba_slots/store-layer-negative", s_hybrid_slot,
+     lambda c: c.mamba_slot_allocator.store_from_tensors(
+         int(c.block_table_host[0, 0]), -1, torch.zeros(2, 3, 5), torch.zeros(6, 4)),
+     ValueError, r"layer_idx=-1 must be an int in \[0, 1\)", True),
+    ("mamba_slots/store-a-broadcast", s_hybrid_slot,
+     lambda c: c.mamba_slot_allocator.store_from_tensors(
+         int(c.block_table_host[0, 0]), 0, torch.tensor(1.0), torch.zeros(6, 4)),
+     ValueError, r"ssm_state must be a tensor of shape \[2, 3, 5\]", True),
+    ("mamba_slots/live-slot-beyond", s_hybrid_slot,
+     lambda c: c.mamba_slot_allocator.store_from_live_batch([99], [0]), ValueError,
+     r"slots=\[99\]: each must lie in \[0, max_slots=3\)", True),
+    ("mamba_slots/live-lengths", s_hybrid_slot,
+     lambda c: c.mamba_slot_allocator.store_from_live_batch([0, 1], [0]), ValueError,
+     "slots has 2 entries, request_indices 1", True),
+    ("mamba_slots/live-row-free", s_hybrid_slot,
+     lambda c: c.mamba_slot_allocator.store_from_live_batch([0], [5]), ValueError,
+     r"request_indices=\[5\]: each must be a live row", True),
+    ("mamba_slots/restore-row-negative", s_hybrid_slot,
+     lambda c: c.mamba_slot_allocator.restore_to_live(-1, int(c.block_table_host[0, 0])),
+     ValueError, r"request_idx=\[-1\]: each must be a live row", True),
+    ("mamba_slots/register-lengths", s_hybrid_slot,
+     lambda c: c.mamba_slot_allocator.register_block_hashes_batch([1, 2], [5]), ValueError,
+     "hashes has 1 entries, block_ids 2", True),
     # Megatron-Core 0.19's processed log probs need a sampling backend (context/sampling.py).
     ("log_probs/processed-without-sampling", s_processed,
      lambda c: c.calculate_log_probs(torch.zeros(1, c.padded_active_token_count, VOCAB),
