@@ -53,6 +53,14 @@ def _policy(value: Any) -> PrefixCachingEvictionPolicy:
                          f"{[p.value for p in PrefixCachingEvictionPolicy]}") from None
 
 
+def _count(name: str, value: Any) -> None:
+    """A block count argument: an int >= 0 (``TypeError``/``ValueError`` naming it)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name}={value!r} must be an int")
+    if value < 0:
+        raise ValueError(f"{name}={value} must be >= 0")
+
+
 class KVBlockAllocator(BlockAllocator):
     """0.19's constructor: ``KVBlockAllocator(context, total_count, paused_count,
     enable_prefix_caching=False, prefix_caching_eviction_policy=REF_ZERO)``.
@@ -250,6 +258,8 @@ class KVBlockAllocator(BlockAllocator):
         """Whether ``num_blocks`` can be allocated once ``potential_matched_count`` evictable
         blocks (prefix matches about to be pinned) are taken out; idle cached blocks are in
         ``total_avail`` already."""
+        _count("num_blocks", num_blocks)
+        _count("potential_matched_count", potential_matched_count)
         if self._total_avail - potential_matched_count >= num_blocks:
             return True
         if not self._lru:
@@ -301,6 +311,9 @@ class KVBlockAllocator(BlockAllocator):
         if not self._lru:
             return
         blocks = _block_ids(block_ids, "block_ids")
+        if np.any((blocks < 0) | (blocks >= self.total_count)):
+            raise ValueError(f"block_ids={blocks.tolist()}: each must lie in [0, "
+                             f"{self.total_count})")
         if blocks.size:
             self.timestamps[blocks] = self._clock()
 
@@ -320,6 +333,9 @@ class KVBlockAllocator(BlockAllocator):
         if np.any((blocks < 0) | (blocks >= self.dummy_block_idx)):
             raise ValueError(f"block_ids={blocks.tolist()}: each must lie in [0, "
                              f"{self.dummy_block_idx}) (the dummy block is never cached)")
+        if np.any(hashes < 1):
+            raise ValueError(f"block_hashes={hashes.tolist()}: each must be >= 1 (0.19's hashes "
+                             "are; -1 marks an uncached block, 0 a root's parent)")
         if parent_hashes is not None:
             parent_hashes = _block_ids(parent_hashes, "parent_hashes")
             if parent_hashes.size != blocks.size:
@@ -379,6 +395,7 @@ class KVBlockAllocator(BlockAllocator):
         cached block outlives its parent. False (nothing changes) when too few are cached; a
         cyclic parent graph raises ``AssertionError``."""
         self._prefix_state("evict_lru_blocks", lru_only=True)
+        _count("num_blocks_needed", num_blocks_needed)
         cached = np.flatnonzero((self.ref_counts == 0) & (self.hash_ids != -1))
         if cached.size < num_blocks_needed:
             return False
