@@ -17,6 +17,7 @@ from . import async_steps
 from .batch_dimensions import InferenceBatchDimensions
 from .errors import StepShapeError
 from .gpu_view import ContextStepView
+from .inputs import TOKEN_DTYPES, check_token_ids
 from .speculative import logit_rows
 
 
@@ -254,8 +255,9 @@ class StepAPI:
         for name, value in (("sampled tokens", tokens), ("MTP draft tokens", drafts)):
             if value is None:
                 continue
-            if not isinstance(value, torch.Tensor) or value.dtype.is_floating_point:
-                raise TypeError(f"{name} must be an integer torch.Tensor, got {value!r}")
+            if not isinstance(value, torch.Tensor) or value.dtype not in TOKEN_DTYPES:
+                raise TypeError(f"{name} must be an integer (int32 or int64) torch.Tensor, got "
+                                f"{value.dtype if isinstance(value, torch.Tensor) else value!r}")
             if cpu and value.device.type != "cpu":
                 raise StepShapeError(f"{name} must be on the CPU before they are committed "
                                      f"(got {value.device})")
@@ -268,6 +270,10 @@ class StepAPI:
         elif drafts is None or tuple(drafts.shape) != (k, active):
             shape = None if drafts is None else tuple(drafts.shape)
             raise RuntimeError(f"Expected MTP draft token shape {(k, active)}, got {shape}.")
+        if self.validate:   # the ids the next step forwards (a read of each tensor)
+            check_token_ids("sampled tokens", tokens, self.vocab_size)
+            if k and drafts is not None:
+                check_token_ids("MTP draft tokens", drafts, self.vocab_size)
 
     def _write_sampled(self, tokens: torch.Tensor, drafts: Optional[torch.Tensor],
                        padded: Optional[int]) -> None:

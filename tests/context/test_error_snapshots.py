@@ -256,6 +256,15 @@ def s_settled(backend):
     return ctx
 
 
+def s_prepared(backend):
+    """Megatron-Core 0.19's async trio: ``s_decode`` resolved and prepared (the next step's
+    rows advanced), its sampled tokens not committed yet."""
+    ctx = s_decode(backend)
+    ctx.resolve_requests(torch.ones(2, dtype=torch.int32))
+    ctx.prepare_requests()
+    return ctx
+
+
 def s_hybrid_slot(backend):
     """``s_hybrid_cached`` with a Mamba slot for request 1's first (cached) block."""
     ctx = s_hybrid_cached(backend)
@@ -607,6 +616,16 @@ CASES = [
     ("kv_block_allocator/timestamps-negative-block", s_cache_pending,
      lambda c: c.kv_block_allocator.update_timestamps([-1]), ValueError,
      r"block_ids=\[-1\]: each must lie in", True),
+    # The async trio's sampled tokens: integer ids of the vocabulary (validate).
+    ("async/commit-bool", s_prepared,
+     lambda c: c.commit_sampled_tokens(_tokens(1, 0, dtype=torch.bool)), TypeError,
+     r"sampled tokens must be an integer \(int32 or int64\)", True),
+    ("async/commit-outside-vocab", s_prepared,
+     lambda c: c.commit_sampled_tokens(_tokens(5, VOCAB)), ValueError,
+     r"sampled tokens holds ids in \[5, 500\], outside \[0, 500\)", True),
+    ("async/copy-negative", s_prepared,
+     lambda c: c.copy_async_sched_sample_to_forward(_tokens(-1, 6)), ValueError,
+     "sampled tokens holds ids in", True),
     # Megatron-Core 0.19's processed log probs need a sampling backend (context/sampling.py).
     ("log_probs/processed-without-sampling", s_processed,
      lambda c: c.calculate_log_probs(torch.zeros(1, c.padded_active_token_count, VOCAB),
