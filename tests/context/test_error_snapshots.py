@@ -265,6 +265,16 @@ def s_prepared(backend):
     return ctx
 
 
+def s_overflow(backend):
+    """No paused budget and ``k = 2``: requests 1 and 2 added, request 1 paused by hand
+    (0.19's tests write the counts): its blocks overflow the paused budget."""
+    ctx = make_ctx(kernel_backend=backend, paused_buffer_size_gb=0.0, num_speculative_tokens=K)
+    add(ctx, req(1, 5))
+    add(ctx, req(2, 2))
+    ctx.paused_request_count = 1
+    return ctx
+
+
 def s_hybrid_slot(backend):
     """``s_hybrid_cached`` with a Mamba slot for request 1's first (cached) block."""
     ctx = s_hybrid_cached(backend)
@@ -626,6 +636,17 @@ CASES = [
     ("async/copy-negative", s_prepared,
      lambda c: c.copy_async_sched_sample_to_forward(_tokens(-1, 6)), ValueError,
      "sampled tokens holds ids in", True),
+    # Megatron-Core 0.19's eviction moves the caller's tensors: checked before anything moves.
+    ("rows/evict-drafts-too-few-columns", s_overflow,
+     lambda c: c.evict_overflow_paused_requests(1, _tokens(50, 51),
+                                                torch.zeros(K, 1, dtype=torch.int64)),
+     ValueError, r"new_speculative_tokens has shape \(2, 1\)", "evict"),
+    ("rows/evict-next-tokens-list", s_overflow,
+     lambda c: c.evict_overflow_paused_requests(1, [50, 51]), TypeError,
+     "next_tokens must be a torch.Tensor", "evict"),
+    ("rows/evict-next-tokens-short", s_overflow,
+     lambda c: c.evict_overflow_paused_requests(1, _tokens(50)), ValueError,
+     r"next_tokens has shape \(1,\)", "evict"),
     # Megatron-Core 0.19's processed log probs need a sampling backend (context/sampling.py).
     ("log_probs/processed-without-sampling", s_processed,
      lambda c: c.calculate_log_probs(torch.zeros(1, c.padded_active_token_count, VOCAB),
@@ -645,6 +666,11 @@ def _continuation(ctx, claim):
 
 def _recover(ctx, recovery):
     """One valid step after the error."""
+    if recovery == "evict":   # the hand-written overflow: the valid eviction
+        evicted = ctx.evict_overflow_paused_requests(
+            1, torch.tensor([50, 51]), torch.zeros(K, 2, dtype=torch.int64))
+        assert evicted.tolist() == [1]
+        return
     if recovery == "chunk":
         r = ctx._chunked
         add(ctx, raw(rid=3, tokens=r.prompt_tokens[8:], finished=8, gen=8))
