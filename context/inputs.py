@@ -280,3 +280,13 @@ def check_token_ids(name: str, tokens: torch.Tensor, vocab_size: Optional[int]) 
         if low < 0 or (vocab_size is not None and high >= vocab_size):
             raise ValueError(f"{name} holds ids in [{low}, {high}], outside [0, "
                              f"{'inf' if vocab_size is None else vocab_size}) (vocab_size)")
+
+
+def reset_flags(preserve_prefix_cache, preserve_counters) -> bool:
+    """``reset``'s flags are bools (``TypeError`` naming the flag: ``"no"`` would keep the
+    cache); returns ``preserve_prefix_cache``."""
+    for name, value in (("preserve_prefix_cache", preserve_prefix_cache),
+                        ("preserve_counters", preserve_counters)):
+        if not isinstance(value, (bool, np.bool_)):
+            raise TypeError(f"reset({name}={value!r}): {name} must be a bool")
+    return bool(preserve_prefix_cache)

@@ -647,6 +647,16 @@ CASES = [
     ("rows/evict-next-tokens-short", s_overflow,
      lambda c: c.evict_overflow_paused_requests(1, _tokens(50)), ValueError,
      r"next_tokens has shape \(1,\)", "evict"),
+    # reset's flags, and the queries' request.
+    ("reset/preserve_prefix_cache-str", s_cache_pending,
+     lambda c: c.reset(preserve_prefix_cache="no"), TypeError,
+     "preserve_prefix_cache must be a bool", True),
+    ("reset/preserve_counters-int", s_decode, lambda c: c.reset(preserve_counters=1), TypeError,
+     "preserve_counters must be a bool", True),
+    ("prefix_cache_lookup/not-a-request", s_cache_pending, lambda c: c.prefix_cache_lookup(42),
+     TypeError, "req must be a DynamicInferenceRequest, got int", True),
+    ("check_availability/None", s_prefill, lambda c: c.check_availability(None), TypeError,
+     "req must be a DynamicInferenceRequest, got NoneType", True),
     # Megatron-Core 0.19's processed log probs need a sampling backend (context/sampling.py).
     ("log_probs/processed-without-sampling", s_processed,
      lambda c: c.calculate_log_probs(torch.zeros(1, c.padded_active_token_count, VOCAB),
