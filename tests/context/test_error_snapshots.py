@@ -658,6 +658,11 @@ CASES = [
     ("check_availability/None", s_prefill, lambda c: c.check_availability(None), TypeError,
      "req must be a DynamicInferenceRequest, got NoneType", True),
     # Megatron-Core 0.19's processed log probs need a sampling backend (context/sampling.py).
+    ("log_probs/backend-gives-a-wrong-shape", s_processed,
+     lambda c: c.calculate_log_probs(torch.zeros(1, c.padded_active_token_count, VOCAB),
+                                     _tokens(4, 5), sampling=SimpleNamespace(
+                                         log_probs_kernel=lambda rows, *a, **k: rows[:1])),
+     ValueError, r"sampling.log_probs_kernel returned \(1, 500\), expected", True),
     ("log_probs/processed-without-sampling", s_processed,
      lambda c: c.calculate_log_probs(torch.zeros(1, c.padded_active_token_count, VOCAB),
                                      _tokens(4, 5)), ValueError, "sampling backend", True),
