@@ -221,6 +221,9 @@ class BlockAllocator:
         ``blocks``: a tensor on any device (a device tensor costs one copy to the host), a
         numpy array or a sequence of ints."""
         blocks = _block_ids(blocks, "blocks")
+        if np.any(blocks < -1):
+            raise ValueError(f"release of block ids {blocks[blocks < -1].tolist()}: each must "
+                             "lie in [0, total_count) (-1, an empty entry, is skipped)")
         blocks = blocks[blocks >= 0]
         if blocks.size == 0:
             return
@@ -229,6 +232,12 @@ class BlockAllocator:
                              f">= total_count={self.total_count}")
         if np.any(self.ref_counts[blocks] <= 0) or np.any(blocks == self.dummy_block_idx):
             raise RuntimeError(f"release of blocks that are not allocated: {blocks.tolist()}")
+        ids, times = np.unique(blocks, return_counts=True)
+        if np.any(times > self.ref_counts[ids]):
+            over = times > self.ref_counts[ids]
+            raise RuntimeError(f"release of blocks {ids[over].tolist()} {times[over].tolist()} "
+                               f"times, more than their references "
+                               f"{self.ref_counts[ids[over]].tolist()}")
         np.subtract.at(self.ref_counts, blocks, 1)
         freed = blocks[self.ref_counts[blocks] == 0]
         # A block listed twice with two references must be pushed once.

@@ -290,3 +290,31 @@ def reset_flags(preserve_prefix_cache, preserve_counters) -> bool:
         if not isinstance(value, (bool, np.bool_)):
             raise TypeError(f"reset({name}={value!r}): {name} must be a bool")
     return bool(preserve_prefix_cache)
+
+
+def check_block_routing(block_id, positions, routing, *, block_size: int, blocks: int,
+                        existing: Optional[np.ndarray]) -> np.ndarray:
+    """``store_block_routing``'s arguments, before its block's entry is made: ``block_id`` an
+    int in ``[0, blocks)`` (the dummy block has none), ``positions`` integers in
+    ``[0, block_size)``, ``routing`` a numpy ``[len(positions), layers, topk]`` whose
+    ``[layers, topk]`` is the block's entry's; returns ``positions`` as an int64 array."""
+    if isinstance(block_id, (bool, np.bool_)) or not isinstance(block_id, (int, np.integer)):
+        raise TypeError(f"block_id={block_id!r} must be an int")
+    if not 0 <= block_id < blocks:
+        raise ValueError(f"block_id={block_id} must lie in [0, {blocks}) (the dummy block has "
+                         "no routing)")
+    where = np.asarray(positions)
+    if where.dtype.kind not in "iu" and where.size:
+        raise TypeError(f"positions must hold integers, got dtype {where.dtype}")
+    where = where.astype(np.int64, copy=False).reshape(-1)
+    if np.any((where < 0) | (where >= block_size)):
+        raise ValueError(f"positions={where.tolist()}: each must lie in [0, block_size_tokens="
+                         f"{block_size})")
+    if not isinstance(routing, np.ndarray) or routing.ndim != 3 or routing.shape[0] != where.size:
+        got = routing.shape if isinstance(routing, np.ndarray) else type(routing).__name__
+        raise ValueError(f"routing must be a numpy array [len(positions)={where.size}, layers, "
+                         f"topk], got {got}")
+    if existing is not None and existing.shape[1:] != routing.shape[1:]:
+        raise ValueError(f"routing has [layers, topk]={list(routing.shape[1:])}, block "
+                         f"{block_id}'s routing {list(existing.shape[1:])}")
+    return where

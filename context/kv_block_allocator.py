@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from .block_allocator import BlockAllocator, _block_ids
+from .inputs import check_block_routing
 from .megatron019 import ConfigAssertionError
 from .prefix_cache import PrefixCachingEvictionPolicy
 
@@ -333,6 +334,9 @@ class KVBlockAllocator(BlockAllocator):
         if np.any((blocks < 0) | (blocks >= self.dummy_block_idx)):
             raise ValueError(f"block_ids={blocks.tolist()}: each must lie in [0, "
                              f"{self.dummy_block_idx}) (the dummy block is never cached)")
+        if np.unique(blocks).size != blocks.size:
+            raise ValueError(f"block_ids={blocks.tolist()}: each block at most once (one hash "
+                             "a block)")
         if np.any(hashes < 1):
             raise ValueError(f"block_hashes={hashes.tolist()}: each must be >= 1 (0.19's hashes "
                              "are; -1 marks an uncached block, 0 a root's parent)")
@@ -341,6 +345,9 @@ class KVBlockAllocator(BlockAllocator):
             if parent_hashes.size != blocks.size:
                 raise ConfigAssertionError(f"parent_hashes has {parent_hashes.size} entries, "
                                            f"block_ids {blocks.size}")
+            if np.any(parent_hashes < 0):
+                raise ValueError(f"parent_hashes={parent_hashes.tolist()}: each must be >= 0 "
+                                 "(0: a root)")
         known = self.kv_hash_to_block_id
         known.update(zip(hashes.tolist(), blocks.tolist()))
         parents = np.full(blocks.size, -1, dtype=np.int64)
@@ -430,6 +437,9 @@ class KVBlockAllocator(BlockAllocator):
                             routing: np.ndarray) -> None:
         """Routing ``[len(positions), layers, topk]`` of ``positions`` of ``block_id``."""
         block_size = int(self.context.block_size_tokens)
+        positions = check_block_routing(block_id, positions, routing, block_size=block_size,
+                                        blocks=self.dummy_block_idx,
+                                        existing=self.block_routing.get(block_id))
         if block_id not in self.block_routing:
             self.block_routing[block_id] = np.zeros(
                 (block_size, routing.shape[-2], routing.shape[-1]), dtype=routing.dtype)
@@ -448,9 +458,11 @@ class KVBlockAllocator(BlockAllocator):
         tokens = int(ctx.active_token_count)
         if tokens == 0:
             return
-        if flat_routing.shape[0] != tokens:
-            raise ValueError(f"flat_routing has {flat_routing.shape[0]} tokens, the step "
-                             f"{tokens} (active_token_count)")
+        if not isinstance(flat_routing, np.ndarray) or flat_routing.ndim != 3 \
+                or flat_routing.shape[0] != tokens:
+            got = getattr(flat_routing, "shape", type(flat_routing).__name__)
+            raise ValueError(f"flat_routing is {got}, not a numpy array [active_token_count="
+                             f"{tokens}, layers, topk] (the step's tokens)")
         blocks = np.asarray(ctx.token_to_block_idx[:tokens].cpu().numpy())
         positions = np.asarray(ctx.token_to_local_position_within_kv_block[:tokens].cpu().numpy())
         order = np.argsort(blocks, kind="stable")

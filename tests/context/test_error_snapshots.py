@@ -626,6 +626,20 @@ CASES = [
     ("kv_block_allocator/timestamps-negative-block", s_cache_pending,
      lambda c: c.kv_block_allocator.update_timestamps([-1]), ValueError,
      r"block_ids=\[-1\]: each must lie in", True),
+    ("kv_block_allocator/register-a-block-twice", s_cache_pending,
+     lambda c: c.kv_block_allocator.register_kv_block_hashes(
+         [int(c.kv_block_allocator.block_bag[0])] * 2, [5, 6]), ValueError,
+     "each block at most once", True),
+    ("kv_block_allocator/register-negative-parent", s_cache_pending,
+     lambda c: c.kv_block_allocator.register_kv_block_hashes(
+         [int(c.kv_block_allocator.block_bag[0])], [5], [-3]), ValueError,
+     r"parent_hashes=\[-3\]: each must be >= 0", True),
+    ("block_allocator/release-more-than-referenced", s_decode,
+     lambda c: c.block_allocator.release_memory_blocks([int(c.block_table_host[0, 0])] * 2),
+     RuntimeError, r"2\] times, more than their references \[1\]", True),
+    ("block_allocator/release-negative-id", s_decode,
+     lambda c: c.block_allocator.release_memory_blocks([-2]), ValueError,
+     r"release of block ids \[-2\]: each must lie in \[0, total_count\)", True),
     # The async trio's sampled tokens: integer ids of the vocabulary (validate).
     ("async/commit-bool", s_prepared,
      lambda c: c.commit_sampled_tokens(_tokens(1, 0, dtype=torch.bool)), TypeError,

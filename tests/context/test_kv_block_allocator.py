@@ -139,8 +139,35 @@ def test_routing_per_block_follows_the_steps_token_layout():
     assert sorted(alloc.block_routing) == [2, 5]  # block 7 is the dummy block
     assert np.array_equal(alloc.get_block_routing(5)[[3, 0]], routing[[2, 4]])
     assert np.array_equal(alloc.reconstruct_routing_from_blocks([2, 5], 6)[:2], routing[:2])
-    with pytest.raises(ValueError, match="flat_routing has 4 tokens"):
-        alloc.store_routing_per_block(routing[:4])
+    before = {b: r.copy() for b, r in alloc.block_routing.items()}
+    for bad in (routing[:4], routing.tolist(), routing[:, 0]):   # short, a list, 2-D
+        with pytest.raises(ValueError, match=r"not a numpy array \[active_token_count=5"):
+            alloc.store_routing_per_block(bad)
+    assert before.keys() == alloc.block_routing.keys()
+    assert all(np.array_equal(r, alloc.block_routing[b]) for b, r in before.items())
+
+
+@pytest.mark.parametrize("block_id, positions, routing, error, match", [
+    (-1, [0], (1, 2, 3), ValueError, r"block_id=-1 must lie in \[0, 7\)"),
+    (7, [0], (1, 2, 3), ValueError, r"block_id=7 must lie in \[0, 7\) \(the dummy"),
+    (1.0, [0], (1, 2, 3), TypeError, "block_id=1.0 must be an int"),
+    (True, [0], (1, 2, 3), TypeError, "block_id=True must be an int"),
+    (1, [4], (1, 2, 3), ValueError, r"positions=\[4\]: each must lie in \[0, block_size_tokens=4"),
+    (1, [-1], (1, 2, 3), ValueError, r"positions=\[-1\]"),
+    (1, [0.5], (1, 2, 3), TypeError, "positions must hold integers"),
+    (1, [0, 1], (1, 2, 3), ValueError, r"\[len\(positions\)=2, layers, topk\], got \(1, 2, 3\)"),
+    (1, [0], (1, 6), ValueError, "got \\(1, 6\\)"),
+    (2, [0], (1, 5, 3), ValueError, r"routing has \[layers, topk\]=\[5, 3\], block 2's"),
+])
+def test_store_block_routing_checks_before_the_block_has_an_entry(block_id, positions, routing,
+                                                                   error, match):
+    ctx = SimpleNamespace(block_size_tokens=4)
+    alloc = KVBlockAllocator(ctx, 8, 1)
+    alloc.store_block_routing(2, np.arange(4), np.ones((4, 2, 3), dtype=np.int16))
+    with pytest.raises(error, match=match):
+        alloc.store_block_routing(block_id, np.asarray(positions),
+                                  np.zeros(routing, dtype=np.int16))
+    assert list(alloc.block_routing) == [2] and (alloc.block_routing[2] == 1).all()
 
 
 @pytest.mark.parametrize("request_block_size", [BS, 5])
