@@ -408,6 +408,9 @@ class ForwardPass:
         per active request; also returns the fp32 log-softmax of the rows used (``processed``:
         0.19's processed log probs, ``logits.log_probs``)."""
         meta = self.require("calculate_log_probs")
+        if not isinstance(only_last_token_logits, (bool, np.bool_, type(None))):
+            raise TypeError(f"only_last_token_logits={only_last_token_logits!r} must be a bool "
+                            "or None")
         if self.speculative:
             raise NotImplementedError(
                 "calculate_log_probs() with num_speculative_tokens > 0: the log probs of "
