@@ -366,6 +366,9 @@ class StepAPI:
         """Rows ``dst_idxs`` take rows ``src_idxs``' bookkeeping (``ContextParts.move_rows``),
         and ``new_speculative_tokens[:, dst] = new_speculative_tokens[:, src]`` on the tensor
         given (Megatron-Core 0.19's keyword; the rows' own drafts move with them anyway)."""
+        if not isinstance(swap, (bool, np.bool_)):
+            raise TypeError(f"swap must be a bool, got {type(swap).__name__} (the drafts go by "
+                            "keyword: new_speculative_tokens=)")
         self._parts.move_rows(src_idxs, dst_idxs, next_tokens, swap,
                               new_speculative_tokens)
         self._step = None

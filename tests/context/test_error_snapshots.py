@@ -686,6 +686,10 @@ CASES = [
     ("rows/evict-next-tokens-short", s_overflow,
      lambda c: c.evict_overflow_paused_requests(1, _tokens(50)), ValueError,
      r"next_tokens has shape \(1,\)", "evict"),
+    ("rows/move-drafts-given-as-swap", s_speculative,
+     lambda c: c._move_book_keeping_tensors(torch.tensor([0]), torch.tensor([1]), _tokens(7, 8),
+                                            torch.zeros(K, 2, dtype=torch.int64)), TypeError,
+     "swap must be a bool, got Tensor", True),
     # reset's flags, and the queries' request.
     ("reset/preserve_prefix_cache-str", s_cache_pending,
      lambda c: c.reset(preserve_prefix_cache="no"), TypeError,
