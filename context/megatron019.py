@@ -278,6 +278,11 @@ def max_mamba_intermediate_states_per_step(max_tokens: int, block_size_tokens: i
                                            max_requests: int) -> int:
     """0.19's per-step bound on Mamba intermediate-state extractions: one per block of the
     token budget, at most ``MAX_INTERMEDIATE_OFFSETS_PER_REQUEST`` per request."""
+    for name, value, low in (("max_tokens", max_tokens, 0),
+                             ("block_size_tokens", block_size_tokens, 1),
+                             ("max_requests", max_requests, 0)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+            raise ValueError(f"{name}={value!r} must be an int >= {low}")
     return min(math.ceil(max_tokens / block_size_tokens),
                MAX_INTERMEDIATE_OFFSETS_PER_REQUEST * max_requests)
 

@@ -94,6 +94,15 @@ def layer_layout(num_layers: int, mamba: Optional[MambaInferenceStateConfig],
                                  "tuple of positive ints")
             shapes.append(tuple(int(d) for d in shape))
         conv_shape, ssm_shape = shapes
+        for name in ("conv_states_dtype", "ssm_states_dtype"):
+            value = getattr(mamba, name, None)
+            if value is not None and not isinstance(value, torch.dtype):
+                raise TypeError(f"mamba_inference_state_config.{name}={value!r} must be a "
+                                "torch.dtype or None (params_dtype)")
+        chunk = getattr(mamba, "mamba_chunk_size", 128)
+        if isinstance(chunk, bool) or not isinstance(chunk, (int, np.integer)) or chunk < 1:
+            raise ValueError(f"mamba_inference_state_config.mamba_chunk_size={chunk!r} must be "
+                             "an int >= 1")
         conv_dtype = getattr(mamba, "conv_states_dtype", None) or params_dtype
         ssm_dtype = getattr(mamba, "ssm_states_dtype", None) or params_dtype
     attention = [i for i, t in enumerate(layer_types) if t == "*"]

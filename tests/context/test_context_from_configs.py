@@ -189,6 +189,32 @@ def test_config_fields_are_checked_before_0_19s_derivation(configs, error, match
         DynamicInferenceContext(*configs(), device="cpu")
 
 
+@pytest.mark.parametrize("fields, error, match", [
+    (dict(mamba_chunk_size=0), ValueError, "mamba_chunk_size=0 must be an int >= 1"),
+    (dict(mamba_chunk_size=12.5), ValueError, "mamba_chunk_size=12.5 must be an int >= 1"),
+    (dict(conv_states_dtype="fp32"), TypeError,
+     "conv_states_dtype='fp32' must be a torch.dtype or None"),
+])
+def test_mamba_config_fields_are_checked_at_construction(fields, error, match):
+    """A Mamba chunk size of 0 divided by zero at the first prefix-cached add; a dtype name
+    reached ``torch.empty``'s TypeError naming nothing."""
+    mamba = MambaInferenceStateConfig(["M", "*"], CONV, SSM, **fields)
+    with pytest.raises(error, match=f"mamba_inference_state_config.{match}"):
+        build(model(), inference(mamba_inference_state_config=mamba, max_requests=4))
+
+
+@pytest.mark.parametrize("args, match", [
+    ((512, 0, 8), "block_size_tokens=0 must be an int >= 1"),
+    ((512, 16, -1), "max_requests=-1 must be an int >= 0"),
+    ((512.5, 16, 8), "max_tokens=512.5 must be an int >= 0"),
+])
+def test_max_mamba_intermediate_states_per_step_checks_its_counts(args, match):
+    from dynctx.context.megatron019 import max_mamba_intermediate_states_per_step
+    assert max_mamba_intermediate_states_per_step(512, 16, 8) == min(32, 3 * 8)
+    with pytest.raises(ValueError, match=match):
+        max_mamba_intermediate_states_per_step(*args)
+
+
 def test_mamba_inference_state_config_has_0_19s_fields_and_0_16s_names():
     config = MambaInferenceStateConfig(["M", "*"], CONV, SSM, conv_states_dtype=torch.float16,
                                        ssm_states_dtype=torch.float32, mamba_chunk_size=64)
