@@ -185,3 +185,13 @@ def test_precomputed_hashes_name_the_blocks_only_when_of_the_contexts_block_size
     block = int(ctx.block_table_host[0, 0])
     assert ctx.kv_block_allocator.block_hashes[block].item() == \
         compute_block_hashes_batched(tokens, BS)[0]
+
+
+def test_a_request_takes_enable_prefix_caching_as_a_bool_only():
+    """``"no"`` was taken as true (0.19's hashes computed for a request that asked for none)."""
+    with pytest.raises(TypeError, match="enable_prefix_caching='no' must be a bool"):
+        DynamicInferenceRequest(request_id=1, prompt_tokens=torch.arange(9),
+                                block_size_tokens=BS, enable_prefix_caching="no")
+    plain = DynamicInferenceRequest(request_id=1, prompt_tokens=torch.arange(9),
+                                    block_size_tokens=BS, enable_prefix_caching=False)
+    assert plain.precomputed_block_hashes == []
