@@ -13,6 +13,8 @@ from typing import Any, Optional, Tuple
 import numpy as np
 import torch
 
+from dynctx.kernels.devices import same_device
+
 from . import async_steps
 from .batch_dimensions import InferenceBatchDimensions
 from .errors import StepShapeError
@@ -264,6 +266,8 @@ class StepAPI:
             if cpu and value.device.type != "cpu":
                 raise StepShapeError(f"{name} must be on the CPU before they are committed "
                                      f"(got {value.device})")
+            if not (value.is_cpu or same_device(value.device, self.device)):
+                raise ValueError(f"{name} are on {value.device}, the context on {self.device}")
         if tokens.numel() != active:
             raise RuntimeError(f"Expected {active} new tokens, got {tokens.numel()}.")
         if k == 0:
