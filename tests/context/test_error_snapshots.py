@@ -282,6 +282,15 @@ def s_hybrid_slot(backend):
     return ctx
 
 
+def _hashed(ctx, hashes):
+    """Request 7, two full blocks of new tokens, with 0.19's ``precomputed_block_hashes``."""
+    bs = ctx.block_size_tokens
+    return DynamicInferenceRequest(
+        request_id=7, prompt_tokens=torch.arange(2 * bs + 1) + 200,
+        sampling_params=SamplingParams(num_tokens_to_generate=4),
+        precomputed_block_hashes=hashes, block_size_tokens=bs)
+
+
 def s_deallocated(backend):
     ctx = s_prefill(backend)
     ctx.deallocate_all_tensors()
@@ -700,6 +709,16 @@ CASES = [
      lambda c: c._move_book_keeping_tensors(torch.tensor([0]), torch.tensor([1]), _tokens(7, 8),
                                             torch.zeros(K, 2, dtype=torch.int64)), TypeError,
      "swap must be a bool, got Tensor", True),
+    # 0.19's precomputed_block_hashes name the blocks the add publishes: each in [1, 2**63).
+    ("add/precomputed-hash-negative", s_cache_pending,
+     lambda c: c.add_request(_hashed(c, [-5, -6])), ValueError,
+     r"precomputed_block_hashes=\[-5, -6\]: each must be an int in \[1, 2\*\*63 - 1\]", True),
+    ("add/precomputed-hash-float", s_cache_pending,
+     lambda c: c.add_request(_hashed(c, [5.5, 6.5])), ValueError,
+     r"precomputed_block_hashes=\[5.5, 6.5\]", True),
+    ("add/precomputed-hash-str", s_cache_pending,
+     lambda c: c.add_request(_hashed(c, ["x", "y"])), ValueError,
+     r"precomputed_block_hashes=\['x', 'y'\]", True),
     # reset's flags, and the queries' request.
     ("reset/preserve_prefix_cache-str", s_cache_pending,
      lambda c: c.reset(preserve_prefix_cache="no"), TypeError,
