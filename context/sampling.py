@@ -16,10 +16,9 @@ dynctx's own engine samples through ``dynctx.engine`` (per-request seeds); this 
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from typing import Any, Dict, List, Optional, Tuple
-
-import math
 
 import torch
 from torch import Tensor

@@ -107,8 +107,9 @@ class StepAPI:
         if num_warmup_tokens is None and self._step is None:
             raise RuntimeError("current_input_and_position_ids() is valid only after "
                                "initialize_attention_state() of this step")
-        if num_warmup_tokens is not None and (isinstance(num_warmup_tokens, (bool, np.bool_))
-                                              or not isinstance(num_warmup_tokens, (int, np.integer))):
+        warmup = num_warmup_tokens
+        if warmup is not None and (isinstance(warmup, (bool, np.bool_))
+                                   or not isinstance(warmup, (int, np.integer))):
             raise TypeError(f"num_warmup_tokens={num_warmup_tokens!r} must be an int or None")
         n = num_warmup_tokens or self.padded_active_token_count
         if not 0 <= n <= self.max_tokens:
