@@ -51,6 +51,13 @@ def _block_ids(blocks: Any, name: str) -> np.ndarray:
     return array.astype(np.int64, copy=False).reshape(-1)
 
 
+def check_counts(total_count: Any, paused_count: Any) -> None:
+    """The block counts of an allocator are ints (``TypeError`` naming each)."""
+    for name, value in (("total_count", total_count), ("paused_count", paused_count)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise TypeError(f"{name}={value!r} must be an int")
+
+
 class BlockAllocator:
     """LIFO stack of free block ids (recently released blocks are reused first).
 
@@ -67,6 +74,7 @@ class BlockAllocator:
     def __init__(self, total_count: int, paused_count: int, *, usage: Any = None,
                  keeps_idle_blocks: bool = False,
                  on_evict: Optional[Callable[[np.ndarray], None]] = None):
+        check_counts(total_count, paused_count)
         if total_count < 2:
             raise ValueError(f"total_count={total_count} must be >= 2 (one block is the dummy)")
         if not 0 <= paused_count <= total_count - 2:

@@ -38,7 +38,7 @@ from typing import Any, Callable, Dict, Optional
 import numpy as np
 import torch
 
-from .block_allocator import BlockAllocator, _block_ids
+from .block_allocator import BlockAllocator, _block_ids, check_counts
 from .inputs import check_block_routing
 from .megatron019 import ConfigAssertionError
 from .prefix_cache import PrefixCachingEvictionPolicy
@@ -83,9 +83,9 @@ class KVBlockAllocator(BlockAllocator):
                  prefix_caching_eviction_policy: Any = PrefixCachingEvictionPolicy.REF_ZERO, *,
                  usage: Any = None, on_evict: Optional[Callable[[np.ndarray], None]] = None):
         policy = _policy(prefix_caching_eviction_policy)
-        for name, value in (("total_count", total_count), ("paused_count", paused_count)):
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-                raise TypeError(f"{name}={value!r} must be an int")
+        check_counts(total_count, paused_count)
+        if not isinstance(enable_prefix_caching, (bool, np.bool_)):
+            raise TypeError(f"enable_prefix_caching={enable_prefix_caching!r} must be a bool")
         if total_count >= 2 and total_count - paused_count - 1 < 1:
             raise ConfigAssertionError(
                 f"paused_count={paused_count} must lie in [0, total_count - 2 = "

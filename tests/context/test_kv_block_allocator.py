@@ -114,6 +114,10 @@ def test_bad_arguments_raise_naming_them_before_any_change():
         KVBlockAllocator(ctx, 8, 2, True, "fifo")
     with pytest.raises(TypeError, match="total_count=8.0"):
         KVBlockAllocator(ctx, 8.0, 2)
+    with pytest.raises(TypeError, match="total_count=8.0"):   # the base class too
+        BlockAllocator(8.0, 2)
+    with pytest.raises(TypeError, match="enable_prefix_caching='no' must be a bool"):
+        KVBlockAllocator(ctx, 8, 2, "no")   # was taken as true
     alloc = KVBlockAllocator(ctx, 8, 2, True, "lru")
     before = (alloc.hash_ids.copy(), alloc.cached.copy(), alloc.parent_ids.copy())
     for kwargs, error, match in [
