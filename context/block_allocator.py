@@ -51,6 +51,14 @@ def _block_ids(blocks: Any, name: str) -> np.ndarray:
     return array.astype(np.int64, copy=False).reshape(-1)
 
 
+def check_count(name: str, value: Any) -> None:
+    """A block count argument: an int >= 0 (``TypeError``/``ValueError`` naming it)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name}={value!r} must be an int")
+    if value < 0:
+        raise ValueError(f"{name}={value} must be >= 0")
+
+
 def check_counts(total_count: Any, paused_count: Any) -> None:
     """The block counts of an allocator are ints (``TypeError`` naming each)."""
     for name, value in (("total_count", total_count), ("paused_count", paused_count)):

@@ -38,7 +38,7 @@ from typing import Any, Callable, Dict, Optional
 import numpy as np
 import torch
 
-from .block_allocator import BlockAllocator, _block_ids, check_counts
+from .block_allocator import BlockAllocator, _block_ids, check_count, check_counts
 from .inputs import check_block_routing
 from .megatron019 import ConfigAssertionError
 from .prefix_cache import PrefixCachingEvictionPolicy
@@ -52,14 +52,6 @@ def _policy(value: Any) -> PrefixCachingEvictionPolicy:
     except ValueError:
         raise ValueError(f"prefix_caching_eviction_policy={value!r} must be one of "
                          f"{[p.value for p in PrefixCachingEvictionPolicy]}") from None
-
-
-def _count(name: str, value: Any) -> None:
-    """A block count argument: an int >= 0 (``TypeError``/``ValueError`` naming it)."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name}={value!r} must be an int")
-    if value < 0:
-        raise ValueError(f"{name}={value} must be >= 0")
 
 
 class KVBlockAllocator(BlockAllocator):
@@ -259,8 +251,8 @@ class KVBlockAllocator(BlockAllocator):
         """Whether ``num_blocks`` can be allocated once ``potential_matched_count`` evictable
         blocks (prefix matches about to be pinned) are taken out; idle cached blocks are in
         ``total_avail`` already."""
-        _count("num_blocks", num_blocks)
-        _count("potential_matched_count", potential_matched_count)
+        check_count("num_blocks", num_blocks)
+        check_count("potential_matched_count", potential_matched_count)
         if self._total_avail - potential_matched_count >= num_blocks:
             return True
         if not self._lru:
@@ -402,7 +394,7 @@ class KVBlockAllocator(BlockAllocator):
         cached block outlives its parent. False (nothing changes) when too few are cached; a
         cyclic parent graph raises ``AssertionError``."""
         self._prefix_state("evict_lru_blocks", lru_only=True)
-        _count("num_blocks_needed", num_blocks_needed)
+        check_count("num_blocks_needed", num_blocks_needed)
         cached = np.flatnonzero((self.ref_counts == 0) & (self.hash_ids != -1))
         if cached.size < num_blocks_needed:
             return False
@@ -464,6 +456,11 @@ class KVBlockAllocator(BlockAllocator):
             raise ValueError(f"flat_routing is {got}, not a numpy array [active_token_count="
                              f"{tokens}, layers, topk] (the step's tokens)")
         blocks = np.asarray(ctx.token_to_block_idx[:tokens].cpu().numpy())
+        clash = [b for b in np.unique(blocks).tolist() if b in self.block_routing
+                 and self.block_routing[b].shape[1:] != flat_routing.shape[1:]]
+        if clash:
+            raise ValueError(f"flat_routing has [layers, topk]={list(flat_routing.shape[1:])}, "
+                             f"the routing of blocks {clash} another")
         positions = np.asarray(ctx.token_to_local_position_within_kv_block[:tokens].cpu().numpy())
         order = np.argsort(blocks, kind="stable")
         unique, starts = np.unique(blocks[order], return_index=True)

@@ -151,6 +151,18 @@ def test_routing_per_block_follows_the_steps_token_layout():
     assert all(np.array_equal(r, alloc.block_routing[b]) for b, r in before.items())
 
 
+def test_routing_per_block_of_another_shape_changes_no_block():
+    """Block 2's routing was stored before block 5's [layers, topk] raised numpy's error."""
+    ctx = SimpleNamespace(block_size_tokens=4, active_token_count=5,
+                          token_to_block_idx=torch.tensor([2, 2, 5, 7, 5]),
+                          token_to_local_position_within_kv_block=torch.tensor([0, 1, 3, 0, 0]))
+    alloc = KVBlockAllocator(ctx, 8, 1)
+    alloc.store_block_routing(5, np.arange(4), np.ones((4, 3, 3), dtype=np.int16))
+    with pytest.raises(ValueError, match=r"\[layers, topk\]=\[2, 3\], the routing of blocks \[5\]"):
+        alloc.store_routing_per_block(np.zeros((5, 2, 3), dtype=np.int16))
+    assert list(alloc.block_routing) == [5] and (alloc.block_routing[5] == 1).all()
+
+
 @pytest.mark.parametrize("block_id, positions, routing, error, match", [
     (-1, [0], (1, 2, 3), ValueError, r"block_id=-1 must lie in \[0, 7\)"),
     (7, [0], (1, 2, 3), ValueError, r"block_id=7 must lie in \[0, 7\) \(the dummy"),
