@@ -110,6 +110,7 @@ class MambaSlotAllocator:
         """A slot for each of ``block_ids`` (cached blocks): its own, else a free one, else
         the least recently used snapshot's; a block listed twice gets one slot. Its state is
         the caller's to write (``store_*``, ``commit_intermediate_states``)."""
+        self._table.check_bound()   # a deallocated context: TensorStateDeallocatedError
         digests = [self._digest(b) for b in _block_ids(block_ids, "block_ids").tolist()]
         return [self._snap.take(d) for d in digests]
 
@@ -136,6 +137,7 @@ class MambaSlotAllocator:
     # ------------------------------------------------------------------ store / restore
     def store_from_tensors(self, block_id: int, layer_idx: int, ssm_state: torch.Tensor,
                            conv_state: torch.Tensor) -> None:
+        self._table.check_bound()   # a deallocated context: TensorStateDeallocatedError
         slot = self.get_slot(block_id)
         if slot < 0:
             raise ValueError(f"block {block_id} has no Mamba cache slot (allocate_slots_batch)")
@@ -155,6 +157,7 @@ class MambaSlotAllocator:
 
     def store_from_live_batch(self, slots: Sequence[int], request_indices: Sequence[int]) -> None:
         """Snapshots ``slots`` take the live states of the rows ``request_indices``."""
+        self._table.check_bound()   # a deallocated context: TensorStateDeallocatedError
         targets = _block_ids(slots, "slots")
         indices = _block_ids(request_indices, "request_indices")
         if targets.size != indices.size:
@@ -180,6 +183,7 @@ class MambaSlotAllocator:
 
     def restore_to_live(self, request_idx: int, block_id: int) -> bool:
         """The row's live state takes the block's snapshot; False when it has none."""
+        self._table.check_bound()   # a deallocated context: TensorStateDeallocatedError
         live = int(self._live_slots(_block_ids([request_idx], "request_idx"), "request_idx")[0])
         slot = self.get_slot(block_id)
         if slot < 0:
@@ -207,6 +211,7 @@ class MambaSlotAllocator:
         prompt and the penultimate block, each kept if it falls inside the chunk's computed
         tokens on a multiple of the Mamba chunk size; and, on a final chunk of a prompt of
         whole blocks, the last block, whose state is the live one after the forward (EOS)."""
+        self._table.check_bound()   # a deallocated context: TensorStateDeallocatedError
         bs, row = self.block_size, _block_id(current_id, "current_id")
         if not 0 <= row < self._intermediate_counts_cpu.shape[0]:
             raise ValueError(f"current_id={row} must be a row in [0, max_requests="

@@ -291,6 +291,13 @@ def _hashed(ctx, hashes):
         precomputed_block_hashes=hashes, block_size_tokens=bs)
 
 
+def s_hybrid_deallocated(backend):
+    """``s_hybrid_slot`` after ``deallocate_all_tensors``."""
+    ctx = s_hybrid_slot(backend)
+    ctx.deallocate_all_tensors()
+    return ctx
+
+
 def s_deallocated(backend):
     ctx = s_prefill(backend)
     ctx.deallocate_all_tensors()
@@ -640,6 +647,15 @@ CASES = [
     ("mamba_slots/offsets-row-negative", s_hybrid_slot,
      lambda c: c.mamba_slot_allocator.compute_and_store_offsets(req(5, 9), -1, 0, 9, 0, [], 3),
      ValueError, r"current_id=-1 must be a row in \[0, max_requests=", True),
+    ("mamba_slots/live-deallocated", s_hybrid_deallocated,
+     lambda c: c.mamba_slot_allocator.store_from_live_batch([0], [0]),
+     TensorStateDeallocatedError, "deallocated", True),
+    ("mamba_slots/restore-deallocated", s_hybrid_deallocated,
+     lambda c: c.mamba_slot_allocator.restore_to_live(0, 0), TensorStateDeallocatedError,
+     "deallocated", True),
+    ("mamba_slots/offsets-deallocated", s_hybrid_deallocated,
+     lambda c: c.mamba_slot_allocator.compute_and_store_offsets(req(5, 9), 0, 0, 9, 0, [], 3),
+     TensorStateDeallocatedError, "deallocated", True),
     # Megatron-Core 0.19's allocator (kv_block_allocator): counts and hashes.
     ("kv_block_allocator/evict-negative", s_cache_pending,
      lambda c: c.kv_block_allocator.evict_lru_blocks(-1), ValueError,
