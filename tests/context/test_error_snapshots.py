@@ -760,7 +760,13 @@ CASES = [
      lambda c: c.calculate_log_probs(torch.zeros(1, c.padded_active_token_count, VOCAB),
                                      _tokens(4, 5), sampling=SimpleNamespace(
                                          log_probs_kernel=lambda rows, *a, **k: rows[:1])),
-     ValueError, r"sampling.log_probs_kernel returned \(1, 500\), expected", True),
+     ValueError, r"sampling.log_probs_kernel returned \(1, 500\) torch.float32, expected",
+     True),
+    ("log_probs/backend-gives-integers", s_processed,
+     lambda c: c.calculate_log_probs(torch.zeros(1, c.padded_active_token_count, VOCAB),
+                                     _tokens(4, 5), sampling=SimpleNamespace(
+                                         log_probs_kernel=lambda rows, *a, **k: rows.long())),
+     ValueError, r"returned \(8, 500\) torch.int64, expected a floating \[8, 500\]", True),
     ("log_probs/processed-without-sampling", s_processed,
      lambda c: c.calculate_log_probs(torch.zeros(1, c.padded_active_token_count, VOCAB),
                                      _tokens(4, 5)), ValueError, "sampling backend", True),
