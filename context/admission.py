@@ -359,9 +359,16 @@ def plan_dummies(table, requests: Any, count_as_prefill: bool, *, max_sequence_l
         prompt_offset=table.active_tokens - real_decode, count_as_prefill=bool(count_as_prefill))
 
 
+def check_request(req: Any) -> None:
+    """The queries' ``req`` is a request (``add_request``'s ``TypeError``)."""
+    if not isinstance(req, DynamicInferenceRequest) and not hasattr(req, "remaining_prompt_tokens"):
+        raise TypeError(f"req must be a DynamicInferenceRequest, got {type(req).__name__}")
+
+
 def check_availability(table, req: Any) -> Tuple[bool, bool, bool]:
     """``(request slot free, tokens fit, KV blocks available)`` for the whole remaining prompt
     of ``req``, less what the prefix cache holds of it; host only."""
+    check_request(req)
     table.check_bound(getattr(req, "request_id", None))
     remaining, finished = req.remaining_prompt_length, req.finished_chunk_token_count
     skip, shared, taken = (0, 0, 0) if table.prefix_cache is None else \
@@ -380,6 +387,7 @@ def prefix_cache_lookup(table, req: Any) -> int:
     """Prompt tokens the next ``add_request`` of the new request ``req`` would take from the
     prefix cache, or restore from the host (KV offload), when its chunk covers them and one
     token more; 0 without either. Host only (a prompt on the device is copied once)."""
+    check_request(req)
     table.check_bound(getattr(req, "request_id", None))
     if table.offload is not None and table.offload.lookup(req):
         return table.offload.lookup(req)   # KV offload: the request's saved tokens
@@ -390,6 +398,7 @@ def prefix_cache_first_chunk_boundary(table, req: Any) -> int:
     """Hybrids with prefix caching: the prompt position the first chunk of the new request
     ``req`` should end at, so that its Mamba state at the end of its cached blocks is
     snapshotted for later requests (0: no such boundary; always 0 for other models)."""
+    check_request(req)
     table.check_bound(getattr(req, "request_id", None))
     return 0 if table.prefix_cache is None else table.prefix_cache.first_chunk_boundary(req)
 

@@ -126,7 +126,10 @@ def read_resolve_mask(mask, total: int) -> np.ndarray:
     if not isinstance(mask, torch.Tensor):
         raise TypeError(f"active_requests_mask must be a torch.Tensor, got {type(mask)}")
     if mask.dim() != 1 or mask.numel() != total:
-        raise RuntimeError(f"Expected active mask of length {total}, got {mask.numel()}.")
+        got = mask.numel() if mask.dim() == 1 else f"shape {tuple(mask.shape)}"
+        raise RuntimeError(f"Expected active mask of length {total}, got {got}.")
+    if mask.device.type == "meta":
+        raise ValueError("active_requests_mask is on meta (it holds no values to read)")
     host = mask.detach().cpu().numpy()
     ones = host == 1
     bad = ~ones & (host != 0)

@@ -51,6 +51,21 @@ def _block_ids(blocks: Any, name: str) -> np.ndarray:
     return array.astype(np.int64, copy=False).reshape(-1)
 
 
+def check_count(name: str, value: Any) -> None:
+    """A block count argument: an int >= 0 (``TypeError``/``ValueError`` naming it)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name}={value!r} must be an int")
+    if value < 0:
+        raise ValueError(f"{name}={value} must be >= 0")
+
+
+def check_counts(total_count: Any, paused_count: Any) -> None:
+    """The block counts of an allocator are ints (``TypeError`` naming each)."""
+    for name, value in (("total_count", total_count), ("paused_count", paused_count)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise TypeError(f"{name}={value!r} must be an int")
+
+
 class BlockAllocator:
     """LIFO stack of free block ids (recently released blocks are reused first).
 
@@ -67,6 +82,7 @@ class BlockAllocator:
     def __init__(self, total_count: int, paused_count: int, *, usage: Any = None,
                  keeps_idle_blocks: bool = False,
                  on_evict: Optional[Callable[[np.ndarray], None]] = None):
+        check_counts(total_count, paused_count)
         if total_count < 2:
             raise ValueError(f"total_count={total_count} must be >= 2 (one block is the dummy)")
         if not 0 <= paused_count <= total_count - 2:
@@ -221,6 +237,9 @@ class BlockAllocator:
         ``blocks``: a tensor on any device (a device tensor costs one copy to the host), a
         numpy array or a sequence of ints."""
         blocks = _block_ids(blocks, "blocks")
+        if np.any(blocks < -1):
+            raise ValueError(f"release of block ids {blocks[blocks < -1].tolist()}: each must "
+                             "lie in [0, total_count) (-1, an empty entry, is skipped)")
         blocks = blocks[blocks >= 0]
         if blocks.size == 0:
             return
@@ -229,6 +248,12 @@ class BlockAllocator:
                              f">= total_count={self.total_count}")
         if np.any(self.ref_counts[blocks] <= 0) or np.any(blocks == self.dummy_block_idx):
             raise RuntimeError(f"release of blocks that are not allocated: {blocks.tolist()}")
+        ids, times = np.unique(blocks, return_counts=True)
+        if np.any(times > self.ref_counts[ids]):
+            over = times > self.ref_counts[ids]
+            raise RuntimeError(f"release of blocks {ids[over].tolist()} {times[over].tolist()} "
+                               f"times, more than their references "
+                               f"{self.ref_counts[ids[over]].tolist()}")
         np.subtract.at(self.ref_counts, blocks, 1)
         freed = blocks[self.ref_counts[blocks] == 0]
         # A block listed twice with two references must be pushed once.

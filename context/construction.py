@@ -195,7 +195,8 @@ def settle(*, agreement: CountAgreement, groups: ParallelGroups, default_max_tok
         block_size_tokens=block_size_tokens, buffer_size_gb=buffer_size_gb,
         paused_buffer_size_gb=paused_buffer_size_gb, tensor_model_parallel_size=groups.tp,
         unified_memory_level=unified_memory_level, cache_mla_latent=cache_mla_latent,
-        kv_lora_rank=kv_lora_rank, qk_pos_emb_head_dim=qk_pos_emb_head_dim)
+        kv_lora_rank=kv_lora_rank, qk_pos_emb_head_dim=qk_pos_emb_head_dim, validate=validate,
+        fused_rope_kv_append=fused_rope_kv_append)
     compat.check_options(dict(cuda_graph_max_tokens=cuda_graph_max_tokens), stacklevel=5)
     speculative = check_speculative_tokens(num_speculative_tokens, args["block_size_tokens"])
     offload_gb, management_mode, host_tier = check_offload_args(

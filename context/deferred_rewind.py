@@ -23,6 +23,7 @@ import torch
 from . import speculative as spec
 from ._fields import FIELD_IDS, FIELD_QUERY
 from .errors import StepShapeError
+from .inputs import host_integers
 
 
 def defer(forward, accepted_counts: torch.Tensor) -> None:
@@ -36,12 +37,11 @@ def defer(forward, accepted_counts: torch.Tensor) -> None:
         raise RuntimeError("defer_kv_rewind() needs num_speculative_tokens > 0")
     if forward.rewound:
         raise RuntimeError("defer_kv_rewind() after a rewind in this step")
-    if forward.kv_groups is not None or table.offload is not None:
-        raise ValueError("defer_kv_rewind() with KV groups or KV offload: both read the "
-                         "host's KV offsets as the true ones; use rewind_kv_cache()")
+    check_supported(forward, "defer_kv_rewind()")
     if not isinstance(accepted_counts, torch.Tensor):
         raise TypeError(f"accepted_counts must be a torch.Tensor, got {type(accepted_counts)}")
-    if accepted_counts.dtype.is_floating_point or accepted_counts.dtype == torch.bool:
+    if accepted_counts.dtype.is_floating_point or accepted_counts.dtype.is_complex or \
+            accepted_counts.dtype == torch.bool:
         raise TypeError(f"accepted_counts must be an integer tensor, got {accepted_counts.dtype}")
     if tuple(accepted_counts.shape) != (table.active,):
         raise StepShapeError(f"accepted_counts has shape {tuple(accepted_counts.shape)}, "
@@ -50,6 +50,10 @@ def defer(forward, accepted_counts: torch.Tensor) -> None:
         raise ValueError(f"accepted_counts is on {accepted_counts.device}, the context on "
                          f"{forward.where}")
     step = forward.step
+    if forward.validate:   # one read of the counts (the rejected drafts become device lags)
+        drafts = table.rows[FIELD_QUERY, table.paused:table.paused + step.drafted] - 1
+        spec.check_accepted_counts(accepted_counts, drafts.astype(np.int64), table.active,
+                                   forward.speculative)
     if forward.mamba is not None and step.ragged:
         queries = table.rows[FIELD_QUERY, table.paused:table.paused + step.drafted]
         if ((queries > 1) & (queries < 1 + forward.speculative)).any():
@@ -63,6 +67,20 @@ def defer(forward, accepted_counts: torch.Tensor) -> None:
     forward.rewound = True
 
 
+def check_supported(forward, what: str) -> None:
+    """Deferred rewinds are refused with KV groups and KV offload, which read the host's KV
+    offsets as the true ones (``ValueError`` naming the option and the ways out)."""
+    options = [name for name, on in (
+        ("KV groups (kv_layer_windows with kv_groups=True)", forward.kv_groups is not None),
+        ("KV offload (kv_offload_gb > 0 or kv_cache_management_mode='offload')",
+         forward.table.offload is not None)) if on]
+    if options:
+        raise ValueError(f"{what}: deferred rewinds are not supported with "
+                         f"{' and '.join(options)}, which read the host's KV offsets as the "
+                         "true ones: use rewind_kv_cache() (the engine: async_scheduling=False), "
+                         "or a context without them (kv_groups=False, kv_offload_gb=0)")
+
+
 def settle(forward, request_ids, rejected_counts) -> torch.Tensor:
     """``settle_kv_rewind``: the host applies the rewind the device applied at this step's
     start (``rejected_counts[i]`` drafts of request ``request_ids[i]``, each a decode row of
@@ -72,11 +90,8 @@ def settle(forward, request_ids, rejected_counts) -> torch.Tensor:
     table, k = forward.table, forward.speculative
     if not forward.device.deferred_rewind:
         raise RuntimeError("settle_kv_rewind() before any defer_kv_rewind()")
-    ids = np.asarray(request_ids, dtype=np.int64).reshape(-1)
-    counts = np.asarray(rejected_counts)
-    if counts.dtype.kind not in "iu":
-        raise TypeError(f"rejected_counts must hold integers, got dtype {counts.dtype}")
-    counts = counts.astype(np.int64).reshape(-1)
+    ids = host_integers(request_ids, "request_ids").astype(np.int64).reshape(-1)
+    counts = host_integers(rejected_counts, "rejected_counts").astype(np.int64).reshape(-1)
     if counts.shape != ids.shape:
         raise StepShapeError(f"rejected_counts has {counts.size} entries, request_ids "
                              f"{ids.size}")
@@ -84,6 +99,11 @@ def settle(forward, request_ids, rejected_counts) -> torch.Tensor:
     if bad.size:
         raise ValueError(f"rejected_counts[{int(bad[0])}]={int(counts[bad[0]])} must lie in "
                          f"[0, num_speculative_tokens={k}]")
+    unique, seen = np.unique(ids, return_counts=True)
+    again = sorted(set(unique[seen > 1].tolist()) | (set(ids.tolist()) & forward.settled))
+    if again:
+        raise ValueError(f"request_ids: request {again[0]} is settled twice in this step (a "
+                         "row's rewind is settled once; a second would rewind it again)")
     drafted = table.paused + np.arange(forward.step.drafted)
     row_ids = table.rows[FIELD_IDS, drafted].astype(np.int64)
     order = np.argsort(row_ids, kind="stable")
@@ -97,6 +117,7 @@ def settle(forward, request_ids, rejected_counts) -> torch.Tensor:
     sort = np.argsort(rows)
     plan = spec.plan_rewind(table, rows[sort], counts[sort])
     table.commit_rewind(plan)
+    forward.settled.update(ids.tolist())
     if plan.dropped.size:
         forward.device.host_table_written = True
     forward.device.arena.dirty = True

@@ -41,7 +41,7 @@ from .construction import ContextParts, build_parts, from_config, settle
 from .errors import get_mem_size_str
 from .facade import _Part, _prefix_stat, _row_field, _step_tensor, _table_count
 from .forward_pass import EMPTY_IDS, ForwardPass
-from .inputs import check_new_tokens, read_mask
+from .inputs import check_new_tokens, read_mask, reset_flags
 from .parallel import CountAgreement, joins_agreement_on_failure, parallel_groups
 from .request_table import RequestTable
 from .requests import DynamicInferenceRequest
@@ -170,7 +170,7 @@ class DynamicInferenceContext(StepAPI, row_ops.RowOps, prefix_match.PrefixMatchH
         ``preserve_counters`` keeps ``step_count``, ``prefix_cache_lru_clock``,
         ``lifetime_prefill_token_count`` and the async counters."""
         self._check_allocated()
-        keep = bool(preserve_prefix_cache) and self.enable_prefix_caching
+        keep = reset_flags(preserve_prefix_cache, preserve_counters) and self.enable_prefix_caching
         self.has_explicit_chunked_prefill_req = self._hand_written = False
         self._step = None
         self._set_step_counts(None)

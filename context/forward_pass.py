@@ -69,6 +69,7 @@ class ForwardPass:
         # whether its rejected drafts were rewound already (once a step).
         self.speculative = table.speculative
         self.logit_count, self.rewound = 0, False
+        self.settled: set = set()   # deferred rewinds: the requests settled in this step
         # Megatron-Core 0.19's Mamba extraction plan (``mamba_slot_allocator``), or None.
         self.intermediates = None
 
@@ -99,7 +100,7 @@ class ForwardPass:
             self.logit_count = spec.num_logit_rows(step, self.speculative)
             device.spec.upload_logit_rows(step, device.arena.host["attn_cu_query"],
                                           self.logit_count, device.h2d)
-            self.rewound = False
+            self.rewound, self.settled = False, set()
         device.end_step()
         self.step, self.attention = step, device.attention_metadata(step)
         if self.kv_groups is not None:
@@ -128,6 +129,8 @@ class ForwardPass:
         new_drafts = spec.check_draft_tokens(new_drafts, self.speculative, table.active,
                                              self.where)
         draft_counts = spec.check_draft_counts(draft_counts, self.speculative, table.active)
+        if self.validate and new_drafts is not None:
+            spec.check_forwarded_drafts(new_drafts, draft_counts, self.vocab_size)
         max_sequence_length = self.max_sequence_length
         chunked_id = table.chunked_id
         decode = None
@@ -241,6 +244,7 @@ class ForwardPass:
         now (call it before capturing CUDA graphs: the arena's views move)."""
         if not self.speculative:
             raise RuntimeError("enable_deferred_rewind() needs num_speculative_tokens > 0")
+        deferred_rewind.check_supported(self, "enable_deferred_rewind()")
         self.device.defer_rewinds()
 
     def settle_kv_rewind(self, request_ids, rejected_counts) -> torch.Tensor:
@@ -404,6 +408,9 @@ class ForwardPass:
         per active request; also returns the fp32 log-softmax of the rows used (``processed``:
         0.19's processed log probs, ``logits.log_probs``)."""
         meta = self.require("calculate_log_probs")
+        if not isinstance(only_last_token_logits, (bool, np.bool_, type(None))):
+            raise TypeError(f"only_last_token_logits={only_last_token_logits!r} must be a bool "
+                            "or None")
         if self.speculative:
             raise NotImplementedError(
                 "calculate_log_probs() with num_speculative_tokens > 0: the log probs of "

@@ -27,6 +27,7 @@ the step runs eager, padded to the token and request rounders.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import List, NamedTuple, Optional, Sequence, Tuple, Union
 
@@ -431,6 +432,10 @@ def dummy_request_plan(graph: InferenceBatchDimensions,
     if graph.has_explicit_chunked_prefill_req:
         raise ValueError(f"graph {graph} has an explicit chunked prefill: no graph is captured "
                          "for one")
+    for name in ("token_count", "prefill_req_count", "decode_req_count"):
+        value = getattr(graph, name)
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"graph {graph}: {name}={value!r} must be an int")
     if graph.prefill_req_count < 0 or graph.decode_req_count < 0:
         raise ValueError(f"graph {graph} has a negative request count")
     prefill_tokens = graph.token_count - graph.decode_req_count * tokens_per_decode

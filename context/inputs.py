@@ -29,11 +29,8 @@ def check_new_tokens(new_tokens, count: int, device: torch.device, *, validate: 
             and new_tokens.dim() == 1 and new_tokens.shape[0] == count
             and same_device(new_tokens.device, device)):
         _refuse_new_tokens(new_tokens, count, device)
-    if validate and count:
-        low, high = int(new_tokens.min()), int(new_tokens.max())
-        if low < 0 or (vocab_size is not None and high >= vocab_size):
-            raise ValueError(f"new_tokens holds ids in [{low}, {high}], outside [0, "
-                             f"{'inf' if vocab_size is None else vocab_size}) (vocab_size)")
+    if validate:
+        check_token_ids("new_tokens", new_tokens, vocab_size)
     if new_tokens.requires_grad or not new_tokens.is_contiguous():
         return new_tokens.detach().contiguous()
     return new_tokens
@@ -254,3 +251,70 @@ def check_request_limit(value, total: int, rows: int) -> int:
         raise ValueError(f"max_requests={value} must lie in [max(1, total_request_count="
                          f"{total}), {rows}] (the rows allocated)")
     return int(value)
+
+
+def host_integers(values, name: str) -> np.ndarray:
+    """``values`` as a host integer array: a tensor on any device (read once), a numpy array
+    or a list. ``TypeError`` naming ``name`` for anything but integers (floats, bools,
+    complex, ragged lists), ``ValueError`` for a tensor without data (``meta``)."""
+    if isinstance(values, torch.Tensor):
+        if values.dtype.is_floating_point or values.dtype.is_complex or values.dtype == torch.bool:
+            raise TypeError(f"{name} must be an integer tensor, got {values.dtype}")
+        if values.device.type == "meta":
+            raise ValueError(f"{name} is on the meta device (a tensor without data)")
+        return values.detach().cpu().numpy()
+    try:
+        array = np.asarray(values)
+    except ValueError as error:   # a ragged list
+        raise TypeError(f"{name} must be integers of one shape ({error})") from None
+    if array.dtype.kind not in "iu" and array.size:
+        raise TypeError(f"{name} must hold integers, got dtype {array.dtype}")
+    return array
+
+
+def check_token_ids(name: str, tokens: torch.Tensor, vocab_size: Optional[int]) -> None:
+    """``validate``: every id of ``tokens`` (the ids a step will forward) in ``[0,
+    vocab_size)`` (``[0, inf)`` without a vocabulary); one read of the tensor."""
+    if tokens.numel():
+        low, high = int(tokens.min()), int(tokens.max())
+        if low < 0 or (vocab_size is not None and high >= vocab_size):
+            raise ValueError(f"{name} holds ids in [{low}, {high}], outside [0, "
+                             f"{'inf' if vocab_size is None else vocab_size}) (vocab_size)")
+
+
+def reset_flags(preserve_prefix_cache, preserve_counters) -> bool:
+    """``reset``'s flags are bools (``TypeError`` naming the flag: ``"no"`` would keep the
+    cache); returns ``preserve_prefix_cache``."""
+    for name, value in (("preserve_prefix_cache", preserve_prefix_cache),
+                        ("preserve_counters", preserve_counters)):
+        if not isinstance(value, (bool, np.bool_)):
+            raise TypeError(f"reset({name}={value!r}): {name} must be a bool")
+    return bool(preserve_prefix_cache)
+
+
+def check_block_routing(block_id, positions, routing, *, block_size: int, blocks: int,
+                        existing: Optional[np.ndarray]) -> np.ndarray:
+    """``store_block_routing``'s arguments, before its block's entry is made: ``block_id`` an
+    int in ``[0, blocks)`` (the dummy block has none), ``positions`` integers in
+    ``[0, block_size)``, ``routing`` a numpy ``[len(positions), layers, topk]`` whose
+    ``[layers, topk]`` is the block's entry's; returns ``positions`` as an int64 array."""
+    if isinstance(block_id, (bool, np.bool_)) or not isinstance(block_id, (int, np.integer)):
+        raise TypeError(f"block_id={block_id!r} must be an int")
+    if not 0 <= block_id < blocks:
+        raise ValueError(f"block_id={block_id} must lie in [0, {blocks}) (the dummy block has "
+                         "no routing)")
+    where = np.asarray(positions)
+    if where.dtype.kind not in "iu" and where.size:
+        raise TypeError(f"positions must hold integers, got dtype {where.dtype}")
+    where = where.astype(np.int64, copy=False).reshape(-1)
+    if np.any((where < 0) | (where >= block_size)):
+        raise ValueError(f"positions={where.tolist()}: each must lie in [0, block_size_tokens="
+                         f"{block_size})")
+    if not isinstance(routing, np.ndarray) or routing.ndim != 3 or routing.shape[0] != where.size:
+        got = routing.shape if isinstance(routing, np.ndarray) else type(routing).__name__
+        raise ValueError(f"routing must be a numpy array [len(positions)={where.size}, layers, "
+                         f"topk], got {got}")
+    if existing is not None and existing.shape[1:] != routing.shape[1:]:
+        raise ValueError(f"routing has [layers, topk]={list(routing.shape[1:])}, block "
+                         f"{block_id}'s routing {list(existing.shape[1:])}")
+    return where

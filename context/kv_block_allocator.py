@@ -38,7 +38,8 @@ from typing import Any, Callable, Dict, Optional
 import numpy as np
 import torch
 
-from .block_allocator import BlockAllocator, _block_ids
+from .block_allocator import BlockAllocator, _block_ids, check_count, check_counts
+from .inputs import check_block_routing
 from .megatron019 import ConfigAssertionError
 from .prefix_cache import PrefixCachingEvictionPolicy
 
@@ -74,9 +75,9 @@ class KVBlockAllocator(BlockAllocator):
                  prefix_caching_eviction_policy: Any = PrefixCachingEvictionPolicy.REF_ZERO, *,
                  usage: Any = None, on_evict: Optional[Callable[[np.ndarray], None]] = None):
         policy = _policy(prefix_caching_eviction_policy)
-        for name, value in (("total_count", total_count), ("paused_count", paused_count)):
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-                raise TypeError(f"{name}={value!r} must be an int")
+        check_counts(total_count, paused_count)
+        if not isinstance(enable_prefix_caching, (bool, np.bool_)):
+            raise TypeError(f"enable_prefix_caching={enable_prefix_caching!r} must be a bool")
         if total_count >= 2 and total_count - paused_count - 1 < 1:
             raise ConfigAssertionError(
                 f"paused_count={paused_count} must lie in [0, total_count - 2 = "
@@ -250,6 +251,8 @@ class KVBlockAllocator(BlockAllocator):
         """Whether ``num_blocks`` can be allocated once ``potential_matched_count`` evictable
         blocks (prefix matches about to be pinned) are taken out; idle cached blocks are in
         ``total_avail`` already."""
+        check_count("num_blocks", num_blocks)
+        check_count("potential_matched_count", potential_matched_count)
         if self._total_avail - potential_matched_count >= num_blocks:
             return True
         if not self._lru:
@@ -301,6 +304,9 @@ class KVBlockAllocator(BlockAllocator):
         if not self._lru:
             return
         blocks = _block_ids(block_ids, "block_ids")
+        if np.any((blocks < 0) | (blocks >= self.total_count)):
+            raise ValueError(f"block_ids={blocks.tolist()}: each must lie in [0, "
+                             f"{self.total_count})")
         if blocks.size:
             self.timestamps[blocks] = self._clock()
 
@@ -320,11 +326,20 @@ class KVBlockAllocator(BlockAllocator):
         if np.any((blocks < 0) | (blocks >= self.dummy_block_idx)):
             raise ValueError(f"block_ids={blocks.tolist()}: each must lie in [0, "
                              f"{self.dummy_block_idx}) (the dummy block is never cached)")
+        if np.unique(blocks).size != blocks.size:
+            raise ValueError(f"block_ids={blocks.tolist()}: each block at most once (one hash "
+                             "a block)")
+        if np.any(hashes < 1):
+            raise ValueError(f"block_hashes={hashes.tolist()}: each must be >= 1 (0.19's hashes "
+                             "are; -1 marks an uncached block, 0 a root's parent)")
         if parent_hashes is not None:
             parent_hashes = _block_ids(parent_hashes, "parent_hashes")
             if parent_hashes.size != blocks.size:
                 raise ConfigAssertionError(f"parent_hashes has {parent_hashes.size} entries, "
                                            f"block_ids {blocks.size}")
+            if np.any(parent_hashes < 0):
+                raise ValueError(f"parent_hashes={parent_hashes.tolist()}: each must be >= 0 "
+                                 "(0: a root)")
         known = self.kv_hash_to_block_id
         known.update(zip(hashes.tolist(), blocks.tolist()))
         parents = np.full(blocks.size, -1, dtype=np.int64)
@@ -379,6 +394,7 @@ class KVBlockAllocator(BlockAllocator):
         cached block outlives its parent. False (nothing changes) when too few are cached; a
         cyclic parent graph raises ``AssertionError``."""
         self._prefix_state("evict_lru_blocks", lru_only=True)
+        check_count("num_blocks_needed", num_blocks_needed)
         cached = np.flatnonzero((self.ref_counts == 0) & (self.hash_ids != -1))
         if cached.size < num_blocks_needed:
             return False
@@ -413,6 +429,9 @@ class KVBlockAllocator(BlockAllocator):
                             routing: np.ndarray) -> None:
         """Routing ``[len(positions), layers, topk]`` of ``positions`` of ``block_id``."""
         block_size = int(self.context.block_size_tokens)
+        positions = check_block_routing(block_id, positions, routing, block_size=block_size,
+                                        blocks=self.dummy_block_idx,
+                                        existing=self.block_routing.get(block_id))
         if block_id not in self.block_routing:
             self.block_routing[block_id] = np.zeros(
                 (block_size, routing.shape[-2], routing.shape[-1]), dtype=routing.dtype)
@@ -431,10 +450,17 @@ class KVBlockAllocator(BlockAllocator):
         tokens = int(ctx.active_token_count)
         if tokens == 0:
             return
-        if flat_routing.shape[0] != tokens:
-            raise ValueError(f"flat_routing has {flat_routing.shape[0]} tokens, the step "
-                             f"{tokens} (active_token_count)")
+        if not isinstance(flat_routing, np.ndarray) or flat_routing.ndim != 3 \
+                or flat_routing.shape[0] != tokens:
+            got = getattr(flat_routing, "shape", type(flat_routing).__name__)
+            raise ValueError(f"flat_routing is {got}, not a numpy array [active_token_count="
+                             f"{tokens}, layers, topk] (the step's tokens)")
         blocks = np.asarray(ctx.token_to_block_idx[:tokens].cpu().numpy())
+        clash = [b for b in np.unique(blocks).tolist() if b in self.block_routing
+                 and self.block_routing[b].shape[1:] != flat_routing.shape[1:]]
+        if clash:
+            raise ValueError(f"flat_routing has [layers, topk]={list(flat_routing.shape[1:])}, "
+                             f"the routing of blocks {clash} another")
         positions = np.asarray(ctx.token_to_local_position_within_kv_block[:tokens].cpu().numpy())
         order = np.argsort(blocks, kind="stable")
         unique, starts = np.unique(blocks[order], return_index=True)

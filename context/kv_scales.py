@@ -74,6 +74,9 @@ def check_kv_scales(kv_scales: Any, kv_dtype: torch.dtype, layers: int, heads: i
             raise ValueError("kv_scales='dynamic_per_head' is for the K/V cache; the MLA latent "
                              "cache has one scale per layer for each part: use 'dynamic'")
         return ScaleSpec(kv_scales, None)
+    if isinstance(kv_scales, torch.Tensor) and (kv_scales.dtype.is_complex
+                                                or kv_scales.dtype == torch.bool):
+        raise TypeError(f"kv_scales must hold real numbers, got dtype {kv_scales.dtype}")
     try:
         values = torch.as_tensor(kv_scales).detach().to("cpu", torch.float32)
     except (TypeError, ValueError, RuntimeError) as error:

@@ -87,6 +87,13 @@ def _processed(logits, new_tokens, *, requests, tokens, last_only, input_ids, cu
         owners = torch.arange(requests).repeat_interleave(
             torch.from_numpy(np.ascontiguousarray(query_lengths, dtype=np.int64)))
     full = processed(logits[:rows].float(), owners)
+    if not isinstance(full, torch.Tensor) or tuple(full.shape) != (rows, logits.shape[1]) \
+            or not full.is_floating_point():
+        got = f"{tuple(full.shape)} {full.dtype}" if isinstance(full, torch.Tensor) \
+            else type(full).__name__
+        raise ValueError(f"sampling.log_probs_kernel returned {got}, expected a floating "
+                         f"[{rows}, {logits.shape[1]}] (a log prob per row and vocabulary "
+                         "entry)")
     selected = full[torch.arange(rows, device=full.device), targets].tolist()
     if last_only:
         return [[value] for value in selected], full

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from ._fields import FIELD_MAMBA_SLOT, FIELD_QUERY
+from .block_allocator import _block_ids
 from .megatron019 import MAX_INTERMEDIATE_OFFSETS_PER_REQUEST
 
 __all__ = ["MAX_INTERMEDIATE_OFFSETS_PER_REQUEST", "MambaSlotAllocator"]
@@ -109,11 +110,12 @@ class MambaSlotAllocator:
         """A slot for each of ``block_ids`` (cached blocks): its own, else a free one, else
         the least recently used snapshot's; a block listed twice gets one slot. Its state is
         the caller's to write (``store_*``, ``commit_intermediate_states``)."""
-        digests = [self._digest(b) for b in block_ids]
+        self._table.check_bound()   # a deallocated context: TensorStateDeallocatedError
+        digests = [self._digest(b) for b in _block_ids(block_ids, "block_ids").tolist()]
         return [self._snap.take(d) for d in digests]
 
     def get_slot(self, block_id: int) -> int:
-        digest = self._table.prefix_cache.block_digest.get(int(block_id))
+        digest = self._table.prefix_cache.block_digest.get(_block_id(block_id))
         return self._snap.index.get(digest, -1) if digest is not None else -1
 
     def has_state(self, block_id: int) -> bool:
@@ -121,11 +123,12 @@ class MambaSlotAllocator:
 
     def invalidate_block(self, block_id: int) -> None:
         """Forget the block's snapshot (its slot free again)."""
-        self._invalidate_blocks_batch([block_id])
+        self._invalidate_blocks_batch([_block_id(block_id)])
 
     def _invalidate_blocks_batch(self, block_ids_list: Sequence[int]) -> None:
         digests = self._table.prefix_cache.block_digest
-        self._snap.drop([digests[int(b)] for b in block_ids_list if int(b) in digests])
+        blocks = _block_ids(block_ids_list, "block_ids_list").tolist()
+        self._snap.drop([digests[b] for b in blocks if b in digests])
 
     def on_kv_blocks_deregistered(self, block_ids_list: list, hashes_to_delete: set) -> None:
         """0.19's callback; here the digest table drops a block's snapshot as it forgets the
@@ -134,25 +137,57 @@ class MambaSlotAllocator:
     # ------------------------------------------------------------------ store / restore
     def store_from_tensors(self, block_id: int, layer_idx: int, ssm_state: torch.Tensor,
                            conv_state: torch.Tensor) -> None:
+        self._table.check_bound()   # a deallocated context: TensorStateDeallocatedError
         slot = self.get_slot(block_id)
         if slot < 0:
             raise ValueError(f"block {block_id} has no Mamba cache slot (allocate_slots_batch)")
+        layers = self._snap.ssm.shape[0]
+        if isinstance(layer_idx, bool) or not isinstance(layer_idx, (int, np.integer)) \
+                or not 0 <= layer_idx < layers:
+            raise ValueError(f"layer_idx={layer_idx!r} must be an int in [0, {layers}) (the "
+                             "Mamba layers)")
+        for name, state, into in (("ssm_state", ssm_state, self._snap.ssm),
+                                  ("conv_state", conv_state, self._snap.conv)):
+            if not isinstance(state, torch.Tensor) or tuple(state.shape) != into.shape[2:] \
+                    or state.device.type == "meta" or not state.is_floating_point():
+                raise ValueError(f"{name} must be a floating tensor of shape "
+                                 f"{list(into.shape[2:])} with data, got {_shape(state)}")
         self._snap.ssm[layer_idx, slot].copy_(ssm_state)
         self._snap.conv[layer_idx, slot].copy_(conv_state)
 
     def store_from_live_batch(self, slots: Sequence[int], request_indices: Sequence[int]) -> None:
         """Snapshots ``slots`` take the live states of the rows ``request_indices``."""
-        if len(slots):
-            rows = self._table.rows[FIELD_MAMBA_SLOT, np.asarray(request_indices, np.int64)]
-            self._snap.copy_in(list(slots), rows.tolist(), self._states.conv_states,
+        self._table.check_bound()   # a deallocated context: TensorStateDeallocatedError
+        targets = _block_ids(slots, "slots")
+        indices = _block_ids(request_indices, "request_indices")
+        if targets.size != indices.size:
+            raise ValueError(f"slots has {targets.size} entries, request_indices {indices.size}")
+        if np.any((targets < 0) | (targets >= self.max_slots)) \
+                or np.unique(targets).size != targets.size:
+            raise ValueError(f"slots={targets.tolist()}: each must lie in [0, max_slots="
+                             f"{self.max_slots}), each once")
+        if targets.size:
+            rows = self._live_slots(indices, "request_indices")
+            self._snap.copy_in(targets.tolist(), rows.tolist(), self._states.conv_states,
                                self._states.ssm_states)
+
+    def _live_slots(self, indices: np.ndarray, name: str) -> np.ndarray:
+        """The Mamba slots of the live rows ``indices`` (``ValueError`` naming ``name`` for a
+        row outside the live ones)."""
+        total = self._table.total
+        slots = self._table.rows[FIELD_MAMBA_SLOT, np.clip(indices, 0, max(total - 1, 0))]
+        if np.any((indices < 0) | (indices >= total) | (slots < 0)):
+            raise ValueError(f"{name}={indices.tolist()}: each must be a live row in [0, "
+                             f"total_request_count={total}) holding a Mamba slot")
+        return slots
 
     def restore_to_live(self, request_idx: int, block_id: int) -> bool:
         """The row's live state takes the block's snapshot; False when it has none."""
+        self._table.check_bound()   # a deallocated context: TensorStateDeallocatedError
+        live = int(self._live_slots(_block_ids([request_idx], "request_idx"), "request_idx")[0])
         slot = self.get_slot(block_id)
         if slot < 0:
             return False
-        live = int(self._table.rows[FIELD_MAMBA_SLOT, int(request_idx)])
         self._states.restore_snapshots([(live, slot)])
         return True
 
@@ -160,7 +195,10 @@ class MambaSlotAllocator:
         """0.19 registers the hashes of blocks whose state it stored; a snapshot is matched
         by its block's digest as soon as it exists, so only those with one are touched (a hash
         without a stored state is not made matchable: never a wrong state)."""
-        for block, value in zip(block_ids, hashes):
+        blocks, values = _block_ids(block_ids, "block_ids"), _block_ids(hashes, "hashes")
+        if blocks.size != values.size:
+            raise ValueError(f"hashes has {values.size} entries, block_ids {blocks.size}")
+        for block, value in zip(blocks.tolist(), values.tolist()):
             if value > 0 and self.has_state(block):
                 self._snap.index.move_to_end(self._digest(block))
 
@@ -173,7 +211,11 @@ class MambaSlotAllocator:
         prompt and the penultimate block, each kept if it falls inside the chunk's computed
         tokens on a multiple of the Mamba chunk size; and, on a final chunk of a prompt of
         whole blocks, the last block, whose state is the live one after the forward (EOS)."""
-        bs, row = self.block_size, int(current_id)
+        self._table.check_bound()   # a deallocated context: TensorStateDeallocatedError
+        bs, row = self.block_size, _block_id(current_id, "current_id")
+        if not 0 <= row < self._intermediate_counts_cpu.shape[0]:
+            raise ValueError(f"current_id={row} must be a row in [0, max_requests="
+                             f"{self._intermediate_counts_cpu.shape[0]})")
         prompt_len = len(req.prompt_tokens)
         finished = int(req.finished_chunk_token_count)
         start = finished + int(skip_tokens)
@@ -317,3 +359,16 @@ def attach(mamba, table, metadata, forward, *, mamba_gb: Optional[float], block_
     metadata.max_intermediate_count = allocator.max_intermediate_count
     forward.intermediates = allocator
     return allocator
+
+
+def _shape(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"{list(value.shape)} {value.dtype} on {value.device}"
+    return type(value).__name__
+
+
+def _block_id(value: Any, name: str = "block_id") -> int:
+    """An int argument (``TypeError`` naming it: 1.5 would name block 1)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name}={value!r} must be an int")
+    return int(value)

@@ -39,9 +39,10 @@ from __future__ import annotations
 import importlib
 import inspect
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Dict, Optional, Tuple
 
+import numpy as np
 import torch
 
 from .sizing import GIB, layer_layout
@@ -144,8 +145,49 @@ def _group_size(group: Any) -> int:
     return 1 if group is None else torch.distributed.get_world_size(group=group)
 
 
+#: What 0.19 reads of every model config (an MLA config's latent sizes when it caches them).
+MODEL_FIELDS = ("num_layers", "kv_channels", "num_attention_heads", "num_query_groups",
+                "params_dtype", "hidden_size", "tensor_model_parallel_size",
+                "pipeline_model_parallel_size")
+
+
+def _check_configs(model_config: Any, config: Any) -> None:
+    """The configs have what 0.19 reads, and the numbers it computes with are numbers:
+    ``TypeError``/``ValueError`` naming the config and the field before any derivation
+    (0.19's own asserts follow in ``_from_configs``)."""
+    from .config import InferenceConfig
+
+    for name, value, wanted in (
+            ("model_config", model_config, MODEL_FIELDS),
+            ("inference_config", config, [f.name for f in fields(InferenceConfig)])):
+        missing = [field for field in wanted if not hasattr(value, field)]
+        if missing:
+            raise TypeError(f"{name}={type(value).__name__} lacks {', '.join(missing[:4])}"
+                            f"{' ...' if len(missing) > 4 else ''} (0.19's form takes a Megatron "
+                            "TransformerConfig and an InferenceConfig)")
+    for field, optional in (("block_size_tokens", False), ("num_speculative_tokens", False),
+                            ("max_requests", True), ("max_tokens", True)):
+        value = getattr(config, field)
+        if not (optional and value is None) and (
+                isinstance(value, bool) or not isinstance(value, (int, np.integer))):
+            raise TypeError(f"inference_config.{field}={value!r} must be an int"
+                            f"{' or None' if optional else ''}")
+    for field, optional in (("buffer_size_gb", False), ("paused_buffer_size_gb", True),
+                            ("mamba_memory_ratio", True)):
+        value = getattr(config, field)
+        if optional and value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float, np.integer,
+                                                             np.floating)):
+            raise TypeError(f"inference_config.{field}={value!r} must be a number"
+                            f"{' or None' if optional else ''}")
+        if not math.isfinite(value):
+            raise ValueError(f"inference_config.{field}={value!r} must be finite")
+
+
 def _from_configs(model_config: Any, config: Any, arguments: Dict[str, Any], *,
                   request_rounder: int, default_max_tokens: int) -> Megatron019Arguments:
+    _check_configs(model_config, config)
     block_size = config.block_size_tokens
     cache_mla = (type(model_config).__name__ == "MLATransformerConfig"
                  or hasattr(model_config, "kv_lora_rank")) and bool(
@@ -236,6 +278,11 @@ def max_mamba_intermediate_states_per_step(max_tokens: int, block_size_tokens: i
                                            max_requests: int) -> int:
     """0.19's per-step bound on Mamba intermediate-state extractions: one per block of the
     token budget, at most ``MAX_INTERMEDIATE_OFFSETS_PER_REQUEST`` per request."""
+    for name, value, low in (("max_tokens", max_tokens, 0),
+                             ("block_size_tokens", block_size_tokens, 1),
+                             ("max_requests", max_requests, 0)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+            raise ValueError(f"{name}={value!r} must be an int >= {low}")
     return min(math.ceil(max_tokens / block_size_tokens),
                MAX_INTERMEDIATE_OFFSETS_PER_REQUEST * max_requests)
 

@@ -35,12 +35,15 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import numpy as np
+import torch
 
 from ._fields import FIELD_IDS, FIELD_KV_OFFSET, FIELD_MAMBA_SLOT, FIELD_QUERY
+from .errors import get_mem_size_str
 from .host_pool import GIB, HostBlockPool
 from .host_tier import HostTier
 from .prefix_cache import wants_every_prompt_logit
 from .prefix_options import check_host_tier_arg
+from .sizing import available_bytes
 
 KV_CACHE_MANAGEMENT_MODES = ("persist", "offload", "recompute")
 
@@ -50,13 +53,19 @@ def check_offload_args(kv_offload_gb: Any, mode: Any, *, host_tier: Any = None,
     """``(kv_offload_gb as a float, mode as a lower-case string, whether the prefix cache has
     a host tier)``; ``ValueError`` or ``TypeError`` naming the argument, the value and what it
     must be."""
-    if isinstance(kv_offload_gb, bool) or not isinstance(kv_offload_gb, (int, float, np.number)):
+    if isinstance(kv_offload_gb, bool) or not isinstance(
+            kv_offload_gb, (int, float, np.integer, np.floating)):
         raise TypeError(f"kv_offload_gb={kv_offload_gb!r} must be a number of GiB (0: no "
                         "offload)")
     gb = float(kv_offload_gb)
     if not math.isfinite(gb) or gb < 0:
         raise ValueError(f"kv_offload_gb={kv_offload_gb!r} must be a finite number >= 0 (GiB "
                          "of host memory; 0: no offload)")
+    have = available_bytes(torch.device("cpu"))
+    if have is not None and gb * GIB > have:
+        raise ValueError(f"kv_offload_gb={kv_offload_gb!r} asks for "
+                         f"{get_mem_size_str(int(gb * GIB))} of host memory, but the host has "
+                         f"{get_mem_size_str(have)} available: lower kv_offload_gb")
     if mode is None:
         mode = "recompute"
     value = getattr(mode, "value", mode)

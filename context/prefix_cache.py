@@ -42,6 +42,7 @@ to end a hybrid's first chunk at the end of its cached blocks when the state the
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -244,6 +245,12 @@ class PrefixCache:
         computed (one SHA-256 a block)."""
         given = getattr(req, "precomputed_block_hashes", None) or ()
         if len(given) == count and getattr(req, "block_size_tokens", None) == self.block_size:
+            if not all(isinstance(h, numbers.Integral) and not isinstance(h, bool)
+                       and 1 <= h < 2**63 for h in given):
+                raise ValueError(f"request {getattr(req, 'request_id', None)}: "
+                                 f"precomputed_block_hashes={list(given)[:4]}: each must be an "
+                                 "int in [1, 2**63 - 1] (0.19's hashes; -1 marks an uncached "
+                                 "block)")
             return tuple(int(h) for h in given)
         prompt = torch.as_tensor(req.remaining_prompt_tokens).reshape(-1)
         return tuple(compute_block_hashes_batched(prompt[:count * self.block_size].cpu(),

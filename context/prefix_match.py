@@ -17,6 +17,9 @@ from __future__ import annotations
 import numbers
 from typing import Any, List, Tuple
 
+import numpy as np
+
+from .admission import check_request
 from .prefix_cache import wants_every_prompt_logit
 
 __all__ = ["PrefixMatchHelpers"]
@@ -43,9 +46,12 @@ class PrefixMatchHelpers:
         host tier is matched as -1 and counted among the blocks from the pool (it is restored
         into a new one). ``record_mamba_match``: a hybrid's request gets
         ``_mamba_num_matched_blocks``, the matched blocks its Mamba state resumes from."""
+        check_request(req)
         self._table.check_bound(getattr(req, "request_id", None))
         chunk = _count(prefill_chunk_length, "prefill_chunk_length", 1,
                        max(1, req.remaining_prompt_length))
+        if not isinstance(record_mamba_match, (bool, np.bool_)):
+            raise TypeError(f"record_mamba_match={record_mamba_match!r} must be a bool")
         bs = self.block_size_tokens
         finished = req.finished_chunk_token_count
         already = -(-finished // bs)
@@ -69,6 +75,7 @@ class PrefixMatchHelpers:
         request's prompt chain below ``end_block`` (the chain matches from its first block, so
         it must reach ``start_block``; device blocks only, the host tier has no block ids),
         and 0.19's hash of the last one (0: none); pure."""
+        check_request(req)
         self._table.check_bound(getattr(req, "request_id", None))
         start = _count(start_block, "start_block", 0, 2**62)
         end = _count(end_block, "end_block", 0, 2**62)
@@ -84,6 +91,7 @@ class PrefixMatchHelpers:
         """Hybrids: ``i + 1`` for the last block ``i`` of the new request's chain blocks
         ``start_block..end_block - 1`` (counted from ``start_block``) that is cached with a
         Mamba snapshot at its end; 0 when none or not a hybrid; pure."""
+        check_request(req)
         self._table.check_bound(getattr(req, "request_id", None))
         start = _count(start_block, "start_block", 0, 2**62)
         end = _count(end_block, "end_block", 0, 2**62)

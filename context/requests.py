@@ -171,6 +171,9 @@ class DynamicInferenceRequest:
     precomputed_block_hashes: List[int] = field(default_factory=list)
 
     def __post_init__(self):
+        if not isinstance(self.enable_prefix_caching, (bool, np.bool_)):
+            raise TypeError(f"enable_prefix_caching={self.enable_prefix_caching!r} must be a "
+                            "bool")
         self.sampling_params = copy.deepcopy(self.sampling_params) or SamplingParams()
         if self.prompt_tokens is not None:
             self.prompt_tokens = _as_token_tensor(self.prompt_tokens, "prompt_tokens")

@@ -139,6 +139,23 @@ def plan_evict_overflow(table, active_request_count: Any) -> Optional[UpdatePlan
         max_length_ids=_EMPTY)
 
 
+def check_callers_tokens(total: int, next_tokens: Any, new_speculative_tokens: Any) -> None:
+    """``evict_overflow_paused_requests``' per-row tensors, before anything moves: None, or a
+    tensor of at least the ``total`` rows (``next_tokens`` ``[total]``, its first dimension;
+    ``new_speculative_tokens`` ``[k, total]``, its second)."""
+    for name, value, dim in (("next_tokens", next_tokens, 0),
+                             ("new_speculative_tokens", new_speculative_tokens, 1)):
+        if value is None:
+            continue
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor (one entry per row, moved with "
+                            f"the rows) or None, got {type(value).__name__}")
+        if value.dim() <= dim or value.shape[dim] < total:
+            raise ValueError(f"{name} has shape {tuple(value.shape)}: it needs "
+                             f"{'[total' if dim == 0 else '[k, total'} requests={total}] "
+                             "entries, one per row, moved with the rows")
+
+
 def move_callers_tokens(plan: UpdatePlan, next_tokens: Any,
                         new_speculative_tokens: Any = None) -> None:
     """0.19 moves the caller's per-row tensors with the rows: row ``r`` of ``next_tokens``
@@ -148,7 +165,7 @@ def move_callers_tokens(plan: UpdatePlan, next_tokens: Any,
     if isinstance(next_tokens, torch.Tensor) and next_tokens.numel() >= plan.old_total:
         index = origin.to(next_tokens.device)
         next_tokens[:plan.old_total] = next_tokens[index].clone()
-    if isinstance(new_speculative_tokens, torch.Tensor) and new_speculative_tokens.dim() == 2:
+    if isinstance(new_speculative_tokens, torch.Tensor):
         index = origin.to(new_speculative_tokens.device)
         new_speculative_tokens[:, :plan.old_total] = new_speculative_tokens[:, index].clone()
 
@@ -188,6 +205,7 @@ class RowOps:
         self._check_allocated()
         table, device = self._table, self._device
         plan = plan_evict_overflow(table, active_request_count)
+        check_callers_tokens(table.total, next_tokens, new_speculative_tokens)
         if plan is None:
             return None
         pending = device.next_tokens[device.current][:plan.old_total]

@@ -16,6 +16,7 @@ dynctx's own engine samples through ``dynctx.engine`` (per-request seeds); this 
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -49,10 +50,18 @@ def _groups(context, token_to_request_index: Optional[Tensor]) -> Dict[Tuple, Li
     meta = context.active_request_metadata
     columns = [meta[label][:active] for label in ("temperature", "top_k", "top_p")]
     if token_to_request_index is not None:
-        if token_to_request_index.device.type != "cpu":
+        owners = token_to_request_index
+        if not isinstance(owners, Tensor) or owners.dtype not in _INDEX_DTYPES \
+                or owners.dim() != 1:
+            raise TypeError(f"token_to_request_index must be a 1-D integer tensor, got "
+                            f"{_describe(owners)}")
+        if owners.device.type != "cpu":
             raise ValueError("token_to_request_index must be a CPU tensor (it maps rows to "
                              "requests on the host)")
-        columns = [column[token_to_request_index.long()] for column in columns]
+        if owners.numel() and not 0 <= int(owners.min()) <= int(owners.max()) < active:
+            raise ValueError(f"token_to_request_index holds requests in [{int(owners.min())}, "
+                             f"{int(owners.max())}], outside the active ones [0, {active})")
+        columns = [column[owners.long()] for column in columns]
     groups: Dict[Tuple, List[int]] = {}
     for row, key in enumerate(zip(*(column.tolist() for column in columns))):
         groups.setdefault(key, []).append(row)
@@ -70,6 +79,11 @@ class TorchSampling(Sampling):
     """
 
     def __init__(self, rng: torch.Generator, vocab_size: int) -> None:
+        if not isinstance(rng, torch.Generator):
+            raise TypeError(f"rng must be a torch.Generator, got {type(rng).__name__}")
+        if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(
+                vocab_size, int) or vocab_size < 0):
+            raise ValueError(f"vocab_size={vocab_size!r} must be None or an int >= 0")
         self._rng = rng
         self._vocab_size = vocab_size
 
@@ -99,6 +113,7 @@ class TorchSampling(Sampling):
         asserts, as are ``top_p > 1`` and a ``top_k`` beyond the logits or the vocabulary)."""
         assert not (top_k > 0 and top_p > 0.0), "Cannot have top-p and top-k both greater than zero"
         assert top_p <= 1.0, "top-p should be in (0,1]"
+        _check_filter(last_token_logits, temperature, top_k, top_p)
         logits = last_token_logits.clone()
         if temperature != 1.0:
             logits.div_(temperature)
@@ -134,8 +149,10 @@ class TorchSampling(Sampling):
         """``[rows, vocab]``: the log-softmax of each row of ``logits`` after its request's
         filtering (``filter_logits``); row ``i`` belongs to active request ``i`` or to
         ``token_to_request_index[i]`` (a CPU tensor)."""
+        groups = _groups(context, token_to_request_index)
+        _check_rows("logits", logits.shape[0], context, token_to_request_index)
         out = torch.empty_like(logits)
-        for (temperature, top_k, top_p), rows in _groups(context, token_to_request_index).items():
+        for (temperature, top_k, top_p), rows in groups.items():
             index = torch.tensor(rows, device=logits.device, dtype=torch.long)
             filtered = TorchSampling.filter_logits(logits[index], float(temperature), int(top_k),
                                                    float(top_p), vocab_size=self._vocab_size)
@@ -152,6 +169,13 @@ class TorchSampling(Sampling):
         speculative verification). ``no_top_k``, ``no_top_p``, ``eager`` and ``cache_key``
         are accepted as 0.19's contract has them and change nothing here."""
         del no_top_k, no_top_p, eager, cache_key
+        if isinstance(n, bool) or not isinstance(n, int):
+            raise TypeError(f"n={n!r} must be an int")
+        _check_rows("n", n, context, token_to_request_index)
+        if output is not None and (not isinstance(output, Tensor) or output.dim() != 1
+                                   or output.shape[0] < n or output.dtype not in _INDEX_DTYPES):
+            raise ValueError(f"output must be an integer tensor [>= n={n}], got "
+                             f"{_describe(output)}")
         if gather_indices is not None:
             logits = logits[gather_indices[:n]]
         if output is None:
@@ -167,3 +191,38 @@ class TorchSampling(Sampling):
                 logits[index], float(temperature), int(top_k), float(top_p),
                 generator=self._rng, vocab_size=self._vocab_size)
         return output
+
+
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, Tensor):
+        return f"{tuple(value.shape)} {value.dtype}"
+    return type(value).__name__
+
+
+def _check_rows(name: str, rows: int, context, token_to_request_index: Optional[Tensor]) -> None:
+    """A row per active request, or per entry of ``token_to_request_index``: a row beyond them
+    would be handed back unwritten (``ValueError`` naming ``name``)."""
+    active = int(context.total_request_count) - int(context.paused_request_count)
+    want = active if token_to_request_index is None else token_to_request_index.numel()
+    if rows != want:
+        what = "active requests" if token_to_request_index is None else \
+            "entries of token_to_request_index"
+        raise ValueError(f"{name} gives {rows} rows, the {what} {want} (each row is written "
+                         "once)")
+
+
+def _check_filter(logits: Tensor, temperature: float, top_k: int, top_p: float) -> None:
+    """``filter_logits``' arguments beyond 0.19's asserts, before anything is computed."""
+    if not isinstance(logits, Tensor) or logits.dim() != 2 or not logits.is_floating_point():
+        raise ValueError(f"last_token_logits must be a floating [rows, vocab] tensor, got "
+                         f"{_describe(logits)}")
+    if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) \
+            or temperature <= 0:
+        raise ValueError(f"temperature={temperature!r} must be a finite number > 0")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+        raise ValueError(f"top_k={top_k!r} must be an int >= 0 (0: no top-k)")
+    if not isinstance(top_p, (int, float)) or not 0.0 <= top_p <= 1.0:
+        raise ValueError(f"top_p={top_p!r} must lie in [0, 1] (0: no top-p)")

@@ -94,6 +94,15 @@ def layer_layout(num_layers: int, mamba: Optional[MambaInferenceStateConfig],
                                  "tuple of positive ints")
             shapes.append(tuple(int(d) for d in shape))
         conv_shape, ssm_shape = shapes
+        for name in ("conv_states_dtype", "ssm_states_dtype"):
+            value = getattr(mamba, name, None)
+            if value is not None and not isinstance(value, torch.dtype):
+                raise TypeError(f"mamba_inference_state_config.{name}={value!r} must be a "
+                                "torch.dtype or None (params_dtype)")
+        chunk = getattr(mamba, "mamba_chunk_size", 128)
+        if isinstance(chunk, bool) or not isinstance(chunk, (int, np.integer)) or chunk < 1:
+            raise ValueError(f"mamba_inference_state_config.mamba_chunk_size={chunk!r} must be "
+                             "an int >= 1")
         conv_dtype = getattr(mamba, "conv_states_dtype", None) or params_dtype
         ssm_dtype = getattr(mamba, "ssm_states_dtype", None) or params_dtype
     attention = [i for i, t in enumerate(layer_types) if t == "*"]
@@ -394,9 +403,13 @@ def check_scalars(*, params_dtype: Any, num_layers: Any, kv_channels: Any,
                   num_attention_heads: Any, max_sequence_length: Any, block_size_tokens: Any,
                   buffer_size_gb: Any, paused_buffer_size_gb: Any, tensor_model_parallel_size: Any,
                   unified_memory_level: Any, cache_mla_latent: bool, kv_lora_rank: Any,
-                  qk_pos_emb_head_dim: Any) -> dict:
-    """The constructor's scalar arguments, checked (``ValueError`` naming each); returns them
-    normalised (ints, ``tp`` for the tensor-parallel size)."""
+                  qk_pos_emb_head_dim: Any, **flags: Any) -> dict:
+    """The constructor's scalar arguments, checked (``ValueError`` naming each; ``flags`` and
+    ``cache_mla_latent`` are bools, ``TypeError`` otherwise: ``"no"`` would turn them on);
+    returns them normalised (ints, ``tp`` for the tensor-parallel size)."""
+    for name, value in dict(flags, cache_mla_latent=cache_mla_latent).items():
+        if not isinstance(value, (bool, np.bool_)):
+            raise TypeError(f"{name}={value!r} must be a bool")
     if not isinstance(params_dtype, torch.dtype) or not params_dtype.is_floating_point:
         raise ValueError(f"params_dtype={params_dtype!r} must be a floating torch.dtype")
     out = {name: positive_int(name, value) for name, value in (

@@ -23,6 +23,7 @@ import torch
 
 from ._fields import FIELD_BLOCKS, FIELD_KV_OFFSET, FIELD_LAST_OFFSET
 from .errors import SpeculativeConfigError, StepShapeError
+from .inputs import check_token_ids, host_integers
 
 
 def check_speculative_tokens(num_speculative_tokens, block_size_tokens: int) -> int:
@@ -43,7 +44,8 @@ def check_draft_tokens(new_speculative_tokens: Optional[torch.Tensor], k: int, a
                        device: torch.device) -> Optional[torch.Tensor]:
     """``update_requests``' ``new_speculative_tokens``: None when ``k == 0``; else an integer
     tensor ``[k, active]`` on the context's device (0.19's layout: draft ``j`` of request
-    ``i`` at ``[j, i]``). Raises before anything changes."""
+    ``i`` at ``[j, i]``). Raises before anything changes (``check_forwarded_drafts``: their
+    ids, with ``validate``)."""
     if k == 0:
         if new_speculative_tokens is not None:
             raise ValueError("new_speculative_tokens was given, but the context has "
@@ -63,6 +65,17 @@ def check_draft_tokens(new_speculative_tokens: Optional[torch.Tensor], k: int, a
     if tokens.device != device:
         raise ValueError(f"new_speculative_tokens is on {tokens.device}, the context on {device}")
     return tokens
+
+
+def check_forwarded_drafts(drafts: torch.Tensor, counts: Optional[np.ndarray],
+                           vocab_size: Optional[int]) -> None:
+    """``validate``: the drafts the next step forwards (row ``i``'s first ``counts[i]``, all
+    ``k`` without counts) are token ids in ``[0, vocab_size)``; the rest are never read (one
+    read of the tensor)."""
+    if counts is not None:
+        used = torch.arange(drafts.shape[0])[:, None] < torch.from_numpy(counts)[None, :]
+        drafts = drafts[used.to(drafts.device)]
+    check_token_ids("new_speculative_tokens", drafts, vocab_size)
 
 
 def check_draft_counts(draft_counts, k: int, active: int) -> Optional[np.ndarray]:
@@ -97,16 +110,7 @@ def check_accepted_counts(accepted_counts, drafts: np.ndarray, active: int,
     the decode requests that forwarded drafts (``drafts``, host ints, each row's count: ``k``,
     or its own) the drafts accepted, in ``[0, drafts]``; entries of prefill rows are ignored
     (0.19 ignores them too)."""
-    if isinstance(accepted_counts, torch.Tensor):
-        if accepted_counts.dtype.is_floating_point or accepted_counts.dtype == torch.bool:
-            raise TypeError(f"accepted_counts must be an integer tensor, got "
-                            f"{accepted_counts.dtype}")
-        host = (accepted_counts.detach().numpy() if accepted_counts.device.type == "cpu"
-                else accepted_counts.detach().cpu().numpy())
-    else:
-        host = np.asarray(accepted_counts)
-        if host.dtype.kind not in "iu":
-            raise TypeError(f"accepted_counts must hold integers, got dtype {host.dtype}")
+    host = host_integers(accepted_counts, "accepted_counts")
     if host.shape != (active,):
         raise StepShapeError(f"accepted_counts has shape {tuple(host.shape)}, expected "
                              f"[active requests={active}]")

@@ -13,10 +13,13 @@ from typing import Any, Optional, Tuple
 import numpy as np
 import torch
 
+from dynctx.kernels.devices import same_device
+
 from . import async_steps
 from .batch_dimensions import InferenceBatchDimensions
 from .errors import StepShapeError
 from .gpu_view import ContextStepView
+from .inputs import TOKEN_DTYPES, check_token_ids
 from .speculative import logit_rows
 
 
@@ -104,6 +107,10 @@ class StepAPI:
         if num_warmup_tokens is None and self._step is None:
             raise RuntimeError("current_input_and_position_ids() is valid only after "
                                "initialize_attention_state() of this step")
+        warmup = num_warmup_tokens
+        if warmup is not None and (isinstance(warmup, (bool, np.bool_))
+                                   or not isinstance(warmup, (int, np.integer))):
+            raise TypeError(f"num_warmup_tokens={num_warmup_tokens!r} must be an int or None")
         n = num_warmup_tokens or self.padded_active_token_count
         if not 0 <= n <= self.max_tokens:
             raise ValueError(f"num_warmup_tokens={num_warmup_tokens} must lie in [0, max_tokens="
@@ -254,11 +261,14 @@ class StepAPI:
         for name, value in (("sampled tokens", tokens), ("MTP draft tokens", drafts)):
             if value is None:
                 continue
-            if not isinstance(value, torch.Tensor) or value.dtype.is_floating_point:
-                raise TypeError(f"{name} must be an integer torch.Tensor, got {value!r}")
+            if not isinstance(value, torch.Tensor) or value.dtype not in TOKEN_DTYPES:
+                raise TypeError(f"{name} must be an integer (int32 or int64) torch.Tensor, got "
+                                f"{value.dtype if isinstance(value, torch.Tensor) else value!r}")
             if cpu and value.device.type != "cpu":
                 raise StepShapeError(f"{name} must be on the CPU before they are committed "
                                      f"(got {value.device})")
+            if not (value.is_cpu or same_device(value.device, self.device)):
+                raise ValueError(f"{name} are on {value.device}, the context on {self.device}")
         if tokens.numel() != active:
             raise RuntimeError(f"Expected {active} new tokens, got {tokens.numel()}.")
         if k == 0:
@@ -268,6 +278,10 @@ class StepAPI:
         elif drafts is None or tuple(drafts.shape) != (k, active):
             shape = None if drafts is None else tuple(drafts.shape)
             raise RuntimeError(f"Expected MTP draft token shape {(k, active)}, got {shape}.")
+        if self.validate:   # the ids the next step forwards (a read of each tensor)
+            check_token_ids("sampled tokens", tokens, self.vocab_size)
+            if k and drafts is not None:
+                check_token_ids("MTP draft tokens", drafts, self.vocab_size)
 
     def _write_sampled(self, tokens: torch.Tensor, drafts: Optional[torch.Tensor],
                        padded: Optional[int]) -> None:
@@ -357,6 +371,9 @@ class StepAPI:
         """Rows ``dst_idxs`` take rows ``src_idxs``' bookkeeping (``ContextParts.move_rows``),
         and ``new_speculative_tokens[:, dst] = new_speculative_tokens[:, src]`` on the tensor
         given (Megatron-Core 0.19's keyword; the rows' own drafts move with them anyway)."""
+        if not isinstance(swap, (bool, np.bool_)):
+            raise TypeError(f"swap must be a bool, got {type(swap).__name__} (the drafts go by "
+                            "keyword: new_speculative_tokens=)")
         self._parts.move_rows(src_idxs, dst_idxs, next_tokens, swap,
                               new_speculative_tokens)
         self._step = None

@@ -33,6 +33,12 @@ REQUEST_ROUNDER = 4
 
 def rounded(value: int, rounder: int, tp_size: Optional[int]) -> int:
     """``value`` rounded up to a multiple of ``rounder`` that ``tp_size`` also divides."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) \
+            or not 0 <= value < math.inf:
+        raise ValueError(f"value={value!r} must be a finite number >= 0")
+    if tp_size is not None and (isinstance(tp_size, bool) or not isinstance(
+            tp_size, (int, np.integer)) or tp_size < 1):
+        raise ValueError(f"tp_size={tp_size!r} must be None or an int >= 1")
     tp = 1 if tp_size is None else int(tp_size)
     step = math.ceil(rounder / tp) * tp
     return step * math.ceil(value / step)

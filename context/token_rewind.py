@@ -23,20 +23,13 @@ import torch
 from . import speculative as spec
 from ._fields import FIELD_BLOCKS, FIELD_IDS, FIELD_KV_OFFSET, FIELD_QUERY
 from .errors import StepShapeError
+from .inputs import host_integers
 
 
 def host_counts(rewind_counts, active: int) -> np.ndarray:
     """``rewind_counts`` as host int64 ``[active]`` (a tensor, read once when on a device; a
     numpy array; a list)."""
-    if isinstance(rewind_counts, torch.Tensor):
-        if rewind_counts.dtype.is_floating_point or rewind_counts.dtype.is_complex or \
-                rewind_counts.dtype == torch.bool:
-            raise TypeError(f"rewind_counts must be an integer tensor, got {rewind_counts.dtype}")
-        counts = rewind_counts.detach().cpu().numpy()
-    else:
-        counts = np.asarray(rewind_counts)
-        if counts.dtype.kind not in "iu" and counts.size:
-            raise TypeError(f"rewind_counts must hold integers, got dtype {counts.dtype}")
+    counts = host_integers(rewind_counts, "rewind_counts")
     if counts.shape != (active,):
         raise StepShapeError(f"rewind_counts has shape {tuple(counts.shape)}, expected "
                              f"[active requests={active}]")

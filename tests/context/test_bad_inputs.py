@@ -487,6 +487,13 @@ def test_bad_constructor_lengths(kwargs, match):
         make_ctx(**kwargs)
 
 
+@pytest.mark.parametrize("flag", ["validate", "fused_rope_kv_append", "cache_mla_latent"])
+def test_constructor_flags_are_bools(flag):
+    """``"no"`` turned the flag on (a truthy str): validate's reads, the fused launch, MLA."""
+    with pytest.raises(TypeError, match=f"{flag}='no' must be a bool"):
+        make_ctx(**{flag: "no"})
+
+
 def test_the_table_runs_with_validate_and_vocab_size():
     """The read-back checks of the table need ``validate``, the id checks ``vocab_size``."""
     assert "validate" in _CTOR and "vocab_size" in _CTOR

@@ -75,6 +75,15 @@ def test_tensor_parallel_divides_heads_and_rounders():
     assert DynamicInferenceContext.round_up_tokens(0) == 0
     assert DynamicInferenceContext.round_up_requests(5) == 8
     assert DynamicInferenceContext.round_up_requests(5, tp_size=3) == 6
+    # tp_size=0 divided by zero; a negative value rounded to a negative request count.
+    for call, match in [(lambda: DynamicInferenceContext.round_up_tokens(5, tp_size=0),
+                         "tp_size=0 must be None or an int >= 1"),
+                        (lambda: DynamicInferenceContext.round_up_requests(-5),
+                         "value=-5 must be a finite number >= 0"),
+                        (lambda: DynamicInferenceContext.round_up_tokens(5, tp_size=1.5),
+                         "tp_size=1.5 must be None or an int >= 1")]:
+        with pytest.raises(ValueError, match=match):
+            call()
     with pytest.warns(DeprecationWarning):
         assert DynamicInferenceContext.round_up(65) == 128
     with pytest.raises(ValueError, match="divisible"):

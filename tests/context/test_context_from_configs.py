@@ -162,6 +162,59 @@ def test_argument_errors_of_the_two_forms():
                                 max_sequence_length=64, buffer_size_gb=0.01)
 
 
+@pytest.mark.parametrize("configs, error, match", [
+    pytest.param(lambda: (model(), {"block_size_tokens": 16}), TypeError,
+                 r"inference_config=dict lacks block_size_tokens, buffer_size_gb", id="dict"),
+    pytest.param(lambda: (SimpleNamespace(num_layers=2), inference()), TypeError,
+                 r"model_config=SimpleNamespace lacks kv_channels", id="model-fields"),
+    pytest.param(lambda: (model(), inference(num_speculative_tokens="2")), TypeError,
+                 r"inference_config.num_speculative_tokens='2' must be an int", id="k-str"),
+    pytest.param(lambda: (model(), inference(num_speculative_tokens=None)), TypeError,
+                 r"num_speculative_tokens=None must be an int", id="k-None"),
+    pytest.param(lambda: (model(), inference(block_size_tokens="16")), TypeError,
+                 r"inference_config.block_size_tokens='16' must be an int", id="block-str"),
+    pytest.param(lambda: (model(), inference(max_requests=4.5)), TypeError,
+                 r"inference_config.max_requests=4.5 must be an int or None", id="requests"),
+    pytest.param(lambda: (model(), inference(buffer_size_gb=float("nan"))), ValueError,
+                 r"inference_config.buffer_size_gb=nan must be finite", id="buffer-nan"),
+    pytest.param(lambda: (model(), inference(paused_buffer_size_gb="1")), TypeError,
+                 r"inference_config.paused_buffer_size_gb='1' must be a number or None",
+                 id="paused-str"),
+])
+def test_config_fields_are_checked_before_0_19s_derivation(configs, error, match):
+    """A config without 0.19's fields, or a field 0.19 computes with that is no number, is
+    refused naming the config and the field (before: AttributeError, or Python's comparison
+    errors naming nothing, or ``int(nan)``)."""
+    with pytest.raises(error, match=match):
+        DynamicInferenceContext(*configs(), device="cpu")
+
+
+@pytest.mark.parametrize("fields, error, match", [
+    (dict(mamba_chunk_size=0), ValueError, "mamba_chunk_size=0 must be an int >= 1"),
+    (dict(mamba_chunk_size=12.5), ValueError, "mamba_chunk_size=12.5 must be an int >= 1"),
+    (dict(conv_states_dtype="fp32"), TypeError,
+     "conv_states_dtype='fp32' must be a torch.dtype or None"),
+])
+def test_mamba_config_fields_are_checked_at_construction(fields, error, match):
+    """A Mamba chunk size of 0 divided by zero at the first prefix-cached add; a dtype name
+    reached ``torch.empty``'s TypeError naming nothing."""
+    mamba = MambaInferenceStateConfig(["M", "*"], CONV, SSM, **fields)
+    with pytest.raises(error, match=f"mamba_inference_state_config.{match}"):
+        build(model(), inference(mamba_inference_state_config=mamba, max_requests=4))
+
+
+@pytest.mark.parametrize("args, match", [
+    ((512, 0, 8), "block_size_tokens=0 must be an int >= 1"),
+    ((512, 16, -1), "max_requests=-1 must be an int >= 0"),
+    ((512.5, 16, 8), "max_tokens=512.5 must be an int >= 0"),
+])
+def test_max_mamba_intermediate_states_per_step_checks_its_counts(args, match):
+    from dynctx.context.megatron019 import max_mamba_intermediate_states_per_step
+    assert max_mamba_intermediate_states_per_step(512, 16, 8) == min(32, 3 * 8)
+    with pytest.raises(ValueError, match=match):
+        max_mamba_intermediate_states_per_step(*args)
+
+
 def test_mamba_inference_state_config_has_0_19s_fields_and_0_16s_names():
     config = MambaInferenceStateConfig(["M", "*"], CONV, SSM, conv_states_dtype=torch.float16,
                                        ssm_states_dtype=torch.float32, mamba_chunk_size=64)

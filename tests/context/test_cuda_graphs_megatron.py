@@ -508,6 +508,11 @@ def test_capture_dummies_refuse_what_they_cannot_build():
         ctx.add_dummy_requests_for_cudagraph_capture(Dims(14, 4, 12))
     with pytest.raises(TypeError, match="must be an InferenceBatchDimensions"):
         ctx.add_dummy_requests_for_cudagraph_capture((8, 0, 8))
+    # A float count reached torch.zeros' TypeError; True was taken as one prefill request.
+    with pytest.raises(TypeError, match="token_count=8.0 must be an int"):
+        ctx.add_dummy_requests_for_cudagraph_capture(Dims(8.0, 1, 6))
+    with pytest.raises(TypeError, match="prefill_req_count=True must be an int"):
+        ctx.add_dummy_requests_for_cudagraph_capture(Dims(8, True, 6))
     with pytest.raises(RequestOverflowError, match="17 requests > max_requests"):
         ctx.add_dummy_requests_for_cudagraph_capture(Dims(17, 0, 17))
     with pytest.raises(TokenOverflowError, match="80 tokens > max_tokens"):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from helpers import BLOCK, GIB, add, assert_same, check_invariants, make_ctx, snapshot
@@ -63,7 +64,9 @@ def _step(ctx, keep=True):
         ctx.initialize_attention_state()
     n = ctx.total_request_count - ctx.paused_request_count
     mask = torch.full((n,), keep, dtype=torch.bool)
-    return ctx.update_requests(mask, torch.arange(n, dtype=torch.int64) + 7)
+    k = ctx.num_speculative_tokens
+    return ctx.update_requests(mask, torch.arange(n, dtype=torch.int64) + 7,
+                               torch.full((k, n), 9) if k else None)
 
 
 # ---------------------------------------------------------------- states
@@ -216,6 +219,82 @@ def s_processed(backend):
     """s_prefill with Megatron-Core 0.19's processed log probs asked for."""
     ctx = s_prefill(backend)
     ctx.config = SimpleNamespace(logprobs_mode="processed_logprobs")
+    return ctx
+
+
+K = 2
+
+
+def s_speculative(backend, **overrides):
+    """``num_speculative_tokens=2`` with ``validate`` and ``vocab_size``: requests 1 (5 tokens)
+    and 2 (2 tokens) after one update with drafts; a decode step of 1 + 2 tokens each
+    initialized."""
+    ctx = make_ctx(kernel_backend=backend, vocab_size=VOCAB, validate=True,
+                   num_speculative_tokens=K, **overrides)
+    add(ctx, req(1, 5))
+    add(ctx, req(2, 2))
+    _step(ctx)
+    ctx.initialize_attention_state()
+    return ctx
+
+
+def s_settling(backend):
+    """``s_speculative`` with deferred rewinds: the step's rewind deferred (request 1 rejects
+    one draft), the next step initialized (the device applied the lag): ready to settle."""
+    ctx = s_speculative(backend)
+    ctx.enable_deferred_rewind()
+    ctx.defer_kv_rewind(_tokens(1, 2))
+    _step(ctx)
+    ctx.initialize_attention_state()
+    return ctx
+
+
+def s_settled(backend):
+    """``s_settling`` with request 1's rewind settled."""
+    ctx = s_settling(backend)
+    ctx.settle_kv_rewind([1], [1])
+    return ctx
+
+
+def s_prepared(backend):
+    """Megatron-Core 0.19's async trio: ``s_decode`` resolved and prepared (the next step's
+    rows advanced), its sampled tokens not committed yet."""
+    ctx = s_decode(backend)
+    ctx.resolve_requests(torch.ones(2, dtype=torch.int32))
+    ctx.prepare_requests()
+    return ctx
+
+
+def s_overflow(backend):
+    """No paused budget and ``k = 2``: requests 1 and 2 added, request 1 paused by hand
+    (0.19's tests write the counts): its blocks overflow the paused budget."""
+    ctx = make_ctx(kernel_backend=backend, paused_buffer_size_gb=0.0, num_speculative_tokens=K)
+    add(ctx, req(1, 5))
+    add(ctx, req(2, 2))
+    ctx.paused_request_count = 1
+    return ctx
+
+
+def s_hybrid_slot(backend):
+    """``s_hybrid_cached`` with a Mamba slot for request 1's first (cached) block."""
+    ctx = s_hybrid_cached(backend)
+    ctx.mamba_slot_allocator.allocate_slots_batch([int(ctx.block_table_host[0, 0])])
+    return ctx
+
+
+def _hashed(ctx, hashes):
+    """Request 7, two full blocks of new tokens, with 0.19's ``precomputed_block_hashes``."""
+    bs = ctx.block_size_tokens
+    return DynamicInferenceRequest(
+        request_id=7, prompt_tokens=torch.arange(2 * bs + 1) + 200,
+        sampling_params=SamplingParams(num_tokens_to_generate=4),
+        precomputed_block_hashes=hashes, block_size_tokens=bs)
+
+
+def s_hybrid_deallocated(backend):
+    """``s_hybrid_slot`` after ``deallocate_all_tensors``."""
+    ctx = s_hybrid_slot(backend)
+    ctx.deallocate_all_tensors()
     return ctx
 
 
@@ -462,6 +541,52 @@ CASES = [
      lambda c: c.rewind_tokens(_tokens(0, 5)), ValueError, "prefix cache published", True),
     ("rewind_tokens/hybrid", s_hybrid_cached, lambda c: c.rewind_tokens(_tokens(1)),
      ValueError, "hybrid", True),
+    # Speculative steps (docs/SEMANTICS.md §19): the rewinds' counts and the drafts.
+    ("rewind_kv_cache/complex", s_speculative,
+     lambda c: c.rewind_kv_cache(torch.zeros(2, dtype=torch.complex64)), TypeError,
+     "accepted_counts must be an integer tensor", True),
+    ("rewind_kv_cache/meta", s_speculative,
+     lambda c: c.rewind_kv_cache(_tokens(0, 0, device="meta")), ValueError,
+     "accepted_counts is on the meta device", True),
+    ("rewind_tokens/meta", s_speculative,
+     lambda c: c.rewind_tokens(_tokens(0, 0, device="meta")), ValueError,
+     "rewind_counts is on the meta device", True),
+    ("rewind_tokens/ragged", s_speculative, lambda c: c.rewind_tokens([[0], [0, 1]]),
+     TypeError, "rewind_counts must be integers of one shape", True),
+    ("update/drafts-outside-vocab", s_speculative,
+     lambda c: c.update_requests(_tokens(1, 1), _tokens(4, 5), torch.full((K, 2), VOCAB)),
+     ValueError, r"new_speculative_tokens holds ids in \[500, 500\], outside \[0, 500\)", True),
+    ("update/drafts-negative", s_speculative,
+     lambda c: c.update_requests(_tokens(1, 1), _tokens(4, 5), torch.full((K, 2), -1)),
+     ValueError, "new_speculative_tokens holds ids in", True),
+    ("update/drafts-forwarded-outside-vocab", s_speculative,
+     lambda c: c.update_requests(_tokens(1, 1), _tokens(4, 5),
+                                 torch.tensor([[3, -1], [VOCAB, -1]]), draft_counts=[2, 0]),
+     ValueError, "new_speculative_tokens holds ids in", True),
+    ("defer_kv_rewind/complex", s_speculative,
+     lambda c: c.defer_kv_rewind(torch.zeros(2, dtype=torch.complex64)), TypeError,
+     "accepted_counts must be an integer tensor", True),
+    ("defer_kv_rewind/negative-with-validate", s_speculative,
+     lambda c: c.defer_kv_rewind(_tokens(-5, 0)), ValueError,
+     r"accepted_counts\[0\]=-5 must lie in \[0, num_speculative_tokens=2\]", True),
+    ("defer_kv_rewind/beyond-k-with-validate", s_speculative,
+     lambda c: c.defer_kv_rewind(_tokens(0, 9)), ValueError,
+     r"accepted_counts\[1\]=9 must lie in", True),
+    ("settle_kv_rewind/float-ids", s_settling, lambda c: c.settle_kv_rewind([1.5], [1]),
+     TypeError, "request_ids must hold integers", True),
+    ("settle_kv_rewind/bool-ids", s_settling, lambda c: c.settle_kv_rewind([True], [1]),
+     TypeError, "request_ids must hold integers", True),
+    ("settle_kv_rewind/str-ids", s_settling, lambda c: c.settle_kv_rewind(["a"], [1]),
+     TypeError, "request_ids must hold integers", True),
+    ("settle_kv_rewind/huge-id", s_settling, lambda c: c.settle_kv_rewind([2 ** 70], [1]),
+     TypeError, "request_ids must hold integers", True),
+    ("settle_kv_rewind/counts-meta", s_settling,
+     lambda c: c.settle_kv_rewind([1], _tokens(1, device="meta")), ValueError,
+     "rejected_counts is on the meta device", True),
+    ("settle_kv_rewind/an-id-twice", s_settling, lambda c: c.settle_kv_rewind([1, 1], [1, 1]),
+     ValueError, "request 1 is settled twice in this step", True),
+    ("settle_kv_rewind/again-in-the-step", s_settled, lambda c: c.settle_kv_rewind([1], [1]),
+     ValueError, "request 1 is settled twice in this step", True),
     # Megatron-Core 0.19's Mamba slots: a slot only for a cached block (mamba_slot_allocator).
     ("mamba_slots/allocate-an-uncached-block", s_hybrid_cached,
      lambda c: c.mamba_slot_allocator.allocate_slots_batch(
@@ -471,7 +596,177 @@ CASES = [
      lambda c: c.mamba_slot_allocator.store_from_tensors(
          int(c.block_table_host[0, 0]), 0, torch.zeros(2, 3, 5), torch.zeros(6, 4)),
      ValueError, "no Mamba cache slot", True),
+    ("mamba_slots/allocate-a-str", s_hybrid_cached,
+     lambda c: c.mamba_slot_allocator.allocate_slots_batch(["a"]), TypeError,
+     "block_ids must hold integer block ids", True),
+    ("mamba_slots/store-layer-negative", s_hybrid_slot,
+     lambda c: c.mamba_slot_allocator.store_from_tensors(
+         int(c.block_table_host[0, 0]), -1, torch.zeros(2, 3, 5), torch.zeros(6, 4)),
+     ValueError, r"layer_idx=-1 must be an int in \[0, 1\)", True),
+    ("mamba_slots/store-a-broadcast", s_hybrid_slot,
+     lambda c: c.mamba_slot_allocator.store_from_tensors(
+         int(c.block_table_host[0, 0]), 0, torch.tensor(1.0), torch.zeros(6, 4)),
+     ValueError, r"ssm_state must be a floating tensor of shape \[2, 3, 5\]", True),
+    ("mamba_slots/live-slot-beyond", s_hybrid_slot,
+     lambda c: c.mamba_slot_allocator.store_from_live_batch([99], [0]), ValueError,
+     r"slots=\[99\]: each must lie in \[0, max_slots=3\)", True),
+    ("mamba_slots/live-lengths", s_hybrid_slot,
+     lambda c: c.mamba_slot_allocator.store_from_live_batch([0, 1], [0]), ValueError,
+     "slots has 2 entries, request_indices 1", True),
+    ("mamba_slots/live-row-free", s_hybrid_slot,
+     lambda c: c.mamba_slot_allocator.store_from_live_batch([0], [5]), ValueError,
+     r"request_indices=\[5\]: each must be a live row", True),
+    ("mamba_slots/restore-row-negative", s_hybrid_slot,
+     lambda c: c.mamba_slot_allocator.restore_to_live(-1, int(c.block_table_host[0, 0])),
+     ValueError, r"request_idx=\[-1\]: each must be a live row", True),
+    ("mamba_slots/register-lengths", s_hybrid_slot,
+     lambda c: c.mamba_slot_allocator.register_block_hashes_batch([1, 2], [5]), ValueError,
+     "hashes has 1 entries, block_ids 2", True),
+    ("mamba_slots/invalidate-a-float", s_hybrid_slot,
+     lambda c: c.mamba_slot_allocator.invalidate_block(int(c.block_table_host[0, 0]) + 0.5),
+     TypeError, r"block_id=\d+\.5 must be an int", True),
+    ("mamba_slots/restore-block-str", s_hybrid_slot,
+     lambda c: c.mamba_slot_allocator.restore_to_live(0, "x"), TypeError,
+     "block_id='x' must be an int", True),
+    ("mamba_slots/store-complex", s_hybrid_slot,
+     lambda c: c.mamba_slot_allocator.store_from_tensors(
+         int(c.block_table_host[0, 0]), 0, torch.zeros(2, 3, 5, dtype=torch.complex64),
+         torch.zeros(6, 4)), ValueError, r"ssm_state must be a floating tensor.*complex64",
+     True),
+    ("mamba_slots/store-int", s_hybrid_slot,
+     lambda c: c.mamba_slot_allocator.store_from_tensors(
+         int(c.block_table_host[0, 0]), 0, torch.zeros(2, 3, 5),
+         torch.zeros(6, 4, dtype=torch.int64)), ValueError,
+     r"conv_state must be a floating tensor.*int64", True),
+    ("mamba_slots/live-a-slot-twice", s_hybrid_slot,
+     lambda c: c.mamba_slot_allocator.store_from_live_batch([0, 0], [0, 0]), ValueError,
+     r"slots=\[0, 0\]: each must lie in \[0, max_slots=3\), each once", True),
+    ("mamba_slots/register-a-str-hash", s_hybrid_slot,
+     lambda c: c.mamba_slot_allocator.register_block_hashes_batch(
+         [int(c.block_table_host[0, 0])], ["x"]), TypeError, "hashes must hold integer", True),
+    ("mamba_slots/offsets-row-negative", s_hybrid_slot,
+     lambda c: c.mamba_slot_allocator.compute_and_store_offsets(req(5, 9), -1, 0, 9, 0, [], 3),
+     ValueError, r"current_id=-1 must be a row in \[0, max_requests=", True),
+    ("mamba_slots/live-deallocated", s_hybrid_deallocated,
+     lambda c: c.mamba_slot_allocator.store_from_live_batch([0], [0]),
+     TensorStateDeallocatedError, "deallocated", True),
+    ("mamba_slots/restore-deallocated", s_hybrid_deallocated,
+     lambda c: c.mamba_slot_allocator.restore_to_live(0, 0), TensorStateDeallocatedError,
+     "deallocated", True),
+    ("mamba_slots/offsets-deallocated", s_hybrid_deallocated,
+     lambda c: c.mamba_slot_allocator.compute_and_store_offsets(req(5, 9), 0, 0, 9, 0, [], 3),
+     TensorStateDeallocatedError, "deallocated", True),
+    # Megatron-Core 0.19's allocator (kv_block_allocator): counts and hashes.
+    ("kv_block_allocator/evict-negative", s_cache_pending,
+     lambda c: c.kv_block_allocator.evict_lru_blocks(-1), ValueError,
+     "num_blocks_needed=-1 must be >= 0", True),
+    ("kv_block_allocator/evict-float", s_cache_pending,
+     lambda c: c.kv_block_allocator.evict_lru_blocks(1.5), TypeError,
+     "num_blocks_needed=1.5 must be an int", True),
+    ("kv_block_allocator/evict-str", s_cache_pending,
+     lambda c: c.kv_block_allocator.evict_lru_blocks("1"), TypeError,
+     "num_blocks_needed='1' must be an int", True),
+    ("kv_block_allocator/available-negative-matches", s_cache_pending,
+     lambda c: c.kv_block_allocator.is_memory_available(1, potential_matched_count=-100),
+     ValueError, "potential_matched_count=-100 must be >= 0", True),
+    ("kv_block_allocator/register-hash-minus-1", s_cache_pending,
+     lambda c: c.kv_block_allocator.register_kv_block_hashes(
+         [int(c.kv_block_allocator.block_bag[0])], [-1]), ValueError,
+     r"block_hashes=\[-1\]: each must be >= 1", True),
+    ("kv_block_allocator/timestamps-negative-block", s_cache_pending,
+     lambda c: c.kv_block_allocator.update_timestamps([-1]), ValueError,
+     r"block_ids=\[-1\]: each must lie in", True),
+    ("kv_block_allocator/register-a-block-twice", s_cache_pending,
+     lambda c: c.kv_block_allocator.register_kv_block_hashes(
+         [int(c.kv_block_allocator.block_bag[0])] * 2, [5, 6]), ValueError,
+     "each block at most once", True),
+    ("kv_block_allocator/register-negative-parent", s_cache_pending,
+     lambda c: c.kv_block_allocator.register_kv_block_hashes(
+         [int(c.kv_block_allocator.block_bag[0])], [5], [-3]), ValueError,
+     r"parent_hashes=\[-3\]: each must be >= 0", True),
+    ("block_allocator/release-more-than-referenced", s_decode,
+     lambda c: c.block_allocator.release_memory_blocks([int(c.block_table_host[0, 0])] * 2),
+     RuntimeError, r"2\] times, more than their references \[1\]", True),
+    ("block_allocator/release-negative-id", s_decode,
+     lambda c: c.block_allocator.release_memory_blocks([-2]), ValueError,
+     r"release of block ids \[-2\]: each must lie in \[0, total_count\)", True),
+    # The async trio's sampled tokens: integer ids of the vocabulary (validate).
+    ("async/commit-bool", s_prepared,
+     lambda c: c.commit_sampled_tokens(_tokens(1, 0, dtype=torch.bool)), TypeError,
+     r"sampled tokens must be an integer \(int32 or int64\)", True),
+    ("async/commit-outside-vocab", s_prepared,
+     lambda c: c.commit_sampled_tokens(_tokens(5, VOCAB)), ValueError,
+     r"sampled tokens holds ids in \[5, 500\], outside \[0, 500\)", True),
+    ("async/copy-negative", s_prepared,
+     lambda c: c.copy_async_sched_sample_to_forward(_tokens(-1, 6)), ValueError,
+     "sampled tokens holds ids in", True),
+    ("async/copy-meta", s_prepared,
+     lambda c: c.copy_async_sched_sample_to_forward(torch.empty(2, dtype=torch.int64,
+                                                                device="meta")),
+     ValueError, "sampled tokens are on meta, the context on cpu", True),
+    ("async/resolve-mask-2-d", s_decode,
+     lambda c: c.resolve_requests(torch.ones(1, 2, dtype=torch.int32)), RuntimeError,
+     r"Expected active mask of length 2, got shape \(1, 2\)", True),
+    ("async/resolve-mask-meta", s_decode,
+     lambda c: c.resolve_requests(torch.ones(2, dtype=torch.int32, device="meta")), ValueError,
+     "active_requests_mask is on meta", True),
+    # Megatron-Core 0.19's eviction moves the caller's tensors: checked before anything moves.
+    ("rows/evict-drafts-too-few-columns", s_overflow,
+     lambda c: c.evict_overflow_paused_requests(1, _tokens(50, 51),
+                                                torch.zeros(K, 1, dtype=torch.int64)),
+     ValueError, r"new_speculative_tokens has shape \(2, 1\)", "evict"),
+    ("rows/evict-next-tokens-list", s_overflow,
+     lambda c: c.evict_overflow_paused_requests(1, [50, 51]), TypeError,
+     "next_tokens must be a torch.Tensor", "evict"),
+    ("rows/evict-next-tokens-short", s_overflow,
+     lambda c: c.evict_overflow_paused_requests(1, _tokens(50)), ValueError,
+     r"next_tokens has shape \(1,\)", "evict"),
+    ("rows/move-drafts-given-as-swap", s_speculative,
+     lambda c: c._move_book_keeping_tensors(torch.tensor([0]), torch.tensor([1]), _tokens(7, 8),
+                                            torch.zeros(K, 2, dtype=torch.int64)), TypeError,
+     "swap must be a bool, got Tensor", True),
+    # 0.19's precomputed_block_hashes name the blocks the add publishes: each in [1, 2**63).
+    ("add/precomputed-hash-negative", s_cache_pending,
+     lambda c: c.add_request(_hashed(c, [-5, -6])), ValueError,
+     r"precomputed_block_hashes=\[-5, -6\]: each must be an int in \[1, 2\*\*63 - 1\]", True),
+    ("add/precomputed-hash-float", s_cache_pending,
+     lambda c: c.add_request(_hashed(c, [5.5, 6.5])), ValueError,
+     r"precomputed_block_hashes=\[5.5, 6.5\]", True),
+    ("add/precomputed-hash-str", s_cache_pending,
+     lambda c: c.add_request(_hashed(c, ["x", "y"])), ValueError,
+     r"precomputed_block_hashes=\['x', 'y'\]", True),
+    # reset's flags, and the queries' request.
+    ("reset/preserve_prefix_cache-str", s_cache_pending,
+     lambda c: c.reset(preserve_prefix_cache="no"), TypeError,
+     "preserve_prefix_cache must be a bool", True),
+    ("reset/preserve_counters-int", s_decode, lambda c: c.reset(preserve_counters=1), TypeError,
+     "preserve_counters must be a bool", True),
+    ("prefix_cache_lookup/not-a-request", s_cache_pending, lambda c: c.prefix_cache_lookup(42),
+     TypeError, "req must be a DynamicInferenceRequest, got int", True),
+    ("check_availability/None", s_prefill, lambda c: c.check_availability(None), TypeError,
+     "req must be a DynamicInferenceRequest, got NoneType", True),
+    ("log_probs/only_last_token_logits-str", s_prefill,
+     lambda c: c.calculate_log_probs(torch.zeros(1, c.padded_active_token_count, VOCAB),
+                                     _tokens(4, 5), only_last_token_logits="no"), TypeError,
+     "only_last_token_logits='no' must be a bool or None", True),
+    ("input_ids/warmup-float", s_prefill,
+     lambda c: c.current_input_and_position_ids(num_warmup_tokens=2.5), TypeError,
+     "num_warmup_tokens=2.5 must be an int or None", True),
+    ("input_ids/warmup-bool", s_prefill,
+     lambda c: c.current_input_and_position_ids(num_warmup_tokens=True), TypeError,
+     "num_warmup_tokens=True must be an int or None", True),
     # Megatron-Core 0.19's processed log probs need a sampling backend (context/sampling.py).
+    ("log_probs/backend-gives-a-wrong-shape", s_processed,
+     lambda c: c.calculate_log_probs(torch.zeros(1, c.padded_active_token_count, VOCAB),
+                                     _tokens(4, 5), sampling=SimpleNamespace(
+                                         log_probs_kernel=lambda rows, *a, **k: rows[:1])),
+     ValueError, r"sampling.log_probs_kernel returned \(1, 500\) torch.float32, expected",
+     True),
+    ("log_probs/backend-gives-integers", s_processed,
+     lambda c: c.calculate_log_probs(torch.zeros(1, c.padded_active_token_count, VOCAB),
+                                     _tokens(4, 5), sampling=SimpleNamespace(
+                                         log_probs_kernel=lambda rows, *a, **k: rows.long())),
+     ValueError, r"returned \(8, 500\) torch.int64, expected a floating \[8, 500\]", True),
     ("log_probs/processed-without-sampling", s_processed,
      lambda c: c.calculate_log_probs(torch.zeros(1, c.padded_active_token_count, VOCAB),
                                      _tokens(4, 5)), ValueError, "sampling backend", True),
@@ -490,6 +785,11 @@ def _continuation(ctx, claim):
 
 def _recover(ctx, recovery):
     """One valid step after the error."""
+    if recovery == "evict":   # the hand-written overflow: the valid eviction
+        evicted = ctx.evict_overflow_paused_requests(
+            1, torch.tensor([50, 51]), torch.zeros(K, 2, dtype=torch.int64))
+        assert evicted.tolist() == [1]
+        return
     if recovery == "chunk":
         r = ctx._chunked
         add(ctx, raw(rid=3, tokens=r.prompt_tokens[8:], finished=8, gen=8))
@@ -602,6 +902,10 @@ OFFLOAD_OPTION_ERRORS = [
                  id="bool"),
     pytest.param(dict(kv_offload_gb=BLOCK / GIB / 2), ValueError, r"holds no KV block",
                  id="under_one_block"),
+    pytest.param(dict(kv_offload_gb=np.complex128(1)), TypeError,
+                 r"kv_offload_gb=np.complex128\(1\+0j\) must be a number", id="complex"),
+    pytest.param(dict(kv_offload_gb=1e9), ValueError, r"kv_offload_gb=1000000000.0 asks for "
+                 r".* of host memory, but the host has .* available", id="beyond_the_host"),
     pytest.param(dict(kv_cache_management_mode="swap"), ValueError,
                  r"kv_cache_management_mode='swap' must be one of \['persist', 'offload', "
                  r"'recompute'\]", id="unknown_mode"),

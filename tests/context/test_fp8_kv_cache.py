@@ -56,9 +56,12 @@ def test_fp8_buffer_holds_more_blocks_in_the_same_bytes(name, dtype):
      "inf must be positive and finite"),
     (dict(kv_cache_dtype="fp8", kv_scales=[[1.0, -2.0], [1.0, 1.0]]), "kv_scales", "-2.0"),
     (dict(kv_cache_dtype="fp8", kv_scales=object()), "kv_scales", "must be 'dynamic'"),
+    (dict(kv_cache_dtype="fp8", kv_scales=torch.ones(2, 2, dtype=torch.complex64)), "kv_scales",
+     "must hold real numbers, got dtype torch.complex64"),
 ])
 def test_bad_options_are_refused_naming_the_argument(overrides, name, message):
-    error = TypeError if "object" in repr(overrides.get("kv_scales")) else ValueError
+    error = TypeError if "object" in repr(overrides.get("kv_scales")) or \
+        "real numbers" in message else ValueError
     with pytest.raises(error, match=message) as info:
         DynamicInferenceContext(**context_args(**overrides))
     assert name in str(info.value)

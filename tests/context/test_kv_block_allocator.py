@@ -114,6 +114,10 @@ def test_bad_arguments_raise_naming_them_before_any_change():
         KVBlockAllocator(ctx, 8, 2, True, "fifo")
     with pytest.raises(TypeError, match="total_count=8.0"):
         KVBlockAllocator(ctx, 8.0, 2)
+    with pytest.raises(TypeError, match="total_count=8.0"):   # the base class too
+        BlockAllocator(8.0, 2)
+    with pytest.raises(TypeError, match="enable_prefix_caching='no' must be a bool"):
+        KVBlockAllocator(ctx, 8, 2, "no")   # was taken as true
     alloc = KVBlockAllocator(ctx, 8, 2, True, "lru")
     before = (alloc.hash_ids.copy(), alloc.cached.copy(), alloc.parent_ids.copy())
     for kwargs, error, match in [
@@ -139,8 +143,47 @@ def test_routing_per_block_follows_the_steps_token_layout():
     assert sorted(alloc.block_routing) == [2, 5]  # block 7 is the dummy block
     assert np.array_equal(alloc.get_block_routing(5)[[3, 0]], routing[[2, 4]])
     assert np.array_equal(alloc.reconstruct_routing_from_blocks([2, 5], 6)[:2], routing[:2])
-    with pytest.raises(ValueError, match="flat_routing has 4 tokens"):
-        alloc.store_routing_per_block(routing[:4])
+    before = {b: r.copy() for b, r in alloc.block_routing.items()}
+    for bad in (routing[:4], routing.tolist(), routing[:, 0]):   # short, a list, 2-D
+        with pytest.raises(ValueError, match=r"not a numpy array \[active_token_count=5"):
+            alloc.store_routing_per_block(bad)
+    assert before.keys() == alloc.block_routing.keys()
+    assert all(np.array_equal(r, alloc.block_routing[b]) for b, r in before.items())
+
+
+def test_routing_per_block_of_another_shape_changes_no_block():
+    """Block 2's routing was stored before block 5's [layers, topk] raised numpy's error."""
+    ctx = SimpleNamespace(block_size_tokens=4, active_token_count=5,
+                          token_to_block_idx=torch.tensor([2, 2, 5, 7, 5]),
+                          token_to_local_position_within_kv_block=torch.tensor([0, 1, 3, 0, 0]))
+    alloc = KVBlockAllocator(ctx, 8, 1)
+    alloc.store_block_routing(5, np.arange(4), np.ones((4, 3, 3), dtype=np.int16))
+    with pytest.raises(ValueError, match=r"\[layers, topk\]=\[2, 3\], the routing of blocks \[5\]"):
+        alloc.store_routing_per_block(np.zeros((5, 2, 3), dtype=np.int16))
+    assert list(alloc.block_routing) == [5] and (alloc.block_routing[5] == 1).all()
+
+
+@pytest.mark.parametrize("block_id, positions, routing, error, match", [
+    (-1, [0], (1, 2, 3), ValueError, r"block_id=-1 must lie in \[0, 7\)"),
+    (7, [0], (1, 2, 3), ValueError, r"block_id=7 must lie in \[0, 7\) \(the dummy"),
+    (1.0, [0], (1, 2, 3), TypeError, "block_id=1.0 must be an int"),
+    (True, [0], (1, 2, 3), TypeError, "block_id=True must be an int"),
+    (1, [4], (1, 2, 3), ValueError, r"positions=\[4\]: each must lie in \[0, block_size_tokens=4"),
+    (1, [-1], (1, 2, 3), ValueError, r"positions=\[-1\]"),
+    (1, [0.5], (1, 2, 3), TypeError, "positions must hold integers"),
+    (1, [0, 1], (1, 2, 3), ValueError, r"\[len\(positions\)=2, layers, topk\], got \(1, 2, 3\)"),
+    (1, [0], (1, 6), ValueError, "got \\(1, 6\\)"),
+    (2, [0], (1, 5, 3), ValueError, r"routing has \[layers, topk\]=\[5, 3\], block 2's"),
+])
+def test_store_block_routing_checks_before_the_block_has_an_entry(block_id, positions, routing,
+                                                                   error, match):
+    ctx = SimpleNamespace(block_size_tokens=4)
+    alloc = KVBlockAllocator(ctx, 8, 1)
+    alloc.store_block_routing(2, np.arange(4), np.ones((4, 2, 3), dtype=np.int16))
+    with pytest.raises(error, match=match):
+        alloc.store_block_routing(block_id, np.asarray(positions),
+                                  np.zeros(routing, dtype=np.int16))
+    assert list(alloc.block_routing) == [2] and (alloc.block_routing[2] == 1).all()
 
 
 @pytest.mark.parametrize("request_block_size", [BS, 5])
@@ -158,3 +201,13 @@ def test_precomputed_hashes_name_the_blocks_only_when_of_the_contexts_block_size
     block = int(ctx.block_table_host[0, 0])
     assert ctx.kv_block_allocator.block_hashes[block].item() == \
         compute_block_hashes_batched(tokens, BS)[0]
+
+
+def test_a_request_takes_enable_prefix_caching_as_a_bool_only():
+    """``"no"`` was taken as true (0.19's hashes computed for a request that asked for none)."""
+    with pytest.raises(TypeError, match="enable_prefix_caching='no' must be a bool"):
+        DynamicInferenceRequest(request_id=1, prompt_tokens=torch.arange(9),
+                                block_size_tokens=BS, enable_prefix_caching="no")
+    plain = DynamicInferenceRequest(request_id=1, prompt_tokens=torch.arange(9),
+                                    block_size_tokens=BS, enable_prefix_caching=False)
+    assert plain.precomputed_block_hashes == []

@@ -96,3 +96,18 @@ def test_bad_arguments_raise_naming_them():
         ctx._find_kv_match_count(r, -1, 2)
     with pytest.raises(TypeError, match="end_block=None"):
         ctx._find_mamba_match_count(r, 0, None)
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda c, r: c._compute_prefix_match(42, 4), "req must be a DynamicInferenceRequest, got int"),
+    (lambda c, r: c._find_kv_match_count("x", 0, 2), "got str"),
+    (lambda c, r: c._find_mamba_match_count(None, 0, 2), "got NoneType"),
+    (lambda c, r: c._compute_prefix_match(r, 4, "no"), "record_mamba_match='no' must be a bool"),
+])
+def test_the_helpers_refuse_what_is_no_request_or_flag(call, match):
+    """Before: AttributeError from inside (no request), or ``"no"`` taken as true."""
+    ctx = cached_ctx()
+    r = req(1, list(range(9)))
+    with pytest.raises(TypeError, match=match):
+        call(ctx, r)
+    assert not hasattr(r, "_mamba_num_matched_blocks")

@@ -110,3 +110,46 @@ def test_active_request_metadata_is_a_view_of_the_active_rows():
     assert meta["top_k"][:2].tolist() == [0, 4]
     meta["top_k"][0] = 5
     assert ctx.request_metadata["top_k"][0].item() == 5
+
+
+@pytest.mark.parametrize("args, match", [
+    ((torch.ones(1, 4), 0.0, 0, 0.0), "temperature=0.0 must be a finite number > 0"),
+    ((torch.ones(1, 4), float("nan"), 0, 0.0), "temperature=nan must be a finite"),
+    ((torch.ones(1, 4), 1.0, -2, 0.0), r"top_k=-2 must be an int >= 0"),
+    ((torch.ones(1, 4), 1.0, 2.5, 0.0), r"top_k=2.5 must be an int >= 0"),
+    ((torch.ones(1, 4), 1.0, 0, -0.5), r"top_p=-0.5 must lie in \[0, 1\]"),
+    ((torch.ones(4), 1.0, 2, 0.0), r"last_token_logits must be a floating \[rows, vocab\]"),
+])
+def test_filter_logits_refuses_what_would_give_nan_or_no_filter(args, match):
+    with pytest.raises(ValueError, match=match):
+        TorchSampling.filter_logits(*args)
+
+
+def test_the_backend_refuses_rows_it_would_hand_back_unwritten():
+    with pytest.raises(TypeError, match="rng must be a torch.Generator"):
+        TorchSampling(rng=5, vocab_size=6)
+    with pytest.raises(ValueError, match="vocab_size=-3 must be None or an int >= 0"):
+        TorchSampling(rng=torch.Generator(), vocab_size=-3)
+    sampling = TorchSampling(rng=torch.Generator(), vocab_size=6)
+    context = _context([1.0, 0.5], [0, 2], [0.0, 0.0])
+    logits = torch.randn(5, 6, generator=torch.Generator().manual_seed(0))
+    for kwargs, error, match in [
+        (dict(), ValueError, "logits gives 5 rows, the active requests 2"),
+        (dict(token_to_request_index=torch.tensor([0, 0, 1])), ValueError,
+         "logits gives 5 rows, the entries of token_to_request_index 3"),
+        (dict(token_to_request_index=torch.tensor([0, 0, 1, 1, -1])), ValueError,
+         r"holds requests in \[-1, 1\], outside the active ones \[0, 2\)"),
+        (dict(token_to_request_index=torch.tensor([0., 0, 1, 1, 1])), TypeError,
+         "token_to_request_index must be a 1-D integer tensor"),
+    ]:
+        with pytest.raises(error, match=match):
+            sampling.log_probs_kernel(logits, context, **kwargs)
+    for n, kwargs, error, match in [
+        (5, dict(), ValueError, "n gives 5 rows, the active requests 2"),
+        (2.0, dict(), TypeError, "n=2.0 must be an int"),
+        (2, dict(output=torch.empty(1, dtype=torch.int64)), ValueError,
+         r"output must be an integer tensor \[>= n=2\], got \(1,\)"),
+        (2, dict(output=torch.empty(2)), ValueError, r"got \(2,\) torch.float32"),
+    ]:
+        with pytest.raises(error, match=match):
+            sampling.sample_kernel(logits[:2], n, context, no_top_k=True, no_top_p=True, **kwargs)

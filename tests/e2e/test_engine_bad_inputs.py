@@ -549,6 +549,9 @@ BAD_ENGINE_OPTIONS = [
                  r"history_window=-1 must lie in \[0, inf\]", id="history_window"),
     pytest.param(dict(step_callback=3), TypeError, r"step_callback=3 must be callable",
                  id="step_callback"),
+    pytest.param(dict(num_speculative_tokens=2, async_scheduling=True, kv_offload_gb=0.001),
+                 ValueError, r"enable_deferred_rewind\(\): deferred rewinds are not supported "
+                 r"with KV offload .*async_scheduling=False", id="async_speculation_offload"),
     pytest.param(dict(kernel_backend="nope"), ValueError,
                  r"'nope' is not a kernel backend; expected one of", id="kernel_backend"),
 ]
