@@ -214,6 +214,24 @@ def test_a_source_row_just_past_the_sampled_rows_takes_token_0(backend):
     assert tokens[:3].tolist() == [0, 51, int(src_tokens[1])]
 
 
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_a_table_without_columns_still_moves_the_tokens(backend):
+    """A block table of 0 columns (no block to move) with rows to write: the next tokens are
+    compacted and cleared all the same, on the full path and on a plan's replay with other
+    counts of the same class. (A launcher that returned early for 0 columns wrote none.)"""
+    table = torch.empty(4, 0, dtype=torch.int32, device=DEVICE)
+    src_table = torch.empty(4, 0, dtype=torch.int32, device=DEVICE)
+    src_tokens = torch.tensor([10, 11, 12, 13], device=DEVICE)
+    new = torch.tensor([50, 51], device=DEVICE)
+    plan = [torch.tensor(v, dtype=torch.int32, device=DEVICE)
+            for v in ([3, 0, -1], [-1] * 3, [-1] * 3)]
+    for num_rows, clear_rows, expected in ((3, 4, [51, 10, 0, 0]), (2, 3, [51, 10, 0, 7])):
+        tokens = torch.full((4,), 7, device=DEVICE)
+        compact_requests(table, src_table, tokens, src_tokens, new, *plan, new_token_offset=2,
+                         num_rows=num_rows, clear_rows=clear_rows, backend=backend)
+        assert tokens.tolist() == expected, (num_rows, clear_rows)
+
+
 def test_custom_op_matches_reference():
     src_table, src_tokens = _source_state(5, 4)
     args = [torch.tensor(v, dtype=torch.int32, device=DEVICE)
