@@ -405,3 +405,26 @@ def test_a_request_whose_splits_are_all_empty_merges_to_zeros():
                            block_d=16)
     torch.testing.assert_close(out.cpu(), merge_attention_splits_ref(partial, lse))
     assert torch.equal(out[1].cpu(), torch.zeros(1, 16))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("max_seqlen_q, window", [(2, 0), (1, 2)], ids=["varlen", "decode_window"])
+def test_a_length_just_over_the_table_is_refused_after_a_planned_call(max_seqlen_q, window,
+                                                                      backend):
+    """A block table of 1 column of 4-token blocks holds 4 keys: ``max_seqlen_k=5`` is refused
+    by name, also right after a call of the same plan key (the prefill lengths share one class,
+    and so do decode lengths whose window walks the same keys), whose plan must not replay it."""
+    gen = torch.Generator().manual_seed(3)
+    key, value = (torch.randn(2, 4, 1, 8, generator=gen).to(DEVICE) for _ in range(2))
+    query = torch.randn(max_seqlen_q, 2, 8, generator=gen).to(DEVICE)
+    cu = torch.tensor([0, max_seqlen_q], dtype=torch.int32, device=DEVICE)
+    kv = torch.tensor([4], dtype=torch.int32, device=DEVICE)
+    table = torch.tensor([[1]], dtype=torch.int32, device=DEVICE)
+    args = (query, key, value, cu, kv, table)   # (distinct tensors: a plan is kept)
+    got = paged_attention(*args, max_seqlen_q=max_seqlen_q, max_seqlen_k=4, window=window,
+                          backend=backend)
+    torch.testing.assert_close(got, paged_attention_ref(*args, window=window),
+                               **ATTENTION_TOLERANCE[torch.float32])
+    with pytest.raises(ValueError, match=r"max_seqlen_k=5 must be in \[0, 4\]"):
+        paged_attention(*args, max_seqlen_q=max_seqlen_q, max_seqlen_k=5, window=window,
+                        backend=backend)
