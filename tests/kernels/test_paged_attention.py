@@ -169,6 +169,25 @@ def test_nothing_to_attend_returns_zeros():
     assert torch.equal(out, torch.zeros_like(out))
 
 
+@pytest.mark.parametrize("max_seqlen_q", [1, 2], ids=["decode", "varlen"])
+def test_no_request_leaves_out_alone_on_every_call(max_seqlen_q):
+    """``num_requests=0`` with positive lengths and tokens: nothing is attended, on the first
+    call and on repeats of the same key (no plan of an empty step replays anything): ``out``
+    comes back with its bytes, an allocated one as zeros."""
+    q_lens, kv_lens = [1, 1], [4, 9]
+    case = make_case(q_lens, kv_lens, padded_requests=2, padded_tokens=2, block_size=16,
+                     heads=2, kv_heads=1, dim=8, dtype=torch.float32)
+    for _ in range(3):
+        out = poisoned_out(case[0])
+        before = out.clone()
+        got = paged_attention(*case, max_seqlen_q=max_seqlen_q, max_seqlen_k=9, num_requests=0,
+                              out=out, backend="triton")
+        assert got is out and torch.equal(byte_view(out), byte_view(before))
+        got = paged_attention(*case, max_seqlen_q=max_seqlen_q, max_seqlen_k=9, num_requests=0,
+                              backend="triton")
+        assert torch.equal(got, torch.zeros_like(case[0]))
+
+
 # Every config's meta-parameters (num_warps and num_stages cannot change a result under the
 # interpreter, so it runs one config per meta-parameter set; CUDA runs every config). The
 # decode case spans several splits of the small split sizes (the merge) and several tiles of
