@@ -70,6 +70,7 @@ LENGTH_CLASSES = [
 ]
 
 
+@pytest.mark.interpreter   # (pure Python: marked to run beside the plan tests it backs)
 def test_length_classes_follow_the_keys_walked_and_keep_the_last_answer():
     """The decode kernel's lengths by the bucket of the keys it walks (a window bounds them),
     the varlen kernel's alone by "positive", anything else as it is; and the same argument
