@@ -19,7 +19,7 @@ How a module is tested: ``TARGETS`` maps its path (relative to the repository ro
 moves: update the mapping, ``tests/test_mutation_targets.py`` checks that every path exists) to
 the test files that should kill its mutants, whether they need the Triton interpreter, and
 optionally the functions to mutate (the kernels' index arithmetic, not their tuning tables).
-Per group of modules with the same tests (the four context modules share theirs; the five
+Per group of modules with the same tests (the four context modules share theirs; the six
 paged-attention files theirs): one traced run of the tests unmutated (they must pass) that
 records, per test, the lines of each module it executes and its seconds
 (``bench/mutation_coverage.py``). Then, for each mutant (all, or a seeded sample), the tests that
@@ -123,7 +123,10 @@ PREFIX_TESTS = ("tests/context/test_prefix_chains.py", "tests/context/test_prefi
                 "tests/e2e/test_prefix_host_tier_e2e.py")
 ATTENTION_TESTS = ("tests/kernels/test_paged_attention.py",
                    "tests/kernels/test_paged_attention_windows.py",
-                   "tests/kernels/test_paged_attention_fp8.py")
+                   "tests/kernels/test_paged_attention_fp8.py",
+                   "tests/kernels/test_launch_plan_lengths.py::TestUnderTheInterpreter",
+                   "tests/kernels/test_launch_plan_lengths.py::"
+                   "test_length_classes_follow_the_keys_walked_and_keep_the_last_answer")
 PLAN_BACKENDS = ("tests/kernels/test_launch_plan.py::TestUnderTheInterpreter::"
                  "test_a_plan_never_serves_the_torch_backend")
 TARGETS: Dict[str, Target] = {
@@ -146,9 +149,13 @@ TARGETS: Dict[str, Target] = {
                                     "tests/kernels/test_kv_append_fp8.py", PLAN_BACKENDS),
                                    interpreter=True,
                                    functions=("_kv_append_kernel", "kv_append")),
-    "kernels/compaction.py": Target(("tests/kernels/test_compaction.py", PLAN_BACKENDS),
+    # The launcher and its plan's launches for other row counts (_row_classes, _vary_rows).
+    "kernels/compaction.py": Target(("tests/kernels/test_compaction.py", PLAN_BACKENDS,
+                                     "tests/kernels/test_launch_plan_lengths.py::"
+                                     "TestCountLaunchersUnderTheInterpreter"),
                                     interpreter=True,
-                                    functions=("_compact_requests_kernel", "compact_requests")),
+                                    functions=("_compact_requests_kernel", "compact_requests",
+                                               "_row_classes", "_vary_rows")),
     # Paged attention: the launcher (validation aside) and, per file since the split, the
     # kernels and launchers' index arithmetic (the config tables and tuning cases are not).
     "kernels/paged_attention.py": Target(ATTENTION_TESTS, interpreter=True,
@@ -161,6 +168,11 @@ TARGETS: Dict[str, Target] = {
     "kernels/paged_attention_varlen.py": Target(
         ATTENTION_TESTS, interpreter=True,
         functions=("_paged_attention_varlen_kernel", "launch_varlen")),
+    # The plan's key classes, its capacity check and its launches for other split and tile
+    # counts (not the role bookkeeping of __init__).
+    "kernels/paged_attention_plan.py": Target(
+        ATTENTION_TESTS, interpreter=True,
+        functions=("length_classes", "_fits", "launches_for", "_vary", "launch")),
     "kernels/paged_attention_merge.py": Target(
         ATTENTION_TESTS, interpreter=True,
         functions=("_merge_attention_splits_kernel", "merge_chunk", "merge_attention_splits",

@@ -227,13 +227,15 @@ def compact_requests(dst_block_table: torch.Tensor, src_block_table: torch.Tenso
                              clear_rows=clear_rows)
         return
     max_blocks = dst_block_table.shape[1]
-    if end_rows == 0 or max_blocks == 0:
+    if end_rows == 0:
         return
     if config is None:
         key = compact_requests_tune_key(max_blocks=max_blocks, num_rows=end_rows)
         config, _ = autotune.resolve_config("compact_requests", key, device)
     meta = config.kwargs
-    grid = (triton.cdiv(end_rows, meta["BLOCK_R"]), triton.cdiv(max_blocks, meta["BLOCK_C"]))
+    # At least one column tile: column tile 0 writes the tokens, a table without columns too.
+    grid = (triton.cdiv(end_rows, meta["BLOCK_R"]),
+            max(1, triton.cdiv(max_blocks, meta["BLOCK_C"])))
     pointers = dict(
         dst_block_table_ptr=dst_block_table, dst_next_tokens_ptr=dst_next_tokens,
         src_block_table_ptr=src_block_table, src_next_tokens_ptr=src_next_tokens,
@@ -314,10 +316,11 @@ def compact_requests_ref(dst_block_table: torch.Tensor, src_block_table: torch.T
     tokens = carried_tokens[torch.where(has_src, src, no_source)]
     append_col = plan_append_col[:num_rows].long()
     has_append = append_col >= 0
-    safe_col = append_col.clamp(min=0)[:, None]
-    kept = rows.gather(1, safe_col)
-    rows.scatter_(1, safe_col,
-                  torch.where(has_append[:, None], plan_append_block[:num_rows, None], kept))
+    if rows.shape[1]:   # (a table without columns: the tokens only, as the kernel)
+        safe_col = append_col.clamp(min=0)[:, None]
+        kept = rows.gather(1, safe_col)
+        rows.scatter_(1, safe_col,
+                      torch.where(has_append[:, None], plan_append_block[:num_rows, None], kept))
 
     dst_block_table[:num_rows] = rows
     dst_next_tokens[:num_rows] = tokens

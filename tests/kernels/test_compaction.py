@@ -214,6 +214,55 @@ def test_a_source_row_just_past_the_sampled_rows_takes_token_0(backend):
     assert tokens[:3].tolist() == [0, 51, int(src_tokens[1])]
 
 
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_a_table_without_columns_still_moves_the_tokens(backend):
+    """A block table of 0 columns (no block to move) with rows to write: the next tokens are
+    compacted and cleared all the same, on the full path and on a plan's replay with other
+    counts of the same class. (A launcher that returned early for 0 columns wrote none.)"""
+    table = torch.empty(4, 0, dtype=torch.int32, device=DEVICE)
+    src_table = torch.empty(4, 0, dtype=torch.int32, device=DEVICE)
+    src_tokens = torch.tensor([10, 11, 12, 13], device=DEVICE)
+    new = torch.tensor([50, 51], device=DEVICE)
+    plan = [torch.tensor(v, dtype=torch.int32, device=DEVICE)
+            for v in ([3, 0, -1], [-1] * 3, [-1] * 3)]
+    for num_rows, clear_rows, expected in ((3, 4, [51, 10, 0, 0]), (2, 3, [51, 10, 0, 7])):
+        tokens = torch.full((4,), 7, device=DEVICE)
+        compact_requests(table, src_table, tokens, src_tokens, new, *plan, new_token_offset=2,
+                         num_rows=num_rows, clear_rows=clear_rows, backend=backend)
+        assert tokens.tolist() == expected, (num_rows, clear_rows)
+
+
+def test_row_counts_share_one_plan_per_class_with_a_launch_per_count():
+    """The plan key holds the bucket of the rows written, not the counts: one plan per bucket
+    (its config's), and in it one launch per count tuple, each call equal to the reference.
+    Rows 0..3 then 3..20 written are two buckets (4 and 32), also when the count objects are
+    the last call's (a cached answer must not leak across buckets); 0 live rows and 3 cleared,
+    and 4 rows without clearing, are in the bucket of 4."""
+    from dynctx.kernels.launch_plan import clear_plans, plan_caches
+
+    rows, columns = 24, 3
+    src_table, src_tokens = _source_state(rows, columns)
+    gen = torch.Generator().manual_seed(9)
+    plan = [torch.randperm(rows, generator=gen).to(torch.int32).to(DEVICE),
+            torch.randint(-1, columns, (rows,), generator=gen, dtype=torch.int32).to(DEVICE),
+            torch.randint(100, 200, (rows,), generator=gen, dtype=torch.int32).to(DEVICE)]
+    new = torch.arange(5000, 5000 + rows, device=DEVICE)
+    table = torch.full((rows, columns), -7, dtype=torch.int32, device=DEVICE)
+    tokens = torch.full((rows,), -7, dtype=torch.int64, device=DEVICE)
+    counts = [(2, 3, 20), (2, 3, 3), (2, 0, 3), (2, 4, 0)]
+    clear_plans()
+    for offset, num_rows, clear_rows in counts:
+        want = (table.clone(), tokens.clone())
+        compact_requests_ref(want[0], src_table, want[1], src_tokens, new, *plan,
+                             new_token_offset=offset, num_rows=num_rows, clear_rows=clear_rows)
+        compact_requests(table, src_table, tokens, src_tokens, new, *plan,
+                         new_token_offset=offset, num_rows=num_rows, clear_rows=clear_rows,
+                         backend="triton")
+        assert torch.equal(table, want[0]) and torch.equal(tokens, want[1]), num_rows
+    plans = list(plan_caches()["compact_requests"]._plans.values())
+    assert sorted(sorted(p.variants) for p in plans) == [sorted(counts[1:]), counts[:1]]
+
+
 def test_custom_op_matches_reference():
     src_table, src_tokens = _source_state(5, 4)
     args = [torch.tensor(v, dtype=torch.int32, device=DEVICE)

@@ -55,6 +55,34 @@ def _attend(case, backend, **kwargs):
     return paged_attention(**case, backend=backend, **kwargs)
 
 
+# (max_seqlen_q, max_seqlen_k, num_decode_requests, window) -> the plan key's classes, in
+# this order: each call changes one argument of the last (to a value the last call had in
+# another place where it can), so a cached answer given for the wrong arguments shows.
+LENGTH_CLASSES = [
+    ((1, 5, 0, 0), (1, 8)), ((1, 20, 0, 0), (1, 32)), ((20, 20, 0, 0), ("more", "positive")),
+    ((20, 20, 1, 0), ("more", 32)), ((1, 20, 1, 0), (1, 32)), ((1, 20, 1, 1), (1, 1)),
+    ((1, 1, 0, 0), (1, 1)), ((1, 2, 0, 0), (1, 2)), ((1, 4, 0, 5), (1, 4)),
+    ((1, 5, 0, 5), (1, 8)), ((1, 40, 0, 5), (1, 8)), ((2, 40, 3, 5), ("more", 8)),
+    ((2, 1, 1, 0), ("more", 1)),
+    # not positive ints (or a negative or non-int window): the values themselves
+    ((0, 5, 0, 0), (0, 5)), ((1, 0, 0, 0), (1, 0)), ((-1, 5, 0, 0), (-1, 5)),
+    ((1, 5, 0, -1), (1, 5)), ((1, 5, 0, 0.0), (1, 5)), ((1.0, 5, 0, 0), (1.0, 5)),
+]
+
+
+@pytest.mark.interpreter   # (pure Python: marked to run beside the plan tests it backs)
+def test_length_classes_follow_the_keys_walked_and_keep_the_last_answer():
+    """The decode kernel's lengths by the bucket of the keys it walks (a window bounds them),
+    the varlen kernel's alone by "positive", anything else as it is; and the same argument
+    objects again get the very answer of the last call."""
+    from dynctx.kernels.paged_attention_plan import length_classes
+
+    for args, expected in LENGTH_CLASSES:
+        assert length_classes(*args) == expected, args
+    first = length_classes(1, 300, 0, 0)
+    assert first == (1, 512) and length_classes(1, 300, 0, 0) is first
+
+
 @pytest.mark.interpreter
 @pytest.mark.skipif(not triton_interpreting(), reason="needs TRITON_INTERPRET=1")
 class TestUnderTheInterpreter:
@@ -88,6 +116,25 @@ class TestUnderTheInterpreter:
         assert sorted(count for plan in plans for count, _ in plan.variants) == sorted(counts)
         assert sorted(len(plan.variants) for plan in plans) == ([1, 1] if config is None
                                                                 else [1, 2])
+
+    def test_a_varied_split_count_sizes_the_workspace_by_requests(self):
+        """Three decode requests over two KV heads (the decode grid's first two axes differ),
+        splits of 16 keys: 40 keys take 3 splits, 50 keys 4, both in the bucket of 64, so the
+        second call varies the plan's launches, and its workspace and the merge's offset into
+        it follow the requests, not the heads. Both calls equal the reference."""
+        clear_plans()
+        cache = plan_caches()["paged_attention"]
+        case = _paged_case([50, 45, 33], columns=4)
+        config = KernelConfig.make(BLOCK_N=16, SPLIT_TOKENS=16, num_warps=4)
+        for max_seqlen_k in (40, 50):
+            case["kv_seq_lengths"] = torch.tensor([max_seqlen_k, max_seqlen_k - 5, 33],
+                                                  dtype=torch.int32)
+            got = _attend(case, "triton", max_seqlen_q=1, max_seqlen_k=max_seqlen_k,
+                          config=config)
+            want = _attend(case, "torch", max_seqlen_q=1, max_seqlen_k=max_seqlen_k)
+            torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+        (plan,) = cache._plans.values()
+        assert sorted(plan.variants) == [(3, 0), (4, 0)]
 
     def test_a_length_refused_by_the_checks_is_refused_on_a_hit(self):
         """The key no longer holds ``max_seqlen_k``: 145 is in the bucket of 144 (the block

@@ -169,6 +169,25 @@ def test_nothing_to_attend_returns_zeros():
     assert torch.equal(out, torch.zeros_like(out))
 
 
+@pytest.mark.parametrize("max_seqlen_q", [1, 2], ids=["decode", "varlen"])
+def test_no_request_leaves_out_alone_on_every_call(max_seqlen_q):
+    """``num_requests=0`` with positive lengths and tokens: nothing is attended, on the first
+    call and on repeats of the same key (no plan of an empty step replays anything): ``out``
+    comes back with its bytes, an allocated one as zeros."""
+    q_lens, kv_lens = [1, 1], [4, 9]
+    case = make_case(q_lens, kv_lens, padded_requests=2, padded_tokens=2, block_size=16,
+                     heads=2, kv_heads=1, dim=8, dtype=torch.float32)
+    for _ in range(3):
+        out = poisoned_out(case[0])
+        before = out.clone()
+        got = paged_attention(*case, max_seqlen_q=max_seqlen_q, max_seqlen_k=9, num_requests=0,
+                              out=out, backend="triton")
+        assert got is out and torch.equal(byte_view(out), byte_view(before))
+        got = paged_attention(*case, max_seqlen_q=max_seqlen_q, max_seqlen_k=9, num_requests=0,
+                              backend="triton")
+        assert torch.equal(got, torch.zeros_like(case[0]))
+
+
 # Every config's meta-parameters (num_warps and num_stages cannot change a result under the
 # interpreter, so it runs one config per meta-parameter set; CUDA runs every config). The
 # decode case spans several splits of the small split sizes (the merge) and several tiles of
@@ -405,3 +424,26 @@ def test_a_request_whose_splits_are_all_empty_merges_to_zeros():
                            block_d=16)
     torch.testing.assert_close(out.cpu(), merge_attention_splits_ref(partial, lse))
     assert torch.equal(out[1].cpu(), torch.zeros(1, 16))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("max_seqlen_q, window", [(2, 0), (1, 2)], ids=["varlen", "decode_window"])
+def test_a_length_just_over_the_table_is_refused_after_a_planned_call(max_seqlen_q, window,
+                                                                      backend):
+    """A block table of 1 column of 4-token blocks holds 4 keys: ``max_seqlen_k=5`` is refused
+    by name, also right after a call of the same plan key (the prefill lengths share one class,
+    and so do decode lengths whose window walks the same keys), whose plan must not replay it."""
+    gen = torch.Generator().manual_seed(3)
+    key, value = (torch.randn(2, 4, 1, 8, generator=gen).to(DEVICE) for _ in range(2))
+    query = torch.randn(max_seqlen_q, 2, 8, generator=gen).to(DEVICE)
+    cu = torch.tensor([0, max_seqlen_q], dtype=torch.int32, device=DEVICE)
+    kv = torch.tensor([4], dtype=torch.int32, device=DEVICE)
+    table = torch.tensor([[1]], dtype=torch.int32, device=DEVICE)
+    args = (query, key, value, cu, kv, table)   # (distinct tensors: a plan is kept)
+    got = paged_attention(*args, max_seqlen_q=max_seqlen_q, max_seqlen_k=4, window=window,
+                          backend=backend)
+    torch.testing.assert_close(got, paged_attention_ref(*args, window=window),
+                               **ATTENTION_TOLERANCE[torch.float32])
+    with pytest.raises(ValueError, match=r"max_seqlen_k=5 must be in \[0, 4\]"):
+        paged_attention(*args, max_seqlen_q=max_seqlen_q, max_seqlen_k=5, window=window,
+                        backend=backend)
