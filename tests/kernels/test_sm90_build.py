@@ -74,3 +74,29 @@ def test_merge_of_2048_splits_builds_without_spill():
     assert [launch.grid for launch in stub.record.launches] == [(1, kv_heads, splits),
                                                                 (1, heads, 1)]
     assert not problems, problems
+
+
+@pytest.mark.parametrize("max_seqlen_q", [1, 8], ids=["decode", "varlen"])
+def test_fp32_attention_takes_no_tf32_dots(max_seqlen_q):
+    """fp32 queries keep IEEE products on the GPU (the fp32 tolerance of the attention tests
+    assumes them): their builds hold no TF32 tensor-core instruction, while bf16 builds of the
+    same kernels do use tensor cores (so the check can see them). The interpreter computes
+    every ``tl.dot`` in numpy, so only the sm_90 build shows the precision."""
+    from dynctx.kernels.paged_attention import paged_attention
+    from dynctx.kernels.stub_driver import stub_driver
+
+    found = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        cache = torch.empty(4, 16, 2, 64, dtype=dtype)
+        query = torch.empty(max_seqlen_q, 4, 64, dtype=dtype)
+        with stub_driver() as stub:
+            paged_attention(query, cache, torch.empty_like(cache),
+                            torch.tensor([0, max_seqlen_q], dtype=torch.int32),
+                            torch.tensor([40], dtype=torch.int32),
+                            torch.arange(4, dtype=torch.int32)[None], max_seqlen_q=max_seqlen_q,
+                            max_seqlen_k=40, backend="triton")
+        attention = [b for b in stub.record.builds if "merge" not in b.kernel]
+        assert len(attention) == 1, [b.kernel for b in stub.record.builds]
+        found[dtype] = sm90_builds.mma_instructions(attention[0])
+    assert not any("TF32" in op for op in found[torch.float32]), found[torch.float32]
+    assert found[torch.bfloat16] and all("BF16" in op for op in found[torch.bfloat16]), found
