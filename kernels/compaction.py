@@ -170,7 +170,8 @@ def compact_requests(dst_block_table: torch.Tensor, src_block_table: torch.Tenso
     plan, plan_key = _PLANS.find(
         (dst_block_table, src_block_table, dst_next_tokens, src_next_tokens, new_tokens, plan_src,
          plan_append_col, plan_append_block),
-        (*_row_classes(new_token_offset, num_rows, clear_rows), check, backend), config)
+        (*_row_classes(new_token_offset, num_rows, clear_rows), check, backend), config,
+        backend=backend)
     launch = None if plan is None else plan.launch_for(counts, ())
     if launch is not None:
         if plan.extra:

@@ -164,7 +164,7 @@ def kv_append(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Ten
     copied at the edge. Every argument is checked before anything is written.
     """
     plan, plan_key = _PLANS.find((key_cache, value_cache, key, value, block_ids, slots, key_scale,
-                                  value_scale), (check, backend), config)
+                                  value_scale), (check, backend), config, backend=backend)
     if plan is not None:
         plan.launch((key_cache, value_cache, key, value, block_ids, slots,
                      key if key_scale is None else key_scale,

@@ -24,8 +24,7 @@ from .backend import HAS_TRITON, resolve_backend
 from .devices import same_device
 from .launch_plan import CountPlan, KernelLaunch, PlanCache, count_class
 
-# Per launch key (launch_plan.py): the checks passed, the config, the grid, the arguments and
-# the shape and dtype of the outputs each call allocates.
+# Per launch key (launch_plan.py): checks passed, config, grid, arguments, outputs' shapes.
 _LAST_TOKEN_PLANS, _LOG_PROB_PLANS = PlanCache("last_token_logits"), PlanCache("token_log_probs")
 
 if HAS_TRITON:
@@ -162,8 +161,8 @@ def last_token_logits(logits: torch.Tensor, cu_query_lengths: torch.Tensor, num_
     Returns ``[num_requests, V]``: row ``i`` is ``logits[cu_query_lengths[i + 1] - 1]``, bit-exact
     (or its fp32 log-softmax).
     """
-    plan, plan_key = _LAST_TOKEN_PLANS.find((logits, cu_query_lengths, out), (
-        count_class(num_requests), log_softmax, backend), config)   # (the config's bucket)
+    plan, plan_key = _LAST_TOKEN_PLANS.find((logits, cu_query_lengths, out), (  # (by bucket)
+        count_class(num_requests), log_softmax, backend), config, backend=backend)
     launch = None if plan is None else plan.launch_for(num_requests, ())
     if launch is not None:
         if out is None:
@@ -243,7 +242,8 @@ def token_log_probs(logits: torch.Tensor, token_ids: torch.Tensor, *, return_ful
     ``log_softmax(logits[t].float())[token_ids[t]]`` and, when ``return_full``, fp32 ``[T, V]``
     (else ``None``). Both are newly allocated.
     """
-    plan, plan_key = _LOG_PROB_PLANS.find((logits, token_ids), (return_full, backend), config)
+    plan, plan_key = _LOG_PROB_PLANS.find((logits, token_ids), (return_full, backend),
+                                          config, backend=backend)
     if plan is not None:
         launch, num_tokens, vocab_size = plan
         log_probs = torch.empty(num_tokens, dtype=torch.float32, device=logits.device)

@@ -48,7 +48,7 @@ import torch
 
 from . import autotune
 from .autotune import KernelConfig
-from .backend import BACKEND_ENV, HAS_TRITON, env_get
+from .backend import BACKEND_ENV, HAS_TRITON, env_get, resolve_backend
 from .kernel_launch import KernelLaunch, launch_all, tensor_arguments  # noqa: F401 (re-export)
 
 # Keys per launcher: a run sees a few dozen token counts per launcher (decode batch sizes,
@@ -206,6 +206,22 @@ class _Recent:
         self.plan = plan
 
 
+_NOT_GIVEN = object()
+
+
+def _takes_torch(backend, tensors) -> bool:
+    """Whether a launch with ``backend`` on the first of ``tensors``' devices resolves to the
+    torch path; False where that resolution would raise (the full path raises it, after its
+    own checks) or no tensor is given."""
+    for tensor in tensors:
+        if type(tensor) is _Tensor:
+            try:
+                return resolve_backend(backend, tensor.device) == "torch"
+            except (ValueError, RuntimeError):
+                return False
+    return False
+
+
 def _promotable(tensors) -> bool:
     """Whether a recent-list guard can stand for ``tensors``' part of a key: plain tensors (or
     ``None``), at least one, each object once (the guard refuses repeats), all 16-byte aligned
@@ -231,11 +247,14 @@ class PlanCache:
         self.misses = 0
         _CACHES.add(self)
 
-    def find(self, tensors: tuple, scalars: tuple = (), config=None) -> tuple[Any, tuple | None]:
+    def find(self, tensors: tuple, scalars: tuple = (), config=None, *,
+             backend: Any = _NOT_GIVEN) -> tuple[Any, tuple | None]:
         """``(plan, None)`` for a call planned before, else ``(None, key)``: the launcher takes
         its full path and ``put(key, plan)``. ``tensors`` are the call's tensor arguments
         (``None`` allowed), ``scalars`` every other argument its plan depends on (``backend``
-        among them), ``config`` its ``config`` argument."""
+        among them), ``config`` its ``config`` argument. ``backend``, given, is the call's
+        backend argument: a call that resolves to the torch path (which no plan serves) gets
+        ``(None, None)`` without a key built, so the torch references pay no key per call."""
         # The call's head, flat: launch_state(), the scalars' types, the scalars, the config's
         # type and the config. Types come before values: a scalar of another type is never
         # compared by value (a tensor's == would not even give a bool).
@@ -255,6 +274,9 @@ class PlanCache:
                     if entry is not self._recent[0]:
                         self._bump(entry)
                     return entry.plan, None
+        if backend is not _NOT_GIVEN and _takes_torch(backend, tensors):
+            self.misses += 1
+            return None, None
         key = launch_key(tensors, scalars, config)
         plan = self.get(key)
         # (The head's state must be the key's: it is read twice, and another thread may have

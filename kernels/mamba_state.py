@@ -170,7 +170,8 @@ def mamba_state_gather(states: torch.Tensor, slot_ids: torch.Tensor,
     copied. A row whose strides leave more than three unmergeable dims (``row_layout``) is
     refused with a ``ValueError`` before anything is written.
     """
-    plan, plan_key = _GATHER_PLANS.find((states, slot_ids, out), (backend,), config)
+    plan, plan_key = _GATHER_PLANS.find((states, slot_ids, out), (backend,), config,
+                                        backend=backend)
     if plan is not None:
         launch, out_shape = plan
         if out is None:
@@ -221,7 +222,8 @@ def mamba_state_scatter(states: torch.Tensor, slot_ids: torch.Tensor, src: torch
     copied. A row whose strides leave more than three unmergeable dims (``row_layout``) is
     refused with a ``ValueError`` before anything is written.
     """
-    plan, plan_key = _SCATTER_PLANS.find((states, slot_ids, src), (backend,), config)
+    plan, plan_key = _SCATTER_PLANS.find((states, slot_ids, src), (backend,), config,
+                                         backend=backend)
     if plan is not None:
         plan.launch((states, src, slot_ids))
         return

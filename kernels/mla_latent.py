@@ -143,7 +143,7 @@ def mla_latent_append(latent_cache: torch.Tensor, kv_latent: torch.Tensor, k_rop
     copied at the edge. Every argument is checked before anything is written.
     """
     plan, plan_key = _PLANS.find((latent_cache, kv_latent, k_rope, block_ids, slots, latent_scale,
-                                  rope_scale), (check, backend), config)
+                                  rope_scale), (check, backend), config, backend=backend)
     if plan is not None:
         plan.launch((latent_cache, kv_latent, k_rope, block_ids, slots,
                      kv_latent if latent_scale is None else latent_scale,

@@ -207,7 +207,8 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         (query, key_cache, value_cache, cu_query_lengths, kv_seq_lengths, block_table, sinks, out,
          key_scale, value_scale),
         (*length_classes(max_seqlen_q, max_seqlen_k, num_decode_requests, window),
-         softmax_scale, num_requests, num_decode_requests, window, backend), config)
+         softmax_scale, num_requests, num_decode_requests, window, backend), config,
+         backend=backend)
     if plan is not None:
         found = plan.launches_for(max_seqlen_q, max_seqlen_k)
         if found is not None:

@@ -105,7 +105,8 @@ def fused_qk_rope(query: Optional[torch.Tensor], key: Optional[torch.Tensor],
     mscale: multiplies cos and sin. Rows ``>= n`` and dims ``>= rot`` are never touched.
     """
     plan, plan_key = _PLANS.find((query, key, positions, cos_sin_cache, freqs),
-                                 (interleaved, mscale, mla_layout, backend), config)
+                                 (interleaved, mscale, mla_layout, backend), config,
+                                 backend=backend)
     if plan is not None:
         plan.launch((query, key, freqs if cos_sin_cache is None else cos_sin_cache, positions))
         return

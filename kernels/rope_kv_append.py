@@ -188,7 +188,8 @@ def rope_kv_append(query: Optional[torch.Tensor], key: torch.Tensor, value: torc
     """
     plan, plan_key = _PLANS.find(
         (query, key, value, positions, key_cache, value_cache, block_ids, slots, cos_sin_cache,
-         freqs, key_scale, value_scale), (interleaved, mscale, mla_layout, backend), config)
+         freqs, key_scale, value_scale), (interleaved, mscale, mla_layout, backend), config,
+         backend=backend)
     if plan is not None:
         plan.launch((query, key, key_cache, value_cache, value,
                      freqs if cos_sin_cache is None else cos_sin_cache, positions, block_ids,

@@ -250,7 +250,7 @@ def speculative_rewind(rejected: torch.Tensor, *, slot_ids: torch.Tensor | None 
     # resolves it: a hit is a Triton launch.)
     plan, plan_key = _PLANS.find((rejected, slot_ids, conv_states, ssm_states, conv_intermediate,
                                   ssm_intermediate, kv_offsets, kv_lengths, cu_kv),
-                                 (check, bool(all_rows), backend), config)
+                                 (check, bool(all_rows), backend), config, backend=backend)
     if plan is not None:
         if plan != "empty":
             plan.launch(tuple(p for p in (conv_states, ssm_states, kv_offsets, kv_lengths, cu_kv,

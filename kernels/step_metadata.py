@@ -237,7 +237,7 @@ def step_metadata(token_to_input_ids: torch.Tensor, token_to_pos_ids: torch.Tens
     counts = (num_requests, num_decode, active_tokens, padded_tokens, padded_requests, row_offset)
     # The counts by class (step_metadata_counts.py), their launches per value in the plan.
     plan, plan_key = _PLANS.find(tensors, (*count_classes(*counts), block_size, dummy_block,
-                                           check, backend), config)
+                                           check, backend), config, backend=backend)
     if plan is not None:
         launch = plan.launch_for(counts, tensors)
         if launch is not None:

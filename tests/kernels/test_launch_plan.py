@@ -186,6 +186,33 @@ def test_the_lookup_state_follows_the_override_folder(monkeypatch, tmp_path):
     assert autotune.lookup_state() != before
 
 
+def test_a_call_that_takes_the_torch_path_builds_no_key(monkeypatch):
+    """No plan serves the torch path, so a launcher whose call resolves to it (``"torch"``,
+    or ``"auto"`` on a CPU tensor) skips the key: the CPU references pay no launch key per
+    call (it cost the decode step ~20 us at 64 requests), and still give the reference."""
+    from dynctx.kernels import compaction, step_metadata  # noqa: F401 (their caches)
+    from dynctx.kernels.compaction import compact_requests
+
+    keys = []
+    real = launch_plan.launch_key
+    monkeypatch.setattr(launch_plan, "launch_key",
+                        lambda *a, **k: (keys.append(a), real(*a, **k))[1])
+    table = torch.arange(12, dtype=torch.int32).view(4, 3)
+    tokens = torch.arange(4, dtype=torch.int64)
+    plan = [torch.tensor(v, dtype=torch.int32) for v in ([1, 0, 3], [-1] * 3, [-1] * 3)]
+    for backend in ("torch", "auto", "torch"):
+        dst, dst_tokens = torch.zeros_like(table), torch.zeros_like(tokens)
+        compact_requests(dst, table, dst_tokens, tokens, torch.tensor([70, 71]), *plan,
+                         new_token_offset=2, num_rows=3, clear_rows=4, backend=backend)
+        assert dst[:3].tolist() == [[3, 4, 5], [0, 1, 2], [9, 10, 11]], backend
+        assert dst_tokens.tolist() == [1, 0, 71, 0], backend
+    assert keys == []
+    # A backend name that does not resolve still reaches the launcher's own error.
+    with pytest.raises(ValueError, match="not a kernel backend"):
+        compact_requests(dst, table, dst_tokens, tokens, torch.tensor([70, 71]), *plan,
+                         new_token_offset=2, num_rows=3, clear_rows=4, backend="cuda")
+
+
 @pytest.mark.interpreter
 @pytest.mark.skipif(not triton_interpreting(), reason="needs TRITON_INTERPRET=1")
 class TestUnderTheInterpreter:
