@@ -39,7 +39,9 @@ class BookkeepingDone:
 
 
 def _check_flag(name: str, value: Any) -> bool:
-    if not isinstance(value, (bool, np.bool_)):
+    if value is True or value is False:   # (every step: the common case first)
+        return value
+    if not isinstance(value, np.bool_):
         raise TypeError(f"{name}={value!r} must be a bool")
     return bool(value)
 
