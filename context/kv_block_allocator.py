@@ -101,7 +101,11 @@ class KVBlockAllocator(BlockAllocator):
     def attach(self, context: Any) -> "KVBlockAllocator":
         """Read ``context`` from now on (held by a weak reference: the context owns the
         allocator); returns the allocator."""
-        self._context_ref = weakref.ref(context)
+        try:
+            self._context_ref = weakref.ref(context)
+        except TypeError:   # None, an int, ...: nothing a weak reference can hold
+            raise TypeError(f"attach(context={context!r}): context must be the context the "
+                            "allocator reads (an object with its request table)") from None
         return self
 
     def _set_total_avail(self, value: int) -> None:

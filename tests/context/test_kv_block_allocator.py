@@ -119,6 +119,9 @@ def test_bad_arguments_raise_naming_them_before_any_change():
     with pytest.raises(TypeError, match="enable_prefix_caching='no' must be a bool"):
         KVBlockAllocator(ctx, 8, 2, "no")   # was taken as true
     alloc = KVBlockAllocator(ctx, 8, 2, True, "lru")
+    with pytest.raises(TypeError, match=r"attach\(context=None\): context must be"):
+        alloc.attach(None)   # was weakref's "cannot create weak reference to 'NoneType'"
+    assert alloc.context is ctx
     before = (alloc.hash_ids.copy(), alloc.cached.copy(), alloc.parent_ids.copy())
     for kwargs, error, match in [
         (dict(block_ids=[1, 2], block_hashes=[5]), AssertionError, "block_hashes has 1"),
