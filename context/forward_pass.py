@@ -142,7 +142,12 @@ class ForwardPass:
         # Speculative: every row forwards k drafts next (none deferred) takes the speculative
         # shortcut of plan_decode; ragged draft counts take the general plan.
         every = draft_counts is None and not device.deferred_rewind
-        if mask is None and self.decode_shortcut and table.prefix_cache is None and (
+        # With prefix caching, once every prompt block is published (no chain pending) a
+        # decode update publishes nothing: its blocks come from the allocator as in the plan
+        # (not yet for speculative steps or hybrids, whose updates the soak finds differ).
+        if mask is None and self.decode_shortcut and (
+                table.prefix_cache is None or not (table.prefix_cache.pending
+                                                   or self.speculative or table.hybrid)) and (
                 plain or every or not self.speculative):
             # What the step knows of a decode update spares the plan recomputing it.
             max_kv_offset, blocks = steps.decode_facts(step, table)

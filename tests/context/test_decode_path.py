@@ -98,20 +98,26 @@ class _Counting:
         monkeypatch.setattr("dynctx.context.request_table.plan_update", counted_update)
 
 
-def _request(rid: int, length: int, gen: int) -> DynamicInferenceRequest:
-    """Metadata of every size differs per request, so that a row moved wrong shows."""
+def _request(rid: int, length: int, gen: int, shared: bool = False) -> DynamicInferenceRequest:
+    """Metadata of every size differs per request, so that a row moved wrong shows.
+    ``shared``: the prompt starts with one of three 8-token prefixes (prefix cache hits)."""
+    prompt = torch.arange(100 + rid, 100 + rid + length)
+    if shared:
+        prompt = torch.cat([torch.arange(8) + 10 * (rid % 3), prompt])[:max(length, 9)]
     return DynamicInferenceRequest(
-        request_id=rid, prompt_tokens=torch.arange(100 + rid, 100 + rid + length),
+        request_id=rid, prompt_tokens=prompt,
         sampling_params=SamplingParams(
             num_tokens_to_generate=gen, temperature=0.5 + rid / 64, top_k=rid % 7,
             top_p=(rid % 10) / 10, termination_id=1000 + rid, return_log_probs=rid % 2 == 1,
             skip_prompt_log_probs=rid % 3 == 1, top_n_logprobs=rid % 5))
 
 
-def _lockstep(name: str, seed: int, steps: int, monkeypatch, **extra) -> _Counting:
+def _lockstep(name: str, seed: int, steps: int, monkeypatch, shared: bool = False,
+              **extra) -> _Counting:
     """Drive a shortcut context and a general-path context with the same random calls and
     compare them after every call; returns the decision counts. ``num_speculative_tokens``
-    in ``extra``: speculative steps, with rewinds and drafts."""
+    in ``extra``: speculative steps, with rewinds and drafts; ``shared``: prompts that share
+    prefixes (with ``enable_prefix_caching``)."""
     k = extra.get("num_speculative_tokens", 0)
     counts = _Counting(monkeypatch)
     contexts = [make_ctx(**WORKLOADS[name], **extra) for _ in range(2)]
@@ -141,11 +147,12 @@ def _lockstep(name: str, seed: int, steps: int, monkeypatch, **extra) -> _Counti
         elif rng.random() < 0.6:
             for _ in range(rng.randint(1, 3)):
                 length, gen = rng.randint(1, 14), rng.randint(1, 60)
-                probe = _request(next_rid, length, gen)
+                length = max(length, 9) if shared else length
+                probe = _request(next_rid, length, gen, shared)
                 if not all(ctx.check_availability(probe)):
                     break
                 first = rng.randint(1, length - 1) if length > 2 and rng.random() < 0.2 else None
-                reqs = [_request(next_rid, length, gen) for _ in contexts]
+                reqs = [_request(next_rid, length, gen, shared) for _ in contexts]
                 for c, r in zip(contexts, reqs):
                     add(c, r, first)
                     if first is not None:
@@ -195,6 +202,7 @@ def _lockstep(name: str, seed: int, steps: int, monkeypatch, **extra) -> _Counti
                 generated[rid] = (done + 1, gen)
         if chunked is not None and chunked[1] not in ctx._live_ids:
             chunked = None
+    counts.context = contexts[0]
     return counts
 
 
@@ -209,6 +217,21 @@ def test_decode_update_equals_general_update(name, seed, small_crossing, monkeyp
     # Both paths ran (the general context makes a general plan for every update), and the
     # shortcut met rows that start a block.
     assert counts.decode >= 20 and counts.crossing >= 5, vars(counts)
+    assert counts.general - counts.decode >= 10, vars(counts)
+
+
+@pytest.mark.parametrize("policy", ["lru", "ref_zero"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_decode_update_with_prefix_caching_equals_general_update(seed, policy, monkeypatch):
+    """With prefix caching, a decode update once no prompt chain is pending publishes nothing:
+    the shortcut leaves what the general path leaves (digests, cached marks, idle blocks, the
+    LRU allocator's evictions of idle cached blocks for new ones), prompts sharing prefixes.
+    (The roomy workload: the tight one's chunked continuations, which this driver adds
+    unchecked, can find no block once cached blocks hold the memory.)"""
+    counts = _lockstep("roomy", seed, 120, monkeypatch, shared=True,
+                       enable_prefix_caching=True, prefix_caching_eviction_policy=policy)
+    assert counts.context.get_prefix_cache_stats()["prefix_cache_hits"] >= 10
+    assert counts.decode >= 10 and counts.crossing >= 3, vars(counts)
     assert counts.general - counts.decode >= 10, vars(counts)
 
 
