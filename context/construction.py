@@ -19,8 +19,8 @@ from typing import Any, NamedTuple, Optional, Tuple
 
 import torch
 
-from dynctx.kernels.backend import check_backend_name, resolve_backend
-from dynctx.kernels.devices import indexed_device
+from dynctx.kernels.backend import resolve_backend
+from dynctx.kernels.devices import indexed_device, parse_device
 
 from . import compat, prefix_options
 from .device_state import DeviceState
@@ -58,7 +58,7 @@ def resolve_device(device: Any) -> torch.device:
     CPU."""
     if device is None:
         return indexed_device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(device)
+    device = parse_device(device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError(f"device={str(device)!r}: no CUDA device is available "
                            "(torch.cuda.is_available() is False); pass device='cpu'")
@@ -196,7 +196,9 @@ def settle(*, agreement: CountAgreement, groups: ParallelGroups, default_max_tok
         paused_buffer_size_gb=paused_buffer_size_gb, tensor_model_parallel_size=groups.tp,
         unified_memory_level=unified_memory_level, cache_mla_latent=cache_mla_latent,
         kv_lora_rank=kv_lora_rank, qk_pos_emb_head_dim=qk_pos_emb_head_dim, validate=validate,
-        fused_rope_kv_append=fused_rope_kv_append)
+        fused_rope_kv_append=fused_rope_kv_append, kernel_backend=kernel_backend,
+        use_cuda_graphs_for_non_decode_steps=use_cuda_graphs_for_non_decode_steps,
+        materialize_only_last_token_logits=materialize_only_last_token_logits)
     compat.check_options(dict(cuda_graph_max_tokens=cuda_graph_max_tokens), stacklevel=5)
     speculative = check_speculative_tokens(num_speculative_tokens, args["block_size_tokens"])
     offload_gb, management_mode, host_tier = check_offload_args(
@@ -205,7 +207,6 @@ def settle(*, agreement: CountAgreement, groups: ParallelGroups, default_max_tok
     prefix_caching = prefix_options.check_prefix_caching_args(
         enable_prefix_caching, prefix_caching_eviction_policy, prefix_caching_mamba_gb)
     device = resolve_device(device)
-    check_backend_name(kernel_backend)
     backend = resolve_backend(kernel_backend, device)
     if use_flashinfer_fused_rope is True:
         from dynctx.kernels.rope_flashinfer import flashinfer_rope_available

@@ -18,6 +18,8 @@ from typing import Any, Callable, Optional, Tuple
 import numpy as np
 import torch
 
+from dynctx.kernels.backend import check_backend_name
+
 from ._fields import _LAYER_SYMBOLS
 from .batch_dimensions import MambaInferenceStateConfig
 from .errors import get_mem_size_str
@@ -403,13 +405,19 @@ def check_scalars(*, params_dtype: Any, num_layers: Any, kv_channels: Any,
                   num_attention_heads: Any, max_sequence_length: Any, block_size_tokens: Any,
                   buffer_size_gb: Any, paused_buffer_size_gb: Any, tensor_model_parallel_size: Any,
                   unified_memory_level: Any, cache_mla_latent: bool, kv_lora_rank: Any,
-                  qk_pos_emb_head_dim: Any, **flags: Any) -> dict:
+                  qk_pos_emb_head_dim: Any, kernel_backend: Any = None,
+                  materialize_only_last_token_logits: Any = None, **flags: Any) -> dict:
     """The constructor's scalar arguments, checked (``ValueError`` naming each; ``flags`` and
-    ``cache_mla_latent`` are bools, ``TypeError`` otherwise: ``"no"`` would turn them on);
-    returns them normalised (ints, ``tp`` for the tensor-parallel size)."""
+    ``cache_mla_latent`` are bools, ``TypeError`` otherwise: ``"no"`` would turn them on;
+    ``materialize_only_last_token_logits`` a bool or None; ``kernel_backend`` one of the
+    kernel backends or None); returns them normalised (ints, ``tp`` for the tensor-parallel
+    size)."""
+    if materialize_only_last_token_logits is not None:
+        flags["materialize_only_last_token_logits"] = materialize_only_last_token_logits
     for name, value in dict(flags, cache_mla_latent=cache_mla_latent).items():
         if not isinstance(value, (bool, np.bool_)):
             raise TypeError(f"{name}={value!r} must be a bool")
+    check_backend_name(kernel_backend, "kernel_backend")
     if not isinstance(params_dtype, torch.dtype) or not params_dtype.is_floating_point:
         raise ValueError(f"params_dtype={params_dtype!r} must be a floating torch.dtype")
     out = {name: positive_int(name, value) for name, value in (
@@ -430,7 +438,9 @@ def check_scalars(*, params_dtype: Any, num_layers: Any, kv_channels: Any,
         raise ValueError(f"num_attention_heads={num_attention_heads} (the KV heads) must be "
                          f"divisible by tensor_model_parallel_size={tp}, or divide it (then "
                          "each rank holds one replicated KV head)")
-    if unified_memory_level not in (None, 0, 1):
+    if unified_memory_level is not None and (
+            isinstance(unified_memory_level, bool) or unified_memory_level not in (0, 1)
+            or not isinstance(unified_memory_level, (int, np.integer))):
         raise ValueError(f"unified_memory_level={unified_memory_level!r} must be 0 or 1")
     if cache_mla_latent:
         kv_lora_rank = positive_int("kv_lora_rank", kv_lora_rank)

@@ -487,7 +487,32 @@ def test_bad_constructor_lengths(kwargs, match):
         make_ctx(**kwargs)
 
 
-@pytest.mark.parametrize("flag", ["validate", "fused_rope_kv_append", "cache_mla_latent"])
+@pytest.mark.parametrize("kwargs,error,match", [
+    # True and 0.0 passed ``in (None, 0, 1)``.
+    pytest.param(dict(unified_memory_level=True), ValueError,
+                 r"unified_memory_level=True must be 0 or 1", id="unified_memory_level-bool"),
+    pytest.param(dict(unified_memory_level=0.0), ValueError,
+                 r"unified_memory_level=0.0 must be 0 or 1", id="unified_memory_level-float"),
+    # The kernels' check named ``backend=``, not the constructor's argument.
+    pytest.param(dict(kernel_backend="nope"), ValueError,
+                 r"kernel_backend='nope' is not a kernel backend; expected one of "
+                 r"\('auto', 'triton', 'torch'\)", id="kernel_backend-name"),
+    pytest.param(dict(kernel_backend=3), ValueError, r"kernel_backend=3 is not a kernel backend",
+                 id="kernel_backend-int"),
+    # torch's own errors named neither the argument nor the value.
+    pytest.param(dict(device="nope"), ValueError, r"device='nope' is not a torch device",
+                 id="device-str"),
+    pytest.param(dict(device=[0]), TypeError, r"device=\[0\] must be a torch.device, a str",
+                 id="device-list"),
+])
+def test_bad_constructor_options_name_the_argument(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        make_ctx(**kwargs)
+
+
+@pytest.mark.parametrize("flag", ["validate", "fused_rope_kv_append", "cache_mla_latent",
+                                  "use_cuda_graphs_for_non_decode_steps",
+                                  "materialize_only_last_token_logits"])
 def test_constructor_flags_are_bools(flag):
     """``"no"`` turned the flag on (a truthy str): validate's reads, the fused launch, MLA."""
     with pytest.raises(TypeError, match=f"{flag}='no' must be a bool"):
