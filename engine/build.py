@@ -14,6 +14,9 @@ import math
 import warnings
 from typing import Any, Callable, Dict, Optional
 
+import numpy as np
+import torch
+
 from dynctx.context import DynamicInferenceContext, kv_group_sizing
 from dynctx.context import sizing as context_sizing
 from dynctx.context.kv_scales import resolve_kv_cache_dtype
@@ -99,8 +102,9 @@ def derived_max_requests(kwargs: Dict[str, Any], tp: int) -> Optional[int]:
                 max_tokens=2 ** 62, default_max_tokens=2 ** 62,
                 max_sequence_length=get("max_sequence_length"), tp=tp,
                 request_rounder=DynamicInferenceContext.REQUEST_ROUNDER, derive_requests=rule)
-    except (TypeError, ValueError, ZeroDivisionError, NotImplementedError):
-        # (block_size_tokens=0 divides by a zero block size before any check.)
+    except (TypeError, ValueError, ArithmeticError, NotImplementedError):
+        # (block_size_tokens=0 divides by a zero block size before any check;
+        # buffer_size_gb=inf overflows int().)
         return None
     return layout.max_requests
 
@@ -111,11 +115,17 @@ def request_rows(kwargs: Dict[str, Any], tp: int) -> Optional[int]:
     if kwargs.get("max_requests") is not None:
         return kwargs["max_requests"]
     max_tokens = kwargs.get("max_tokens") or DynamicInferenceContext.DEFAULT_MAX_TOKENS
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, (int, np.integer)) \
+            or max_tokens < 1:
+        return None  # the context names max_tokens
     derived = derived_max_requests(kwargs, tp)
     if derived is None or derived <= max_tokens:
         return None
     rounder = math.lcm(DynamicInferenceContext.REQUEST_ROUNDER, tp)
-    return max(rounder, max_tokens - max_tokens % rounder)
+    # Fewer tokens than the rounder: a multiple of tp (the context asks no more); none at all
+    # leaves the derived count, which the context refuses naming max_tokens and max_requests.
+    rows = max_tokens - max_tokens % rounder or max_tokens - max_tokens % tp
+    return rows or None
 
 
 def build_from_transformers(engine_class: type, hf_model: Any, *, rope: str,
@@ -156,6 +166,8 @@ def build_from_transformers(engine_class: type, hf_model: Any, *, rope: str,
         kwargs["tensor_model_parallel_size"] = tp.size
     device = indexed_device(kwargs.pop("device", None) or param.device)
     dtype = kwargs.pop("params_dtype", None) or param.dtype
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"params_dtype={dtype!r} must be a floating torch.dtype")
     if cuda_graphs and kwargs.get("num_cuda_graphs"):
         block_size = kwargs.get("block_size_tokens") or _context_default("block_size_tokens")
         attention_backend = graph_attention_backend(attention_backend, device, block_size,

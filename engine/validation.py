@@ -72,7 +72,12 @@ def _token_values(prompt: Any, name: str) -> np.ndarray:
     if isinstance(prompt, (str, bytes)):
         raise TypeError(f"{name} is a {type(prompt).__name__}: give token ids (a list of ints "
                         "or a 1-D integer tensor); tokenize text first")
+    if isinstance(prompt, (dict, set, frozenset)):
+        raise TypeError(f"{name} is a {type(prompt).__name__}: give the token ids in order (a "
+                        "list of ints or a 1-D integer tensor)")
     if isinstance(prompt, torch.Tensor):
+        if prompt.is_meta:
+            raise ValueError(f"{name} is on the meta device: it holds no token ids")
         if prompt.dtype == torch.bool or prompt.is_complex():
             raise TypeError(f"{name} must hold integer token ids, got dtype {prompt.dtype}")
         array = prompt.detach().cpu().numpy()
@@ -204,6 +209,16 @@ def checked_request(request: Any, name: str, *, vocab: Optional[int],
                                   prefix_caching_salt=salt)
     own.sampling_params = params  # already a copy: no second deep copy
     return own
+
+
+def as_list(name: str, values: Any, kind: str, *, one: bool = False) -> List[Any]:
+    """``values`` (a sequence, one entry per request) as a list, else ``TypeError`` naming
+    ``name``; a str, a mapping or a set is refused (its items are not the entries)."""
+    if isinstance(values, (str, bytes, dict, set, frozenset)) or not hasattr(values, "__iter__"):
+        one_of = f"a {kind} or " if one else ""
+        raise TypeError(f"{name} must be {one_of}a list of {kind} (one per request), got "
+                        f"{type(values).__name__}")
+    return list(values)
 
 
 def check_prompts(prompts: Any) -> List[Any]:
