@@ -99,6 +99,9 @@ BAD_DEMO_FLAGS = [
     (["--tensor-parallel-size", "0"], "argument --tensor-parallel-size: 0 is not an integer"),
     (["--arrival-every", "nan"], "argument --arrival-every: 'nan' is not a finite number >= 0"),
     (["--arrival-every", "-1"], "argument --arrival-every: -1 is not a finite number >= 0"),
+    # A traceback before: the arrival steps overflowed int64 to -2**63.
+    (["--arrival-every", "1e308"], "--arrival-every 1e+308 with --requests 24 spreads arrivals "
+                                   "over more than 1e+12 steps"),
     (["--buffer-size-gb", "0"], "argument --buffer-size-gb: 0 is not a finite number > 0"),
     (["--paused-buffer-size-gb", "inf"], "'inf' is not a finite number >= 0"),
     (["--dtype", "fp8"], "argument --dtype: invalid choice: 'fp8'"),
