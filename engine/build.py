@@ -139,6 +139,9 @@ def build_from_transformers(engine_class: type, hf_model: Any, *, rope: str,
     """``Engine.from_transformers`` (see there)."""
     from dynctx.models import TensorParallel
 
+    if not hasattr(hf_model, "config") or not callable(getattr(hf_model, "parameters", None)):
+        raise TypeError(f"hf_model={type(hf_model).__name__} must be a transformers causal LM "
+                        "(with .config and .parameters())")
     check_choice("attention_backend", attention_backend, ATTENTION_BACKENDS)
     drafter = speculative_options(engine_class, hf_model, num_speculative_tokens, drafter,
                                   context_kwargs)

@@ -61,6 +61,22 @@ def check_request_id(name: str, value: Any) -> int:
     return check_int(name, value, low=0, high=REQUEST_ID_LIMIT - 1)
 
 
+def check_model_and_context(model: Any, context: Any) -> None:
+    """``Engine``'s two parts: a model with a callable ``forward(context, last_token_only=)``
+    and a ``DynamicInferenceContext``, else ``TypeError`` naming the argument; then the model's
+    own ``check_context(context)`` where it has one."""
+    from dynctx.context import DynamicInferenceContext
+
+    if not callable(getattr(model, "forward", None)):
+        raise TypeError(f"model={model!r} must have a callable forward(context, "
+                        "last_token_only=...) (a dynctx.models adapter)")
+    if not isinstance(context, DynamicInferenceContext):
+        raise TypeError(f"context must be a DynamicInferenceContext, got "
+                        f"{type(context).__name__}")
+    if hasattr(model, "check_context"):
+        model.check_context(context)
+
+
 def vocab_limit(*sizes: Optional[int]) -> Optional[int]:
     """The smallest of the known vocabulary sizes (model, context), or None."""
     known = [int(s) for s in sizes if s is not None]

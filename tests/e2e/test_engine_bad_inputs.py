@@ -558,6 +558,18 @@ def test_engine_arguments_are_checked(hf):
             Engine(engine.model, engine.context, **kwargs)
 
 
+def test_the_engine_parts_are_checked(hf):
+    """Before, ``Engine(None, context)`` built an engine whose first step failed, and a
+    context or a transformers model of the wrong kind stopped at an ``AttributeError``."""
+    engine = small_engine(hf)
+    with pytest.raises(TypeError, match=r"model=None must have a callable forward"):
+        Engine(None, engine.context)
+    with pytest.raises(TypeError, match=r"context must be a DynamicInferenceContext, got str"):
+        Engine(engine.model, "context")
+    with pytest.raises(TypeError, match=r"hf_model=NoneType must be a transformers causal LM"):
+        Engine.from_transformers(None)
+
+
 INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 BAD_ENGINE_OPTIONS = [
     pytest.param(dict(attention_backend="flash"), ValueError,
