@@ -519,6 +519,18 @@ def test_constructor_flags_are_bools(flag):
         make_ctx(**{flag: "no"})
 
 
+def test_logits_without_vocabulary_columns_are_refused():
+    """Without ``vocab_size`` to compare against, ``[1, n, 0]`` logits were accepted and gave
+    ``[rows, 0]`` last-token logits, which no sampler can draw from."""
+    ctx = make_ctx()
+    add(ctx, req(1, 3))
+    ctx.initialize_attention_state()
+    before = snapshot(ctx, device=True)
+    with pytest.raises(ValueError, match=r"logits has no vocabulary columns \(shape \(\d+, 0\)\)"):
+        ctx.last_token_logits(torch.zeros(1, n_of(ctx), 0))
+    assert_same(before, snapshot(ctx, device=True))
+
+
 def test_the_table_runs_with_validate_and_vocab_size():
     """The read-back checks of the table need ``validate``, the id checks ``vocab_size``."""
     assert "validate" in _CTOR and "vocab_size" in _CTOR
