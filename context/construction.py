@@ -36,11 +36,11 @@ from .mamba_states import MambaMetadata, MambaStates
 from .offload import Offload, check_offload_args
 from .parallel import CountAgreement, ParallelGroups
 from .request_table import RequestTable
-from .requests import DynamicInferenceRequest
 from .sizing import (
     LayerLayout,
     MemoryLayout,
     check_fits,
+    check_metadata_types,
     check_scalars,
     config_from_model,
     layer_layout,
@@ -48,7 +48,6 @@ from .sizing import (
     positive_int,
 )
 from .speculative import check_speculative_tokens
-from .staging import numpy_dtype
 from .step_builder import StepBuilder
 
 
@@ -197,6 +196,7 @@ def settle(*, agreement: CountAgreement, groups: ParallelGroups, default_max_tok
         unified_memory_level=unified_memory_level, cache_mla_latent=cache_mla_latent,
         kv_lora_rank=kv_lora_rank, qk_pos_emb_head_dim=qk_pos_emb_head_dim, validate=validate,
         fused_rope_kv_append=fused_rope_kv_append, kernel_backend=kernel_backend,
+        use_flashinfer_fused_rope=use_flashinfer_fused_rope, metrics_writer=metrics_writer,
         use_cuda_graphs_for_non_decode_steps=use_cuda_graphs_for_non_decode_steps,
         materialize_only_last_token_logits=materialize_only_last_token_logits)
     compat.check_options(dict(cuda_graph_max_tokens=cuda_graph_max_tokens), stacklevel=5)
@@ -215,9 +215,7 @@ def settle(*, agreement: CountAgreement, groups: ParallelGroups, default_max_tok
             raise RuntimeError(
                 "use_flashinfer_fused_rope=True needs flashinfer and a CUDA device; "
                 "pass None (FlashInfer where it can run, else ours) or False")
-    types = list(request_metadata_types or DynamicInferenceRequest.get_metadata_types())
-    for _, dtype, _ in types:
-        numpy_dtype(dtype)
+    types = check_metadata_types(request_metadata_types)
     vocab_size = None if vocab_size is None else positive_int("vocab_size", vocab_size)
     tp = args["tp"]
     layers = layer_layout(args["num_layers"], mamba_inference_state_config, params_dtype)

@@ -76,8 +76,38 @@ class LayerLayout:
         return self.layer_map[int(layer_number) - 1]
 
 
+def check_metadata_types(types: Any) -> list:
+    """``request_metadata_types`` as a list of ``(label, dtype, on_device)`` (None: the
+    request's defaults), each label a ``SamplingParams`` field and each dtype one a host arena
+    holds; ``TypeError``/``ValueError`` naming the entry otherwise."""
+    from .requests import DynamicInferenceRequest, SamplingParams
+    from .staging import numpy_dtype
+
+    if types is None:
+        return DynamicInferenceRequest.get_metadata_types()
+    if isinstance(types, (str, bytes)) or not hasattr(types, "__iter__"):
+        raise TypeError(f"request_metadata_types={types!r} must be a list of (label, "
+                        "torch.dtype, on_device) tuples")
+    types = list(types)
+    fields = vars(SamplingParams())
+    for i, entry in enumerate(types):
+        name = f"request_metadata_types[{i}]={entry!r}"
+        if not isinstance(entry, (tuple, list)) or len(entry) != 3:
+            raise TypeError(f"{name} must be a (label, torch.dtype, on_device) tuple")
+        label, dtype, on_device = entry
+        if not isinstance(label, str) or label not in fields:
+            raise ValueError(f"{name}: the label must name a SamplingParams field")
+        if not isinstance(dtype, torch.dtype) or not isinstance(on_device, (bool, np.bool_)):
+            raise TypeError(f"{name}: give a torch.dtype and a bool")
+        numpy_dtype(dtype)
+    return types
+
+
 def layer_layout(num_layers: int, mamba: Optional[MambaInferenceStateConfig],
                  params_dtype: torch.dtype) -> LayerLayout:
+    if mamba is not None and not isinstance(mamba, MambaInferenceStateConfig):
+        raise TypeError(f"mamba_inference_state_config must be a MambaInferenceStateConfig or "
+                        f"None, got {type(mamba).__name__}")
     if mamba is None:
         layer_types = ["*"] * num_layers
         conv_shape = ssm_shape = conv_dtype = ssm_dtype = None
@@ -406,14 +436,22 @@ def check_scalars(*, params_dtype: Any, num_layers: Any, kv_channels: Any,
                   buffer_size_gb: Any, paused_buffer_size_gb: Any, tensor_model_parallel_size: Any,
                   unified_memory_level: Any, cache_mla_latent: bool, kv_lora_rank: Any,
                   qk_pos_emb_head_dim: Any, kernel_backend: Any = None,
-                  materialize_only_last_token_logits: Any = None, **flags: Any) -> dict:
+                  materialize_only_last_token_logits: Any = None,
+                  use_flashinfer_fused_rope: Any = None, metrics_writer: Any = None,
+                  **flags: Any) -> dict:
     """The constructor's scalar arguments, checked (``ValueError`` naming each; ``flags`` and
     ``cache_mla_latent`` are bools, ``TypeError`` otherwise: ``"no"`` would turn them on;
     ``materialize_only_last_token_logits`` a bool or None; ``kernel_backend`` one of the
     kernel backends or None); returns them normalised (ints, ``tp`` for the tensor-parallel
     size)."""
-    if materialize_only_last_token_logits is not None:
-        flags["materialize_only_last_token_logits"] = materialize_only_last_token_logits
+    for name, value in (("materialize_only_last_token_logits",
+                         materialize_only_last_token_logits),
+                        ("use_flashinfer_fused_rope", use_flashinfer_fused_rope)):
+        if value is not None:  # None: the default (Megatron-Core's Optional[bool])
+            flags[name] = value
+    if metrics_writer is not None and not callable(getattr(metrics_writer, "log", None)):
+        raise TypeError(f"metrics_writer={metrics_writer!r} must be None or have a callable "
+                        "log(dict) (wandb-style)")
     for name, value in dict(flags, cache_mla_latent=cache_mla_latent).items():
         if not isinstance(value, (bool, np.bool_)):
             raise TypeError(f"{name}={value!r} must be a bool")

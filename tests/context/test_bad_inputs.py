@@ -504,6 +504,32 @@ def test_bad_constructor_lengths(kwargs, match):
                  id="device-str"),
     pytest.param(dict(device=[0]), TypeError, r"device=\[0\] must be a torch.device, a str",
                  id="device-list"),
+    # Entries of the wrong shape stopped at "not enough values to unpack"; an int at
+    # "'int' object is not iterable".
+    pytest.param(dict(request_metadata_types=[("temperature", torch.float32)]), TypeError,
+                 r"request_metadata_types\[0\]=\('temperature', torch.float32\) must be a "
+                 r"\(label, torch.dtype, on_device\) tuple", id="metadata-pair"),
+    pytest.param(dict(request_metadata_types=3), TypeError,
+                 r"request_metadata_types=3 must be a list", id="metadata-int"),
+    pytest.param(dict(request_metadata_types=[("bogus", torch.float32, True)]), ValueError,
+                 r"request_metadata_types\[0\]=.*the label must name a SamplingParams field",
+                 id="metadata-label"),
+    # An AttributeError on .layer_type_list.
+    pytest.param(dict(mamba_inference_state_config="hybrid"), TypeError,
+                 r"mamba_inference_state_config must be a MambaInferenceStateConfig or None, "
+                 r"got str", id="mamba-config-str"),
+    # Accepted; the first step's metrics update then failed on .log.
+    pytest.param(dict(metrics_writer=3), TypeError,
+                 r"metrics_writer=3 must be None or have a callable log\(dict\)",
+                 id="metrics_writer"),
+    # Accepted without CUDA graphs (the ladder returned before its checks).
+    pytest.param(dict(cuda_graph_mixed_prefill_count="x"), TypeError,
+                 r"cuda_graph_mixed_prefill_count='x' must be an int", id="mixed_prefill_count"),
+    # True == 1 passed; 'no' was reported as True.
+    pytest.param(dict(context_parallel_size=True), NotImplementedError,
+                 r"context_parallel_size=True is not supported", id="context_parallel-bool"),
+    pytest.param(dict(persist_cuda_graphs="no"), NotImplementedError,
+                 r"persist_cuda_graphs='no': CUDA graphs are not supported", id="persist-str"),
 ])
 def test_bad_constructor_options_name_the_argument(kwargs, error, match):
     with pytest.raises(error, match=match):
@@ -512,7 +538,8 @@ def test_bad_constructor_options_name_the_argument(kwargs, error, match):
 
 @pytest.mark.parametrize("flag", ["validate", "fused_rope_kv_append", "cache_mla_latent",
                                   "use_cuda_graphs_for_non_decode_steps",
-                                  "materialize_only_last_token_logits"])
+                                  "materialize_only_last_token_logits",
+                                  "use_flashinfer_fused_rope"])
 def test_constructor_flags_are_bools(flag):
     """``"no"`` turned the flag on (a truthy str): validate's reads, the fused launch, MLA."""
     with pytest.raises(TypeError, match=f"{flag}='no' must be a bool"):
