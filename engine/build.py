@@ -182,6 +182,8 @@ def build_from_transformers(engine_class: type, hf_model: Any, *, rope: str,
     kwargs.setdefault("kv_channels", model.head_dim)
     kwargs.setdefault("num_attention_heads",
                       getattr(model, "context_kv_heads", model.num_kv_heads))
+    check_windows(kwargs.get("kv_layer_windows"),
+                  getattr(model, "context_kwargs", {}).get("kv_layer_windows"))
     for key, value in getattr(model, "context_kwargs", {}).items():  # e.g. the MLA cache
         kwargs.setdefault(key, value)
     if getattr(model, "mamba_inference_state_config", None) is not None:
@@ -201,6 +203,19 @@ def build_from_transformers(engine_class: type, hf_model: Any, *, rope: str,
                         step_callback=step_callback, history_window=history_window,
                         cuda_graphs=cuda_graphs, async_scheduling=async_scheduling,
                         drafter=drafter)
+
+
+def check_windows(given: Any, own: Optional[list]) -> None:
+    """``kv_layer_windows`` given to ``from_transformers`` must be the model's own (``own``;
+    None: every layer attends to all keys): the context frees the blocks a window no longer
+    reads, which a layer without that window still reads."""
+    if not isinstance(given, (list, tuple)):
+        return  # None (the model's), or the context's own check names it
+    if list(given) != (own or [None] * len(given)):
+        raise ValueError(f"kv_layer_windows={list(given)!r} differs from the model's sliding "
+                         f"windows ({own if own else 'none: every layer reads all its keys'}): "
+                         "the context would free blocks the model's attention still reads; "
+                         "leave kv_layer_windows out (the engine takes the model's)")
 
 
 # The target's context options a draft model's context shares (engine/draft_model.py; it

@@ -73,6 +73,11 @@ def check_model_and_context(model: Any, context: Any) -> None:
     if not isinstance(context, DynamicInferenceContext):
         raise TypeError(f"context must be a DynamicInferenceContext, got "
                         f"{type(context).__name__}")
+    model_vocab, context_vocab = getattr(model, "vocab_size", None), context.vocab_size
+    if model_vocab is not None and context_vocab is not None and model_vocab != context_vocab:
+        raise ValueError(f"vocab_size={context_vocab} (the context's) must be the model's "
+                         f"vocabulary size, {model_vocab}: every step's logits have that many "
+                         "columns")
     if hasattr(model, "check_context"):
         model.check_context(context)
 

@@ -570,6 +570,20 @@ def test_the_engine_parts_are_checked(hf):
         Engine.from_transformers(None)
 
 
+@pytest.mark.parametrize("options, message", [
+    # Every step raised "logits has 256 vocabulary columns, vocab_size is 1000".
+    (dict(vocab_size=1000), r"vocab_size=1000 \(the context's\) must be the model's "
+                            r"vocabulary size, 256"),
+    # The first step stopped at an IndexError: the context kept 4-token windows the Llama's
+    # attention does not have.
+    (dict(kv_layer_windows=[4, 4]), r"kv_layer_windows=\[4, 4\] differs from the model's "
+                                    r"sliding windows \(none"),
+])
+def test_a_context_option_the_model_contradicts_is_refused(hf, options, message):
+    with pytest.raises(ValueError, match=message):
+        small_engine(hf, **options)
+
+
 INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 BAD_ENGINE_OPTIONS = [
     pytest.param(dict(attention_backend="flash"), ValueError,
