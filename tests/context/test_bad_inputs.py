@@ -64,6 +64,13 @@ def with_tokens(tokens) -> DynamicInferenceRequest:
     return r
 
 
+def with_params(params) -> DynamicInferenceRequest:
+    """Request 9 whose ``sampling_params`` is ``params`` as given."""
+    r = req(9)
+    r.sampling_params = params
+    return r
+
+
 def state_prefill(**overrides):
     """Requests 1 (3 tokens) and 2 (5 tokens) added; the step's metadata built."""
     ctx = new_ctx(**overrides)
@@ -198,6 +205,12 @@ CASES = [
          "(?i)prompt.*vocab"),
     # ---------------------------------------------------------------- add_request: the request
     case("add/not-a-request", "prefill", lambda c: c.add_request(42), TypeError, "req"),
+    # An AttributeError on .num_tokens_to_generate before.
+    case("add/sampling_params-None", "prefill", lambda c: c.add_request(with_params(None)),
+         TypeError, r"request 9: sampling_params must be a SamplingParams, got NoneType"),
+    case("add/sampling_params-dict", "prefill",
+         lambda c: c.add_request(with_params({"num_tokens_to_generate": 4})), TypeError,
+         r"sampling_params must be a SamplingParams, got dict"),
     case("add/duplicate-id", "prefill", lambda c: c.add_request(req(1)), ValueError,
          "request_id=1"),
     case("add/request_id=-1", "prefill", lambda c: c.add_request(req(-1)), ValueError,
