@@ -23,7 +23,7 @@ from e2e_helpers import build_engine, greedy_requests, hf_greedy, make_prompts, 
 from dynctx.context import DynamicInferenceRequest, SamplingParams
 from dynctx.engine import Engine
 from dynctx.engine.engine import DEFAULT_HISTORY_WINDOW
-from dynctx.engine.sampling import sample
+from dynctx.engine.sampling import sample, sample_checked
 
 VOCAB = 256
 PROMPT_LENGTHS = [5, 23, 9, 40]
@@ -405,6 +405,16 @@ def test_sampling_never_indexes_minus_one_on_nan_logits():
     assert int(tokens[2]) == int(logits[2].argmax())
 
 
+def test_a_temperature_below_fp32_range_samples_the_top_token():
+    """``temperature=1e-300`` rounds to 0 in fp32: the top logit was scaled to 0/0 and the
+    request refused for "NaN logits"; it now draws the argmax, as 1e-30 does."""
+    logits = torch.randn(2, 50, generator=torch.Generator().manual_seed(5))
+    params = [SamplingParams(temperature=1e-300, seed=1), SamplingParams(temperature=1e-45,
+                                                                         seed=2)]
+    tokens, checked = sample_checked(logits, params, [0, 0], np.random.default_rng(0))
+    assert tokens.tolist() == checked.tolist() == logits.argmax(dim=-1).tolist()
+
+
 def seeded_requests(prompts, temperature=0.8):
     return [DynamicInferenceRequest(request_id=i, prompt_tokens=list(p),
                                     sampling_params=SamplingParams(
@@ -584,6 +594,18 @@ def test_a_context_option_the_model_contradicts_is_refused(hf, options, message)
         small_engine(hf, **options)
 
 
+class TextVocabDrafter:
+    """The drafter interface, but ``vocab_size`` a str (``int("abc")`` raised before)."""
+
+    vocab_size = "abc"
+
+    def propose(self, request_ids, histories, k):
+        return np.full((len(request_ids), k), -1)
+
+    def release(self, request_ids):
+        pass
+
+
 INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 BAD_ENGINE_OPTIONS = [
     pytest.param(dict(attention_backend="flash"), ValueError,
@@ -621,6 +643,8 @@ BAD_ENGINE_OPTIONS = [
     pytest.param(dict(num_speculative_tokens=2, async_scheduling=True, kv_offload_gb=0.001),
                  ValueError, r"enable_deferred_rewind\(\): deferred rewinds are not supported "
                  r"with KV offload .*async_scheduling=False", id="async_speculation_offload"),
+    pytest.param(dict(num_speculative_tokens=2, drafter=TextVocabDrafter()), TypeError,
+                 r"drafter.vocab_size='abc' must be an int or None", id="drafter_vocab"),
     pytest.param(dict(kernel_backend="nope"), ValueError,
                  r"'nope' is not a kernel backend; expected one of", id="kernel_backend"),
 ]
