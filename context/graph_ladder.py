@@ -55,8 +55,11 @@ CUDA_GRAPH_ROUNDER = 8
 
 
 def _int_arg(name: str, value, *, minimum: Optional[int] = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
+    """``value`` as an int (numpy's integers too, as the context's other sizes), bools
+    refused."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name}={value!r} must be an int, got {type(value).__name__}")
+    value = int(value)
     if minimum is not None and value < minimum:
         raise ValueError(f"{name}={value} must be >= {minimum}")
     return value

@@ -233,8 +233,9 @@ def speculative_options(engine_class: type, hf_model: Any, k: Any, drafter: Any,
     from .drafters import is_transformers_model, make_drafter
 
     block_size = context_kwargs.get("block_size_tokens") or _context_default("block_size_tokens")
-    if isinstance(k, bool) or not isinstance(k, int):
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)):
         raise TypeError(f"num_speculative_tokens={k!r} must be an int")
+    k = int(k)  # numpy's integers too, as the context takes them
     if k == 0:
         if drafter is not None:
             raise ValueError(f"drafter={drafter!r} needs num_speculative_tokens >= 1 (got 0)")

@@ -579,6 +579,18 @@ def test_the_table_runs_with_validate_and_vocab_size():
     assert make_ctx().validate is False  # off by default: a decode step keeps its one sync
 
 
+def test_numpy_integers_size_the_graph_ladder_as_ints():
+    """``num_cuda_graphs=np.int64(2)`` was refused ("must be an int, got int64") where every
+    other size takes numpy's integers; it now builds the ladder an int builds."""
+    import numpy as np
+
+    ladder = make_ctx(num_cuda_graphs=2).cuda_graph_batch_dimensions_list
+    assert ladder and make_ctx(num_cuda_graphs=np.int64(2)).cuda_graph_batch_dimensions_list \
+        == ladder
+    with pytest.raises(TypeError, match=r"num_cuda_graphs=np.True_ must be an int"):
+        make_ctx(num_cuda_graphs=np.bool_(True))
+
+
 def test_valid_neighbours_of_the_bad_inputs_are_accepted():
     """The table's limits are tight: the closest valid inputs pass."""
     ctx = state_prefill()

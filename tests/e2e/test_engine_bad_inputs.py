@@ -684,6 +684,13 @@ def test_a_bad_context_size_is_the_contexts_error(hf, options, message):
         Engine.from_transformers(hf, **options)
 
 
+def test_numpy_speculative_tokens_are_an_int(hf):
+    """``num_speculative_tokens=np.int64(2)`` was refused by the engine while the context
+    takes it."""
+    engine = small_engine(hf, num_speculative_tokens=np.int64(2))
+    assert engine.context.num_speculative_tokens == 2
+
+
 def test_max_tokens_below_the_request_rounder_sizes_the_requests(hf):
     """``max_tokens=3`` (below the rounder of 4) caps ``max_requests`` at 3; before, the
     engine asked for 4 rows and the context refused its own ``max_requests=4``."""
