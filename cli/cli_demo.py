@@ -199,6 +199,9 @@ def _check_run(args) -> Optional[str]:
         return (f"--async-scheduling with --dtype {args.dtype}: the half-precision check records "
                 "every step's logits (record_logits), which async scheduling refuses; use "
                 "--dtype fp32")
+    cpus = os.cpu_count() or 1
+    if args.threads > cpus:  # 100000 crashed torch.set_num_threads (a segmentation fault)
+        return f"--threads {args.threads} is more than the {cpus} CPUs here (os.cpu_count())"
     if args.arrival_every * args.requests > MAX_ARRIVAL_SPAN:
         return (f"--arrival-every {args.arrival_every:g} with --requests {args.requests} "
                 f"spreads arrivals over more than {MAX_ARRIVAL_SPAN:.0e} steps (their product "
