@@ -136,6 +136,11 @@ def build_parser(prog: str = "python -m dynctx demo") -> ArgumentParser:
     return parser
 
 
+# --arrival-every x --requests: the mean last arrival step, kept far below int64's range (an
+# exponential gap rarely exceeds 40 means).
+MAX_ARRIVAL_SPAN = 1e12
+
+
 def check_args(args) -> Optional[str]:
     """The first problem of the flags together, as one line naming them; None when there is
     none. The flags' own types and ranges are argparse's; this checks how they combine, the
@@ -194,6 +199,13 @@ def _check_run(args) -> Optional[str]:
         return (f"--async-scheduling with --dtype {args.dtype}: the half-precision check records "
                 "every step's logits (record_logits), which async scheduling refuses; use "
                 "--dtype fp32")
+    cpus = os.cpu_count() or 1
+    if args.threads > cpus:  # 100000 crashed torch.set_num_threads (a segmentation fault)
+        return f"--threads {args.threads} is more than the {cpus} CPUs here (os.cpu_count())"
+    if args.arrival_every * args.requests > MAX_ARRIVAL_SPAN:
+        return (f"--arrival-every {args.arrival_every:g} with --requests {args.requests} "
+                f"spreads arrivals over more than {MAX_ARRIVAL_SPAN:.0e} steps (their product "
+                "is at most that: the arrival steps are int64)")
     if args.plot:
         folder = os.path.dirname(os.path.abspath(args.plot))
         if not os.path.isdir(folder):

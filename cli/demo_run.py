@@ -171,10 +171,19 @@ def run(args, rank: int, world: int) -> int:
     dtype = getattr(torch, DTYPES[args.dtype])
     device = torch.device(args.device)
     torch.manual_seed(args.seed)
-    hf_model = random_causal_lm(
-        args.model, vocab=args.vocab, hidden=args.hidden, layers=args.layers, heads=args.heads,
-        kv_heads=args.kv_heads, intermediate=args.intermediate, max_positions=args.max_seq,
-        window=args.block_size, seed=args.seed).to(device=device, dtype=dtype)
+    try:
+        hf_model = random_causal_lm(
+            args.model, vocab=args.vocab, hidden=args.hidden, layers=args.layers,
+            heads=args.heads, kv_heads=args.kv_heads, intermediate=args.intermediate,
+            max_positions=args.max_seq, window=args.block_size,
+            seed=args.seed).to(device=device, dtype=dtype)
+    except (MemoryError, RuntimeError) as error:  # torch's allocation failures
+        if not isinstance(error, MemoryError) and "allocate" not in str(error):
+            raise
+        raise FlagError(f"the random model of --vocab {args.vocab}, --hidden {args.hidden}, "
+                        f"--layers {args.layers}, --intermediate {args.intermediate} does not "
+                        f"fit in memory on {device}: lower them ({str(error).splitlines()[0]})"
+                        ) from None
     # Blocks of one rank (its share of the KV heads, or an MLA model's latent row), checked
     # against the longest request before the context is built.
     block_bytes = kv_block_bytes(hf_model, args.block_size, world)

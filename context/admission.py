@@ -101,7 +101,13 @@ def _request_lengths(req: Any, chunk_length: Optional[int]) -> Tuple[int, int, i
     return int(chunk), remaining_length, int(finished)
 
 
-def _tokens_to_generate(request_id: int, gen: Any) -> int:
+def _tokens_to_generate(request_id: int, params: Any) -> int:
+    """``params.num_tokens_to_generate`` checked; ``params`` is the request's
+    ``sampling_params`` (a ``TypeError`` names it when it is not one)."""
+    if not hasattr(params, "num_tokens_to_generate"):
+        raise TypeError(f"request {request_id}: sampling_params must be a SamplingParams, got "
+                        f"{type(params).__name__}")
+    gen = params.num_tokens_to_generate
     if gen is None:
         raise ValueError(f"request {request_id}: num_tokens_to_generate=None must be >= 0")
     if isinstance(gen, bool) or not isinstance(gen, (int, np.integer, float, np.floating)):
@@ -164,7 +170,7 @@ def plan_add(table, req: Any, chunk_length: Optional[int], *, max_sequence_lengt
     block_size = table.block_size
     paused, total = table.paused, table.total
     is_continuation = finished > 0
-    gen = _tokens_to_generate(request_id, req.sampling_params.num_tokens_to_generate)
+    gen = _tokens_to_generate(request_id, getattr(req, "sampling_params", None))
     # As Megatron-Core's context, a generation budget beyond max_sequence_length is accepted
     # (its engine, and ours, refuse such requests at admission); update_requests finishes a
     # request when it reaches max_sequence_length. The prompt itself must fit: the block table
@@ -315,7 +321,7 @@ def plan_dummies(table, requests: Any, count_as_prefill: bool, *, max_sequence_l
             raise MaxSequenceLengthOverflowError(
                 request_id, f"prompt ({length} tokens) exceeds max_sequence_length "
                 f"({max_sequence_length})")
-        gen = _tokens_to_generate(request_id, req.sampling_params.num_tokens_to_generate)
+        gen = _tokens_to_generate(request_id, getattr(req, "sampling_params", None))
         if length + gen >= 2 ** 31:
             raise ValueError(f"request {request_id}: prompt ({length}) + num_tokens_to_generate "
                              f"({gen}) must stay below 2**31")

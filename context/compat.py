@@ -23,7 +23,7 @@ class Option:
 
 
 def _none_or_one(value: Any) -> bool:
-    return value in (None, 1)
+    return value is None or (value == 1 and not isinstance(value, bool))
 
 
 OPTIONS = {
@@ -35,9 +35,10 @@ OPTIONS = {
         "runs tensor and pipeline parallelism, not context or expert parallelism (pass None "
         "or 1)"),
     "persist_cuda_graphs": Option(
-        lambda v: not v, "raise", "persist_cuda_graphs=True: CUDA graphs are not supported yet"),
+        lambda v: not v, "raise",
+        "persist_cuda_graphs={value!r}: CUDA graphs are not supported yet"),
     "offload_kv_cache": Option(
-        lambda v: not v, "raise", "offload_kv_cache=True: KV offload is not supported"),
+        lambda v: not v, "raise", "offload_kv_cache={value!r}: KV offload is not supported"),
     "cuda_graph_max_tokens": Option(
         lambda v: v is None, "deprecated", "cuda_graph_max_tokens is deprecated and ignored"),
 }

@@ -19,8 +19,8 @@ from typing import Any, NamedTuple, Optional, Tuple
 
 import torch
 
-from dynctx.kernels.backend import check_backend_name, resolve_backend
-from dynctx.kernels.devices import indexed_device
+from dynctx.kernels.backend import resolve_backend
+from dynctx.kernels.devices import indexed_device, parse_device
 
 from . import compat, prefix_options
 from .device_state import DeviceState
@@ -36,11 +36,11 @@ from .mamba_states import MambaMetadata, MambaStates
 from .offload import Offload, check_offload_args
 from .parallel import CountAgreement, ParallelGroups
 from .request_table import RequestTable
-from .requests import DynamicInferenceRequest
 from .sizing import (
     LayerLayout,
     MemoryLayout,
     check_fits,
+    check_metadata_types,
     check_scalars,
     config_from_model,
     layer_layout,
@@ -48,7 +48,6 @@ from .sizing import (
     positive_int,
 )
 from .speculative import check_speculative_tokens
-from .staging import numpy_dtype
 from .step_builder import StepBuilder
 
 
@@ -58,7 +57,7 @@ def resolve_device(device: Any) -> torch.device:
     CPU."""
     if device is None:
         return indexed_device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(device)
+    device = parse_device(device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError(f"device={str(device)!r}: no CUDA device is available "
                            "(torch.cuda.is_available() is False); pass device='cpu'")
@@ -196,7 +195,10 @@ def settle(*, agreement: CountAgreement, groups: ParallelGroups, default_max_tok
         paused_buffer_size_gb=paused_buffer_size_gb, tensor_model_parallel_size=groups.tp,
         unified_memory_level=unified_memory_level, cache_mla_latent=cache_mla_latent,
         kv_lora_rank=kv_lora_rank, qk_pos_emb_head_dim=qk_pos_emb_head_dim, validate=validate,
-        fused_rope_kv_append=fused_rope_kv_append)
+        fused_rope_kv_append=fused_rope_kv_append, kernel_backend=kernel_backend,
+        use_flashinfer_fused_rope=use_flashinfer_fused_rope, metrics_writer=metrics_writer,
+        use_cuda_graphs_for_non_decode_steps=use_cuda_graphs_for_non_decode_steps,
+        materialize_only_last_token_logits=materialize_only_last_token_logits)
     compat.check_options(dict(cuda_graph_max_tokens=cuda_graph_max_tokens), stacklevel=5)
     speculative = check_speculative_tokens(num_speculative_tokens, args["block_size_tokens"])
     offload_gb, management_mode, host_tier = check_offload_args(
@@ -205,7 +207,6 @@ def settle(*, agreement: CountAgreement, groups: ParallelGroups, default_max_tok
     prefix_caching = prefix_options.check_prefix_caching_args(
         enable_prefix_caching, prefix_caching_eviction_policy, prefix_caching_mamba_gb)
     device = resolve_device(device)
-    check_backend_name(kernel_backend)
     backend = resolve_backend(kernel_backend, device)
     if use_flashinfer_fused_rope is True:
         from dynctx.kernels.rope_flashinfer import flashinfer_rope_available
@@ -214,9 +215,7 @@ def settle(*, agreement: CountAgreement, groups: ParallelGroups, default_max_tok
             raise RuntimeError(
                 "use_flashinfer_fused_rope=True needs flashinfer and a CUDA device; "
                 "pass None (FlashInfer where it can run, else ours) or False")
-    types = list(request_metadata_types or DynamicInferenceRequest.get_metadata_types())
-    for _, dtype, _ in types:
-        numpy_dtype(dtype)
+    types = check_metadata_types(request_metadata_types)
     vocab_size = None if vocab_size is None else positive_int("vocab_size", vocab_size)
     tp = args["tp"]
     layers = layer_layout(args["num_layers"], mamba_inference_state_config, params_dtype)

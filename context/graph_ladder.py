@@ -55,8 +55,11 @@ CUDA_GRAPH_ROUNDER = 8
 
 
 def _int_arg(name: str, value, *, minimum: Optional[int] = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
+    """``value`` as an int (numpy's integers too, as the context's other sizes), bools
+    refused."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name}={value!r} must be an int, got {type(value).__name__}")
+    value = int(value)
     if minimum is not None and value < minimum:
         raise ValueError(f"{name}={value} must be >= {minimum}")
     return value
@@ -211,14 +214,15 @@ def build_cuda_graph_ladder(*, num_cuda_graphs: Optional[int], max_requests: int
     max_requests = _int_arg("max_requests", max_requests, minimum=1)
     max_tokens = _int_arg("max_tokens", max_tokens, minimum=1)
     max_sequence_length = _int_arg("max_sequence_length", max_sequence_length, minimum=1)
-    if num_cuda_graphs is None:
-        return CUDAGraphLadder((), None)
-    num_cuda_graphs = _int_arg("num_cuda_graphs", num_cuda_graphs)
+    # Checked with or without graphs: a wrong kind of value is wrong either way.
     if cuda_graph_mixed_prefill_count is not None:
         cuda_graph_mixed_prefill_count = _int_arg("cuda_graph_mixed_prefill_count",
                                                   cuda_graph_mixed_prefill_count)
     if cuda_graph_max_tokens is not None:
         cuda_graph_max_tokens = _int_arg("cuda_graph_max_tokens", cuda_graph_max_tokens)
+    if num_cuda_graphs is None:
+        return CUDAGraphLadder((), None)
+    num_cuda_graphs = _int_arg("num_cuda_graphs", num_cuda_graphs)
     if cuda_graph_max_tokens is None or not 0 < cuda_graph_max_tokens <= max_tokens:
         cuda_graph_max_tokens = max_tokens
     num_cuda_graphs = min(max(num_cuda_graphs, 1), cuda_graph_max_tokens)

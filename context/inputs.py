@@ -130,6 +130,9 @@ def check_logits(logits, device: torch.device, vocab_size: Optional[int],
                          f"tensor, got {tuple(logits.shape)} {logits.dtype}")
     if not same_device(logits.device, device):
         raise ValueError(f"{name} is on {logits.device}, the context on {device}")
+    if logits.shape[1] == 0:
+        raise ValueError(f"{name} has no vocabulary columns (shape {tuple(logits.shape)}): a "
+                         "token needs at least one logit")
     if vocab_size is not None and logits.shape[1] != vocab_size:
         raise ValueError(f"{name} has {logits.shape[1]} vocabulary columns, vocab_size is "
                          f"{vocab_size}")

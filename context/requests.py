@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping, Set
 from dataclasses import asdict, dataclass, field
 from typing import Any, List, Optional, Sequence, Tuple
 
@@ -119,6 +120,9 @@ def _as_token_tensor(tokens: Any, name: str) -> torch.Tensor:
     else:
         if isinstance(tokens, str):
             raise TypeError(f"{name} must be token ids, not a string: tokenize it first")
+        if isinstance(tokens, (Mapping, Set)):  # unordered, or keys taken for tokens
+            raise TypeError(f"{name} must be token ids in order (a list or a 1-D tensor), not "
+                            f"a {type(tokens).__name__}")
         if not isinstance(tokens, (np.ndarray, Sequence)):
             tokens = list(tokens)
         tensor = torch.from_numpy(whole_number_ids(tokens, name))

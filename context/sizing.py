@@ -18,6 +18,8 @@ from typing import Any, Callable, Optional, Tuple
 import numpy as np
 import torch
 
+from dynctx.kernels.backend import check_backend_name
+
 from ._fields import _LAYER_SYMBOLS
 from .batch_dimensions import MambaInferenceStateConfig
 from .errors import get_mem_size_str
@@ -74,8 +76,38 @@ class LayerLayout:
         return self.layer_map[int(layer_number) - 1]
 
 
+def check_metadata_types(types: Any) -> list:
+    """``request_metadata_types`` as a list of ``(label, dtype, on_device)`` (None: the
+    request's defaults), each label a ``SamplingParams`` field and each dtype one a host arena
+    holds; ``TypeError``/``ValueError`` naming the entry otherwise."""
+    from .requests import DynamicInferenceRequest, SamplingParams
+    from .staging import numpy_dtype
+
+    if types is None:
+        return DynamicInferenceRequest.get_metadata_types()
+    if isinstance(types, (str, bytes)) or not hasattr(types, "__iter__"):
+        raise TypeError(f"request_metadata_types={types!r} must be a list of (label, "
+                        "torch.dtype, on_device) tuples")
+    types = list(types)
+    fields = vars(SamplingParams())
+    for i, entry in enumerate(types):
+        name = f"request_metadata_types[{i}]={entry!r}"
+        if not isinstance(entry, (tuple, list)) or len(entry) != 3:
+            raise TypeError(f"{name} must be a (label, torch.dtype, on_device) tuple")
+        label, dtype, on_device = entry
+        if not isinstance(label, str) or label not in fields:
+            raise ValueError(f"{name}: the label must name a SamplingParams field")
+        if not isinstance(dtype, torch.dtype) or not isinstance(on_device, (bool, np.bool_)):
+            raise TypeError(f"{name}: give a torch.dtype and a bool")
+        numpy_dtype(dtype)
+    return types
+
+
 def layer_layout(num_layers: int, mamba: Optional[MambaInferenceStateConfig],
                  params_dtype: torch.dtype) -> LayerLayout:
+    if mamba is not None and not isinstance(mamba, MambaInferenceStateConfig):
+        raise TypeError(f"mamba_inference_state_config must be a MambaInferenceStateConfig or "
+                        f"None, got {type(mamba).__name__}")
     if mamba is None:
         layer_types = ["*"] * num_layers
         conv_shape = ssm_shape = conv_dtype = ssm_dtype = None
@@ -403,13 +435,27 @@ def check_scalars(*, params_dtype: Any, num_layers: Any, kv_channels: Any,
                   num_attention_heads: Any, max_sequence_length: Any, block_size_tokens: Any,
                   buffer_size_gb: Any, paused_buffer_size_gb: Any, tensor_model_parallel_size: Any,
                   unified_memory_level: Any, cache_mla_latent: bool, kv_lora_rank: Any,
-                  qk_pos_emb_head_dim: Any, **flags: Any) -> dict:
+                  qk_pos_emb_head_dim: Any, kernel_backend: Any = None,
+                  materialize_only_last_token_logits: Any = None,
+                  use_flashinfer_fused_rope: Any = None, metrics_writer: Any = None,
+                  **flags: Any) -> dict:
     """The constructor's scalar arguments, checked (``ValueError`` naming each; ``flags`` and
-    ``cache_mla_latent`` are bools, ``TypeError`` otherwise: ``"no"`` would turn them on);
-    returns them normalised (ints, ``tp`` for the tensor-parallel size)."""
+    ``cache_mla_latent`` are bools, ``TypeError`` otherwise: ``"no"`` would turn them on;
+    ``materialize_only_last_token_logits`` a bool or None; ``kernel_backend`` one of the
+    kernel backends or None); returns them normalised (ints, ``tp`` for the tensor-parallel
+    size)."""
+    for name, value in (("materialize_only_last_token_logits",
+                         materialize_only_last_token_logits),
+                        ("use_flashinfer_fused_rope", use_flashinfer_fused_rope)):
+        if value is not None:  # None: the default (Megatron-Core's Optional[bool])
+            flags[name] = value
+    if metrics_writer is not None and not callable(getattr(metrics_writer, "log", None)):
+        raise TypeError(f"metrics_writer={metrics_writer!r} must be None or have a callable "
+                        "log(dict) (wandb-style)")
     for name, value in dict(flags, cache_mla_latent=cache_mla_latent).items():
         if not isinstance(value, (bool, np.bool_)):
             raise TypeError(f"{name}={value!r} must be a bool")
+    check_backend_name(kernel_backend, "kernel_backend")
     if not isinstance(params_dtype, torch.dtype) or not params_dtype.is_floating_point:
         raise ValueError(f"params_dtype={params_dtype!r} must be a floating torch.dtype")
     out = {name: positive_int(name, value) for name, value in (
@@ -430,7 +476,9 @@ def check_scalars(*, params_dtype: Any, num_layers: Any, kv_channels: Any,
         raise ValueError(f"num_attention_heads={num_attention_heads} (the KV heads) must be "
                          f"divisible by tensor_model_parallel_size={tp}, or divide it (then "
                          "each rank holds one replicated KV head)")
-    if unified_memory_level not in (None, 0, 1):
+    if unified_memory_level is not None and (
+            isinstance(unified_memory_level, bool) or unified_memory_level not in (0, 1)
+            or not isinstance(unified_memory_level, (int, np.integer))):
         raise ValueError(f"unified_memory_level={unified_memory_level!r} must be 0 or 1")
     if cache_mla_latent:
         kv_lora_rank = positive_int("kv_lora_rank", kv_lora_rank)

@@ -14,6 +14,9 @@ import math
 import warnings
 from typing import Any, Callable, Dict, Optional
 
+import numpy as np
+import torch
+
 from dynctx.context import DynamicInferenceContext, kv_group_sizing
 from dynctx.context import sizing as context_sizing
 from dynctx.context.kv_scales import resolve_kv_cache_dtype
@@ -99,8 +102,9 @@ def derived_max_requests(kwargs: Dict[str, Any], tp: int) -> Optional[int]:
                 max_tokens=2 ** 62, default_max_tokens=2 ** 62,
                 max_sequence_length=get("max_sequence_length"), tp=tp,
                 request_rounder=DynamicInferenceContext.REQUEST_ROUNDER, derive_requests=rule)
-    except (TypeError, ValueError, ZeroDivisionError, NotImplementedError):
-        # (block_size_tokens=0 divides by a zero block size before any check.)
+    except (TypeError, ValueError, ArithmeticError, NotImplementedError):
+        # (block_size_tokens=0 divides by a zero block size before any check;
+        # buffer_size_gb=inf overflows int().)
         return None
     return layout.max_requests
 
@@ -111,11 +115,17 @@ def request_rows(kwargs: Dict[str, Any], tp: int) -> Optional[int]:
     if kwargs.get("max_requests") is not None:
         return kwargs["max_requests"]
     max_tokens = kwargs.get("max_tokens") or DynamicInferenceContext.DEFAULT_MAX_TOKENS
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, (int, np.integer)) \
+            or max_tokens < 1:
+        return None  # the context names max_tokens
     derived = derived_max_requests(kwargs, tp)
     if derived is None or derived <= max_tokens:
         return None
     rounder = math.lcm(DynamicInferenceContext.REQUEST_ROUNDER, tp)
-    return max(rounder, max_tokens - max_tokens % rounder)
+    # Fewer tokens than the rounder: a multiple of tp (the context asks no more); none at all
+    # leaves the derived count, which the context refuses naming max_tokens and max_requests.
+    rows = max_tokens - max_tokens % rounder or max_tokens - max_tokens % tp
+    return rows or None
 
 
 def build_from_transformers(engine_class: type, hf_model: Any, *, rope: str,
@@ -129,6 +139,9 @@ def build_from_transformers(engine_class: type, hf_model: Any, *, rope: str,
     """``Engine.from_transformers`` (see there)."""
     from dynctx.models import TensorParallel
 
+    if not hasattr(hf_model, "config") or not callable(getattr(hf_model, "parameters", None)):
+        raise TypeError(f"hf_model={type(hf_model).__name__} must be a transformers causal LM "
+                        "(with .config and .parameters())")
     check_choice("attention_backend", attention_backend, ATTENTION_BACKENDS)
     drafter = speculative_options(engine_class, hf_model, num_speculative_tokens, drafter,
                                   context_kwargs)
@@ -156,6 +169,8 @@ def build_from_transformers(engine_class: type, hf_model: Any, *, rope: str,
         kwargs["tensor_model_parallel_size"] = tp.size
     device = indexed_device(kwargs.pop("device", None) or param.device)
     dtype = kwargs.pop("params_dtype", None) or param.dtype
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"params_dtype={dtype!r} must be a floating torch.dtype")
     if cuda_graphs and kwargs.get("num_cuda_graphs"):
         block_size = kwargs.get("block_size_tokens") or _context_default("block_size_tokens")
         attention_backend = graph_attention_backend(attention_backend, device, block_size,
@@ -167,6 +182,8 @@ def build_from_transformers(engine_class: type, hf_model: Any, *, rope: str,
     kwargs.setdefault("kv_channels", model.head_dim)
     kwargs.setdefault("num_attention_heads",
                       getattr(model, "context_kv_heads", model.num_kv_heads))
+    check_windows(kwargs.get("kv_layer_windows"),
+                  getattr(model, "context_kwargs", {}).get("kv_layer_windows"))
     for key, value in getattr(model, "context_kwargs", {}).items():  # e.g. the MLA cache
         kwargs.setdefault(key, value)
     if getattr(model, "mamba_inference_state_config", None) is not None:
@@ -188,6 +205,19 @@ def build_from_transformers(engine_class: type, hf_model: Any, *, rope: str,
                         drafter=drafter)
 
 
+def check_windows(given: Any, own: Optional[list]) -> None:
+    """``kv_layer_windows`` given to ``from_transformers`` must be the model's own (``own``;
+    None: every layer attends to all keys): the context frees the blocks a window no longer
+    reads, which a layer without that window still reads."""
+    if not isinstance(given, (list, tuple)):
+        return  # None (the model's), or the context's own check names it
+    if list(given) != (own or [None] * len(given)):
+        raise ValueError(f"kv_layer_windows={list(given)!r} differs from the model's sliding "
+                         f"windows ({own if own else 'none: every layer reads all its keys'}): "
+                         "the context would free blocks the model's attention still reads; "
+                         "leave kv_layer_windows out (the engine takes the model's)")
+
+
 # The target's context options a draft model's context shares (engine/draft_model.py; it
 # takes its sizes from the target's context).
 DRAFT_SHARED_OPTIONS = ("kernel_backend", "device")
@@ -203,8 +233,9 @@ def speculative_options(engine_class: type, hf_model: Any, k: Any, drafter: Any,
     from .drafters import is_transformers_model, make_drafter
 
     block_size = context_kwargs.get("block_size_tokens") or _context_default("block_size_tokens")
-    if isinstance(k, bool) or not isinstance(k, int):
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)):
         raise TypeError(f"num_speculative_tokens={k!r} must be an int")
+    k = int(k)  # numpy's integers too, as the context takes them
     if k == 0:
         if drafter is not None:
             raise ValueError(f"drafter={drafter!r} needs num_speculative_tokens >= 1 (got 0)")

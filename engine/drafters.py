@@ -129,6 +129,9 @@ def check_drafter(drafter: Any, target_vocab: Optional[int]) -> None:
                             "interface, dynctx.engine.drafters), or be 'ngram' or a "
                             "transformers causal LM")
     vocab = getattr(drafter, "vocab_size", None)
+    if vocab is not None and (isinstance(vocab, bool) or not isinstance(vocab, (int, np.integer))):
+        raise TypeError(f"drafter.vocab_size={vocab!r} must be an int or None (the drafter "
+                        "interface, dynctx.engine.drafters)")
     if vocab is not None and target_vocab is not None and int(vocab) != int(target_vocab):
         raise ValueError(f"drafter has vocab_size={vocab}, the target model {target_vocab}: "
                          "drafts must come from the target's vocabulary")

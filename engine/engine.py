@@ -72,7 +72,7 @@ from .results import (
 from .scheduler import Scheduler
 from .speculative_overlap import SpeculativeAsync
 from .speculative_step import stepper_for
-from .validation import check_bool, check_int, vocab_limit
+from .validation import check_bool, check_int, check_model_and_context, vocab_limit
 
 __all__ = ["DEFAULT_HISTORY_WINDOW", "Engine", "EngineStats", "RequestResult", "StepResult"]
 
@@ -151,8 +151,7 @@ class Engine:
             history_window = check_int("history_window", history_window, low=0)
         if step_callback is not None and not callable(step_callback):
             raise TypeError(f"step_callback={step_callback!r} must be callable or None")
-        if hasattr(model, "check_context"):
-            model.check_context(context)
+        check_model_and_context(model, context)
         if async_scheduling:
             refuse_conflicts(context=context, record_logits=record_logits)
         check_attention_backend(model, context)

@@ -22,12 +22,17 @@ from .results import Delivery
 from .scheduler import Scheduler
 from .state import RequestState
 from .validation import (
+    as_list,
     check_int,
     check_prompts,
     check_sampling_params,
     checked_request,
     prompt_tensor,
 )
+
+
+def _gib(value: Optional[float]) -> str:
+    return "None" if value is None else f"{value:.6g}"
 
 
 class Intake:
@@ -96,11 +101,11 @@ class Intake:
         if isinstance(requests, DynamicInferenceRequest):
             raise TypeError("requests is one DynamicInferenceRequest; give a list of them "
                             "(e.g. [request])")
-        requests = list(requests)
+        requests = as_list("requests", requests, "DynamicInferenceRequest")
         if arrival_steps is None:
             delays = [0] * len(requests)
         else:
-            delays = list(arrival_steps)
+            delays = as_list("arrival_steps", arrival_steps, "int")
             if len(delays) != len(requests):
                 raise ValueError(f"arrival_steps has {len(delays)} entries for "
                                  f"{len(requests)} requests")
@@ -135,9 +140,11 @@ class Intake:
             per_prompt = [check_sampling_params(base, "sampling_params", self.metadata_types)] \
                 * len(prompts)
         else:
-            per_prompt = list(sampling_params)
+            per_prompt = as_list("sampling_params", sampling_params, "SamplingParams",
+                                 one=True)
             if len(per_prompt) != len(prompts):
-                raise ValueError(f"{len(per_prompt)} sampling params for {len(prompts)} prompts")
+                raise ValueError(f"sampling_params has {len(per_prompt)} entries for "
+                                 f"{len(prompts)} prompts (give one, or one per prompt)")
             per_prompt = [check_sampling_params(p, f"sampling_params[{i}]", self.metadata_types)
                           for i, p in enumerate(per_prompt)]
         stop = None if ignore_eos else (
@@ -176,8 +183,12 @@ class Intake:
                     f"max_sequence_length ({ctx.max_sequence_length})")
         blocks = math.ceil(total / ctx.block_size_tokens)
         if blocks > ctx.block_allocator.active_count:
-            return (f"needs {blocks} KV blocks, more than the active budget of "
-                    f"{ctx.block_allocator.active_count} blocks")
+            return (f"prompt ({prompt}) + num_tokens_to_generate "
+                    f"({request.sampling_params.num_tokens_to_generate}) needs {blocks} KV "
+                    f"blocks of block_size_tokens={ctx.block_size_tokens}, more than the "
+                    f"active budget of {ctx.block_allocator.active_count} blocks "
+                    f"(buffer_size_gb={ctx.buffer_size_gb:.6g}, paused_buffer_size_gb="
+                    f"{_gib(ctx.paused_buffer_size_gb)}): raise buffer_size_gb")
         if not self.scheduler.enable_chunked_prefill and prompt > ctx.max_tokens:
             return (f"prompt ({prompt}) exceeds max_tokens ({ctx.max_tokens}) and chunked "
                     "prefill is disabled")

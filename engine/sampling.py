@@ -116,6 +116,9 @@ def _sample_rows(logits: torch.Tensor, tokens: torch.Tensor, refused: torch.Tens
     values = upload(packed, logits.device)
     index, top_k = values[0].long(), values[2].long()
     temperature, top_p, uniforms = values[1].float(), values[3].float(), values[4].float()
+    # A temperature below fp32's range (1e-300) rounded to 0 and scaled the top logit to 0/0;
+    # at the smallest normal fp32 the top stays 0 and the rest go to -inf: greedy, as meant.
+    temperature.clamp_(min=torch.finfo(torch.float32).tiny)
     # Shifted by the row maximum first: a tiny temperature then scales to 0 and -large, never
     # to inf - inf (NaN).
     chosen_logits = logits[index]

@@ -61,6 +61,27 @@ def check_request_id(name: str, value: Any) -> int:
     return check_int(name, value, low=0, high=REQUEST_ID_LIMIT - 1)
 
 
+def check_model_and_context(model: Any, context: Any) -> None:
+    """``Engine``'s two parts: a model with a callable ``forward(context, last_token_only=)``
+    and a ``DynamicInferenceContext``, else ``TypeError`` naming the argument; then the model's
+    own ``check_context(context)`` where it has one."""
+    from dynctx.context import DynamicInferenceContext
+
+    if not callable(getattr(model, "forward", None)):
+        raise TypeError(f"model={model!r} must have a callable forward(context, "
+                        "last_token_only=...) (a dynctx.models adapter)")
+    if not isinstance(context, DynamicInferenceContext):
+        raise TypeError(f"context must be a DynamicInferenceContext, got "
+                        f"{type(context).__name__}")
+    model_vocab, context_vocab = getattr(model, "vocab_size", None), context.vocab_size
+    if model_vocab is not None and context_vocab is not None and model_vocab != context_vocab:
+        raise ValueError(f"vocab_size={context_vocab} (the context's) must be the model's "
+                         f"vocabulary size, {model_vocab}: every step's logits have that many "
+                         "columns")
+    if hasattr(model, "check_context"):
+        model.check_context(context)
+
+
 def vocab_limit(*sizes: Optional[int]) -> Optional[int]:
     """The smallest of the known vocabulary sizes (model, context), or None."""
     known = [int(s) for s in sizes if s is not None]
@@ -72,7 +93,12 @@ def _token_values(prompt: Any, name: str) -> np.ndarray:
     if isinstance(prompt, (str, bytes)):
         raise TypeError(f"{name} is a {type(prompt).__name__}: give token ids (a list of ints "
                         "or a 1-D integer tensor); tokenize text first")
+    if isinstance(prompt, (dict, set, frozenset)):
+        raise TypeError(f"{name} is a {type(prompt).__name__}: give the token ids in order (a "
+                        "list of ints or a 1-D integer tensor)")
     if isinstance(prompt, torch.Tensor):
+        if prompt.is_meta:
+            raise ValueError(f"{name} is on the meta device: it holds no token ids")
         if prompt.dtype == torch.bool or prompt.is_complex():
             raise TypeError(f"{name} must hold integer token ids, got dtype {prompt.dtype}")
         array = prompt.detach().cpu().numpy()
@@ -204,6 +230,16 @@ def checked_request(request: Any, name: str, *, vocab: Optional[int],
                                   prefix_caching_salt=salt)
     own.sampling_params = params  # already a copy: no second deep copy
     return own
+
+
+def as_list(name: str, values: Any, kind: str, *, one: bool = False) -> List[Any]:
+    """``values`` (a sequence, one entry per request) as a list, else ``TypeError`` naming
+    ``name``; a str, a mapping or a set is refused (its items are not the entries)."""
+    if isinstance(values, (str, bytes, dict, set, frozenset)) or not hasattr(values, "__iter__"):
+        one_of = f"a {kind} or " if one else ""
+        raise TypeError(f"{name} must be {one_of}a list of {kind} (one per request), got "
+                        f"{type(values).__name__}")
+    return list(values)
 
 
 def check_prompts(prompts: Any) -> List[Any]:

@@ -52,10 +52,12 @@ def stub_driver_active() -> bool:
     return HAS_TRITON and getattr(_triton_driver._active, "COMPILE_ONLY", False)
 
 
-def check_backend_name(backend: str | None) -> str:
+def check_backend_name(backend: str | None, argument: str = "backend") -> str:
+    """``backend`` (None: ``$DYNCTX_KERNEL_BACKEND``, else ``"auto"``) when it is one of
+    ``BACKENDS``, else ``ValueError`` naming ``argument`` (or the variable) and the choices."""
     name = backend if backend is not None else env_get(BACKEND_ENV, "auto")
-    if name not in BACKENDS:
-        source = "backend" if backend is not None else BACKEND_ENV
+    if not isinstance(name, str) or name not in BACKENDS:
+        source = argument if backend is not None else BACKEND_ENV
         raise ValueError(f"{source}={name!r} is not a kernel backend; expected one of {BACKENDS}")
     return name
 

@@ -17,10 +17,23 @@ import torch
 DeviceLike = Union[torch.device, str, int]
 
 
+def parse_device(device: DeviceLike, name: str = "device") -> torch.device:
+    """``torch.device(device)``, or ``ValueError`` naming the argument ``name`` and the value
+    (torch's own error says neither: ``"nope"``, or an int index with no accelerator)."""
+    if isinstance(device, torch.device):
+        return device
+    if isinstance(device, bool) or not isinstance(device, (str, int)):
+        raise TypeError(f"{name}={device!r} must be a torch.device, a str or an int")
+    try:
+        return torch.device(device)
+    except (RuntimeError, ValueError) as error:
+        raise ValueError(f"{name}={device!r} is not a torch device: {error}") from None
+
+
 def indexed_device(device: DeviceLike) -> torch.device:
     """``device`` with its index: a CUDA device without one takes the current device's
     (``"cuda"`` -> ``cuda:0`` when device 0 is current); a CPU is ``cpu`` (it has one)."""
-    device = torch.device(device)
+    device = parse_device(device)
     if device.type == "cuda" and device.index is None:
         return torch.device("cuda", torch.cuda.current_device())
     if device.type == "cpu" and device.index is not None:

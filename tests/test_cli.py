@@ -96,9 +96,14 @@ BAD_DEMO_FLAGS = [
     (["--shared-prefix", "-1"], "argument --shared-prefix: -1 is not an integer >= 0"),
     (["--seed", "-1"], "argument --seed: -1 is not an integer >= 0"),
     (["--threads", "-1"], "argument --threads: -1 is not an integer >= 0"),
+    # torch.set_num_threads(100000) ended the process with a segmentation fault.
+    (["--threads", "100000"], f"--threads 100000 is more than the {os.cpu_count()} CPUs here"),
     (["--tensor-parallel-size", "0"], "argument --tensor-parallel-size: 0 is not an integer"),
     (["--arrival-every", "nan"], "argument --arrival-every: 'nan' is not a finite number >= 0"),
     (["--arrival-every", "-1"], "argument --arrival-every: -1 is not a finite number >= 0"),
+    # A traceback before: the arrival steps overflowed int64 to -2**63.
+    (["--arrival-every", "1e308"], "--arrival-every 1e+308 with --requests 24 spreads arrivals "
+                                   "over more than 1e+12 steps"),
     (["--buffer-size-gb", "0"], "argument --buffer-size-gb: 0 is not a finite number > 0"),
     (["--paused-buffer-size-gb", "inf"], "'inf' is not a finite number >= 0"),
     (["--dtype", "fp8"], "argument --dtype: invalid choice: 'fp8'"),
@@ -149,6 +154,25 @@ def test_a_bad_demo_flag_is_one_line_and_exit_code_2(plain_env, capsys, argv, me
     assert message in err, err
     assert err.rstrip().endswith("(see 'dynctx demo --help')")
     assert "paused_buffer_size_gb" not in err and "Traceback" not in err
+
+
+def test_a_model_too_large_for_memory_is_a_flag_error(plain_env, monkeypatch, capsys):
+    """torch's allocation failure building the random model was a traceback (``--vocab
+    1000000000``: 256 GB); it is now a flag error naming the model's flags. The failure is
+    simulated: a real one could wake the OOM killer where memory is overcommitted."""
+    from dynctx.models import random_models
+
+    def too_large(*args, **kwargs):
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate "
+                           "256000000000 bytes")
+
+    monkeypatch.setattr(random_models, "random_causal_lm", too_large)
+    with pytest.raises(SystemExit) as exit_info:
+        cli_demo.main(["--vocab", "1000000000", "--plot", ""], prog="dynctx demo")
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "Traceback" not in err
+    assert ("dynctx demo: error: the random model of --vocab 1000000000, --hidden 64, --layers "
+            "2, --intermediate 128 does not fit in memory on cpu: lower them") in err
 
 
 def test_the_kernel_backend_from_the_environment_is_named(plain_env, monkeypatch, capsys):

@@ -64,6 +64,13 @@ def with_tokens(tokens) -> DynamicInferenceRequest:
     return r
 
 
+def with_params(params) -> DynamicInferenceRequest:
+    """Request 9 whose ``sampling_params`` is ``params`` as given."""
+    r = req(9)
+    r.sampling_params = params
+    return r
+
+
 def state_prefill(**overrides):
     """Requests 1 (3 tokens) and 2 (5 tokens) added; the step's metadata built."""
     ctx = new_ctx(**overrides)
@@ -198,6 +205,12 @@ CASES = [
          "(?i)prompt.*vocab"),
     # ---------------------------------------------------------------- add_request: the request
     case("add/not-a-request", "prefill", lambda c: c.add_request(42), TypeError, "req"),
+    # An AttributeError on .num_tokens_to_generate before.
+    case("add/sampling_params-None", "prefill", lambda c: c.add_request(with_params(None)),
+         TypeError, r"request 9: sampling_params must be a SamplingParams, got NoneType"),
+    case("add/sampling_params-dict", "prefill",
+         lambda c: c.add_request(with_params({"num_tokens_to_generate": 4})), TypeError,
+         r"sampling_params must be a SamplingParams, got dict"),
     case("add/duplicate-id", "prefill", lambda c: c.add_request(req(1)), ValueError,
          "request_id=1"),
     case("add/request_id=-1", "prefill", lambda c: c.add_request(req(-1)), ValueError,
@@ -487,11 +500,75 @@ def test_bad_constructor_lengths(kwargs, match):
         make_ctx(**kwargs)
 
 
-@pytest.mark.parametrize("flag", ["validate", "fused_rope_kv_append", "cache_mla_latent"])
+@pytest.mark.parametrize("kwargs,error,match", [
+    # True and 0.0 passed ``in (None, 0, 1)``.
+    pytest.param(dict(unified_memory_level=True), ValueError,
+                 r"unified_memory_level=True must be 0 or 1", id="unified_memory_level-bool"),
+    pytest.param(dict(unified_memory_level=0.0), ValueError,
+                 r"unified_memory_level=0.0 must be 0 or 1", id="unified_memory_level-float"),
+    # The kernels' check named ``backend=``, not the constructor's argument.
+    pytest.param(dict(kernel_backend="nope"), ValueError,
+                 r"kernel_backend='nope' is not a kernel backend; expected one of "
+                 r"\('auto', 'triton', 'torch'\)", id="kernel_backend-name"),
+    pytest.param(dict(kernel_backend=3), ValueError, r"kernel_backend=3 is not a kernel backend",
+                 id="kernel_backend-int"),
+    # torch's own errors named neither the argument nor the value.
+    pytest.param(dict(device="nope"), ValueError, r"device='nope' is not a torch device",
+                 id="device-str"),
+    pytest.param(dict(device=[0]), TypeError, r"device=\[0\] must be a torch.device, a str",
+                 id="device-list"),
+    # Entries of the wrong shape stopped at "not enough values to unpack"; an int at
+    # "'int' object is not iterable".
+    pytest.param(dict(request_metadata_types=[("temperature", torch.float32)]), TypeError,
+                 r"request_metadata_types\[0\]=\('temperature', torch.float32\) must be a "
+                 r"\(label, torch.dtype, on_device\) tuple", id="metadata-pair"),
+    pytest.param(dict(request_metadata_types=3), TypeError,
+                 r"request_metadata_types=3 must be a list", id="metadata-int"),
+    pytest.param(dict(request_metadata_types=[("bogus", torch.float32, True)]), ValueError,
+                 r"request_metadata_types\[0\]=.*the label must name a SamplingParams field",
+                 id="metadata-label"),
+    # An AttributeError on .layer_type_list.
+    pytest.param(dict(mamba_inference_state_config="hybrid"), TypeError,
+                 r"mamba_inference_state_config must be a MambaInferenceStateConfig or None, "
+                 r"got str", id="mamba-config-str"),
+    # Accepted; the first step's metrics update then failed on .log.
+    pytest.param(dict(metrics_writer=3), TypeError,
+                 r"metrics_writer=3 must be None or have a callable log\(dict\)",
+                 id="metrics_writer"),
+    # Accepted without CUDA graphs (the ladder returned before its checks).
+    pytest.param(dict(cuda_graph_mixed_prefill_count="x"), TypeError,
+                 r"cuda_graph_mixed_prefill_count='x' must be an int", id="mixed_prefill_count"),
+    # True == 1 passed; 'no' was reported as True.
+    pytest.param(dict(context_parallel_size=True), NotImplementedError,
+                 r"context_parallel_size=True is not supported", id="context_parallel-bool"),
+    pytest.param(dict(persist_cuda_graphs="no"), NotImplementedError,
+                 r"persist_cuda_graphs='no': CUDA graphs are not supported", id="persist-str"),
+])
+def test_bad_constructor_options_name_the_argument(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        make_ctx(**kwargs)
+
+
+@pytest.mark.parametrize("flag", ["validate", "fused_rope_kv_append", "cache_mla_latent",
+                                  "use_cuda_graphs_for_non_decode_steps",
+                                  "materialize_only_last_token_logits",
+                                  "use_flashinfer_fused_rope"])
 def test_constructor_flags_are_bools(flag):
     """``"no"`` turned the flag on (a truthy str): validate's reads, the fused launch, MLA."""
     with pytest.raises(TypeError, match=f"{flag}='no' must be a bool"):
         make_ctx(**{flag: "no"})
+
+
+def test_logits_without_vocabulary_columns_are_refused():
+    """Without ``vocab_size`` to compare against, ``[1, n, 0]`` logits were accepted and gave
+    ``[rows, 0]`` last-token logits, which no sampler can draw from."""
+    ctx = make_ctx()
+    add(ctx, req(1, 3))
+    ctx.initialize_attention_state()
+    before = snapshot(ctx, device=True)
+    with pytest.raises(ValueError, match=r"logits has no vocabulary columns \(shape \(\d+, 0\)\)"):
+        ctx.last_token_logits(torch.zeros(1, n_of(ctx), 0))
+    assert_same(before, snapshot(ctx, device=True))
 
 
 def test_the_table_runs_with_validate_and_vocab_size():
@@ -500,6 +577,18 @@ def test_the_table_runs_with_validate_and_vocab_size():
     ctx = new_ctx()
     assert ctx.validate is True and ctx.vocab_size == VOCAB
     assert make_ctx().validate is False  # off by default: a decode step keeps its one sync
+
+
+def test_numpy_integers_size_the_graph_ladder_as_ints():
+    """``num_cuda_graphs=np.int64(2)`` was refused ("must be an int, got int64") where every
+    other size takes numpy's integers; it now builds the ladder an int builds."""
+    import numpy as np
+
+    ladder = make_ctx(num_cuda_graphs=2).cuda_graph_batch_dimensions_list
+    assert ladder and make_ctx(num_cuda_graphs=np.int64(2)).cuda_graph_batch_dimensions_list \
+        == ladder
+    with pytest.raises(TypeError, match=r"num_cuda_graphs=np.True_ must be an int"):
+        make_ctx(num_cuda_graphs=np.bool_(True))
 
 
 def test_valid_neighbours_of_the_bad_inputs_are_accepted():

@@ -23,7 +23,7 @@ from e2e_helpers import build_engine, greedy_requests, hf_greedy, make_prompts, 
 from dynctx.context import DynamicInferenceRequest, SamplingParams
 from dynctx.engine import Engine
 from dynctx.engine.engine import DEFAULT_HISTORY_WINDOW
-from dynctx.engine.sampling import sample
+from dynctx.engine.sampling import sample, sample_checked
 
 VOCAB = 256
 PROMPT_LENGTHS = [5, 23, 9, 40]
@@ -255,6 +255,49 @@ def test_generate_refuses_bad_arguments_naming_the_prompt(hf, prompts, greedy, k
     assert outputs == [g[:5] for g in greedy]
 
 
+def test_bad_containers_are_refused_naming_the_argument(hf, prompts, greedy):
+    """Containers of the wrong kind: before, ``arrival_steps=0`` and ``requests=None`` stopped
+    at ``'int' object is not iterable``, a dict of ``sampling_params`` was read as its keys, a
+    dict prompt as its keys (in any order), a meta-device prompt at torch's copy error."""
+    engine = small_engine(hf)
+    engine.add_request(request(10, prompts[1], GENS[1]))
+    engine.step()
+    before = state(engine)
+    for call, error, message in [
+            (lambda: engine.generate([[3, 4]], arrival_steps=0), TypeError,
+             r"arrival_steps must be a list of int \(one per request\), got int"),
+            (lambda: engine.generate_requests(None), TypeError,
+             r"requests must be a list of DynamicInferenceRequest .*got NoneType"),
+            (lambda: engine.generate([[3, 4]], sampling_params={"top_k": 1}), TypeError,
+             r"sampling_params must be a SamplingParams or a list of SamplingParams"),
+            (lambda: engine.generate([[3, 4], [5]], sampling_params=[SamplingParams()]),
+             ValueError, r"sampling_params has 1 entries for 2 prompts"),
+            (lambda: engine.generate([torch.tensor([3, 4], device="meta")]), ValueError,
+             r"prompts\[0\] is on the meta device"),
+            (lambda: engine.add_request(DynamicInferenceRequest(
+                request_id=50, prompt_tokens={5: 1, 3: 1})), TypeError,
+             r"prompt_tokens must be token ids in order .*not a dict")]:
+        with pytest.raises(error, match=message):
+            call()
+        assert state(engine) == before
+    (other,) = engine.run()
+    assert other.request_id == 10 and other.generated_tokens == greedy[1][:GENS[1]]
+
+
+def test_a_request_beyond_the_kv_budget_names_the_budget(hf, prompts, greedy):
+    """A request that alone needs more blocks than the active budget finishes at once with an
+    error naming ``block_size_tokens`` and ``buffer_size_gb`` (before: only the block
+    counts); the others give transformers' tokens."""
+    engine = small_engine(hf, max_sequence_length=256)
+    long = request(9, list(range(3, 153)), gen=4)
+    results = engine.generate_requests(greedy_requests(prompts, GENS) + [long])
+    assert results[-1].finish_reason == "error" and results[-1].generated_tokens == []
+    assert ("prompt (150) + num_tokens_to_generate (4) needs 10 KV blocks of "
+            "block_size_tokens=16, more than the active budget of 7 blocks (buffer_size_gb="
+            in results[-1].error) and results[-1].error.endswith("raise buffer_size_gb")
+    assert_greedy(results[:-1], greedy)
+
+
 def test_generate_accepts_whole_floats_and_tensors(hf, prompts, greedy):
     engine = small_engine(hf)
     as_floats = [float(t) for t in prompts[0]]
@@ -360,6 +403,16 @@ def test_sampling_never_indexes_minus_one_on_nan_logits():
     tokens = sample(logits, params, [0, 0, 0], np.random.default_rng(0))
     assert tokens.min() >= 0 and tokens.max() < 50
     assert int(tokens[2]) == int(logits[2].argmax())
+
+
+def test_a_temperature_below_fp32_range_samples_the_top_token():
+    """``temperature=1e-300`` rounds to 0 in fp32: the top logit was scaled to 0/0 and the
+    request refused for "NaN logits"; it now draws the argmax, as 1e-30 does."""
+    logits = torch.randn(2, 50, generator=torch.Generator().manual_seed(5))
+    params = [SamplingParams(temperature=1e-300, seed=1), SamplingParams(temperature=1e-45,
+                                                                         seed=2)]
+    tokens, checked = sample_checked(logits, params, [0, 0], np.random.default_rng(0))
+    assert tokens.tolist() == checked.tolist() == logits.argmax(dim=-1).tolist()
 
 
 def seeded_requests(prompts, temperature=0.8):
@@ -515,6 +568,44 @@ def test_engine_arguments_are_checked(hf):
             Engine(engine.model, engine.context, **kwargs)
 
 
+def test_the_engine_parts_are_checked(hf):
+    """Before, ``Engine(None, context)`` built an engine whose first step failed, and a
+    context or a transformers model of the wrong kind stopped at an ``AttributeError``."""
+    engine = small_engine(hf)
+    with pytest.raises(TypeError, match=r"model=None must have a callable forward"):
+        Engine(None, engine.context)
+    with pytest.raises(TypeError, match=r"context must be a DynamicInferenceContext, got str"):
+        Engine(engine.model, "context")
+    with pytest.raises(TypeError, match=r"hf_model=NoneType must be a transformers causal LM"):
+        Engine.from_transformers(None)
+
+
+@pytest.mark.parametrize("options, message", [
+    # Every step raised "logits has 256 vocabulary columns, vocab_size is 1000".
+    (dict(vocab_size=1000), r"vocab_size=1000 \(the context's\) must be the model's "
+                            r"vocabulary size, 256"),
+    # The first step stopped at an IndexError: the context kept 4-token windows the Llama's
+    # attention does not have.
+    (dict(kv_layer_windows=[4, 4]), r"kv_layer_windows=\[4, 4\] differs from the model's "
+                                    r"sliding windows \(none"),
+])
+def test_a_context_option_the_model_contradicts_is_refused(hf, options, message):
+    with pytest.raises(ValueError, match=message):
+        small_engine(hf, **options)
+
+
+class TextVocabDrafter:
+    """The drafter interface, but ``vocab_size`` a str (``int("abc")`` raised before)."""
+
+    vocab_size = "abc"
+
+    def propose(self, request_ids, histories, k):
+        return np.full((len(request_ids), k), -1)
+
+    def release(self, request_ids):
+        pass
+
+
 INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 BAD_ENGINE_OPTIONS = [
     pytest.param(dict(attention_backend="flash"), ValueError,
@@ -552,6 +643,8 @@ BAD_ENGINE_OPTIONS = [
     pytest.param(dict(num_speculative_tokens=2, async_scheduling=True, kv_offload_gb=0.001),
                  ValueError, r"enable_deferred_rewind\(\): deferred rewinds are not supported "
                  r"with KV offload .*async_scheduling=False", id="async_speculation_offload"),
+    pytest.param(dict(num_speculative_tokens=2, drafter=TextVocabDrafter()), TypeError,
+                 r"drafter.vocab_size='abc' must be an int or None", id="drafter_vocab"),
     pytest.param(dict(kernel_backend="nope"), ValueError,
                  r"'nope' is not a kernel backend; expected one of", id="kernel_backend"),
 ]
@@ -574,13 +667,36 @@ def test_every_engine_option_is_checked_when_the_engine_is_built(hf, options, er
     (dict(max_sequence_length=0), r"max_sequence_length=0 must be a positive integer"),
     (dict(buffer_size_gb=-1), r"buffer_size_gb=-1 must be a positive number"),
     (dict(max_requests=0), r"max_requests=0 must be a positive integer"),
+    # These stopped in the engine's sizing before the context's check: an OverflowError,
+    # "'<=' not supported between int and str", and a to() TypeError building the adapter.
+    (dict(buffer_size_gb=float("inf")), r"buffer_size_gb=inf must be a positive number"),
+    (dict(max_tokens="24"), r"max_tokens='24' must be a positive integer"),
+    (dict(params_dtype="fp32"), r"params_dtype='fp32' must be a floating torch.dtype"),
+    (dict(device="nope"), r"device='nope' is not a torch device"),
+    (dict(kernel_backend="nope"), r"kernel_backend='nope' is not a kernel backend"),
 ])
 def test_a_bad_context_size_is_the_contexts_error(hf, options, message):
     """The engine sizes ``max_requests`` through the context's sizing before building it; a
     bad size reaches the context's own check (``block_size_tokens=0`` used to stop at a
     ZeroDivisionError in that sizing)."""
+    options = dict(dict(kernel_backend="torch"), **options)
     with pytest.raises(ValueError, match=message):
-        Engine.from_transformers(hf, kernel_backend="torch", **options)
+        Engine.from_transformers(hf, **options)
+
+
+def test_numpy_speculative_tokens_are_an_int(hf):
+    """``num_speculative_tokens=np.int64(2)`` was refused by the engine while the context
+    takes it."""
+    engine = small_engine(hf, num_speculative_tokens=np.int64(2))
+    assert engine.context.num_speculative_tokens == 2
+
+
+def test_max_tokens_below_the_request_rounder_sizes_the_requests(hf):
+    """``max_tokens=3`` (below the rounder of 4) caps ``max_requests`` at 3; before, the
+    engine asked for 4 rows and the context refused its own ``max_requests=4``."""
+    engine = build_engine(hf, block_size=16, blocks=10, paused_blocks=2, max_tokens=3,
+                          max_sequence_length=96, kernel_backend="torch")
+    assert (engine.context.max_tokens, engine.context.max_requests) == (3, 3)
 
 
 def test_an_adapter_whose_attention_cannot_run_is_refused_by_the_engine(hf):
