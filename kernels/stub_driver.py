@@ -194,6 +194,19 @@ def cuobjdump_path() -> Path:
     return Path(nvidia.__file__).parent / "bin" / "cuobjdump"
 
 
+def cuobjdump(build: Build, option: str) -> str:
+    """What Triton's ``cuobjdump`` prints with ``option`` (``-res-usage``, ``-sass``) for a
+    build's cubin."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(build.cubin)
+        path = f.name
+    try:
+        return subprocess.run([str(cuobjdump_path()), option, path], check=True,
+                              capture_output=True, text=True).stdout
+    finally:
+        os.unlink(path)
+
+
 def resource_usage(build: Build) -> dict[str, int]:
     """Registers, stack frame, static shared and local bytes per thread of a build's cubin
     (``cuobjdump -res-usage``), and its spill stores and loads in bytes.
@@ -201,14 +214,7 @@ def resource_usage(build: Build) -> dict[str, int]:
     A spill needs a stack frame, so a build with none has no spill; a stack frame alone is no
     spill (libdevice's sin/cos keep a small array there, 64-bit division saves registers): for
     those the build's PTX goes through ptxas again, as Triton ran it, for ptxas's own count."""
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(build.cubin)
-        path = f.name
-    try:
-        text = subprocess.run([str(cuobjdump_path()), "-res-usage", path], check=True,
-                              capture_output=True, text=True).stdout
-    finally:
-        os.unlink(path)
+    text = cuobjdump(build, "-res-usage")
     match = _RES_USAGE.search(text)
     if match is None:
         raise RuntimeError(f"cuobjdump -res-usage printed no resource line: {text!r}")

@@ -102,17 +102,7 @@ def mma_instructions(build) -> set:
     """The tensor-core instructions (``HMMA``/``HGMMA`` with their shape and types, e.g.
     ``HMMA.1688.F32.TF32``) in a build's SASS (``cuobjdump -sass`` of its cubin)."""
     import re
-    import subprocess
-    import tempfile
 
-    from dynctx.kernels.stub_driver import cuobjdump_path
+    from dynctx.kernels.stub_driver import cuobjdump
 
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(build.cubin)
-        path = f.name
-    try:
-        text = subprocess.run([str(cuobjdump_path()), "-sass", path], check=True,
-                              capture_output=True, text=True).stdout
-    finally:
-        os.unlink(path)
-    return set(re.findall(r"\bH(?:G)?MMA(?:\.\w+)+", text))
+    return set(re.findall(r"\bH(?:G)?MMA(?:\.\w+)+", cuobjdump(build, "-sass")))
