@@ -342,8 +342,8 @@ def lockstep() -> Dict[str, Any]:
         max_sequence_length=64, buffer_size_gb=0.001 if first else -1.0, max_tokens=64,
         device="cpu", tensor_model_parallel_size=TP))
     # A policy (a string: compared by digest) that differs, refused in the agreement; rank 1's
-    # num_cuda_graphs as a numpy int agrees with rank 0's int but fails the graph ladder's check
-    # after the agreement: rank 0 raises too (the check-out).
+    # num_cuda_graphs=True agrees with rank 0's 1 (an integer as itself) but fails the graph
+    # ladder's check after the agreement: rank 0 raises too (the check-out).
     out["differ_policy"] = _guard(lambda: DynamicInferenceContext(
         params_dtype=torch.float32, num_layers=2, kv_channels=8, num_attention_heads=2,
         max_sequence_length=64, buffer_size_gb=0.001, max_tokens=64, device="cpu",
@@ -353,7 +353,7 @@ def lockstep() -> Dict[str, Any]:
     out["fails_after_agreement"] = _guard(lambda: DynamicInferenceContext(
         params_dtype=torch.float32, num_layers=2, kv_channels=8, num_attention_heads=2,
         max_sequence_length=64, buffer_size_gb=0.001, max_tokens=64, device="cpu",
-        tensor_model_parallel_size=TP, num_cuda_graphs=4 if first else np.int64(4)).max_requests)
+        tensor_model_parallel_size=TP, num_cuda_graphs=1 if first else True).max_requests)
     out["bad_engine_on_one_rank"] = _guard(lambda: Engine.from_transformers(
         hf, buffer_size_gb=gib / TP, tensor_model_parallel_size=TP, seed=0 if first else -1,
         **common))
