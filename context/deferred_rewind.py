@@ -95,10 +95,7 @@ def settle(forward, request_ids, rejected_counts) -> torch.Tensor:
     if counts.shape != ids.shape:
         raise StepShapeError(f"rejected_counts has {counts.size} entries, request_ids "
                              f"{ids.size}")
-    bad = np.flatnonzero((counts < 0) | (counts > k))
-    if bad.size:
-        raise ValueError(f"rejected_counts[{int(bad[0])}]={int(counts[bad[0]])} must lie in "
-                         f"[0, num_speculative_tokens={k}]")
+    spec.check_draft_range("rejected_counts", counts, k)
     unique, seen = np.unique(ids, return_counts=True)
     again = sorted(set(unique[seen > 1].tolist()) | (set(ids.tolist()) & forward.settled))
     if again:

@@ -97,11 +97,17 @@ def check_draft_counts(draft_counts, k: int, active: int) -> Optional[np.ndarray
     if counts.shape != (active,):
         raise StepShapeError(f"draft_counts has shape {tuple(counts.shape)}, expected "
                              f"[active requests={active}]")
+    check_draft_range("draft_counts", counts, k)
+    return counts.astype(np.int64)
+
+
+def check_draft_range(name: str, counts: np.ndarray, k: int) -> None:
+    """Each of ``counts`` (host integers) a number of drafts: in ``[0, k]`` (``ValueError``
+    naming the first entry outside, as ``name[i]``)."""
     bad = np.flatnonzero((counts < 0) | (counts > k))
     if bad.size:
-        raise ValueError(f"draft_counts[{int(bad[0])}]={int(counts[bad[0]])} must lie in "
+        raise ValueError(f"{name}[{int(bad[0])}]={int(counts[bad[0]])} must lie in "
                          f"[0, num_speculative_tokens={k}]")
-    return counts.astype(np.int64)
 
 
 def check_accepted_counts(accepted_counts, drafts: np.ndarray, active: int,
