@@ -144,21 +144,9 @@ class SpeculativeStepper(Stepper):
         want_prompt_lp = any(state.wants_prompt_log_probs for state in states[decode:])
         full = want_prompt_lp or self.checks_logits()
         forward_start = time.perf_counter()
-        if self.graph_runner is not None:
-            output = self.graph_runner.run(last_token_only=not full)
-        else:
-            output = self.model.forward(ctx, last_token_only=not full)
-        failed = self._nonfinite_rows(output, full, len(states))
-        if failed:
-            output = torch.nan_to_num(output, nan=0.0, posinf=0.0, neginf=float("-inf"))
-        last = ctx.last_token_logits(output) if full else output
+        output, last, failed = self.run_model(full, len(states))
         last = last[:decode_tokens + len(states) - decode]
-        if in_flight is None:
-            params = [state.params for state in states]
-            indices = [len(state.request.generated_tokens) for state in states]
-        else:
-            params = [in_flight.params_for(state) for state in states]
-            indices = [in_flight.token_index(state) for state in states]
+        params, indices = self.sampling_inputs(states, in_flight)
         if decode_tokens > decode:
             pre_sampled, pre_readout = sample_checked(last[decode_tokens:], params[decode:],
                                                       indices[decode:], self.rng)

@@ -199,21 +199,8 @@ class Stepper:
         # checks are meant for logits.
         full = want_prompt_lp or self.checks_logits()
         forward_start = time.perf_counter()
-        if self.graph_runner is not None:
-            output = self.graph_runner.run(last_token_only=not full)
-        else:
-            output = self.model.forward(ctx, last_token_only=not full)
-        failed = self._nonfinite_rows(output, full, len(states))
-        if failed:
-            # The failed rows finish with an error; zeros keep NaN out of sampling.
-            output = torch.nan_to_num(output, nan=0.0, posinf=0.0, neginf=float("-inf"))
-        last = ctx.last_token_logits(output) if full else output
-        if in_flight is None:
-            params = [state.params for state in states]
-            indices = [len(state.request.generated_tokens) for state in states]
-        else:
-            params = [in_flight.params_for(state) for state in states]
-            indices = [in_flight.token_index(state) for state in states]
+        output, last, failed = self.run_model(full, len(states))
+        params, indices = self.sampling_inputs(states, in_flight)
         sampled, readout = sample_checked(last, params, indices, self.rng)
         batch = Batch(states=states, num_decode=num_decode,
                       chunked_id=ctx.chunked_prefill_request_id, sampled=sampled,
@@ -241,6 +228,31 @@ class Stepper:
         every token's logits."""
         ctx = self.context
         return getattr(ctx, "vocab_size", None) is not None or bool(getattr(ctx, "validate", False))
+
+    def run_model(self, full: bool, active: int) -> tuple:
+        """The step's forward (the graph runner's replay, else the model's), ``full``: every
+        token's logits: ``(output, last-token logits [rows, V], failed rows)``; the ``active``
+        rows whose logits are not finite are failed (``_nonfinite_rows``) and zeroed."""
+        ctx = self.context
+        if self.graph_runner is not None:
+            output = self.graph_runner.run(last_token_only=not full)
+        else:
+            output = self.model.forward(ctx, last_token_only=not full)
+        failed = self._nonfinite_rows(output, full, active)
+        if failed:
+            # The failed rows finish with an error; zeros keep NaN out of sampling.
+            output = torch.nan_to_num(output, nan=0.0, posinf=0.0, neginf=float("-inf"))
+        return output, (ctx.last_token_logits(output) if full else output), failed
+
+    @staticmethod
+    def sampling_inputs(states: List[Any], in_flight: Any) -> tuple:
+        """Each row's sampling params and the index of the token it samples: the requests'
+        own, or under async scheduling those of the step in flight (``in_flight``)."""
+        if in_flight is None:
+            return ([state.params for state in states],
+                    [len(state.request.generated_tokens) for state in states])
+        return ([in_flight.params_for(state) for state in states],
+                [in_flight.token_index(state) for state in states])
 
     def _nonfinite_rows(self, output: torch.Tensor, full: bool, active: int) -> Dict[int, str]:
         """With the context's ``validate``: the active rows whose logits hold NaN or +inf
