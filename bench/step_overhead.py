@@ -587,11 +587,16 @@ def prompt_lengths(requests: int, max_prompt: int) -> List[int]:
     return [1 + (i * 97 + 31) % max_prompt for i in range(requests)]
 
 
+# Options only our side takes (megatron-core 0.16.1 has no prefix cache: its side runs without).
+OURS_ONLY = ("enable_prefix_caching",)
+
+
 def _make_context(kind: str, cfg: dict, device):
     if kind == "ours":
         from dynctx.context import DynamicInferenceContext
 
         return DynamicInferenceContext(**cfg, device=device)
+    cfg = {k: v for k, v in cfg.items() if k not in OURS_ONLY}
     if torch.device(device).type == "cpu":
         return mo.make_megatron_context(**cfg).raw
     mdc, _, _ = mo.import_megatron()
@@ -991,7 +996,8 @@ def _versions() -> dict:
 def measure_step_overhead(*, requests: int = 64, steps: int = 50, block_size: int = 256,
                           max_prompt: int = 512, max_tokens: int = 16384,
                           device: str = "cpu", repeats: int = 3,
-                          sides=("megatron", "ours"), threads: Optional[int] = 1) -> dict:
+                          sides=("megatron", "ours"), threads: Optional[int] = 1,
+                          prefix_caching: bool = False) -> dict:
     """Count and time ``initialize_attention_state`` + ``update_requests`` per decode step for
     each side; returns a JSON-ready dict (see the module docstring).
 
@@ -999,6 +1005,7 @@ def measure_step_overhead(*, requests: int = 64, steps: int = 50, block_size: in
     by default: the ops are tiny, and on a busy machine intra-op thread pools add milliseconds
     of barrier waits to single ops (seen: ``repeat_interleave`` of 64 elements taking 10-20 ms
     with 2 threads on a loaded 2-core box), which would swamp the host-time comparison.
+    ``prefix_caching``: our context with ``enable_prefix_caching`` (Megatron's side without).
     """
     saved_threads = torch.get_num_threads()
     if threads:
@@ -1006,15 +1013,18 @@ def measure_step_overhead(*, requests: int = 64, steps: int = 50, block_size: in
     try:
         return _measure(requests=requests, steps=steps, block_size=block_size,
                         max_prompt=max_prompt, max_tokens=max_tokens, device=device,
-                        repeats=repeats, sides=sides, threads=torch.get_num_threads())
+                        repeats=repeats, sides=sides, threads=torch.get_num_threads(),
+                        prefix_caching=prefix_caching)
     finally:
         torch.set_num_threads(saved_threads)
 
 
 def _measure(*, requests, steps, block_size, max_prompt, max_tokens, device, repeats, sides,
-             threads) -> dict:
+             threads, prefix_caching=False) -> dict:
     cfg = bench_config(requests=requests, steps=steps, block_size=block_size,
                        max_prompt=max_prompt, max_tokens=max_tokens)
+    if prefix_caching:
+        cfg["enable_prefix_caching"] = True
     result: Dict[str, Any] = {
         "benchmark": "step_overhead",
         "calls": ["initialize_attention_state", "update_requests"],
@@ -1148,6 +1158,9 @@ def main(argv=None) -> int:
     parser.add_argument("--sides", default="megatron,ours")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch intra-op threads (0: leave as is)")
+    parser.add_argument("--prefix-caching", action="store_true",
+                        help="our context with enable_prefix_caching (megatron-core 0.16.1 "
+                             "has none: its side runs without)")
     parser.add_argument("--json", metavar="PATH", help="write the full results here")
     parser.add_argument("--ops", action="store_true", help="also print the per-op breakdown")
     parser.add_argument("--tables", action="store_true",
@@ -1166,7 +1179,8 @@ def main(argv=None) -> int:
                                        block_size=args.block_size, max_prompt=args.max_prompt,
                                        max_tokens=args.max_tokens, device=args.device,
                                        repeats=args.repeats, sides=tuple(args.sides.split(",")),
-                                       threads=args.threads or None)
+                                       threads=args.threads or None,
+                                       prefix_caching=args.prefix_caching)
         results.append(result)
         if args.ops:
             for side, s in result["sides"].items():
